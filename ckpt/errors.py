@@ -1,0 +1,45 @@
+"""Exceptions raised by ckpt.
+
+Every error a user can cause is one of these (never an ``assert``), and its
+message names the leaf path, what was expected and what was found.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+  """Base class of every error ckpt raises on purpose."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+  """A directory holds no committed checkpoint, or a step does not exist."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """An index or array is unreadable, truncated, or fails validation."""
+
+
+class TreeMismatchError(CheckpointError, ValueError):
+  """The checkpoint and the target (or the state) disagree on a leaf."""
+
+
+class MissingLeavesError(TreeMismatchError):
+  """Target leaves that neither the checkpoint nor a fallback provide."""
+
+  def __init__(self, missing: list[str], available: list[str]):
+    self.missing = list(missing)
+    shown = ", ".join(sorted(available)[:20])
+    more = "" if len(available) <= 20 else f", ... ({len(available)} in all)"
+    super().__init__(
+        f"{len(missing)} target leaves are missing from the checkpoint: "
+        f"{', '.join(missing)}. The checkpoint has: [{shown}{more}]. Pass "
+        "fallback_state= or a restore transform that provides them."
+    )
+
+
+class InvalidStateError(CheckpointError, TypeError):
+  """A state handed to save() holds something ckpt cannot store."""
+
+
+class BarrierTimeoutError(CheckpointError, TimeoutError):
+  """Not every process reached a barrier within the timeout."""

@@ -1,0 +1,282 @@
+"""Stage 6: ``index.msgpack``, the one file that describes a checkpoint.
+
+Written by process 0 after every process has written its data; read and
+validated before a restore uses any of it. msgpack only (never pickle), with
+bounded sizes; every path in it must be a plain relative path that stays
+inside the step directory. Anything else raises CorruptCheckpointError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+import msgpack
+import numpy as np
+
+from ckpt import tree
+from ckpt.errors import CorruptCheckpointError, InvalidStateError
+
+FORMAT_NAME = "ckpt"
+VERSION = 1
+MAX_INDEX_BYTES = 1 << 30
+MAX_RANK = 64
+MAX_DEPTH = 256
+_REL_PART = re.compile(r"^[A-Za-z0-9_\-%][A-Za-z0-9_.\-%]*$")
+ALLOWED_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+    "uint64", "float16", "float32", "float64", "bfloat16", "complex64",
+    "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+    "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4", "uint4",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+  """A leaf stored as a TensorStore array under ``relpath``."""
+  path: tuple[str, ...]
+  relpath: str
+  shape: tuple[int, ...]
+  dtype: str
+  chunks: tuple[int, ...]
+  codec: dict[str, Any]
+  source_dtype: str
+  sharding: str = ""
+
+  def to_json(self) -> dict[str, Any]:
+    return {"path": list(self.path), "kind": "array", "relpath": self.relpath,
+            "shape": list(self.shape), "dtype": self.dtype,
+            "chunks": list(self.chunks), "codec": self.codec,
+            "source_dtype": self.source_dtype, "sharding": self.sharding}
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueEntry:
+  """A leaf stored inline in the index (scalars, strings, tiny arrays)."""
+  path: tuple[str, ...]
+  value: Any  # the decoded python / numpy value
+
+  def to_json(self) -> dict[str, Any]:
+    return {"path": list(self.path), "kind": "value",
+            "value": encode_value(self.value, self.path)}
+
+
+Entry = ArrayEntry | ValueEntry
+
+
+@dataclasses.dataclass(frozen=True)
+class Index:
+  step: int
+  time: float
+  storage_format: str
+  process_count: int
+  structure: Any
+  leaves: tuple[Entry, ...]
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+  host_state: tuple[bytes, ...] | None = None  # msgpack, one per process
+
+  def by_path(self) -> dict[str, Entry]:
+    return {tree.path_str(e.path): e for e in self.leaves}
+
+
+# ---- inline values ---------------------------------------------------------
+
+def encode_value(v: Any, path: tuple[str, ...]) -> dict[str, Any]:
+  if isinstance(v, (bool, int, float, str, bytes)) and not isinstance(v, np.generic):
+    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**64:
+      raise InvalidStateError(
+          f"leaf {tree.path_str(path)!r}: int {v} does not fit in 64 bits")
+    return {"py": type(v).__name__, "v": v}
+  arr = np.asarray(v)
+  if arr.dtype.name not in ALLOWED_DTYPES:
+    raise InvalidStateError(
+        f"leaf {tree.path_str(path)!r}: dtype {arr.dtype} cannot be stored; "
+        f"expected one of {sorted(ALLOWED_DTYPES)}")
+  return {"np": arr.dtype.name, "shape": list(arr.shape),
+          "scalar": isinstance(v, np.generic),
+          "data": np.ascontiguousarray(arr).tobytes()}
+
+
+def decode_value(d: Any, where: str) -> Any:
+  if not isinstance(d, dict):
+    raise _bad(where, "an inline value map", d)
+  if "py" in d:
+    kinds = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}
+    kind = kinds.get(d["py"])
+    v = d.get("v")
+    if kind is None or type(v) is not kind and not (kind is float and type(v) is int):
+      raise _bad(where, "a bool, int, float, str or bytes value", d)
+    return kind(v)
+  dtype = _dtype(d.get("np"), where)
+  shape = _shape(d.get("shape"), where)
+  data = d.get("data")
+  if not isinstance(data, bytes) or len(data) != math.prod(shape) * dtype.itemsize:
+    raise _bad(where, f"{math.prod(shape) * dtype.itemsize} data bytes",
+               f"{len(data) if isinstance(data, bytes) else type(data).__name__}")
+  arr = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+  return arr[()] if d.get("scalar") is True else arr
+
+
+# ---- encode / decode the whole index ---------------------------------------
+
+def encode(index: Index) -> bytes:
+  doc = {
+      "format": FORMAT_NAME, "version": VERSION, "step": index.step,
+      "time": index.time, "storage_format": index.storage_format,
+      "process_count": index.process_count, "metrics": index.metrics,
+      "structure": index.structure,
+      "leaves": [e.to_json() for e in index.leaves],
+      "host_state": list(index.host_state) if index.host_state is not None else None,
+  }
+  return msgpack.packb(doc, use_bin_type=True)
+
+
+def decode(data: bytes, where: str = "index.msgpack") -> Index:
+  """Parses and validates an index; raises CorruptCheckpointError."""
+  if len(data) > MAX_INDEX_BYTES:
+    raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
+                                 f"{MAX_INDEX_BYTES} byte limit")
+  try:
+    doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+  except Exception as e:
+    raise CorruptCheckpointError(
+        f"{where} is not a valid msgpack document (truncated or corrupt "
+        f"index?): {e}") from e
+  if not isinstance(doc, dict):
+    raise _bad(where, "a map", doc)
+  if doc.get("format") != FORMAT_NAME:
+    raise _bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
+  if doc.get("version") != VERSION:
+    raise _bad(where, f"version {VERSION}", doc.get("version"))
+  step = _int(doc.get("step"), f"{where}: step")
+  pc = _int(doc.get("process_count"), f"{where}: process_count")
+  t = doc.get("time")
+  if not isinstance(t, (int, float)):
+    raise _bad(where, "a numeric time", t)
+  fmt = doc.get("storage_format")
+  if fmt not in ("zarr", "zarr3", "ocdbt"):
+    raise _bad(where, "storage_format zarr, zarr3 or ocdbt", fmt)
+  metrics = doc.get("metrics") or {}
+  if not isinstance(metrics, dict) or not all(
+      isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()):
+    raise _bad(where, "metrics as a map of str to number", metrics)
+  raw_leaves = doc.get("leaves")
+  if not isinstance(raw_leaves, list):
+    raise _bad(where, "a list of leaves", raw_leaves)
+  leaves = tuple(_decode_entry(e, f"{where}: leaf {i}")
+                 for i, e in enumerate(raw_leaves))
+  names = [tree.path_str(e.path) for e in leaves]
+  if len(set(names)) != len(names):
+    raise CorruptCheckpointError(f"{where}: duplicate leaf paths")
+  structure = doc.get("structure")
+  _check_structure(structure, where)
+  referenced = list(tree.iter_structure_leaves(structure))
+  if sorted(referenced) != sorted(names):
+    missing = sorted(set(referenced) - set(names))
+    extra = sorted(set(names) - set(referenced))
+    raise CorruptCheckpointError(
+        f"{where}: tree structure and leaves disagree; structure leaves "
+        f"without an entry: {missing[:10]}, entries not in the structure: "
+        f"{extra[:10]}")
+  host_state = doc.get("host_state")
+  if host_state is not None and (not isinstance(host_state, list) or not all(
+      isinstance(b, bytes) for b in host_state)):
+    raise _bad(where, "host_state as a list of msgpack blobs, one per process",
+               host_state)
+  return Index(step=step, time=float(t), storage_format=fmt, process_count=pc,
+               structure=structure, leaves=leaves, metrics=dict(metrics),
+               host_state=tuple(host_state) if host_state is not None else None)
+
+
+def _decode_entry(e: Any, where: str) -> Entry:
+  if not isinstance(e, dict):
+    raise _bad(where, "a map", e)
+  path = e.get("path")
+  if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
+    raise _bad(where, "path as a list of strings", path)
+  path = tuple(path)
+  where = f"{where} ({tree.path_str(path)})"
+  if e.get("kind") == "value":
+    return ValueEntry(path, decode_value(e.get("value"), where))
+  if e.get("kind") != "array":
+    raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
+  relpath = e.get("relpath")
+  check_relpath(relpath, where)
+  shape = _shape(e.get("shape"), where)
+  chunks = _shape(e.get("chunks"), where)
+  if len(chunks) != len(shape) or any(c < 1 for c in chunks):
+    raise _bad(where, f"{len(shape)} positive chunk extents", chunks)
+  dtype = _dtype(e.get("dtype"), where).name
+  source = e.get("source_dtype", dtype)
+  _dtype(source, where)
+  codec = e.get("codec") or {}
+  if not isinstance(codec, dict) or codec.get("compression") not in (None, "zstd"):
+    raise _bad(where, "codec compression None or 'zstd'", codec)
+  sharding = e.get("sharding", "")
+  if not isinstance(sharding, str):
+    raise _bad(where, "sharding as a string", sharding)
+  return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding)
+
+
+def check_relpath(relpath: Any, where: str) -> str:
+  """A path read from a checkpoint must stay inside the step directory."""
+  if not isinstance(relpath, str) or not relpath or len(relpath) > 4096:
+    raise _bad(where, "a relative path", relpath)
+  parts = relpath.split("/")
+  if any(not _REL_PART.match(p) or p in (".", "..") for p in parts):
+    raise CorruptCheckpointError(
+        f"{where}: path {relpath!r} is not a plain relative path inside the "
+        "checkpoint (absolute, '..', or unexpected characters); refusing it")
+  return relpath
+
+
+def _check_structure(node: Any, where: str, depth: int = 0) -> None:
+  if depth > MAX_DEPTH:
+    raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
+  if not isinstance(node, dict):
+    raise _bad(where, "a structure node map", node)
+  if "leaf" in node:
+    if not isinstance(node["leaf"], str):
+      raise _bad(where, "a leaf name", node["leaf"])
+    return
+  kind = node.get("node")
+  if kind not in ("none", "dict", "list", "tuple", "object"):
+    raise _bad(where, "a node kind", kind)
+  children = node.get("children", [])
+  if not isinstance(children, list):
+    raise _bad(where, "a list of children", children)
+  if kind in ("dict", "object"):
+    keys = node.get("keys")
+    if not isinstance(keys, list) or len(keys) != len(children):
+      raise _bad(where, f"{len(children)} keys", keys)
+  for c in children:
+    _check_structure(c, where, depth + 1)
+
+
+def _int(v: Any, where: str) -> int:
+  if type(v) is not int or v < 0:
+    raise _bad(where, "a non-negative int", v)
+  return v
+
+
+def _shape(v: Any, where: str) -> tuple[int, ...]:
+  if (not isinstance(v, list) or len(v) > MAX_RANK or
+      not all(type(d) is int and 0 <= d < 2**62 for d in v)):
+    raise _bad(where, f"a shape (list of at most {MAX_RANK} non-negative ints)", v)
+  return tuple(v)
+
+
+def _dtype(name: Any, where: str) -> np.dtype:
+  if name not in ALLOWED_DTYPES:
+    raise _bad(where, "a known dtype name", name)
+  return np.dtype(name)
+
+
+def _bad(where: str, expected: str, found: Any) -> CorruptCheckpointError:
+  text = repr(found)
+  if len(text) > 200:
+    text = text[:200] + "..."
+  return CorruptCheckpointError(f"{where}: expected {expected}, found {text}")

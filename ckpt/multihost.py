@@ -1,0 +1,101 @@
+"""Process identity, barriers and small broadcasts: the only multi-host module.
+
+Everything goes through the ``jax.distributed`` client, so it works the same
+on a TPU pod and on N local CPU processes started with
+``jax.distributed.initialize(coordinator_address="127.0.0.1:<port>", ...)``.
+These calls block, use no device collectives, and are safe to call from the
+Checkpointer's background thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import secrets
+
+import jax
+from jax._src import distributed as _distributed
+
+from ckpt.errors import BarrierTimeoutError
+
+DEFAULT_TIMEOUT_S = 600.0
+_instance_counter = itertools.count()
+
+
+def process_index() -> int:
+  return jax.process_index()
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def _client():
+  return _distributed.global_state.client
+
+
+def is_multiprocess() -> bool:
+  return process_count() > 1 and _client() is not None
+
+
+def next_instance_id() -> int:
+  """A number that is the same on every process for the n-th Checkpointer.
+
+  SPMD programs create Checkpointers in the same order everywhere, so this
+  gives every process the same key prefix without any communication.
+  """
+  return next(_instance_counter)
+
+
+def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+            what: str = "") -> None:
+  """Blocks until every process calls barrier(name); names must be unique."""
+  if not is_multiprocess():
+    return
+  try:
+    _client().wait_at_barrier(name, int(timeout_s * 1000))
+  except Exception as e:  # jaxlib raises its own XlaRuntimeError type
+    late = _late_processes(str(e))
+    raise BarrierTimeoutError(
+        f"barrier {name!r} ({what or 'ckpt'}) failed after {timeout_s:.0f}s "
+        f"on process {process_index()} of {process_count()}; processes that "
+        f"did not arrive: {late or 'unknown'}. Check that every process "
+        f"called the same save/restore with the same step, and look at the "
+        f"logs of the late processes. Cause: {e}") from e
+
+
+def _late_processes(message: str) -> list[int]:
+  m = re.search(r"timed out task names:\s*([\s\S]*?)(?:\n\n|$)", message)
+  if not m:
+    return []
+  return sorted({int(x) for x in re.findall(r"(?:task[:_ ]?)?(\d+)", m.group(1))})
+
+
+def broadcast_str(key: str, make_value, *,
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+  """Process 0 computes ``make_value()``; every process returns it."""
+  if not is_multiprocess():
+    return make_value()
+  client = _client()
+  if process_index() == 0:
+    value = make_value()
+    client.key_value_set(key, value)
+    return value
+  return client.blocking_key_value_get(key, int(timeout_s * 1000))
+
+
+def unique_token() -> str:
+  return secrets.token_hex(6)
+
+
+def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S
+                 ) -> list[bytes] | None:
+  """Process 0 gets every process's ``data`` in process order; others None."""
+  if not is_multiprocess():
+    return [data]
+  client = _client()
+  client.key_value_set_bytes(f"{key}/{process_index()}", data)
+  if process_index() != 0:
+    return None
+  return [client.blocking_key_value_get_bytes(f"{key}/{p}", int(timeout_s * 1000))
+          for p in range(process_count())]

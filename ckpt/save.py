@@ -1,0 +1,257 @@
+"""The save data path, stage by stage (see DESIGN.md):
+
+1. flatten   state -> named leaves                      (caller thread)
+2. plan      leaf kinds, array specs, who writes what   (caller thread, pure)
+3. stage     device -> host copies of owned boxes       (background, bounded)
+4. write     TensorStore writes under one ByteLimiter   (background)
+5. barrier   every process has written
+6. index     process 0 writes index.msgpack
+7. commit    rename (POSIX) or commit marker (object stores)
+8. retention process 0 deletes what the policy drops (checkpointer.py)
+9. barrier   the save is complete everywhere
+
+Stages 3 and 4 are one pipeline: an owned box takes its bytes from the
+limiter before it is staged and gives them back once TensorStore has
+committed it, so host memory held by a save stays within the budget. The
+caller is released (``on_staged``) when the last box is staged, so it may
+then donate or delete its arrays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
+from ckpt import index as index_lib
+from ckpt import multihost
+from ckpt import plan as plan_lib
+from ckpt import tree
+from ckpt import tsspec
+from ckpt.errors import InvalidStateError
+from ckpt.limiter import ByteLimiter
+
+INLINE_MAX_BYTES = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+  storage_format: str = "zarr"
+  codec: tsspec.Codec = tsspec.Codec()
+  chunk_bytes: int = plan_lib.DEFAULT_CHUNK_BYTES
+  save_dtype: Any = None
+  inline_max_bytes: int = INLINE_MAX_BYTES
+
+
+@dataclasses.dataclass
+class SaveStats:
+  """What one process did in one save (``Checkpointer.last_save_stats``)."""
+  step: int = -1
+  bytes_written: int = 0
+  boxes_written: int = 0
+  array_leaves: int = 0
+  inline_leaves: int = 0
+  peak_bytes_in_flight: int = 0
+  blocking_s: float = 0.0
+  total_s: float = 0.0
+  skipped: bool = False
+
+
+@dataclasses.dataclass
+class LeafPlan:
+  parts: tree.PathParts
+  source: Any                       # the user's array (dropped after staging)
+  entry: index_lib.Entry
+  layout: plan_lib.LeafLayout | None = None
+
+
+@dataclasses.dataclass
+class SavePlan:
+  structure: Any
+  leaves: list[LeafPlan]
+  writes: list[plan_lib.Write]      # every process's writes
+  options: SaveOptions
+
+  def my_writes(self, process: int) -> list[plan_lib.Write]:
+    return [w for w in self.writes if w.process == process]
+
+
+def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:
+  if save_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+    return np.dtype(save_dtype)
+  return np.dtype(dtype)
+
+
+def _describe_sharding(x: Any, sharding) -> str:
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    axes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+    return f"NamedSharding(mesh={axes}, spec={tuple(sharding.spec)})"
+  if sharding is None:
+    return "replicated (host value)"
+  return type(sharding).__name__
+
+
+def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
+              process_count: int | None = None) -> SavePlan:
+  """Stages 1 and 2: flatten the state and decide who writes what."""
+  process_count = process_count or multihost.process_count()
+  structure = tree.encode_structure(state)
+  leaves: list[LeafPlan] = []
+  layouts: list[plan_lib.LeafLayout] = []
+  layout_leaf: list[int] = []
+  for parts, x in tree.flatten(state):
+    name = tree.path_str(parts)
+    if isinstance(x, jax.Array):
+      stored = _stored_dtype(x.dtype, options.save_dtype)
+      _check_dtype(name, stored)
+      if x.is_fully_replicated and x.nbytes <= options.inline_max_bytes:
+        value = np.asarray(x).astype(stored)
+        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(parts, value)))
+        continue
+      devices = {d.id: idx for d, idx in
+                 x.sharding.devices_indices_map(x.shape).items()}
+      proc = {d.id: d.process_index for d in x.sharding.device_set}
+      shards = plan_lib.shards_from_index_map(x.shape, devices, proc)
+      sharding_text = _describe_sharding(x, x.sharding)
+    elif isinstance(x, np.ndarray):
+      stored = _stored_dtype(x.dtype, options.save_dtype)
+      _check_dtype(name, stored)
+      if x.nbytes <= options.inline_max_bytes:
+        leaves.append(LeafPlan(parts, None,
+                               index_lib.ValueEntry(parts, x.astype(stored))))
+        continue
+      sharding = partitioner(name, x.shape) if partitioner else None
+      if sharding is None:
+        shards = plan_lib.replicated_shards(x.shape, process_count)
+      else:
+        devices = {d.id: idx for d, idx in
+                   sharding.devices_indices_map(x.shape).items()}
+        proc = {d.id: d.process_index for d in sharding.device_set}
+        shards = plan_lib.shards_from_index_map(x.shape, devices, proc)
+      sharding_text = _describe_sharding(x, sharding)
+    elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
+      value = x
+      if isinstance(x, np.generic):
+        value = np.asarray(x).astype(_stored_dtype(x.dtype, options.save_dtype))[()]
+      index_lib.encode_value(value, parts)  # rejects what cannot be stored, now
+      leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(parts, value)))
+      continue
+    else:
+      raise InvalidStateError(
+          f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
+          "expected a jax.Array, numpy array, scalar, str, bytes or None. "
+          "Register custom containers as pytree nodes.")
+    layout = plan_lib.leaf_layout(x.shape, stored.itemsize, shards,
+                                  options.chunk_bytes)
+    entry = index_lib.ArrayEntry(
+        path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
+        dtype=stored.name, chunks=layout.chunks,
+        codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
+        sharding=sharding_text)
+    layout_leaf.append(len(leaves))
+    layouts.append(layout)
+    leaves.append(LeafPlan(parts, x, entry, layout))
+  writes = [dataclasses.replace(w, leaf=layout_leaf[w.leaf])  # layout -> leaf
+            for w in plan_lib.assign_writes(layouts, process_count)]
+  return SavePlan(structure, leaves, writes, options)
+
+
+def _check_dtype(name: str, dtype: np.dtype) -> None:
+  if dtype.name not in index_lib.ALLOWED_DTYPES:
+    raise InvalidStateError(
+        f"leaf {name!r} has dtype {dtype}, which ckpt cannot store; expected "
+        f"one of {sorted(index_lib.ALLOWED_DTYPES)}")
+
+
+def _stage(leaf: LeafPlan, write: plan_lib.Write) -> np.ndarray:
+  """Copies one owned box to fresh host memory, cast to the stored dtype."""
+  src = leaf.source
+  if isinstance(src, jax.Array):
+    shard = next(s for s in src.addressable_shards if s.device.id == write.device)
+    host = np.asarray(shard.data)[write.box.relative_to(write.shard)]
+  else:
+    host = src[write.box.slices()]
+  # A copy even when no cast is needed: after save() returns, the caller may
+  # donate, delete or mutate what it passed in.
+  return np.array(host, dtype=leaf.entry.dtype, order="C", copy=True)
+
+
+async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
+                       process: int) -> dict[int, ts.TensorStore]:
+  """Process 0 creates every array; the others open the ones they write."""
+  mine = {w.leaf for w in plan.my_writes(process)}
+  wanted = [i for i, lp in enumerate(plan.leaves)
+            if lp.layout is not None and (process == 0 or i in mine)]
+
+  async def open_one(i: int):
+    e = plan.leaves[i].entry
+    spec = tsspec.array_spec(plan.options.storage_format, step_kvstore,
+                             e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
+                             plan.options.codec)
+    if process == 0:
+      return i, await ts.open(spec, create=True, context=context)
+    return i, await ts.open(spec, open=True, assume_metadata=True,
+                            context=context)
+
+  return dict(await asyncio.gather(*(open_one(i) for i in wanted)))
+
+
+async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
+                      limiter: ByteLimiter, stats: SaveStats,
+                      on_staged: Callable[[], None]) -> None:
+  """Stages 3 and 4 for this process's boxes."""
+  process = multihost.process_index()
+  stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
+  stats.inline_leaves = len(plan.leaves) - stats.array_leaves
+  arrays = await _open_arrays(plan, step_kvstore, context, process)
+  tasks: list[asyncio.Task] = []
+
+  async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
+    try:
+      await arrays[w.leaf][w.box.slices()].write(data)
+      stats.bytes_written += data.nbytes
+      stats.boxes_written += 1
+    finally:
+      limiter.release(grant)
+
+  try:
+    for w in plan.my_writes(process):
+      if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
+        break  # a write failed: stop staging, report it below
+      leaf = plan.leaves[w.leaf]
+      grant = await limiter.acquire(w.nbytes)  # stored bytes, after the cast
+      try:
+        data = await asyncio.to_thread(_stage, leaf, w)
+      except BaseException:
+        limiter.release(grant)
+        raise
+      tasks.append(asyncio.create_task(write_one(w, data, grant)))
+  except BaseException:
+    for t in tasks:
+      t.cancel()
+    raise
+  finally:
+    for lp in plan.leaves:
+      lp.source = None  # the caller's arrays are no longer needed
+    on_staged()
+  results = await asyncio.gather(*tasks, return_exceptions=True)
+  errors = [r for r in results if isinstance(r, BaseException)]
+  if errors:
+    raise errors[0]
+  stats.peak_bytes_in_flight = limiter.peak_in_use
+
+
+def make_index(plan: SavePlan, step: int, metrics: dict | None,
+               host_states: list | None, process_count: int) -> index_lib.Index:
+  return index_lib.Index(
+      step=step, time=time.time(), storage_format=plan.options.storage_format,
+      process_count=process_count, structure=plan.structure,
+      leaves=tuple(lp.entry for lp in plan.leaves),
+      metrics={k: float(v) for k, v in (metrics or {}).items()},
+      host_state=tuple(host_states) if host_states is not None else None)

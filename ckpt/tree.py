@@ -1,0 +1,140 @@
+"""Stage 1 of save: a PyTree becomes named leaves plus a plain structure.
+
+Leaf names come from ``jax.tree_util`` key paths (``params/encoder/kernel``).
+The structure is recorded as plain msgpack-able data, so a checkpoint can be
+read back without the user's classes (and without pickle): dicts stay dicts,
+lists and tuples stay lists and tuples, and custom nodes (dataclasses, flax
+structs, NamedTuples) come back as dicts keyed by their field names.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import jax
+from jax import tree_util
+
+from ckpt.errors import InvalidStateError
+
+PathParts = tuple[str, ...]
+_SAFE_PART = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def key_name(key: Any) -> str:
+  """The path part of one jax.tree_util key entry."""
+  if isinstance(key, tree_util.DictKey):
+    return str(key.key)
+  if isinstance(key, tree_util.SequenceKey):
+    return str(key.idx)
+  if isinstance(key, tree_util.GetAttrKey):
+    return key.name
+  if isinstance(key, tree_util.FlattenedIndexKey):
+    return str(key.key)
+  return str(key)
+
+
+def path_str(parts: PathParts) -> str:
+  return "/".join(parts) if parts else "<root>"
+
+
+def flatten(tree: Any) -> list[tuple[PathParts, Any]]:
+  """Leaves in jax.tree_util order, each with its path parts.
+
+  ``None`` is a node with no leaves (as in jax), not a leaf.
+  """
+  leaves, _ = tree_util.tree_flatten_with_path(tree)
+  out = []
+  seen: dict[str, PathParts] = {}
+  for keypath, leaf in leaves:
+    parts = tuple(key_name(k) for k in keypath)
+    name = path_str(parts)
+    if name in seen:
+      raise InvalidStateError(
+          f"two leaves share the path {name!r} (keys {keypath} and an earlier "
+          "one render the same); give them distinct string keys")
+    seen[name] = parts
+    out.append((parts, leaf))
+  return out
+
+
+def _one_level(node: Any):
+  """Children of ``node`` with their keys, or None if ``node`` is a leaf."""
+  children, treedef = tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node)
+  if tree_util.treedef_is_leaf(treedef) and treedef.num_leaves == 1:
+    return None
+  return [(path[0], child) for path, child in children], treedef
+
+
+def encode_structure(tree: Any) -> Any:
+  """The tree's shape as plain data; leaves become ``{"leaf": "<path>"}``."""
+
+  def walk(node: Any, parts: PathParts) -> Any:
+    if node is None:
+      return {"node": "none"}
+    level = _one_level(node)
+    if level is None:
+      return {"leaf": path_str(parts)}
+    children, _ = level
+    encoded = [walk(c, parts + (key_name(k),)) for k, c in children]
+    if isinstance(node, dict):
+      keys = [k.key for k, _ in children]
+      bad = [k for k in keys if not isinstance(k, (str, int))]
+      if bad:
+        raise InvalidStateError(
+            f"dict at {path_str(parts)!r} has keys {bad!r}; only str and int "
+            "keys can be stored")
+      return {"node": "dict", "keys": keys, "children": encoded}
+    if isinstance(node, list):
+      return {"node": "list", "children": encoded}
+    if type(node) is tuple:
+      return {"node": "tuple", "children": encoded}
+    return {"node": "object", "type": type(node).__qualname__,
+            "keys": [key_name(k) for k, _ in children], "children": encoded}
+
+  return walk(tree, ())
+
+
+def decode_structure(encoded: Any, leaf_value) -> Any:
+  """Rebuilds nested python values; ``leaf_value(path)`` gives each leaf."""
+
+  def walk(node: Any) -> Any:
+    if "leaf" in node:
+      return leaf_value(node["leaf"])
+    kind = node["node"]
+    if kind == "none":
+      return None
+    children = [walk(c) for c in node.get("children", [])]
+    if kind == "dict" or kind == "object":
+      return dict(zip(node["keys"], children))
+    if kind == "list":
+      return children
+    return tuple(children)
+
+  return walk(encoded)
+
+
+def iter_structure_leaves(encoded: Any) -> Iterator[str]:
+  stack = [encoded]
+  while stack:
+    node = stack.pop()
+    if "leaf" in node:
+      yield node["leaf"]
+    else:
+      stack.extend(node.get("children", []))
+
+
+def storage_relpath(parts: PathParts) -> str:
+  """A safe relative directory for a leaf's array, one folder per part."""
+  out = []
+  for p in parts:
+    if not _SAFE_PART.match(p) or p in (".", ".."):
+      p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else f"%{ord(c):02X}"
+                  for c in p) or "%"
+    out.append(p)
+  return "/".join(out) if out else "_root"
+
+
+def is_jax_array(x: Any) -> bool:
+  return isinstance(x, jax.Array)

@@ -1,0 +1,88 @@
+"""TensorStore array specs for one stored leaf, in each on-disk format.
+
+The spec is fully determined by (format, shape, dtype, chunks, compression),
+so every process builds the same one: process 0 creates the array and the
+others open it with ``assume_metadata`` and write their chunks without
+reading or racing on the metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+FORMATS = ("zarr", "zarr3", "ocdbt")
+COMPRESSIONS = (None, "zstd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  """How chunks are encoded: ``compression`` is None (raw) or "zstd"."""
+  compression: str | None = None
+  level: int = 1
+
+  def __post_init__(self):
+    if self.compression not in COMPRESSIONS:
+      raise ValueError(f"compression must be one of {COMPRESSIONS}, "
+                       f"got {self.compression!r}")
+
+  def to_json(self) -> dict[str, Any]:
+    return {"compression": self.compression, "level": self.level}
+
+
+def check_format(fmt: str) -> str:
+  if fmt not in FORMATS:
+    raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+  return fmt
+
+
+def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
+               shape: tuple[int, ...], dtype: np.dtype,
+               chunks: tuple[int, ...], codec: Codec) -> dict[str, Any]:
+  """The spec of the array at ``relpath`` inside the step's ``kvstore``."""
+  dtype_name = np.dtype(dtype).name
+  if fmt == "zarr":
+    compressor = None
+    if codec.compression == "zstd":
+      compressor = {"id": "zstd", "level": codec.level}
+    return {
+        "driver": "zarr",
+        "kvstore": _under(kvstore, relpath),
+        "dtype": dtype_name,
+        "metadata": {"shape": list(shape), "chunks": list(chunks),
+                     "compressor": compressor, "order": "C",
+                     "dimension_separator": "."},
+    }
+  codecs: list[dict[str, Any]] = [
+      {"name": "bytes", "configuration": {"endian": "little"}}]
+  if codec.compression == "zstd":
+    codecs.append({"name": "zstd", "configuration": {"level": codec.level}})
+  if fmt == "ocdbt":
+    kvstore = {"driver": "ocdbt", "base": kvstore}
+  return {
+      "driver": "zarr3",
+      "kvstore": _under(kvstore, relpath),
+      "metadata": {
+          "shape": list(shape), "data_type": dtype_name,
+          "chunk_grid": {"name": "regular",
+                         "configuration": {"chunk_shape": list(chunks)}},
+          "chunk_key_encoding": {"name": "default"},
+          "codecs": codecs,
+      },
+  }
+
+
+def _under(kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
+  if kvstore.get("driver") == "ocdbt":
+    return {**kvstore, "path": relpath.strip("/") + "/"}
+  return {**kvstore, "path": kvstore["path"] + relpath.strip("/") + "/"}
+
+
+def open_spec(fmt: str, kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
+  """The spec to open an existing array; its metadata comes from storage."""
+  if fmt == "ocdbt":
+    kvstore = {"driver": "ocdbt", "base": kvstore}
+  return {"driver": "zarr" if fmt == "zarr" else "zarr3",
+          "kvstore": _under(kvstore, relpath)}
