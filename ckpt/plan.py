@@ -13,7 +13,9 @@ Rules:
   not written entirely by process 0, and no process writes much more than an
   equal share.
 - The chunk shape divides every shard's extent and offset (so no chunk is
-  written by two processes) and is cut down towards ``chunk_bytes``.
+  written by two processes) and is cut down towards ``chunk_bytes``, and for
+  a shard replicated over k processes towards a k-th of the shard (not below
+  MIN_SPLIT_CHUNK_BYTES), so that each holder has a part to write.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import math
 from typing import Hashable, Mapping, Sequence
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+# A shard replicated over k processes is cut into at least k chunks (so each
+# holder writes a part) unless that would make chunks smaller than this.
+MIN_SPLIT_CHUNK_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +191,11 @@ def leaf_layout(shape: Sequence[int], itemsize: int, shards: Sequence[Shard],
                 target_bytes: int = DEFAULT_CHUNK_BYTES) -> LeafLayout:
   shape = tuple(int(d) for d in shape)
   unit = grid_unit(shape, shards)
+  for shard in shards:
+    k = len(shard.processes)
+    if k > 1:
+      per_holder = shard.box.size * itemsize // k
+      target_bytes = min(target_bytes, max(per_holder, MIN_SPLIT_CHUNK_BYTES))
   return LeafLayout(shape, itemsize, tuple(shards),
                     chunk_shape(unit, itemsize, target_bytes))
 
