@@ -40,7 +40,8 @@ class ProcessResult:
 
 def run(module: str, config: dict, *, num_processes: int,
         devices_per_process: int, timeout_s: float = 300.0,
-        extra_env: dict | None = None) -> list[ProcessResult]:
+        extra_env: dict | None = None,
+        cwd: str | None = None) -> list[ProcessResult]:
   """Starts the processes, waits (bounded), and returns each one's result.
 
   If any process fails or the timeout passes, the rest are killed; results
@@ -61,7 +62,7 @@ def run(module: str, config: dict, *, num_processes: int,
     log = open(os.path.join(outdir, f"log_{pid}.txt"), "w+")
     procs.append((subprocess.Popen(
         [sys.executable, "-m", module, json.dumps(config)], env=env,
-        stdout=log, stderr=subprocess.STDOUT), log))
+        stdout=log, stderr=subprocess.STDOUT, cwd=cwd), log))
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
     codes = [p.poll() for p, _ in procs]
