@@ -249,6 +249,21 @@ class Checkpointer:
   def _run(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+  # ---- preemption -------------------------------------------------------
+
+  def reached_preemption(self, step: int) -> bool:
+    """Call at every training step; True at the step to save on preemption.
+
+    All processes get True at the same step after any of them is told to
+    stop (SIGTERM or the cluster's preemption notice), so::
+
+      if ckptr.reached_preemption(step):
+        ckptr.save(step, state)
+        ckptr.wait_until_finished()
+        sys.exit(0)
+    """
+    return multihost.reached_preemption_sync_point(step)
+
   # ---- queries ----------------------------------------------------------
 
   def all_steps(self) -> list[int]:

@@ -38,15 +38,56 @@ class ProcessResult:
   result: Any  # what the worker wrote with write_result, or None
 
 
-def run(module: str, config: dict, *, num_processes: int,
-        devices_per_process: int, timeout_s: float = 300.0,
-        extra_env: dict | None = None,
-        cwd: str | None = None) -> list[ProcessResult]:
-  """Starts the processes, waits (bounded), and returns each one's result.
+class Cluster:
+  """N worker processes of one job; see ``start``."""
 
-  If any process fails or the timeout passes, the rest are killed; results
-  show every process's return code and output.
-  """
+  def __init__(self, procs, outdir: str):
+    self.procs = procs  # [(Popen, log file)]
+    self.outdir = outdir
+
+  def pids(self) -> list[int]:
+    return [p.pid for p, _ in self.procs]
+
+  def poll(self) -> list[int | None]:
+    return [p.poll() for p, _ in self.procs]
+
+  def kill(self, process_id: int, sig: int = 9) -> None:
+    p = self.procs[process_id][0]
+    if p.poll() is None:
+      p.send_signal(sig)
+
+  def wait(self, timeout_s: float, *, grace_s: float = 5.0) -> list[ProcessResult]:
+    """Waits (bounded) for all to exit. If one fails or time runs out, the
+    others get ``grace_s`` and are then killed."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      codes = self.poll()
+      if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+        break
+      time.sleep(0.05)
+    grace = time.monotonic() + grace_s
+    while time.monotonic() < grace and any(c is None for c in self.poll()):
+      time.sleep(0.05)
+    results = []
+    for pid, (p, log) in enumerate(self.procs):
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+      log.seek(0)
+      path = os.path.join(self.outdir, f"result_{pid}.json")
+      result = None
+      if os.path.exists(path):
+        with open(path) as f:
+          result = json.load(f)
+      results.append(ProcessResult(pid, p.returncode, log.read(), result))
+      log.close()
+    return results
+
+
+def start(module: str, config: dict, *, num_processes: int,
+          devices_per_process: int, extra_env: dict | None = None,
+          cwd: str | None = None) -> Cluster:
+  """Starts ``python -m module <config json>`` as N processes of one job."""
   port = free_port()
   outdir = tempfile.mkdtemp(prefix="ckpt-cluster-")
   procs = []
@@ -63,30 +104,17 @@ def run(module: str, config: dict, *, num_processes: int,
     procs.append((subprocess.Popen(
         [sys.executable, "-m", module, json.dumps(config)], env=env,
         stdout=log, stderr=subprocess.STDOUT, cwd=cwd), log))
-  deadline = time.monotonic() + timeout_s
-  while time.monotonic() < deadline:
-    codes = [p.poll() for p, _ in procs]
-    if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-      break
-    time.sleep(0.05)
-  # A failed or late process: give the others a moment, then stop them all.
-  grace = time.monotonic() + 5
-  while time.monotonic() < grace and any(p.poll() is None for p, _ in procs):
-    time.sleep(0.05)
-  results = []
-  for pid, (p, log) in enumerate(procs):
-    if p.poll() is None:
-      p.kill()
-    p.wait()
-    log.seek(0)
-    path = os.path.join(outdir, f"result_{pid}.json")
-    result = None
-    if os.path.exists(path):
-      with open(path) as f:
-        result = json.load(f)
-    results.append(ProcessResult(pid, p.returncode, log.read(), result))
-    log.close()
-  return results
+  return Cluster(procs, outdir)
+
+
+def run(module: str, config: dict, *, num_processes: int,
+        devices_per_process: int, timeout_s: float = 300.0,
+        extra_env: dict | None = None,
+        cwd: str | None = None) -> list[ProcessResult]:
+  """Starts the processes, waits (bounded), and returns each one's result."""
+  return start(module, config, num_processes=num_processes,
+               devices_per_process=devices_per_process, extra_env=extra_env,
+               cwd=cwd).wait(timeout_s)
 
 
 def check(results: list[ProcessResult]) -> list[Any]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
+import signal
+import threading
 
 import jax
 from jax._src import distributed as _distributed
@@ -71,6 +73,16 @@ def _late_processes(message: str) -> list[int]:
   return sorted({int(x) for x in re.findall(r"(?:task[:_ ]?)?(\d+)", m.group(1))})
 
 
+def _wait_for_key(get, key: str, timeout_s: float, what: str):
+  try:
+    return get(key, int(timeout_s * 1000))
+  except Exception as e:  # jaxlib's own error type
+    raise BarrierTimeoutError(
+        f"process {process_index()} waited {timeout_s:.0f}s for {key!r} "
+        f"({what}) and it never came; the process that should have set it "
+        f"is late, stuck or dead. Cause: {e}") from e
+
+
 def broadcast_str(key: str, make_value, *,
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
   """Process 0 computes ``make_value()``; every process returns it."""
@@ -81,7 +93,8 @@ def broadcast_str(key: str, make_value, *,
     value = make_value()
     client.key_value_set(key, value)
     return value
-  return client.blocking_key_value_get(key, int(timeout_s * 1000))
+  return _wait_for_key(client.blocking_key_value_get, key, timeout_s,
+                       "a value from process 0")
 
 
 def unique_token() -> str:
@@ -97,5 +110,29 @@ def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S
   client.key_value_set_bytes(f"{key}/{process_index()}", data)
   if process_index() != 0:
     return None
-  return [client.blocking_key_value_get_bytes(f"{key}/{p}", int(timeout_s * 1000))
+  return [_wait_for_key(client.blocking_key_value_get_bytes, f"{key}/{p}",
+                        timeout_s, f"data from process {p}")
           for p in range(process_count())]
+
+
+_sigterm_seen = threading.Event()
+_sigterm_installed = False
+
+
+def reached_preemption_sync_point(step: int) -> bool:
+  """True, on every process at the same step, once a preemption notice came.
+
+  Multi-process: jax's preemption sync manager (started by
+  ``jax.distributed.initialize``) hears SIGTERM (or the cluster's notice) on
+  any process and agrees on the first step every process can still reach.
+  Single process: a SIGTERM handler installed on the first call.
+  Call it at every step, from the main thread.
+  """
+  if is_multiprocess() and _distributed.global_state.preemption_sync_manager:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return multihost_utils.reached_preemption_sync_point(step)
+  global _sigterm_installed
+  if not _sigterm_installed:
+    signal.signal(signal.SIGTERM, lambda *_: _sigterm_seen.set())
+    _sigterm_installed = True
+  return _sigterm_seen.is_set()
