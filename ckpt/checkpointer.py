@@ -171,10 +171,10 @@ class Checkpointer:
     limiter = ByteLimiter(self.concurrent_bytes)
     await save_lib.write_owned(plan, step_kvstore, self._context, limiter,
                                stats, staged.set)
-    host_states = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout)
     # 5. every process has written.
     await barrier("written", "all processes wrote their data")
+    host_states = await asyncio.to_thread(
+        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout)
     if pid == 0:
       # 6-7. index, then commit.
       index = save_lib.make_index(
