@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import operator
 import os
 import threading
 import time
@@ -74,6 +75,11 @@ class Checkpointer:
                                   keep_checkpoints_without_metrics)
     if int(concurrent_bytes) <= 0:
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
+    if format == "ocdbt" and multihost.process_count() > 1:
+      raise CheckpointError(
+          "format='ocdbt' is single-process for now: several processes "
+          "writing one OCDBT database need a coordinator or a merge step, "
+          "which ckpt does not have yet; use 'zarr3' for multi-process jobs")
     self._options = save_lib.SaveOptions(
         storage_format=tsspec.check_format(format),
         codec=tsspec.Codec(compression), chunk_bytes=int(chunk_bytes),
@@ -109,9 +115,12 @@ class Checkpointer:
            transforms: Sequence[Callable] = (), host_state: Any = None) -> bool:
     """Saves ``state`` as ``step``; returns False if the step already exists."""
     self._check_open()
-    if type(step) is not int and not hasattr(step, "__index__") or int(step) < 0:
+    try:
+      step = operator.index(step)
+    except TypeError:
+      step = -1
+    if step < 0:
       raise ValueError(f"step must be a non-negative int, got {step!r}")
-    step = int(step)
     self.wait_until_finished()
     if self.storage.is_committed(step):
       logging.warning("ckpt: step %d is already committed in %s; not saving "
@@ -302,6 +311,8 @@ class Checkpointer:
       self._closed = True
       self._loop.call_soon_threadsafe(self._loop.stop)
       self._thread.join(timeout=60)
+      if not self._thread.is_alive():
+        self._loop.close()
 
   def __enter__(self) -> "Checkpointer":
     return self
