@@ -116,11 +116,11 @@ class Checkpointer:
     """Saves ``state`` as ``step``; returns False if the step already exists."""
     self._check_open()
     try:
-      step = operator.index(step)
+      given, step = step, operator.index(step)
     except TypeError:
       step = -1
     if step < 0:
-      raise ValueError(f"step must be a non-negative int, got {step!r}")
+      raise ValueError(f"step must be a non-negative int, got {given!r}")
     self.wait_until_finished()
     if self.storage.is_committed(step):
       logging.warning("ckpt: step %d is already committed in %s; not saving "
