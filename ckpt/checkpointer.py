@@ -115,8 +115,9 @@ class Checkpointer:
            transforms: Sequence[Callable] = (), host_state: Any = None) -> bool:
     """Saves ``state`` as ``step``; returns False if the step already exists."""
     self._check_open()
+    given = step
     try:
-      given, step = step, operator.index(step)
+      step = operator.index(step)
     except TypeError:
       step = -1
     if step < 0:
