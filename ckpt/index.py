@@ -78,9 +78,6 @@ class Index:
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
   host_state: tuple[bytes, ...] | None = None  # msgpack, one per process
 
-  def by_path(self) -> dict[str, Entry]:
-    return {tree.path_str(e.path): e for e in self.leaves}
-
 
 # ---- inline values ---------------------------------------------------------
 

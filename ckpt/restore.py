@@ -19,7 +19,7 @@ from ckpt import index as index_lib
 from ckpt import lazy
 from ckpt import storage as storage_lib
 from ckpt import tree
-from ckpt.errors import (CheckpointNotFoundError, CorruptCheckpointError,
+from ckpt.errors import (CheckpointNotFoundError,
                          MissingLeavesError, TreeMismatchError)
 from ckpt.limiter import ByteLimiter
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator
 
-import jax
 from jax import tree_util
 
 from ckpt.errors import InvalidStateError
@@ -134,7 +133,3 @@ def storage_relpath(parts: PathParts) -> str:
                   for c in p) or "%"
     out.append(p)
   return "/".join(out) if out else "_root"
-
-
-def is_jax_array(x: Any) -> bool:
-  return isinstance(x, jax.Array)
