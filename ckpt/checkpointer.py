@@ -147,7 +147,7 @@ class Checkpointer:
         self.wait_until_finished()
     else:
       self.wait_until_finished()
-      stats.blocking_s = time.perf_counter() - t0
+      stats.blocking_s = stats.total_s
     return True
 
   async def _save_async(self, step: int, plan: save_lib.SavePlan,

@@ -26,11 +26,13 @@ MAX_INDEX_BYTES = 1 << 30
 MAX_RANK = 64
 MAX_DEPTH = 256
 _REL_PART = re.compile(r"^[A-Za-z0-9_\-%][A-Za-z0-9_.\-%]*$")
+# Every one of these must be storable by TensorStore's zarr and zarr3 drivers
+# (tests/test_checkpointer.py saves each); uint4 is not, so it is left out.
 ALLOWED_DTYPES = frozenset({
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
     "uint64", "float16", "float32", "float64", "bfloat16", "complex64",
     "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-    "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4", "uint4",
+    "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4",
 })
 
 
@@ -83,15 +85,21 @@ class Index:
 
 def encode_value(v: Any, path: tuple[str, ...]) -> dict[str, Any]:
   if isinstance(v, (bool, int, float, str, bytes)) and not isinstance(v, np.generic):
-    if isinstance(v, int) and not isinstance(v, bool) and not -2**63 <= v < 2**64:
+    # Subclasses (IntEnum, StrEnum, ...) are stored as their base type, which
+    # is all decode_value accepts.
+    kind = next(t for t in (bool, int, float, str, bytes) if isinstance(v, t))
+    v = kind.__str__(v) if kind is str else kind(v)
+    if kind is int and not -2**63 <= v < 2**64:
       raise InvalidStateError(
           f"leaf {tree.path_str(path)!r}: int {v} does not fit in 64 bits")
-    return {"py": type(v).__name__, "v": v}
+    return {"py": kind.__name__, "v": v}
   arr = np.asarray(v)
   if arr.dtype.name not in ALLOWED_DTYPES:
     raise InvalidStateError(
         f"leaf {tree.path_str(path)!r}: dtype {arr.dtype} cannot be stored; "
         f"expected one of {sorted(ALLOWED_DTYPES)}")
+  if not arr.dtype.isnative:  # the bytes are read back as native (little) endian
+    arr = arr.astype(arr.dtype.newbyteorder("="))
   return {"np": arr.dtype.name, "shape": list(arr.shape),
           "scalar": isinstance(v, np.generic),
           "data": np.ascontiguousarray(arr).tobytes()}
@@ -102,7 +110,7 @@ def decode_value(d: Any, where: str) -> Any:
     raise _bad(where, "an inline value map", d)
   if "py" in d:
     kinds = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}
-    kind = kinds.get(d["py"])
+    kind = kinds.get(d["py"]) if isinstance(d["py"], str) else None
     v = d.get("v")
     if kind is None or type(v) is not kind and not (kind is float and type(v) is int):
       raise _bad(where, "a bool, int, float, str or bytes value", d)
@@ -167,7 +175,8 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
                  for i, e in enumerate(raw_leaves))
   names = [tree.path_str(e.path) for e in leaves]
   if len(set(names)) != len(names):
-    raise CorruptCheckpointError(f"{where}: duplicate leaf paths")
+    dups = sorted({n for n in names if names.count(n) > 1})
+    raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
   _check_structure(structure, where)
   referenced = list(tree.iter_structure_leaves(structure))
@@ -249,6 +258,10 @@ def _check_structure(node: Any, where: str, depth: int = 0) -> None:
     keys = node.get("keys")
     if not isinstance(keys, list) or len(keys) != len(children):
       raise _bad(where, f"{len(children)} keys", keys)
+    key_types = (str, int) if kind == "dict" else (str,)
+    if not all(type(k) in key_types for k in keys):
+      raise _bad(where, f"{kind} keys of type "
+                 f"{' or '.join(t.__name__ for t in key_types)}", keys)
   for c in children:
     _check_structure(c, where, depth + 1)
 
@@ -267,7 +280,7 @@ def _shape(v: Any, where: str) -> tuple[int, ...]:
 
 
 def _dtype(name: Any, where: str) -> np.dtype:
-  if name not in ALLOWED_DTYPES:
+  if not isinstance(name, str) or name not in ALLOWED_DTYPES:
     raise _bad(where, "a known dtype name", name)
   return np.dtype(name)
 

@@ -117,5 +117,6 @@ async def _read(leaf, box: Box, limiter: ByteLimiter | None, out_dtype):
       finally:
         limiter.release(grant)
   else:
-    data = np.asarray(leaf)[box.slices()]
+    # np.asarray again: indexing a 0-d array with () gives a numpy scalar.
+    data = np.asarray(np.asarray(leaf)[box.slices()])
   return data.astype(out_dtype, copy=False)

@@ -32,12 +32,20 @@ class ByteLimiter:
   def grant_for(self, nbytes: int) -> int:
     return max(0, min(int(nbytes), self.budget))
 
+  def try_acquire(self, nbytes: int) -> int | None:
+    """The grant if it is available now without waiting, else None."""
+    grant = self.grant_for(nbytes)
+    if self._waiters or self._available < grant:
+      return None
+    self._take(grant)
+    return grant
+
   async def acquire(self, nbytes: int) -> int:
     """Waits for ``nbytes`` (capped at the budget); returns the grant."""
-    grant = self.grant_for(nbytes)
-    if not self._waiters and self._available >= grant:
-      self._take(grant)
+    grant = self.try_acquire(nbytes)
+    if grant is not None:
       return grant
+    grant = self.grant_for(nbytes)
     fut = asyncio.get_running_loop().create_future()
     self._waiters.append((grant, fut))
     try:
@@ -46,7 +54,10 @@ class ByteLimiter:
       if fut.done() and not fut.cancelled():
         self.release(grant)  # granted just as we were cancelled
       else:
-        self._waiters.remove((grant, fut))
+        try:
+          self._waiters.remove((grant, fut))
+        except ValueError:
+          pass  # cancelled, and _wake already dropped it from the queue
         self._wake()
       raise
     return grant

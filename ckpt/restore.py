@@ -104,6 +104,9 @@ async def restore_leaves(ckpt_leaves: dict[str, Any], target: Any,
     src = ckpt_leaves[name]
     shape, wanted, sharding, wants_array = _target_spec(tgt)
     if not wants_array:
+      if isinstance(src, lazy.LazyArray):  # never hand out a LazyArray
+        out = _out_dtype(name, src.dtype, None, restore_dtype)
+        return await lazy.materialize(src, out, None, limiter)
       return _cast_value(name, src, restore_dtype)
     src_shape = tuple(np.shape(src)) if not isinstance(src, lazy.LazyArray) else src.shape
     if src_shape != shape:

@@ -4,6 +4,7 @@ steps out; process 0 applies the answer (stage 8)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping
 
 
@@ -42,7 +43,10 @@ class RetentionPolicy:
       scored = [s for s in steps if self.best_metric in metrics.get(s, {})]
       unscored = [s for s in steps if s not in set(scored)]
       sign = 1.0 if self.best_mode == "min" else -1.0
-      scored.sort(key=lambda s: (sign * metrics[s][self.best_metric], -s))
+      # NaN (a diverged run) ranks worst: it compares false with everything
+      # and would otherwise scramble the order.
+      scored.sort(key=lambda s: (math.isnan(metrics[s][self.best_metric]),
+                                 sign * metrics[s][self.best_metric], -s))
       if self.keep_checkpoints_without_metrics:
         ranked, exempt = scored, set(unscored)
       else:

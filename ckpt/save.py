@@ -211,6 +211,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   stats.inline_leaves = len(plan.leaves) - stats.array_leaves
   arrays = await _open_arrays(plan, step_kvstore, context, process)
   tasks: list[asyncio.Task] = []
+  staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
 
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
@@ -220,19 +221,33 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     finally:
       limiter.release(grant)
 
+  def start_writes():
+    for w, data, grant in staged:
+      tasks.append(asyncio.create_task(write_one(w, data, grant)))
+    staged.clear()
+
+  # Staging runs ahead of writing while the budget allows, so that the
+  # caller (released once everything is staged) does not wait for writes
+  # competing for the same cores; when the budget is full, the staged boxes
+  # start writing and free it.
   try:
     for w in plan.my_writes(process):
       if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
         break  # a write failed: stop staging, report it below
-      leaf = plan.leaves[w.leaf]
-      grant = await limiter.acquire(w.nbytes)  # stored bytes, after the cast
+      grant = limiter.try_acquire(w.nbytes)  # stored bytes, after the cast
+      if grant is None:
+        start_writes()
+        grant = await limiter.acquire(w.nbytes)
       try:
-        data = await asyncio.to_thread(_stage, leaf, w)
+        data = await asyncio.to_thread(_stage, plan.leaves[w.leaf], w)
       except BaseException:
         limiter.release(grant)
         raise
-      tasks.append(asyncio.create_task(write_one(w, data, grant)))
+      staged.append((w, data, grant))
   except BaseException:
+    for _, _, grant in staged:
+      limiter.release(grant)
+    staged.clear()
     for t in tasks:
       t.cancel()
     raise
@@ -240,6 +255,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     for lp in plan.leaves:
       lp.source = None  # the caller's arrays are no longer needed
     on_staged()
+  start_writes()
   results = await asyncio.gather(*tasks, return_exceptions=True)
   errors = [r for r in results if isinstance(r, BaseException)]
   if errors:

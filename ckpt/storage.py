@@ -179,6 +179,12 @@ class Storage:
     """Process 0, before anyone writes: an empty work directory."""
     if self.is_posix:
       self.root.mkdir(parents=True, exist_ok=True)
+      # An uncommitted checkpoint_<step>/ (no index: a partial copy, say)
+      # would make the commit rename fail on every try; drop it, as the
+      # object-store branch below drops its leftovers.
+      final = self.root / step_dirname(step)
+      if final.is_dir() and not self.is_committed(step):
+        self.remove(step_dirname(step))
     else:
       self.remove(work_dir)  # leftovers of an interrupted save of this step
 

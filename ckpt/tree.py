@@ -128,8 +128,12 @@ def storage_relpath(parts: PathParts) -> str:
   """A safe relative directory for a leaf's array, one folder per part."""
   out = []
   for p in parts:
-    if not _SAFE_PART.match(p) or p in (".", ".."):
-      p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else f"%{ord(c):02X}"
+    # A part starting with "." would be hidden and is refused on restore
+    # (index.check_relpath); escaping works on UTF-8 bytes so that it stays
+    # one-to-one ("\u20ac" and " AC" must not both become "%20AC").
+    if not _SAFE_PART.match(p) or p.startswith("."):
+      p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else
+                  "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
                   for c in p) or "%"
     out.append(p)
   return "/".join(out) if out else "_root"
