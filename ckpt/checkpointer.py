@@ -83,7 +83,7 @@ class Checkpointer:
     self._options = save_lib.SaveOptions(
         storage_format=tsspec.check_format(format),
         codec=tsspec.Codec(compression), chunk_bytes=int(chunk_bytes),
-        save_dtype=save_dtype)
+        save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes))
     self.restore_dtype = restore_dtype
     self.concurrent_bytes = int(concurrent_bytes)
     self.async_save = async_save
@@ -104,10 +104,7 @@ class Checkpointer:
                                     name="ckpt-background", daemon=True)
     self._thread.start()
     self._closed = False
-    if multihost.process_index() == 0:
-      for name in self.storage.abandoned():
-        logging.info("ckpt: removing abandoned %s", name)
-        self.storage.remove(name)
+    self._cleaned_up = False
 
   # ---- save -------------------------------------------------------------
 
@@ -169,12 +166,21 @@ class Checkpointer:
                                timeout_s=timeout, what=f"{what}, step {step}")
 
     def start() -> str:  # process 0 picks the work directory, others learn it
+      if not self._cleaned_up:
+        # Abandoned work of a crashed job goes at this writer's first save
+        # (not when a Checkpointer opens: a reader must not delete a save
+        # that another Checkpointer has in flight).
+        for name in self.storage.abandoned():
+          logging.info("ckpt: removing abandoned %s", name)
+          self.storage.remove(name)
+        self._cleaned_up = True
       token = multihost.unique_token()
       self.storage.prepare(step, self.storage.work_dir(step, token))
       return token
 
-    token = await asyncio.to_thread(multihost.broadcast_str, f"{key}/token",
-                                    start, timeout_s=timeout)
+    token = await asyncio.to_thread(
+        multihost.broadcast_str, f"{key}/token", start, timeout_s=timeout,
+        what=f"the work directory of step {step}")
     work_dir = self.storage.work_dir(step, token)
     step_kvstore = self.storage.step_spec(work_dir)
     # 3-4. stage and write this process's boxes under one byte budget.
@@ -184,7 +190,8 @@ class Checkpointer:
     # 5. every process has written.
     await barrier("written", "all processes wrote their data")
     host_states = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout)
+        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
+        f"the host_state of step {step}")
     if pid == 0:
       # 6-7. index, then commit.
       index = save_lib.make_index(

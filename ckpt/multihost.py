@@ -84,7 +84,7 @@ def _wait_for_key(get, key: str, timeout_s: float, what: str):
 
 
 def broadcast_str(key: str, make_value, *,
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+                  timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "") -> str:
   """Process 0 computes ``make_value()``; every process returns it."""
   if not is_multiprocess():
     return make_value()
@@ -94,15 +94,15 @@ def broadcast_str(key: str, make_value, *,
     client.key_value_set(key, value)
     return value
   return _wait_for_key(client.blocking_key_value_get, key, timeout_s,
-                       "a value from process 0")
+                       f"{what or 'a value'} from process 0")
 
 
 def unique_token() -> str:
   return secrets.token_hex(6)
 
 
-def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S
-                 ) -> list[bytes] | None:
+def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 what: str = "data") -> list[bytes] | None:
   """Process 0 gets every process's ``data`` in process order; others None."""
   if not is_multiprocess():
     return [data]
@@ -111,7 +111,7 @@ def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S
   if process_index() != 0:
     return None
   return [_wait_for_key(client.blocking_key_value_get_bytes, f"{key}/{p}",
-                        timeout_s, f"data from process {p}")
+                        timeout_s, f"{what} from process {p}")
           for p in range(process_count())]
 
 

@@ -200,20 +200,28 @@ def leaf_layout(shape: Sequence[int], itemsize: int, shards: Sequence[Shard],
                     chunk_shape(unit, itemsize, target_bytes))
 
 
-def assign_writes(layouts: Sequence[LeafLayout],
-                  process_count: int) -> list[Write]:
-  """Every box of every leaf, each with the one process that writes it."""
+def assign_writes(layouts: Sequence[LeafLayout], process_count: int,
+                  max_item_bytes: int | None = None) -> list[Write]:
+  """Every box of every leaf, each with the one process that writes it.
+
+  A shard larger than ``max_item_bytes`` (the byte budget) is written chunk
+  by chunk, so that no single write item needs more host memory than that.
+  """
   load = [0] * process_count
   writes: list[Write] = []
   shared: list[tuple[int, Shard, Box]] = []
   for leaf, lay in enumerate(layouts):
     for shard in lay.shards:
       procs = shard.processes
+      n = shard.box.size * lay.itemsize
       if len(procs) == 1:
         p = procs[0]
-        n = shard.box.size * lay.itemsize
         load[p] += n
-        writes.append(Write(leaf, shard.box, shard.box, p, shard.device_on(p), n))
+        boxes = [shard.box]
+        if max_item_bytes is not None and n > max_item_bytes:
+          boxes = chunk_boxes(shard.box, lay.chunks)
+        writes.extend(Write(leaf, b, shard.box, p, shard.device_on(p),
+                            b.size * lay.itemsize) for b in boxes)
       else:
         shared.extend((leaf, shard, b) for b in chunk_boxes(shard.box, lay.chunks))
   shared.sort(key=lambda t: (-t[2].size * layouts[t[0]].itemsize, t[0], t[2].start))

@@ -47,6 +47,8 @@ class SaveOptions:
   chunk_bytes: int = plan_lib.DEFAULT_CHUNK_BYTES
   save_dtype: Any = None
   inline_max_bytes: int = INLINE_MAX_BYTES
+  # The byte budget: chunks and write items are cut to fit in it.
+  max_item_bytes: int = 1 << 30
 
 
 @dataclasses.dataclass
@@ -148,7 +150,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
           "expected a jax.Array, numpy array, scalar, str, bytes or None. "
           "Register custom containers as pytree nodes.")
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, shards,
-                                  options.chunk_bytes)
+                                  min(options.chunk_bytes, options.max_item_bytes))
     entry = index_lib.ArrayEntry(
         path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
         dtype=stored.name, chunks=layout.chunks,
@@ -158,7 +160,8 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
   writes = [dataclasses.replace(w, leaf=layout_leaf[w.leaf])  # layout -> leaf
-            for w in plan_lib.assign_writes(layouts, process_count)]
+            for w in plan_lib.assign_writes(layouts, process_count,
+                                            options.max_item_bytes)]
   return SavePlan(structure, leaves, writes, options)
 
 
@@ -174,7 +177,11 @@ def _stage(leaf: LeafPlan, write: plan_lib.Write) -> np.ndarray:
   src = leaf.source
   if isinstance(src, jax.Array):
     shard = next(s for s in src.addressable_shards if s.device.id == write.device)
-    host = np.asarray(shard.data)[write.box.relative_to(write.shard)]
+    part = write.box.relative_to(write.shard)
+    if write.box == write.shard or shard.device.platform == "cpu":
+      host = np.asarray(shard.data)[part]  # on CPU a view, not a copy
+    else:  # on an accelerator, cut on the device and move only the part
+      host = np.asarray(shard.data[part])
   else:
     host = src[write.box.slices()]
   # A copy even when no cast is needed: after save() returns, the caller may

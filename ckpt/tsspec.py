@@ -50,6 +50,7 @@ def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
     return {
         "driver": "zarr",
         "kvstore": _under(kvstore, relpath),
+        "store_data_equal_to_fill_value": True,
         "dtype": dtype_name,
         "metadata": {"shape": list(shape), "chunks": list(chunks),
                      "compressor": compressor, "order": "C",
@@ -64,6 +65,7 @@ def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
   return {
       "driver": "zarr3",
       "kvstore": _under(kvstore, relpath),
+      "store_data_equal_to_fill_value": True,
       "metadata": {
           "shape": list(shape), "data_type": dtype_name,
           "chunk_grid": {"name": "regular",
@@ -85,4 +87,5 @@ def open_spec(fmt: str, kvstore: dict[str, Any], relpath: str) -> dict[str, Any]
   if fmt == "ocdbt":
     kvstore = {"driver": "ocdbt", "base": kvstore}
   return {"driver": "zarr" if fmt == "zarr" else "zarr3",
-          "kvstore": _under(kvstore, relpath)}
+          "kvstore": _under(kvstore, relpath),
+          "fill_missing_data_reads": False}
