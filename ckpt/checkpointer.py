@@ -125,6 +125,7 @@ class Checkpointer:
                       "it again", step, self.storage.url)
       self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
       return False
+    metrics = _check_metrics(metrics)
     for fn in transforms:
       state = fn(state)
     host_bytes = _pack_host_state(host_state)
@@ -225,8 +226,12 @@ class Checkpointer:
       return
     try:
       fut.result()
-    except CheckpointError:
-      raise
+    except CheckpointError as e:
+      if f"step {self._inflight_step}" in str(e):
+        raise  # it names the step already (barrier timeouts do)
+      raise CheckpointError(
+          f"saving step {self._inflight_step} failed on process "
+          f"{multihost.process_index()}: {e}") from e
     except Exception as e:
       raise CheckpointError(
           f"saving step {self._inflight_step} failed on process "
@@ -331,6 +336,18 @@ class Checkpointer:
   def _check_open(self) -> None:
     if self._closed:
       raise CheckpointError("this Checkpointer is closed")
+
+
+def _check_metrics(metrics: dict | None) -> dict[str, float]:
+  out = {}
+  for k, v in (metrics or {}).items():
+    try:
+      out[str(k)] = float(v)
+    except (TypeError, ValueError):
+      raise InvalidStateError(
+          f"metric {k!r} must be a number, got {type(v).__name__} {v!r}"
+      ) from None
+  return out
 
 
 def _pack_host_state(value: Any) -> bytes:

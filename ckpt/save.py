@@ -34,7 +34,7 @@ from ckpt import multihost
 from ckpt import plan as plan_lib
 from ckpt import tree
 from ckpt import tsspec
-from ckpt.errors import InvalidStateError
+from ckpt.errors import CheckpointError, InvalidStateError
 from ckpt.limiter import ByteLimiter
 
 INLINE_MAX_BYTES = 256
@@ -222,7 +222,12 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
 
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
-      await arrays[w.leaf][w.box.slices()].write(data)
+      try:
+        await arrays[w.leaf][w.box.slices()].write(data)
+      except Exception as e:
+        raise CheckpointError(
+            f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
+            f"{w.box.start}..{w.box.stop} failed: {e}") from e
       stats.bytes_written += data.nbytes
       stats.boxes_written += 1
     finally:
@@ -245,8 +250,15 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       if grant is None:
         start_writes()
         grant = await limiter.acquire(w.nbytes)
+      leaf = plan.leaves[w.leaf]
       try:
-        data = await asyncio.to_thread(_stage, plan.leaves[w.leaf], w)
+        data = await asyncio.to_thread(_stage, leaf, w)
+      except Exception as e:
+        limiter.release(grant)
+        raise CheckpointError(
+            f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
+            f"{w.box.stop} to the host failed (was the array deleted or "
+            f"donated before save() returned?): {e}") from e
       except BaseException:
         limiter.release(grant)
         raise

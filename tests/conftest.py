@@ -1,0 +1,103 @@
+"""Shared fixtures for the single-process suite.
+
+The environment is set before jax is imported anywhere: 8 CPU devices in one
+process, so sharded, replicated and single-device arrays are all real.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import itertools  # noqa: E402
+
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+_memory_names = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eight_devices():
+  if jax.device_count() != 8:
+    pytest.exit(f"expected 8 CPU devices, found {jax.devices()}; jax was "
+                "imported before tests/conftest.py set XLA_FLAGS", returncode=2)
+
+
+@pytest.fixture
+def rng(request):
+  """A numpy Generator seeded from the test's name (stable, but per test)."""
+  seed = sum(request.node.nodeid.encode()) * 7919 % (2**32)
+  return np.random.default_rng(seed)
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+  """A fresh checkpoint root on the local disk (not created yet)."""
+  return tmp_path / "ckpts"
+
+
+@pytest.fixture
+def memory_url():
+  return f"memory://ckpt-test-{os.getpid()}-{next(_memory_names)}"
+
+
+@pytest.fixture
+def make_ckptr(ckpt_dir):
+  """``make_ckptr(**kwargs)`` opens a Checkpointer (on ckpt_dir by default)
+  and closes every one it opened when the test ends."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+  opened = []
+
+  def make(directory=None, **kwargs):
+    c = ckpt.Checkpointer(ckpt_dir if directory is None else directory,
+                          **kwargs)
+    opened.append(c)
+    return c
+
+  yield make
+  for c in opened:
+    try:
+      c.close()
+    except Exception:  # a test that expected a failure may leave one behind
+      pass
+
+
+def mesh(shape=(2, 4), names=("data", "model"), devices=None):
+  """A mesh over the 8 CPU devices (or ``devices``)."""
+  devs = np.asarray(devices if devices is not None else jax.devices())
+  return Mesh(devs[:int(np.prod(shape))].reshape(shape), names)
+
+
+def named(mesh_, *spec):
+  return NamedSharding(mesh_, P(*spec))
+
+
+def sharded(x: np.ndarray, sharding) -> jax.Array:
+  """A jax.Array holding ``x`` laid out by ``sharding`` (one callback per
+  device, so every shard is a real, separate buffer)."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+
+def random_array(rng, shape, dtype=np.float32):
+  """Random data of any dtype ckpt stores (never a constant array)."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return rng.random(shape) < 0.5
+  if np.issubdtype(dtype, np.integer):
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape,
+                        dtype=dtype)
+  if dtype == np.dtype(ml_dtypes.bfloat16):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+  return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture
+def mesh8():
+  """A (data=2, model=4) mesh over the 8 devices."""
+  return mesh()

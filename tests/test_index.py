@@ -1,0 +1,291 @@
+"""index.msgpack: encode/decode round trip and validation (ckpt/index.py).
+
+Every rejection is a CorruptCheckpointError whose message names the file and
+the field (or leaf) at fault.
+"""
+
+import copy
+
+import ml_dtypes
+import msgpack
+import numpy as np
+import pytest
+
+import ckpt
+from ckpt import index
+from ckpt import tree
+
+WHERE = "/ckpts/checkpoint_7/index.msgpack"
+
+
+def make_index(rng):
+  state_like = {"params": {"w": 0, "b": 0}, "step": 0, "name": 0, "opt": (None, {})}
+  structure = tree.encode_structure(state_like)
+  leaves = (
+      index.ArrayEntry(path=("params", "b"), relpath="params/b", shape=(16,),
+                       dtype="bfloat16", chunks=(16,),
+                       codec={"compression": None, "level": 1},
+                       source_dtype="float32",
+                       sharding="NamedSharding(mesh={'x': 8}, spec=('x',))"),
+      index.ArrayEntry(path=("params", "w"), relpath="params/w",
+                       shape=(64, 32), dtype="float32", chunks=(8, 32),
+                       codec={"compression": "zstd", "level": 3},
+                       source_dtype="float32"),
+      index.ValueEntry(path=("step",), value=np.int64(12345)),
+      index.ValueEntry(path=("name",),
+                       value=rng.standard_normal(3).astype(ml_dtypes.bfloat16)),
+  )
+  return index.Index(step=7, time=1.7e9, storage_format="zarr3",
+                     process_count=2, structure=structure, leaves=leaves,
+                     metrics={"eval/loss": 0.25, "acc": 1},
+                     host_state=(msgpack.packb({"seed": 1}), b"\x90"))
+
+
+def doc_of(idx):
+  return msgpack.unpackb(index.encode(idx), raw=False, strict_map_key=False)
+
+
+def pack(doc):
+  return msgpack.packb(doc, use_bin_type=True)
+
+
+def rejected(data, *fragments):
+  with pytest.raises(ckpt.CorruptCheckpointError) as e:
+    index.decode(data, WHERE)
+  msg = str(e.value)
+  assert WHERE in msg, msg
+  for f in fragments:
+    assert f in msg, f"{f!r} not in {msg!r}"
+  return msg
+
+
+# ---- round trip -------------------------------------------------------------
+
+def test_round_trip(rng):
+  idx = make_index(rng)
+  out = index.decode(index.encode(idx), WHERE)
+  assert (out.step, out.time, out.storage_format, out.process_count) == \
+      (7, 1.7e9, "zarr3", 2)
+  assert out.metrics == {"eval/loss": 0.25, "acc": 1}
+  assert out.host_state == idx.host_state
+  assert out.structure == idx.structure
+  assert out.leaves[:2] == idx.leaves[:2]  # ArrayEntry: all fields equal
+  assert out.leaves[2].value == np.int64(12345)
+  assert type(out.leaves[2].value) is np.int64
+  assert out.leaves[3].value.tobytes() == idx.leaves[3].value.tobytes()
+  assert out.leaves[3].value.dtype == ml_dtypes.bfloat16
+  assert [tree.path_str(e.path) for e in out.leaves] == [
+      "params/b", "params/w", "step", "name"]
+
+
+def test_round_trip_without_optional_fields(rng):
+  doc = doc_of(make_index(rng))
+  doc["host_state"] = None
+  del doc["metrics"]
+  for leaf in doc["leaves"]:
+    leaf.pop("sharding", None)
+    leaf.pop("source_dtype", None)
+  out = index.decode(pack(doc), WHERE)
+  assert out.host_state is None and out.metrics == {}
+  assert out.leaves[0].source_dtype == "bfloat16"  # defaults to dtype
+
+
+def test_encoded_index_uses_no_pickle_or_extension_types(rng):
+  data = index.encode(make_index(rng))
+
+  def no_ext(code, payload):
+    raise AssertionError(f"extension type {code} in the index")
+
+  msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=no_ext)
+  assert b"pickle" not in data and b"\x80\x04" not in data
+
+
+# ---- rejections: the document -------------------------------------------
+
+def test_rejects_truncated_bytes(rng):
+  data = index.encode(make_index(rng))
+  for cut in (1, len(data) // 3, len(data) - 1):
+    rejected(data[:cut], "not a valid msgpack")
+
+
+def test_rejects_empty_and_non_msgpack():
+  rejected(b"", "not a valid msgpack")
+  rejected(b"\xc1\xc1\xc1", "not a valid msgpack")  # 0xc1 is never used
+  rejected(b'{"format": "ckpt", "version": 1}', "not a valid msgpack")
+  rejected(b"\x80\x04\x95" + b"\x00" * 20, "not a valid msgpack")  # pickle
+
+
+def test_rejects_non_map_document():
+  rejected(pack([1, 2, 3]), "expected a map", "[1, 2, 3]")
+  rejected(pack("ckpt"), "expected a map")
+
+
+@pytest.mark.parametrize("field,value,fragments", [
+    ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
+    ("format", None, ["format 'ckpt'", "None"]),
+    ("version", 2, ["version 1", "2"]),
+    ("version", "1", ["version 1", "'1'"]),
+    ("step", -1, ["step", "-1"]),
+    ("step", 1.0, ["step", "1.0"]),
+    ("step", True, ["step", "True"]),
+    ("process_count", "2", ["process_count", "'2'"]),
+    ("time", "noon", ["numeric time", "'noon'"]),
+    ("storage_format", "n5", ["storage_format", "'n5'"]),
+    ("storage_format", ["zarr"], ["storage_format", "['zarr']"]),
+    ("metrics", {"loss": "low"}, ["metrics", "'low'"]),
+    ("metrics", [1.0], ["metrics"]),
+    ("leaves", {"a": 1}, ["list of leaves"]),
+    ("host_state", [b"ok", "not bytes"], ["host_state", "'not bytes'"]),
+    ("host_state", b"\x90", ["host_state"]),
+])
+def test_rejects_bad_header_fields(rng, field, value, fragments):
+  doc = doc_of(make_index(rng))
+  doc[field] = value
+  rejected(pack(doc), *fragments)
+
+
+# ---- rejections: leaf entries -------------------------------------------
+
+def with_leaf(rng, i, **changes):
+  doc = doc_of(make_index(rng))
+  leaf = doc["leaves"][i]
+  for k, v in changes.items():
+    if v is KeyError:
+      del leaf[k]
+    else:
+      leaf[k] = v
+  return pack(doc)
+
+
+@pytest.mark.parametrize("relpath", [
+    "/etc/passwd", "../outside", "params/../../x", "params/..", "./params",
+    "params//w", "params/w/", "", ".hidden", "a\\..\\b", "..", 5, None,
+    ["params", "w"],
+])
+def test_rejects_relpaths_outside_the_checkpoint(rng, relpath):
+  msg = rejected(with_leaf(rng, 1, relpath=relpath), "leaf 1", "params/w")
+  assert repr(relpath) in msg or "a relative path" in msg
+
+
+def test_accepts_escaped_relpaths(rng):
+  rel = tree.storage_relpath(("we ird", "..", ".x"))
+  out = index.decode(with_leaf(rng, 1, relpath=rel), WHERE)
+  assert out.leaves[1].relpath == rel
+
+
+@pytest.mark.parametrize("dtype", ["object", "<U3", "str", "float128", "",
+                                   None, 7, ["float32"], {"name": "float32"}])
+def test_rejects_bad_dtypes(rng, dtype):
+  rejected(with_leaf(rng, 1, dtype=dtype), "leaf 1 (params/w)",
+           "known dtype name", repr(dtype)[:20])
+
+
+def test_rejects_bad_source_dtype(rng):
+  rejected(with_leaf(rng, 0, source_dtype="object"), "leaf 0 (params/b)",
+           "known dtype name", "'object'")
+
+
+@pytest.mark.parametrize("shape", [
+    [64.0, 32], "64,32", [True, 32], [-1, 32], [[64], 32], None, {"0": 64},
+    [2**62, 1], [1] * 65,
+])
+def test_rejects_shapes_that_are_not_lists_of_ints(rng, shape):
+  rejected(with_leaf(rng, 1, shape=shape), "leaf 1 (params/w)", "a shape")
+
+
+@pytest.mark.parametrize("chunks,fragment", [
+    ([8], "2 positive chunk extents"),
+    ([8, 0], "2 positive chunk extents"),
+    ([8.0, 32], "a shape"),
+    (None, "a shape"),
+])
+def test_rejects_bad_chunks(rng, chunks, fragment):
+  rejected(with_leaf(rng, 1, chunks=chunks), "leaf 1 (params/w)", fragment)
+
+
+@pytest.mark.parametrize("changes,fragment", [
+    ({"kind": "pickle"}, "kind 'array' or 'value'"),
+    ({"kind": KeyError}, "kind 'array' or 'value'"),
+    ({"codec": {"compression": "gzip"}}, "compression"),
+    ({"codec": "zstd"}, "compression"),
+    ({"sharding": 3}, "sharding as a string"),
+    ({"path": "params/w"}, "path as a list of strings"),
+    ({"path": ["params", 3]}, "path as a list of strings"),
+])
+def test_rejects_bad_entry_fields(rng, changes, fragment):
+  rejected(with_leaf(rng, 1, **changes), "leaf 1", fragment)
+
+
+def test_rejects_bad_inline_value(rng):
+  rejected(with_leaf(rng, 2, value={"py": "int", "v": "12345"}),
+           "leaf 2 (step)", "bool, int, float, str or bytes")
+  rejected(with_leaf(rng, 3, value={"np": "bfloat16", "shape": [3],
+                                    "data": b"\x00" * 5}),
+           "leaf 3 (name)", "6 data bytes")
+  rejected(with_leaf(rng, 2, value=None), "leaf 2 (step)", "inline value map")
+
+
+def test_rejects_non_map_leaf(rng):
+  doc = doc_of(make_index(rng))
+  doc["leaves"][0] = ["params", "b"]
+  rejected(pack(doc), "leaf 0", "expected a map")
+
+
+def test_rejects_duplicate_leaf_paths(rng):
+  doc = doc_of(make_index(rng))
+  doc["leaves"].append(copy.deepcopy(doc["leaves"][1]))
+  rejected(pack(doc), "duplicate leaf paths", "params/w")
+
+
+# ---- rejections: structure vs leaves ----------------------------------------
+
+def test_rejects_structure_leaf_mismatch(rng):
+  doc = doc_of(make_index(rng))
+  doc["leaves"] = [l for l in doc["leaves"] if l["path"] != ["params", "w"]]
+  rejected(pack(doc), "structure and leaves disagree",
+           "without an entry: ['params/w']")
+  doc = doc_of(make_index(rng))
+  doc["leaves"][1]["path"] = ["params", "v"]
+  rejected(pack(doc), "structure and leaves disagree", "'params/w'",
+           "not in the structure: ['params/v']")
+
+
+@pytest.mark.parametrize("structure,fragment", [
+    ([], "a structure node map"),
+    ({"node": "set", "children": []}, "a node kind"),
+    ({"node": "dict", "keys": ["a"], "children": []}, "0 keys"),
+    ({"node": "list", "children": {"a": 1}}, "a list of children"),
+    ({"leaf": 3}, "a leaf name"),
+    ({"node": "dict", "keys": [["a"]], "children": [{"node": "none"}]},
+     "dict keys of type str or int"),
+    ({"node": "dict", "keys": [1.5], "children": [{"node": "none"}]},
+     "dict keys of type str or int"),
+    ({"node": "object", "type": "T", "keys": [1],
+      "children": [{"node": "none"}]}, "object keys of type str"),
+])
+def test_rejects_malformed_structure(rng, structure, fragment):
+  doc = doc_of(make_index(rng))
+  doc["structure"] = structure
+  doc["leaves"] = []
+  rejected(pack(doc), fragment)
+
+
+def test_rejects_too_deep_structure(rng):
+  doc = doc_of(make_index(rng))
+  node = {"node": "none"}
+  for _ in range(index.MAX_DEPTH + 5):
+    node = {"node": "list", "children": [node]}
+  doc["structure"] = node
+  doc["leaves"] = []
+  rejected(pack(doc), "deeper than")
+
+
+def test_structure_with_int_keys_decodes(rng):
+  state = {"layers": {0: 1, 1: 2}}
+  doc = doc_of(make_index(rng))
+  doc["structure"] = tree.encode_structure(state)
+  doc["leaves"] = [index.ValueEntry(p, v).to_json()
+                   for p, v in tree.flatten(state)]
+  out = index.decode(pack(doc), WHERE)
+  values = {tree.path_str(e.path): e.value for e in out.leaves}
+  assert tree.decode_structure(out.structure, values.__getitem__) == state
