@@ -9,7 +9,9 @@ import os
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
+import typing  # noqa: E402
 
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
@@ -101,3 +103,20 @@ def random_array(rng, shape, dtype=np.float32):
 def mesh8():
   """A (data=2, model=4) mesh over the 8 devices."""
   return mesh()
+
+
+# Custom pytree nodes as users have them.
+
+class AdamState(typing.NamedTuple):  # optax-style
+  count: typing.Any
+  mu: typing.Any
+  nu: typing.Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:  # flax.struct-style
+  params: typing.Any
+  opt_state: typing.Any
+  step: typing.Any
+  tag: str = dataclasses.field(default="run", metadata=dict(static=True))

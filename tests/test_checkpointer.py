@@ -19,25 +19,13 @@ from jax.sharding import SingleDeviceSharding
 
 import ckpt
 from ckpt import index as index_lib
-from tests.conftest import mesh, named, random_array, sharded
+from tests.conftest import (AdamState, TrainState, mesh, named,
+                            random_array, sharded)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MiB = 1 << 20
 
 
-class AdamState(typing.NamedTuple):  # optax-style
-  count: typing.Any
-  mu: typing.Any
-  nu: typing.Any
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:  # flax.struct-style
-  params: typing.Any
-  opt_state: typing.Any
-  step: typing.Any
-  tag: str = dataclasses.field(default="run", metadata=dict(static=True))
 
 
 # ---- helpers ----------------------------------------------------------------

@@ -15,21 +15,9 @@ import pytest
 import ckpt
 from ckpt import index
 from ckpt import tree
+from tests.conftest import AdamState, TrainState
 
 
-class AdamState(typing.NamedTuple):  # optax-style
-  count: typing.Any
-  mu: typing.Any
-  nu: typing.Any
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class TrainState:  # flax.struct-style: data fields and a static field
-  params: typing.Any
-  opt_state: typing.Any
-  step: typing.Any
-  name: str = dataclasses.field(default="model", metadata=dict(static=True))
 
 
 def names(t):
