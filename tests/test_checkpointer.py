@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import shutil
-import typing
 
 import jax
 import jax.numpy as jnp

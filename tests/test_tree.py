@@ -1,10 +1,8 @@
 """Leaf names, structure encoding and inline values (ckpt/tree.py and the
 value half of ckpt/index.py)."""
 
-import dataclasses
 import enum
 import math
-import typing
 
 import jax
 import ml_dtypes
