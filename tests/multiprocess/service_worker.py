@@ -1,0 +1,779 @@
+"""One process of a multi-process job for tests/multiprocess/test_service.py.
+
+Run as ``python -m tests.multiprocess.service_worker <json config>`` by
+``ckpt.local_cluster``; ``config["scenario"]`` picks what to do. Every
+scenario checks what it can inside the job and returns a JSON-able dict that
+the test asserts on. The state helpers at the top (``kill_state`` and
+friends) are pure numpy so the test process can rebuild the expected values.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+# ---- deterministic states (pure numpy; also imported by the test) ---------
+
+KILL_SHAPES = {
+    # ~26 MB in all: saves take a noticeable time on a small CPU machine.
+    "w": ((1024, 4096), "float32"),     # sharded over both mesh axes
+    "emb": ((2048, 512), "float32"),    # sharded over x, replicated over y
+    "r": ((512, 1024), "float32"),      # replicated on every device
+    "i": ((1024, 1024), "int32"),       # sharded over y on axis 1
+}
+KILL_SPECS = {"w": ("x", "y"), "emb": ("x", None), "r": (), "i": (None, "y")}
+
+
+def _base(name: str, shape, dtype: str, seed: int) -> np.ndarray:
+  rng = np.random.default_rng([seed, sum(map(ord, name))])
+  if np.dtype(dtype).kind == "f":
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+  return rng.integers(-2**20, 2**20, size=shape, dtype=np.int64).astype(dtype)
+
+
+_KILL_BASE: dict[str, np.ndarray] = {}
+
+
+def kill_state(step: int) -> dict[str, Any]:
+  """The state a kill-test job saves at ``step``: base + step, every element
+  differs from one step to the next."""
+  if not _KILL_BASE:
+    for name, (shape, dtype) in KILL_SHAPES.items():
+      _KILL_BASE[name] = _base(name, shape, dtype, 1234)
+  out: dict[str, Any] = {
+      name: base + np.asarray(step, dtype=base.dtype)
+      for name, base in _KILL_BASE.items()}
+  out["step"] = step
+  return out
+
+
+PREEMPT_SHAPES = {"a": ((64, 128), "float32"), "b": ((128, 32), "int32")}
+PREEMPT_SPECS = {"a": ("x", "y"), "b": ("y", None)}
+
+
+def preempt_base() -> dict[str, np.ndarray]:
+  """Integers (also as float32) so that base + step is exact in any order."""
+  out = {}
+  for name, (shape, dtype) in PREEMPT_SHAPES.items():
+    rng = np.random.default_rng([7, sum(map(ord, name))])
+    out[name] = rng.integers(-1000, 1000, size=shape).astype(dtype)
+  return out
+
+
+def same_bits(a: Any, b: Any) -> bool:
+  """Bit-exact equality of two arrays (NaN payloads and -0.0 included)."""
+  a, b = np.asarray(a), np.asarray(b)
+  return (a.dtype == b.dtype and a.shape == b.shape and
+          np.ascontiguousarray(a).tobytes() ==
+          np.ascontiguousarray(b).tobytes())
+
+
+# ---- jax helpers (only in a worker, after init_from_env) ------------------
+
+
+def _mesh(shape):
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  return Mesh(np.array(jax.devices()).reshape(shape), ("x", "y"))
+
+
+def _sharding(mesh, spec):
+  from jax import sharding  # pylint: disable=g-import-not-at-top
+  return sharding.NamedSharding(mesh, sharding.PartitionSpec(*spec))
+
+
+def _put(value: np.ndarray, sharding):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.make_array_from_callback(value.shape, sharding,
+                                      lambda idx: value[idx])
+
+
+def _target(value: np.ndarray, sharding):
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+
+
+def _snapshot(arr) -> list[tuple[tuple, np.ndarray]]:
+  """Host copies of this process's distinct shards of ``arr``."""
+  out, seen = [], set()
+  for s in arr.addressable_shards:
+    key = tuple((sl.start, sl.stop) for sl in s.index)
+    if key not in seen:
+      seen.add(key)
+      out.append((s.index, np.array(s.data, copy=True)))
+  return out
+
+
+def _shards_match(arr, expected_full: np.ndarray) -> bool:
+  """Every addressable shard of ``arr`` equals ``expected_full`` there."""
+  return (tuple(arr.shape) == expected_full.shape and
+          all(same_bits(np.asarray(s.data), expected_full[s.index])
+              for s in arr.addressable_shards))
+
+
+def _snapshot_matches(restored, snap, *, full: bool) -> bool:
+  """``restored`` (a host array if ``full``, else a jax.Array with the
+  snapshot's sharding) equals every shard of a ``_snapshot``."""
+  for index, data in snap:
+    if full:
+      got = np.asarray(restored)[index]
+    else:
+      got = next(np.asarray(s.data) for s in restored.addressable_shards
+                 if s.index == index)
+    if not same_bits(got, data):
+      return False
+  return True
+
+
+class _Warnings(std_logging.Handler):
+  """Collects absl/python log records at WARNING and above."""
+
+  def __init__(self):
+    super().__init__(std_logging.WARNING)
+    self.messages: list[str] = []
+
+  def emit(self, record):
+    self.messages.append(record.getMessage())
+
+
+def _capture_warnings() -> _Warnings:
+  h = _Warnings()
+  std_logging.getLogger("absl").addHandler(h)
+  return h
+
+
+def _sync(name: str, timeout_s: float = 120.0) -> None:
+  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  multihost.barrier(f"test/{name}", timeout_s=timeout_s, what="test sync")
+
+
+def _wait_file(path: str, timeout_s: float) -> bool:
+  deadline = time.monotonic() + timeout_s
+  while time.monotonic() < deadline:
+    if os.path.exists(path):
+      return True
+    time.sleep(0.02)
+  return False
+
+
+def _touch(path: str) -> None:
+  with open(path + ".partial", "w") as f:
+    f.write(str(time.time()))
+  os.replace(path + ".partial", path)
+
+
+def _err(e: BaseException) -> dict[str, str]:
+  return {"type": type(e).__name__, "msg": str(e)}
+
+
+# ---- scenarios ------------------------------------------------------------
+
+
+def scenario_async(conf: dict) -> dict:
+  """Async saves in a row, each followed by donating jitted steps."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root = conf["dir"]
+  mesh = _mesh((4, 2))
+  specs = {"w": ("x", "y"), "b": ("y",), "r": (), "i": ("x", None),
+           "h": (None, "x")}
+  host = {"w": _base("w", (512, 1024), "float32", 1),
+          "b": _base("b", (1024,), "float32", 2),
+          "r": _base("r", (256, 256), "float32", 3),
+          "i": _base("i", (128, 512), "int32", 4),
+          "h": _base("h", (256, 512), "bfloat16", 5)}
+  shardings = {k: _sharding(mesh, specs[k]) for k in host}
+  params = {k: _put(v, shardings[k]) for k, v in host.items()}
+
+  def _step(p):
+    return {k: (v * 3 + 1 if jnp.issubdtype(v.dtype, jnp.integer)
+                else v * 1.5 + 0.25) for k, v in p.items()}
+  step_fn = jax.jit(_step, donate_argnums=0)
+
+  steps = [10, 20, 30, 40]
+  snaps, stats, notes = {}, [], []
+  in_flight_at_return, prev_committed_at_return, donated = [], [], []
+  reader_saw = []
+  ck = ckpt.Checkpointer(root, async_save=True)
+  for k, step in enumerate(steps):
+    snaps[step] = {name: _snapshot(a) for name, a in params.items()}
+    ok = ck.save(step, {"params": params, "step": step, "note": f"s{step}"})
+    st = ck.last_save_stats
+    committed_now = os.path.exists(
+        os.path.join(root, f"checkpoint_{step}", "index.msgpack"))
+    in_flight_at_return.append(ok and not committed_now)
+    if k == 1:  # open (and close) a reader while this save is in flight
+      reader = ckpt.Checkpointer(root)
+      reader_saw.append(reader.all_steps())
+      reader.close()
+    if k:
+      prev_committed_at_return.append(os.path.exists(
+          os.path.join(root, f"checkpoint_{steps[k - 1]}", "index.msgpack")))
+    old = params
+    for _ in range(3):  # donate the saved buffers right away
+      params = step_fn(params)
+    donated.append(all(a.is_deleted() for a in old.values()))
+    del old
+    stats.append(st)
+    notes.append(ok)
+  ck.wait_until_finished()
+  stat_rows = [{"step": s.step, "blocking_s": s.blocking_s,
+                "total_s": s.total_s, "bytes_written": s.bytes_written,
+                "skipped": s.skipped}
+               for s in stats]
+  # Bit-exact restore of every step: onto the saving shardings, and as full
+  # host values (which also covers the other processes' shards).
+  exact_sharded, exact_full, scalars = {}, {}, {}
+  for step in steps:
+    target = {"params": {k: _target(host[k], shardings[k]) for k in host},
+              "step": 0, "note": ""}
+    out = ck.restore(step, target=target)
+    exact_sharded[step] = all(
+        _snapshot_matches(out["params"][k], snaps[step][k], full=False)
+        for k in host)
+    full = ck.restore(step)
+    exact_full[step] = all(
+        _snapshot_matches(full["params"][k], snaps[step][k], full=True)
+        for k in host)
+    scalars[step] = [out["step"], out["note"], full["step"], full["note"]]
+  all_steps = ck.all_steps()
+  ck.close()
+  # A synchronous save returns only once it is committed.
+  sync = ckpt.Checkpointer(os.path.join(root, "sync"), async_save=False)
+  sync.save(1, {"params": params})
+  sync_committed = os.path.exists(
+      os.path.join(root, "sync", "checkpoint_1", "index.msgpack"))
+  sync_stats = sync.last_save_stats
+  sync.close()
+  return {"saved": notes, "stats": stat_rows,
+          "in_flight_at_return": in_flight_at_return,
+          "prev_committed_at_return": prev_committed_at_return,
+          "donated": donated, "reader_saw": reader_saw,
+          "exact_sharded": exact_sharded,
+          "exact_full": exact_full, "scalars": scalars,
+          "all_steps": all_steps, "sync_committed": sync_committed,
+          "sync_stats": [sync_stats.blocking_s, sync_stats.total_s]}
+
+
+def scenario_bgfail(conf: dict) -> dict:
+  """Failures on the background thread, re-raised by wait/save/close.
+
+  Process 0 commits by renaming the work directory to ``checkpoint_<step>``;
+  a plain file of that name makes the rename fail on process 0 only, after
+  every process has written. Process 1 then waits at the last barrier, which
+  times out (barrier_timeout_s is short).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root = conf["dir"]
+  pid = jax.process_index()
+  mesh = _mesh((2, 2))
+  host = {"w": _base("w", (256, 128), "float32", 11),
+          "i": _base("i", (64, 64), "int32", 12)}
+  sh = {"w": _sharding(mesh, ("x", "y")), "i": _sharding(mesh, (None, "x"))}
+  state = {k: _put(v, sh[k]) for k, v in host.items()}
+  timeout = conf["barrier_timeout_s"]
+  out: dict[str, Any] = {"pid": pid}
+
+  def block(step):
+    if pid == 0:
+      with open(os.path.join(root, f"checkpoint_{step}"), "w") as f:
+        f.write("not a directory")
+    _sync(f"block{step}")
+
+  ck = ckpt.Checkpointer(root, barrier_timeout_s=timeout)
+  ck.save(1, state)
+  ck.wait_until_finished()
+
+  # (a) wait_until_finished re-raises.
+  block(2)
+  out["a_returned"] = ck.save(2, state)
+  t0 = time.monotonic()
+  try:
+    ck.wait_until_finished()
+    out["a"] = None
+  except ckpt.CheckpointError as e:
+    out["a"] = _err(e)
+  out["a_wait_s"] = time.monotonic() - t0
+  try:
+    ck.wait_until_finished()  # reported once, then cleared
+    out["a_again"] = None
+  except ckpt.CheckpointError as e:
+    out["a_again"] = _err(e)
+  _sync("after_a")
+
+  # (b) the next save re-raises, and does not save its own step.
+  block(3)
+  out["b_returned"] = ck.save(3, state)
+  try:
+    ck.save(4, state)
+    out["b"] = None
+  except ckpt.CheckpointError as e:
+    out["b"] = _err(e)
+  _sync("after_b")
+  out["b_step4_exists"] = any(
+      n.startswith("checkpoint_4") for n in os.listdir(root))
+
+  # (c) close re-raises.
+  block(5)
+  out["c_returned"] = ck.save(5, state)
+  try:
+    ck.close()
+    out["c"] = None
+  except ckpt.CheckpointError as e:
+    out["c"] = _err(e)
+  try:
+    ck.save(6, state)
+    out["c_closed"] = None
+  except ckpt.CheckpointError as e:
+    out["c_closed"] = _err(e)
+  _sync("after_c")
+
+  # A new Checkpointer (process 0) cleans up; saving works again.
+  out["tmp_before"] = sorted(n for n in os.listdir(root) if ".tmp-" in n)
+  _sync("listed")
+  if pid == 0:
+    for s in (2, 3, 5):
+      os.remove(os.path.join(root, f"checkpoint_{s}"))
+  ck2 = ckpt.Checkpointer(root, barrier_timeout_s=60)
+  ck2.save(6, state)  # process 0 removes abandoned work at its first save
+  ck2.wait_until_finished()
+  out["tmp_after"] = sorted(n for n in os.listdir(root) if ".tmp-" in n)
+  out["all_steps"] = ck2.all_steps()
+  tgt = {k: _target(v, sh[k]) for k, v in host.items()}
+  out["exact"] = {s: all(_shards_match(ck2.restore(s, target=tgt)[k], host[k])
+                         for k in host) for s in (1, 6)}
+  ck2.close()
+  return out
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _PeakRss:
+  """Samples this process's resident memory while a save runs."""
+
+  def __init__(self):
+    self.base = _rss_bytes()
+    self.peak = self.base
+    self._stop = threading.Event()
+    self._t = threading.Thread(target=self._run, daemon=True)
+
+  def _run(self):
+    while not self._stop.is_set():
+      self.peak = max(self.peak, _rss_bytes())
+      time.sleep(0.0005)
+
+  def __enter__(self):
+    self._t.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._t.join()
+    self.peak = max(self.peak, _rss_bytes())
+
+
+def scenario_budget(conf: dict) -> dict:
+  """Saves under a byte budget much smaller than the state, one per case.
+
+  Each case is ``{"shapes": {name: [shape, dtype]}, "specs": {name: spec or
+  None}}``; a None spec makes a host numpy leaf. Resident memory is sampled
+  during the save (after a warm-up save, so thread pools already exist).
+  """
+  import gc  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root = conf["dir"]
+  mesh = _mesh((2, 2))
+  budget, chunk = conf["budget"], conf["chunk_bytes"]
+  warm = ckpt.Checkpointer(os.path.join(root, "warmup"),
+                           concurrent_bytes=budget, chunk_bytes=chunk)
+  warm.save(1, {"w": _put(_base("w", (256, 256), "float32", 20),
+                          _sharding(mesh, ("x", "y"))),
+                "h": _base("h", (256, 256), "float32", 20)})
+  warm.close()
+  out: dict[str, Any] = {}
+  for label, case in conf["cases"].items():
+    specs = case["specs"]
+    host = {name: _base(name, tuple(shape), dtype, 21 + i)
+            for i, (name, (shape, dtype)) in enumerate(case["shapes"].items())}
+    sh = {k: _sharding(mesh, specs[k]) for k in host if specs[k] is not None}
+    state = {k: (_put(v, sh[k]) if k in sh else v) for k, v in host.items()}
+    ck = ckpt.Checkpointer(os.path.join(root, label), concurrent_bytes=budget,
+                           chunk_bytes=chunk)
+    gc.collect()
+    _sync(f"before_{label}")
+    with _PeakRss() as rss:
+      ck.save(1, state)
+      ck.wait_until_finished()
+    st = ck.last_save_stats
+    tgt = {k: (_target(v, sh[k]) if k in sh else v) for k, v in host.items()}
+    restored = ck.restore(1, target=tgt)
+    exact = all(_shards_match(restored[k], host[k]) if k in sh
+                else same_bits(restored[k], host[k]) for k in host)
+    full = ck.restore(1)
+    exact = exact and all(same_bits(full[k], host[k]) for k in host)
+    out[label] = {"peak_bytes_in_flight": st.peak_bytes_in_flight,
+                  "bytes_written": st.bytes_written,
+                  "boxes_written": st.boxes_written,
+                  "rss_delta": rss.peak - rss.base, "exact": exact,
+                  "total_s": st.total_s, "blocking_s": st.blocking_s}
+    ck.close()
+    del restored, full, state
+  return out
+
+
+def scenario_barrier_timeout(conf: dict) -> dict:
+  """One process never arrives; the other raises within the timeout."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root, marks = conf["dir"], conf["marks"]
+  timeout = conf["barrier_timeout_s"]
+  pid = jax.process_index()
+  mesh = _mesh((2, 2))
+  host = _base("w", (128, 256), "float32", 31)
+  state = {"w": _put(host, _sharding(mesh, ("x", "y")))}
+  out: dict[str, Any] = {"pid": pid}
+  # Same Checkpointers in the same order on both (keys line up).
+  ck1 = ckpt.Checkpointer(os.path.join(root, "a"), barrier_timeout_s=timeout)
+  ck2 = ckpt.Checkpointer(os.path.join(root, "b"), barrier_timeout_s=timeout)
+  for phase, (ck, saver, step) in enumerate(((ck1, 0, 7), (ck2, 1, 8))):
+    if pid == saver:
+      t0 = time.monotonic()
+      try:
+        ck.save(step, state)
+        ck.wait_until_finished()
+        out[f"phase{phase}"] = None
+      except ckpt.CheckpointError as e:
+        out[f"phase{phase}"] = _err(e)
+        out[f"phase{phase}_barrier_error"] = isinstance(
+            e, ckpt.BarrierTimeoutError)
+      out[f"phase{phase}_s"] = time.monotonic() - t0
+      _touch(os.path.join(marks, f"phase{phase}_done"))
+    else:  # never arrives: sleeps (bounded) until the other gave up
+      out[f"phase{phase}_waited"] = _wait_file(
+          os.path.join(marks, f"phase{phase}_done"), 4 * timeout + 30)
+    _sync(f"phase{phase}")
+  out["committed"] = [ck1.all_steps(), ck2.all_steps()]
+  return out
+
+
+def scenario_retention(conf: dict) -> dict:
+  """Real saves with retention policies; all_steps() after each save."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  mesh = _mesh((2, 2))
+  host = _base("w", (64, 64), "float32", 41)
+  state = {"w": _put(host, _sharding(mesh, ("x", "y")))}
+  out = {}
+  for case in conf["cases"]:
+    root = os.path.join(conf["dir"], case["name"])
+    kwargs = case["kwargs"]
+    history = []
+    ck = ckpt.Checkpointer(root, **kwargs)
+    for i, (step, metrics) in enumerate(case["saves"]):
+      if i == case.get("restart_after", -1):  # a new job on the same dir
+        ck.close()
+        ck = ckpt.Checkpointer(root, **kwargs)
+      ck.save(step, state, metrics=metrics)
+      ck.wait_until_finished()
+      history.append(ck.all_steps())
+    # metrics() from a fresh Checkpointer (read from the index, no cache).
+    fresh = ckpt.Checkpointer(root)
+    out[case["name"]] = {
+        "history": history,
+        "metrics": {str(s): ck.metrics(s) for s in ck.all_steps()},
+        "metrics_fresh": {str(s): fresh.metrics(s) for s in fresh.all_steps()},
+        "on_disk": sorted(n for n in os.listdir(root)),
+    }
+    fresh.close()
+    ck.close()
+  return out
+
+
+def hs_value(pid: int, step: int) -> dict:
+  return {"pid": pid, "pos": 1000 * step + pid, "seed": [pid, step],
+          "blob": bytes([pid, step, 255]), "name": f"proc{pid}"}
+
+
+def scenario_resave_host_state(conf: dict) -> dict:
+  """Phase "first": saves with host_state and re-saves a committed step.
+  Phase "restart": a new job resumes and saves its resume step again.
+  Phase "other_count": a job with another process count asks for host_state.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root = conf["dir"]
+  pid, n = jax.process_index(), jax.process_count()
+  host = _base("w", (128, 64), "float32", 51)
+  mesh = _mesh((n, len(jax.devices()) // n))
+  sh = _sharding(mesh, ("x", "y"))
+  warn = _capture_warnings()
+  out: dict[str, Any] = {"pid": pid}
+
+  def state(step):
+    return {"w": _put(host + np.float32(step), sh), "step": step}
+
+  def exact(ck, step):
+    r = ck.restore(step, target={"w": _target(host, sh), "step": 0})
+    return _shards_match(r["w"], host + np.float32(step)) and r["step"] == step
+
+  ck = ckpt.Checkpointer(root)
+  if conf["phase"] == "first":
+    out["saved"] = [ck.save(1, state(1), host_state=hs_value(pid, 1)),
+                    ck.save(2, state(2), host_state=hs_value(pid, 2)),
+                    ck.save(3, state(3))]
+    ck.wait_until_finished()
+    out["hs"] = {"1": ck.host_state(1), "2": ck.host_state(2),
+                 "3": ck.host_state(3), "latest": ck.host_state()}
+    n_warn = len(warn.messages)
+    out["resave"] = [ck.save(2, state(99), host_state=hs_value(pid, 99)),
+                     ck.save(3, state(99))]
+    out["resave_skipped_stat"] = ck.last_save_stats.skipped
+    ck.wait_until_finished()
+    out["warnings"] = warn.messages[n_warn:]
+    out["exact"] = {s: exact(ck, s) for s in (1, 2, 3)}
+    out["hs_after"] = ck.host_state(2)
+  elif conf["phase"] == "restart":
+    resume = ck.latest_step()
+    out["resume"] = resume
+    out["resume_exact"] = exact(ck, resume)
+    n_warn = len(warn.messages)
+    out["resave"] = ck.save(resume, state(resume),
+                            host_state=hs_value(pid, 77))
+    out["warnings"] = warn.messages[n_warn:]
+    out["next"] = ck.save(resume + 1, state(resume + 1),
+                          host_state=hs_value(pid, resume + 1))
+    ck.wait_until_finished()
+    out["all_steps"] = ck.all_steps()
+    out["hs"] = {"2": ck.host_state(2), "next": ck.host_state(resume + 1)}
+    out["exact"] = {s: exact(ck, s) for s in ck.all_steps()}
+  else:  # other_count
+    try:
+      out["hs"] = ck.host_state(2)
+      out["error"] = None
+    except ckpt.CheckpointError as e:
+      out["error"] = _err(e)
+    out["exact"] = {s: exact(ck, s) for s in ck.all_steps()}
+  ck.close()
+  return out
+
+
+def scenario_preempt(conf: dict) -> dict:
+  """A training loop that saves where a preemption notice arrived."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root, marks = conf["dir"], conf["marks"]
+  pid = jax.process_index()
+  mesh = _mesh((2, 2))
+  base = preempt_base()
+  sh = {k: _sharding(mesh, PREEMPT_SPECS[k]) for k in base}
+  state = {k: _put(v, sh[k]) for k, v in base.items()}
+  inc = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  ck = ckpt.Checkpointer(root, barrier_timeout_s=60)
+  deadline = time.monotonic() + conf["max_s"]
+  step = 0
+  while time.monotonic() < deadline:
+    if ck.reached_preemption(step):
+      t_notice = time.time()
+      ck.save(step, {"params": state, "step": step})
+      ck.wait_until_finished()
+      ck.close()
+      return {"pid": pid, "step": step, "t_notice": t_notice}
+    state = inc(state)
+    step += 1
+    if step == 20:
+      _touch(os.path.join(marks, f"looping_{pid}"))
+    time.sleep(0.005)
+  return {"pid": pid, "step": None, "last": step}
+
+
+def scenario_killloop(conf: dict) -> dict:
+  """Back-to-back saves of kill_state(step) until killed (or max_step)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  root, events_dir, launch = conf["dir"], conf["events"], conf["launch"]
+  pid = jax.process_index()
+  log = open(os.path.join(events_dir, f"p{pid}.log"), "a", buffering=1)
+  log_lock = threading.Lock()
+
+  def ev(name: str, step: int = -1) -> None:
+    with log_lock:  # one write(2) per line
+      log.write(f"{time.time():.6f} {launch} {name} {step}\n")
+
+  # The background part of a save ends when its stats get total_s; a watcher
+  # logs that moment, so the test knows whether a kill hit a save in flight.
+  watched: list = [None]
+
+  def watch():
+    done = None
+    while True:
+      st = watched[0]
+      if st is not None and st.step != done and st.total_s > 0:
+        ev("bg_done", st.step)
+        done = st.step
+      time.sleep(0.002)
+
+  threading.Thread(target=watch, daemon=True).start()
+
+  ev("init")
+  mesh = _mesh((2, len(jax.devices()) // 2))
+  sh = {k: _sharding(mesh, spec) for k, spec in KILL_SPECS.items()}
+  tmp_before = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
+      os.path.isdir(root)) else []
+  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60)
+
+  def report_cleanup():
+    # Process 0 removed abandoned work at this job's first save; nothing of
+    # an earlier job may be left once that save has committed.
+    if pid == 0:
+      after = sorted(n for n in os.listdir(root) if ".tmp-" in n)
+      path = os.path.join(events_dir, f"cleanup_{launch}.json")
+      with open(path + ".partial", "w") as f:
+        json.dump({"before": tmp_before, "after": after}, f)
+      os.replace(path + ".partial", path)
+  latest = ck.latest_step()
+  resume_exact = None
+  if latest is not None:  # the job restores its latest step, bit-exact
+    want = kill_state(latest)
+    tgt = {k: _target(want[k], sh[k]) for k in KILL_SPECS}
+    tgt["step"] = 0
+    got = ck.restore(latest, target=tgt)
+    resume_exact = got["step"] == latest and all(
+        _shards_match(got[k], want[k]) for k in KILL_SPECS)
+    if not resume_exact:
+      ev("resume_mismatch", latest)
+  ready = os.path.join(events_dir, f"ready_{launch}_{pid}")
+  with open(ready + ".partial", "w") as f:
+    json.dump({"latest": latest, "resume_exact": resume_exact}, f)
+  os.replace(ready + ".partial", ready)
+  ev("ready", -1 if latest is None else latest)
+  step = 0 if latest is None else latest + 1
+  prev, first = None, True
+  while step < conf["max_step"]:
+    host = kill_state(step)
+    state = {k: _put(host[k], sh[k]) for k in KILL_SPECS}
+    state["step"] = step
+    ck.wait_until_finished()
+    if prev is not None:
+      ev("committed", prev)
+      if first:
+        report_cleanup()
+        first = False
+    ev("save_start", step)
+    ck.save(step, state)
+    ev("staged", step)
+    watched[0] = ck.last_save_stats
+    prev, step = step, step + 1
+    del state, host
+  ck.wait_until_finished()
+  if prev is not None:
+    ev("committed", prev)
+    if first:
+      report_cleanup()
+  steps = ck.all_steps()
+  ck.close()
+  return {"pid": pid, "latest_before": latest, "resume_exact": resume_exact,
+          "all_steps": steps}
+
+
+def scenario_restore_race(conf: dict) -> dict:
+  """Restores a step while the in-flight save's retention would drop it.
+
+  keep=1: committing step 2 makes step 1 eligible for deletion (process 0,
+  after the commit). Step 1 is big (many leaves, a small byte budget), step 2
+  tiny, so step 2 commits while step 1 is still being read. Two variants,
+  each in its own directory: "all" (every process restores step 1, the SPMD
+  way) and "p1" (only process 1 reads it; process 0 goes on).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+
+  pid = jax.process_index()
+  mesh = _mesh((2, 2))
+  n_leaves, shape = conf["leaves"], tuple(conf["shape"])
+  big = {f"l{i:03d}": _base(f"l{i:03d}", shape, "float32", 60 + i)
+         for i in range(n_leaves)}
+  sh = _sharding(mesh, ("x", "y"))
+  state = {k: _put(v, sh) for k, v in big.items()}
+  tiny = {"t": _put(_base("t", (16, 16), "float32", 70), sh)}
+  out: dict[str, Any] = {"pid": pid}
+  for who in ("all", "p1"):
+    res: dict[str, Any] = {}
+    ck = ckpt.Checkpointer(os.path.join(conf["dir"], who), keep=1,
+                           barrier_timeout_s=60,
+                           concurrent_bytes=conf["budget"])
+    ck.save(1, state)
+    ck.wait_until_finished()
+    _sync(f"before_{who}")
+    ck.save(2, tiny)
+    if who == "all" or pid == 1:
+      try:
+        got = ck.restore(1)
+        res["restore"] = "ok"
+        res["exact"] = all(same_bits(got[k], big[k]) for k in big)
+      except ckpt.CheckpointNotFoundError as e:
+        res["restore"] = "not_found"
+        res["error"] = _err(e)
+      except ckpt.CheckpointError as e:
+        res["restore"] = "error"
+        res["error"] = _err(e)
+    ck.wait_until_finished()
+    res["all_steps"] = ck.all_steps()
+    ck.close()
+    out[who] = res
+  return out
+
+
+SCENARIOS = {
+    "async": scenario_async,
+    "bgfail": scenario_bgfail,
+    "budget": scenario_budget,
+    "barrier_timeout": scenario_barrier_timeout,
+    "retention": scenario_retention,
+    "resave_host_state": scenario_resave_host_state,
+    "preempt": scenario_preempt,
+    "killloop": scenario_killloop,
+    "restore_race": scenario_restore_race,
+}
+
+
+def jsonable(x: Any) -> Any:
+  if isinstance(x, dict):
+    return {str(k): jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [jsonable(v) for v in x]
+  if isinstance(x, bytes):
+    return {"bytes": list(x)}
+  if isinstance(x, np.generic):
+    return x.item()
+  return x
+
+
+def main() -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.init_from_env()
+  conf = json.loads(sys.argv[1])
+  result = SCENARIOS[conf["scenario"]](conf)
+  local_cluster.write_result(jsonable(result))
+
+
+if __name__ == "__main__":
+  main()
