@@ -28,7 +28,8 @@ def loss(**by_step):
 
 def test_no_keep_keeps_everything():
   assert kept(RetentionPolicy(), range(1, 10)) == list(range(1, 10))
-  assert kept(RetentionPolicy(keep_period=4), range(1, 10)) == list(range(1, 10))
+  assert kept(RetentionPolicy(keep_period=4), range(1, 10)) == list(
+      range(1, 10))
   assert kept(RetentionPolicy(best_metric="loss"), [1, 2, 3],
               loss(s1=3, s2=2, s3=1)) == [1, 2, 3]
 
@@ -112,7 +113,8 @@ def test_best_ties_prefer_newer():
 
 def test_other_metrics_are_ignored():
   policy = RetentionPolicy(keep=1, best_metric="eval/loss")
-  metrics = {1: {"eval/loss": 1.0, "acc": 0.0}, 2: {"eval/loss": 2.0, "acc": 1.0},
+  metrics = {1: {"eval/loss": 1.0, "acc": 0.0},
+             2: {"eval/loss": 2.0, "acc": 1.0},
              3: {"eval/loss": 3.0, "acc": 0.5}}
   assert kept(policy, [1, 2, 3], metrics) == [1, 3]
 

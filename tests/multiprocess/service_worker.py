@@ -713,7 +713,10 @@ def scenario_restore_race(conf: dict) -> dict:
          for i in range(n_leaves)}
   sh = _sharding(mesh, ("x", "y"))
   state = {k: _put(v, sh) for k, v in big.items()}
-  tiny = {"t": _put(_base("t", (16, 16), "float32", 70), sh)}
+  # Step 2 takes a while to write (so the restore below starts first) but
+  # much less than step 1 takes to read.
+  second = {"t": _put(_base("t", tuple(conf["second_shape"]), "float32", 70),
+                      sh)}
   out: dict[str, Any] = {"pid": pid}
   for who in ("all", "p1"):
     res: dict[str, Any] = {}
@@ -723,7 +726,8 @@ def scenario_restore_race(conf: dict) -> dict:
     ck.save(1, state)
     ck.wait_until_finished()
     _sync(f"before_{who}")
-    ck.save(2, tiny)
+    ck.save(2, second)
+    t0 = time.monotonic()
     if who == "all" or pid == 1:
       try:
         got = ck.restore(1)
@@ -735,7 +739,9 @@ def scenario_restore_race(conf: dict) -> dict:
       except ckpt.CheckpointError as e:
         res["restore"] = "error"
         res["error"] = _err(e)
+    res["restore_s"] = time.monotonic() - t0
     ck.wait_until_finished()
+    res["save_s"] = ck.last_save_stats.total_s - ck.last_save_stats.blocking_s
     res["all_steps"] = ck.all_steps()
     ck.close()
     out[who] = res

@@ -334,7 +334,8 @@ def test_restore_while_retention_runs_spmd(restore_race_run):
   assert len(outcomes) == 1, restore_race_run  # every process agrees
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(
+    "known gap, timing-dependent (so not strict): "
     "restore protects its step only on its own process (_restoring); process "
     "0's retention, run at the commit of the in-flight save, deletes a step "
     "that process 1 is still reading (CorruptCheckpointError: chunk missing)"))
