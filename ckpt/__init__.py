@@ -5,11 +5,13 @@ from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          CheckpointNotFoundError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError,
                          TreeMismatchError)
+from ckpt import transforms
+from ckpt.lazy import LazyLeaf
 from ckpt.partition import MeshPartitioner
 from ckpt.restore import load
 
 __all__ = [
-    "Checkpointer", "MeshPartitioner", "load", "BarrierTimeoutError",
+    "Checkpointer", "LazyLeaf", "MeshPartitioner", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "InvalidStateError", "MissingLeavesError", "TreeMismatchError",
 ]

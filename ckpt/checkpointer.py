@@ -29,6 +29,7 @@ from ckpt import multihost
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
+from ckpt import tree
 from ckpt import tsspec
 from ckpt.errors import CheckpointError, InvalidStateError
 from ckpt.limiter import ByteLimiter
@@ -126,8 +127,10 @@ class Checkpointer:
       self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
       return False
     metrics = _check_metrics(metrics)
-    for fn in transforms:
-      state = fn(state)
+    if transforms:  # they see and return nested dicts keyed by path parts
+      state = tree.nest(dict(tree.flatten(state)))
+      for fn in transforms:
+        state = fn(state)
     host_bytes = _pack_host_state(host_state)
     t0 = time.perf_counter()
     plan = save_lib.plan_save(state, self._options, self.partitioner)
@@ -245,26 +248,44 @@ class Checkpointer:
               verify: bool = False) -> Any:
     """Restores ``step`` (default: latest) or the checkpoint at ``path``.
 
-    ``target`` is a PyTree of ``jax.ShapeDtypeStruct`` (with ``.sharding``)
-    or arrays saying where each leaf goes; None returns host numpy values in
-    the saved structure.
+    Args:
+      target: a PyTree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or
+        arrays saying where each leaf goes; None returns host numpy values.
+        A target that is a subset of the saved tree restores that subset;
+        checkpoint leaves it does not want are never read.
+      transforms: ``fn(ckpt_tree, target_tree, *, is_resuming) -> ckpt_tree``
+        over nested dicts keyed by path parts whose array leaves are lazy
+        (see ``ckpt.transforms``). ``is_resuming`` is True when this restores
+        the Checkpointer's own latest step (resuming a job), False when it
+        initialises from ``path=`` or an earlier step.
+      fallback_state: a PyTree like ``target`` that supplies leaves the
+        checkpoint (after transforms) does not have.
+      lazy: return LazyLeaf objects bound to the target's sharding and dtype;
+        ``leaf.read()`` (or ``await leaf.read_async()``) reads them later.
     """
     self._check_open()
-    if transforms or fallback_state is not None or lazy or verify:
+    if verify:
       raise CheckpointError(
-          "restore transforms, fallback_state, lazy and verify are not "
-          "available in this version of ckpt")
+          "restore(verify=True) needs the per-chunk checksums that this "
+          "version of ckpt does not record yet")
     if path is not None:
       storage, step_dir = storage_lib.Storage(path, self._storage_options), ""
-      step = None
+      is_resuming = False
+      if storage.read_bytes(storage_lib.INDEX_NAME) is None:
+        step, step_dir = restore_lib.locate(storage, step)
     else:
       storage = self.storage
+      latest = storage.committed_steps()
       step, step_dir = restore_lib.locate(storage, step)
+      is_resuming = bool(latest) and step == latest[-1]
+    args = restore_lib.RestoreArgs(
+        target=target, restore_dtype=self.restore_dtype,
+        transforms=tuple(transforms), fallback_state=fallback_state,
+        lazy=lazy, is_resuming=is_resuming)
     self._restoring.add(step)
     try:
       return self._run(restore_lib.restore(
-          storage, step_dir, target, self.restore_dtype,
-          ByteLimiter(self.concurrent_bytes), self._context))
+          storage, step_dir, args, self.concurrent_bytes, self._context))
     finally:
       self._restoring.discard(step)
 

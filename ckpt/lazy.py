@@ -1,10 +1,19 @@
-"""Lazy leaves: a stored array whose shape and dtype are known and whose data
-is read only when asked, and then only the boxes a process needs."""
+"""Lazy leaves: shape and dtype known, data read only when asked, and then
+only the boxes a process needs.
+
+Restore transforms see checkpoint arrays as LazyLeaf objects, and may build
+new ones from them (stack per-layer leaves, take one layer, reshape) without
+reading anything. Only the leaves that end up in the result are read, and
+only the boxes each process's devices hold.
+"""
 
 from __future__ import annotations
 
+import abc
 import asyncio
-from typing import Any
+import concurrent.futures
+import math
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,30 +23,95 @@ import tensorstore as ts
 from ckpt import index as index_lib
 from ckpt import tree
 from ckpt import tsspec
-from ckpt.errors import CorruptCheckpointError
+from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.limiter import ByteLimiter
 from ckpt.plan import Box
 
+DEFAULT_READ_BUDGET = 1 << 30
 
-class LazyArray:
-  """One array leaf of a checkpoint, not read yet."""
+
+def run_sync(coro):
+  """Runs a coroutine to completion from synchronous code.
+
+  A private thread with its own event loop, so it works even when the caller
+  already runs an event loop (never nests asyncio.run in the caller's thread).
+  """
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    return pool.submit(asyncio.run, coro).result()
+
+
+class LazyLeaf(abc.ABC):
+  """An array not read yet. Subclasses implement ``read_box``.
+
+  ``read()`` / ``read_async()`` materialize it: with no sharding as a host
+  numpy array, with a sharding as a ``jax.Array`` of which this process reads
+  only the boxes its devices hold. A leaf returned by ``restore(lazy=True)``
+  carries its target's sharding and dtype, so a bare ``read()`` places it
+  where the target said.
+  """
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  path: str = "<lazy>"
+  sharding: jax.sharding.Sharding | None = None  # where read() puts it
+  target_dtype: np.dtype | None = None          # what read() casts to
+  budget: int = DEFAULT_READ_BUDGET
+
+  @abc.abstractmethod
+  async def read_box(self, box: Box) -> np.ndarray:
+    """The data in ``box`` (in this leaf's dtype)."""
+
+  @property
+  def ndim(self) -> int:
+    return len(self.shape)
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * np.dtype(self.dtype).itemsize
+
+  def __repr__(self) -> str:
+    return (f"{type(self).__name__}({self.path!r}, shape={self.shape}, "
+            f"dtype={np.dtype(self.dtype).name})")
+
+  def bind(self, sharding, dtype) -> "LazyLeaf":
+    """A shallow copy whose read() targets ``sharding`` and ``dtype``."""
+    out = _copy(self)
+    out.sharding, out.target_dtype = sharding, (
+        None if dtype is None else np.dtype(dtype))
+    return out
+
+  async def read_async(self, sharding=None, dtype=None):
+    sharding = sharding if sharding is not None else self.sharding
+    dtype = dtype if dtype is not None else (self.target_dtype or self.dtype)
+    return await materialize(self, np.dtype(dtype), sharding,
+                             ByteLimiter(self.budget))
+
+  def read(self, sharding=None, dtype=None):
+    return run_sync(self.read_async(sharding, dtype))
+
+
+def _copy(leaf: LazyLeaf) -> LazyLeaf:
+  out = object.__new__(type(leaf))
+  out.__dict__.update(leaf.__dict__)
+  return out
+
+
+class LazyArray(LazyLeaf):
+  """One stored array of a checkpoint."""
 
   def __init__(self, entry: index_lib.ArrayEntry, storage_format: str,
                step_kvstore: dict[str, Any], context: ts.Context):
     self.entry = entry
     self.path = tree.path_str(entry.path)
-    self.shape = entry.shape
+    self.shape = tuple(entry.shape)
     self.dtype = np.dtype(entry.dtype)
     self._spec = tsspec.open_spec(storage_format, step_kvstore, entry.relpath)
     self._context = context
     self._store: ts.TensorStore | None = None
-
-  def __repr__(self) -> str:
-    return f"LazyArray({self.path!r}, shape={self.shape}, dtype={self.dtype})"
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.shape)) * self.dtype.itemsize
 
   async def _open(self) -> ts.TensorStore:
     if self._store is None:
@@ -67,11 +141,100 @@ class LazyArray:
       ) from e
 
 
+class LazyValue(LazyLeaf):
+  """A value already in memory (an inline leaf, a fallback, a user array)."""
+
+  def __init__(self, value: Any, path: str = "<value>"):
+    self.value = np.asarray(value)
+    self.scalar = isinstance(value, np.generic)
+    self.shape = tuple(self.value.shape)
+    self.dtype = self.value.dtype
+    self.path = path
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    return np.asarray(self.value[box.slices()])
+
+
+class LazyStack(LazyLeaf):
+  """Leaves of one shape and dtype stacked along a new ``axis``."""
+
+  def __init__(self, members: Sequence[LazyLeaf], axis: int = 0,
+               path: str = "<stack>"):
+    if not members:
+      raise TreeMismatchError(f"{path}: nothing to stack")
+    first = members[0]
+    for m in members[1:]:
+      if tuple(m.shape) != tuple(first.shape) or np.dtype(m.dtype) != np.dtype(first.dtype):
+        raise TreeMismatchError(
+            f"{path}: cannot stack {m.path!r} (shape {tuple(m.shape)}, dtype "
+            f"{np.dtype(m.dtype)}) with {first.path!r} (shape "
+            f"{tuple(first.shape)}, dtype {np.dtype(first.dtype)})")
+    if not 0 <= axis <= len(first.shape):
+      raise TreeMismatchError(f"{path}: stack axis {axis} out of range for "
+                              f"rank {len(first.shape)}")
+    self.members = list(members)
+    self.axis = axis
+    self.shape = (tuple(first.shape[:axis]) + (len(members),) +
+                  tuple(first.shape[axis:]))
+    self.dtype = np.dtype(first.dtype)
+    self.path = path
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    a = self.axis
+    inner = Box(box.start[:a] + box.start[a + 1:], box.stop[:a] + box.stop[a + 1:])
+    parts = await asyncio.gather(*(self.members[i].read_box(inner)
+                                   for i in range(box.start[a], box.stop[a])))
+    if not parts:
+      return np.zeros(box.shape, self.dtype)
+    return np.stack(parts, axis=a)
+
+
+class LazySlice(LazyLeaf):
+  """Index ``index`` of ``axis`` of another leaf (one layer of a stack)."""
+
+  def __init__(self, parent: LazyLeaf, axis: int, index: int,
+               path: str = "<slice>"):
+    if not 0 <= axis < len(parent.shape) or not 0 <= index < parent.shape[axis]:
+      raise TreeMismatchError(
+          f"{path}: cannot take index {index} of axis {axis} of "
+          f"{parent.path!r} with shape {tuple(parent.shape)}")
+    self.parent, self.axis, self.index = parent, axis, index
+    self.shape = tuple(parent.shape[:axis]) + tuple(parent.shape[axis + 1:])
+    self.dtype = np.dtype(parent.dtype)
+    self.path = path
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    a = self.axis
+    outer = Box(box.start[:a] + (self.index,) + box.start[a:],
+                box.stop[:a] + (self.index + 1,) + box.stop[a:])
+    return np.take(await self.parent.read_box(outer), 0, axis=a)
+
+
+class LazyReshape(LazyLeaf):
+  """Another leaf with a new shape of the same size (reads it whole)."""
+
+  def __init__(self, parent: LazyLeaf, shape: Sequence[int],
+               path: str = "<reshape>"):
+    shape = tuple(int(d) for d in shape)
+    if math.prod(shape) != math.prod(parent.shape):
+      raise TreeMismatchError(
+          f"{path}: cannot reshape {parent.path!r} from {tuple(parent.shape)} "
+          f"to {shape}")
+    self.parent, self.shape = parent, shape
+    self.dtype = np.dtype(parent.dtype)
+    self.path = path
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    whole = Box((0,) * len(self.parent.shape), tuple(self.parent.shape))
+    data = await self.parent.read_box(whole)
+    return np.asarray(data.reshape(self.shape)[box.slices()])
+
+
 def is_floating(dtype) -> bool:
   return jnp.issubdtype(np.dtype(dtype), jnp.floating)
 
 
-async def materialize(leaf: LazyArray | np.ndarray, out_dtype: np.dtype,
+async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
                       sharding: jax.sharding.Sharding | None,
                       limiter: ByteLimiter):
   """Reads what this process needs of ``leaf`` and places it.
@@ -83,6 +246,8 @@ async def materialize(leaf: LazyArray | np.ndarray, out_dtype: np.dtype,
   shape = tuple(leaf.shape)
   if sharding is None:
     data = await _read(leaf, Box((0,) * len(shape), shape), limiter, out_dtype)
+    if isinstance(leaf, LazyValue) and leaf.scalar:
+      return data[()]
     return data
   index_map = sharding.addressable_devices_indices_map(shape)
   by_box: dict[Box, list] = {}
@@ -106,17 +271,14 @@ async def materialize(leaf: LazyArray | np.ndarray, out_dtype: np.dtype,
       shape, sharding, [placed[d] for d in index_map])
 
 
-async def _read(leaf, box: Box, limiter: ByteLimiter | None, out_dtype):
-  if isinstance(leaf, LazyArray):
-    if limiter is None:
-      data = await leaf.read_box(box)
-    else:
-      grant = await limiter.acquire(box.size * leaf.dtype.itemsize)
-      try:
-        data = await leaf.read_box(box)
-      finally:
-        limiter.release(grant)
+async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,
+                out_dtype) -> np.ndarray:
+  if limiter is None:
+    data = await leaf.read_box(box)
   else:
-    # np.asarray again: indexing a 0-d array with () gives a numpy scalar.
-    data = np.asarray(np.asarray(leaf)[box.slices()])
-  return data.astype(out_dtype, copy=False)
+    grant = await limiter.acquire(box.size * np.dtype(leaf.dtype).itemsize)
+    try:
+      data = await leaf.read_box(box)
+    finally:
+      limiter.release(grant)
+  return np.asarray(data).astype(out_dtype, copy=False)

@@ -8,8 +8,8 @@ byte budget, cast, assemble ``jax.Array``s.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -50,16 +50,31 @@ def read_index(storage: storage_lib.Storage, step_dir: str) -> index_lib.Index:
 
 
 def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
-                      context) -> dict[str, Any]:
-  """path -> LazyArray (stored arrays) or the inline value."""
-  out: dict[str, Any] = {}
+                      context, budget: int) -> dict[tree.PathParts, Any]:
+  """path parts -> a LazyLeaf (arrays, stored or inline) or a python value."""
+  out: dict[tree.PathParts, Any] = {}
   for e in index.leaves:
-    name = tree.path_str(e.path)
     if isinstance(e, index_lib.ArrayEntry):
-      out[name] = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
+      leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
+    elif isinstance(e.value, (np.ndarray, np.generic)):
+      leaf = lazy.LazyValue(e.value, tree.path_str(e.path))
     else:
-      out[name] = e.value
+      out[e.path] = e.value
+      continue
+    leaf.budget = budget
+    out[e.path] = leaf
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreArgs:
+  """What the caller asked of one restore (see Checkpointer.restore)."""
+  target: Any = None
+  restore_dtype: Any = None
+  transforms: Sequence[Callable] = ()
+  fallback_state: Any = None
+  lazy: bool = False
+  is_resuming: bool = False
 
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
@@ -78,72 +93,99 @@ def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
 
 def _target_spec(x: Any):
   """(shape, dtype, sharding, wants_array) of one target leaf."""
-  if isinstance(x, jax.ShapeDtypeStruct):
-    return tuple(x.shape), np.dtype(x.dtype), x.sharding, True
-  if isinstance(x, jax.Array):
+  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
     return tuple(x.shape), np.dtype(x.dtype), x.sharding, True
   if isinstance(x, np.ndarray):
     return tuple(x.shape), np.dtype(x.dtype), None, True
   return None, None, None, False
 
 
-async def restore_leaves(ckpt_leaves: dict[str, Any], target: Any,
-                         restore_dtype, limiter: ByteLimiter) -> Any:
-  """Builds the restored tree (the target's structure, or the saved one)."""
-  if target is None:
-    raise ValueError("use restore_saved_structure for target=None")
-  flat, treedef = tree_util.tree_flatten(target)
-  named = tree.flatten(target)
-  missing = [tree.path_str(p) for p, _ in named
-             if tree.path_str(p) not in ckpt_leaves]
-  if missing:
-    raise MissingLeavesError(missing, list(ckpt_leaves))
-
-  async def one(parts, tgt):
-    name = tree.path_str(parts)
-    src = ckpt_leaves[name]
-    shape, wanted, sharding, wants_array = _target_spec(tgt)
-    if not wants_array:
-      if isinstance(src, lazy.LazyArray):  # never hand out a LazyArray
-        out = _out_dtype(name, src.dtype, None, restore_dtype)
-        return await lazy.materialize(src, out, None, limiter)
-      return _cast_value(name, src, restore_dtype)
-    src_shape = tuple(np.shape(src)) if not isinstance(src, lazy.LazyArray) else src.shape
-    if src_shape != shape:
-      raise TreeMismatchError(
-          f"leaf {name!r}: the checkpoint has shape {src_shape}, the target "
-          f"wants {shape}")
-    saved = src.dtype if isinstance(src, lazy.LazyArray) else np.asarray(src).dtype
-    out = _out_dtype(name, np.dtype(saved), wanted, restore_dtype)
-    return await lazy.materialize(src, out, sharding, limiter)
-
-  leaves = await asyncio.gather(*(one(p, t) for p, t in named))
-  return tree_util.tree_unflatten(treedef, leaves)
-
-
-async def restore_saved_structure(index: index_lib.Index,
-                                  ckpt_leaves: dict[str, Any], restore_dtype,
-                                  limiter: ByteLimiter) -> Any:
-  """target=None: every leaf as a host value, in the saved structure."""
-  names = list(ckpt_leaves)
-
-  async def one(name):
-    src = ckpt_leaves[name]
-    if isinstance(src, lazy.LazyArray):
-      out = _out_dtype(name, src.dtype, None, restore_dtype)
-      return await lazy.materialize(src, out, None, limiter)
-    return _cast_value(name, src, restore_dtype)
-
-  values = dict(zip(names, await asyncio.gather(*(one(n) for n in names))))
-  return tree.decode_structure(index.structure, values.__getitem__)
-
-
-def _cast_value(name: str, value: Any, restore_dtype) -> Any:
-  if (restore_dtype is not None and isinstance(value, (np.ndarray, np.generic))
-      and lazy.is_floating(value.dtype)):
-    out = np.asarray(value).astype(restore_dtype)
-    return out[()] if isinstance(value, np.generic) else out
+def _as_leaf(value: Any, name: str) -> Any:
+  """Arrays become LazyLeafs (so every array source reads alike)."""
+  if isinstance(value, lazy.LazyLeaf):
+    return value
+  if isinstance(value, (np.ndarray, np.generic)):
+    return lazy.LazyValue(value, name)
+  if isinstance(value, jax.Array) and value.is_fully_addressable:
+    return lazy.LazyValue(np.asarray(value), name)
   return value
+
+
+async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
+                   limiter: ByteLimiter) -> Any:
+  """One leaf: check it against its target leaf, then read it (or bind it)."""
+  shape, wanted, sharding, wants_array = _target_spec(tgt)
+  if isinstance(src, jax.Array) and not src.is_fully_addressable:
+    # A fallback array spread over processes: place it, never gather it.
+    if shape is not None and tuple(src.shape) != shape:
+      raise TreeMismatchError(
+          f"leaf {name!r}: the fallback has shape {tuple(src.shape)}, the "
+          f"target wants {shape}")
+    return jax.device_put(src, sharding) if sharding is not None else src
+  src = _as_leaf(src, name)
+  if not isinstance(src, lazy.LazyLeaf):
+    return src  # a python value (int, str, ...): as saved
+  if wants_array and tuple(src.shape) != shape:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
+        f"target wants {shape}")
+  out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
+  if args.lazy:
+    return src.bind(sharding, out)
+  return await lazy.materialize(src, out, sharding, limiter)
+
+
+def _apply_transforms(leaves: dict[tree.PathParts, Any], args: RestoreArgs
+                      ) -> dict[tree.PathParts, Any]:
+  ckpt_tree = tree.nest(leaves)
+  target_tree = (None if args.target is None else
+                 tree.nest(dict(tree.flatten(args.target))))
+  for fn in args.transforms:
+    ckpt_tree = fn(ckpt_tree, target_tree, is_resuming=args.is_resuming)
+    if not isinstance(ckpt_tree, dict):
+      raise TypeError(
+          f"restore transform {getattr(fn, '__name__', fn)!r} returned a "
+          f"{type(ckpt_tree).__name__}; it must return the (nested dict) "
+          "checkpoint tree")
+  return tree.unnest(ckpt_tree)
+
+
+async def restore_tree(index: index_lib.Index,
+                       leaves: dict[tree.PathParts, Any], args: RestoreArgs,
+                       limiter: ByteLimiter) -> Any:
+  """Transforms, fallback, then each wanted leaf read and placed."""
+  if args.transforms:
+    leaves = _apply_transforms(leaves, args)
+  by_name = {tree.path_str(p): v for p, v in leaves.items()}
+
+  if args.target is None:
+    names = list(by_name)
+    values = await asyncio.gather(
+        *(_resolve(n, by_name[n], None, args, limiter) for n in names))
+    values = dict(zip(names, values))
+    if args.transforms:  # the saved structure no longer applies
+      return tree.nest({p: values[tree.path_str(p)] for p in leaves})
+    return tree.decode_structure(index.structure, values.__getitem__)
+
+  named = tree.flatten(args.target)
+  _, treedef = tree_util.tree_flatten(args.target)
+  fallback = ({tree.path_str(p): v for p, v in tree.flatten(args.fallback_state)}
+              if args.fallback_state is not None else {})
+  sources, missing = [], []
+  for parts, _ in named:
+    name = tree.path_str(parts)
+    if name in by_name:
+      sources.append(by_name[name])
+    elif name in fallback:
+      sources.append(fallback[name])
+    else:
+      missing.append(name)
+  if missing:
+    raise MissingLeavesError(missing, list(by_name))
+  results = await asyncio.gather(
+      *(_resolve(tree.path_str(p), src, tgt, args, limiter)
+        for (p, tgt), src in zip(named, sources)))
+  return tree_util.tree_unflatten(treedef, results)
 
 
 def locate(storage: storage_lib.Storage, step: int | None
@@ -152,14 +194,13 @@ def locate(storage: storage_lib.Storage, step: int | None
   return step, storage_lib.step_dirname(step)
 
 
-async def restore(storage: storage_lib.Storage, step_dir: str, target: Any,
-                  restore_dtype, limiter: ByteLimiter, context) -> Any:
-  """Reads the index in ``step_dir`` and restores onto ``target``."""
+async def restore(storage: storage_lib.Storage, step_dir: str,
+                  args: RestoreArgs, budget: int, context) -> Any:
+  """Reads the index in ``step_dir`` and restores it as ``args`` say."""
   index = await asyncio.to_thread(read_index, storage, step_dir)
-  leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context)
-  if target is None:
-    return await restore_saved_structure(index, leaves, restore_dtype, limiter)
-  return await restore_leaves(leaves, target, restore_dtype, limiter)
+  leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
+                             budget)
+  return await restore_tree(index, leaves, args, ByteLimiter(budget))
 
 
 def load(path, step: int | None = None, *, storage_options: dict | None = None,
@@ -174,8 +215,5 @@ def load(path, step: int | None = None, *, storage_options: dict | None = None,
     step_dir = ""
   else:
     _, step_dir = locate(storage, step)
-  coro = restore(storage, step_dir, None, None, ByteLimiter(concurrent_bytes),
-                 storage.context())
-  # A private thread: never nest asyncio.run in a caller that has a loop.
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    return pool.submit(asyncio.run, coro).result()
+  return lazy.run_sync(restore(storage, step_dir, RestoreArgs(),
+                               concurrent_bytes, storage.context()))

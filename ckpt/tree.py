@@ -137,3 +137,33 @@ def storage_relpath(parts: PathParts) -> str:
                   for c in p) or "%"
     out.append(p)
   return "/".join(out) if out else "_root"
+
+
+def nest(flat: dict[PathParts, Any]) -> Any:
+  """{("a", "b"): x} -> {"a": {"b": x}}: the tree restore transforms see."""
+  if () in flat:
+    return flat[()]
+  out: dict[str, Any] = {}
+  for parts, leaf in flat.items():
+    node = out
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+    node[parts[-1]] = leaf
+  return out
+
+
+def unnest(nested: Any) -> dict[PathParts, Any]:
+  """The inverse of nest: nested dicts to {path parts: leaf}."""
+  if not isinstance(nested, dict):
+    return {(): nested}
+  out: dict[PathParts, Any] = {}
+  stack: list[tuple[PathParts, dict]] = [((), nested)]
+  while stack:
+    prefix, node = stack.pop()
+    for k, v in node.items():
+      parts = prefix + (str(k),)
+      if isinstance(v, dict):
+        stack.append((parts, v))
+      else:
+        out[parts] = v
+  return out
