@@ -165,9 +165,22 @@ class Checkpointer:
     key = f"ckpt/{self._id}/{next(self._seq)}"
     timeout = self.barrier_timeout_s
 
-    def barrier(name: str, what: str):
-      return asyncio.to_thread(multihost.barrier, f"{key}/{name}",
-                               timeout_s=timeout, what=f"{what}, step {step}")
+    async def barrier(name: str, what: str, error: BaseException | None = None):
+      """A barrier that also carries failures: a process that failed still
+      arrives (after saying so), so the others stop now, not at a timeout."""
+      if error is not None:
+        multihost.report_failure(f"{key}/{name}/failed",
+                                 f"{type(error).__name__}: {error}")
+      await asyncio.to_thread(multihost.barrier, f"{key}/{name}",
+                              timeout_s=timeout, what=f"{what}, step {step}")
+      if error is not None:
+        raise error
+      failed = multihost.reported_failures(f"{key}/{name}/failed")
+      if failed:
+        raise CheckpointError(
+            f"saving step {step} failed on process(es) {sorted(failed)} "
+            f"before '{what}'; nothing was committed. "
+            + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
 
     def start() -> str:  # process 0 picks the work directory, others learn it
       if not self._cleaned_up:
@@ -189,26 +202,32 @@ class Checkpointer:
     step_kvstore = self.storage.step_spec(work_dir)
     # 3-4. stage and write this process's boxes under one byte budget.
     limiter = ByteLimiter(self.concurrent_bytes)
-    await save_lib.write_owned(plan, step_kvstore, self._context, limiter,
-                               stats, staged.set)
+    error = None
+    try:
+      await save_lib.write_owned(plan, step_kvstore, self._context, limiter,
+                                 stats, staged.set)
+    except Exception as e:  # told to every process at the barrier below
+      error = e
     # 5. every process has written.
-    await barrier("written", "all processes wrote their data")
+    await barrier("written", "all processes wrote their data", error)
     host_states = await asyncio.to_thread(
         multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
         f"the host_state of step {step}")
+    error = None
     if pid == 0:
-      # 6-7. index, then commit.
-      index = save_lib.make_index(
-          plan, step, metrics,
-          host_states, n)
-      self.storage.write_bytes(f"{work_dir}/{storage_lib.INDEX_NAME}",
-                               index_lib.encode(index))
-      self.storage.commit(step, work_dir)
-      self._metrics_cache[step] = dict(index.metrics)
-      # 8. retention.
-      self._apply_retention(protected={step})
+      try:
+        # 6-7. index, then commit.
+        index = save_lib.make_index(plan, step, metrics, host_states, n)
+        self.storage.write_bytes(f"{work_dir}/{storage_lib.INDEX_NAME}",
+                                 index_lib.encode(index))
+        self.storage.commit(step, work_dir)
+        self._metrics_cache[step] = dict(index.metrics)
+        # 8. retention.
+        self._apply_retention(protected={step})
+      except Exception as e:
+        error = e
     # 9. the save is complete everywhere.
-    await barrier("done", "commit and retention finished")
+    await barrier("done", "commit and retention finished", error)
 
   def _apply_retention(self, protected: set[int]) -> None:
     steps = self.storage.committed_steps()

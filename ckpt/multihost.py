@@ -136,3 +136,22 @@ def reached_preemption_sync_point(step: int) -> bool:
     signal.signal(signal.SIGTERM, lambda *_: _sigterm_seen.set())
     _sigterm_installed = True
   return _sigterm_seen.is_set()
+
+
+def report_failure(key: str, message: str) -> None:
+  """Tells the other processes, before a barrier, that this one failed."""
+  if is_multiprocess():
+    _client().key_value_set(f"{key}/{process_index()}", message[:4000])
+
+
+def reported_failures(key: str) -> dict[int, str]:
+  """After the barrier: {process: message} of those that reported failure."""
+  if not is_multiprocess():
+    return {}
+  out = {}
+  for k, v in _client().key_value_dir_get(f"{key}/"):
+    try:
+      out[int(k.rsplit("/", 1)[-1])] = v
+    except ValueError:
+      continue
+  return out
