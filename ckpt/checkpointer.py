@@ -13,12 +13,14 @@ background thread is stored and re-raised by the next ``save``,
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import operator
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -106,6 +108,13 @@ class Checkpointer:
     self._thread.start()
     self._closed = False
     self._cleaned_up = False
+    # A job that ends without close() still finishes (commits) its last save.
+    # It must run before the interpreter stops thread pools (asyncio.to_thread
+    # refuses work after that), which plain atexit handlers do not.
+    concurrent.futures.ThreadPoolExecutor  # pylint: disable=pointless-statement
+    # (imports the pool module now, so its exit hook is older and runs after)
+    getattr(threading, "_register_atexit", atexit.register)(
+        _close_at_exit, weakref.ref(self))
 
   # ---- save -------------------------------------------------------------
 
@@ -376,6 +385,16 @@ class Checkpointer:
   def _check_open(self) -> None:
     if self._closed:
       raise CheckpointError("this Checkpointer is closed")
+
+
+def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
+  ckptr = ref()
+  if ckptr is None or ckptr._closed:  # pylint: disable=protected-access
+    return
+  try:
+    ckptr.close()
+  except Exception as e:  # pylint: disable=broad-except
+    logging.error("ckpt: the last save did not finish at exit: %s", e)
 
 
 def _check_metrics(metrics: dict | None) -> dict[str, float]:
