@@ -212,9 +212,10 @@ class Checkpointer:
     # 3-4. stage and write this process's boxes under one byte budget.
     limiter = ByteLimiter(self.concurrent_bytes)
     error = None
+    sums: list = []
     try:
-      await save_lib.write_owned(plan, step_kvstore, self._context, limiter,
-                                 stats, staged.set)
+      sums = await save_lib.write_owned(plan, step_kvstore, self._context,
+                                        limiter, stats, staged.set)
     except Exception as e:  # told to every process at the barrier below
       error = e
     # 5. every process has written.
@@ -222,11 +223,16 @@ class Checkpointer:
     host_states = await asyncio.to_thread(
         multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
         f"the host_state of step {step}")
+    all_sums = await asyncio.to_thread(
+        multihost.gather_bytes, f"{key}/checksums",
+        msgpack.packb(sums), timeout, f"the checksums of step {step}")
     error = None
     if pid == 0:
       try:
         # 6-7. index, then commit.
-        index = save_lib.make_index(plan, step, metrics, host_states, n)
+        checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
+        index = save_lib.make_index(plan, step, metrics, host_states, n,
+                                    checksums)
         self.storage.write_bytes(f"{work_dir}/{storage_lib.INDEX_NAME}",
                                  index_lib.encode(index))
         self.storage.commit(step, work_dir)
@@ -290,12 +296,11 @@ class Checkpointer:
         checkpoint (after transforms) does not have.
       lazy: return LazyLeaf objects bound to the target's sharding and dtype;
         ``leaf.read()`` (or ``await leaf.read_async()``) reads them later.
+      verify: check the crc32c recorded at save of every stored box that
+        overlaps what this process reads (that data is read twice); a
+        mismatch raises CorruptCheckpointError naming the leaf.
     """
     self._check_open()
-    if verify:
-      raise CheckpointError(
-          "restore(verify=True) needs the per-chunk checksums that this "
-          "version of ckpt does not record yet")
     if path is not None:
       storage, step_dir = storage_lib.Storage(path, self._storage_options), ""
       is_resuming = False
@@ -309,7 +314,7 @@ class Checkpointer:
     args = restore_lib.RestoreArgs(
         target=target, restore_dtype=self.restore_dtype,
         transforms=tuple(transforms), fallback_state=fallback_state,
-        lazy=lazy, is_resuming=is_resuming)
+        lazy=lazy, is_resuming=is_resuming, verify=verify)
     self._restoring.add(step)
     try:
       return self._run(restore_lib.restore(

@@ -47,12 +47,15 @@ class ArrayEntry:
   codec: dict[str, Any]
   source_dtype: str
   sharding: str = ""
+  # (start, stop, crc32c) of every box written, taken of the staged bytes.
+  checksums: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
 
   def to_json(self) -> dict[str, Any]:
     return {"path": list(self.path), "kind": "array", "relpath": self.relpath,
             "shape": list(self.shape), "dtype": self.dtype,
             "chunks": list(self.chunks), "codec": self.codec,
-            "source_dtype": self.source_dtype, "sharding": self.sharding}
+            "source_dtype": self.source_dtype, "sharding": self.sharding,
+            "checksums": [[list(a), list(b), c] for a, b, c in self.checksums]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +227,21 @@ def _decode_entry(e: Any, where: str) -> Entry:
   sharding = e.get("sharding", "")
   if not isinstance(sharding, str):
     raise _bad(where, "sharding as a string", sharding)
-  return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding)
+  sums = e.get("checksums", [])
+  if not isinstance(sums, list):
+    raise _bad(where, "checksums as a list", sums)
+  checksums = []
+  for item in sums:
+    if (not isinstance(item, list) or len(item) != 3 or type(item[2]) is not int
+        or not 0 <= item[2] < 2**32):
+      raise _bad(where, "a checksum [start, stop, crc32c]", item)
+    start, stop = _shape(item[0], where), _shape(item[1], where)
+    if (len(start) != len(shape) or len(stop) != len(shape) or
+        any(not a < b <= n for a, b, n in zip(start, stop, shape))):
+      raise _bad(where, f"a checksummed box inside shape {shape}", item)
+    checksums.append((start, stop, item[2]))
+  return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
+                    tuple(checksums))
 
 
 def check_relpath(relpath: Any, where: str) -> str:

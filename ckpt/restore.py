@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from ckpt import checksums
 from ckpt import index as index_lib
 from ckpt import lazy
 from ckpt import storage as storage_lib
@@ -75,6 +76,7 @@ class RestoreArgs:
   fallback_state: Any = None
   lazy: bool = False
   is_resuming: bool = False
+  verify: bool = False
 
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
@@ -130,6 +132,8 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
         f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
         f"target wants {shape}")
   out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
+  if args.verify:
+    await checksums.verify_leaf(src, sharding, limiter)
   if args.lazy:
     return src.bind(sharding, out)
   return await lazy.materialize(src, out, sharding, limiter)

@@ -34,6 +34,7 @@ from ckpt import multihost
 from ckpt import plan as plan_lib
 from ckpt import tree
 from ckpt import tsspec
+from ckpt.checksums import checksum
 from ckpt.errors import CheckpointError, InvalidStateError
 from ckpt.limiter import ByteLimiter
 
@@ -189,6 +190,11 @@ def _stage(leaf: LeafPlan, write: plan_lib.Write) -> np.ndarray:
   return np.array(host, dtype=leaf.entry.dtype, order="C", copy=True)
 
 
+def _stage_and_sum(leaf: LeafPlan, write: plan_lib.Write):
+  data = _stage(leaf, write)
+  return data, checksum(data)
+
+
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                        process: int) -> dict[int, ts.TensorStore]:
   """Process 0 creates every array; the others open the ones they write."""
@@ -211,14 +217,19 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
 
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
-                      on_staged: Callable[[], None]) -> None:
-  """Stages 3 and 4 for this process's boxes."""
+                      on_staged: Callable[[], None]) -> list[list]:
+  """Stages 3 and 4 for this process's boxes.
+
+  Returns ``[leaf, start, stop, crc32c]`` for every box written: checksums
+  are taken of the staged copy, so the data is not read a second time.
+  """
   process = multihost.process_index()
   stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
   stats.inline_leaves = len(plan.leaves) - stats.array_leaves
   arrays = await _open_arrays(plan, step_kvstore, context, process)
   tasks: list[asyncio.Task] = []
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
+  sums: list[list] = []
 
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
@@ -244,6 +255,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # start writing and free it.
   try:
     for w in plan.my_writes(process):
+      if w.box.size == 0:
+        continue  # a zero-size shard: nothing to store
       if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
         break  # a write failed: stop staging, report it below
       grant = limiter.try_acquire(w.nbytes)  # stored bytes, after the cast
@@ -252,7 +265,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         grant = await limiter.acquire(w.nbytes)
       leaf = plan.leaves[w.leaf]
       try:
-        data = await asyncio.to_thread(_stage, leaf, w)
+        data, crc = await asyncio.to_thread(_stage_and_sum, leaf, w)
       except Exception as e:
         limiter.release(grant)
         raise CheckpointError(
@@ -263,6 +276,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         limiter.release(grant)
         raise
       staged.append((w, data, grant))
+      sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
   except BaseException:
     for _, _, grant in staged:
       limiter.release(grant)
@@ -280,13 +294,25 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   if errors:
     raise errors[0]
   stats.peak_bytes_in_flight = limiter.peak_in_use
+  return sums
 
 
 def make_index(plan: SavePlan, step: int, metrics: dict | None,
-               host_states: list | None, process_count: int) -> index_lib.Index:
+               host_states: list | None, process_count: int,
+               checksums: list[list] | None = None) -> index_lib.Index:
+  """The index; ``checksums`` are every process's write_owned results."""
+  by_leaf: dict[int, list] = {}
+  for leaf, start, stop, crc in checksums or ():
+    by_leaf.setdefault(leaf, []).append((tuple(start), tuple(stop), crc))
+  entries = []
+  for i, lp in enumerate(plan.leaves):
+    e = lp.entry
+    if isinstance(e, index_lib.ArrayEntry) and i in by_leaf:
+      e = dataclasses.replace(e, checksums=tuple(sorted(by_leaf[i])))
+    entries.append(e)
   return index_lib.Index(
       step=step, time=time.time(), storage_format=plan.options.storage_format,
       process_count=process_count, structure=plan.structure,
-      leaves=tuple(lp.entry for lp in plan.leaves),
+      leaves=tuple(entries),
       metrics={k: float(v) for k, v in (metrics or {}).items()},
       host_state=tuple(host_states) if host_states is not None else None)
