@@ -1,0 +1,128 @@
+"""Fuzzing the index decoder: a checkpoint from a shared bucket is untrusted.
+
+Mutated indexes (flipped and cut bytes, and structurally valid msgpack with
+hostile values: absolute or '..' paths, huge shapes, wrong types) must either
+decode to an Index whose every path stays inside the step directory, or raise
+CorruptCheckpointError; restoring from them raises only CheckpointError, and
+nothing outside the checkpoint is read or written.
+"""
+
+import os
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+import msgpack
+import numpy as np
+import pytest
+
+import ckpt
+from ckpt import index as index_lib
+
+SETTINGS = dict(max_examples=200, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  root = tmp_path_factory.mktemp("fuzz") / "ckpts"
+  rng = np.random.default_rng(0)
+  state = {"params": {"w": rng.standard_normal((32, 16)).astype(np.float32),
+                      "b": rng.standard_normal((300,)).astype(np.float32)},
+           "step": 7, "name": "run", "opt": (np.int32(3), None, {})}
+  with ckpt.Checkpointer(root, async_save=False, chunk_bytes=512) as c:
+    c.save(1, state)
+  data = (root / "checkpoint_1" / "index.msgpack").read_bytes()
+  return root, data
+
+
+def _check_decoded(idx: index_lib.Index):
+  for e in idx.leaves:
+    if isinstance(e, index_lib.ArrayEntry):
+      base = os.path.realpath("/ckpt/step")
+      full = os.path.realpath(os.path.join(base, e.relpath))
+      assert full.startswith(base + os.sep), e.relpath
+
+
+def _decode(data: bytes):
+  try:
+    idx = index_lib.decode(data)
+  except ckpt.CorruptCheckpointError:
+    return None
+  _check_decoded(idx)
+  return idx
+
+
+@settings(**SETTINGS)
+@given(st.data())
+def test_byte_mutations(saved, data):
+  _, good = saved
+  buf = bytearray(good)
+  for _ in range(data.draw(st.integers(1, 8))):
+    i = data.draw(st.integers(0, len(buf) - 1))
+    buf[i] = data.draw(st.integers(0, 255))
+  if data.draw(st.booleans()):
+    buf = buf[:data.draw(st.integers(0, len(buf)))]
+  _decode(bytes(buf))
+
+
+HOSTILE = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
+    st.text(max_size=20), st.binary(max_size=20),
+    st.sampled_from(["/etc/passwd", "../../x", "..", "a/../../b", "/", "",
+                     "a//b", "./a", "a\\..\\b", "%2e%2e", "float32", "zarr"]),
+    st.lists(st.integers(-5, 2**62), max_size=4),
+    st.lists(st.integers(0, 8), max_size=70),
+    st.dictionaries(st.text(max_size=5), st.integers(), max_size=3))
+
+
+def _paths(doc, prefix=()):
+  """Every (container, key) location in a decoded msgpack document."""
+  if isinstance(doc, dict):
+    for k, v in doc.items():
+      yield doc, k
+      yield from _paths(v)
+  elif isinstance(doc, list):
+    for i, v in enumerate(doc):
+      yield doc, i
+      yield from _paths(v)
+
+
+@settings(**SETTINGS)
+@given(st.data())
+def test_structural_mutations(saved, data):
+  _, good = saved
+  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  for _ in range(data.draw(st.integers(1, 4))):
+    spots = list(_paths(doc))
+    container, key = spots[data.draw(st.integers(0, len(spots) - 1))]
+    container[key] = data.draw(HOSTILE)
+  _decode(msgpack.packb(doc, use_bin_type=True))
+
+
+@settings(**{**SETTINGS, "max_examples": 40})
+@given(st.data())
+def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
+  root, good = saved
+  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  array = next(e for e in doc["leaves"] if e["kind"] == "array")
+  field = data.draw(st.sampled_from(["relpath", "shape", "dtype", "chunks",
+                                     "checksums", "codec"]))
+  array[field] = data.draw(HOSTILE)
+  victim = root.parent / "outside.bin"
+  victim.write_bytes(b"do not touch")
+  before = sorted(p.name for p in root.parent.iterdir())
+  step = root / "checkpoint_1"
+  original = (step / "index.msgpack").read_bytes()
+  try:
+    (step / "index.msgpack").write_bytes(msgpack.packb(doc, use_bin_type=True))
+    try:
+      ckpt.load(root)
+    except ckpt.CheckpointError:
+      pass
+    try:
+      ckpt.integrity.verify(root)
+    except ckpt.CheckpointError:
+      pass
+  finally:
+    (step / "index.msgpack").write_bytes(original)
+  assert victim.read_bytes() == b"do not touch"
+  assert sorted(p.name for p in root.parent.iterdir()) == before
