@@ -54,7 +54,7 @@ async def check_boxes(leaf: lazy.LazyArray, wanted: list[Box] | None,
   boxes = [(Box(a, b), c) for a, b, c in sums]
   if wanted is not None:
     boxes = [(b, c) for b, c in boxes if any(_overlaps(b, w) for w in wanted)]
-  await asyncio.gather(*(one(b, c) for b, c in boxes))
+  await lazy.gather_or_cancel(*(one(b, c) for b, c in boxes))
 
 
 def stored_bases(leaf: lazy.LazyLeaf) -> list[lazy.LazyArray]:

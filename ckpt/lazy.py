@@ -230,6 +230,42 @@ class LazyReshape(LazyLeaf):
     return np.asarray(data.reshape(self.shape)[box.slices()])
 
 
+class LazyPlaced(LazyLeaf):
+  """A jax.Array that spans processes (a fallback leaf): it is never read
+  box by box; read() places (reshards) it on the caller's thread."""
+
+  def __init__(self, array: jax.Array, path: str = "<array>"):
+    self.array, self.path = array, path
+    self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    raise TreeMismatchError(
+        f"{self.path}: spans processes and cannot be read box by box; "
+        "read() it whole")
+
+  def read(self, sharding=None, dtype=None):
+    sharding = sharding if sharding is not None else self.sharding
+    dtype = dtype if dtype is not None else self.target_dtype
+    x = self.array if sharding is None else jax.device_put(self.array, sharding)
+    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+
+  async def read_async(self, sharding=None, dtype=None):
+    return self.read(sharding, dtype)
+
+
+async def gather_or_cancel(*coros):
+  """asyncio.gather that, on the first failure, cancels and awaits the rest
+  (so no read keeps running after a restore has failed)."""
+  tasks = [asyncio.ensure_future(c) for c in coros]
+  try:
+    return await asyncio.gather(*tasks)
+  except BaseException:
+    for t in tasks:
+      t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    raise
+
+
 def is_floating(dtype) -> bool:
   return jnp.issubdtype(np.dtype(dtype), jnp.floating)
 
@@ -266,9 +302,11 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
     finally:
       limiter.release(grant)
 
-  await asyncio.gather(*(one(b, ds) for b, ds in by_box.items()))
+  await gather_or_cancel(*(one(b, ds) for b, ds in by_box.items()))
+  # dtype: a process that holds no part of the target (a mesh of other
+  # processes' devices) gets an array with no local shards.
   return jax.make_array_from_single_device_arrays(
-      shape, sharding, [placed[d] for d in index_map])
+      shape, sharding, [placed[d] for d in index_map], dtype=out_dtype)
 
 
 async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,

@@ -123,6 +123,8 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
       raise TreeMismatchError(
           f"leaf {name!r}: the fallback has shape {tuple(src.shape)}, the "
           f"target wants {shape}")
+    if args.lazy:
+      return lazy.LazyPlaced(src, name).bind(sharding, wanted)
     return jax.device_put(src, sharding) if sharding is not None else src
   src = _as_leaf(src, name)
   if not isinstance(src, lazy.LazyLeaf):
@@ -164,7 +166,7 @@ async def restore_tree(index: index_lib.Index,
 
   if args.target is None:
     names = list(by_name)
-    values = await asyncio.gather(
+    values = await lazy.gather_or_cancel(
         *(_resolve(n, by_name[n], None, args, limiter) for n in names))
     values = dict(zip(names, values))
     if args.transforms:  # the saved structure no longer applies
@@ -186,7 +188,7 @@ async def restore_tree(index: index_lib.Index,
       missing.append(name)
   if missing:
     raise MissingLeavesError(missing, list(by_name))
-  results = await asyncio.gather(
+  results = await lazy.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter)
         for (p, tgt), src in zip(named, sources)))
   return tree_util.tree_unflatten(treedef, results)

@@ -29,6 +29,13 @@ def _flat(ckpt_tree: Any) -> dict[str, Any]:
 
 
 def _nested(flat: dict[str, Any]) -> dict:
+  for name in flat:
+    parts = name.split("/")
+    for i in range(1, len(parts)):
+      prefix = "/".join(parts[:i])
+      if prefix in flat:
+        raise TreeMismatchError(
+            f"{prefix!r} would be both a leaf and the parent of {name!r}")
   return tree.nest({tuple(k.split("/")): v for k, v in flat.items()})
 
 
@@ -182,11 +189,15 @@ def unstack_layers(stacked: str = "layers", layer_format: str = "layers_{}",
     del target_tree, is_resuming
     flat = _flat(ckpt_tree)
     out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     hits = 0
     for name, leaf in flat.items():
       parts = name.split("/")
       if stacked not in parts:
-        out.setdefault(name, leaf)
+        if name in out:
+          raise TreeMismatchError(
+              f"unstack_layers: {name!r} exists already (from {origin[name]!r})")
+        out[name], origin[name] = leaf, name
         continue
       hits += 1
       i = parts.index(stacked)
@@ -199,8 +210,9 @@ def unstack_layers(stacked: str = "layers", layer_format: str = "layers_{}",
         new = "/".join(parts[:i] + [layer_format.format(k)] + parts[i + 1:])
         if new in out:
           raise TreeMismatchError(
-              f"unstack_layers: {new!r} from {name!r} exists already")
-        out[new] = lazy.LazySlice(leaf, axis, k, path=new)
+              f"unstack_layers: {new!r} from {name!r} exists already "
+              f"(from {origin[new]!r})")
+        out[new], origin[new] = lazy.LazySlice(leaf, axis, k, path=new), name
     if strict and not hits:
       raise _unmatched("unstack_layers", stacked, flat)
     return _nested(out)
