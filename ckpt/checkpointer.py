@@ -301,6 +301,10 @@ class Checkpointer:
         mismatch raises CorruptCheckpointError naming the leaf.
     """
     self._check_open()
+    if self._inflight is not None:
+      # The in-flight save's retention (process 0) may delete the step asked
+      # for: let it finish everywhere first (its failure stays for later).
+      concurrent.futures.wait([self._inflight])
     if path is not None:
       storage, step_dir = storage_lib.Storage(path, self._storage_options), ""
       is_resuming = False

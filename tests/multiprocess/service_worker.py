@@ -92,7 +92,8 @@ def _sharding(mesh, spec):
 def _put(value: np.ndarray, sharding):
   import jax  # pylint: disable=g-import-not-at-top
   return jax.make_array_from_callback(value.shape, sharding,
-                                      lambda idx: value[idx])
+                                      lambda idx: value[idx],
+                                      dtype=value.dtype)
 
 
 def _target(value: np.ndarray, sharding):
@@ -269,8 +270,8 @@ def scenario_bgfail(conf: dict) -> dict:
 
   Process 0 commits by renaming the work directory to ``checkpoint_<step>``;
   a plain file of that name makes the rename fail on process 0 only, after
-  every process has written. Process 1 then waits at the last barrier, which
-  times out (barrier_timeout_s is short).
+  every process has written. Process 1, waiting at the last barrier, must
+  fail too (told by process 0, or at worst by the barrier timeout).
   """
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -563,6 +564,17 @@ def scenario_resave_host_state(conf: dict) -> dict:
     out["all_steps"] = ck.all_steps()
     out["hs"] = {"2": ck.host_state(2), "next": ck.host_state(resume + 1)}
     out["exact"] = {s: exact(ck, s) for s in ck.all_steps()}
+    # Onto process 1's devices only: process 0 holds no part of the result.
+    from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+    p1 = Mesh(np.array([d for d in jax.devices() if d.process_index == 1]
+                       ).reshape(1, -1), ("x", "y"))
+    try:
+      got = ck.restore(2, target={
+          "w": _target(host, _sharding(p1, (None, "y"))), "step": 0})
+      out["p1_mesh"] = {"local_shards": len(got["w"].addressable_shards),
+                        "exact": _shards_match(got["w"], host + np.float32(2))}
+    except Exception as e:  # pylint: disable=broad-except
+      out["p1_mesh"] = _err(e)
   else:  # other_count
     try:
       out["hs"] = ck.host_state(2)
@@ -698,10 +710,11 @@ def scenario_restore_race(conf: dict) -> dict:
   """Restores a step while the in-flight save's retention would drop it.
 
   keep=1: committing step 2 makes step 1 eligible for deletion (process 0,
-  after the commit). Step 1 is big (many leaves, a small byte budget), step 2
-  tiny, so step 2 commits while step 1 is still being read. Two variants,
-  each in its own directory: "all" (every process restores step 1, the SPMD
-  way) and "p1" (only process 1 reads it; process 0 goes on).
+  right after the commit, on its background thread). Step 1 is big, so
+  reading it takes far longer than saving the small step 2, and process 0
+  commits step 2 while step 1 is still being read. ``conf["variants"]``, each
+  in its own directory: "all" restores step 1 on every process (the SPMD
+  way); a name starting with "p1" restores it on process 1 only.
   """
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -713,26 +726,26 @@ def scenario_restore_race(conf: dict) -> dict:
          for i in range(n_leaves)}
   sh = _sharding(mesh, ("x", "y"))
   state = {k: _put(v, sh) for k, v in big.items()}
-  # Step 2 takes a while to write (so the restore below starts first) but
-  # much less than step 1 takes to read.
   second = {"t": _put(_base("t", tuple(conf["second_shape"]), "float32", 70),
                       sh)}
   out: dict[str, Any] = {"pid": pid}
-  for who in ("all", "p1"):
+  for variant in conf["variants"]:
     res: dict[str, Any] = {}
-    ck = ckpt.Checkpointer(os.path.join(conf["dir"], who), keep=1,
+    ck = ckpt.Checkpointer(os.path.join(conf["dir"], variant), keep=1,
                            barrier_timeout_s=60,
                            concurrent_bytes=conf["budget"])
     ck.save(1, state)
     ck.wait_until_finished()
-    _sync(f"before_{who}")
+    _sync(f"before_{variant}")
     ck.save(2, second)
     t0 = time.monotonic()
-    if who == "all" or pid == 1:
+    if variant == "all" or pid == 1:
+      res["committed_before"] = ck.storage.is_committed(1)
       try:
         got = ck.restore(1)
         res["restore"] = "ok"
         res["exact"] = all(same_bits(got[k], big[k]) for k in big)
+        del got
       except ckpt.CheckpointNotFoundError as e:
         res["restore"] = "not_found"
         res["error"] = _err(e)
@@ -741,10 +754,9 @@ def scenario_restore_race(conf: dict) -> dict:
         res["error"] = _err(e)
     res["restore_s"] = time.monotonic() - t0
     ck.wait_until_finished()
-    res["save_s"] = ck.last_save_stats.total_s - ck.last_save_stats.blocking_s
     res["all_steps"] = ck.all_steps()
     ck.close()
-    out[who] = res
+    out[variant] = res
   return out
 
 

@@ -105,10 +105,14 @@ def test_donated_state_saved_exactly_as_at_the_call(async_run):
 # ---- 1: failures on the background thread ----------------------------------
 
 
+BGFAIL_TIMEOUT_S = 5
+
+
 @pytest.fixture(scope="module")
 def bgfail_run(tmp_path_factory):
   root = tmp_path_factory.mktemp("bgfail")
-  return _run("bgfail", {"dir": str(root), "barrier_timeout_s": 2})
+  return _run("bgfail", {"dir": str(root),
+                         "barrier_timeout_s": BGFAIL_TIMEOUT_S})
 
 
 def test_background_failure_reraised(bgfail_run):
@@ -121,18 +125,18 @@ def test_background_failure_reraised(bgfail_run):
     assert err is not None, f"case {case}: no error on process 0"
     assert err["type"] == "CheckpointError", err
     assert f"step {step}" in err["msg"] and "NotADirectoryError" in err["msg"]
-    # ... and process 1, left waiting at the last barrier, timed out there.
+    # ... and process 1, waiting at the last barrier, was told by process 0
+    # (not left to time out there).
     err = p1[case]
     assert err is not None, f"case {case}: no error on process 1"
-    assert err["type"] == "BarrierTimeoutError", err
-    assert f"step {step}" in err["msg"] and "/done'" in err["msg"], err
-    assert "did not arrive: [0]" in err["msg"], err
+    assert err["type"] == "CheckpointError", err
+    assert f"step {step}" in err["msg"], err
+    assert "[0]" in err["msg"] and "NotADirectoryError" in err["msg"], err
   for r in bgfail_run:
     assert r["a_again"] is None, "a failure is reported once"
     assert not r["b_step4_exists"], "save(4) ran although save(3) had failed"
     assert r["c_closed"] and "closed" in r["c_closed"]["msg"]
-  assert p0["a_wait_s"] < 2.0  # process 0 knew at once
-  assert p1["a_wait_s"] >= 1.5  # process 1 waited out its barrier timeout
+    assert r["a_wait_s"] < BGFAIL_TIMEOUT_S - 1, r["a_wait_s"]  # no timeout
 
 
 def test_after_background_failure_cleanup_and_save_again(bgfail_run):
@@ -311,37 +315,38 @@ def test_retention_in_real_jobs(retention_run, case):
 # ---- 5: deletion never removes a checkpoint being restored -----------------
 
 
+RACE_P1_VARIANTS = ["p1a", "p1b"]
+
+
 @pytest.fixture(scope="module")
 def restore_race_run(tmp_path_factory):
   root = tmp_path_factory.mktemp("restore_race")
-  return _run("restore_race", {"dir": str(root), "leaves": 256,
-                               "shape": [128, 256], "budget": 64 << 10})
+  return _run("restore_race", {
+      "dir": str(root), "variants": ["all"] + RACE_P1_VARIANTS,
+      "leaves": 16, "shape": [512, 2048], "second_shape": [1024, 1024],
+      "budget": 64 << 10})
 
 
 def _check_restore_outcome(res):
-  # Either the step was still there and came back exact, or it was already
-  # gone before the read began; never a half-deleted checkpoint.
+  # Either step 1 was still there and came back exact, or it was gone before
+  # the read began (CheckpointNotFoundError); never a half-deleted checkpoint.
   assert res["restore"] in ("ok", "not_found"), res
   if res["restore"] == "ok":
     assert res["exact"], res
   assert res["all_steps"][-1] == 2, res
 
 
-def test_restore_while_retention_runs_spmd(restore_race_run):
-  for r in restore_race_run:
+def test_retention_never_deletes_a_step_being_restored(restore_race_run):
+  for r in restore_race_run:  # every process restores (may pass by timing)
     _check_restore_outcome(r["all"])
   outcomes = {r["all"]["restore"] for r in restore_race_run}
   assert len(outcomes) == 1, restore_race_run  # every process agrees
-
-
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap, timing-dependent (so not strict): "
-    "restore protects its step only on its own process (_restoring); process "
-    "0's retention, run at the commit of the in-flight save, deletes a step "
-    "that process 1 is still reading (CorruptCheckpointError: chunk missing)"))
-def test_restore_while_retention_runs_on_another_process(restore_race_run):
+  # Only process 1 restores; two tries, both must be clean. With the current
+  # code each one hits the race: the deletion lands ~10-30 ms into a read of
+  # ~150 ms.
   _, p1 = restore_race_run
-  _check_restore_outcome(p1["p1"])
+  for variant in RACE_P1_VARIANTS:
+    _check_restore_outcome(p1[variant])
 
 
 # ---- 6 and 7: re-saving a committed step; host_state -----------------------
@@ -378,6 +383,13 @@ def test_resave_committed_step_is_skipped(resave_runs):
     assert r["next"] is True
     assert r["all_steps"] == [1, 2, 3, 4]
     assert r["exact"] == {str(s): True for s in (1, 2, 3, 4)}
+
+
+def test_restore_onto_other_processes_devices(resave_runs):
+  _, restart, _ = resave_runs
+  p0, p1 = restart
+  assert p0["p1_mesh"] == {"local_shards": 0, "exact": True}
+  assert p1["p1_mesh"] == {"local_shards": 2, "exact": True}
 
 
 def test_host_state_per_process(resave_runs):
