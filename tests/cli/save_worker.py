@@ -1,0 +1,69 @@
+"""One process of the 2-process save that ``test_cli.py`` inspects.
+
+Run through ``ckpt.local_cluster`` as ``python -m tests.cli.save_worker
+<json config>``: 2 processes x 2 CPU devices save ``state()`` on a
+(data=2, model=2) mesh as ``config["step"]`` of ``config["dir"]``. Every
+leaf's global value comes from ``value(path)``, so the test can check what
+the ``ckpt`` command reads back without talking to the workers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+
+import ml_dtypes
+import numpy as np
+
+# path -> (shape, dtype, PartitionSpec axes on the (data, model) mesh)
+ARRAYS = {
+    "params/w": ((64, 32), np.float32, ("data", "model")),
+    "params/b": ((256,), ml_dtypes.bfloat16, ("model",)),
+    "opt/mu/w": ((64, 32), np.float32, ("data", None)),
+    "ema": ((128, 16), np.float32, ()),  # replicated over both processes
+}
+VALUES = {"step": 7, "name": "two-process"}
+
+
+def value(path: str) -> np.ndarray:
+  shape, dtype, _ = ARRAYS[path]
+  rng = np.random.default_rng(zlib.crc32(path.encode()))
+  return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def nested(leaf) -> dict:
+  out: dict = {}
+  for path in [*ARRAYS, *VALUES]:
+    node = out
+    *parents, last = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[last] = leaf(path)
+  return out
+
+
+def main(argv: list[str]) -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.init_from_env()
+  config = json.loads(argv[1])
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+
+  def leaf(path):
+    if path in VALUES:
+      return VALUES[path]
+    data = value(path)
+    sharding = NamedSharding(mesh, P(*ARRAYS[path][2]))
+    return jax.make_array_from_callback(data.shape, sharding,
+                                        lambda i: data[i])
+
+  with ckpt.Checkpointer(config["dir"], async_save=False) as ckptr:
+    ckptr.save(config["step"], nested(leaf), metrics={"loss": 0.25})
+  local_cluster.write_result({"process": jax.process_index()})
+
+
+if __name__ == "__main__":
+  main(sys.argv)
