@@ -28,6 +28,7 @@ import msgpack
 
 from ckpt import index as index_lib
 from ckpt import multihost
+from ckpt import ocdbt
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
@@ -50,13 +51,17 @@ class Checkpointer:
       the retention policy applied after each commit (see RetentionPolicy).
     save_dtype / restore_dtype: cast floating leaves before writing / after
       reading (e.g. ``"bfloat16"``).
-    format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT).
+    format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
+      few files per step; each process writes its own database and process 0
+      merges them at finalize, see ckpt/ocdbt.py).
     concurrent_bytes: one host-memory budget for data in flight (staged and
       being written, or being read) in a save or restore.
     async_save: ``save`` returns once device data is staged on the host.
     partitioner: for host numpy leaves, ``fn(path, shape) -> Sharding|None``
       (see ``ckpt.MeshPartitioner``); None means replicated.
-    storage_options: merged into the TensorStore kvstore spec.
+    storage_options: merged into the TensorStore kvstore spec (endpoint,
+      region, request concurrency and retries...; see ckpt/storage.py for the
+      environment variables read without it).
     compression: None (raw chunks) or ``"zstd"``.
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
@@ -78,11 +83,6 @@ class Checkpointer:
                                   keep_checkpoints_without_metrics)
     if int(concurrent_bytes) <= 0:
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
-    if format == "ocdbt" and multihost.process_count() > 1:
-      raise CheckpointError(
-          "format='ocdbt' is single-process for now: several processes "
-          "writing one OCDBT database need a coordinator or a merge step, "
-          "which ckpt does not have yet; use 'zarr3' for multi-process jobs")
     self._options = save_lib.SaveOptions(
         storage_format=tsspec.check_format(format),
         codec=tsspec.Codec(compression), chunk_bytes=int(chunk_bytes),
@@ -229,6 +229,9 @@ class Checkpointer:
     error = None
     if pid == 0:
       try:
+        if plan.options.storage_format == "ocdbt":
+          # One database from the per-process ones (ckpt/ocdbt.py).
+          await ocdbt.merge(step_kvstore, n, self._context)
         # 6-7. index, then commit.
         checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
         index = save_lib.make_index(plan, step, metrics, host_states, n,

@@ -31,6 +31,7 @@ import tensorstore as ts
 
 from ckpt import index as index_lib
 from ckpt import multihost
+from ckpt import ocdbt
 from ckpt import plan as plan_lib
 from ckpt import tree
 from ckpt import tsspec
@@ -197,22 +198,37 @@ def _stage_and_sum(leaf: LeafPlan, write: plan_lib.Write):
 
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                        process: int) -> dict[int, ts.TensorStore]:
-  """Process 0 creates every array; the others open the ones they write."""
+  """Process 0 creates every array; the others open the ones they write.
+
+  With format "ocdbt" each process writes into its own database, merged at
+  finalize (ckpt/ocdbt.py); process 0's holds the metadata of every array.
+  """
   mine = {w.leaf for w in plan.my_writes(process)}
   wanted = [i for i, lp in enumerate(plan.leaves)
             if lp.layout is not None and (process == 0 or i in mine)]
+  kvstore = step_kvstore
+  if plan.options.storage_format == "ocdbt":
+    kvstore = ocdbt.process_database(step_kvstore, process)
+
+  # In OCDBT every commit adds files: the metadata goes in one transaction.
+  txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
 
   async def open_one(i: int):
     e = plan.leaves[i].entry
-    spec = tsspec.array_spec(plan.options.storage_format, step_kvstore,
+    spec = tsspec.array_spec(plan.options.storage_format, kvstore,
                              e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
                              plan.options.codec)
     if process == 0:
-      return i, await ts.open(spec, create=True, context=context)
+      return i, await ts.open(spec, create=True, context=context,
+                              transaction=txn)
     return i, await ts.open(spec, open=True, assume_metadata=True,
                             context=context)
 
-  return dict(await asyncio.gather(*(open_one(i) for i in wanted)))
+  arrays = dict(await asyncio.gather(*(open_one(i) for i in wanted)))
+  if txn is not None:
+    await txn.commit_async()
+    arrays = {i: a.with_transaction(None) for i, a in arrays.items()}
+  return arrays
 
 
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
@@ -231,22 +247,62 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
   sums: list[list] = []
 
+  async def write_box(w: plan_lib.Write, data: np.ndarray, txn=None):
+    store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
+    try:
+      await store[w.box.slices()].write(data)
+    except Exception as e:
+      raise CheckpointError(
+          f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
+          f"{w.box.start}..{w.box.stop} failed: {e}") from e
+
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
-      try:
-        await arrays[w.leaf][w.box.slices()].write(data)
-      except Exception as e:
-        raise CheckpointError(
-            f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
-            f"{w.box.start}..{w.box.stop} failed: {e}") from e
+      await write_box(w, data)
       stats.bytes_written += data.nbytes
       stats.boxes_written += 1
     finally:
       limiter.release(grant)
 
+  async def write_batch(batch: list[tuple[plan_lib.Write, np.ndarray, int]]):
+    """format "ocdbt": the staged boxes in ONE transaction, so one OCDBT
+    commit (a data file and a few B+tree nodes) per batch, not per box;
+    their bytes stay granted until it is committed (TensorStore holds its
+    copy of them in the transaction; ours are dropped once it has it)."""
+    txn = ts.Transaction()
+    grants = [grant for _, _, grant in batch]
+    nbytes = sum(data.nbytes for _, data, _ in batch)
+    writes = [w for w, _, _ in batch]
+    try:
+      await asyncio.gather(*(write_box(w, data, txn) for w, data, _ in batch))
+      batch.clear()
+      try:
+        await txn.commit_async()
+      except Exception as e:
+        names = sorted({tree.path_str(plan.leaves[w.leaf].parts)
+                        for w in writes})
+        raise CheckpointError(
+            f"committing {len(writes)} boxes of leaves {names[:5]}"
+            f"{' ...' if len(names) > 5 else ''} to the OCDBT database of "
+            f"process {process} failed: {e}") from e
+      stats.bytes_written += nbytes
+      stats.boxes_written += len(writes)
+    except BaseException:
+      if not txn.commit_started:
+        txn.abort()
+      raise
+    finally:
+      batch.clear()
+      for grant in grants:
+        limiter.release(grant)
+
   def start_writes():
-    for w, data, grant in staged:
-      tasks.append(asyncio.create_task(write_one(w, data, grant)))
+    if plan.options.storage_format == "ocdbt":
+      if staged:
+        tasks.append(asyncio.create_task(write_batch(list(staged))))
+    else:
+      for w, data, grant in staged:
+        tasks.append(asyncio.create_task(write_one(w, data, grant)))
     staged.clear()
 
   # Staging runs ahead of writing while the budget allows, so that the

@@ -2,16 +2,35 @@
 
 The storage driver comes from the URL the Checkpointer (or ``load``) is
 given, never from a checkpoint's index, so a checkpoint copied between disks
-and buckets restores unchanged.
+and buckets restores unchanged. ``storage_options`` are merged into the
+kvstore spec as they are (endpoint, region, ``s3_request_concurrency``,
+``gcs_request_retries``, ...); the standard environment variables are read
+here, so they work without code: ``AWS_ENDPOINT_URL`` (TensorStore's s3
+driver ignores it), ``AWS_REGION`` and the AWS credential variables for
+``s3://``, ``STORAGE_EMULATOR_HOST`` or ``TENSORSTORE_GCS_HTTP_URL`` for
+``gs://``.
 
 Commit protocol (the only place that knows it):
 - POSIX file systems: a save writes into ``checkpoint_<step>.tmp-<token>``
   and commits with one ``rename`` to ``checkpoint_<step>``, which is atomic.
-  Deletion renames away first, so a half-deleted step is never visible.
+  Discovery trusts directories that hold an index (only a rename makes one
+  appear under the final name). Deletion renames away first, so a
+  half-deleted step is never visible.
 - Object stores and ``memory://`` (no rename): a save writes into
   ``checkpoint_<step>/`` and commits by writing ``commit_success`` last, after
-  every process has finished. Discovery trusts only steps with the marker;
-  deletion removes the marker first.
+  every process has finished and the index is written. Discovery trusts only
+  steps with the marker; deletion removes the marker first, then every key
+  of the step through the store's own API.
+- The marker is written on POSIX too (before the rename), so a step
+  directory copied from a disk to a bucket is committed there as well.
+
+Listing: TensorStore's ``KvStore.list`` takes a key range but no delimiter
+and no page limit, so discovery on an object store lists every key under
+``checkpoint_*`` (one listing per call, paged by the server: about 1,000 keys
+a request). That is why ``format="ocdbt"`` (a few dozen keys per step) suits
+buckets best. Every listed key is checked against the range asked for: a
+server that ignores the range (an emulator without ``startOffset``) raises
+instead of letting a deletion touch keys outside the step.
 """
 
 from __future__ import annotations
@@ -33,6 +52,14 @@ INDEX_NAME = "index.msgpack"
 COMMIT_MARKER = "commit_success"
 _STEP_RE = re.compile(r"^checkpoint_(\d+)$")
 _TMP_RE = re.compile(r"^checkpoint_(\d+)\.tmp-[0-9a-z\-]+$")
+# Members of the kvstore spec that the URL decides; storage_options may not.
+_FROM_URL = ("driver", "bucket", "path")
+# TensorStore reads its GCS endpoint from this variable (no spec member).
+_GCS_HTTP_URL = "TENSORSTORE_GCS_HTTP_URL"
+# B+tree nodes of OCDBT databases (see ckpt/ocdbt.py), so a restore does not
+# fetch the same nodes once per leaf. Array data is never cached.
+OCDBT_CACHE_POOL = "cache_pool#ocdbt"
+_OCDBT_CACHE_BYTES = 64 << 20
 
 # memory:// data lives in a TensorStore context; one per process, so that a
 # second Checkpointer (or ckpt.load) on the same memory:// URL sees it.
@@ -49,29 +76,57 @@ def parse_step(name: str) -> int | None:
 
 
 def _env_s3_options() -> dict[str, Any]:
+  """The endpoint and region the AWS environment variables ask for."""
   out: dict[str, Any] = {}
-  if os.environ.get("AWS_ENDPOINT_URL"):
-    out["endpoint"] = os.environ["AWS_ENDPOINT_URL"]
+  endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3")
+              or os.environ.get("AWS_ENDPOINT_URL"))
+  if endpoint:
+    out["endpoint"] = endpoint
   region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
   if region:
     out["aws_region"] = region
   return out
 
 
+def _apply_gcs_emulator_env() -> None:
+  """Points TensorStore at ``STORAGE_EMULATOR_HOST`` (the Google client
+  libraries' variable) unless ``TENSORSTORE_GCS_HTTP_URL`` is set already.
+
+  TensorStore reads its variable when a gcs kvstore opens, so setting it in
+  this process's environment is how the endpoint gets there.
+  """
+  host = os.environ.get("STORAGE_EMULATOR_HOST")
+  if host and not os.environ.get(_GCS_HTTP_URL):
+    os.environ[_GCS_HTTP_URL] = host if "://" in host else f"http://{host}"
+
+
 def kvstore_for_url(url: str, storage_options: dict | None = None
                     ) -> tuple[dict[str, Any], bool]:
   """(kvstore spec of the directory, whether it is a local file system)."""
   url = os.fspath(url)
+  if storage_options is not None and not isinstance(storage_options, dict):
+    raise CheckpointError(
+        f"storage_options for {url!r} must be a dict merged into the "
+        f"TensorStore kvstore spec, got {type(storage_options).__name__}")
+  opts = dict(storage_options or {})
+  taken = sorted(k for k in opts if k in _FROM_URL)
+  if taken:
+    raise CheckpointError(
+        f"storage_options for {url!r} set {taken}, which come from the URL; "
+        f"put them in the URL instead (storage_options has {sorted(opts)})")
   parsed = urllib.parse.urlparse(url)
   scheme = parsed.scheme if len(parsed.scheme) > 1 else ""  # C:\ on Windows
-  opts = dict(storage_options or {})
   if scheme in ("", "file"):
     path = parsed.path if scheme == "file" else url
     spec = {"driver": "file", "path": os.path.abspath(path).rstrip("/") + "/"}
-    return {**spec, **opts}, True
+    return _checked({**spec, **opts}, url, opts), True
   path = parsed.path.strip("/")
   path = path + "/" if path else ""
+  if scheme in ("gs", "s3") and not parsed.netloc:
+    raise CheckpointError(
+        f"checkpoint URL {url!r} names no bucket; expected {scheme}://BUCKET/DIR")
   if scheme == "gs":
+    _apply_gcs_emulator_env()
     spec = {"driver": "gcs", "bucket": parsed.netloc, "path": path}
   elif scheme == "s3":
     spec = {"driver": "s3", "bucket": parsed.netloc, "path": path,
@@ -82,7 +137,19 @@ def kvstore_for_url(url: str, storage_options: dict | None = None
     raise CheckpointError(
         f"unsupported checkpoint URL {url!r}: expected a path, file://, "
         "gs://, s3:// or memory://")
-  return {**spec, **opts}, False
+  return _checked({**spec, **opts}, url, opts), False
+
+
+def _checked(spec: dict[str, Any], url: str, opts: dict) -> dict[str, Any]:
+  """The spec, after TensorStore has parsed it (unknown options fail here)."""
+  try:
+    ts.KvStore.Spec(spec)
+  except Exception as e:  # ValueError from TensorStore's JSON binding
+    raise CheckpointError(
+        f"the kvstore spec for {url!r} is invalid: {e}. storage_options was "
+        f"{opts}; see TensorStore's documentation of the {spec['driver']!r} "
+        "kvstore driver for the members it accepts") from e
+  return spec
 
 
 def join(spec: dict[str, Any], rel: str) -> dict[str, Any]:
@@ -91,27 +158,64 @@ def join(spec: dict[str, Any], rel: str) -> dict[str, Any]:
   return {**spec, "path": spec["path"] + (rel + "/" if rel else "")}
 
 
+def _prefix_range(prefix: str) -> tuple[str, str]:
+  """[lo, hi): every key that starts with ``prefix`` (non-empty)."""
+  return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def _split_resources(spec: dict[str, Any]) -> tuple[dict, dict]:
+  """(spec, context resources): options given as JSON objects
+  (``{"s3_request_concurrency": {"limit": 32}}``, ``aws_credentials``,
+  ``gcs_request_retries``, the members of ``context``) are TensorStore
+  context resources. They go into the Storage's context, where every
+  kvstore opened with it shares them: inline in the spec, each open would
+  make its own, and OCDBT can merge databases only over one shared base."""
+  spec = dict(spec)
+  resources = dict(spec.pop("context", None) or {})
+  for k in [k for k, v in spec.items() if isinstance(v, dict)]:
+    resources[k] = spec.pop(k)
+  return spec, resources
+
+
 class Storage:
   """One checkpoint root directory."""
 
   def __init__(self, url: str, storage_options: dict | None = None):
     self.url = os.fspath(url)
-    self.spec, self.is_posix = kvstore_for_url(self.url, storage_options)
+    spec, self.is_posix = kvstore_for_url(self.url, storage_options)
+    self.spec, self._resources = _split_resources(spec)
+    if self._resources and self.spec["driver"] == "memory":
+      raise CheckpointError(
+          f"{self.url!r}: memory:// shares one context per process and takes "
+          f"no context resources; storage_options has {sorted(self._resources)}")
     if self.is_posix:
       self.root = epath.Path(self.spec["path"])
       self._kv = None
     else:
       self.root = None
-      self._kv = ts.KvStore.open(self.spec, context=self.context()).result()
+      try:
+        self._kv = ts.KvStore.open(self.spec, context=self.context()).result()
+      except Exception as e:
+        raise CheckpointError(
+            f"cannot open {self.url!r} (kvstore {self.spec}): {e}") from e
 
   def context(self) -> ts.Context:
     global _MEMORY_CONTEXT
     if self.spec["driver"] == "memory":
       if _MEMORY_CONTEXT is None:
-        _MEMORY_CONTEXT = ts.Context()
+        _MEMORY_CONTEXT = ts.Context(
+            {OCDBT_CACHE_POOL: {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
       return _MEMORY_CONTEXT
-    return ts.Context({"file_io_concurrency": {"limit": 64},
-                       "cache_pool": {"total_bytes_limit": 0}})
+    spec = {"file_io_concurrency": {"limit": 64},
+            "cache_pool": {"total_bytes_limit": 0},
+            OCDBT_CACHE_POOL: {"total_bytes_limit": _OCDBT_CACHE_BYTES},
+            **self._resources}
+    try:
+      return ts.Context(spec)
+    except Exception as e:  # ValueError from TensorStore's JSON binding
+      raise CheckpointError(
+          f"the context resources in storage_options for {self.url!r} are "
+          f"invalid: {e}; they were {self._resources}") from e
 
   # ---- small objects (index, marker) -------------------------------------
 
@@ -144,13 +248,7 @@ class Storage:
       steps = [parse_step(p.name) for p in self.root.iterdir()]
       return sorted(s for s in steps if s is not None and
                     (self.root / step_dirname(s) / INDEX_NAME).exists())
-    steps = set()
-    for key in self._list(STEP_PREFIX):
-      head, _, tail = key.partition("/")
-      s = parse_step(head)
-      if s is not None and tail == COMMIT_MARKER:
-        steps.add(s)
-    return sorted(steps)
+    return sorted(self._scan()[0])
 
   def abandoned(self) -> list[str]:
     """Directories of saves that never committed (to clean up)."""
@@ -158,14 +256,36 @@ class Storage:
       if not self.root.exists():
         return []
       return sorted(p.name for p in self.root.iterdir() if _TMP_RE.match(p.name))
-    committed = set(self.committed_steps())
-    heads = {k.partition("/")[0] for k in self._list(STEP_PREFIX)}
-    return sorted(h for h in heads
-                  if parse_step(h) is not None and parse_step(h) not in committed)
+    committed, heads = self._scan()
+    return sorted(step_dirname(s) for s in heads - committed)
+
+  def _scan(self) -> tuple[set[int], set[int]]:
+    """(committed steps, every step with a key) from ONE listing."""
+    committed, heads = set(), set()
+    for key in self._list(STEP_PREFIX):
+      head, _, tail = key.partition("/")
+      s = parse_step(head)
+      if s is None or not tail:
+        continue
+      heads.add(s)
+      if tail == COMMIT_MARKER:
+        committed.add(s)
+    return committed, heads
 
   def _list(self, prefix: str) -> list[str]:
-    rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
-    return [k.decode() for k in self._kv.list(rng).result()]
+    lo, hi = _prefix_range(prefix)
+    keys = [k.decode() for k in
+            self._kv.list(ts.KvStore.KeyRange(lo, hi)).result()]
+    outside = [k for k in keys if not lo <= k < hi]
+    if outside:
+      raise CheckpointError(
+          f"listing the keys of {self.url!r} that start with {prefix!r} "
+          f"returned {len(outside)} keys outside that range (e.g. "
+          f"{outside[:3]}): the server ignores the listing range (for GCS "
+          "the startOffset/endOffset parameters). ckpt cannot discover or "
+          "delete checkpoints safely through it; use a server that honours "
+          "them")
+    return keys
 
   # ---- the commit protocol ------------------------------------------------
 
@@ -189,12 +309,16 @@ class Storage:
       self.remove(work_dir)  # leftovers of an interrupted save of this step
 
   def commit(self, step: int, work_dir: str) -> None:
+    """Makes ``step`` visible; the index must be written already."""
     final = step_dirname(step)
+    # Not empty: some servers (gcp-storage-emulator) fail on empty objects.
+    marker = f"{final} committed\n".encode()
     if self.is_posix:
+      self.write_bytes(f"{work_dir}/{COMMIT_MARKER}", marker)
       os.rename(self.root / work_dir, self.root / final)
       _fsync_dir(self.root)
     else:
-      self.write_bytes(f"{final}/{COMMIT_MARKER}", b"")
+      self.write_bytes(f"{final}/{COMMIT_MARKER}", marker)
 
   def is_committed(self, step: int) -> bool:
     name = step_dirname(step)
@@ -204,6 +328,10 @@ class Storage:
 
   def remove(self, name: str) -> None:
     """Deletes a step (or abandoned) directory; never leaves it half-visible."""
+    if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
+      raise CheckpointError(
+          f"refusing to delete {name!r} in {self.url!r}: ckpt deletes only "
+          "checkpoint_<step> and checkpoint_<step>.tmp-<id> directories")
     if self.is_posix:
       path = self.root / name
       if not path.exists():
@@ -214,10 +342,13 @@ class Storage:
         path = doomed
       shutil.rmtree(path, ignore_errors=True)
       return
-    self._kv.delete_range(ts.KvStore.KeyRange(f"{name}/{COMMIT_MARKER}",
-                                              f"{name}/{COMMIT_MARKER}\0")
-                          ).result()
-    self._kv.delete_range(ts.KvStore.KeyRange(f"{name}/", f"{name}0")).result()
+    # The marker first: from here on the step is not committed. Then each
+    # key through the store's API (after checking that the listing stayed
+    # inside the step), concurrently.
+    self._kv.write(f"{name}/{COMMIT_MARKER}", None).result()
+    pending = [self._kv.write(k, None) for k in self._list(f"{name}/")]
+    for f in pending:
+      f.result()
 
   def step_spec(self, rel_dir: str) -> dict[str, Any]:
     return join(self.spec, rel_dir)

@@ -3,7 +3,9 @@
 The spec is fully determined by (format, shape, dtype, chunks, compression),
 so every process builds the same one: process 0 creates the array and the
 others open it with ``assume_metadata`` and write their chunks without
-reading or racing on the metadata.
+reading or racing on the metadata. For "ocdbt" the kvstore is the OCDBT
+database a process writes into (``ckpt.ocdbt.process_database``) or, to
+read, the step's merged database (see ckpt/ocdbt.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+
+from ckpt import ocdbt
 
 FORMATS = ("zarr", "zarr3", "ocdbt")
 COMPRESSIONS = (None, "zstd")
@@ -41,7 +45,11 @@ def check_format(fmt: str) -> str:
 def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
                shape: tuple[int, ...], dtype: np.dtype,
                chunks: tuple[int, ...], codec: Codec) -> dict[str, Any]:
-  """The spec of the array at ``relpath`` inside the step's ``kvstore``."""
+  """The spec of the array at ``relpath`` inside the step's ``kvstore``.
+
+  For "ocdbt", ``kvstore`` is an OCDBT database spec or the directory that
+  holds one.
+  """
   dtype_name = np.dtype(dtype).name
   if fmt == "zarr":
     compressor = None
@@ -60,8 +68,8 @@ def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
       {"name": "bytes", "configuration": {"endian": "little"}}]
   if codec.compression == "zstd":
     codecs.append({"name": "zstd", "configuration": {"level": codec.level}})
-  if fmt == "ocdbt":
-    kvstore = {"driver": "ocdbt", "base": kvstore}
+  if fmt == "ocdbt" and kvstore.get("driver") != "ocdbt":
+    kvstore = ocdbt.database(kvstore)
   return {
       "driver": "zarr3",
       "kvstore": _under(kvstore, relpath),
@@ -85,7 +93,7 @@ def _under(kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
 def open_spec(fmt: str, kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
   """The spec to open an existing array; its metadata comes from storage."""
   if fmt == "ocdbt":
-    kvstore = {"driver": "ocdbt", "base": kvstore}
+    kvstore = ocdbt.database(kvstore)
   return {"driver": "zarr" if fmt == "zarr" else "zarr3",
           "kvstore": _under(kvstore, relpath),
           "fill_missing_data_reads": False}

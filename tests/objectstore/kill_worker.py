@@ -1,0 +1,98 @@
+"""One process of a job whose save is killed (SIGKILL) part way.
+
+Run by ``test_commit.py`` through ``ckpt.local_cluster``. Every process saves
+step 1 (committed), then starts saving step 2 and one process kills itself
+with SIGKILL at ``config["kill"]``:
+
+- ``"mid_write"``: process ``config["victim"]`` as it stages its third box.
+  The byte budget is one box, so staging waits for the previous box to be
+  written: some of the step's data is in the store, some is not.
+- ``"after_index"``: process 0 right after it wrote ``index.msgpack`` (every
+  process wrote its data, OCDBT databases were merged), before the commit
+  marker.
+
+The others then wait at a barrier until ``local_cluster`` ends them. The
+state is ``state(step)``, the same in every process and in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+
+BOX = (128, 128)           # one shard of "w" on the 2 x 4 mesh: 64 KiB
+BUDGET = 64 << 10          # one box: staging waits for writes
+
+
+def state_values(step: int) -> dict[str, np.ndarray]:
+  """The global values of ``step``'s state (fixed seeds)."""
+  rng = np.random.default_rng(1000 + step)
+  return {"w": rng.standard_normal((256, 512), np.float32),
+          "h": rng.standard_normal((64, 1024), np.float32),
+          "step": np.int64(step)}
+
+
+def _die() -> None:
+  sys.stdout.flush()
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv: list[str]) -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.init_from_env()
+  config = json.loads(argv[1])
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+  def state(step):
+    v = state_values(step)
+    w = jax.make_array_from_callback(
+        v["w"].shape, NamedSharding(mesh, P("data", "model")),
+        lambda i: v["w"][i])
+    return {"w": w, "h": v["h"], "step": v["step"]}
+
+  me = jax.process_index()
+  ckptr = ckpt.Checkpointer(config["url"], format=config["format"],
+                            concurrent_bytes=BUDGET, async_save=False,
+                            barrier_timeout_s=60)
+  ckptr.save(1, state(1))
+  print(f"process {me}: step 1 committed", flush=True)
+
+  if config["kill"] == "mid_write" and me == config["victim"]:
+    staged = []
+    plain_stage = save_lib._stage_and_sum  # pylint: disable=protected-access
+
+    def stage_then_die(leaf, write):
+      staged.append(write)
+      if len(staged) == 3:
+        print(f"process {me}: SIGKILL while staging box 3", flush=True)
+        _die()
+      return plain_stage(leaf, write)
+
+    save_lib._stage_and_sum = stage_then_die  # pylint: disable=protected-access
+  elif config["kill"] == "after_index" and me == 0:
+    plain_write = storage_lib.Storage.write_bytes
+
+    def write_then_die(self, rel, data):
+      plain_write(self, rel, data)
+      if rel.endswith(storage_lib.INDEX_NAME):
+        print(f"process {me}: SIGKILL after writing {rel}", flush=True)
+        _die()
+
+    storage_lib.Storage.write_bytes = write_then_die
+  ckptr.save(2, state(2))
+  print(f"process {me}: step 2 returned (it should not have)", flush=True)
+  local_cluster.write_result({"process": me, "survived": True})
+
+
+if __name__ == "__main__":
+  main(sys.argv)

@@ -1,0 +1,42 @@
+"""Test helpers that look at a store directly, as a user's tools would.
+
+``keys`` lists what is under a URL; ``copy_tree`` copies every object from
+one URL to another (like ``gsutil cp -r`` / ``aws s3 cp --recursive``), key
+by key through TensorStore, with no knowledge of ckpt's layout.
+"""
+
+from __future__ import annotations
+
+import tensorstore as ts
+
+from ckpt import storage as storage_lib
+
+
+def kvstore(url: str) -> ts.KvStore:
+  spec, _ = storage_lib.kvstore_for_url(url)
+  return ts.KvStore.open(spec).result()
+
+
+def keys(url: str) -> list[str]:
+  """Every key under ``url`` (relative to it), sorted."""
+  return sorted(k.decode() for k in kvstore(url).list().result())
+
+
+def copy_tree(src: str, dst: str) -> int:
+  """Copies every object under ``src`` to the same key under ``dst``."""
+  source, target = kvstore(src), kvstore(dst)
+  names = [k.decode() for k in source.list().result()]
+  reads = [(k, source.read(k)) for k in names]
+  writes = [target.write(k, r.result().value) for k, r in reads]
+  for w in writes:
+    w.result()
+  return len(names)
+
+
+def delete_key(url: str, key: str) -> None:
+  kvstore(url).write(key, None).result()
+
+
+def read_key(url: str, key: str) -> bytes | None:
+  r = kvstore(url).read(key).result()
+  return None if r.state == "missing" else bytes(r.value)

@@ -1,0 +1,145 @@
+"""The commit marker on buckets: killed saves stay invisible, retention
+deletes through the store, and a save after a crash works.
+
+Two 2-process jobs run at once (``kill_worker.py``), each killed with SIGKILL
+in the middle of saving step 2 after step 1 was committed:
+- into ``gs://`` (zarr3), one process dies while writing its boxes;
+- into ``s3://`` (ocdbt), process 0 dies after writing the index, i.e.
+  after everything but the commit marker.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+
+import ckpt
+from ckpt import local_cluster
+from ckpt import storage as storage_lib
+from tests.objectstore import kill_worker
+from tests.objectstore import servers
+from tests.objectstore import storeutil
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+KILLS = {  # name -> (store, format, kill point)
+    "gs-zarr3-mid-write": ("gs", "zarr3", "mid_write"),
+    "s3-ocdbt-after-index": ("s3", "ocdbt", "after_index"),
+}
+
+
+def assert_same(got, want: dict) -> None:
+  assert set(got) == set(want), (sorted(got), sorted(want))
+  for k, v in want.items():
+    g = np.asarray(got[k])
+    assert g.dtype == np.asarray(v).dtype and g.shape == np.shape(v), k
+    assert g.tobytes() == np.asarray(v).tobytes(), f"{k} differs"
+
+
+@pytest.fixture(scope="module")
+def killed(s3_server, gcs_server, tmp_path_factory):
+  """Runs both killed jobs at once; name -> (url, each process's result)."""
+  del tmp_path_factory
+  env = {**s3_server.env, **gcs_server.env}
+  urls = {"s3": servers.new_bucket(s3_server),
+          "gs": servers.new_bucket(gcs_server)}
+  clusters = {}
+  for name, (store, fmt, kill) in KILLS.items():
+    url = f"{urls[store]}/{name}"
+    clusters[name] = (url, local_cluster.start(
+        "tests.objectstore.kill_worker",
+        {"url": url, "format": fmt, "kill": kill, "victim": 1},
+        num_processes=2, devices_per_process=4, extra_env=env,
+        cwd=str(REPO)))
+  return {name: (url, cluster.wait(180, grace_s=3))
+          for name, (url, cluster) in clusters.items()}
+
+
+@pytest.mark.parametrize("name", KILLS)
+def test_killed_save_is_not_visible(killed, store_env, name):
+  del store_env
+  url, results = killed[name]
+  logs = "\n".join(f"--- {r.process_id} (exit {r.returncode})\n{r.output[-2000:]}"
+                   for r in results)
+  assert all(r.result is None for r in results), logs  # nobody finished
+  assert any("SIGKILL" in r.output and r.returncode == -9 for r in results), logs
+  assert "step 1 committed" in results[0].output, logs
+  keys = storeutil.keys(url)
+  step2 = [k for k in keys if k.startswith("checkpoint_2/")]
+  # The killed save left data behind, but no commit marker.
+  assert step2, keys
+  assert "checkpoint_2/commit_success" not in step2
+  if KILLS[name][2] == "after_index":
+    # Everything but the marker: the index and the merged database too.
+    assert "checkpoint_2/index.msgpack" in step2
+    assert "checkpoint_2/manifest.ocdbt" in step2
+  else:
+    assert "checkpoint_2/index.msgpack" not in step2
+  with ckpt.Checkpointer(url, format=KILLS[name][1]) as ckptr:
+    assert ckptr.all_steps() == [1]
+    assert ckptr.latest_step() == 1
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+      ckptr.restore(2)
+    assert_same(ckptr.restore(), kill_worker.state_values(1))
+  assert_same(ckpt.load(url), kill_worker.state_values(1))
+
+
+def test_new_save_of_the_killed_step(killed, store_env):
+  """The killed step is saved again, by another topology (one process)."""
+  del store_env
+  url, _ = killed["s3-ocdbt-after-index"]
+  new = {"v": np.arange(4096, dtype=np.float32), "step": np.int64(22)}
+  with ckpt.Checkpointer(url, format="ocdbt", async_save=False) as ckptr:
+    assert ckptr.save(2, new)
+    assert ckptr.all_steps() == [1, 2]
+    assert_same(ckptr.restore(2), new)
+  keys = [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
+  # The leftovers of the killed save (process 1's database) are gone.
+  assert not [k for k in keys if k.startswith("checkpoint_2/ocdbt.process_1/")]
+  assert_same(ckpt.load(url, step=1), kill_worker.state_values(1))
+
+
+def test_next_save_removes_the_abandoned_step(killed, store_env):
+  del store_env
+  url, _ = killed["gs-zarr3-mid-write"]
+  with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
+    assert ckptr.storage.abandoned() == ["checkpoint_2"]
+    assert ckptr.save(3, kill_worker.state_values(3))
+    assert ckptr.all_steps() == [1, 3]
+    assert ckptr.storage.abandoned() == []
+  assert not [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
+  assert_same(ckpt.load(url, step=3), kill_worker.state_values(3))
+
+
+@pytest.mark.parametrize("store,fmt", [("s3", "ocdbt"), ("gs", "zarr3")])
+def test_retention_deletes_from_the_bucket(store, fmt, s3_bucket, gs_bucket):
+  url = (s3_bucket if store == "s3" else gs_bucket) + "/retention"
+  states = {s: {"w": np.full((64, 64), s, np.float32),
+                "b": np.arange(300, dtype=np.int32) * s} for s in range(1, 6)}
+  with ckpt.Checkpointer(url, format=fmt, keep=2, keep_period=2,
+                         async_save=True) as ckptr:
+    for s, st in states.items():
+      ckptr.save(s, st)
+    ckptr.wait_until_finished()
+    # keep=2 newest (4, 5) plus every step divisible by keep_period (2).
+    assert ckptr.all_steps() == [2, 4, 5]
+    for s in (2, 4, 5):
+      assert_same(ckptr.restore(s), states[s])
+  heads = {k.partition("/")[0] for k in storeutil.keys(url)}
+  assert heads == {"checkpoint_2", "checkpoint_4", "checkpoint_5"}, heads
+
+
+def test_delete_removes_the_marker_first(s3_bucket):
+  """A step whose deletion is interrupted is no longer committed: the
+  marker goes before the data (here: only the marker is gone)."""
+  url = s3_bucket + "/marker"
+  with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
+    ckptr.save(1, {"w": np.ones(1000, np.float32)})
+    ckptr.save(2, {"w": np.zeros(1000, np.float32)})
+  storeutil.delete_key(url, f"checkpoint_1/{storage_lib.COMMIT_MARKER}")
+  with ckpt.Checkpointer(url) as ckptr:
+    assert ckptr.all_steps() == [2]
+    assert ckptr.storage.abandoned() == ["checkpoint_1"]
+    with pytest.raises(ckpt.CheckpointNotFoundError):
+      ckptr.restore(1)
