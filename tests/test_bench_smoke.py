@@ -1,0 +1,68 @@
+"""The benchmark runs end to end on its smallest preset (not a timed test).
+
+``scripts/bench.py --preset smoke --runs 1`` for ckpt and the raw-files
+baseline (Orbax too when it is installed: it is an optional extra), as a
+subprocess; the JSON report must have every figure, and every time, size and
+file count must be positive.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TIMES = ("save_s", "async_s", "async_total_s", "restore_same_s",
+         "restore_other_s")
+MEMORY = ("save_rss_extra", "async_rss_extra", "restore_same_rss_extra",
+          "restore_other_rss_extra")
+
+
+def _has_orbax() -> bool:
+  try:
+    return importlib.util.find_spec("orbax.checkpoint") is not None
+  except ModuleNotFoundError:
+    return False
+
+
+@pytest.mark.timeout(240)
+def test_bench_smoke(tmp_path):
+  systems = ["ckpt", "raw"] + (["orbax"] if _has_orbax() else [])
+  out = tmp_path / "smoke.json"
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "smoke",
+       "--runs", "1", "--systems", ",".join(systems), "--out", str(out),
+       "--dir", str(tmp_path / "ckpts")],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert "sync save (s)" in proc.stdout  # the table was printed
+
+  report = json.loads(out.read_text())
+  assert report["preset"] == "smoke"
+  assert report["runs"] == 1
+  assert set(report["systems"]) == set(systems)
+  assert report["state"]["bytes"] > 0 and report["state"]["array_leaves"] > 0
+  assert any("page cache" in n for n in report["notes"])
+  for name in systems:
+    fig = report["systems"][name]
+    times = TIMES if name != "raw" else ("save_s", "restore_same_s",
+                                         "restore_other_s")
+    for key in times + ("disk_bytes", "disk_files"):
+      assert fig[key]["median"] > 0, (name, key, fig[key])
+      assert fig[key]["min"] <= fig[key]["median"] <= fig[key]["max"]
+      assert len(fig[key]["values"]) == 1
+    for key in MEMORY if name != "raw" else MEMORY[:1] + MEMORY[2:]:
+      assert fig[key]["median"] >= 0, (name, key, fig[key])
+    assert fig["restore_same_shards_verified"]["median"] > 0
+    assert fig["restore_other_shards_verified"]["median"] > 0
+  assert "async_s" not in report["systems"]["raw"]  # raw has no async mode
+  # The ckpt figures land next to the ratios of the issue's targets.
+  names = {t["target"] for t in report["targets"]}
+  assert "save within 1.5x of raw" in names
+  assert "other-mesh restore within 1.3x of same-mesh" in names
