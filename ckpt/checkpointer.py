@@ -143,6 +143,7 @@ class Checkpointer:
     host_bytes = _pack_host_state(host_state)
     t0 = time.perf_counter()
     plan = save_lib.plan_save(state, self._options, self.partitioner)
+    plan.borrow = not self.async_save
     stats = save_lib.SaveStats(step=step)
     self.last_save_stats = stats
     staged = threading.Event()

@@ -40,6 +40,10 @@ from ckpt.errors import CheckpointError, InvalidStateError
 from ckpt.limiter import ByteLimiter
 
 INLINE_MAX_BYTES = 256
+# Staging and checksumming a box this small runs on the event loop: a hop to
+# a worker thread and back (through the loop's self-pipe, under the GIL)
+# costs more than the work itself, and with 10,000 leaves it dominates.
+INLINE_WORK_BYTES = 256 << 10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +85,9 @@ class SavePlan:
   leaves: list[LeafPlan]
   writes: list[plan_lib.Write]      # every process's writes
   options: SaveOptions
+  # The caller waits until the save is committed (async_save=False): its
+  # arrays may be written from directly, with no staging copy.
+  borrow: bool = False
 
   def my_writes(self, process: int) -> list[plan_lib.Write]:
     return [w for w in self.writes if w.process == process]
@@ -174,8 +181,17 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
         f"one of {sorted(index_lib.ALLOWED_DTYPES)}")
 
 
-def _stage(leaf: LeafPlan, write: plan_lib.Write) -> np.ndarray:
-  """Copies one owned box to fresh host memory, cast to the stored dtype."""
+def _stage(leaf: LeafPlan, write: plan_lib.Write,
+           borrow: bool = False) -> np.ndarray:
+  """One owned box on the host, in the stored dtype, safe to write later.
+
+  With ``borrow`` (a synchronous save: the caller waits, so it can neither
+  change nor free what it passed in) the box may be a view of the caller's
+  data. Otherwise it is ckpt's own: after save() returns the caller may
+  donate, delete or mutate its arrays. From an accelerator ``np.asarray`` is
+  a fresh host copy already, and a cast makes a new array anyway; only
+  views (a CPU device buffer, a host numpy leaf) are copied.
+  """
   src = leaf.source
   if isinstance(src, jax.Array):
     shard = next(s for s in src.addressable_shards if s.device.id == write.device)
@@ -184,16 +200,16 @@ def _stage(leaf: LeafPlan, write: plan_lib.Write) -> np.ndarray:
       host = np.asarray(shard.data)[part]  # on CPU a view, not a copy
     else:  # on an accelerator, cut on the device and move only the part
       host = np.asarray(shard.data[part])
+    fresh = shard.device.platform != "cpu"
   else:
     host = src[write.box.slices()]
-  # A copy even when no cast is needed: after save() returns, the caller may
-  # donate, delete or mutate what it passed in.
-  return np.array(host, dtype=leaf.entry.dtype, order="C", copy=True)
-
-
-def _stage_and_sum(leaf: LeafPlan, write: plan_lib.Write):
-  data = _stage(leaf, write)
-  return data, checksum(data)
+    fresh = False
+  dtype = np.dtype(leaf.entry.dtype)
+  if host.dtype != dtype:
+    return host.astype(dtype, order="C")
+  if borrow or fresh:
+    return host
+  return np.array(host, order="C", copy=True)
 
 
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
@@ -236,21 +252,39 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       on_staged: Callable[[], None]) -> list[list]:
   """Stages 3 and 4 for this process's boxes.
 
+  With ``plan.borrow`` (the caller waits for the whole save) boxes are
+  written straight from its arrays, with no staging copy.
+
   Returns ``[leaf, start, stop, crc32c]`` for every box written: checksums
-  are taken of the staged copy, so the data is not read a second time.
+  are taken of the staged data while TensorStore writes it, off the
+  caller's path.
   """
   process = multihost.process_index()
   stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
   stats.inline_leaves = len(plan.leaves) - stats.array_leaves
-  arrays = await _open_arrays(plan, step_kvstore, context, process)
+  # The arrays are created (metadata written) while staging runs, not
+  # before it: in async mode the caller waits for staging only.
+  opening = asyncio.ensure_future(
+      _open_arrays(plan, step_kvstore, context, process))
+  arrays: dict[int, ts.TensorStore] = {}
   tasks: list[asyncio.Task] = []
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
   sums: list[list] = []
 
   async def write_box(w: plan_lib.Write, data: np.ndarray, txn=None):
-    store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
     try:
-      await store[w.box.slices()].write(data)
+      if not arrays:
+        arrays.update(await opening)
+      store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
+      # ``data`` never changes from here on (a view of an immutable
+      # jax.Array, or ckpt's own copy), so TensorStore may keep a reference
+      # to it instead of copying it into its chunk cache.
+      write = store[w.box.slices()].write(
+          data, can_reference_source_data_indefinitely=True)
+      crc = (checksum(data) if data.nbytes <= INLINE_WORK_BYTES else
+             await asyncio.to_thread(checksum, data))
+      await write
+      sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
@@ -321,7 +355,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         grant = await limiter.acquire(w.nbytes)
       leaf = plan.leaves[w.leaf]
       try:
-        data, crc = await asyncio.to_thread(_stage_and_sum, leaf, w)
+        data = (_stage(leaf, w, plan.borrow) if w.nbytes <= INLINE_WORK_BYTES
+                else await asyncio.to_thread(_stage, leaf, w, plan.borrow))
       except Exception as e:
         limiter.release(grant)
         raise CheckpointError(
@@ -332,19 +367,24 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         limiter.release(grant)
         raise
       staged.append((w, data, grant))
-      sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
   except BaseException:
     for _, _, grant in staged:
       limiter.release(grant)
     staged.clear()
     for t in tasks:
       t.cancel()
+    opening.cancel()
     raise
   finally:
     for lp in plan.leaves:
       lp.source = None  # the caller's arrays are no longer needed
     on_staged()
   start_writes()
+  try:
+    arrays.update(await opening)  # every array exists, even with no box here
+  except BaseException:
+    await asyncio.gather(*tasks, return_exceptions=True)
+    raise
   results = await asyncio.gather(*tasks, return_exceptions=True)
   errors = [r for r in results if isinstance(r, BaseException)]
   if errors:
