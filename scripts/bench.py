@@ -123,14 +123,9 @@ def leaf_value(preset: dict[str, Any], i: int, spec: dict[str, Any]) -> np.ndarr
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for path, value in flat.items():
-    node = out
-    *parents, last = path.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[last] = value
-  return out
+  """{"a/b": x} -> {"a": {"b": x}}."""
+  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  return tree.nest({tuple(path.split("/")): v for path, v in flat.items()})
 
 
 def flat_items(tree: Any, prefix: str = "") -> list[tuple[str, Any]]:

@@ -82,14 +82,9 @@ def global_value(path: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
-  out: dict[str, Any] = {}
-  for path, value in flat.items():
-    node = out
-    *parents, last = path.split("/")
-    for p in parents:
-      node = node.setdefault(p, {})
-    node[last] = value
-  return out
+  """{"a/b": x} -> {"a": {"b": x}}."""
+  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  return tree.nest({tuple(path.split("/")): v for path, v in flat.items()})
 
 
 def _state(specs, leaf) -> dict[str, Any]:
