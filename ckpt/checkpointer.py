@@ -310,10 +310,9 @@ class Checkpointer:
       # for: let it finish everywhere first (its failure stays for later).
       concurrent.futures.wait([self._inflight])
     if path is not None:
-      storage, step_dir = storage_lib.Storage(path, self._storage_options), ""
+      storage = storage_lib.Storage(path, self._storage_options)
+      step_dir = restore_lib.locate_path(storage, step)
       is_resuming = False
-      if storage.read_bytes(storage_lib.INDEX_NAME) is None:
-        step, step_dir = restore_lib.locate(storage, step)
     else:
       storage = self.storage
       latest = storage.committed_steps()

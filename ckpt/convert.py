@@ -84,10 +84,7 @@ def open_checkpoint(path, step: int | None = None,
   if storage.is_posix and not os.path.isdir(local):
     what = "is not a directory" if os.path.exists(local) else "does not exist"
     raise CheckpointError(f"{os.fspath(path)} {what}")
-  if step is None and storage.read_bytes(storage_lib.INDEX_NAME) is not None:
-    step_dir = ""
-  else:
-    _, step_dir = restore_lib.locate(storage, step)
+  step_dir = restore_lib.locate_path(storage, step)
   return storage, step_dir, restore_lib.read_index(storage, step_dir)
 
 

@@ -63,8 +63,5 @@ def verify(path, *, step: int | None = None, storage_options: dict | None = None
   directory. An unreadable index raises CorruptCheckpointError.
   """
   storage = storage_lib.Storage(path, storage_options)
-  if step is None and storage.read_bytes(storage_lib.INDEX_NAME) is not None:
-    step_dir = ""
-  else:
-    _, step_dir = restore_lib.locate(storage, step)
+  step_dir = restore_lib.locate_path(storage, step)
   return lazy.run_sync(_verify(storage, step_dir, budget, progress))

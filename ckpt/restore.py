@@ -200,6 +200,15 @@ def locate(storage: storage_lib.Storage, step: int | None
   return step, storage_lib.step_dirname(step)
 
 
+def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
+  """The step directory (relative) of a path given by a user: the path
+  itself if it holds ``index.msgpack`` and no step is asked for, else the
+  committed ``step`` (default: latest) under it as a root."""
+  if step is None and storage.read_bytes(storage_lib.INDEX_NAME) is not None:
+    return ""
+  return locate(storage, step)[1]
+
+
 async def restore(storage: storage_lib.Storage, step_dir: str,
                   args: RestoreArgs, budget: int, context) -> Any:
   """Reads the index in ``step_dir`` and restores it as ``args`` say."""
@@ -217,9 +226,6 @@ def load(path, step: int | None = None, *, storage_options: dict | None = None,
   directory (a folder holding ``index.msgpack``).
   """
   storage = storage_lib.Storage(path, storage_options)
-  if step is None and storage.read_bytes(storage_lib.INDEX_NAME) is not None:
-    step_dir = ""
-  else:
-    _, step_dir = locate(storage, step)
+  step_dir = locate_path(storage, step)
   return lazy.run_sync(restore(storage, step_dir, RestoreArgs(),
                                concurrent_bytes, storage.context()))
