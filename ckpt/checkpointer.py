@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import itertools
+import hashlib
+import json
 import operator
 import os
 import threading
@@ -26,16 +27,16 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import msgpack
 
-from ckpt import index as index_lib
+from ckpt import agreement
+from ckpt import commit as commit_lib
+from ckpt import finalize
 from ckpt import multihost
-from ckpt import ocdbt
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt import tsspec
 from ckpt.errors import CheckpointError, InvalidStateError
-from ckpt.limiter import ByteLimiter
 from ckpt.plan import DEFAULT_CHUNK_BYTES
 from ckpt.retention import RetentionPolicy
 
@@ -65,6 +66,9 @@ class Checkpointer:
     compression: None (raw chunks) or ``"zstd"``.
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
+    lease_s: a save renews its lease every ``lease_s / 5`` seconds; another
+      writer's cleanup removes an uncommitted attempt only once its lease is
+      older than this (see ckpt/commit.py).
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -78,7 +82,8 @@ class Checkpointer:
                storage_options: dict | None = None,
                compression: str | None = None,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S):
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
+               lease_s: float = commit_lib.DEFAULT_LEASE_S):
     self.policy = RetentionPolicy(keep, keep_period, best_metric, best_mode,
                                   keep_checkpoints_without_metrics)
     if int(concurrent_bytes) <= 0:
@@ -92,15 +97,22 @@ class Checkpointer:
     self.async_save = async_save
     self.partitioner = partitioner
     self.barrier_timeout_s = barrier_timeout_s
+    if not float(lease_s) > 0:
+      raise ValueError(f"lease_s must be positive, got {lease_s!r}")
+    self.lease_s = float(lease_s)
     self._storage_options = storage_options
     self.storage = storage_lib.Storage(directory, storage_options)
     self._context = self.storage.context()
-    self._id = multihost.next_instance_id()
-    self._seq = itertools.count()
+    # Coordination keys name the directory, so every process derives the
+    # same ones from what it was given (see multihost.call_key).
+    self._key_base = "dir-" + hashlib.sha1(json.dumps(
+        self.storage.spec, sort_keys=True).encode()).hexdigest()[:16]
     self._metrics_cache: dict[int, dict[str, float]] = {}
+    self._lock = threading.Lock()
     self._inflight: concurrent.futures.Future | None = None
     self._inflight_step: int | None = None
-    self._restoring: set[int] = set()
+    self._retention = finalize.Retention(self.storage, self.policy,
+                                         self._read_metrics)
     self.last_save_stats = save_lib.SaveStats()
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever,
@@ -120,7 +132,13 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None) -> bool:
-    """Saves ``state`` as ``step``; returns False if the step already exists."""
+    """Saves ``state`` as ``step``; returns False if the step already exists.
+
+    In a multi-process job every process calls it with the same step. The
+    processes agree before anything is written (ckpt/agreement.py): all
+    save, or all skip a committed step, or all raise the same error naming
+    the process that could not prepare its part and why.
+    """
     self._check_open()
     given = step
     try:
@@ -129,154 +147,129 @@ class Checkpointer:
       step = -1
     if step < 0:
       raise ValueError(f"step must be a non-negative int, got {given!r}")
-    self.wait_until_finished()
-    if self.storage.is_committed(step):
+    self._wait_for_save()
+    key = multihost.call_key(self._key_base, "save", step)
+    t0 = time.perf_counter()
+    plan, host_bytes, values, error = None, b"", [], None
+    try:
+      metrics = _check_metrics(metrics)
+      if transforms:  # they see and return nested dicts keyed by path parts
+        state = tree.nest(dict(tree.flatten(state)))
+        for fn in transforms:
+          state = fn(state)
+      host_bytes = _pack_host_state(host_state)
+      plan = save_lib.plan_save(state, self._options, self.partitioner)
+      plan.borrow = not self.async_save
+      values = agreement.host_values(plan.leaves)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e  # every process hears of it in the round below
+    decision = agreement.save_round(
+        key, step, error, values, lambda: self._prepare_attempt(step),
+        timeout_s=self.barrier_timeout_s)
+    if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
       self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
       return False
-    metrics = _check_metrics(metrics)
-    if transforms:  # they see and return nested dicts keyed by path parts
-      state = tree.nest(dict(tree.flatten(state)))
-      for fn in transforms:
-        state = fn(state)
-    host_bytes = _pack_host_state(host_state)
-    t0 = time.perf_counter()
-    plan = save_lib.plan_save(state, self._options, self.partitioner)
-    plan.borrow = not self.async_save
+    attempt = finalize.Attempt(
+        step=step, key=key, token=decision.token,
+        work_dir=commit_lib.work_dir(self.storage, step, decision.token),
+        timeout_s=self.barrier_timeout_s, lease_s=self.lease_s)
     stats = save_lib.SaveStats(step=step)
     self.last_save_stats = stats
     staged = threading.Event()
     fut = asyncio.run_coroutine_threadsafe(
-        self._save_async(step, plan, metrics, host_bytes, stats, staged, t0),
+        self._save_async(attempt, plan, metrics, host_bytes, stats, staged, t0),
         self._loop)
-    self._inflight, self._inflight_step = fut, step
+    with self._lock:
+      self._inflight, self._inflight_step = fut, step
     if self.async_save:
       staged.wait()
       stats.blocking_s = time.perf_counter() - t0
       if fut.done():
-        self.wait_until_finished()
+        self._wait_for_save()
     else:
-      self.wait_until_finished()
+      self._wait_for_save()
       stats.blocking_s = stats.total_s
     return True
 
-  async def _save_async(self, step: int, plan: save_lib.SavePlan,
-                        metrics, host_bytes: bytes, stats: save_lib.SaveStats,
+  def _prepare_attempt(self, step: int) -> str | None:
+    """Process 0, in the save round: None if ``step`` is committed, else the
+    token of a fresh, empty attempt directory."""
+    if commit_lib.is_committed(self.storage, step):
+      return None
+    token = multihost.unique_token()
+    commit_lib.prepare(self.storage, step, token)
+    return token
+
+  async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
+                        host_bytes: bytes, stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float) -> None:
     try:
-      await self._save_stages(step, plan, metrics, host_bytes, stats, staged)
+      if multihost.process_index() == 0 and not self._cleaned_up:
+        # Abandoned work of crashed jobs goes at this writer's first save
+        # (not when a Checkpointer opens: a reader must not delete anything).
+        self._cleaned_up = True
+        await asyncio.to_thread(self._remove_abandoned, attempt.work_dir)
+      await finalize.run_save(attempt, plan, self.storage, self._context,
+                              self.concurrent_bytes, metrics, host_bytes,
+                              stats, staged.set)
+      if multihost.process_index() == 0:
+        self._metrics_cache[attempt.step] = dict(metrics)
+        self._retention.start(attempt.step)
     finally:
       staged.set()
       stats.total_s = time.perf_counter() - t0
 
-  async def _save_stages(self, step, plan, metrics, host_bytes, stats, staged):
-    pid, n = multihost.process_index(), multihost.process_count()
-    key = f"ckpt/{self._id}/{next(self._seq)}"
-    timeout = self.barrier_timeout_s
-
-    async def barrier(name: str, what: str, error: BaseException | None = None):
-      """A barrier that also carries failures: a process that failed still
-      arrives (after saying so), so the others stop now, not at a timeout."""
-      if error is not None:
-        multihost.report_failure(f"{key}/{name}/failed",
-                                 f"{type(error).__name__}: {error}")
-      await asyncio.to_thread(multihost.barrier, f"{key}/{name}",
-                              timeout_s=timeout, what=f"{what}, step {step}")
-      if error is not None:
-        raise error
-      failed = multihost.reported_failures(f"{key}/{name}/failed")
-      if failed:
-        raise CheckpointError(
-            f"saving step {step} failed on process(es) {sorted(failed)} "
-            f"before '{what}'; nothing was committed. "
-            + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
-
-    def start() -> str:  # process 0 picks the work directory, others learn it
-      if not self._cleaned_up:
-        # Abandoned work of a crashed job goes at this writer's first save
-        # (not when a Checkpointer opens: a reader must not delete a save
-        # that another Checkpointer has in flight).
-        for name in self.storage.abandoned():
-          logging.info("ckpt: removing abandoned %s", name)
-          self.storage.remove(name)
-        self._cleaned_up = True
-      token = multihost.unique_token()
-      self.storage.prepare(step, self.storage.work_dir(step, token))
-      return token
-
-    token = await asyncio.to_thread(
-        multihost.broadcast_str, f"{key}/token", start, timeout_s=timeout,
-        what=f"the work directory of step {step}")
-    work_dir = self.storage.work_dir(step, token)
-    step_kvstore = self.storage.step_spec(work_dir)
-    # 3-4. stage and write this process's boxes under one byte budget.
-    limiter = ByteLimiter(self.concurrent_bytes)
-    error = None
-    sums: list = []
-    try:
-      sums = await save_lib.write_owned(plan, step_kvstore, self._context,
-                                        limiter, stats, staged.set)
-    except Exception as e:  # told to every process at the barrier below
-      error = e
-    # 5. every process has written.
-    await barrier("written", "all processes wrote their data", error)
-    host_states = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
-        f"the host_state of step {step}")
-    all_sums = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/checksums",
-        msgpack.packb(sums), timeout, f"the checksums of step {step}")
-    error = None
-    if pid == 0:
+  def _remove_abandoned(self, own: str) -> None:
+    for name in commit_lib.abandoned(self.storage, self.lease_s):
+      if name == own:
+        continue
+      logging.info("ckpt: removing abandoned %s", name)
       try:
-        if plan.options.storage_format == "ocdbt":
-          # One database from the per-process ones (ckpt/ocdbt.py).
-          await ocdbt.merge(step_kvstore, n, self._context)
-        # 6-7. index, then commit.
-        checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
-        index = save_lib.make_index(plan, step, metrics, host_states, n,
-                                    checksums)
-        self.storage.write_bytes(f"{work_dir}/{storage_lib.INDEX_NAME}",
-                                 index_lib.encode(index))
-        self.storage.commit(step, work_dir)
-        self._metrics_cache[step] = dict(index.metrics)
-        # 8. retention.
-        self._apply_retention(protected={step})
-      except Exception as e:
-        error = e
-    # 9. the save is complete everywhere.
-    await barrier("done", "commit and retention finished", error)
+        commit_lib.remove(self.storage, name)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 
-  def _apply_retention(self, protected: set[int]) -> None:
-    steps = self.storage.committed_steps()
-    metrics = {}
-    if self.policy.best_metric is not None:
-      metrics = {s: self.metrics(s) for s in steps}
-    doomed = self.policy.to_delete(
-        steps, metrics, frozenset(protected | self._restoring))
-    for s in doomed:
-      logging.info("ckpt: retention deletes step %d", s)
-      self.storage.remove(storage_lib.step_dirname(s))
-      self._metrics_cache.pop(s, None)
+  def _wait_for_save(self) -> None:
+    """Blocks until the in-flight save is committed; re-raises its failure.
 
-  def wait_until_finished(self) -> None:
-    """Blocks until the in-flight save is done; re-raises its failure."""
-    fut, self._inflight = self._inflight, None
+    Every thread that waits, waits for the commit (the save stays tracked
+    until it is done, whoever waits and however a wait ends, Ctrl-C
+    included); each of them sees its failure.
+    """
+    with self._lock:
+      fut, step = self._inflight, self._inflight_step
     if fut is None:
       return
     try:
       fut.result()
     except CheckpointError as e:
-      if f"step {self._inflight_step}" in str(e):
+      if f"step {step}" in str(e):
         raise  # it names the step already (barrier timeouts do)
       raise CheckpointError(
-          f"saving step {self._inflight_step} failed on process "
+          f"saving step {step} failed on process "
           f"{multihost.process_index()}: {e}") from e
     except Exception as e:
       raise CheckpointError(
-          f"saving step {self._inflight_step} failed on process "
+          f"saving step {step} failed on process "
           f"{multihost.process_index()}: {type(e).__name__}: {e}") from e
+    finally:
+      if fut.done():
+        with self._lock:
+          if self._inflight is fut:
+            self._inflight = None
+
+  def wait_until_finished(self) -> None:
+    """Blocks until the in-flight save is committed and its retention (the
+    deletion of steps the policy drops, process 0) is done; re-raises a
+    failure of the save."""
+    self._wait_for_save()
+    self._wait_for_retention()
+
+  def _wait_for_retention(self) -> None:
+    if not self._closed:
+      self._run(self._retention.wait())
 
   # ---- restore ----------------------------------------------------------
 
@@ -305,29 +298,58 @@ class Checkpointer:
         mismatch raises CorruptCheckpointError naming the leaf.
     """
     self._check_open()
-    if self._inflight is not None:
-      # The in-flight save's retention (process 0) may delete the step asked
-      # for: let it finish everywhere first (its failure stays for later).
-      concurrent.futures.wait([self._inflight])
+    with self._lock:
+      fut = self._inflight
+    if fut is not None:
+      # Let the in-flight save commit everywhere first (a restore of the
+      # latest step wants it); its failure stays for the next save or wait.
+      concurrent.futures.wait([fut])
     if path is not None:
       storage = storage_lib.Storage(path, self._storage_options)
-      step_dir = restore_lib.locate_path(storage, step)
-      is_resuming = False
+      # Processes may each read their own copy (a path on a local disk):
+      # then each finds its own step directory.
+      step_dir = self._agreed(
+          f"restore(path=..., step={step!r})",
+          lambda: restore_lib.locate_path(storage, step),
+          f"the step directory under {os.fspath(path)!r}",
+          where=storage.url)
+      is_resuming, protected = False, None
     else:
       storage = self.storage
-      latest = storage.committed_steps()
-      step, step_dir = restore_lib.locate(storage, step)
-      is_resuming = bool(latest) and step == latest[-1]
+      step, step_dir, is_resuming = self._agreed(
+          f"restore(step={step!r})", lambda: self._choose_step(step),
+          f"the step to restore from {self.storage.url!r}")
+      protected = step if multihost.process_index() == 0 else None
     args = restore_lib.RestoreArgs(
         target=target, restore_dtype=self.restore_dtype,
         transforms=tuple(transforms), fallback_state=fallback_state,
         lazy=lazy, is_resuming=is_resuming, verify=verify)
-    self._restoring.add(step)
     try:
       return self._run(restore_lib.restore(
           storage, step_dir, args, self.concurrent_bytes, self._context))
     finally:
-      self._restoring.discard(step)
+      if protected is not None:
+        self._retention.release(protected)
+
+  def _choose_step(self, step: int | None) -> list:
+    """Process 0: [step, its directory, whether it is the latest], with the
+    step protected from retention until the restore ends."""
+    steps = commit_lib.committed_steps(self.storage)
+    step = restore_lib.resolve_step(self.storage, step, steps)
+    self._retention.protect(step)
+    try:
+      step_dir = commit_lib.step_dir(self.storage, step)  # gone if deleted meanwhile
+    except BaseException:
+      self._retention.release(step)
+      raise
+    return [step, step_dir, step == steps[-1]]
+
+  def _agreed(self, request: str, answer: Callable[[], Any], what: str,
+              where: str = "") -> Any:
+    """``answer()`` computed once by process 0; every process gets it."""
+    return agreement.read_round(
+        multihost.call_key(self._key_base, "read"), request, answer,
+        timeout_s=self.barrier_timeout_s, what=what, where=where)
 
   def _run(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -348,23 +370,39 @@ class Checkpointer:
     return multihost.reached_preemption_sync_point(step)
 
   # ---- queries ----------------------------------------------------------
+  # In a multi-process job these are collective, like save and restore:
+  # every process calls them, process 0 reads the directory once, and every
+  # process gets its answer (so all of them act on the same steps).
 
   def all_steps(self) -> list[int]:
-    return self.storage.committed_steps()
+    return self._agreed("all_steps()", self._list_steps,
+                        f"the steps in {self.storage.url!r}")
 
   def latest_step(self) -> int | None:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def _list_steps(self) -> list[int]:
+    self._wait_for_retention()  # report the directory as retention left it
+    return commit_lib.committed_steps(self.storage)
+
   def metrics(self, step: int) -> dict[str, float]:
+    return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
+                        f"the metrics of step {step}")
+
+  def _read_metrics(self, step: int) -> dict[str, float]:
     if step not in self._metrics_cache:
-      _, step_dir = restore_lib.locate(self.storage, step)
-      self._metrics_cache[step] = restore_lib.read_index(
-          self.storage, step_dir).metrics
+      index = restore_lib.read_index(self.storage,
+                                    commit_lib.step_dir(self.storage, step))
+      self._metrics_cache[step] = dict(index.metrics)
     return dict(self._metrics_cache[step])
 
   def host_state(self, step: int | None = None) -> Any:
-    step, step_dir = restore_lib.locate(self.storage, step)
+    step, step_dir = self._agreed(
+        f"host_state({step!r})",
+        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
+                 commit_lib.step_dir(self.storage, s)],
+        f"the step of host_state in {self.storage.url!r}")
     index = restore_lib.read_index(self.storage, step_dir)
     n = multihost.process_count()
     if index.process_count != n or len(index.host_state or ()) != n:

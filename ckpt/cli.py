@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ckpt import commit as commit_lib
 from ckpt import convert
 from ckpt.cli_output import (Progress, brief, emit, human_age, human_bytes,
                              iso_utc, jsonable, local_time, metrics_text,
@@ -102,13 +103,13 @@ def _step_of(name: str) -> int:
 def list_entries(storage: storage_lib.Storage, progress=None) -> list[dict]:
   """Every checkpoint_* entry of a root: committed, uncommitted (a save in
   progress or abandoned), incomplete (no index) or corrupt (bad index)."""
-  committed = storage.committed_steps()
+  committed = commit_lib.committed_steps(storage)
   rows: dict[str, dict] = {}
   for s in committed:
     name = storage_lib.step_dirname(s)
     row = {"step": s, "name": name, "status": "committed"}
     try:
-      index = restore_lib.read_index(storage, name)
+      index = restore_lib.read_index(storage, commit_lib.step_dir(storage, s))
       row.update(time=index.time, metrics=index.metrics,
                  format=index.storage_format,
                  process_count=index.process_count, leaves=len(index.leaves),
@@ -116,7 +117,7 @@ def list_entries(storage: storage_lib.Storage, progress=None) -> list[dict]:
     except CheckpointError as e:
       row.update(status="corrupt", error=str(e))
     rows[name] = row
-  for name in storage.abandoned():
+  for name in commit_lib.abandoned(storage, 0.0):  # every uncommitted attempt
     rows[name] = {"step": _step_of(name), "name": name,
                   "status": "uncommitted"}
   if storage.is_posix:
@@ -197,14 +198,27 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
             "bytes": convert.leaf_nbytes(e), "chunks": list(e.chunks),
             "chunk_count": math.prod(grid), "codec": e.codec,
             "sharding": e.sharding, "relpath": e.relpath,
-            "checksums": len(getattr(e, "checksums", ()))}
+            "checksums": len(getattr(e, "checksums", ())),
+            **_prng_info(e, e.shape)}
   v = e.value
   is_np = isinstance(v, (np.ndarray, np.generic))
   return {"path": name, "kind": "value",
           "type": np.asarray(v).dtype.name if is_np else type(v).__name__,
           "shape": list(np.shape(v)) if is_np else None,
           "bytes": convert.leaf_nbytes(e), "value": jsonable(v),
-          "repr": brief(v)}
+          "repr": brief(v), **_prng_info(e, np.shape(v))}
+
+
+def _prng_info(e: index_lib.Entry, shape) -> dict[str, Any]:
+  """``prng_impl``: the implementation of a typed PRNG key leaf (None for
+  other leaves); a key leaf's ``shape`` and ``dtype`` are its stored key
+  data's, ``keys_shape`` the shape of the key array it restores as."""
+  impl = getattr(e, "prng_impl", "") or None
+  if impl is None:
+    return {"prng_impl": None}
+  from ckpt import prng  # pylint: disable=g-import-not-at-top
+  k = len(prng.info(impl).key_shape)  # the index was validated on read
+  return {"prng_impl": impl, "keys_shape": list(shape[:len(shape) - k])}
 
 
 def _codec_text(codec: dict) -> str:
@@ -213,6 +227,11 @@ def _codec_text(codec: dict) -> str:
   level = codec.get("level")
   return f"{codec['compression']}({level})" if level is not None else \
       codec["compression"]
+
+
+def _key_text(x: dict[str, Any]) -> str:
+  """The DTYPE cell of a PRNG key leaf: ``key<rbg>``."""
+  return f"key<{x['prng_impl']}>"
 
 
 def _shape_text(shape) -> str:
@@ -235,14 +254,20 @@ def cmd_inspect(args) -> int:
     if x["kind"] == "array":
       dtype = x["dtype"] if x["source_dtype"] == x["dtype"] else \
           f"{x['source_dtype']}->{x['dtype']}"
-      rows.append([x["path"], _shape_text(x["shape"]), dtype,
+      shape = _shape_text(x["shape"])
+      if x["prng_impl"]:  # keys: their shape, not their key data's
+        shape, dtype = _shape_text(x["keys_shape"]), _key_text(x)
+      rows.append([x["path"], shape, dtype,
                    human_bytes(x["bytes"]),
                    f"{_shape_text(x['chunks'])} x{x['chunk_count']}",
                    _codec_text(x["codec"]), x["sharding"] or "-"])
     else:
       shape = "-" if x["shape"] is None else _shape_text(x["shape"])
-      rows.append([x["path"], shape, x["type"], "inline", "-", "-",
-                   f"= {x['repr']}"])
+      kind, value = x["type"], f"= {x['repr']}"
+      if x["prng_impl"]:
+        shape, kind = _shape_text(x["keys_shape"]), _key_text(x)
+        value = f"= key data {x['repr']}"
+      rows.append([x["path"], shape, kind, "inline", "-", "-", value])
   head = [
       f"checkpoint {where} (step {index.step})",
       f"saved     {local_time(index.time)} by {index.process_count} "
@@ -251,6 +276,11 @@ def cmd_inspect(args) -> int:
       f"{len(arrays)} arrays ({human_bytes(doc['array_bytes'])}), "
       f"{len(leaves) - len(arrays)} inline values",
   ]
+  keys = [x for x in leaves if x["prng_impl"]]
+  if keys:
+    impls = ", ".join(sorted({x["prng_impl"] for x in keys}))
+    head.append(f"prng keys {len(keys)} leaves hold typed PRNG keys ({impls}), "
+                "stored as their key data")
   if index.metrics:
     head.append(f"metrics   {metrics_text(index.metrics)}")
   text = "\n".join(head)
@@ -287,7 +317,7 @@ def cmd_verify(args) -> int:
   if args.all:
     if args.step is not None:
       raise UsageError("pass --step or --all, not both")
-    steps = open_root(args, args.path).committed_steps()
+    steps = commit_lib.committed_steps(open_root(args, args.path))
     if not steps:
       raise CheckpointError(f"{args.path} holds no committed checkpoint")
     results = [_verify_one(args, s) for s in steps]
@@ -350,7 +380,7 @@ def cmd_gc(args) -> int:
   if args.yes:
     with Progress(args, "deleting", unit="dir") as bar:
       for i, item in enumerate(plan):
-        storage.remove(item["name"])
+        commit_lib.remove(storage, item["name"])
         deleted.append(item["name"])
         bar(i + 1, len(plan))
   kept = sorted(set(steps) - set(doomed))

@@ -31,6 +31,7 @@ import warnings
 import zipfile
 from typing import Any, Callable, Iterator
 
+import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16, float8, int4)
 import numpy as np
 
@@ -99,7 +100,8 @@ def iter_leaves(storage: storage_lib.Storage, step_dir: str,
                 budget: int = lazy.DEFAULT_READ_BUDGET
                 ) -> Iterator[tuple[str, Any]]:
   """(leaf path, value) in index order, each read when the caller asks:
-  arrays as numpy, inline leaves as saved (python or numpy values)."""
+  arrays as numpy, inline leaves as saved (python or numpy values); typed
+  PRNG keys as their key data (uint32), which is what other formats hold."""
   leaves = restore_lib.checkpoint_leaves(
       index, storage.step_spec(step_dir), storage.context(), budget)
   total = sum(leaf_nbytes(e) for e in index.leaves)
@@ -108,6 +110,8 @@ def iter_leaves(storage: storage_lib.Storage, step_dir: str,
     value = leaves[e.path]
     if isinstance(value, lazy.LazyLeaf):
       value = value.read()
+      if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = np.asarray(jax.random.key_data(value))
     done += leaf_nbytes(e)
     if progress:
       progress(done, total)

@@ -17,6 +17,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import msgpack
 import numpy as np
 
+from ckpt import prng
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
@@ -49,13 +50,19 @@ class ArrayEntry:
   sharding: str = ""
   # (start, stop, crc32c) of every box written, taken of the staged bytes.
   checksums: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
+  # A typed PRNG key leaf: the array is its key data, this its
+  # implementation's name (ckpt/prng.py); "" for any other leaf.
+  prng_impl: str = ""
 
   def to_json(self) -> dict[str, Any]:
-    return {"path": list(self.path), "kind": "array", "relpath": self.relpath,
-            "shape": list(self.shape), "dtype": self.dtype,
-            "chunks": list(self.chunks), "codec": self.codec,
-            "source_dtype": self.source_dtype, "sharding": self.sharding,
-            "checksums": [[list(a), list(b), c] for a, b, c in self.checksums]}
+    out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
+           "shape": list(self.shape), "dtype": self.dtype,
+           "chunks": list(self.chunks), "codec": self.codec,
+           "source_dtype": self.source_dtype, "sharding": self.sharding,
+           "checksums": [[list(a), list(b), c] for a, b, c in self.checksums]}
+    if self.prng_impl:  # absent otherwise: older indexes decode unchanged
+      out["prng_impl"] = self.prng_impl
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +70,14 @@ class ValueEntry:
   """A leaf stored inline in the index (scalars, strings, tiny arrays)."""
   path: tuple[str, ...]
   value: Any  # the decoded python / numpy value
+  prng_impl: str = ""  # as in ArrayEntry: ``value`` is then the key data
 
   def to_json(self) -> dict[str, Any]:
-    return {"path": list(self.path), "kind": "value",
-            "value": encode_value(self.value, self.path)}
+    out = {"path": list(self.path), "kind": "value",
+           "value": encode_value(self.value, self.path)}
+    if self.prng_impl:
+      out["prng_impl"] = self.prng_impl
+    return out
 
 
 Entry = ArrayEntry | ValueEntry
@@ -209,7 +220,11 @@ def _decode_entry(e: Any, where: str) -> Entry:
   path = tuple(path)
   where = f"{where} ({tree.path_str(path)})"
   if e.get("kind") == "value":
-    return ValueEntry(path, decode_value(e.get("value"), where))
+    value = decode_value(e.get("value"), where)
+    impl = _prng_impl(e, where, np.shape(value),
+                      getattr(value, "dtype", type(value).__name__),
+                      isinstance(value, np.ndarray))
+    return ValueEntry(path, value, impl)
   if e.get("kind") != "array":
     raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
   relpath = e.get("relpath")
@@ -240,8 +255,29 @@ def _decode_entry(e: Any, where: str) -> Entry:
         any(not a < b <= n for a, b, n in zip(start, stop, shape))):
       raise _bad(where, f"a checksummed box inside shape {shape}", item)
     checksums.append((start, stop, item[2]))
+  impl = _prng_impl(e, where, shape, dtype, True)
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
-                    tuple(checksums))
+                    tuple(checksums), prng_impl=impl)
+
+
+def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,
+               is_array: bool) -> str:
+  """The entry's PRNG implementation ("" if none), checked against jax's
+  implementations and against the key data it describes."""
+  name = e.get("prng_impl", "")
+  if name == "":
+    return ""
+  key = prng.info(name)
+  if key is None:
+    raise _bad(where, "a PRNG implementation this jax knows (e.g. "
+               "'threefry2x32', 'rbg')", name)
+  k = len(key.key_shape)
+  if (not is_array or np.dtype(dtype) != key.data_dtype or
+      tuple(shape[len(shape) - k:]) != key.key_shape or len(shape) < k):
+    raise _bad(where, f"{name} key data ({key.data_dtype} with trailing "
+               f"dimensions {key.key_shape})",
+               f"{dtype} {'array' if is_array else 'value'} of shape {shape}")
+  return name
 
 
 def check_relpath(relpath: Any, where: str) -> str:

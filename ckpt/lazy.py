@@ -21,6 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt import index as index_lib
+from ckpt import prng
 from ckpt import tree
 from ckpt import tsspec
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
@@ -48,6 +49,12 @@ class LazyLeaf(abc.ABC):
   only the boxes its devices hold. A leaf returned by ``restore(lazy=True)``
   carries its target's sharding and dtype, so a bare ``read()`` places it
   where the target said.
+
+  A typed PRNG key leaf holds its key data: ``shape`` and ``dtype`` are the
+  data's (uint32, with the implementation's trailing dimensions) and
+  ``prng_impl`` names the implementation; ``read()`` returns typed keys
+  (a ``jax.Array`` of key dtype, on jax's default device when no sharding
+  is given, else placed by that sharding of the keys' shape).
   """
 
   shape: tuple[int, ...]
@@ -56,6 +63,7 @@ class LazyLeaf(abc.ABC):
   sharding: jax.sharding.Sharding | None = None  # where read() puts it
   target_dtype: np.dtype | None = None          # what read() casts to
   budget: int = DEFAULT_READ_BUDGET
+  prng_impl: str | None = None  # a key leaf: its implementation's name
 
   @abc.abstractmethod
   async def read_box(self, box: Box) -> np.ndarray:
@@ -85,7 +93,7 @@ class LazyLeaf(abc.ABC):
     """A shallow copy whose read() targets ``sharding`` and ``dtype``."""
     out = _copy(self)
     out.sharding, out.target_dtype = sharding, (
-        None if dtype is None else np.dtype(dtype))
+        None if dtype is None or prng.is_key_dtype(dtype) else np.dtype(dtype))
     return out
 
   async def read_async(self, sharding=None, dtype=None):
@@ -104,6 +112,47 @@ def _copy(leaf: LazyLeaf) -> LazyLeaf:
   return out
 
 
+def key_rank(leaf: LazyLeaf) -> int:
+  """How many trailing dimensions of a key leaf's data are the key
+  implementation's (0 for any other leaf)."""
+  if not leaf.prng_impl:
+    return 0
+  key = prng.info(leaf.prng_impl)
+  if key is None:
+    raise TreeMismatchError(
+        f"leaf {leaf.path!r}: holds PRNG keys of implementation "
+        f"{leaf.prng_impl!r}, which this jax does not know")
+  return len(key.key_shape)
+
+
+def logical_shape(leaf: LazyLeaf) -> tuple[int, ...]:
+  """The shape of what ``leaf`` reads as: for a key leaf the key array's
+  shape (its data's without the trailing implementation dimensions)."""
+  shape = tuple(leaf.shape)
+  return shape[:len(shape) - key_rank(leaf)]
+
+
+def _derived_impl(what: str, path: str, parent: LazyLeaf, axis: int, *,
+                  new_axis: bool) -> str | None:
+  """The prng_impl a leaf derived from ``parent`` keeps; the axis it works
+  on (``new_axis``: inserts) must be the keys', not the key data's."""
+  if not parent.prng_impl:
+    return None
+  rank = len(logical_shape(parent))
+  if not 0 <= axis < rank + new_axis:
+    raise TreeMismatchError(
+        f"{path}: cannot {what} {parent.path!r} on axis {axis}: it holds "
+        f"{parent.prng_impl} keys of shape {logical_shape(parent)} (key data "
+        f"{tuple(parent.shape)}); only the keys' axes can be used")
+  return parent.prng_impl
+
+
+def _dtype_text(leaf: LazyLeaf) -> str:
+  if leaf.prng_impl:
+    return f"{np.dtype(leaf.dtype)} data of {leaf.prng_impl} keys"
+  return str(np.dtype(leaf.dtype))
+
+
 class LazyArray(LazyLeaf):
   """One stored array of a checkpoint."""
 
@@ -113,6 +162,7 @@ class LazyArray(LazyLeaf):
     self.path = tree.path_str(entry.path)
     self.shape = tuple(entry.shape)
     self.dtype = np.dtype(entry.dtype)
+    self.prng_impl = getattr(entry, "prng_impl", "") or None
     self._spec = tsspec.open_spec(storage_format, step_kvstore, entry.relpath)
     self._context = context
     self._store: ts.TensorStore | None = None
@@ -158,14 +208,18 @@ class LazyArray(LazyLeaf):
 
 
 class LazyValue(LazyLeaf):
-  """A value already in memory (an inline leaf, a fallback, a user array)."""
+  """A value already in memory (an inline leaf, a fallback, a user array).
 
-  def __init__(self, value: Any, path: str = "<value>"):
+  With ``prng_impl`` the value is key data (see LazyLeaf)."""
+
+  def __init__(self, value: Any, path: str = "<value>", *,
+               prng_impl: str | None = None):
     self.value = np.asarray(value)
     self.scalar = isinstance(value, np.generic)
     self.shape = tuple(self.value.shape)
     self.dtype = self.value.dtype
     self.path = path
+    self.prng_impl = prng_impl or None
 
   async def read_box(self, box: Box) -> np.ndarray:
     return np.asarray(self.value[box.slices()])
@@ -180,14 +234,17 @@ class LazyStack(LazyLeaf):
       raise TreeMismatchError(f"{path}: nothing to stack")
     first = members[0]
     for m in members[1:]:
-      if tuple(m.shape) != tuple(first.shape) or np.dtype(m.dtype) != np.dtype(first.dtype):
+      if (tuple(m.shape) != tuple(first.shape) or
+          np.dtype(m.dtype) != np.dtype(first.dtype) or
+          m.prng_impl != first.prng_impl):
         raise TreeMismatchError(
             f"{path}: cannot stack {m.path!r} (shape {tuple(m.shape)}, dtype "
-            f"{np.dtype(m.dtype)}) with {first.path!r} (shape "
-            f"{tuple(first.shape)}, dtype {np.dtype(first.dtype)})")
+            f"{_dtype_text(m)}) with {first.path!r} (shape "
+            f"{tuple(first.shape)}, dtype {_dtype_text(first)})")
     if not 0 <= axis <= len(first.shape):
       raise TreeMismatchError(f"{path}: stack axis {axis} out of range for "
                               f"rank {len(first.shape)}")
+    self.prng_impl = _derived_impl("stack", path, first, axis, new_axis=True)
     self.members = list(members)
     self.axis = axis
     self.shape = (tuple(first.shape[:axis]) + (len(members),) +
@@ -214,6 +271,8 @@ class LazySlice(LazyLeaf):
       raise TreeMismatchError(
           f"{path}: cannot take index {index} of axis {axis} of "
           f"{parent.path!r} with shape {tuple(parent.shape)}")
+    self.prng_impl = _derived_impl("slice", path, parent, axis,
+                                   new_axis=False)
     self.parent, self.axis, self.index = parent, axis, index
     self.shape = tuple(parent.shape[:axis]) + tuple(parent.shape[axis + 1:])
     self.dtype = np.dtype(parent.dtype)
@@ -236,6 +295,14 @@ class LazyReshape(LazyLeaf):
       raise TreeMismatchError(
           f"{path}: cannot reshape {parent.path!r} from {tuple(parent.shape)} "
           f"to {shape}")
+    k = key_rank(parent)
+    tail = tuple(parent.shape[len(parent.shape) - k:])
+    if k and shape[len(shape) - k:] != tail:
+      raise TreeMismatchError(
+          f"{path}: cannot reshape {parent.path!r} ({parent.prng_impl} key "
+          f"data {tuple(parent.shape)}) to {shape}: the last {k} dimensions "
+          "are the keys' implementation's and must stay")
+    self.prng_impl = parent.prng_impl
     self.parent, self.shape = parent, shape
     self.dtype = np.dtype(parent.dtype)
     self.path = path
@@ -252,7 +319,12 @@ class LazyPlaced(LazyLeaf):
 
   def __init__(self, array: jax.Array, path: str = "<array>"):
     self.array, self.path = array, path
-    self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
+    if prng.is_key_dtype(array.dtype):  # described by its key data
+      data = jax.eval_shape(jax.random.key_data, array)
+      self.shape, self.dtype = tuple(data.shape), np.dtype(data.dtype)
+      self.prng_impl = prng.impl_name(array)
+    else:
+      self.shape, self.dtype = tuple(array.shape), np.dtype(array.dtype)
 
   async def read_box(self, box: Box) -> np.ndarray:
     raise TreeMismatchError(
@@ -263,7 +335,9 @@ class LazyPlaced(LazyLeaf):
     sharding = sharding if sharding is not None else self.sharding
     dtype = dtype if dtype is not None else self.target_dtype
     x = self.array if sharding is None else jax.device_put(self.array, sharding)
-    return x if dtype is None or x.dtype == dtype else x.astype(dtype)
+    if dtype is None or x.dtype == dtype or self.prng_impl:
+      return x  # keys are never cast
+    return x.astype(dtype)
 
   async def read_async(self, sharding=None, dtype=None):
     return self.read(sharding, dtype)
@@ -294,17 +368,27 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
   With no sharding the whole value comes back as numpy; with a sharding each
   distinct box this process's devices hold is read once, cast and put on
   those devices.
+
+  A key leaf (``leaf.prng_impl``) comes back as typed keys: with no
+  sharding on jax's default device, else placed by ``sharding`` (a sharding
+  of the keys' shape; each device's box spans the whole key data).
   """
   shape = tuple(leaf.shape)
+  impl = leaf.prng_impl
   if sharding is None:
     data = await _read(leaf, Box((0,) * len(shape), shape), limiter, out_dtype)
+    if impl:
+      return prng.wrap(data, impl)
     if isinstance(leaf, LazyValue) and leaf.scalar:
       return data[()]
     return data
-  index_map = sharding.addressable_devices_indices_map(shape)
+  logical = logical_shape(leaf)
+  tail = (slice(None),) * (len(shape) - len(logical))
+  index_map = sharding.addressable_devices_indices_map(logical)
   by_box: dict[Box, list] = {}
   for device, index in index_map.items():
-    by_box.setdefault(Box.from_index(index, shape), []).append(device)
+    by_box.setdefault(Box.from_index(tuple(index) + tail, shape),
+                      []).append(device)
   placed: dict[Any, jax.Array] = {}
 
   async def one(box: Box, devices: list):
@@ -317,6 +401,8 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
       await leaf.read_into(box, data)
       arrays = jax.device_put([data] * len(devices), list(devices))
       jax.block_until_ready(arrays)
+      if impl:  # a wrapper around each device's buffer: no copy, no program
+        arrays = [prng.wrap(a, impl) for a in arrays]
       placed.update(zip(devices, arrays))
     finally:
       limiter.release(grant)
@@ -325,7 +411,8 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
   # dtype: a process that holds no part of the target (a mesh of other
   # processes' devices) gets an array with no local shards.
   return jax.make_array_from_single_device_arrays(
-      shape, sharding, [placed[d] for d in index_map], dtype=out_dtype)
+      logical, sharding, [placed[d] for d in index_map],
+      dtype=prng.info(impl).dtype if impl else out_dtype)
 
 
 _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer

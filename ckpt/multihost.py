@@ -9,11 +9,12 @@ Checkpointer's background thread.
 
 from __future__ import annotations
 
-import itertools
+import collections
 import re
 import secrets
 import signal
 import threading
+from typing import Callable
 
 import jax
 from jax._src import distributed as _distributed
@@ -21,7 +22,8 @@ from jax._src import distributed as _distributed
 from ckpt.errors import BarrierTimeoutError
 
 DEFAULT_TIMEOUT_S = 600.0
-_instance_counter = itertools.count()
+_calls: collections.Counter[str] = collections.Counter()
+_calls_lock = threading.Lock()
 
 
 def process_index() -> int:
@@ -40,13 +42,58 @@ def is_multiprocess() -> bool:
   return process_count() > 1 and _client() is not None
 
 
-def next_instance_id() -> int:
-  """A number that is the same on every process for the n-th Checkpointer.
+def call_key(*parts) -> str:
+  """The key prefix of one collective call, the same on every process.
 
-  SPMD programs create Checkpointers in the same order everywhere, so this
-  gives every process the same key prefix without any communication.
+  It is built from what every process knows (the directory, the operation,
+  the step) and from how many times this process made that same call
+  before. A call that fails on one process still counts there (the count
+  advances before anything can fail), so a failure never shifts the keys of
+  later calls; and because the step is part of the key, a process that
+  skipped a save of one step does not shift the keys of other steps.
   """
-  return next(_instance_counter)
+  base = "/".join(str(p) for p in parts)
+  with _calls_lock:
+    n = _calls[base]
+    _calls[base] += 1
+  return f"ckpt/{base}/{n}"
+
+
+def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
+          timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "") -> str:
+  """One round: every process posts ``post``; process 0 decides; all return
+  the decision.
+
+  ``decide({process: post})`` runs on process 0 only and must not raise (an
+  error is a decision like any other). Costs per process: one set, one
+  barrier, one get; process 0 reads all posts in one request. A process
+  that does not arrive makes the barrier time out, naming it.
+  """
+  if not is_multiprocess():
+    return decide({0: post})
+  client, pid = _client(), process_index()
+  client.key_value_set(f"{key}/in/{pid}", post)
+  barrier(f"{key}/in", timeout_s=timeout_s, what=what)
+  if pid == 0:
+    posts = {}
+    for k, v in client.key_value_dir_get(f"{key}/in/"):
+      posts[int(k.rsplit("/", 1)[-1])] = v
+    decision = decide(posts)
+    client.key_value_set(f"{key}/out", decision)
+    return decision
+  return _wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
+                       f"the decision on {what or key} from process 0")
+
+
+def forget(key: str) -> None:
+  """Process 0 deletes every key under ``key`` once no process needs them,
+  so the coordination service does not grow with every save."""
+  if is_multiprocess() and process_index() == 0:
+    try:
+      _client().key_value_delete(f"{key}/")
+    except Exception as e:  # pylint: disable=broad-except
+      from absl import logging  # pylint: disable=g-import-not-at-top
+      logging.warning("ckpt: could not delete coordination keys %s/: %s", key, e)
 
 
 def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -133,7 +180,14 @@ def reached_preemption_sync_point(step: int) -> bool:
     return multihost_utils.reached_preemption_sync_point(step)
   global _sigterm_installed
   if not _sigterm_installed:
-    signal.signal(signal.SIGTERM, lambda *_: _sigterm_seen.set())
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+      _sigterm_seen.set()
+      if callable(previous):  # chain to the handler this one replaces
+        previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     _sigterm_installed = True
   return _sigterm_seen.is_set()
 

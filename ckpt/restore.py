@@ -16,8 +16,10 @@ import numpy as np
 from jax import tree_util
 
 from ckpt import checksums
+from ckpt import commit as commit_lib
 from ckpt import index as index_lib
 from ckpt import lazy
+from ckpt import prng
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt.errors import (CheckpointNotFoundError,
@@ -25,8 +27,11 @@ from ckpt.errors import (CheckpointNotFoundError,
 from ckpt.limiter import ByteLimiter
 
 
-def resolve_step(storage: storage_lib.Storage, step: int | None) -> int:
-  steps = storage.committed_steps()
+def resolve_step(storage: storage_lib.Storage, step: int | None,
+                 steps: list[int] | None = None) -> int:
+  """``step`` (default: the latest) after checking it is committed."""
+  if steps is None:
+    steps = commit_lib.committed_steps(storage)
   if not steps:
     raise CheckpointNotFoundError(
         f"{storage.url!r} holds no committed checkpoint (no "
@@ -58,7 +63,8 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
     if isinstance(e, index_lib.ArrayEntry):
       leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
     elif isinstance(e.value, (np.ndarray, np.generic)):
-      leaf = lazy.LazyValue(e.value, tree.path_str(e.path))
+      leaf = lazy.LazyValue(e.value, tree.path_str(e.path),
+                            prng_impl=e.prng_impl or None)
     else:
       out[e.path] = e.value
       continue
@@ -93,13 +99,46 @@ def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
       "with the saved dtype, or convert afterwards)")
 
 
-def _target_spec(x: Any):
-  """(shape, dtype, sharding, wants_array) of one target leaf."""
+def _target_spec(x: Any, name: str = "<target>"):
+  """(shape, dtype, sharding, wants_array) of one target leaf; the dtype of
+  a typed PRNG key target is its key dtype (numpy has none)."""
   if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
-    return tuple(x.shape), np.dtype(x.dtype), x.sharding, True
+    if prng.is_key_dtype(x.dtype):
+      return tuple(x.shape), x.dtype, x.sharding, True
+    try:
+      dtype = np.dtype(x.dtype)
+    except TypeError as e:
+      raise TreeMismatchError(
+          f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
+          "restore into; expected a numpy dtype or a typed PRNG key dtype"
+      ) from e
+    return tuple(x.shape), dtype, x.sharding, True
   if isinstance(x, np.ndarray):
     return tuple(x.shape), np.dtype(x.dtype), None, True
   return None, None, None, False
+
+
+def _check_keys(name: str, src: lazy.LazyLeaf, impl: str, shape, wanted
+                ) -> np.dtype:
+  """A saved PRNG key leaf against its target leaf; the dtype to read its
+  key data in (as stored: key data is never cast)."""
+  key = prng.info(impl)
+  if key is None:
+    raise TreeMismatchError(
+        f"leaf {name!r}: holds PRNG keys of implementation {impl!r}, which "
+        "this jax does not know")
+  logical = lazy.logical_shape(src)
+  if wanted is not None and wanted != key.dtype:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has {prng.describe(key.dtype)}, the "
+        f"target wants {prng.describe(wanted)}; restore keys into a target "
+        "of the same implementation (or drop the leaf and give it in "
+        "fallback_state)")
+  if shape is not None and logical != shape:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has {impl} keys of shape {logical}, "
+        f"the target wants {shape}")
+  return np.dtype(src.dtype)
 
 
 def _as_leaf(value: Any, name: str) -> Any:
@@ -115,27 +154,49 @@ def _as_leaf(value: Any, name: str) -> Any:
 
 async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
                    limiter: ByteLimiter) -> Any:
-  """One leaf: check it against its target leaf, then read it (or bind it)."""
-  shape, wanted, sharding, wants_array = _target_spec(tgt)
-  if isinstance(src, jax.Array) and not src.is_fully_addressable:
+  """One leaf: check it against its target leaf, then read it (or bind it).
+
+  A typed PRNG key leaf (``src.prng_impl``) comes back as a typed key array
+  of its implementation, placed by the target's sharding; with no target
+  sharding (``target=None``, ``ckpt.load``) on jax's default device.
+  """
+  shape, wanted, sharding, wants_array = _target_spec(tgt, name)
+  if isinstance(src, jax.Array) and (not src.is_fully_addressable or
+                                     prng.is_key_dtype(src.dtype)):
     # A fallback array spread over processes: place it, never gather it.
+    # Fallback keys too (numpy cannot hold them).
     if shape is not None and tuple(src.shape) != shape:
       raise TreeMismatchError(
           f"leaf {name!r}: the fallback has shape {tuple(src.shape)}, the "
           f"target wants {shape}")
+    if wanted is not None and (prng.is_key_dtype(wanted) or
+                               prng.is_key_dtype(src.dtype)) and (
+                                   src.dtype != wanted):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the fallback has dtype "
+          f"{prng.describe(src.dtype)}, the target wants "
+          f"{prng.describe(wanted)}")
     if args.lazy:
       return lazy.LazyPlaced(src, name).bind(sharding, wanted)
     return jax.device_put(src, sharding) if sharding is not None else src
   src = _as_leaf(src, name)
   if not isinstance(src, lazy.LazyLeaf):
     return src  # a python value (int, str, ...): as saved
-  if wants_array and tuple(src.shape) != shape:
-    raise TreeMismatchError(
-        f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
-        f"target wants {shape}")
-  out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
-  if args.verify:
-    await checksums.verify_leaf(src, sharding, limiter)
+  impl = getattr(src, "prng_impl", None)
+  if impl:
+    out = _check_keys(name, src, impl, shape, wanted)
+  else:
+    if wanted is not None and prng.is_key_dtype(wanted):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
+          f"(not PRNG keys), the target wants {prng.describe(wanted)}")
+    if wants_array and tuple(src.shape) != shape:
+      raise TreeMismatchError(
+          f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
+          f"target wants {shape}")
+    out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
+  if args.verify:  # keys are small: their whole data is checked
+    await checksums.verify_leaf(src, None if impl else sharding, limiter)
   if args.lazy:
     return src.bind(sharding, out)
   return await lazy.materialize(src, out, sharding, limiter)
@@ -196,16 +257,19 @@ async def restore_tree(index: index_lib.Index,
 
 def locate(storage: storage_lib.Storage, step: int | None
            ) -> tuple[int, str]:
+  """(step, the relative directory that holds its index and data)."""
   step = resolve_step(storage, step)
-  return step, storage_lib.step_dirname(step)
+  return step, commit_lib.step_dir(storage, step)
 
 
 def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
-  """The step directory (relative) of a path given by a user: the path
-  itself if it holds ``index.msgpack`` and no step is asked for, else the
+  """The data directory (relative) of a path given by a user: the path
+  itself if it is one step's directory and no step is asked for, else the
   committed ``step`` (default: latest) under it as a root."""
-  if step is None and storage.read_bytes(storage_lib.INDEX_NAME) is not None:
-    return ""
+  if step is None:
+    here = commit_lib.own_step_dir(storage)
+    if here is not None:
+      return here
   return locate(storage, step)[1]
 
 
@@ -221,6 +285,9 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
 def load(path, step: int | None = None, *, storage_options: dict | None = None,
          concurrent_bytes: int = 1 << 30) -> Any:
   """The whole checkpoint as nested numpy values, with no target.
+
+  Typed PRNG key leaves are the exception (numpy has no key dtype): they
+  come back as ``jax.Array``s of their key dtype on jax's default device.
 
   ``path`` is a checkpoint root (then ``step``, default latest) or one step
   directory (a folder holding ``index.msgpack``).

@@ -33,6 +33,7 @@ from ckpt import index as index_lib
 from ckpt import multihost
 from ckpt import ocdbt
 from ckpt import plan as plan_lib
+from ckpt import prng
 from ckpt import tree
 from ckpt import tsspec
 from ckpt.checksums import checksum
@@ -71,12 +72,24 @@ class SaveStats:
   skipped: bool = False
 
 
+HOST_REPLICATED = "replicated (host value)"
+
+
 @dataclasses.dataclass
 class LeafPlan:
   parts: tree.PathParts
   source: Any                       # the user's array (dropped after staging)
   entry: index_lib.Entry
   layout: plan_lib.LeafLayout | None = None
+
+  @property
+  def host_replicated(self) -> bool:
+    """A host numpy leaf saved with no partitioner sharding: one value for
+    the whole job, whose chunks each process writes from its own copy (so
+    every process must hold the same value; ckpt/agreement.py checks)."""
+    return (isinstance(self.source, np.ndarray)
+            and isinstance(self.entry, index_lib.ArrayEntry)
+            and self.entry.sharding == HOST_REPLICATED)
 
 
 @dataclasses.dataclass
@@ -104,7 +117,7 @@ def _describe_sharding(x: Any, sharding) -> str:
     axes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
     return f"NamedSharding(mesh={axes}, spec={tuple(sharding.spec)})"
   if sharding is None:
-    return "replicated (host value)"
+    return HOST_REPLICATED
   return type(sharding).__name__
 
 
@@ -118,12 +131,15 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
   layout_leaf: list[int] = []
   for parts, x in tree.flatten(state):
     name = tree.path_str(parts)
+    impl = ""
     if isinstance(x, jax.Array):
-      stored = _stored_dtype(x.dtype, options.save_dtype)
-      _check_dtype(name, stored)
+      if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
+        impl, x = _key_data(name, x)
+      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
       if x.is_fully_replicated and x.nbytes <= options.inline_max_bytes:
         value = np.asarray(x).astype(stored)
-        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(parts, value)))
+        leaves.append(LeafPlan(parts, None,
+                               index_lib.ValueEntry(parts, value, impl)))
         continue
       devices = {d.id: idx for d, idx in
                  x.sharding.devices_indices_map(x.shape).items()}
@@ -131,8 +147,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
       shards = plan_lib.shards_from_index_map(x.shape, devices, proc)
       sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, np.ndarray):
-      stored = _stored_dtype(x.dtype, options.save_dtype)
-      _check_dtype(name, stored)
+      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
       if x.nbytes <= options.inline_max_bytes:
         leaves.append(LeafPlan(parts, None,
                                index_lib.ValueEntry(parts, x.astype(stored))))
@@ -149,7 +164,8 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       value = x
       if isinstance(x, np.generic):
-        value = np.asarray(x).astype(_stored_dtype(x.dtype, options.save_dtype))[()]
+        stored = _leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
+        value = np.asarray(x).astype(stored)[()]
       index_lib.encode_value(value, parts)  # rejects what cannot be stored, now
       leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(parts, value)))
       continue
@@ -164,7 +180,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
         dtype=stored.name, chunks=layout.chunks,
         codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
-        sharding=sharding_text)
+        sharding=sharding_text, prng_impl=impl)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
@@ -179,6 +195,46 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
     raise InvalidStateError(
         f"leaf {name!r} has dtype {dtype}, which ckpt cannot store; expected "
         f"one of {sorted(index_lib.ALLOWED_DTYPES)}")
+
+
+def _leaf_dtype(name: str, dtype: Any, save_dtype, *,
+                inline: bool = False) -> np.dtype:
+  """The dtype a leaf is stored in; InvalidStateError naming the leaf if
+  it has none (a jax extended dtype, or one numpy does not know). Inline
+  scalars are checked by index.encode_value instead."""
+  if prng.is_extended_dtype(dtype):
+    raise InvalidStateError(
+        f"leaf {name!r} has the jax extended dtype {dtype}, which ckpt cannot "
+        "store; expected a numpy dtype or a typed PRNG key "
+        f"(jax.random.key), or one of {sorted(index_lib.ALLOWED_DTYPES)}")
+  try:
+    stored = _stored_dtype(dtype, save_dtype)
+  except TypeError as e:
+    raise InvalidStateError(
+        f"leaf {name!r} has dtype {dtype}, which ckpt cannot store (no numpy "
+        f"dtype: {e}); expected one of {sorted(index_lib.ALLOWED_DTYPES)}"
+    ) from e
+  if not inline:
+    _check_dtype(name, stored)
+  return stored
+
+
+def _key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
+  """(implementation name, key data) of a typed PRNG key array; the data is
+  the keys' own buffers (no copy), sharded like the keys."""
+  try:
+    impl = prng.impl_name(x)
+  except (TypeError, ValueError) as e:
+    raise InvalidStateError(
+        f"leaf {name!r}: cannot tell the PRNG implementation of its keys "
+        f"(dtype {x.dtype}): {e}") from e
+  if prng.info(impl) is None:
+    raise InvalidStateError(
+        f"leaf {name!r} holds PRNG keys of implementation {impl!r} (dtype "
+        f"{x.dtype}), which jax.random.key(..., impl=name) does not know, so "
+        "they could not be restored; expected a registered implementation "
+        "such as 'threefry2x32' or 'rbg'")
+  return impl, jax.random.key_data(x)
 
 
 def _stage(leaf: LeafPlan, write: plan_lib.Write,

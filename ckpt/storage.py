@@ -1,4 +1,4 @@
-"""Where checkpoints live: URL to TensorStore kvstore, discovery, commit.
+"""Where checkpoints live: URL to TensorStore kvstore, small objects, listing.
 
 The storage driver comes from the URL the Checkpointer (or ``load``) is
 given, never from a checkpoint's index, so a checkpoint copied between disks
@@ -10,19 +10,8 @@ driver ignores it), ``AWS_REGION`` and the AWS credential variables for
 ``s3://``, ``STORAGE_EMULATOR_HOST`` or ``TENSORSTORE_GCS_HTTP_URL`` for
 ``gs://``.
 
-Commit protocol (the only place that knows it):
-- POSIX file systems: a save writes into ``checkpoint_<step>.tmp-<token>``
-  and commits with one ``rename`` to ``checkpoint_<step>``, which is atomic.
-  Discovery trusts directories that hold an index (only a rename makes one
-  appear under the final name). Deletion renames away first, so a
-  half-deleted step is never visible.
-- Object stores and ``memory://`` (no rename): a save writes into
-  ``checkpoint_<step>/`` and commits by writing ``commit_success`` last, after
-  every process has finished and the index is written. Discovery trusts only
-  steps with the marker; deletion removes the marker first, then every key
-  of the step through the store's own API.
-- The marker is written on POSIX too (before the rename), so a step
-  directory copied from a disk to a bucket is committed there as well.
+The commit protocol (attempts, markers, what cleanup may delete) lives in
+ckpt/commit.py; this module gives it small objects, listings and deletions.
 
 Listing: TensorStore's ``KvStore.list`` takes a key range but no delimiter
 and no page limit, so discovery on an object store lists every key under
@@ -31,14 +20,21 @@ a request). That is why ``format="ocdbt"`` (a few dozen keys per step) suits
 buckets best. Every listed key is checked against the range asked for: a
 server that ignores the range (an emulator without ``startOffset``) raises
 instead of letting a deletion touch keys outside the step.
+
+A dead store fails in bounded time: TensorStore retries each request 32
+times with backoff up to 32 s by default (about 15 minutes before an error),
+so every context made here retries ``STORE_RETRIES`` (about 80 s per request
+against a store that does not answer). ``s3_request_retries`` /
+``gcs_request_retries`` in storage_options override it member by member.
+Errors of the store come out of ``Storage`` as ``CheckpointError`` naming the
+URL, the operation and the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import secrets
-import shutil
 import urllib.parse
 from typing import Any
 
@@ -52,6 +48,7 @@ INDEX_NAME = "index.msgpack"
 COMMIT_MARKER = "commit_success"
 _STEP_RE = re.compile(r"^checkpoint_(\d+)$")
 _TMP_RE = re.compile(r"^checkpoint_(\d+)\.tmp-[0-9a-z\-]+$")
+_ATTEMPT_REL_RE = re.compile(r"^checkpoint_(\d+)/attempt-[0-9a-f]{1,64}$")
 # Members of the kvstore spec that the URL decides; storage_options may not.
 _FROM_URL = ("driver", "bucket", "path")
 # TensorStore reads its GCS endpoint from this variable (no spec member).
@@ -60,6 +57,12 @@ _GCS_HTTP_URL = "TENSORSTORE_GCS_HTTP_URL"
 # fetch the same nodes once per leaf. Array data is never cached.
 OCDBT_CACHE_POOL = "cache_pool#ocdbt"
 _OCDBT_CACHE_BYTES = 64 << 20
+# Retries of one object-store request: 1, 2, 4, 8, 16, 16, 16, 16 s apart
+# (plus up to 1 s of jitter each), so a store that does not answer fails a
+# request after about 80 s instead of TensorStore's 15 minutes (32 retries,
+# backoff up to 32 s). A transient outage of a minute is still ridden out.
+STORE_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
+_RETRY_RESOURCES = ("s3_request_retries", "gcs_request_retries")
 
 # memory:// data lives in a TensorStore context; one per process, so that a
 # second Checkpointer (or ckpt.load) on the same memory:// URL sees it.
@@ -73,6 +76,17 @@ def step_dirname(step: int) -> str:
 def parse_step(name: str) -> int | None:
   m = _STEP_RE.match(name)
   return int(m.group(1)) if m else None
+
+
+def is_tmp_name(name: str) -> bool:
+  """``checkpoint_<step>.tmp-<id>``: an attempt (POSIX) or a deletion."""
+  return bool(_TMP_RE.match(name))
+
+
+def is_deletable(rel: str) -> bool:
+  """The only relative directories ckpt ever deletes."""
+  return bool(_STEP_RE.match(rel) or _TMP_RE.match(rel)
+              or _ATTEMPT_REL_RE.match(rel))
 
 
 def _env_s3_options() -> dict[str, Any]:
@@ -177,6 +191,37 @@ def _split_resources(spec: dict[str, Any]) -> tuple[dict, dict]:
   return spec, resources
 
 
+_KEY_NAMES = {INDEX_NAME: "the index", COMMIT_MARKER: "the commit marker",
+              "attempt.json": "the lease"}
+
+
+def _describe(rel: str) -> str:
+  """How an error names the key ``rel``: "the index of step 5", ..."""
+  head, _, tail = rel.partition("/")
+  if tail.startswith("attempt-") and "/" in tail:  # an attempt on a bucket
+    attempt, _, tail = tail.partition("/")
+    head = f"{head}/{attempt}"
+    m = _STEP_RE.match(rel.partition("/")[0])
+    return (f"{_KEY_NAMES.get(tail, repr(tail))} of step {m.group(1)} (in "
+            f"{head}/)") if m else repr(rel)
+  m = _STEP_RE.match(head) or _TMP_RE.match(head)
+  if not m or not tail:
+    return _KEY_NAMES.get(rel, repr(rel))
+  where = f" (in {head}/)" if _TMP_RE.match(head) else ""
+  return f"{_KEY_NAMES.get(tail, repr(tail))} of step {m.group(1)}{where}"
+
+
+def _describe_listing(prefix: str) -> str:
+  """How an error names a listing of ``prefix``: "listing the steps of"."""
+  if prefix == STEP_PREFIX:
+    return "listing the steps of"
+  head, _, tail = prefix.partition("/")
+  m = _STEP_RE.match(head) or _TMP_RE.match(head)
+  if m and not tail:
+    return f"listing the keys of step {m.group(1)} ({head}/) in"
+  return f"listing the keys under {prefix!r} in"
+
+
 class Storage:
   """One checkpoint root directory."""
 
@@ -209,7 +254,11 @@ class Storage:
     spec = {"file_io_concurrency": {"limit": 64},
             "cache_pool": {"total_bytes_limit": 0},
             OCDBT_CACHE_POOL: {"total_bytes_limit": _OCDBT_CACHE_BYTES},
+            **{k: dict(STORE_RETRIES) for k in _RETRY_RESOURCES},
             **self._resources}
+    for k in _RETRY_RESOURCES:  # the user's members win, ours fill the rest
+      if isinstance(self._resources.get(k), dict):
+        spec[k] = {**STORE_RETRIES, **self._resources[k]}
     try:
       return ts.Context(spec)
     except Exception as e:  # ValueError from TensorStore's JSON binding
@@ -217,65 +266,65 @@ class Storage:
           f"the context resources in storage_options for {self.url!r} are "
           f"invalid: {e}; they were {self._resources}") from e
 
+  @contextlib.contextmanager
+  def store_errors(self, doing: str):
+    """Re-raises an error of the store (TensorStore's ValueError, OSError) as
+    CheckpointError naming ``doing`` ("listing the steps of") and the URL;
+    ckpt's own errors pass unchanged. For every call into ``self.kv``."""
+    try:
+      yield
+    except CheckpointError:
+      raise
+    except Exception as e:
+      hint = ""
+      if "retry attempts failed" in str(e):
+        gcs = self.spec["driver"] == "gcs"
+        res = f"{'gcs' if gcs else 's3'}_request_retries"
+        hint = (f". The store did not answer; storage_options={{{res!r}: "
+                "{...}} sets how long ckpt retries each request (default "
+                f"{STORE_RETRIES})")
+      raise CheckpointError(f"{doing} {self.url!r} failed: {e}{hint}") from e
+
   # ---- small objects (index, marker) -------------------------------------
 
   def read_bytes(self, rel: str) -> bytes | None:
-    if self.is_posix:
-      p = self.root / rel
-      return p.read_bytes() if p.exists() else None
-    r = self._kv.read(rel).result()
-    return None if r.state == "missing" else bytes(r.value)
+    with self.store_errors(f"reading {_describe(rel)} from"):
+      if self.is_posix:
+        p = self.root / rel
+        return p.read_bytes() if p.exists() else None
+      r = self._kv.read(rel).result()
+      return None if r.state == "missing" else bytes(r.value)
 
   def write_bytes(self, rel: str, data: bytes) -> None:
-    if self.is_posix:
-      p = self.root / rel
-      p.parent.mkdir(parents=True, exist_ok=True)
-      tmp = p.parent / (p.name + ".partial")
-      with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-      os.replace(tmp, p)
-    else:
-      self._kv.write(rel, data).result()
+    with self.store_errors(f"writing {_describe(rel)} to"):
+      if self.is_posix:
+        p = self.root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.parent / (p.name + ".partial")
+        with open(tmp, "wb") as f:
+          f.write(data)
+          f.flush()
+          os.fsync(f.fileno())
+        os.replace(tmp, p)
+      else:
+        self._kv.write(rel, data).result()
 
-  # ---- discovery ---------------------------------------------------------
+  # ---- listing and deleting keys (object stores) ---------------------------
 
-  def committed_steps(self) -> list[int]:
-    if self.is_posix:
-      if not self.root.exists():
-        return []
-      steps = [parse_step(p.name) for p in self.root.iterdir()]
-      return sorted(s for s in steps if s is not None and
-                    (self.root / step_dirname(s) / INDEX_NAME).exists())
-    return sorted(self._scan()[0])
+  @property
+  def kv(self) -> ts.KvStore:
+    """The open kvstore of an object store (None on POSIX)."""
+    return self._kv
 
-  def abandoned(self) -> list[str]:
-    """Directories of saves that never committed (to clean up)."""
-    if self.is_posix:
-      if not self.root.exists():
-        return []
-      return sorted(p.name for p in self.root.iterdir() if _TMP_RE.match(p.name))
-    committed, heads = self._scan()
-    return sorted(step_dirname(s) for s in heads - committed)
+  def list_keys(self, prefix: str) -> list[str]:
+    """Every key under ``prefix`` (object stores), checked to be inside it.
 
-  def _scan(self) -> tuple[set[int], set[int]]:
-    """(committed steps, every step with a key) from ONE listing."""
-    committed, heads = set(), set()
-    for key in self._list(STEP_PREFIX):
-      head, _, tail = key.partition("/")
-      s = parse_step(head)
-      if s is None or not tail:
-        continue
-      heads.add(s)
-      if tail == COMMIT_MARKER:
-        committed.add(s)
-    return committed, heads
-
-  def _list(self, prefix: str) -> list[str]:
+    TensorStore's ``KvStore.list`` takes a key range but no delimiter and
+    no page limit: the servers page it (about 1,000 keys a request)."""
     lo, hi = _prefix_range(prefix)
-    keys = [k.decode() for k in
-            self._kv.list(ts.KvStore.KeyRange(lo, hi)).result()]
+    with self.store_errors(_describe_listing(prefix)):
+      keys = [k.decode() for k in
+              self._kv.list(ts.KvStore.KeyRange(lo, hi)).result()]
     outside = [k for k in keys if not lo <= k < hi]
     if outside:
       raise CheckpointError(
@@ -287,68 +336,14 @@ class Storage:
           "them")
     return keys
 
-  # ---- the commit protocol ------------------------------------------------
-
-  def work_dir(self, step: int, token: str) -> str:
-    """The relative directory a save of ``step`` writes into."""
-    if self.is_posix:
-      return f"{step_dirname(step)}.tmp-{token}"
-    return step_dirname(step)
-
-  def prepare(self, step: int, work_dir: str) -> None:
-    """Process 0, before anyone writes: an empty work directory."""
-    if self.is_posix:
-      self.root.mkdir(parents=True, exist_ok=True)
-      # An uncommitted checkpoint_<step>/ (no index: a partial copy, say)
-      # would make the commit rename fail on every try; drop it, as the
-      # object-store branch below drops its leftovers.
-      final = self.root / step_dirname(step)
-      if final.is_dir() and not self.is_committed(step):
-        self.remove(step_dirname(step))
-    else:
-      self.remove(work_dir)  # leftovers of an interrupted save of this step
-
-  def commit(self, step: int, work_dir: str) -> None:
-    """Makes ``step`` visible; the index must be written already."""
-    final = step_dirname(step)
-    # Not empty: some servers (gcp-storage-emulator) fail on empty objects.
-    marker = f"{final} committed\n".encode()
-    if self.is_posix:
-      self.write_bytes(f"{work_dir}/{COMMIT_MARKER}", marker)
-      os.rename(self.root / work_dir, self.root / final)
-      _fsync_dir(self.root)
-    else:
-      self.write_bytes(f"{final}/{COMMIT_MARKER}", marker)
-
-  def is_committed(self, step: int) -> bool:
-    name = step_dirname(step)
-    if self.is_posix:
-      return (self.root / name / INDEX_NAME).exists()
-    return self.read_bytes(f"{name}/{COMMIT_MARKER}") is not None
-
-  def remove(self, name: str) -> None:
-    """Deletes a step (or abandoned) directory; never leaves it half-visible."""
-    if not (_STEP_RE.match(name) or _TMP_RE.match(name)):
-      raise CheckpointError(
-          f"refusing to delete {name!r} in {self.url!r}: ckpt deletes only "
-          "checkpoint_<step> and checkpoint_<step>.tmp-<id> directories")
-    if self.is_posix:
-      path = self.root / name
-      if not path.exists():
-        return
-      if _STEP_RE.match(name):
-        doomed = self.root / f"{name}.tmp-del-{secrets.token_hex(4)}"
-        os.rename(path, doomed)
-        path = doomed
-      shutil.rmtree(path, ignore_errors=True)
-      return
-    # The marker first: from here on the step is not committed. Then each
-    # key through the store's API (after checking that the listing stayed
-    # inside the step), concurrently.
-    self._kv.write(f"{name}/{COMMIT_MARKER}", None).result()
-    pending = [self._kv.write(k, None) for k in self._list(f"{name}/")]
-    for f in pending:
-      f.result()
+  def delete_prefix(self, prefix: str, what: str) -> None:
+    """Deletes every key under ``prefix`` (object stores), concurrently,
+    after checking that the listing stayed inside it."""
+    keys = self.list_keys(prefix)
+    with self.store_errors(f"deleting {what} from"):
+      pending = [self._kv.write(k, None) for k in keys]
+      for f in pending:
+        f.result()
 
   def step_spec(self, rel_dir: str) -> dict[str, Any]:
     return join(self.spec, rel_dir)
@@ -356,10 +351,3 @@ class Storage:
   def index_key(self, rel_dir: str) -> str:
     return f"{rel_dir}/{INDEX_NAME}" if rel_dir else INDEX_NAME
 
-
-def _fsync_dir(path: epath.Path) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 
 import jax
 import jax.numpy as jnp
@@ -599,10 +600,15 @@ def test_discovery_sees_only_committed_steps(make_ckptr, ckpt_dir, rng):
   assert ckptr.all_steps() == [1, 3, 8]
   assert not (ckpt_dir / "checkpoint_8" / "junk").exists()
   assert_same(ckptr.restore(8), s8)
+  # The fake attempt is not older than the lease: it may be a live save of
+  # another job, so it stays; once it is old enough, it goes.
+  assert fake.exists()
+  os.utime(fake, (time.time() - 3600, time.time() - 3600))
+  assert make_ckptr(async_save=False).save(11, s8)
   assert not fake.exists()
   assert sorted(p.name for p in ckpt_dir.iterdir()) == [
-      "checkpoint_1", "checkpoint_10", "checkpoint_3", "checkpoint_8",
-      "checkpoint_x", "notes.txt"]
+      "checkpoint_1", "checkpoint_10", "checkpoint_11", "checkpoint_3",
+      "checkpoint_8", "checkpoint_x", "notes.txt"]
 
 
 def test_no_checkpoint_anywhere(make_ckptr, ckpt_dir, tmp_path):

@@ -650,7 +650,10 @@ def scenario_killloop(conf: dict) -> dict:
   sh = {k: _sharding(mesh, spec) for k, spec in KILL_SPECS.items()}
   tmp_before = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
       os.path.isdir(root)) else []
-  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60)
+  # A short lease: a killed job's attempts are abandoned (no heartbeat)
+  # by the time the next job, started after a kill, saves for the first time.
+  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60,
+                         lease_s=conf["lease_s"])
 
   def report_cleanup():
     # Process 0 removed abandoned work at this job's first save; nothing of
@@ -740,7 +743,8 @@ def scenario_restore_race(conf: dict) -> dict:
     ck.save(2, second)
     t0 = time.monotonic()
     if variant == "all" or pid == 1:
-      res["committed_before"] = ck.storage.is_committed(1)
+      from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+      res["committed_before"] = commit_lib.is_committed(ck.storage, 1)
       try:
         got = ck.restore(1)
         res["restore"] = "ok"

@@ -10,12 +10,14 @@ in the middle of saving step 2 after step 1 was committed:
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import numpy as np
 import pytest
 
 import ckpt
+from ckpt import commit as commit_lib
 from ckpt import local_cluster
 from ckpt import storage as storage_lib
 from tests.objectstore import kill_worker
@@ -67,15 +69,17 @@ def test_killed_save_is_not_visible(killed, store_env, name):
   assert "step 1 committed" in results[0].output, logs
   keys = storeutil.keys(url)
   step2 = [k for k in keys if k.startswith("checkpoint_2/")]
-  # The killed save left data behind, but no commit marker.
+  # The killed save left data behind, all inside its own attempt, and no
+  # commit marker.
   assert step2, keys
+  assert all(k.startswith("checkpoint_2/attempt-") for k in step2), step2
   assert "checkpoint_2/commit_success" not in step2
+  names = {k.split("/", 2)[2] for k in step2}
   if KILLS[name][2] == "after_index":
     # Everything but the marker: the index and the merged database too.
-    assert "checkpoint_2/index.msgpack" in step2
-    assert "checkpoint_2/manifest.ocdbt" in step2
+    assert "index.msgpack" in names and "manifest.ocdbt" in names, names
   else:
-    assert "checkpoint_2/index.msgpack" not in step2
+    assert "index.msgpack" not in names, names
   with ckpt.Checkpointer(url, format=KILLS[name][1]) as ckptr:
     assert ckptr.all_steps() == [1]
     assert ckptr.latest_step() == 1
@@ -90,13 +94,22 @@ def test_new_save_of_the_killed_step(killed, store_env):
   del store_env
   url, _ = killed["s3-ocdbt-after-index"]
   new = {"v": np.arange(4096, dtype=np.float32), "step": np.int64(22)}
-  with ckpt.Checkpointer(url, format="ocdbt", async_save=False) as ckptr:
+  killed_attempts = {k.split("/")[1] for k in storeutil.keys(url)
+                     if k.startswith("checkpoint_2/attempt-")}
+  assert len(killed_attempts) == 1, killed_attempts
+  # A lease this short makes the killed attempt abandoned at once (with the
+  # default, 10 minutes after its last heartbeat).
+  with ckpt.Checkpointer(url, format="ocdbt", async_save=False,
+                         lease_s=1e-3) as ckptr:
     assert ckptr.save(2, new)
     assert ckptr.all_steps() == [1, 2]
     assert_same(ckptr.restore(2), new)
   keys = [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
-  # The leftovers of the killed save (process 1's database) are gone.
-  assert not [k for k in keys if k.startswith("checkpoint_2/ocdbt.process_1/")]
+  # The leftovers of the killed save (its whole attempt) are gone; the new
+  # attempt is the one the marker names.
+  assert not [k for k in keys if k.split("/")[1] in killed_attempts], keys
+  marker = storeutil.read_key(url, "checkpoint_2/commit_success")
+  assert json.loads(marker)["dir"] in {k.split("/")[1] for k in keys}
   assert_same(ckpt.load(url, step=1), kill_worker.state_values(1))
 
 
@@ -104,10 +117,15 @@ def test_next_save_removes_the_abandoned_step(killed, store_env):
   del store_env
   url, _ = killed["gs-zarr3-mid-write"]
   with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
-    assert ckptr.storage.abandoned() == ["checkpoint_2"]
+    # Under its lease the killed attempt may still be a live save: kept.
+    [attempt] = commit_lib.abandoned(ckptr.storage, lease_s=0.0)
+    assert attempt.startswith("checkpoint_2/attempt-"), attempt
+    assert commit_lib.abandoned(ckptr.storage) == []
+  with ckpt.Checkpointer(url, format="zarr3", async_save=False,
+                         lease_s=1e-3) as ckptr:
     assert ckptr.save(3, kill_worker.state_values(3))
     assert ckptr.all_steps() == [1, 3]
-    assert ckptr.storage.abandoned() == []
+    assert commit_lib.abandoned(ckptr.storage, lease_s=0.0) == []
   assert not [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
   assert_same(ckpt.load(url, step=3), kill_worker.state_values(3))
 
@@ -140,6 +158,7 @@ def test_delete_removes_the_marker_first(s3_bucket):
   storeutil.delete_key(url, f"checkpoint_1/{storage_lib.COMMIT_MARKER}")
   with ckpt.Checkpointer(url) as ckptr:
     assert ckptr.all_steps() == [2]
-    assert ckptr.storage.abandoned() == ["checkpoint_1"]
+    [attempt] = commit_lib.abandoned(ckptr.storage, lease_s=0.0)
+    assert attempt.startswith("checkpoint_1/attempt-"), attempt
     with pytest.raises(ckpt.CheckpointNotFoundError):
       ckptr.restore(1)

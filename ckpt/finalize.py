@@ -1,0 +1,237 @@
+"""Stages 3 to 9 of a save, on the Checkpointer's background thread.
+
+The save was agreed already (ckpt/agreement.py): every process knows the
+step, the attempt token and the work directory process 0 prepared. Then:
+
+3-4. stage and write this process's boxes under one byte budget (save.py)
+5.   barrier "written": every process has stopped writing; failures travel
+     with it, so one failed process fails the save on all of them at once
+6.   process 0 gathers host states and checksums, merges OCDBT databases,
+     writes the index
+7.   process 0 commits (storage.py knows how)
+9.   barrier "done": the save is complete everywhere
+8.   retention, on process 0, after the save is complete everywhere (see
+     ``Retention``): a failure there is logged, never a failed save
+
+A save that fails after the "written" barrier is removed by process 0 (every
+process has said it stopped writing into it), so a job that ran out of space
+gets it back. Its coordination keys are deleted once no process needs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any, Callable
+
+from absl import logging
+import msgpack
+
+from ckpt import commit as commit_lib
+from ckpt import index as index_lib
+from ckpt import multihost
+from ckpt import ocdbt
+from ckpt import save as save_lib
+from ckpt import storage as storage_lib
+from ckpt.errors import CheckpointError
+from ckpt.limiter import ByteLimiter
+from ckpt.retention import RetentionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+  """One agreed attempt at saving ``step``."""
+  step: int
+  key: str          # coordination-key prefix (multihost.call_key)
+  token: str        # chosen by process 0
+  work_dir: str     # relative to the root
+  timeout_s: float
+  lease_s: float = commit_lib.DEFAULT_LEASE_S
+
+
+async def _barrier(attempt: Attempt, name: str, what: str,
+                   error: BaseException | None = None,
+                   on_arrival: Callable[[], None] = lambda: None) -> None:
+  """A barrier that also carries failures: a process that failed still
+  arrives (after saying so), so the others stop now, not at a timeout.
+  ``on_arrival`` runs once every process has arrived, before any failure
+  is raised."""
+  key = f"{attempt.key}/{name}"
+  if error is not None:
+    multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+  await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
+                          what=f"{what}, step {attempt.step}")
+  on_arrival()
+  if error is not None:
+    raise error
+  failed = multihost.reported_failures(f"{key}/failed")
+  if failed:
+    raise CheckpointError(
+        f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
+        f"before '{what}'; nothing was committed. "
+        + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+
+
+async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
+                   storage: storage_lib.Storage, context, budget: int,
+                   metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
+                   on_staged: Callable[[], None]) -> None:
+  """Stages 3-7 and 9 on every process; returns once the step is committed
+  everywhere, or raises the agreed failure."""
+  pid, n = multihost.process_index(), multihost.process_count()
+  step, key, timeout = attempt.step, attempt.key, attempt.timeout_s
+  step_kvstore = storage.step_spec(attempt.work_dir)
+  stopped_writing = []  # non-empty once every process stopped writing
+  lease = (asyncio.ensure_future(_renew_lease(storage, attempt))
+           if pid == 0 else None)
+  try:
+    # 3-4. stage and write this process's boxes under one byte budget.
+    error = None
+    sums: list = []
+    try:
+      sums = await save_lib.write_owned(plan, step_kvstore, context,
+                                        ByteLimiter(budget), stats, on_staged)
+    except Exception as e:  # told to every process at the barrier below
+      error = e
+    # 5. every process has written (or stopped writing, having failed).
+    await _barrier(attempt, "written", "all processes wrote their data", error,
+                   on_arrival=lambda: stopped_writing.append(True))
+    host_states = await asyncio.to_thread(
+        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
+        f"the host_state of step {step}")
+    all_sums = await asyncio.to_thread(
+        multihost.gather_bytes, f"{key}/checksums", msgpack.packb(sums),
+        timeout, f"the checksums of step {step}")
+    error = None
+    if pid == 0:
+      try:
+        if plan.options.storage_format == "ocdbt":
+          # One database from the per-process ones (ckpt/ocdbt.py).
+          await ocdbt.merge(step_kvstore, n, context)
+        # 6-7. index, then commit.
+        checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
+        index = save_lib.make_index(plan, step, metrics, host_states, n,
+                                    checksums)
+        data = index_lib.encode(index)
+        await asyncio.to_thread(commit_lib.commit, storage, step,
+                                attempt.token, data)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    # 9. the save is complete everywhere.
+    await _barrier(attempt, "done", "the commit finished", error)
+  except BaseException:
+    if stopped_writing and pid == 0:
+      # Every process has said (at "written") that it stopped writing: the
+      # attempt can go now, not at the next job's first save.
+      await asyncio.to_thread(_remove_failed, storage, attempt)
+    raise
+  finally:
+    if lease is not None:
+      lease.cancel()
+    if stopped_writing:
+      multihost.forget(key)
+
+
+async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
+  """Process 0: keeps the attempt alive for other writers' cleanup."""
+  while True:
+    await asyncio.sleep(max(attempt.lease_s / 5, 0.05))
+    try:
+      await asyncio.to_thread(commit_lib.heartbeat, storage, attempt.step,
+                              attempt.token)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("ckpt: renewing the lease of step %d (%s) failed: %s",
+                      attempt.step, attempt.work_dir, e)
+
+
+def _remove_failed(storage: storage_lib.Storage, attempt: Attempt) -> None:
+  try:
+    commit_lib.remove_attempt(storage, attempt.step, attempt.token)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("ckpt: could not remove the failed attempt %s of step %d "
+                    "in %s: %s", attempt.token, attempt.step, storage.url, e)
+
+
+class Retention:
+  """Stage 8, on process 0 only, after a save is complete everywhere.
+
+  Deleting old steps can take long on a bucket (one DELETE per key), so it
+  runs in the background: the next ``save()`` does not wait for it (and so
+  no other process's barrier does), while ``wait_until_finished``, ``close``
+  and the queries do. A failure is logged with the step and its cause; the
+  save it followed stays committed. A step whose metrics cannot be read
+  counts as a step without metrics.
+
+  Steps being restored (``protect``) are never deleted: each deletion
+  checks them under a lock at the moment it happens.
+  """
+
+  def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
+               read_metrics: Callable[[int], dict]):
+    self.storage = storage
+    self.policy = policy
+    self.read_metrics = read_metrics
+    self._lock = threading.Lock()
+    self._protected: dict[int, int] = {}
+    self._task: asyncio.Task | None = None
+
+  def protect(self, step: int) -> None:
+    with self._lock:
+      self._protected[step] = self._protected.get(step, 0) + 1
+
+  def release(self, step: int) -> None:
+    with self._lock:
+      self._protected[step] -= 1
+      if not self._protected[step]:
+        del self._protected[step]
+
+  def start(self, newest: int) -> None:
+    """On the event loop: queue a pass after the one in flight."""
+    previous = self._task
+
+    async def run():
+      if previous is not None:
+        await asyncio.gather(previous, return_exceptions=True)
+      await asyncio.to_thread(self.apply, newest)
+    self._task = asyncio.ensure_future(run())
+
+  async def wait(self) -> None:
+    if self._task is not None:
+      await asyncio.gather(self._task, return_exceptions=True)
+
+  def apply(self, newest: int) -> list[int]:
+    """Deletes what the policy drops; returns the deleted steps."""
+    if self.policy.keep is None:
+      return []
+    try:
+      steps = commit_lib.committed_steps(self.storage)
+      metrics = {}
+      if self.policy.best_metric is not None:
+        for s in steps:
+          try:
+            metrics[s] = self.read_metrics(s)
+          except Exception as e:  # pylint: disable=broad-except
+            logging.warning("ckpt: retention: the metrics of step %d in %s "
+                            "are unreadable (%s); it counts as a step "
+                            "without metrics", s, self.storage.url, e)
+      with self._lock:
+        protected = frozenset(self._protected) | {newest}
+      doomed = self.policy.to_delete(steps, metrics, protected)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error("ckpt: retention after step %d in %s failed: %s",
+                    newest, self.storage.url, e)
+      return []
+    deleted = []
+    for s in doomed:
+      with self._lock:
+        if s in self._protected:
+          continue
+        try:
+          logging.info("ckpt: retention deletes step %d", s)
+          commit_lib.remove(self.storage, storage_lib.step_dirname(s))
+          deleted.append(s)
+        except Exception as e:  # pylint: disable=broad-except
+          logging.error("ckpt: retention could not delete step %d in %s: %s",
+                        s, self.storage.url, e)
+    return deleted

@@ -1,0 +1,161 @@
+"""One process of a job for tests/multiprocess/test_agreement.py.
+
+Run as ``python -m tests.multiprocess.agreement_worker <json config>`` by
+``ckpt.local_cluster``; ``config["scenario"]`` picks what to do. Each
+scenario makes one process behave differently from the others (fail, lag,
+hold other data) and reports what every process saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _err(e: BaseException | None) -> dict | None:
+  return None if e is None else {"type": type(e).__name__, "msg": str(e)}
+
+
+def _state(step: int, mesh) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  host = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) + step
+  sharding = NamedSharding(mesh, P("x", None))
+  w = jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+  return {"w": w, "step": step}
+
+
+def _mesh():
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
+  return Mesh(np.array(jax.devices()), ("x",))
+
+
+def _timed_save(ck, step, state, **kw) -> tuple[dict | None, float, Any]:
+  t0 = time.monotonic()
+  try:
+    ok = ck.save(step, state, **kw)
+    ck.wait_until_finished()
+    return None, time.monotonic() - t0, ok
+  except Exception as e:  # pylint: disable=broad-except
+    return _err(e), time.monotonic() - t0, None
+
+
+def scenario_one_fails(conf: dict) -> dict:
+  """Process 1 alone fails to prepare some saves; the job goes on."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  mesh = _mesh()
+  out: dict[str, Any] = {"pid": pid}
+  ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout_s"])
+  out["s1"] = _timed_save(ck, 1, _state(1, mesh))
+
+  def flaky(tree):  # a save transform that raises on process 1 only
+    if pid == 1:
+      raise ValueError("the data pipeline of process 1 is broken")
+    return tree
+  out["s2"] = _timed_save(ck, 2, _state(2, mesh), transforms=[flaky])
+  out["s3"] = _timed_save(ck, 3, _state(3, mesh))
+  # host_state that only process 1 cannot pack.
+  hs = {"pos": 7} if pid == 0 else {"pos": object()}
+  out["s4"] = _timed_save(ck, 4, _state(4, mesh), host_state=hs)
+  # A leaf only process 1 cannot store (planning fails there).
+  bad = _state(5, mesh)
+  if pid == 1:
+    bad["extra"] = object()
+  else:
+    bad["extra"] = 0
+  out["s5"] = _timed_save(ck, 5, bad)
+  out["s6"] = _timed_save(ck, 6, _state(6, mesh))
+  # A committed step: every process skips it (process 0 decides).
+  out["s6_again"] = _timed_save(ck, 6, _state(6, mesh))
+  out["steps"] = ck.all_steps()
+  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  ck.close()
+  return out
+
+
+def scenario_restore_race(conf: dict) -> dict:
+  """Another job commits step 2 between two processes' restore calls."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  mesh = _mesh()
+  root, other = conf["dir"], conf["other"]
+  out: dict[str, Any] = {"pid": pid}
+  ck = ckpt.Checkpointer(root, async_save=False)
+  ck.save(1, _state(1, mesh))
+  # "The trainer" has step 2 ready in another directory (same layout).
+  ck2 = ckpt.Checkpointer(other, async_save=False)
+  ck2.save(2, _state(2, mesh))
+  ck2.close()
+  multihost.barrier("test/ready", timeout_s=60)
+  if pid == 1:  # process 1 is late; the trainer commits meanwhile
+    time.sleep(1.0)
+    os.rename(os.path.join(other, "checkpoint_2"),
+              os.path.join(root, "checkpoint_2"))
+  target = {"w": jax.ShapeDtypeStruct((64, 32), np.float32,
+                                      sharding=_state(0, mesh)["w"].sharding),
+            "step": 0}
+  got = ck.restore(target=target)
+  out["restored_step"] = got["step"]
+  out["w_matches_step"] = [
+      int(np.asarray(s.data)[0, 0] - s.index[0].start * 32)
+      for s in got["w"].addressable_shards]
+  out["latest"] = ck.latest_step()
+  # Processes that ask for different steps all raise, naming both.
+  try:
+    ck.restore(1 if pid == 0 else 2, target=target)
+    out["differ"] = None
+  except ckpt.CheckpointError as e:
+    out["differ"] = _err(e)
+  out["after"] = ck.restore(1, target=target)["step"]
+  ck.close()
+  return out
+
+
+def scenario_host_mismatch(conf: dict) -> dict:
+  """Host values saved once for the job differ between processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  mesh = _mesh()
+  out: dict[str, Any] = {"pid": pid}
+  ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout_s"])
+  same = np.linspace(0, 1, 4096, dtype=np.float32)
+  rng_state = np.random.default_rng(pid).random(4096, dtype=np.float32)
+  base = {**_state(1, mesh), "loader": {"table": same}}
+  out["equal"] = _timed_save(ck, 1, base)
+  out["array"] = _timed_save(ck, 2, {**base, "loader": {"table": same,
+                                                        "rng": rng_state}})
+  out["scalar"] = _timed_save(ck, 3, {**base, "data_pos": 100 + pid})
+  # Per-process values belong in host_state: that works.
+  out["host_state"] = _timed_save(ck, 4, base, host_state={"rng": pid})
+  out["steps"] = ck.all_steps()
+  out["hs"] = ck.host_state(4)
+  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  ck.close()
+  return out
+
+
+SCENARIOS = {"one_fails": scenario_one_fails,
+             "restore_race": scenario_restore_race,
+             "host_mismatch": scenario_host_mismatch}
+
+
+def main() -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  conf = json.loads(sys.argv[1])
+  local_cluster.init_from_env()
+  local_cluster.write_result(SCENARIOS[conf["scenario"]](conf))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,113 @@
+"""Processes that cannot disagree, whatever one of them does (real jobs).
+
+Each test runs 2 real ``jax.distributed`` processes x 2 CPU devices
+(``ckpt.local_cluster``) in which one process behaves differently: its
+save fails before writing, it lags behind while another job commits, or it
+holds other host values. Every process must take the same decision, and
+the job must go on checkpointing afterwards.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from ckpt import local_cluster
+
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+WORKER = "tests.multiprocess.agreement_worker"
+# Long enough that a save waiting at a barrier the other process already
+# left (keys that drifted apart) shows as a failure of the timing checks.
+TIMEOUT_S = 30
+
+
+def _run(scenario: str, conf: dict) -> list:
+  results = local_cluster.run(WORKER, dict(conf, scenario=scenario),
+                              num_processes=2, devices_per_process=2,
+                              timeout_s=240, cwd=REPO_ROOT)
+  return local_cluster.check(results)
+
+
+@pytest.fixture(scope="module")
+def one_fails(tmp_path_factory):
+  root = tmp_path_factory.mktemp("one_fails")
+  return _run("one_fails", {"dir": str(root), "timeout_s": TIMEOUT_S})
+
+
+def test_a_failure_on_one_process_fails_the_save_on_all(one_fails):
+  for r in one_fails:
+    err, took, _ = r["s2"]
+    assert err is not None, r
+    assert err["type"] == "CheckpointError", err
+    assert "process 1" in err["msg"] and "data pipeline" in err["msg"], err
+    assert "step 2" in err["msg"], err
+    assert took < 10, took  # told at the start, not at a barrier timeout
+  p0, p1 = one_fails
+  assert p0["s2"][0]["msg"] == p1["s2"][0]["msg"], "the same error everywhere"
+
+
+def test_keys_do_not_drift_after_a_failed_save(one_fails):
+  for r in one_fails:
+    for step in ("s1", "s3", "s6"):
+      err, took, ok = r[step]
+      assert err is None and ok is True, (step, r[step])
+      assert took < 10, (step, took)  # not a timeout of a drifted barrier
+  assert one_fails[0]["steps"] == [1, 3, 6]
+  assert one_fails[1]["steps"] == [1, 3, 6]
+
+
+def test_host_state_or_plan_failing_on_one_process(one_fails):
+  for r in one_fails:
+    for step, what in (("s4", "host_state"), ("s5", "'extra'")):
+      err = r[step][0]
+      assert err is not None and err["type"] == "InvalidStateError", err
+      assert "process 1" in err["msg"] and what in err["msg"], err
+  for r in one_fails:
+    assert r["s6_again"][0] is None and r["s6_again"][2] is False, r["s6_again"]
+    assert r["tmp_left"] == [], "a refused save left a work directory"
+
+
+@pytest.fixture(scope="module")
+def restore_race(tmp_path_factory):
+  root = tmp_path_factory.mktemp("race")
+  return _run("restore_race", {"dir": str(root / "run"),
+                               "other": str(root / "trainer")})
+
+
+def test_restore_uses_one_step_for_every_process(restore_race):
+  # Process 1 arrived after step 2 was committed; process 0 before. Both
+  # restore the step process 0 chose once every process had arrived.
+  steps = {r["restored_step"] for r in restore_race}
+  assert steps == {2}, restore_race
+  for r in restore_race:
+    assert set(r["w_matches_step"]) == {2}, r  # no shard of another step
+    assert r["latest"] == 2
+
+
+def test_processes_asking_for_different_steps_all_raise(restore_race):
+  for r in restore_race:
+    err = r["differ"]
+    assert err is not None and err["type"] == "CheckpointError", r
+    assert "restore(step=1)" in err["msg"] and "restore(step=2)" in err["msg"]
+    assert r["after"] == 1  # and the next restore works
+
+
+@pytest.fixture(scope="module")
+def host_mismatch(tmp_path_factory):
+  root = tmp_path_factory.mktemp("mismatch")
+  return _run("host_mismatch", {"dir": str(root), "timeout_s": TIMEOUT_S})
+
+
+def test_host_leaves_that_differ_are_refused(host_mismatch):
+  for r in host_mismatch:
+    assert r["equal"][0] is None and r["equal"][2] is True
+    for case, leaf in (("array", "loader/rng"), ("scalar", "data_pos")):
+      err = r[case][0]
+      assert err is not None and err["type"] == "InvalidStateError", err
+      assert repr(leaf) in err["msg"] and "[1]" in err["msg"], err
+      assert "host_state" in err["msg"], err  # says what to use instead
+    assert r["host_state"][0] is None
+    assert r["steps"] == [1, 4]
+    assert r["tmp_left"] == []
+  assert [r["hs"] for r in host_mismatch] == [{"rng": 0}, {"rng": 1}]

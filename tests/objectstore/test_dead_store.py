@@ -1,0 +1,168 @@
+"""A store that does not answer fails in bounded time, naming what failed.
+
+Real parts only: an endpoint on 127.0.0.1 where nothing listens, and a moto
+server stopped after a save. Most tests retry briefly through
+storage_options (their point is the error); one keeps ckpt's defaults and
+checks their bound (about 80 s, against TensorStore's 15 minutes).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+import ckpt
+from ckpt import local_cluster
+from ckpt import storage as storage_lib
+from tests.objectstore import servers
+
+STATE = {"w": np.arange(5000, dtype=np.float32), "n": 3}
+# Three attempts, milliseconds apart: a dead store fails at once.
+QUICK = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "50ms"}
+QUICK_BOUND_S = 30.0
+# ckpt's defaults give up after about 80 s (1+2+4+8+16+16+16+16 s of backoff).
+DEFAULT_BOUND_S = 150.0
+# Operations named in the errors (ckpt/storage.py).
+OPERATION = r"(listing|reading|writing|deleting|checking) [^']*"
+_OFFLINE = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "GCE_METADATA_ROOT": "127.0.0.1:9",
+            "GCE_METADATA_HOST": "127.0.0.1:9"}
+
+
+@pytest.fixture
+def dead_endpoint(restore_environ) -> str:
+  """``http://127.0.0.1:<port>`` with nothing listening; s3 and gcs point
+  there through the standard variables."""
+  del restore_environ
+  endpoint = f"http://127.0.0.1:{local_cluster.free_port()}"
+  for var in ("AWS_ENDPOINT_URL_S3", "STORAGE_EMULATOR_HOST"):
+    os.environ.pop(var, None)
+  os.environ.update(_OFFLINE, AWS_ENDPOINT_URL=endpoint,
+                    TENSORSTORE_GCS_HTTP_URL=endpoint)
+  return endpoint
+
+
+def quick(scheme: str) -> dict:
+  return {f"{'gcs' if scheme == 'gs' else 's3'}_request_retries": QUICK}
+
+
+def fails_within(bound_s: float, url: str, fn, *args, **kwargs):
+  """Runs ``fn``; checks it raises CheckpointError naming ``url`` and an
+  operation on it, within ``bound_s``; returns (error, seconds)."""
+  t0 = time.monotonic()
+  with pytest.raises(ckpt.CheckpointError) as info:
+    fn(*args, **kwargs)
+  elapsed = time.monotonic() - t0
+  message = str(info.value)
+  assert re.search(OPERATION + re.escape(repr(url)) + " failed", message), message
+  assert elapsed < bound_s, f"{fn} took {elapsed:.1f}s: {message}"
+  return info.value, elapsed
+
+
+def test_default_retries_and_overrides():
+  """ckpt's retry defaults are in every context; storage_options win member
+  by member (inline or under "context")."""
+  def retries(url, opts=None):
+    ctx = storage_lib.Storage(url, opts).context()
+    return {k: ctx[k].to_json(include_defaults=True)
+            for k in ("s3_request_retries", "gcs_request_retries")}
+  default = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
+  assert storage_lib.STORE_RETRIES == default
+  assert retries("s3://bkt/a") == {"s3_request_retries": default,
+                                   "gcs_request_retries": default}
+  got = retries("s3://bkt/a", {"s3_request_retries": {"max_retries": 3}})
+  assert got["s3_request_retries"] == {**default, "max_retries": 3}
+  got = retries("gs://bkt/a", {"context": {"gcs_request_retries": {
+      "initial_delay": "100ms", "max_delay": "2s"}}})
+  assert got["gcs_request_retries"] == {"max_retries": 8,
+                                        "initial_delay": "100ms",
+                                        "max_delay": "2s"}
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_nothing_listening(dead_endpoint, scheme):
+  del dead_endpoint
+  url = f"{scheme}://bkt/run"
+  opts = quick(scheme)
+  ckptr = ckpt.Checkpointer(url, async_save=False, storage_options=opts)
+  error, _ = fails_within(QUICK_BOUND_S, url, ckptr.latest_step)
+  assert "listing the steps of" in str(error)
+  assert isinstance(error.__cause__, Exception)  # TensorStore's, chained
+  assert "retry attempts failed" in str(error.__cause__)
+  assert f"storage_options={{'{list(opts)[0]}'" in str(error)
+  fails_within(QUICK_BOUND_S, url, ckptr.all_steps)
+  fails_within(QUICK_BOUND_S, url, ckptr.restore)
+  fails_within(QUICK_BOUND_S, url, ckptr.save, 1, STATE)
+  fails_within(QUICK_BOUND_S, url, ckpt.load, url, storage_options=opts)
+  ckptr.close()
+
+
+def test_server_stopped_after_a_save(server_logs, restore_environ):
+  """moto answers, a save commits, then the server dies: every call fails
+  quickly with the URL and the operation."""
+  del restore_environ
+  server = servers.start_moto(server_logs)
+  try:
+    os.environ.update(server.env)
+    url = f"{servers.new_bucket(server)}/run"
+    opts = quick("s3")
+    ckptr = ckpt.Checkpointer(url, async_save=False, storage_options=opts)
+    later = ckpt.Checkpointer(url, async_save=True, storage_options=opts)
+    ckptr.save(1, STATE)
+    assert ckptr.latest_step() == 1
+  finally:
+    server.stop()
+  fails_within(QUICK_BOUND_S, url, ckptr.latest_step)
+  fails_within(QUICK_BOUND_S, url, ckptr.all_steps)
+  fails_within(QUICK_BOUND_S, url, ckptr.restore)
+  fails_within(QUICK_BOUND_S, url, ckptr.restore, 1)
+  fails_within(QUICK_BOUND_S, url, ckpt.load, url, storage_options=opts)
+  fails_within(QUICK_BOUND_S, url, ckptr.save, 2, STATE)
+
+  def save_async():
+    later.save(3, STATE)
+    later.wait_until_finished()
+  fails_within(QUICK_BOUND_S, url, save_async)
+  ckptr.close()
+  later.close()
+
+
+def test_defaults_give_up_in_bounded_time(dead_endpoint):
+  """No retry options: a dead store fails in about 80 s, not 15 minutes.
+  Listing on s3 and gcs and a data write through the context every
+  Checkpointer uses run concurrently, so this takes one bound, not three."""
+  del dead_endpoint
+  s3 = ckpt.Checkpointer("s3://bkt/run", async_save=False)
+  gs = ckpt.Checkpointer("gs://bkt/run", async_save=False)
+
+  def write_array():
+    spec = {"driver": "zarr3", "kvstore": s3.storage.step_spec("checkpoint_1/w"),
+            "metadata": {"shape": [4], "data_type": "float32"}}
+    t0 = time.monotonic()
+    try:
+      store = ts.open(spec, create=True, context=s3.storage.context()).result()
+      store.write(np.zeros(4, np.float32)).result()
+    except ValueError as e:
+      return e, time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+  with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    listings = [pool.submit(fails_within, DEFAULT_BOUND_S, c.storage.url,
+                            c.latest_step) for c in (s3, gs)]
+    write = pool.submit(write_array)
+    for f in listings:
+      error, elapsed = f.result()
+      assert "All 8 retry attempts failed" in str(error), error
+      assert elapsed > 60, f"gave up after {elapsed:.1f}s, before the retries"
+    error, elapsed = write.result()
+    assert error is not None and "All 8 retry attempts failed" in str(error)
+    assert elapsed < DEFAULT_BOUND_S, f"data write took {elapsed:.1f}s"
+  s3.close()
+  gs.close()
