@@ -4,16 +4,18 @@ from ckpt.checkpointer import Checkpointer
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          CheckpointNotFoundError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError,
-                         TreeMismatchError)
+                         TreeMismatchError, WaitTimeoutError)
 from ckpt import integrity
 from ckpt import transforms
 from ckpt.lazy import LazyLeaf
+from ckpt.metadata import Metadata, abstract_target
 from ckpt.partition import MeshPartitioner
 from ckpt.restore import load
 
 __all__ = [
-    "Checkpointer", "LazyLeaf", "MeshPartitioner", "integrity", "load", "transforms", "BarrierTimeoutError",
+    "Checkpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "InvalidStateError", "MissingLeavesError", "TreeMismatchError",
+    "WaitTimeoutError",
 ]
 __version__ = "0.1.0"

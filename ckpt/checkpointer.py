@@ -4,10 +4,16 @@ Concurrency model (the only one in ckpt): the API is synchronous; inside,
 one asyncio event loop runs on one background thread owned by the
 Checkpointer. Every TensorStore call, barrier and retention step of a save
 runs there. At most one save is in flight: ``save`` first waits for the
-previous one. ``save`` returns when its data is staged on the host (async
-mode) or when it is committed (``async_save=False``). A failure on the
-background thread is stored and re-raised by the next ``save``,
-``wait_until_finished`` or ``close``.
+previous one's commit (not for its retention). ``save`` returns when its
+data is staged on the host (async mode) or when it is committed
+(``async_save=False``). A failure on the background thread is stored and
+re-raised by the next ``save``, ``wait_until_finished`` or ``close``.
+
+Every collective call (save, restore and the queries) starts, on the
+caller's thread, with one agreement round through the coordination service
+(ckpt/agreement.py), so that all processes take the same decision; the
+stages after it are in ckpt/finalize.py and the commit protocol in
+ckpt/commit.py.
 """
 
 from __future__ import annotations
@@ -25,18 +31,21 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from absl import logging
+import jax
 import msgpack
+import numpy as np
 
 from ckpt import agreement
 from ckpt import commit as commit_lib
 from ckpt import finalize
+from ckpt import metadata as metadata_lib
 from ckpt import multihost
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt import tsspec
-from ckpt.errors import CheckpointError, InvalidStateError
+from ckpt.errors import CheckpointError, InvalidStateError, WaitTimeoutError
 from ckpt.plan import DEFAULT_CHUNK_BYTES
 from ckpt.retention import RetentionPolicy
 
@@ -50,6 +59,16 @@ class Checkpointer:
     directory: a path, ``file://``, ``gs://``, ``s3://`` or ``memory://`` URL.
     keep, keep_period, best_metric, best_mode, keep_checkpoints_without_metrics:
       the retention policy applied after each commit (see RetentionPolicy).
+    best_fn: ``fn(metrics) -> float`` ranked by ``best_mode`` instead of one
+      ``best_metric`` (a KeyError in it: the step has no score).
+    keep_time_interval, keep_time_window: also keep one step per interval
+      (seconds or timedelta) for the last window (None: forever), e.g.
+      ``3600, 86400``: one per hour for the last day.
+    clock: "now" for the time rule and the save time written in the index
+      (``time.time`` by default; injectable for tests).
+    save_interval_steps: ``save`` writes only the steps ``should_save``
+      accepts (every N-th, the first, the preemption step); None: every
+      step it is given.
     save_dtype / restore_dtype: cast floating leaves before writing / after
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
@@ -75,6 +94,10 @@ class Checkpointer:
                keep: int | None = None, keep_period: int | None = None,
                best_metric: str | None = None, best_mode: str = "min",
                keep_checkpoints_without_metrics: bool = True,
+               best_fn: Callable[[dict], float] | None = None,
+               keep_time_interval: Any = None, keep_time_window: Any = None,
+               clock: Callable[[], Any] | None = None,
+               save_interval_steps: int | None = None,
                save_dtype: Any = None, restore_dtype: Any = None,
                format: str = "zarr",  # noqa: A002 (the design's name)
                concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
@@ -84,8 +107,22 @@ class Checkpointer:
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
                lease_s: float = commit_lib.DEFAULT_LEASE_S):
-    self.policy = RetentionPolicy(keep, keep_period, best_metric, best_mode,
-                                  keep_checkpoints_without_metrics)
+    self._clock = clock if clock is not None else time.time
+    self.policy = RetentionPolicy(
+        keep, keep_period, best_metric, best_mode,
+        keep_checkpoints_without_metrics, best_fn=best_fn,
+        keep_time_interval=keep_time_interval,
+        keep_time_window=keep_time_window, clock=self._clock)
+    if save_interval_steps is not None and (
+        type(save_interval_steps) is not int or save_interval_steps < 1):
+      raise ValueError("save_interval_steps must be a positive int or None, "
+                       f"got {save_interval_steps!r}")
+    self.save_interval_steps = save_interval_steps
+    # Agreed facts the skip decision of save() rests on, the same on every
+    # process: the step reached_preemption said True for, and whether the
+    # directory holds a checkpoint (None: not asked yet).
+    self._preemption_step: int | None = None
+    self._has_checkpoint: bool | None = None
     if int(concurrent_bytes) <= 0:
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
     self._options = save_lib.SaveOptions(
@@ -108,11 +145,12 @@ class Checkpointer:
     self._key_base = "dir-" + hashlib.sha1(json.dumps(
         self.storage.spec, sort_keys=True).encode()).hexdigest()[:16]
     self._metrics_cache: dict[int, dict[str, float]] = {}
+    self._time_cache: dict[int, float] = {}
     self._lock = threading.Lock()
     self._inflight: concurrent.futures.Future | None = None
     self._inflight_step: int | None = None
     self._retention = finalize.Retention(self.storage, self.policy,
-                                         self._read_metrics)
+                                         self._read_metrics, self._read_time)
     self.last_save_stats = save_lib.SaveStats()
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever,
@@ -131,8 +169,14 @@ class Checkpointer:
   # ---- save -------------------------------------------------------------
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
-           transforms: Sequence[Callable] = (), host_state: Any = None) -> bool:
-    """Saves ``state`` as ``step``; returns False if the step already exists.
+           transforms: Sequence[Callable] = (), host_state: Any = None,
+           force: bool = False) -> bool:
+    """Saves ``state`` as ``step``; returns False if the step already exists
+    or (with ``save_interval_steps``) ``should_save(step)`` is False.
+
+    ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
+    nested dicts flattened to ``a/b`` names. ``force`` saves whatever
+    ``save_interval_steps`` says (the last step of a run, say).
 
     In a multi-process job every process calls it with the same step. The
     processes agree before anything is written (ckpt/agreement.py): all
@@ -140,13 +184,13 @@ class Checkpointer:
     the process that could not prepare its part and why.
     """
     self._check_open()
-    given = step
-    try:
-      step = operator.index(step)
-    except TypeError:
-      step = -1
-    if step < 0:
-      raise ValueError(f"step must be a non-negative int, got {given!r}")
+    step = _check_step(step)
+    if not force and not self.should_save(step):
+      # should_save decided from agreed facts only (no I/O and no round,
+      # but for its one first-step round). A skip does not wait for the
+      # save in flight either, so its failure comes from the next save that
+      # writes (the same one on every process).
+      return False
     self._wait_for_save()
     key = multihost.call_key(self._key_base, "save", step)
     t0 = time.perf_counter()
@@ -166,6 +210,7 @@ class Checkpointer:
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step),
         timeout_s=self.barrier_timeout_s)
+    self._has_checkpoint = True  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
@@ -205,24 +250,35 @@ class Checkpointer:
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
                         host_bytes: bytes, stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float) -> None:
+    cleanup = None
     try:
       if multihost.process_index() == 0 and not self._cleaned_up:
         # Abandoned work of crashed jobs goes at this writer's first save
         # (not when a Checkpointer opens: a reader must not delete anything).
         self._cleaned_up = True
-        await asyncio.to_thread(self._remove_abandoned, attempt.work_dir)
+        cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
+            asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
       await finalize.run_save(attempt, plan, self.storage, self._context,
                               self.concurrent_bytes, metrics, host_bytes,
-                              stats, staged.set)
+                              stats, staged.set, clock=self._clock)
       if multihost.process_index() == 0:
         self._metrics_cache[attempt.step] = dict(metrics)
+        self._time_cache.pop(attempt.step, None)  # read from the new index
         self._retention.start(attempt.step)
     finally:
+      if cleanup is not None:
+        await asyncio.gather(cleanup, return_exceptions=True)
       staged.set()
       stats.total_s = time.perf_counter() - t0
 
   def _remove_abandoned(self, own: str) -> None:
-    for name in commit_lib.abandoned(self.storage, self.lease_s):
+    try:
+      names = commit_lib.abandoned(self.storage, self.lease_s)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("ckpt: could not look for abandoned saves in %s: %s",
+                      self.storage.url, e)
+      return
+    for name in names:
       if name == own:
         continue
       logging.info("ckpt: removing abandoned %s", name)
@@ -231,19 +287,31 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 
-  def _wait_for_save(self) -> None:
+  def _wait_for_save(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed; re-raises its failure.
 
     Every thread that waits, waits for the commit (the save stays tracked
-    until it is done, whoever waits and however a wait ends, Ctrl-C
-    included); each of them sees its failure.
+    until it is done, whoever waits and however a wait ends, Ctrl-C or a
+    ``timeout`` included); each of them sees its failure.
     """
     with self._lock:
       fut, step = self._inflight, self._inflight_step
     if fut is None:
       return
     try:
-      fut.result()
+      try:
+        fut.result(timeout)
+      except concurrent.futures.TimeoutError:
+        if fut.done():
+          raise  # the save itself raised a TimeoutError: its failure
+        raise WaitTimeoutError(
+            f"wait_until_finished(timeout={timeout}): the save of step "
+            f"{step} was not committed after {timeout} s on process "
+            f"{multihost.process_index()}; it goes on in the background and "
+            "stays tracked (wait again, or the next save or close waits for "
+            "it)") from None
+    except WaitTimeoutError:
+      raise
     except CheckpointError as e:
       if f"step {step}" in str(e):
         raise  # it names the step already (barrier timeouts do)
@@ -260,16 +328,45 @@ class Checkpointer:
           if self._inflight is fut:
             self._inflight = None
 
-  def wait_until_finished(self) -> None:
+  def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the
     deletion of steps the policy drops, process 0) is done; re-raises a
-    failure of the save."""
-    self._wait_for_save()
-    self._wait_for_retention()
+    failure of the save.
 
-  def _wait_for_retention(self) -> None:
-    if not self._closed:
-      self._run(self._retention.wait())
+    ``timeout`` (seconds): raise ``WaitTimeoutError`` if that is not done
+    by then; the save is not cancelled and stays tracked. Not collective:
+    each process waits for its own part.
+    """
+    if timeout is not None and not float(timeout) >= 0:
+      raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    self._wait_for_save(timeout)
+    self._wait_for_retention(
+        None if deadline is None else max(0.0, deadline - time.monotonic()),
+        timeout)
+
+  def _wait_for_retention(self, left: float | None = None,
+                          timeout: float | None = None) -> None:
+    if self._closed:
+      return
+    fut = asyncio.run_coroutine_threadsafe(self._retention.wait(), self._loop)
+    try:
+      fut.result(left)
+    except concurrent.futures.TimeoutError:
+      if fut.done():
+        raise
+      raise WaitTimeoutError(
+          f"wait_until_finished(timeout={timeout}): the save is committed, "
+          f"but retention (deleting the steps the policy drops) was still "
+          f"running after {timeout} s; it goes on in the background") from None
+
+  def is_saving_in_progress(self) -> bool:
+    """True while the last save is not yet committed (or failed) on this
+    process; its retention does not count. Not collective (no I/O): each
+    process answers for itself."""
+    with self._lock:
+      fut = self._inflight
+    return fut is not None and not fut.done()
 
   # ---- restore ----------------------------------------------------------
 
@@ -281,7 +378,8 @@ class Checkpointer:
 
     Args:
       target: a PyTree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or
-        arrays saying where each leaf goes; None returns host numpy values.
+        arrays saying where each leaf goes; None returns host numpy values
+        (typed PRNG keys come back as key arrays on the default device).
         A target that is a subset of the saved tree restores that subset;
         checkpoint leaves it does not want are never read.
       transforms: ``fn(ckpt_tree, target_tree, *, is_resuming) -> ckpt_tree``
@@ -296,6 +394,10 @@ class Checkpointer:
       verify: check the crc32c recorded at save of every stored box that
         overlaps what this process reads (that data is read twice); a
         mismatch raises CorruptCheckpointError naming the leaf.
+
+    In a multi-process job every process calls it; process 0 picks the step
+    (the latest, or checks that all asked for the same one) and every
+    process restores that step.
     """
     self._check_open()
     with self._lock:
@@ -320,10 +422,16 @@ class Checkpointer:
           f"restore(step={step!r})", lambda: self._choose_step(step),
           f"the step to restore from {self.storage.url!r}")
       protected = step if multihost.process_index() == 0 else None
+    guard = keepalive = None
+    if lazy and path is None:
+      guard = _step_guard(storage, step)
+      if protected is not None:  # the step outlives this call with the leaves
+        keepalive = _Keepalive(self._retention, step)
     args = restore_lib.RestoreArgs(
         target=target, restore_dtype=self.restore_dtype,
         transforms=tuple(transforms), fallback_state=fallback_state,
-        lazy=lazy, is_resuming=is_resuming, verify=verify)
+        lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
+        keepalive=keepalive)
     try:
       return self._run(restore_lib.restore(
           storage, step_dir, args, self.concurrent_bytes, self._context))
@@ -360,14 +468,18 @@ class Checkpointer:
     """Call at every training step; True at the step to save on preemption.
 
     All processes get True at the same step after any of them is told to
-    stop (SIGTERM or the cluster's preemption notice), so::
+    stop (SIGTERM or the cluster's preemption notice); ``should_save`` is
+    then True for that step whatever ``save_interval_steps`` says. So::
 
       if ckptr.reached_preemption(step):
         ckptr.save(step, state)
         ckptr.wait_until_finished()
         sys.exit(0)
     """
-    return multihost.reached_preemption_sync_point(step)
+    if multihost.reached_preemption_sync_point(step):
+      self._preemption_step = step  # should_save(step) is True for it
+      return True
+    return False
 
   # ---- queries ----------------------------------------------------------
   # In a multi-process job these are collective, like save and restore:
@@ -386,16 +498,110 @@ class Checkpointer:
     self._wait_for_retention()  # report the directory as retention left it
     return commit_lib.committed_steps(self.storage)
 
-  def metrics(self, step: int) -> dict[str, float]:
+  def metrics(self, step: int) -> dict[str, float | int]:
+    """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints."""
     return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
                         f"the metrics of step {step}")
 
   def _read_metrics(self, step: int) -> dict[str, float]:
     if step not in self._metrics_cache:
-      index = restore_lib.read_index(self.storage,
-                                    commit_lib.step_dir(self.storage, step))
-      self._metrics_cache[step] = dict(index.metrics)
+      self._read_step_info(step)
     return dict(self._metrics_cache[step])
+
+  def _read_time(self, step: int) -> float:
+    """The save time recorded in ``step``'s index (the time rule)."""
+    if step not in self._time_cache:
+      self._read_step_info(step)
+    return self._time_cache[step]
+
+  def _read_step_info(self, step: int) -> None:
+    index = restore_lib.read_index(self.storage,
+                                   commit_lib.step_dir(self.storage, step))
+    self._metrics_cache[step] = dict(index.metrics)
+    self._time_cache[step] = index.time
+
+  def reload(self) -> None:
+    """Forgets what this Checkpointer cached about saved steps (their
+    metrics and save times), so the next query reads them from the
+    directory again: after another job changed it. No I/O; safe to call on
+    any process."""
+    self._metrics_cache.clear()
+    self._time_cache.clear()
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step, ...)`` writes ``step`` (``save_interval_steps``).
+
+    True for every step without ``save_interval_steps``; with it, for
+    multiples of it (step 0 included), for the step ``reached_preemption``
+    said True for, and for the first step of a run whose directory holds no
+    checkpoint yet (as Orbax's CheckpointManager). The first two are pure
+    functions of the step and of jax's agreed preemption step, so every
+    process computes the same answer with no I/O. The third needs the
+    directory: the first call that reaches it is a collective round (process
+    0 lists the directory once, every process gets its answer); after that
+    (or after any save) it is known and no call needs a round again.
+    """
+    step = _check_step(step)
+    n = self.save_interval_steps
+    if n is None or step % n == 0 or step == self._preemption_step:
+      return True
+    if self._has_checkpoint is None:
+      empty = self._agreed(
+          f"should_save({step})",
+          lambda: not commit_lib.committed_steps(self.storage),
+          f"whether {self.storage.url!r} holds a checkpoint yet")
+      if not empty:
+        self._has_checkpoint = True
+      return bool(empty)
+    return False
+
+  def delete(self, step: int) -> None:
+    """Deletes the committed ``step``, atomically (readers see it whole or
+    not at all, as retention's deletions).
+
+    Refused (``CheckpointError``) for the step of a save still in flight
+    (``wait_until_finished()`` first) and for a step being restored or
+    read by live ``restore(lazy=True)`` leaves; ``CheckpointNotFoundError``
+    if it is not committed. Unlike retention it may delete the newest step.
+    Collective: process 0 decides and deletes, every process gets the same
+    result or error.
+    """
+    self._check_open()
+    step = _check_step(step)
+    self._agreed(f"delete({step})", lambda: self._delete_step(step),
+                 f"the deletion of step {step} in {self.storage.url!r}")
+    self._metrics_cache.pop(step, None)
+    self._time_cache.pop(step, None)
+
+  def _delete_step(self, step: int) -> bool:
+    """Process 0, in the delete round."""
+    with self._lock:
+      fut, saving = self._inflight, self._inflight_step
+    if fut is not None and saving == step and not fut.done():
+      raise CheckpointError(
+          f"cannot delete step {step} in {self.storage.url!r}: it is being "
+          "saved (call wait_until_finished() first)")
+    self._retention.delete(step)
+    return True
+
+  def metadata(self, step: int | None = None) -> "metadata_lib.Metadata":
+    """What ``step`` (default: latest) holds, without reading its data.
+
+    ``.tree`` is the saved tree with a ``jax.ShapeDtypeStruct`` (the saved
+    dtype, no sharding) per array leaf and the inline values as saved;
+    ``.shardings`` describes each array's saved sharding by leaf path; also
+    ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
+    mesh, rules)`` turns it into a restore target for any mesh. Collective,
+    like ``restore``: every process reads the index of the agreed step.
+    """
+    self._check_open()
+    step, step_dir = self._agreed(
+        f"metadata({step!r})",
+        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
+                 commit_lib.step_dir(self.storage, s)],
+        f"the step of metadata() in {self.storage.url!r}")
+    return metadata_lib.from_index(
+        restore_lib.read_index(self.storage, step_dir))
 
   def host_state(self, step: int | None = None) -> Any:
     step, step_dir = self._agreed(
@@ -421,6 +627,10 @@ class Checkpointer:
       self.wait_until_finished()
     finally:
       self._closed = True
+      try:  # nothing may call back into the loop once it is closed
+        asyncio.run_coroutine_threadsafe(_drain(), self._loop).result(60)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: background work still running at close: %s", e)
       self._loop.call_soon_threadsafe(self._loop.stop)
       self._thread.join(timeout=60)
       if not self._thread.is_alive():
@@ -437,6 +647,46 @@ class Checkpointer:
       raise CheckpointError("this Checkpointer is closed")
 
 
+async def _drain() -> None:
+  """Cancels what is left on the loop (a lazy read given up, say) and waits
+  for it and for the loop's worker threads, so that no TensorStore or
+  thread callback reaches the loop after it is closed."""
+  tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+  for t in tasks:
+    t.cancel()
+  await asyncio.gather(*tasks, return_exceptions=True)
+  await asyncio.get_running_loop().shutdown_default_executor()
+
+
+class _Keepalive:
+  """Held by every lazy leaf of one restore: while any of them lives, this
+  Checkpointer's retention does not delete their step."""
+
+  def __init__(self, retention: finalize.Retention, step: int):
+    retention.protect(step)
+    weakref.finalize(self, retention.release, step)
+
+
+def _step_guard(storage: storage_lib.Storage, step: int) -> Callable[[], None]:
+  """A check that ``step`` is still the one that was restored (the attempt
+  its marker names has not changed): lazy leaves never read other data."""
+  token = commit_lib.committed_attempt(storage, step)
+
+  def check() -> None:
+    if not commit_lib.is_committed(storage, step):
+      what = "deleted"
+    elif commit_lib.committed_attempt(storage, step) != token:
+      what = "deleted and saved again"
+    else:
+      return
+    raise CheckpointError(
+        f"step {step} in {storage.url!r} was {what} after this lazy leaf was "
+        "created (by retention or another job): the leaf's data is gone, and "
+        "ckpt never reads other data in its place. Restore again from a "
+        "step that exists")
+  return check
+
+
 def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
   ckptr = ref()
   if ckptr is None or ckptr._closed:  # pylint: disable=protected-access
@@ -447,16 +697,68 @@ def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
     logging.error("ckpt: the last save did not finish at exit: %s", e)
 
 
-def _check_metrics(metrics: dict | None) -> dict[str, float]:
-  out = {}
-  for k, v in (metrics or {}).items():
-    try:
-      out[str(k)] = float(v)
-    except (TypeError, ValueError):
-      raise InvalidStateError(
-          f"metric {k!r} must be a number, got {type(v).__name__} {v!r}"
-      ) from None
+def _check_step(step: Any) -> int:
+  given = step
+  try:
+    step = operator.index(step)
+  except TypeError:
+    step = -1
+  if step < 0:
+    raise ValueError(f"step must be a non-negative int, got {given!r}")
+  return step
+
+
+def _check_metrics(metrics: dict | None) -> dict[str, float | int]:
+  """``{"a/b": number}``: nested dicts flattened; python, numpy and jax
+  scalars; ints (and bools) stay ints, everything else becomes a float."""
+  out: dict[str, float | int] = {}
+
+  def walk(prefix: str, node: Any) -> None:
+    for k, v in node.items():
+      name = f"{prefix}{k}"
+      if isinstance(v, dict):
+        walk(f"{name}/", v)
+        continue
+      if name in out:
+        raise InvalidStateError(
+            f"metric {name!r} is given twice (a nested dict and an 'a/b' "
+            "name flatten to the same name)")
+      out[name] = _metric_value(name, v)
+
+  if metrics is not None and not isinstance(metrics, dict):
+    raise InvalidStateError(
+        f"metrics must be a dict of name to number, got {type(metrics).__name__}")
+  walk("", metrics or {})
   return out
+
+
+def _metric_value(name: str, v: Any) -> float | int:
+  if isinstance(v, jax.Array):
+    if v.shape != ():
+      raise InvalidStateError(
+          f"metric {name!r} must be a scalar, got a jax.Array of shape "
+          f"{v.shape}")
+    # A replicated scalar of a multi-process mesh: any local shard holds it.
+    v = np.asarray(v.addressable_data(0) if not v.is_fully_addressable else v)
+  if isinstance(v, np.ndarray):
+    if v.shape != ():
+      raise InvalidStateError(
+          f"metric {name!r} must be a scalar, got an array of shape {v.shape}")
+    v = v[()]
+  if isinstance(v, (bool, np.bool_)):
+    return int(v)
+  if isinstance(v, (int, np.integer)):
+    v = int(v)
+    if not -2**63 <= v < 2**64:
+      raise InvalidStateError(f"metric {name!r}: int {v} does not fit in 64 bits")
+    return v
+  if isinstance(v, float) or (  # bfloat16 and float8 included
+      isinstance(v, np.generic) and jax.numpy.issubdtype(v.dtype,
+                                                         jax.numpy.floating)):
+    return float(v)
+  raise InvalidStateError(
+      f"metric {name!r} must be a number (int, float, numpy or jax scalar) "
+      f"or a dict of them, got {type(v).__name__} {v!r}")
 
 
 def _pack_host_state(value: Any) -> bytes:

@@ -43,3 +43,8 @@ class InvalidStateError(CheckpointError, TypeError):
 
 class BarrierTimeoutError(CheckpointError, TimeoutError):
   """Not every process reached a barrier within the timeout."""
+
+
+class WaitTimeoutError(CheckpointError, TimeoutError):
+  """``wait_until_finished(timeout=...)`` ran out of time; the save it waited
+  for is still tracked (the next wait, save or close waits for it again)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from typing import Any, Callable
 
 from absl import logging
@@ -32,9 +33,10 @@ from ckpt import commit as commit_lib
 from ckpt import index as index_lib
 from ckpt import multihost
 from ckpt import ocdbt
+from ckpt import retention as retention_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.limiter import ByteLimiter
 from ckpt.retention import RetentionPolicy
 
@@ -76,11 +78,13 @@ async def _barrier(attempt: Attempt, name: str, what: str,
 async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
                    storage: storage_lib.Storage, context, budget: int,
                    metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
-                   on_staged: Callable[[], None]) -> None:
+                   on_staged: Callable[[], None],
+                   clock: Callable[[], float] = time.time) -> None:
   """Stages 3-7 and 9 on every process; returns once the step is committed
-  everywhere, or raises the agreed failure."""
+  everywhere, or raises the agreed failure. ``clock`` gives the save time
+  recorded in the index (the time retention rule reads it)."""
   pid, n = multihost.process_index(), multihost.process_count()
-  step, key, timeout = attempt.step, attempt.key, attempt.timeout_s
+  step, key = attempt.step, attempt.key
   step_kvstore = storage.step_spec(attempt.work_dir)
   stopped_writing = []  # non-empty once every process stopped writing
   lease = (asyncio.ensure_future(_renew_lease(storage, attempt))
@@ -94,18 +98,23 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
                                         ByteLimiter(budget), stats, on_staged)
     except Exception as e:  # told to every process at the barrier below
       error = e
+    if error is None:  # what process 0 needs, posted before the barrier
+      await asyncio.to_thread(multihost.post_bytes, f"{key}/host_state",
+                              host_bytes)
+      await asyncio.to_thread(multihost.post_bytes, f"{key}/checksums",
+                              msgpack.packb(sums))
     # 5. every process has written (or stopped writing, having failed).
     await _barrier(attempt, "written", "all processes wrote their data", error,
                    on_arrival=lambda: stopped_writing.append(True))
-    host_states = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/host_state", host_bytes, timeout,
-        f"the host_state of step {step}")
-    all_sums = await asyncio.to_thread(
-        multihost.gather_bytes, f"{key}/checksums", msgpack.packb(sums),
-        timeout, f"the checksums of step {step}")
     error = None
     if pid == 0:
       try:
+        host_states = await asyncio.to_thread(
+            multihost.collect_bytes, f"{key}/host_state", host_bytes,
+            f"the host_state of step {step}")
+        all_sums = await asyncio.to_thread(
+            multihost.collect_bytes, f"{key}/checksums", msgpack.packb(sums),
+            f"the checksums of step {step}")
         if plan.options.storage_format == "ocdbt":
           # One database from the per-process ones (ckpt/ocdbt.py).
           await ocdbt.merge(step_kvstore, n, context)
@@ -113,6 +122,7 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
         checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
         index = save_lib.make_index(plan, step, metrics, host_states, n,
                                     checksums)
+        index = dataclasses.replace(index, time=retention_lib.now_s(clock))
         data = index_lib.encode(index)
         await asyncio.to_thread(commit_lib.commit, storage, step,
                                 attempt.token, data)
@@ -168,10 +178,12 @@ class Retention:
   """
 
   def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
-               read_metrics: Callable[[int], dict]):
+               read_metrics: Callable[[int], dict],
+               read_time: Callable[[int], float] | None = None):
     self.storage = storage
     self.policy = policy
     self.read_metrics = read_metrics
+    self.read_time = read_time  # the save time of a step (the time rule)
     self._lock = threading.Lock()
     self._protected: dict[int, int] = {}
     self._task: asyncio.Task | None = None
@@ -206,8 +218,8 @@ class Retention:
       return []
     try:
       steps = commit_lib.committed_steps(self.storage)
-      metrics = {}
-      if self.policy.best_metric is not None:
+      metrics, times = {}, {}
+      if self.policy.ranks_by_metrics:
         for s in steps:
           try:
             metrics[s] = self.read_metrics(s)
@@ -215,9 +227,17 @@ class Retention:
             logging.warning("ckpt: retention: the metrics of step %d in %s "
                             "are unreadable (%s); it counts as a step "
                             "without metrics", s, self.storage.url, e)
+      if self.policy.uses_times and self.read_time is not None:
+        for s in steps:
+          try:
+            times[s] = self.read_time(s)
+          except Exception as e:  # pylint: disable=broad-except
+            logging.warning("ckpt: retention: the save time of step %d in %s "
+                            "is unreadable (%s); the time rule does not keep "
+                            "it", s, self.storage.url, e)
       with self._lock:
         protected = frozenset(self._protected) | {newest}
-      doomed = self.policy.to_delete(steps, metrics, protected)
+      doomed = self.policy.to_delete(steps, metrics, protected, times)
     except Exception as e:  # pylint: disable=broad-except
       logging.error("ckpt: retention after step %d in %s failed: %s",
                     newest, self.storage.url, e)
@@ -235,3 +255,20 @@ class Retention:
           logging.error("ckpt: retention could not delete step %d in %s: %s",
                         s, self.storage.url, e)
     return deleted
+
+  def delete(self, step: int) -> None:
+    """Deletes the committed ``step`` now (``Checkpointer.delete``, process
+    0), under the lock retention deletes under: never a protected step."""
+    with self._lock:
+      if step in self._protected:
+        raise CheckpointError(
+            f"cannot delete step {step} in {self.storage.url!r}: it is being "
+            "read (a restore in progress, or live leaves of "
+            "restore(lazy=True)); delete it once they are done")
+      if not commit_lib.is_committed(self.storage, step):
+        raise CheckpointNotFoundError(
+            f"cannot delete step {step}: it is not a committed checkpoint in "
+            f"{self.storage.url!r}; committed steps: "
+            f"{commit_lib.committed_steps(self.storage)}")
+      logging.info("ckpt: deleting step %d (delete())", step)
+      commit_lib.remove(self.storage, storage_lib.step_dirname(step))

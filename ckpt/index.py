@@ -8,9 +8,12 @@ inside the step directory. Anything else raises CorruptCheckpointError.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gc
 import math
 import re
+import reprlib
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
@@ -23,9 +26,31 @@ from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
 VERSION = 1
-MAX_INDEX_BYTES = 1 << 30
+# A real index takes about 240 bytes per array leaf (one checksummed box; 190
+# for the entry, 40 for its place in the tree structure) plus about 20 per
+# further checksummed box: 100,000 leaves fit in 24 MiB. Checked before the
+# file is read (restore.read_index) and again here; save refuses to write more.
+MAX_INDEX_BYTES = 32 << 20
 MAX_RANK = 64
 MAX_DEPTH = 256
+# No list or map of an index is longer (leaves, a dict's keys, a leaf's
+# checksummed boxes, host_state per process).
+MAX_CONTAINER_LEN = 1 << 20
+# msgpack nests at most 1024 containers deep (its fixed C stack): an index
+# deeper than that fails to parse whatever the options say.
+# A real index makes fewer than one list per 3 bytes (a leaf's 1-D
+# checksummed box [[a], [b], crc] is 3 lists in 10 bytes) and one map per 8
+# (a python-int leaf: entry, value and structure maps in 45 bytes); more is
+# refused while decoding, so a hostile index costs at most about 25 bytes of
+# python objects per byte (README: "Reading checkpoints you did not write").
+_LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
+# Array leaves: the elements a leaf may have (2**50, a PiB of bytes, far
+# above any real leaf), chunks per leaf (a 64 TiB leaf in 1 MiB chunks) and
+# the bytes of one chunk (ckpt writes at most 64 MiB; a reader decodes one
+# whole chunk at a time, so this bounds what any single read decodes).
+MAX_LEAF_BYTES = 1 << 50
+MAX_CHUNKS = 1 << 26
+MAX_CHUNK_BYTES = 1 << 30
 _REL_PART = re.compile(r"^[A-Za-z0-9_\-%][A-Za-z0-9_.\-%]*$")
 # Every one of these must be storable by TensorStore's zarr and zarr3 drivers
 # (tests/test_checkpointer.py saves each); uint4 is not, so it is left out.
@@ -150,7 +175,58 @@ def encode(index: Index) -> bytes:
       "leaves": [e.to_json() for e in index.leaves],
       "host_state": list(index.host_state) if index.host_state is not None else None,
   }
-  return msgpack.packb(doc, use_bin_type=True)
+  data = msgpack.packb(doc, use_bin_type=True)
+  # What decode() would refuse is not written: a checkpoint nobody can read.
+  if len(data) > MAX_INDEX_BYTES or len(index.leaves) > MAX_CONTAINER_LEN:
+    raise InvalidStateError(
+        f"the index of step {index.step} would be {len(data)} bytes for "
+        f"{len(index.leaves)} leaves; readers accept at most {MAX_INDEX_BYTES} "
+        f"bytes and {MAX_CONTAINER_LEN} leaves (ckpt.index.MAX_INDEX_BYTES). "
+        "Save fewer, larger leaves (or fewer inline values)")
+  return data
+
+
+class _ContainerBudget:
+  """msgpack list/object hooks that refuse more containers than a real
+  index of this many bytes holds (see _LISTS_PER_BYTE)."""
+
+  def __init__(self, nbytes: int):
+    self.lists = nbytes // _LISTS_PER_BYTE + 64
+    self.maps = nbytes // _MAPS_PER_BYTE + 64
+
+  def list_hook(self, x: list) -> list:
+    self.lists -= 1
+    if self.lists < 0:
+      raise ValueError("more lists than a real index of this size holds")
+    return x
+
+  def object_hook(self, x: dict) -> dict:
+    self.maps -= 1
+    if self.maps < 0:
+      raise ValueError("more maps than a real index of this size holds")
+    return x
+
+
+def unpack(data: bytes) -> Any:
+  """msgpack-decodes an index with bounded lengths and container counts.
+
+  Lengths are checked by msgpack before it allocates (a 5-byte header can
+  declare 4 billion elements); the cyclic GC is paused meanwhile, as msgpack
+  advises (it would rescan the growing document again and again).
+  """
+  budget = _ContainerBudget(len(data))
+  limits = dict(max_str_len=MAX_INDEX_BYTES, max_bin_len=MAX_INDEX_BYTES,
+                max_array_len=min(MAX_CONTAINER_LEN, len(data)),
+                max_map_len=min(MAX_CONTAINER_LEN, len(data)), max_ext_len=0)
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    return msgpack.unpackb(data, raw=False, strict_map_key=True,
+                           list_hook=budget.list_hook,
+                           object_hook=budget.object_hook, **limits)
+  finally:
+    if was_enabled:
+      gc.enable()
 
 
 def decode(data: bytes, where: str = "index.msgpack") -> Index:
@@ -159,11 +235,11 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
                                  f"{MAX_INDEX_BYTES} byte limit")
   try:
-    doc = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    doc = unpack(data)
   except Exception as e:
     raise CorruptCheckpointError(
         f"{where} is not a valid msgpack document (truncated or corrupt "
-        f"index?): {e}") from e
+        f"index, or over ckpt's limits for an index?): {e}") from e
   if not isinstance(doc, dict):
     raise _bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
@@ -189,7 +265,7 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
                  for i, e in enumerate(raw_leaves))
   names = [tree.path_str(e.path) for e in leaves]
   if len(set(names)) != len(names):
-    dups = sorted({n for n in names if names.count(n) > 1})
+    dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
   _check_structure(structure, where)
@@ -221,9 +297,10 @@ def _decode_entry(e: Any, where: str) -> Entry:
   where = f"{where} ({tree.path_str(path)})"
   if e.get("kind") == "value":
     value = decode_value(e.get("value"), where)
-    impl = _prng_impl(e, where, np.shape(value),
-                      getattr(value, "dtype", type(value).__name__),
-                      isinstance(value, np.ndarray))
+    impl = "" if e.get("prng_impl", "") == "" else _prng_impl(
+        e, where, np.shape(value),
+        getattr(value, "dtype", type(value).__name__),
+        isinstance(value, np.ndarray))
     return ValueEntry(path, value, impl)
   if e.get("kind") != "array":
     raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
@@ -234,6 +311,7 @@ def _decode_entry(e: Any, where: str) -> Entry:
   if len(chunks) != len(shape) or any(c < 1 for c in chunks):
     raise _bad(where, f"{len(shape)} positive chunk extents", chunks)
   dtype = _dtype(e.get("dtype"), where).name
+  check_extent(shape, chunks, np.dtype(dtype).itemsize, where)
   source = e.get("source_dtype", dtype)
   _dtype(source, where)
   codec = e.get("codec") or {}
@@ -292,6 +370,28 @@ def check_relpath(relpath: Any, where: str) -> str:
   return relpath
 
 
+def check_extent(shape: tuple[int, ...], chunks: tuple[int, ...],
+                 itemsize: int, where: str) -> None:
+  """An array leaf's size, chunk count and chunk size stay within what any
+  real checkpoint has, computed in python ints (no overflow), before
+  anything is opened or allocated."""
+  nbytes = math.prod(shape) * itemsize
+  if nbytes > MAX_LEAF_BYTES:
+    raise _bad(where, f"an array of at most {MAX_LEAF_BYTES} bytes",
+               f"shape {list(shape)} of {nbytes} bytes")
+  if any(c > max(s, 1) for s, c in zip(shape, chunks)):
+    raise _bad(where, f"chunks no larger than the shape {list(shape)}",
+               list(chunks))
+  chunk_bytes = math.prod(chunks) * itemsize
+  if chunk_bytes > MAX_CHUNK_BYTES:
+    raise _bad(where, f"chunks of at most {MAX_CHUNK_BYTES} bytes",
+               f"chunks {list(chunks)} of {chunk_bytes} bytes")
+  count = math.prod(-(-s // c) for s, c in zip(shape, chunks))
+  if count > MAX_CHUNKS:
+    raise _bad(where, f"at most {MAX_CHUNKS} chunks",
+               f"{count} chunks of {list(chunks)} in shape {list(shape)}")
+
+
 def _check_structure(node: Any, where: str, depth: int = 0) -> None:
   if depth > MAX_DEPTH:
     raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
@@ -338,8 +438,15 @@ def _dtype(name: Any, where: str) -> np.dtype:
   return np.dtype(name)
 
 
+# Errors show a bounded excerpt of what was found: repr() of a hostile
+# 30-million-element list alone takes seconds and gigabytes.
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple = 3, 12, 8, 12
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 200
+
+
 def _bad(where: str, expected: str, found: Any) -> CorruptCheckpointError:
-  text = repr(found)
+  text = _REPR.repr(found)
   if len(text) > 200:
     text = text[:200] + "..."
   return CorruptCheckpointError(f"{where}: expected {expected}, found {text}")

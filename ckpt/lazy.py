@@ -13,7 +13,8 @@ import abc
 import asyncio
 import concurrent.futures
 import math
-from typing import Any, Sequence
+import os
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,8 @@ from ckpt import index as index_lib
 from ckpt import prng
 from ckpt import tree
 from ckpt import tsspec
-from ckpt.errors import CorruptCheckpointError, TreeMismatchError
+from ckpt.errors import (CheckpointError, CorruptCheckpointError,
+                         TreeMismatchError)
 from ckpt.limiter import ByteLimiter
 from ckpt.plan import Box
 
@@ -64,6 +66,12 @@ class LazyLeaf(abc.ABC):
   target_dtype: np.dtype | None = None          # what read() casts to
   budget: int = DEFAULT_READ_BUDGET
   prng_impl: str | None = None  # a key leaf: its implementation's name
+  # restore(lazy=True): raises if the step this leaf reads was deleted or
+  # replaced since the leaf was made (checked around every read), and an
+  # object that keeps the step from this Checkpointer's retention while
+  # any leaf of that restore is alive.
+  guard: Callable[[], None] | None = None
+  keepalive: Any = None
 
   @abc.abstractmethod
   async def read_box(self, box: Box) -> np.ndarray:
@@ -99,8 +107,19 @@ class LazyLeaf(abc.ABC):
   async def read_async(self, sharding=None, dtype=None):
     sharding = sharding if sharding is not None else self.sharding
     dtype = dtype if dtype is not None else (self.target_dtype or self.dtype)
-    return await materialize(self, np.dtype(dtype), sharding,
-                             ByteLimiter(self.budget))
+    if self.guard is None:
+      return await materialize(self, np.dtype(dtype), sharding,
+                               ByteLimiter(self.budget))
+    await asyncio.to_thread(self.guard)
+    try:
+      out = await materialize(self, np.dtype(dtype), sharding,
+                              ByteLimiter(self.budget))
+    except Exception:
+      await asyncio.to_thread(self.guard)  # a vanished step explains it
+      raise
+    # Checked again: data of a step replaced while it was read is refused.
+    await asyncio.to_thread(self.guard)
+    return out
 
   def read(self, sharding=None, dtype=None):
     return run_sync(self.read_async(sharding, dtype))
@@ -163,7 +182,9 @@ class LazyArray(LazyLeaf):
     self.shape = tuple(entry.shape)
     self.dtype = np.dtype(entry.dtype)
     self.prng_impl = getattr(entry, "prng_impl", "") or None
-    self._spec = tsspec.open_spec(storage_format, step_kvstore, entry.relpath)
+    self._spec = tsspec.open_spec(
+        storage_format, step_kvstore, entry.relpath, self.shape, self.dtype,
+        tuple(entry.chunks), tsspec.codec_of(entry.codec))
     self._context = context
     self._store: ts.TensorStore | None = None
 
@@ -175,7 +196,10 @@ class LazyArray(LazyLeaf):
       except Exception as e:
         raise CorruptCheckpointError(
             f"leaf {self.path!r}: cannot open its array at "
-            f"{self.entry.relpath!r}: {e}") from e
+            f"{self.entry.relpath!r} as the index describes it (shape "
+            f"{self.shape}, dtype {self.dtype}, chunks "
+            f"{tuple(self.entry.chunks)}, codec {self.entry.codec}): {e}"
+        ) from e
       found = (tuple(store.shape), np.dtype(store.dtype.numpy_dtype))
       if found != (self.shape, self.dtype):
         raise CorruptCheckpointError(
@@ -186,6 +210,7 @@ class LazyArray(LazyLeaf):
     return self._store
 
   async def read_box(self, box: Box) -> np.ndarray:
+    check_fits(self.path, box.shape, self.dtype)
     store = await self._open()
     try:
       return await store[box.slices()].read()
@@ -397,6 +422,7 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
       # Read into 64-byte-aligned memory: jax.device_put onto a CPU device
       # then adopts the buffer instead of copying it (jax's CPU client
       # aliases aligned host arrays); one batched call for all the devices.
+      check_fits(leaf.path, box.shape, out_dtype)
       data = _aligned_empty(box.shape, out_dtype)
       await leaf.read_into(box, data)
       arrays = jax.device_put([data] * len(devices), list(devices))
@@ -416,6 +442,28 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
 
 
 _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
+
+
+def host_memory_bytes() -> int:
+  """This host's physical memory (a large number where unknown)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return 1 << 62
+
+
+def check_fits(path: str, shape: Sequence[int], dtype) -> None:
+  """Refuses, before allocating, a read of more bytes than this host has:
+  shapes come from an index (index.check_extent bounds them far above any
+  real leaf), and one box is allocated whole."""
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  if nbytes > host_memory_bytes():
+    raise CheckpointError(
+        f"leaf {path!r}: reading a box of shape {tuple(shape)} needs "
+        f"{nbytes} bytes at once, more than this host's "
+        f"{host_memory_bytes()} bytes of memory; restore it with a target "
+        "sharding so that each process reads only its part (or the index "
+        "is not what was saved)")
 
 
 def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:

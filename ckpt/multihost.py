@@ -148,18 +148,31 @@ def unique_token() -> str:
   return secrets.token_hex(6)
 
 
-def gather_bytes(key: str, data: bytes, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 what: str = "data") -> list[bytes] | None:
-  """Process 0 gets every process's ``data`` in process order; others None."""
+def post_bytes(key: str, data: bytes) -> None:
+  """This process's ``data`` under ``key``, for ``collect_bytes`` on
+  process 0 after a barrier every process reaches once it has posted."""
+  if is_multiprocess():
+    _client().key_value_set_bytes(f"{key}/{process_index()}", data)
+
+
+def collect_bytes(key: str, data: bytes, what: str = "data") -> list[bytes]:
+  """Process 0, after that barrier: every process's post in process order,
+  in ONE request to the coordination service (not one per process).
+  ``data`` is this process's own (single process: the only one)."""
   if not is_multiprocess():
     return [data]
-  client = _client()
-  client.key_value_set_bytes(f"{key}/{process_index()}", data)
-  if process_index() != 0:
-    return None
-  return [_wait_for_key(client.blocking_key_value_get_bytes, f"{key}/{p}",
-                        timeout_s, f"{what} from process {p}")
-          for p in range(process_count())]
+  got = {}
+  for k, v in _client().key_value_dir_get_bytes(f"{key}/"):
+    try:
+      got[int(k.rsplit("/", 1)[-1])] = v
+    except ValueError:
+      continue
+  missing = [p for p in range(process_count()) if p not in got]
+  if missing:
+    raise BarrierTimeoutError(
+        f"{what}: process(es) {missing} passed the barrier without posting "
+        f"{key!r}; they run a different ckpt, or called different saves")
+  return [got[p] for p in range(process_count())]
 
 
 _sigterm_seen = threading.Event()

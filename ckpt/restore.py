@@ -49,7 +49,7 @@ def resolve_step(storage: storage_lib.Storage, step: int | None,
 def read_index(storage: storage_lib.Storage, step_dir: str) -> index_lib.Index:
   key = storage.index_key(step_dir)
   where = f"{storage.url.rstrip('/')}/{key}"
-  data = storage.read_bytes(key)
+  data = storage.read_bytes(key, limit=index_lib.MAX_INDEX_BYTES)
   if data is None:
     raise CheckpointNotFoundError(f"{where} does not exist")
   return index_lib.decode(data, where)
@@ -83,6 +83,9 @@ class RestoreArgs:
   lazy: bool = False
   is_resuming: bool = False
   verify: bool = False
+  # lazy: given to every leaf returned (see LazyLeaf.guard / keepalive).
+  guard: Callable[[], None] | None = None
+  keepalive: Any = None
 
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
@@ -198,7 +201,9 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
   if args.verify:  # keys are small: their whole data is checked
     await checksums.verify_leaf(src, None if impl else sharding, limiter)
   if args.lazy:
-    return src.bind(sharding, out)
+    leaf = src.bind(sharding, out)
+    leaf.guard, leaf.keepalive = args.guard, args.keepalive
+    return leaf
   return await lazy.materialize(src, out, sharding, limiter)
 
 

@@ -386,13 +386,22 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       for grant in grants:
         limiter.release(grant)
 
+  write_failed = []  # set by the first write that fails: O(1) to check
+
+  def on_done(t: asyncio.Task) -> None:
+    if not t.cancelled() and t.exception() is not None:
+      write_failed.append(True)
+
   def start_writes():
+    first = len(tasks)
     if plan.options.storage_format == "ocdbt":
       if staged:
         tasks.append(asyncio.create_task(write_batch(list(staged))))
     else:
       for w, data, grant in staged:
         tasks.append(asyncio.create_task(write_one(w, data, grant)))
+    for t in tasks[first:]:
+      t.add_done_callback(on_done)
     staged.clear()
 
   # Staging runs ahead of writing while the budget allows, so that the
@@ -403,7 +412,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     for w in plan.my_writes(process):
       if w.box.size == 0:
         continue  # a zero-size shard: nothing to store
-      if any(t.done() and not t.cancelled() and t.exception() for t in tasks):
+      if write_failed:
         break  # a write failed: stop staging, report it below
       grant = limiter.try_acquire(w.nbytes)  # stored bytes, after the cast
       if grant is None:
@@ -427,9 +436,11 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     for _, _, grant in staged:
       limiter.release(grant)
     staged.clear()
-    for t in tasks:
-      t.cancel()
-    opening.cancel()
+    # Writes already started finish (they hold at most the budget) instead
+    # of being cancelled mid-flight: once this raises, this process writes
+    # nothing more into the attempt, which is what the "written" barrier
+    # tells the others before process 0 removes the failed attempt.
+    await asyncio.gather(*tasks, opening, return_exceptions=True)
     raise
   finally:
     for lp in plan.leaves:
@@ -466,5 +477,7 @@ def make_index(plan: SavePlan, step: int, metrics: dict | None,
       step=step, time=time.time(), storage_format=plan.options.storage_format,
       process_count=process_count, structure=plan.structure,
       leaves=tuple(entries),
-      metrics={k: float(v) for k, v in (metrics or {}).items()},
+      # ints stay ints (the index has always accepted int or float values)
+      metrics={k: v if type(v) is int else float(v)
+               for k, v in (metrics or {}).items()},
       host_state=tuple(host_states) if host_states is not None else None)

@@ -35,13 +35,14 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import stat
 import urllib.parse
 from typing import Any
 
 from etils import epath
 import tensorstore as ts
 
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 
 STEP_PREFIX = "checkpoint_"
 INDEX_NAME = "index.msgpack"
@@ -63,6 +64,9 @@ _OCDBT_CACHE_BYTES = 64 << 20
 # backoff up to 32 s). A transient outage of a minute is still ridden out.
 STORE_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
 _RETRY_RESOURCES = ("s3_request_retries", "gcs_request_retries")
+# The largest small object (index, commit marker, lease) ckpt reads; the
+# index has its own, equal limit (ckpt.index.MAX_INDEX_BYTES).
+MAX_OBJECT_BYTES = 32 << 20
 
 # memory:// data lives in a TensorStore context; one per process, so that a
 # second Checkpointer (or ckpt.load) on the same memory:// URL sees it.
@@ -287,13 +291,63 @@ class Storage:
 
   # ---- small objects (index, marker) -------------------------------------
 
-  def read_bytes(self, rel: str) -> bytes | None:
+  def read_bytes(self, rel: str, limit: int | None = None) -> bytes | None:
+    """A small object's bytes (None if missing). One larger than ``limit``
+    (default MAX_OBJECT_BYTES) is refused before it is read: a stat on POSIX
+    (where only a regular file is read), a one-byte ranged read at offset
+    ``limit`` on an object store; the length is checked again after the
+    read, so an object replaced in between costs at most one read."""
+    limit = MAX_OBJECT_BYTES if limit is None else limit
     with self.store_errors(f"reading {_describe(rel)} from"):
       if self.is_posix:
-        p = self.root / rel
-        return p.read_bytes() if p.exists() else None
+        return self._read_file(rel, limit)
+      self._check_object_size(rel, limit)
       r = self._kv.read(rel).result()
-      return None if r.state == "missing" else bytes(r.value)
+      data = None if r.state == "missing" else bytes(r.value)
+    if data is not None and len(data) > limit:
+      self._too_large(rel, len(data), limit)
+    return data
+
+  def _read_file(self, rel: str, limit: int) -> bytes | None:
+    path = os.path.join(os.fspath(self.root), rel)
+    try:
+      st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+      return None
+    if not stat.S_ISREG(st.st_mode):
+      raise CorruptCheckpointError(
+          f"{self.url.rstrip('/')}/{rel} ({_describe(rel)}): expected a "
+          f"regular file, found file mode {stat.filemode(st.st_mode)}; "
+          "refusing to read it")
+    if st.st_size > limit:
+      self._too_large(rel, st.st_size, limit)
+    with open(path, "rb") as f:  # read(n) allocates n bytes up front
+      data = f.read(min(st.st_size, limit) + 1)
+    if len(data) > limit:
+      self._too_large(rel, len(data), limit)
+    return data
+
+  def _check_object_size(self, rel: str, limit: int) -> None:
+    """Raises if the object holds a byte at offset ``limit``: TensorStore
+    answers OUT_OF_RANGE for a range past the end of a smaller object (some
+    emulators send a Content-Range TensorStore rejects instead)."""
+    try:
+      r = self._kv.read(rel, byte_range=slice(limit, limit + 1)).result()
+    except Exception as e:  # pylint: disable=broad-except
+      text = str(e)
+      if any(s in text for s in ("OUT_OF_RANGE", "not valid for value of size",
+                                 "Content-Range")):
+        return  # smaller than the limit
+      raise
+    if r.state == "value" and len(r.value):
+      self._too_large(rel, limit + 1, limit, at_least=True)
+
+  def _too_large(self, rel: str, size: int, limit: int, at_least=False):
+    raise CorruptCheckpointError(
+        f"{self.url.rstrip('/')}/{rel} ({_describe(rel)}): "
+        f"{'more than ' if at_least else ''}{size - at_least} bytes, over "
+        f"the {limit}-byte limit; refusing to read it (not a ckpt index, "
+        "or a hostile one)")
 
   def write_bytes(self, rel: str, data: bytes) -> None:
     with self.store_errors(f"writing {_describe(rel)} to"):

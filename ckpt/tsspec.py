@@ -90,10 +90,28 @@ def _under(kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
   return {**kvstore, "path": kvstore["path"] + relpath.strip("/") + "/"}
 
 
-def open_spec(fmt: str, kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
-  """The spec to open an existing array; its metadata comes from storage."""
-  if fmt == "ocdbt":
-    kvstore = ocdbt.database(kvstore)
-  return {"driver": "zarr" if fmt == "zarr" else "zarr3",
-          "kvstore": _under(kvstore, relpath),
-          "fill_missing_data_reads": False}
+def open_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
+              shape: tuple[int, ...], dtype: np.dtype, chunks: tuple[int, ...],
+              codec: Codec) -> dict[str, Any]:
+  """The spec to open an existing array, with the shape, dtype, chunks and
+  codec its index entry records as constraints.
+
+  The index is the one authority on how an array is stored: TensorStore
+  compares the array's own metadata file (``.zarray`` / ``zarr.json``) with
+  these and refuses to open on any difference (a chunk covering the whole
+  array, another compressor or filter, extra zarr3 codecs such as
+  ``sharding_indexed``), so a crafted metadata file cannot make a read decode
+  more than the index's chunks.
+  """
+  spec = array_spec(fmt, kvstore, relpath, shape, dtype, chunks, codec)
+  if fmt == "zarr":
+    spec["metadata"]["filters"] = None
+  spec.pop("store_data_equal_to_fill_value", None)
+  return {**spec, "fill_missing_data_reads": False}
+
+
+def codec_of(entry_codec: dict[str, Any]) -> Codec:
+  """The Codec an index entry's (validated) codec map describes."""
+  level = entry_codec.get("level", 1)
+  return Codec(entry_codec.get("compression"),
+               level if type(level) is int else 1)

@@ -254,3 +254,35 @@ def test_sigterm_handler_chains_to_the_one_it_replaces(tmp_path):
   r = subprocess.run([sys.executable, "-c", code], capture_output=True,
                      text=True, timeout=120, env=env, check=False)
   assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+# ---- lazy leaves and retention --------------------------------------------
+
+def test_live_lazy_leaves_keep_their_step(make_ckptr, rng):
+  import gc  # pylint: disable=g-import-not-at-top
+  c = make_ckptr(keep=1, async_save=False)
+  s1 = {"w": random_array(rng, (128, 64))}
+  c.save(1, s1)
+  leaves = c.restore(lazy=True)
+  c.save(2, {"w": random_array(rng, (128, 64))})
+  c.wait_until_finished()
+  assert c.all_steps() == [1, 2]  # retention spared step 1: leaves live
+  assert np.asarray(leaves["w"].read()).tobytes() == s1["w"].tobytes()
+  del leaves
+  gc.collect()
+  c.save(3, {"w": random_array(rng, (128, 64))})
+  c.wait_until_finished()
+  assert c.all_steps() == [3]
+
+
+def test_lazy_leaf_of_a_step_deleted_or_replaced_elsewhere(make_ckptr, rng):
+  c = make_ckptr(async_save=False)
+  c.save(1, {"w": random_array(rng, (128, 64))})
+  leaf = c.restore(lazy=True)["w"]
+  other = make_ckptr(async_save=False, keep=1)  # another job's retention
+  other.save(2, {"w": random_array(rng, (128, 64))})
+  with pytest.raises(ckpt.CheckpointError, match="step 1 .* was deleted after"):
+    leaf.read()
+  other.save(1, {"w": random_array(rng, (128, 64))})  # step 1 again, new data
+  with pytest.raises(ckpt.CheckpointError, match="deleted and saved again"):
+    leaf.read()

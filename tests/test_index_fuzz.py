@@ -8,6 +8,8 @@ nothing outside the checkpoint is read or written.
 """
 
 import os
+import time
+import tracemalloc
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import msgpack
@@ -134,3 +136,39 @@ def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
     (step / "index.msgpack").write_bytes(original)
   assert victim.read_bytes() == b"do not touch"
   assert sorted(p.name for p in root.parent.iterdir()) == before
+
+
+# Pieces that make a decoder allocate: container headers declaring up to 4
+# billion elements, runs of empty containers, one-entry maps, short strings,
+# nils; spliced anywhere into a real index.
+BLOWUPS = st.one_of(
+    st.sampled_from([b"\xdc\xff\xff", b"\xdd\xff\xff\xff\xff",
+                     b"\xde\xff\xff", b"\xdf\xff\xff\xff\xff",
+                     b"\xc6\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff"]),
+    st.builds(lambda item, n: b"\xdd" + n.to_bytes(4, "big") + item * n,
+              st.sampled_from([b"\xc0", b"\x90", b"\x80", b"\x81\xa0\xc0",
+                               b"\xa2ab", b"\x91\x90"]),
+              st.integers(0, 1 << 18)),
+    st.builds(lambda k: b"\x91" * k, st.integers(0, 5000)))
+
+
+@settings(**{**SETTINGS, "max_examples": 60})
+@given(st.data())
+def test_each_decode_is_bounded_in_time_and_memory(saved, data):
+  """Not only the exception type: every mutated index decodes (or is
+  refused) in under 1 s and 100 MiB of python allocations."""
+  _, good = saved
+  buf = bytearray(good)
+  for _ in range(data.draw(st.integers(1, 3))):
+    i = data.draw(st.integers(0, len(buf)))
+    cut = data.draw(st.integers(0, 8))
+    buf[i:i + cut] = data.draw(BLOWUPS)
+  tracemalloc.start()
+  t0 = time.perf_counter()
+  try:
+    _decode(bytes(buf))
+  finally:
+    seconds = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+  assert seconds < 1 and peak < 100 << 20, (seconds, peak, len(buf))

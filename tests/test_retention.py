@@ -202,3 +202,51 @@ def test_newest_never_deleted_in_any_mode():
 def test_invalid_policy(kwargs):
   with pytest.raises(ValueError):
     RetentionPolicy(**kwargs)
+
+
+# ---- best_fn and the time rule (issue 15) ------------------------------------
+
+
+def test_best_fn_ranks_like_best_metric():
+  policy = RetentionPolicy(keep=1, best_fn=lambda m: m["loss"] + m["penalty"])
+  metrics = {1: {"loss": 1.0, "penalty": 0.0}, 2: {"loss": 0.2, "penalty": 0.3},
+             3: {"loss": 0.1, "penalty": 2.0}, 4: {"loss": 0.1}, 5: {}}
+  # 2 is best (0.5); 4 (KeyError) and 5 (no metrics) count as unscored.
+  assert kept(policy, [1, 2, 3, 4, 5], metrics) == [2, 4, 5]
+  drop = RetentionPolicy(keep=1, best_fn=lambda m: m["loss"] + m["penalty"],
+                         best_mode="max", keep_checkpoints_without_metrics=False)
+  assert kept(drop, [1, 2, 3, 4, 5], metrics) == [3, 5]
+
+
+def test_int_metrics_rank():
+  policy = RetentionPolicy(keep=1, best_metric="errors")
+  assert kept(policy, [1, 2, 3], {1: {"errors": 3}, 2: {"errors": 1},
+                                  3: {"errors": 7}}) == [2, 3]
+
+
+def test_time_rule_keeps_oldest_of_each_bucket_in_window():
+  now = 1000.0
+  policy = RetentionPolicy(keep=1, keep_time_interval=100,
+                           keep_time_window=500, clock=lambda: now)
+  times = {s: 300.0 + 40 * s for s in range(16)}  # 300, 340, ... 900
+  # The oldest step of each 100 s bucket: 0, 3, 5, 8, 10, 13, 15; those of
+  # age < 500 s are kept (5 is exactly 500 s old: out).
+  assert kept(policy, range(16), {}, ()) == [15]  # no times given: none kept
+  doomed = policy.to_delete(list(range(16)), {}, frozenset(), times)
+  assert sorted(set(range(16)) - set(doomed)) == [8, 10, 13, 15]
+  # The clock is a callable, also one returning a datetime.
+  import datetime
+  dt = RetentionPolicy(keep=1, keep_time_interval=datetime.timedelta(
+      seconds=100), clock=lambda: datetime.datetime.fromtimestamp(
+          now, datetime.timezone.utc))
+  assert dt.kept_by_time(list(range(16)), times) == {0, 3, 5, 8, 10, 13, 15}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"best_fn": 3}, {"best_fn": len, "best_metric": "loss"},
+    {"keep_time_interval": 0}, {"keep_time_interval": "1h"},
+    {"keep_time_interval": float("inf")}, {"keep_time_window": 60},
+])
+def test_invalid_new_options(kwargs):
+  with pytest.raises(ValueError):
+    RetentionPolicy(keep=1, **kwargs)

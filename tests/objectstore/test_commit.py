@@ -162,3 +162,24 @@ def test_delete_removes_the_marker_first(s3_bucket):
     assert attempt.startswith("checkpoint_1/attempt-"), attempt
     with pytest.raises(ckpt.CheckpointNotFoundError):
       ckptr.restore(1)
+
+
+def test_a_failed_save_removes_its_keys_from_the_bucket(s3_bucket):
+  """A save that fails after some of its data reached the bucket removes
+  its attempt at once; the same Checkpointer's next save works."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  url = s3_bucket + "/failed"
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  good = {"w": np.arange(64 * 1024, dtype=np.float32)}
+  with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
+    assert ckptr.save(1, good)
+    doomed = jax.device_put(np.ones((64, 32), np.float32),
+                            NamedSharding(mesh, P("x")))
+    doomed.delete()  # staging it fails, after other leaves were written
+    with pytest.raises(ckpt.CheckpointError, match="step 2"):
+      ckptr.save(2, {"a": np.arange(300_000, dtype=np.float32), "z": doomed})
+    assert not [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
+    assert ckptr.save(2, good)
+    assert ckptr.all_steps() == [1, 2]
+    assert_same(ckptr.restore(2), good)

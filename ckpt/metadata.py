@@ -1,0 +1,119 @@
+"""What a checkpoint holds, without its data (``Checkpointer.metadata``), and
+a restore target built from it for any mesh (``abstract_target``).
+
+Read from the index alone: array leaves become ``jax.ShapeDtypeStruct``s of
+the saved shape and dtype (typed PRNG keys: their key dtype and shape),
+inline scalars and python values come back as saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax import tree_util
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ckpt import index as index_lib
+from ckpt import prng
+from ckpt import tree
+from ckpt.errors import CorruptCheckpointError, TreeMismatchError
+from ckpt.partition import MeshPartitioner
+from ckpt.save import HOST_REPLICATED
+
+INLINE = "inline (replicated)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Metadata:
+  """One step's contents: ``tree`` is the saved tree (dicts, lists, tuples;
+  custom nodes as dicts) with a ShapeDtypeStruct per array leaf and the
+  inline values; the dicts are keyed by leaf path (``params/w``)."""
+  step: int
+  time: float
+  metrics: dict[str, Any]
+  tree: Any
+  shardings: dict[str, str]      # the saved sharding, described
+  source_dtypes: dict[str, str]  # the dtype before save_dtype cast it
+  process_count: int
+  storage_format: str
+
+
+def _sds(shape, dtype, impl: str) -> jax.ShapeDtypeStruct:
+  if impl:
+    key = prng.info(impl)
+    if key is None:
+      raise CorruptCheckpointError(f"unknown PRNG implementation {impl!r}")
+    return jax.ShapeDtypeStruct(tuple(shape)[:len(shape) - len(key.key_shape)],
+                                key.dtype)
+  return jax.ShapeDtypeStruct(tuple(shape), np.dtype(dtype))
+
+
+def from_index(index: index_lib.Index) -> Metadata:
+  """The Metadata of one decoded index (no data is read)."""
+  leaves: dict[str, Any] = {}
+  shardings: dict[str, str] = {}
+  source: dict[str, str] = {}
+  for e in index.leaves:
+    name = tree.path_str(e.path)
+    if isinstance(e, index_lib.ArrayEntry):
+      leaves[name] = _sds(e.shape, e.dtype, e.prng_impl)
+      shardings[name] = e.sharding
+      source[name] = e.source_dtype
+    elif isinstance(e.value, np.ndarray) or e.prng_impl:
+      v = np.asarray(e.value)
+      leaves[name] = _sds(v.shape, v.dtype, e.prng_impl)
+      shardings[name] = INLINE
+      source[name] = v.dtype.name
+    else:
+      leaves[name] = e.value  # python values and numpy scalars, as saved
+  return Metadata(
+      step=index.step, time=index.time, metrics=dict(index.metrics),
+      tree=tree.decode_structure(index.structure, leaves.__getitem__),
+      shardings=shardings, source_dtypes=source,
+      process_count=index.process_count, storage_format=index.storage_format)
+
+
+def abstract_target(metadata: Metadata | Any, mesh: Mesh,
+                    rules: Sequence[tuple[str, PartitionSpec]] = ()) -> Any:
+  """A restore target for ``mesh`` from ``metadata`` (or its ``.tree``).
+
+  ``rules``: ``[(regex, PartitionSpec)]`` as ``ckpt.MeshPartitioner``; the
+  first regex that fully matches a leaf path gives its spec. An array leaf
+  no rule matches is replicated over ``mesh``, except host numpy leaves
+  that were saved without a partitioner: they stay host numpy (sharding
+  None). Inline values are kept as they are.
+  """
+  partition = MeshPartitioner(mesh, rules)
+  saved = metadata.shardings if isinstance(metadata, Metadata) else {}
+  src = metadata.tree if isinstance(metadata, Metadata) else metadata
+
+  def leaf(path, x):
+    if not isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    name = tree.path_str(tuple(tree.key_name(k) for k in path))
+    sharding = partition(name, tuple(x.shape))
+    if sharding is None:
+      if saved.get(name) == HOST_REPLICATED:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+      sharding = NamedSharding(mesh, PartitionSpec())
+    spec = sharding.spec
+    if len(spec) > len(x.shape):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the rule gives {spec} ({len(spec)} dimensions), "
+          f"the leaf has shape {tuple(x.shape)} ({len(x.shape)} dimensions)")
+    for d, axes in enumerate(spec):
+      if axes is None:
+        continue
+      n = int(np.prod([mesh.shape[a] for a in
+                       (axes if isinstance(axes, tuple) else (axes,))]))
+      if x.shape[d] % n:
+        raise TreeMismatchError(
+            f"leaf {name!r}: dimension {d} has size {x.shape[d]}, which "
+            f"{spec} splits over {n} devices of the mesh {dict(mesh.shape)}; "
+            "expected a multiple of it (give this leaf another rule)")
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+  return tree_util.tree_map_with_path(leaf, src)
