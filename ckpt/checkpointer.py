@@ -31,9 +31,6 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from absl import logging
-import jax
-import msgpack
-import numpy as np
 
 from ckpt import agreement
 from ckpt import commit as commit_lib
@@ -45,7 +42,7 @@ from ckpt import save as save_lib
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt import tsspec
-from ckpt.errors import CheckpointError, InvalidStateError, WaitTimeoutError
+from ckpt.errors import CheckpointError, WaitTimeoutError
 from ckpt.plan import DEFAULT_CHUNK_BYTES
 from ckpt.retention import RetentionPolicy
 
@@ -196,12 +193,12 @@ class Checkpointer:
     t0 = time.perf_counter()
     plan, host_bytes, values, error = None, b"", [], None
     try:
-      metrics = _check_metrics(metrics)
+      metrics = save_lib.check_metrics(metrics)
       if transforms:  # they see and return nested dicts keyed by path parts
         state = tree.nest(dict(tree.flatten(state)))
         for fn in transforms:
           state = fn(state)
-      host_bytes = _pack_host_state(host_state)
+      host_bytes = save_lib.pack_host_state(host_state)
       plan = save_lib.plan_save(state, self._options, self.partitioner)
       plan.borrow = not self.async_save
       values = agreement.host_values(plan.leaves)
@@ -424,9 +421,9 @@ class Checkpointer:
       protected = step if multihost.process_index() == 0 else None
     guard = keepalive = None
     if lazy and path is None:
-      guard = _step_guard(storage, step)
+      guard = commit_lib.guard(storage, step)
       if protected is not None:  # the step outlives this call with the leaves
-        keepalive = _Keepalive(self._retention, step)
+        keepalive = self._retention.keepalive(step)
     args = restore_lib.RestoreArgs(
         target=target, restore_dtype=self.restore_dtype,
         transforms=tuple(transforms), fallback_state=fallback_state,
@@ -616,7 +613,7 @@ class Checkpointer:
           f"step {step} holds host_state for {index.process_count} processes "
           f"but this job has {n}; host_state is per process and cannot be "
           "mapped onto a different process count")
-    return _unpack_host_state(index.host_state[multihost.process_index()])
+    return save_lib.unpack_host_state(index.host_state[multihost.process_index()])
 
   # ---- lifecycle --------------------------------------------------------
 
@@ -658,35 +655,6 @@ async def _drain() -> None:
   await asyncio.get_running_loop().shutdown_default_executor()
 
 
-class _Keepalive:
-  """Held by every lazy leaf of one restore: while any of them lives, this
-  Checkpointer's retention does not delete their step."""
-
-  def __init__(self, retention: finalize.Retention, step: int):
-    retention.protect(step)
-    weakref.finalize(self, retention.release, step)
-
-
-def _step_guard(storage: storage_lib.Storage, step: int) -> Callable[[], None]:
-  """A check that ``step`` is still the one that was restored (the attempt
-  its marker names has not changed): lazy leaves never read other data."""
-  token = commit_lib.committed_attempt(storage, step)
-
-  def check() -> None:
-    if not commit_lib.is_committed(storage, step):
-      what = "deleted"
-    elif commit_lib.committed_attempt(storage, step) != token:
-      what = "deleted and saved again"
-    else:
-      return
-    raise CheckpointError(
-        f"step {step} in {storage.url!r} was {what} after this lazy leaf was "
-        "created (by retention or another job): the leaf's data is gone, and "
-        "ckpt never reads other data in its place. Restore again from a "
-        "step that exists")
-  return check
-
-
 def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
   ckptr = ref()
   if ckptr is None or ckptr._closed:  # pylint: disable=protected-access
@@ -706,72 +674,3 @@ def _check_step(step: Any) -> int:
   if step < 0:
     raise ValueError(f"step must be a non-negative int, got {given!r}")
   return step
-
-
-def _check_metrics(metrics: dict | None) -> dict[str, float | int]:
-  """``{"a/b": number}``: nested dicts flattened; python, numpy and jax
-  scalars; ints (and bools) stay ints, everything else becomes a float."""
-  out: dict[str, float | int] = {}
-
-  def walk(prefix: str, node: Any) -> None:
-    for k, v in node.items():
-      name = f"{prefix}{k}"
-      if isinstance(v, dict):
-        walk(f"{name}/", v)
-        continue
-      if name in out:
-        raise InvalidStateError(
-            f"metric {name!r} is given twice (a nested dict and an 'a/b' "
-            "name flatten to the same name)")
-      out[name] = _metric_value(name, v)
-
-  if metrics is not None and not isinstance(metrics, dict):
-    raise InvalidStateError(
-        f"metrics must be a dict of name to number, got {type(metrics).__name__}")
-  walk("", metrics or {})
-  return out
-
-
-def _metric_value(name: str, v: Any) -> float | int:
-  if isinstance(v, jax.Array):
-    if v.shape != ():
-      raise InvalidStateError(
-          f"metric {name!r} must be a scalar, got a jax.Array of shape "
-          f"{v.shape}")
-    # A replicated scalar of a multi-process mesh: any local shard holds it.
-    v = np.asarray(v.addressable_data(0) if not v.is_fully_addressable else v)
-  if isinstance(v, np.ndarray):
-    if v.shape != ():
-      raise InvalidStateError(
-          f"metric {name!r} must be a scalar, got an array of shape {v.shape}")
-    v = v[()]
-  if isinstance(v, (bool, np.bool_)):
-    return int(v)
-  if isinstance(v, (int, np.integer)):
-    v = int(v)
-    if not -2**63 <= v < 2**64:
-      raise InvalidStateError(f"metric {name!r}: int {v} does not fit in 64 bits")
-    return v
-  if isinstance(v, float) or (  # bfloat16 and float8 included
-      isinstance(v, np.generic) and jax.numpy.issubdtype(v.dtype,
-                                                         jax.numpy.floating)):
-    return float(v)
-  raise InvalidStateError(
-      f"metric {name!r} must be a number (int, float, numpy or jax scalar) "
-      f"or a dict of them, got {type(v).__name__} {v!r}")
-
-
-def _pack_host_state(value: Any) -> bytes:
-  try:
-    return msgpack.packb(value, use_bin_type=True)
-  except Exception as e:
-    raise InvalidStateError(
-        f"host_state must be msgpack-able (dicts, lists, str, numbers, bytes); "
-        f"got {type(value).__name__}: {e}") from e
-
-
-def _unpack_host_state(data: Any) -> Any:
-  if not isinstance(data, bytes):
-    raise CheckpointError(f"host_state entry is {type(data).__name__}, not bytes")
-  return msgpack.unpackb(data, raw=False, strict_map_key=False)
-

@@ -395,3 +395,24 @@ def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:
   if committed_attempt(storage, step) == token and not storage.is_posix:
     return  # it did commit after all: it is the step now
   remove(storage, work_dir(storage, step, token))
+
+
+def guard(storage: storage_lib.Storage, step: int):
+  """A check that ``step`` is still the one committed now (the attempt its
+  marker names has not changed), for lazy leaves: they read only the data
+  they were made from, or raise."""
+  token = committed_attempt(storage, step)
+
+  def check() -> None:
+    if not is_committed(storage, step):
+      what = "deleted"
+    elif committed_attempt(storage, step) != token:
+      what = "deleted and saved again"
+    else:
+      return
+    raise CheckpointError(
+        f"step {step} in {storage.url!r} was {what} after this lazy leaf was "
+        "created (by retention or another job): the leaf's data is gone, and "
+        "ckpt never reads other data in its place. Restore again from a "
+        "step that exists")
+  return check

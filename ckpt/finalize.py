@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 from absl import logging
@@ -192,6 +193,11 @@ class Retention:
     with self._lock:
       self._protected[step] = self._protected.get(step, 0) + 1
 
+  def keepalive(self, step: int) -> "_Keepalive":
+    """An object that protects ``step`` until it is garbage collected (held
+    by every lazy leaf of one restore)."""
+    return _Keepalive(self, step)
+
   def release(self, step: int) -> None:
     with self._lock:
       self._protected[step] -= 1
@@ -220,21 +226,11 @@ class Retention:
       steps = commit_lib.committed_steps(self.storage)
       metrics, times = {}, {}
       if self.policy.ranks_by_metrics:
-        for s in steps:
-          try:
-            metrics[s] = self.read_metrics(s)
-          except Exception as e:  # pylint: disable=broad-except
-            logging.warning("ckpt: retention: the metrics of step %d in %s "
-                            "are unreadable (%s); it counts as a step "
-                            "without metrics", s, self.storage.url, e)
+        metrics = self._read_each(steps, self.read_metrics, "metrics",
+                                  "it counts as a step without metrics")
       if self.policy.uses_times and self.read_time is not None:
-        for s in steps:
-          try:
-            times[s] = self.read_time(s)
-          except Exception as e:  # pylint: disable=broad-except
-            logging.warning("ckpt: retention: the save time of step %d in %s "
-                            "is unreadable (%s); the time rule does not keep "
-                            "it", s, self.storage.url, e)
+        times = self._read_each(steps, self.read_time, "save time",
+                                "the time rule does not keep it")
       with self._lock:
         protected = frozenset(self._protected) | {newest}
       doomed = self.policy.to_delete(steps, metrics, protected, times)
@@ -256,6 +252,20 @@ class Retention:
                         s, self.storage.url, e)
     return deleted
 
+  def _read_each(self, steps: list[int], read: Callable[[int], Any],
+                 what: str, then: str) -> dict[int, Any]:
+    """``{step: read(step)}``; a step that cannot be read is left out (and
+    logged): one unreadable index never stops retention."""
+    out = {}
+    for s in steps:
+      try:
+        out[s] = read(s)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: retention: the %s of step %d in %s are "
+                        "unreadable (%s); %s", what, s, self.storage.url, e,
+                        then)
+    return out
+
   def delete(self, step: int) -> None:
     """Deletes the committed ``step`` now (``Checkpointer.delete``, process
     0), under the lock retention deletes under: never a protected step."""
@@ -272,3 +282,11 @@ class Retention:
             f"{commit_lib.committed_steps(self.storage)}")
       logging.info("ckpt: deleting step %d (delete())", step)
       commit_lib.remove(self.storage, storage_lib.step_dirname(step))
+
+
+class _Keepalive:
+  """While it lives, its Retention does not delete its step."""
+
+  def __init__(self, retention: Retention, step: int):
+    retention.protect(step)
+    weakref.finalize(self, retention.release, step)

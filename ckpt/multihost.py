@@ -75,10 +75,7 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
   client.key_value_set(f"{key}/in/{pid}", post)
   barrier(f"{key}/in", timeout_s=timeout_s, what=what)
   if pid == 0:
-    posts = {}
-    for k, v in client.key_value_dir_get(f"{key}/in/"):
-      posts[int(k.rsplit("/", 1)[-1])] = v
-    decision = decide(posts)
+    decision = decide(_by_process(client.key_value_dir_get(f"{key}/in/")))
     client.key_value_set(f"{key}/out", decision)
     return decision
   return _wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
@@ -161,12 +158,7 @@ def collect_bytes(key: str, data: bytes, what: str = "data") -> list[bytes]:
   ``data`` is this process's own (single process: the only one)."""
   if not is_multiprocess():
     return [data]
-  got = {}
-  for k, v in _client().key_value_dir_get_bytes(f"{key}/"):
-    try:
-      got[int(k.rsplit("/", 1)[-1])] = v
-    except ValueError:
-      continue
+  got = _by_process(_client().key_value_dir_get_bytes(f"{key}/"))
   missing = [p for p in range(process_count()) if p not in got]
   if missing:
     raise BarrierTimeoutError(
@@ -215,8 +207,13 @@ def reported_failures(key: str) -> dict[int, str]:
   """After the barrier: {process: message} of those that reported failure."""
   if not is_multiprocess():
     return {}
+  return _by_process(_client().key_value_dir_get(f"{key}/"))
+
+
+def _by_process(items) -> dict:
+  """``[("<key>/<process>", value), ...]`` -> ``{process: value}``."""
   out = {}
-  for k, v in _client().key_value_dir_get(f"{key}/"):
+  for k, v in items:
     try:
       out[int(k.rsplit("/", 1)[-1])] = v
     except ValueError:
