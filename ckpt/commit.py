@@ -81,25 +81,6 @@ def _lease(token: str) -> bytes:
                      "host": socket.gethostname(), "pid": os.getpid()}).encode()
 
 
-def _write_new_file(path: str, data: bytes) -> None:
-  """Writes ``path`` durably inside an EXISTING directory (never creates
-  one: a directory that vanished must stay vanished)."""
-  tmp = f"{path}.partial-{secrets.token_hex(4)}"
-  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except OSError:
-      pass
-    raise
-
-
 def fsync_dir(path: str) -> None:
   fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
   try:
@@ -122,7 +103,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str) -> str:
     if final.is_dir() and not is_committed(storage, step):
       remove(storage, storage_lib.step_dirname(step))
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
-    _write_new_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
+    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
   else:
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
   return rel
@@ -133,7 +114,7 @@ def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
   its directory still exists)."""
   rel = work_dir(storage, step, token)
   if storage.is_posix:
-    _write_new_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
+    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
   else:
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
 
@@ -162,8 +143,8 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
         "existing checkpoints are untouched. Save again")
   if storage.is_posix:
     work = os.fspath(storage.root / rel)
-    _write_new_file(os.path.join(work, storage_lib.INDEX_NAME), index_data)
-    _write_new_file(os.path.join(work, storage_lib.COMMIT_MARKER),
+    storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME), index_data)
+    storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
                     _marker(step, token, ""))
     for dirpath, _, _ in os.walk(work, topdown=False):
       fsync_dir(dirpath)  # every entry the checkpoint consists of, durable

@@ -56,6 +56,20 @@ class Cluster:
     if p.poll() is None:
       p.send_signal(sig)
 
+  def wait_for_files(self, paths, timeout_s: float) -> None:
+    """Blocks (bounded) until every path exists; raises RuntimeError with
+    every process's output if time runs out or a process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths):
+      if (time.monotonic() > deadline or
+          any(c is not None for c in self.poll())):
+        results = self.wait(0, grace_s=0)
+        raise RuntimeError(
+            f"the processes did not reach {[os.fspath(p) for p in paths]}:\n"
+            + "\n".join(f"--- process {r.process_id} (exit {r.returncode}) "
+                         f"---\n{r.output[-3000:]}" for r in results))
+      time.sleep(0.02)
+
   def wait(self, timeout_s: float, *, grace_s: float = 5.0) -> list[ProcessResult]:
     """Waits (bounded) for all to exit. If one fails or time runs out, the
     others get ``grace_s`` and are then killed."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 import urllib.parse
 from typing import Any
@@ -80,6 +81,25 @@ def step_dirname(step: int) -> str:
 def parse_step(name: str) -> int | None:
   m = _STEP_RE.match(name)
   return int(m.group(1)) if m else None
+
+
+def write_file(path: str, data: bytes) -> None:
+  """Writes ``path`` durably (a fresh temporary file, fsynced, renamed
+  over it) inside an EXISTING directory: it never creates one."""
+  tmp = f"{path}.partial-{secrets.token_hex(4)}"
+  fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
 
 
 def is_tmp_name(name: str) -> bool:
@@ -354,12 +374,7 @@ class Storage:
       if self.is_posix:
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.parent / (p.name + ".partial")
-        with open(tmp, "wb") as f:
-          f.write(data)
-          f.flush()
-          os.fsync(f.fileno())
-        os.replace(tmp, p)
+        write_file(os.fspath(p), data)
       else:
         self._kv.write(rel, data).result()
 

@@ -38,13 +38,7 @@ def job(tmp_path_factory, request):
           "marks": str(marks), "interval": INTERVAL, "max_s": 90}
   cluster = local_cluster.start(WORKER, conf, num_processes=2,
                                 devices_per_process=2, cwd=REPO_ROOT)
-  deadline = time.monotonic() + 120
-  while not all((marks / f"looping_{p}").exists() for p in (0, 1)):
-    if (time.monotonic() > deadline or
-        any(c is not None for c in cluster.poll())):
-      pytest.fail("workers did not start looping:\n" +
-                  _outputs(cluster.wait(0, grace_s=0)))
-    time.sleep(0.02)
+  cluster.wait_for_files([marks / f"looping_{p}" for p in (0, 1)], 120)
   time.sleep(0.2)  # a few steps past 20, so saves of multiples happened
   cluster.kill(request.param, signal.SIGTERM)  # either process hears it
   results = cluster.wait(90)

@@ -419,13 +419,7 @@ def test_preemption_saves_agreed_step(tmp_path, victim):
   marks.mkdir()
   cluster = _start("preempt", {"dir": str(root), "marks": str(marks),
                                "max_s": 60})
-  deadline = time.monotonic() + 60
-  while not all((marks / f"looping_{p}").exists() for p in (0, 1)):
-    if (time.monotonic() > deadline or
-        any(c is not None for c in cluster.poll())):
-      pytest.fail("workers did not start looping:\n" +
-                  _outputs(cluster.wait(0, grace_s=0)))
-    time.sleep(0.02)
+  cluster.wait_for_files([marks / f"looping_{p}" for p in (0, 1)], 60)
   t_signal = time.time()
   cluster.kill(victim, signal.SIGTERM)
   results = cluster.wait(60)

@@ -1,0 +1,168 @@
+"""The Checkpointer's queries and everyday calls (a mixin of Checkpointer).
+
+In a multi-process job these are collective, like save and restore: every
+process calls them, process 0 reads the directory once (``_agreed``, an
+agreement round of ckpt/agreement.py), and every process gets its answer,
+so all of them act on the same steps.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from ckpt import commit as commit_lib
+from ckpt import metadata as metadata_lib
+from ckpt import multihost
+from ckpt import restore as restore_lib
+from ckpt import save as save_lib
+from ckpt.errors import CheckpointError
+
+
+class Queries:
+  """What a Checkpointer answers about its directory; uses its
+  ``storage``, ``_agreed``, ``_retention``, ``_lock``, caches and in-flight
+  save."""
+
+  def all_steps(self) -> list[int]:
+    return self._agreed("all_steps()", self._list_steps,
+                        f"the steps in {self.storage.url!r}")
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def _list_steps(self) -> list[int]:
+    self._wait_for_retention()  # report the directory as retention left it
+    return commit_lib.committed_steps(self.storage)
+
+  def metrics(self, step: int) -> dict[str, float | int]:
+    """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints."""
+    return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
+                        f"the metrics of step {step}")
+
+  def _read_metrics(self, step: int) -> dict[str, float]:
+    if step not in self._metrics_cache:
+      self._read_step_info(step)
+    return dict(self._metrics_cache[step])
+
+  def _read_time(self, step: int) -> float:
+    """The save time recorded in ``step``'s index (the time rule)."""
+    if step not in self._time_cache:
+      self._read_step_info(step)
+    return self._time_cache[step]
+
+  def _read_step_info(self, step: int) -> None:
+    index = restore_lib.read_index(self.storage,
+                                   commit_lib.step_dir(self.storage, step))
+    self._metrics_cache[step] = dict(index.metrics)
+    self._time_cache[step] = index.time
+
+  def reload(self) -> None:
+    """Forgets what this Checkpointer cached about saved steps (their
+    metrics and save times), so the next query reads them from the
+    directory again: after another job changed it. No I/O; safe to call on
+    any process."""
+    self._metrics_cache.clear()
+    self._time_cache.clear()
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step, ...)`` writes ``step`` (``save_interval_steps``).
+
+    True for every step without ``save_interval_steps``; with it, for
+    multiples of it (step 0 included), for the step ``reached_preemption``
+    said True for, and for the first step of a run whose directory holds no
+    checkpoint yet (as Orbax's CheckpointManager). The first two are pure
+    functions of the step and of jax's agreed preemption step, so every
+    process computes the same answer with no I/O. The third needs the
+    directory: the first call that reaches it is a collective round (process
+    0 lists the directory once, every process gets its answer); after that
+    (or after any save) it is known and no call needs a round again.
+    """
+    step = check_step(step)
+    n = self.save_interval_steps
+    if n is None or step % n == 0 or step == self._preemption_step:
+      return True
+    if self._has_checkpoint is None:
+      empty = self._agreed(
+          f"should_save({step})",
+          lambda: not commit_lib.committed_steps(self.storage),
+          f"whether {self.storage.url!r} holds a checkpoint yet")
+      if not empty:
+        self._has_checkpoint = True
+      return bool(empty)
+    return False
+
+  def delete(self, step: int) -> None:
+    """Deletes the committed ``step``, atomically (readers see it whole or
+    not at all, as retention's deletions).
+
+    Refused (``CheckpointError``) for the step of a save still in flight
+    (``wait_until_finished()`` first) and for a step being restored or
+    read by live ``restore(lazy=True)`` leaves; ``CheckpointNotFoundError``
+    if it is not committed. Unlike retention it may delete the newest step.
+    Collective: process 0 decides and deletes, every process gets the same
+    result or error.
+    """
+    self._check_open()
+    step = check_step(step)
+    self._agreed(f"delete({step})", lambda: self._delete_step(step),
+                 f"the deletion of step {step} in {self.storage.url!r}")
+    self._metrics_cache.pop(step, None)
+    self._time_cache.pop(step, None)
+
+  def _delete_step(self, step: int) -> bool:
+    """Process 0, in the delete round."""
+    with self._lock:
+      fut, saving = self._inflight, self._inflight_step
+    if fut is not None and saving == step and not fut.done():
+      raise CheckpointError(
+          f"cannot delete step {step} in {self.storage.url!r}: it is being "
+          "saved (call wait_until_finished() first)")
+    self._retention.delete(step)
+    return True
+
+  def metadata(self, step: int | None = None) -> "metadata_lib.Metadata":
+    """What ``step`` (default: latest) holds, without reading its data.
+
+    ``.tree`` is the saved tree with a ``jax.ShapeDtypeStruct`` (the saved
+    dtype, no sharding) per array leaf and the inline values as saved;
+    ``.shardings`` describes each array's saved sharding by leaf path; also
+    ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
+    mesh, rules)`` turns it into a restore target for any mesh. Collective,
+    like ``restore``: every process reads the index of the agreed step.
+    """
+    self._check_open()
+    step, step_dir = self._agreed(
+        f"metadata({step!r})",
+        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
+                 commit_lib.step_dir(self.storage, s)],
+        f"the step of metadata() in {self.storage.url!r}")
+    return metadata_lib.from_index(
+        restore_lib.read_index(self.storage, step_dir))
+
+  def host_state(self, step: int | None = None) -> Any:
+    step, step_dir = self._agreed(
+        f"host_state({step!r})",
+        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
+                 commit_lib.step_dir(self.storage, s)],
+        f"the step of host_state in {self.storage.url!r}")
+    index = restore_lib.read_index(self.storage, step_dir)
+    n = multihost.process_count()
+    if index.process_count != n or len(index.host_state or ()) != n:
+      raise CheckpointError(
+          f"step {step} holds host_state for {index.process_count} processes "
+          f"but this job has {n}; host_state is per process and cannot be "
+          "mapped onto a different process count")
+    return save_lib.unpack_host_state(index.host_state[multihost.process_index()])
+
+
+def check_step(step: Any) -> int:
+  given = step
+  try:
+    step = operator.index(step)
+  except TypeError:
+    step = -1
+  if step < 0:
+    raise ValueError(f"step must be a non-negative int, got {given!r}")
+  return step
