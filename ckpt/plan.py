@@ -1,16 +1,18 @@
 """Stage 2 of save: which process writes which box of which array. Pure.
 
-Nothing here touches devices, files or the network: every function takes
-shapes, device-to-index maps and process numbers, and every process computes
-the same plan from the same (global) information, so no communication is
-needed to agree on it.
+Nothing here touches devices, files or the network. Each process plans
+only its own writes, from what concerns it (its boxes, and for each the set
+of processes holding the same box: ``Placement``, built by
+ckpt/placement.py), so planning costs grow with what a host holds, never
+with the number of devices in the job; no communication is needed to agree.
 
 Rules:
 - A shard held by one process is written whole by that process.
 - A shard held by several processes (replicated across hosts) is cut into
   chunks and the chunks are spread over those processes, largest first, each
-  to the holder with the fewest bytes so far. So a fully replicated leaf is
-  not written entirely by process 0, and no process writes much more than an
+  to the holder with the fewest bytes of that set's chunks so far (every
+  holder computes the same spread). So a fully replicated leaf is not
+  written entirely by process 0, and no process writes much more than an
   equal share.
 - The chunk shape divides every shard's extent and offset (so no chunk is
   written by two processes) and is cut down towards ``chunk_bytes``, and for
@@ -22,8 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
-from typing import Hashable, Mapping, Sequence
+import operator
+from typing import Hashable, Mapping, NamedTuple, Sequence
+
+import numpy as np
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 # A shard replicated over k processes is cut into at least k chunks (so each
@@ -36,11 +42,18 @@ class Box:
   """A half-open box ``[start, stop)`` in an array's index space."""
   start: tuple[int, ...]
   stop: tuple[int, ...]
+  # Derived once (planning reads them for every box of 100,000 leaves).
+  shape: tuple[int, ...] = dataclasses.field(init=False, compare=False,
+                                             repr=False)
+  size: int = dataclasses.field(init=False, compare=False, repr=False)
 
   def __post_init__(self):
+    shape = tuple(b - a for a, b in zip(self.start, self.stop))
     if len(self.start) != len(self.stop) or any(
-        a < 0 or b < a for a, b in zip(self.start, self.stop)):
+        a < 0 or n < 0 for a, n in zip(self.start, shape)):
       raise ValueError(f"invalid box {self.start} .. {self.stop}")
+    object.__setattr__(self, "shape", shape)
+    object.__setattr__(self, "size", math.prod(shape))
 
   @classmethod
   def from_index(cls, index: Sequence[slice], shape: Sequence[int]) -> "Box":
@@ -52,14 +65,6 @@ class Box:
       start.append(a)
       stop.append(b)
     return cls(tuple(start), tuple(stop))
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(b - a for a, b in zip(self.start, self.stop))
-
-  @property
-  def size(self) -> int:
-    return math.prod(self.shape)
 
   def slices(self) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in zip(self.start, self.stop))
@@ -87,9 +92,9 @@ class Shard:
     return min((d for p, d in self.holders if p == process), key=repr)
 
 
-@dataclasses.dataclass(frozen=True)
-class Write:
-  """Process ``process`` writes ``box``, reading it from ``shard`` on ``device``."""
+class Write(NamedTuple):
+  """Process ``process`` writes ``box``, reading it from ``shard`` on ``device``.
+  (A tuple: a plan makes one per box of 100,000 leaves.)"""
   leaf: int
   box: Box
   shard: Box
@@ -110,12 +115,6 @@ def shards_from_index_map(
         (process_of[device], device))
   return [Shard(box, tuple(sorted(h, key=repr)))
           for box, h in sorted(by_box.items(), key=lambda kv: kv[0].start)]
-
-
-def replicated_shards(shape: Sequence[int], process_count: int) -> list[Shard]:
-  """A value every process holds whole (a host numpy array, no partitioner)."""
-  box = Box((0,) * len(shape), tuple(shape))
-  return [Shard(box, tuple((p, None) for p in range(process_count)))]
 
 
 def _smallest_factor(n: int) -> int:
@@ -161,74 +160,158 @@ def grid_unit(shape: Sequence[int], shards: Sequence[Shard]) -> tuple[int, ...]:
 
 def chunk_boxes(box: Box, chunk: Sequence[int]) -> list[Box]:
   """The chunk-aligned boxes tiling ``box`` (whose offset chunk divides)."""
+  if all(map(operator.le, box.shape, chunk)):
+    return [box]  # one chunk: the common case, without the product
   ranges = [range(a, b, c) for a, b, c in zip(box.start, box.stop, chunk)]
-  out = []
-  for corner in _product(ranges):
-    out.append(Box(tuple(corner),
-                   tuple(min(c + k, b) for c, k, b in
-                         zip(corner, chunk, box.stop))))
-  return out
-
-
-def _product(ranges):
-  if not ranges:
-    yield ()
-    return
-  for head in ranges[0]:
-    for tail in _product(ranges[1:]):
-      yield (head,) + tail
+  return [Box(tuple(corner), tuple(min(c + k, b) for c, k, b in
+                                   zip(corner, chunk, box.stop)))
+          for corner in itertools.product(*ranges)]
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalShard:
+  """A box of a leaf that this process holds, the local device it is read
+  from, and every process that holds the same box (sorted)."""
+  box: Box
+  device: Hashable
+  holders: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """What one process needs to know of a leaf's sharding to plan its writes.
+
+  ``unit``: per dimension, the gcd of every shard's offset and extent (a
+  chunk shape dividing it never straddles two shards); ``split_elems``: the
+  smallest share of a replicated box per holder, in elements (None if no
+  box is held by several processes); ``local``: this process's boxes. All
+  three are the same on every process except ``local``, which has only what
+  concerns this process: nothing here grows with the number of devices.
+  """
+  unit: tuple[int, ...]
+  split_elems: int | None
+  local: tuple[LocalShard, ...]
+  # leaf_layout's results for this placement (many leaves share one).
+  layouts: dict = dataclasses.field(default_factory=dict, compare=False,
+                                    repr=False)
+
+
+def placement_from_shards(shape: Sequence[int], shards: Sequence[Shard],
+                          process: int) -> Placement:
+  """The Placement from a global list of shards (any sharding: the
+  ``devices_indices_map`` path, which costs O(devices) per leaf)."""
+  split = [s.box.size // len(s.processes) for s in shards
+           if len(s.processes) > 1]
+  local = tuple(LocalShard(s.box, s.device_on(process), s.processes)
+                for s in shards if process in s.processes)
+  return Placement(grid_unit(shape, shards), min(split) if split else None,
+                   local)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class LeafLayout:
   shape: tuple[int, ...]
   itemsize: int
-  shards: tuple[Shard, ...]
   chunks: tuple[int, ...]
+  local: tuple[LocalShard, ...]
+  # assign_writes' expansion of ``local``, per max_item_bytes.
+  parts: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
-def leaf_layout(shape: Sequence[int], itemsize: int, shards: Sequence[Shard],
+def leaf_layout(shape: Sequence[int], itemsize: int, placement: Placement,
                 target_bytes: int = DEFAULT_CHUNK_BYTES) -> LeafLayout:
+  """The chunk shape (the same on every process: it depends on the
+  placement's global parts only) and this process's boxes. Leaves with the
+  same placement, itemsize and target share one LeafLayout."""
+  key = (itemsize, target_bytes)
+  got = placement.layouts.get(key)
+  if got is not None:
+    return got
   shape = tuple(int(d) for d in shape)
-  unit = grid_unit(shape, shards)
-  for shard in shards:
-    k = len(shard.processes)
-    if k > 1:
-      per_holder = shard.box.size * itemsize // k
-      target_bytes = min(target_bytes, max(per_holder, MIN_SPLIT_CHUNK_BYTES))
-  return LeafLayout(shape, itemsize, tuple(shards),
-                    chunk_shape(unit, itemsize, target_bytes))
+  if placement.split_elems is not None:
+    per_holder = placement.split_elems * itemsize
+    target_bytes = min(target_bytes, max(per_holder, MIN_SPLIT_CHUNK_BYTES))
+  got = placement.layouts[key] = LeafLayout(
+      shape, itemsize, chunk_shape(placement.unit, itemsize, target_bytes),
+      placement.local)
+  return got
 
 
-def assign_writes(layouts: Sequence[LeafLayout], process_count: int,
+def _parts(lay: LeafLayout, max_item_bytes: int | None):
+  """(boxes only this process holds: [(box, shard, device, nbytes)],
+  [(holders, [(box, shard)], their sizes in bytes)] for the others), once
+  per layout."""
+  got = lay.parts.get(max_item_bytes)
+  if got is not None:
+    return got
+  mine, shared = [], {}
+  for s in lay.local:
+    if len(s.holders) > 1:
+      shared.setdefault(id(s.holders), (s.holders, []))[1].extend(
+          (b, s) for b in chunk_boxes(s.box, lay.chunks))
+      continue
+    boxes = [s.box]
+    if max_item_bytes is not None and s.box.size * lay.itemsize > max_item_bytes:
+      boxes = chunk_boxes(s.box, lay.chunks)
+    mine.extend((b, s.box, s.device, b.size * lay.itemsize) for b in boxes)
+  got = lay.parts[max_item_bytes] = (mine, [
+      (holders, chunks, np.array([b.size * lay.itemsize for b, _ in chunks],
+                                 dtype=np.int64))
+      for holders, chunks in shared.values()])
+  return got
+
+
+def spread(sizes: np.ndarray, members: int) -> np.ndarray:
+  """Which of ``members`` writes each item (in an order every member
+  knows): contiguous runs of about equal bytes, each item to the member
+  whose share holds the item's midpoint. Every member gets within one item
+  of an equal share."""
+  total = int(sizes.sum())
+  if total == 0:
+    return np.zeros(len(sizes), dtype=np.int64)
+  twice_mid = 2 * np.cumsum(sizes) - sizes
+  return np.minimum(twice_mid * members // (2 * total), members - 1)
+
+
+def assign_writes(layouts: Sequence[LeafLayout], process: int,
                   max_item_bytes: int | None = None) -> list[Write]:
-  """Every box of every leaf, each with the one process that writes it.
+  """The boxes ``process`` writes, computed from its own boxes only.
 
-  A shard larger than ``max_item_bytes`` (the byte budget) is written chunk
-  by chunk, so that no single write item needs more host memory than that.
+  A box only this process holds is written by it, whole, or chunk by chunk
+  if it is larger than ``max_item_bytes`` (the byte budget). The chunks of
+  the boxes held by a set H of processes, in (leaf, box) order, are spread
+  over H by bytes (``spread``). Every member of H holds exactly the same
+  boxes with holders H, so each computes the same spread with no
+  communication and keeps its part; the work is per chunk in numpy, and
+  Python objects are made for this process's writes only.
   """
-  load = [0] * process_count
   writes: list[Write] = []
-  shared: list[tuple[int, Shard, Box]] = []
+  # Grouped by the identity of the holders tuple first: hashing a tuple of
+  # thousands of processes once per box would cost more than the plan.
+  by_id: dict[int, tuple[tuple[int, ...], list]] = {}
   for leaf, lay in enumerate(layouts):
-    for shard in lay.shards:
-      procs = shard.processes
-      n = shard.box.size * lay.itemsize
-      if len(procs) == 1:
-        p = procs[0]
-        load[p] += n
-        boxes = [shard.box]
-        if max_item_bytes is not None and n > max_item_bytes:
-          boxes = chunk_boxes(shard.box, lay.chunks)
-        writes.extend(Write(leaf, b, shard.box, p, shard.device_on(p),
-                            b.size * lay.itemsize) for b in boxes)
-      else:
-        shared.extend((leaf, shard, b) for b in chunk_boxes(shard.box, lay.chunks))
-  shared.sort(key=lambda t: (-t[2].size * layouts[t[0]].itemsize, t[0], t[2].start))
-  for leaf, shard, box in shared:
-    n = box.size * layouts[leaf].itemsize
-    p = min(shard.processes, key=lambda q: (load[q], q))
-    load[p] += n
-    writes.append(Write(leaf, box, shard.box, p, shard.device_on(p), n))
+    mine, shared = _parts(lay, max_item_bytes)
+    if mine:
+      writes.extend(Write(leaf, b, shard, process, device, n)
+                    for b, shard, device, n in mine)
+    for holders, chunks, sizes in shared:
+      got = by_id.get(id(holders))
+      if got is None:
+        got = by_id[id(holders)] = (holders, [])
+      got[1].append((leaf, chunks, sizes))
+  groups: dict[tuple[int, ...], list] = {}
+  for holders, items in by_id.values():
+    groups.setdefault(holders, []).extend(items)
+  for holders, items in groups.items():
+    owner = spread(np.concatenate([sizes for _, _, sizes in items]),
+                   len(holders))
+    firsts = np.cumsum([0] + [len(sizes) for _, _, sizes in items])
+    picked = np.nonzero(owner == holders.index(process))[0]
+    item = (np.searchsorted(firsts, picked, side="right") - 1).tolist()
+    offset = (picked - firsts[item]).tolist()
+    for i, j in zip(item, offset):
+      leaf, chunks, sizes = items[i]
+      b, s = chunks[j]
+      writes.append(Write(leaf, b, s.box, process, s.device, int(sizes[j])))
   writes.sort(key=lambda w: (w.leaf, w.box.start))
   return writes

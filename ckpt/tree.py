@@ -9,6 +9,7 @@ structs, NamedTuples) come back as dicts keyed by their field names.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Iterator
 
@@ -126,17 +127,19 @@ def iter_structure_leaves(encoded: Any) -> Iterator[str]:
 
 def storage_relpath(parts: PathParts) -> str:
   """A safe relative directory for a leaf's array, one folder per part."""
-  out = []
-  for p in parts:
-    # A part starting with "." would be hidden and is refused on restore
-    # (index.check_relpath); escaping works on UTF-8 bytes so that it stays
-    # one-to-one ("\u20ac" and " AC" must not both become "%20AC").
-    if not _SAFE_PART.match(p) or p.startswith("."):
-      p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else
-                  "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
-                  for c in p) or "%"
-    out.append(p)
-  return "/".join(out) if out else "_root"
+  return "/".join(map(_safe_part, parts)) if parts else "_root"
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _safe_part(p: str) -> str:
+  # A part starting with "." would be hidden and is refused on restore
+  # (index.check_relpath); escaping works on UTF-8 bytes so that it stays
+  # one-to-one ("\u20ac" and " AC" must not both become "%20AC").
+  if not _SAFE_PART.match(p) or p.startswith("."):
+    p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else
+                "".join(f"%{b:02X}" for b in c.encode("utf-8", "surrogatepass"))
+                for c in p) or "%"
+  return p
 
 
 def nest(flat: dict[PathParts, Any]) -> Any:

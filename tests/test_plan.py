@@ -37,12 +37,49 @@ def mesh_index_map(shape, mesh_shape, spec, devices_per_process):
   return index_map, process_of
 
 
-def layout_for(shape, itemsize, mesh_shape, spec, devices_per_process,
-               target=plan.DEFAULT_CHUNK_BYTES):
+def global_shards(shape, mesh_shape, spec, devices_per_process):
   index_map, process_of = mesh_index_map(shape, mesh_shape, spec,
                                          devices_per_process)
-  shards = plan.shards_from_index_map(shape, index_map, process_of)
-  return plan.leaf_layout(shape, itemsize, shards, target)
+  return plan.shards_from_index_map(shape, index_map, process_of)
+
+
+class Leaf:
+  """One leaf of a simulated job: its global shards and a layout per process."""
+
+  def __init__(self, shape, itemsize, shards, n, target=plan.DEFAULT_CHUNK_BYTES):
+    self.shape, self.itemsize, self.shards = tuple(shape), itemsize, shards
+    self.per_process = [
+        plan.leaf_layout(shape, itemsize,
+                         plan.placement_from_shards(shape, shards, p), target)
+        for p in range(n)]
+    # Every process computes the same chunk shape from its own view.
+    assert len({lay.chunks for lay in self.per_process}) == 1
+    self.chunks = self.per_process[0].chunks
+
+
+def layout_for(shape, itemsize, mesh_shape, spec, devices_per_process,
+               target=plan.DEFAULT_CHUNK_BYTES):
+  n = math.prod(mesh_shape.values()) // devices_per_process
+  return Leaf(shape, itemsize, global_shards(shape, mesh_shape, spec,
+                                             devices_per_process), n, target)
+
+
+def replicated(shape, n, itemsize=4, target=plan.DEFAULT_CHUNK_BYTES):
+  """A host value every process holds whole."""
+  box = Box((0,) * len(shape), tuple(shape))
+  return Leaf(shape, itemsize,
+              [Shard(box, tuple((p, None) for p in range(n)))], n, target)
+
+
+def plan_all(leaves, n, max_item_bytes=None):
+  """Every process plans its own writes; the union of them all."""
+  writes = []
+  for p in range(n):
+    mine = plan.assign_writes([lf.per_process[p] for lf in leaves], p,
+                              max_item_bytes)
+    assert all(w.process == p for w in mine)
+    writes.extend(mine)
+  return writes
 
 
 def coverage(layout, writes):
@@ -141,9 +178,9 @@ def test_chunk_shape_zero_size_dims_never_zero():
     chunk = plan.chunk_shape(unit, 4, 64)
     assert all(c >= 1 for c in chunk), (unit, chunk)
   # And through a whole layout of an empty array.
-  lay = plan.leaf_layout((0, 12), 4, plan.replicated_shards((0, 12), 2))
+  lay = replicated((0, 12), 2)
   assert all(c >= 1 for c in lay.chunks)
-  writes = plan.assign_writes([lay], 2)
+  writes = plan_all([lay], 2)
   assert sum(w.nbytes for w in writes) == 0
 
 
@@ -189,13 +226,13 @@ def test_uneven_shards_chunks_never_straddle():
   index_map, procs = mesh_index_map(shape, {"x": 4}, ("x",), 1)
   assert index_map[3] == (slice(9, 10), slice(0, 6))  # the short last part
   shards = plan.shards_from_index_map(shape, index_map, procs)
-  lay = plan.leaf_layout(shape, 4, shards, target_bytes=8)
+  lay = Leaf(shape, 4, shards, 4, target=8)
   for s in shards:
     for b in plan.chunk_boxes(s.box, lay.chunks):
       assert all(s.box.start[d] <= b.start[d] and b.stop[d] <= s.box.stop[d]
                  for d in range(2))
       assert all(b.start[d] % lay.chunks[d] == 0 for d in range(2))
-  writes = plan.assign_writes([lay], 4)
+  writes = plan_all([lay], 4)
   assert (coverage(lay, writes) == 1).all()
 
 
@@ -227,21 +264,16 @@ def test_shards_from_index_map_ignores_dict_order():
   assert a == b
 
 
-def test_replicated_shards():
-  (s,) = plan.replicated_shards((3, 4), 3)
-  assert s.box == Box((0, 0), (3, 4)) and s.processes == (0, 1, 2)
-
-
 def test_leaf_layout_splits_replicated_shard_for_each_holder():
   # 16 MiB replicated over 4 processes: chunks of at most a quarter, so
   # every holder gets a part, even though chunk_bytes allows the whole leaf.
   shape = (4096, 1024)
-  lay = plan.leaf_layout(shape, 4, plan.replicated_shards(shape, 4))
+  lay = replicated(shape, 4)
   assert math.prod(lay.chunks) * 4 <= (16 << 20) // 4
-  writes = plan.assign_writes([lay], 4)
+  writes = plan_all([lay], 4)
   assert sorted({w.process for w in writes}) == [0, 1, 2, 3]
   # ... but not below MIN_SPLIT_CHUNK_BYTES: a 1 MiB leaf stays one chunk.
-  small = plan.leaf_layout((256, 1024), 4, plan.replicated_shards((256, 1024), 4))
+  small = replicated((256, 1024), 4)
   assert small.chunks == (256, 1024)
 
 
@@ -277,7 +309,7 @@ def realistic_layouts(devices_per_process, target=plan.DEFAULT_CHUNK_BYTES):
 def test_assign_writes_every_element_exactly_once(devices_per_process, target):
   layouts = realistic_layouts(devices_per_process, target)
   n = 8 // devices_per_process
-  writes = plan.assign_writes(layouts, n)
+  writes = plan_all(layouts, n)
   for i, lay in enumerate(layouts):
     mine = [w for w in writes if w.leaf == i]
     assert (coverage(lay, mine) == 1).all(), f"leaf {i}"
@@ -306,7 +338,7 @@ def test_assign_writes_random_shapes_cover_exactly_once(rng):
     dpp = int(rng.choice([1, 2, 4]))
     target = int(rng.integers(16, 4096))
     lay = layout_for(shape, 4, MESH_4x2, spec, dpp, target)
-    writes = plan.assign_writes([lay], 8 // dpp)
+    writes = plan_all([lay], 8 // dpp)
     assert (coverage(lay, writes) == 1).all(), (trial, shape, spec, dpp)
 
 
@@ -314,7 +346,7 @@ def test_shard_held_by_one_process_is_written_whole_by_it():
   # (data=4, model=2), P("data", "model"), one device per process: every
   # shard has exactly one holder.
   lay = layout_for((64, 32), 4, MESH_4x2, ("data", "model"), 1, target=64)
-  writes = plan.assign_writes([lay], 8)
+  writes = plan_all([lay], 8)
   assert len(writes) == 8
   for w in writes:
     (holder,) = [s for s in lay.shards if s.box == w.box]
@@ -322,7 +354,7 @@ def test_shard_held_by_one_process_is_written_whole_by_it():
   # Two devices of one process hold the same block (model axis inside the
   # process): still one write, by that process.
   lay = layout_for((64, 32), 4, MESH_4x2, ("data",), 2, target=64)
-  writes = plan.assign_writes([lay], 4)
+  writes = plan_all([lay], 4)
   assert sorted((w.box.start, w.process) for w in writes) == [
       ((16 * p, 0), p) for p in range(4)]
 
@@ -331,8 +363,8 @@ def test_fully_replicated_leaf_is_spread_over_processes():
   shape = (2048, 1024)  # 8 MiB f32, replicated on 4 processes
   index_map, procs = mesh_index_map(shape, MESH_4x2, (), 2)
   shards = plan.shards_from_index_map(shape, index_map, procs)
-  lay = plan.leaf_layout(shape, 4, shards)
-  writes = plan.assign_writes([lay], 4)
+  lay = Leaf(shape, 4, shards, 4)
+  writes = plan_all([lay], 4)
   per_process = np.zeros(4)
   for w in writes:
     per_process[w.process] += w.nbytes
@@ -344,9 +376,8 @@ def test_fully_replicated_leaf_is_spread_over_processes():
 
 def test_many_small_replicated_leaves_are_spread():
   # Each leaf is one chunk (below the split minimum); whole leaves spread.
-  layouts = [plan.leaf_layout((64, 64), 4, plan.replicated_shards((64, 64), 4))
-             for _ in range(40)]
-  writes = plan.assign_writes(layouts, 4)
+  layouts = [replicated((64, 64), 4) for _ in range(40)]
+  writes = plan_all(layouts, 4)
   counts = np.bincount([w.process for w in writes], minlength=4)
   assert counts.tolist() == [10, 10, 10, 10]
 
@@ -355,7 +386,7 @@ def test_many_small_replicated_leaves_are_spread():
 def test_per_process_bytes_within_1_5x_of_equal_share(devices_per_process):
   n = 8 // devices_per_process
   layouts = realistic_layouts(devices_per_process)
-  writes = plan.assign_writes(layouts, n)
+  writes = plan_all(layouts, n)
   per_process = np.zeros(n)
   for w in writes:
     per_process[w.process] += w.nbytes
@@ -367,12 +398,14 @@ def test_per_process_bytes_within_1_5x_of_equal_share(devices_per_process):
 
 
 def test_assign_writes_is_deterministic():
-  a = plan.assign_writes(realistic_layouts(2, 64 << 10), 4)
+  a = plan_all(realistic_layouts(2, 64 << 10), 4)
   # Recompute from scratch (fresh shards; the chunk cache cleared).
   plan.chunk_shape.cache_clear()
-  b = plan.assign_writes(realistic_layouts(2, 64 << 10), 4)
+  b = plan_all(realistic_layouts(2, 64 << 10), 4)
   assert a == b
-  assert a == sorted(a, key=lambda w: (w.leaf, w.box.start))
+  for p in range(4):
+    mine = [w for w in a if w.process == p]
+    assert mine == sorted(mine, key=lambda w: (w.leaf, w.box.start))
 
 
 def test_assign_writes_no_leaves():
@@ -384,7 +417,7 @@ def test_shards_over_max_item_bytes_are_written_chunk_by_chunk():
   # chunk-sized writes, all by that process, still covering every element once.
   limit = 256 << 10
   lay = layout_for((1024, 1024), 4, MESH_4x2, ("data",), 2, target=limit)
-  writes = plan.assign_writes([lay], 4, max_item_bytes=limit)
+  writes = plan_all([lay], 4, max_item_bytes=limit)
   assert (coverage(lay, writes) == 1).all()
   assert max(w.nbytes for w in writes) <= limit
   assert len(writes) == 4 * 4
@@ -392,4 +425,4 @@ def test_shards_over_max_item_bytes_are_written_chunk_by_chunk():
     (shard,) = [s for s in lay.shards if s.box == w.shard]
     assert shard.processes == (w.process,)
   # Without the limit, one write per shard.
-  assert len(plan.assign_writes([lay], 4)) == 4
+  assert len(plan_all([lay], 4)) == 4

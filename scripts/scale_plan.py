@@ -1,0 +1,176 @@
+"""Scale harness, part 1: what planning a save costs ONE host of a big job.
+
+A simulated job of D devices, 4 per process, on a mesh
+(data, fsdp, tensor) with tensor = 4 (inside a host) and fsdp up to 256,
+and a transformer-like state of L leaves: attention and MLP kernels sharded
+over (fsdp, tensor), biases over tensor, norms and small tables replicated
+on every device, each with two optimizer moments. One process (in the middle
+of the job) plans its share with exactly the code a save runs
+(``placement.named`` -> ``plan.leaf_layout`` -> ``plan.assign_writes``, and
+then the index entries ``save.plan_save`` makes: ``with_entries_cpu_s``), from a ``MeshInfo`` describing
+the whole job: this machine has 8 devices, not 16,384, but planning never
+touches a device.
+
+Each (D, L) runs in a fresh process: CPU time of planning (not wall time:
+other work on the machine does not inflate it), peak resident memory
+growth during planning, the writes this host gets, and the size of the
+index process 0 would write.
+
+  python scripts/scale_plan.py [--config configs/scale.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+D_MODEL = 8192
+# (name, shape, spec, dtype): one layer's parameters.
+LAYER = [
+    ("attn/q", (D_MODEL, D_MODEL), ("fsdp", "tensor"), "float32"),
+    ("attn/k", (D_MODEL, D_MODEL), ("fsdp", "tensor"), "float32"),
+    ("attn/v", (D_MODEL, D_MODEL), ("fsdp", "tensor"), "float32"),
+    ("attn/o", (D_MODEL, D_MODEL), ("tensor", "fsdp"), "float32"),
+    ("mlp/in", (D_MODEL, 4 * D_MODEL), ("fsdp", "tensor"), "float32"),
+    ("mlp/in_bias", (4 * D_MODEL,), ("tensor",), "float32"),
+    ("mlp/out", (4 * D_MODEL, D_MODEL), ("tensor", "fsdp"), "float32"),
+    ("norm1/scale", (D_MODEL,), (), "float32"),
+    ("norm2/scale", (D_MODEL,), (), "float32"),
+    ("rel_pos", (32, 64), (), "float32"),
+]
+
+
+def mesh_shape(devices: int, per_process: int) -> dict[str, int]:
+  tensor = per_process
+  fsdp = min(256, devices // tensor)
+  return {"data": devices // (tensor * fsdp), "fsdp": fsdp, "tensor": tensor}
+
+
+def state_leaves(n: int):
+  """n leaves: params, then Adam's mu and nu, layer by layer."""
+  out = []
+  layer = 0
+  while len(out) < n:
+    for prefix in ("params", "opt/mu", "opt/nu"):
+      for name, shape, spec, dtype in LAYER:
+        out.append(((*prefix.split("/"), f"layer_{layer}", *name.split("/")),
+                    shape, spec, dtype))
+    layer += 1
+  return out[:n]
+
+
+def _max_rss() -> int:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+
+
+def one(devices: int, leaves: int, per_process: int) -> dict:
+  """In this process: plan process P/2+1's share; returns the figures."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import placement  # pylint: disable=g-import-not-at-top
+  from ckpt import plan  # pylint: disable=g-import-not-at-top
+  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt import tsspec  # pylint: disable=g-import-not-at-top
+
+  sizes = mesh_shape(devices, per_process)
+  names = tuple(sizes)
+  ids = np.arange(devices).reshape(tuple(sizes.values()))
+  processes = devices // per_process
+  me = processes // 2 + 1
+  state = state_leaves(leaves)
+  codec = tsspec.Codec().to_json()
+  rss0 = _max_rss()
+  cpu0, wall0 = time.process_time(), time.perf_counter()
+  info = placement.make_mesh_info(names, ids, ids // per_process, me)
+  layouts, entries = [], []
+  for parts, shape, spec, dtype in state:
+    where = placement.named(info, placement.spec_axes(spec, len(shape)), shape)
+    itemsize = np.dtype(dtype).itemsize
+    lay = plan.leaf_layout(shape, itemsize, where, plan.DEFAULT_CHUNK_BYTES)
+    layouts.append(lay)
+  writes = plan.assign_writes(layouts, me, 1 << 30)
+  plan_cpu = time.process_time() - cpu0
+  texts = {}  # save.describe_sharding is cached per sharding the same way
+  for (parts, shape, spec, dtype), lay in zip(state, layouts):
+    text = texts.get(spec)
+    if text is None:
+      text = texts[spec] = f"NamedSharding(mesh={sizes}, spec={spec})"
+    entries.append(index_lib.ArrayEntry(
+        path=parts, relpath=tree.storage_relpath(parts), shape=lay.shape,
+        dtype=dtype, chunks=lay.chunks, codec=codec, source_dtype=dtype,
+        sharding=text))
+  cpu = time.process_time() - cpu0
+  wall = time.perf_counter() - wall0
+  rss = _max_rss() - rss0
+  structure = {}
+  for parts, *_ in state:
+    node = structure
+    for p in parts[:-1]:
+      node = node.setdefault(p, {})
+    node[parts[-1]] = 0
+  index = index_lib.Index(step=1, time=0.0, storage_format="zarr",
+                          process_count=processes,
+                          structure=tree.encode_structure(structure),
+                          leaves=tuple(entries))
+  nbytes = len(index_lib.encode(index))
+  return {"devices": devices, "processes": processes, "leaves": leaves,
+          "plan_cpu_s": round(plan_cpu, 3),
+          "with_entries_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+          "peak_rss_growth_mib": round(rss / 2**20, 1),
+          "writes_this_host": len(writes),
+          "bytes_this_host_gib": round(sum(w.nbytes for w in writes) / 2**30, 2),
+          "index_bytes": nbytes,
+          "index_bytes_per_leaf": round(nbytes / leaves, 1)}
+
+
+def run(conf: dict) -> list[dict]:
+  rows = []
+  for devices in conf.get("devices", [1024, 4096, 16384]):
+    for leaves in conf.get("leaves", [1000, 10000, 100000]):
+      out = subprocess.run(
+          [sys.executable, os.path.abspath(__file__), "--one", str(devices),
+           str(leaves), str(conf.get("devices_per_process", 4))],
+          capture_output=True, text=True, check=True,
+          timeout=conf.get("timeout_s", 600), cwd=REPO)
+      rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+  return rows
+
+
+COLUMNS = ["devices", "processes", "leaves", "plan_cpu_s",
+           "with_entries_cpu_s", "wall_s",
+           "peak_rss_growth_mib", "writes_this_host", "bytes_this_host_gib",
+           "index_bytes", "index_bytes_per_leaf"]
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| " + " | ".join(COLUMNS) + " |",
+           "|" + "---|" * len(COLUMNS)]
+  lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--config", default=os.path.join(REPO, "configs", "scale.json"))
+  ap.add_argument("--one", nargs=3, type=int, metavar=("DEVICES", "LEAVES", "PER"))
+  args = ap.parse_args()
+  if args.one:
+    print(json.dumps(one(*args.one)))
+    return
+  conf = {}
+  if os.path.exists(args.config):
+    with open(args.config) as f:
+      conf = json.load(f).get("plan", {})
+  print(table(run(conf)))
+
+
+if __name__ == "__main__":
+  main()
