@@ -7,10 +7,12 @@ goes into a work directory that nothing else writes into:
   ``rename`` to ``checkpoint_<step>/``, which is atomic.
 - Object stores and ``memory://`` (no rename):
   ``checkpoint_<step>/attempt-<token>/``. The commit is the marker
-  ``checkpoint_<step>/commit_success``, written last and only if absent,
-  naming the attempt; readers go from the marker to the attempt's index. A
-  retry's late PUT, or a leftover process of an earlier attempt, can only
-  write into its own attempt, never into the one that committed.
+  ``checkpoint_<step>/commit_success``, written only if absent, naming the
+  attempt, followed by the step's flat commit record (below); readers go
+  from the record (a root written before records: the marker) to the
+  attempt's index. A retry's late PUT, or a leftover process of an earlier
+  attempt, can only write into its own attempt, never into the one that
+  committed.
 
 What a commit guarantees (``commit``):
 - Every process wrote its data (the "written" barrier comes first) and the
@@ -34,22 +36,76 @@ live attempt's ``attempt.json`` holds the time of its last heartbeat
 attempt is abandoned only when that time is older than ``lease_s`` (default
 10 minutes) or the file is missing and the directory itself is that old.
 Half-done deletions (``*.tmp-del-*``) are always removable. A committed
-step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes the
-marker first (buckets) or renames it away (POSIX), so no reader ever sees
-half of it.
+step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
+record and marker first (buckets) or renames it away (POSIX), so no reader
+ever sees half of it.
+
+Flat records (object stores and ``memory://``). Listing ``checkpoint_*``
+on a bucket returns every key of every step (one per chunk with zarr:
+millions at scale), so discovery never does it. Beside the step
+directories, two flat prefixes hold one small object per step or attempt::
+
+  <root>/commits/complete             the records below are complete (written
+                                      once, before the root's first save)
+  <root>/commits/<step>               the commit record of a committed step:
+                                      the marker's JSON plus the step's save
+                                      time and metrics, padded with spaces to
+                                      RECORD_BYTES (4 KiB) so that one ranged
+                                      GET reads it, in bounded memory
+  <root>/pending/<step>.<token>       a save attempt not finished yet (its
+                                      token and start time)
+  <root>/pending/<step>.delete        a deletion of ``step`` in progress
+
+- Commit: index, then the marker ``checkpoint_<step>/commit_success``
+  (create-only: it still decides which attempt won, and stays the truth for
+  a step directory copied alone), then ``commits/<step>``, then the
+  attempt's ``pending/`` record goes. A step is committed (listed, restored,
+  counted by retention) when its record exists: ``committed_steps`` is ONE
+  listing of ``commits/`` (a page per 1,000 steps), ``step_dir``,
+  ``is_committed`` and the metrics one GET of the record each.
+- A marker without a record (a commit that died between the two writes, or
+  a deletion that died after removing the record) is not committed: the
+  save's ``pending/`` record (still there) or the deletion's lets cleanup
+  find it; a later save of the same step removes such a marker first
+  (``prepare``) once the attempt it names has no live lease.
+- Deletion of a step: ``pending/<step>.delete``, the record, the marker,
+  the data, then the ``pending`` record: a step is never listed once its
+  deletion began, and a deletion that died is finished by cleanup (or by
+  the next save of that step, before it writes anything, if the marker is
+  still there).
+- Cleanup (``abandoned``) lists ``pending/`` only: what it costs grows with
+  the attempts and deletions in progress, never with the chunks.
+- Compatibility: a root whose ``commits/complete`` is missing was written by
+  an earlier ckpt (markers only) or copied from a disk. Readers then find
+  its steps from one full listing of ``checkpoint_*`` per query, as earlier
+  versions did; the first save into it (``prepare``) migrates it once: that
+  listing, a record per committed step (its marker and index read once),
+  a ``pending/`` record per uncommitted attempt, then ``commits/complete``.
+  Do not let an earlier ckpt write into a migrated root: its steps would
+  have no record.
+- POSIX keeps its layout (one ``listdir`` of the root is proportional to the
+  steps already) and writes no records; a root copied from a bucket to a
+  disk drops the bucket's ``commits/`` and ``pending/`` at its first save or
+  deletion there, so that copying it back never shows stale records.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
 import shutil
 import socket
 import time
+
+from absl import logging
+import msgpack
+
 from ckpt import storage as storage_lib
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
+                         CorruptCheckpointError)
 
 ATTEMPT_FILE = "attempt.json"
 ATTEMPT_PREFIX = "attempt-"
@@ -60,6 +116,14 @@ NO_VALUE = b"\x02"
 _TOKEN_RE = re.compile(r"^[0-9a-f]{1,64}$")
 _ATTEMPT_DIR_RE = re.compile(r"^attempt-([0-9a-f]{1,64})$")
 _DEL_RE = re.compile(r"^checkpoint_\d+\.tmp-del-[0-9a-f]+$")
+# The flat records (object stores), see the module docstring.
+RECORDS = storage_lib.RECORDS_DIR + "/"
+RECORDS_COMPLETE = RECORDS + "complete"
+PENDING = storage_lib.PENDING_DIR + "/"
+RECORD_BYTES = 4096
+_STEP_NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})$")
+_PENDING_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{1,64}|delete)$")
+_DELETE = "delete"
 
 
 def _check_token(token: str) -> str:
@@ -91,12 +155,15 @@ def fsync_dir(path: str) -> None:
 
 # ---- an attempt's life ------------------------------------------------------
 
-def prepare(storage: storage_lib.Storage, step: int, token: str) -> str:
+def prepare(storage: storage_lib.Storage, step: int, token: str,
+            lease_s: float = DEFAULT_LEASE_S) -> str:
   """Process 0, before anyone writes: a fresh work directory holding only
-  ``attempt.json``. Returns its relative path."""
+  ``attempt.json`` (and, on object stores, its ``pending/`` record).
+  Returns its relative path. ``lease_s``: see ``_clear_stale_marker``."""
   rel = work_dir(storage, step, token)
   if storage.is_posix:
     storage.root.mkdir(parents=True, exist_ok=True)
+    _drop_bucket_records(storage)
     # An uncommitted checkpoint_<step>/ (no marker: a partial copy, say)
     # would make the commit rename fail on every try; drop it.
     final = storage.root / storage_lib.step_dirname(step)
@@ -105,6 +172,15 @@ def prepare(storage: storage_lib.Storage, step: int, token: str) -> str:
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
     storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
   else:
+    try:
+      _ensure_records(storage)
+    except CheckpointError as e:
+      # The root stays as it is (discovered by full listings); this save
+      # goes on, and the next one tries again.
+      logging.warning("ckpt: could not make the commit records of %s "
+                      "complete: %s", storage.url, e)
+    _clear_stale_marker(storage, step, lease_s)
+    _write_pending(storage, step, token)  # first: cleanup can find the rest
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
   return rel
 
@@ -162,15 +238,54 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
     return
   storage.write_bytes(f"{rel}/{storage_lib.INDEX_NAME}", index_data)
   marker_key = f"{final}/{storage_lib.COMMIT_MARKER}"
+  data_dir = rel.split("/", 1)[1]
   with storage.store_errors(f"writing the commit marker of step {step} to"):
-    storage.kv.write(marker_key, _marker(step, token, rel.split("/", 1)[1]),
+    storage.kv.write(marker_key, _marker(step, token, data_dir),
                      if_equal=NO_VALUE).result()
   # A write whose condition failed is not an error in TensorStore; a retried
   # PUT of ours may also find our own marker. Read which attempt won.
-  if _marker_attempt(storage.read_bytes(marker_key)) != token:
+  won = _marker_attempt(storage.read_bytes(marker_key))
+  if won != token:
     raise CheckpointError(
         f"cannot commit step {step} in {storage.url!r}: another attempt "
         f"committed it first; this attempt ({where}) was not committed")
+  t, metrics = _index_info(index_data)
+  # The record makes the step visible; then the attempt is no longer pending.
+  storage.write_bytes(record_key(step),
+                      _record(step, token, data_dir, t, metrics))
+  try:
+    storage.delete_key(pending_key(step, token))
+  except CheckpointError as e:  # committed all the same; cleanup drops it
+    logging.warning("ckpt: step %d is committed, but removing %s failed: %s",
+                    step, pending_key(step, token), e)
+
+
+def _clear_stale_marker(storage: storage_lib.Storage, step: int,
+                        lease_s: float) -> None:
+  """Process 0, preparing a save of ``step`` (no record, records complete):
+  a marker left without a record (a commit or a deletion that died half
+  way) would make this attempt's commit fail. It goes when that is provably
+  no live commit: the step's deletion is pending, or the attempt the marker
+  names has no live lease. One GET when there is no such marker."""
+  if not records_complete(storage):
+    return  # without records, a marker is a commit
+  key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+  if not storage.exists(key) or read_record(storage, step) is not None:
+    return
+  if storage.exists(pending_key(step, _DELETE)):
+    remove(storage, storage_lib.step_dirname(step))  # finish that deletion
+    return
+  won = _marker_attempt(storage.read_bytes(key))
+  age = None if won is None else _age_s(storage, work_dir(storage, step, won))
+  if age is not None and age < lease_s:
+    return  # maybe a commit in progress: if it is, ours fails, naming it
+  logging.warning("ckpt: step %d in %s has a commit marker but no commit "
+                  "record (a save that died while committing); removing "
+                  "that attempt (%s)", step, storage.url, won)
+  if won is None:
+    storage.delete_key(key)
+  else:
+    remove(storage, work_dir(storage, step, won))
 
 
 def _marker(step: int, token: str, data_dir: str) -> bytes:
@@ -205,18 +320,224 @@ def _marker_attempt(data: bytes | None) -> str | None:
   return _parse_marker(data, "the commit marker")[0]
 
 
+# ---- flat records (object stores) -------------------------------------------
+
+def record_key(step: int) -> str:
+  return f"{RECORDS}{step}"
+
+
+def pending_key(step: int, token: str) -> str:
+  """The ``pending/`` record of an attempt, or of a deletion (``"delete"``)."""
+  return f"{PENDING}{step}.{token if token == _DELETE else _check_token(token)}"
+
+
+def _record(step: int, token: str | None, data_dir: str,
+            time_s: float | None, metrics: dict | None) -> bytes:
+  doc = {"step": step, "attempt": token, "dir": data_dir, "time": time_s,
+         "metrics": metrics}
+  data = (json.dumps(doc, sort_keys=True) + "\n").encode()
+  return data + b" " * (RECORD_BYTES - len(data))  # nothing if longer
+
+
+def _check_metrics(m, where: str) -> dict | None:
+  if m is None:
+    return None
+  if not isinstance(m, dict) or not all(
+      isinstance(k, str) and type(v) in (int, float) for k, v in m.items()):
+    raise CorruptCheckpointError(
+        f"{where}: metrics must map names to numbers, got {str(m)[:200]!r}")
+  return dict(m)
+
+
+def read_record(storage: storage_lib.Storage, step: int) -> dict | None:
+  """``step``'s commit record (None: no record), checked: ``attempt``,
+  ``dir``, ``time`` (None if unknown) and ``metrics`` (None if unknown).
+  One GET (a record longer than RECORD_BYTES: three)."""
+  key = record_key(step)
+  where = f"{storage.url.rstrip('/')}/{key}"
+  data = storage.read_head(key, RECORD_BYTES)
+  if data is None:
+    return None
+  try:
+    doc = json.loads(data)
+  except ValueError:
+    doc = None
+    if len(data) >= RECORD_BYTES:  # longer than the padding: read it whole
+      data = storage.read_bytes(key)
+      if data is None:
+        return None
+      try:
+        doc = json.loads(data)
+      except ValueError:
+        pass
+  if not isinstance(doc, dict) or doc.get("step") != step:
+    raise CorruptCheckpointError(
+        f"{where}: not the commit record of step {step} (expected a JSON "
+        f"object with \"step\": {step}), got {bytes(data[:200])!r}")
+  token, data_dir = _parse_marker(
+      json.dumps({k: doc.get(k) for k in ("attempt", "dir")}).encode(), where)
+  if token is not None and not _TOKEN_RE.match(token):
+    raise CorruptCheckpointError(f"{where}: invalid attempt {token!r}")
+  t = doc.get("time")
+  if t is not None and (type(t) not in (int, float) or not math.isfinite(t)):
+    raise CorruptCheckpointError(f"{where}: invalid save time {t!r}")
+  return {"attempt": token, "dir": data_dir or "",
+          "time": None if t is None else float(t),
+          "metrics": _check_metrics(doc.get("metrics"), where)}
+
+
+def read_info(storage: storage_lib.Storage, step: int
+              ) -> tuple[dict, float | None] | None:
+  """(metrics, save time) of ``step`` from its commit record: one GET; None
+  where there is no record holding them (POSIX, a root not migrated yet,
+  a record written without them): then the index says."""
+  if storage.is_posix or not records_complete(storage):
+    return None
+  rec = read_record(storage, step)
+  if rec is None or rec["metrics"] is None:
+    return None
+  return rec["metrics"], rec["time"]
+
+
+def records_complete(storage: storage_lib.Storage) -> bool:
+  """Whether ``commits/`` lists every committed step of this root (False on
+  POSIX). One GET of ``commits/complete`` until it is seen, then cached."""
+  if storage.is_posix:
+    return False
+  if not storage.records_complete and storage.exists(RECORDS_COMPLETE):
+    storage.records_complete = True
+  return storage.records_complete
+
+
+def _index_info(index_data: bytes) -> tuple[float | None, dict | None]:
+  """(time, metrics) from an encoded index, reading only its top-level map
+  up to them (best effort: None, None if it cannot)."""
+  found: dict = {}
+  try:
+    u = msgpack.Unpacker(raw=False, strict_map_key=False,
+                         max_buffer_size=max(len(index_data), 1))
+    u.feed(index_data)
+    for _ in range(u.read_map_header()):
+      k = u.unpack()
+      if k in ("time", "metrics"):
+        found[k] = u.unpack()
+        if len(found) == 2:
+          break
+      else:
+        u.skip()
+    t = found.get("time")
+    t = float(t) if type(t) in (int, float) and math.isfinite(t) else None
+    return t, _check_metrics(found.get("metrics"), "the index")
+  except Exception:  # pylint: disable=broad-except
+    return None, None
+
+
+def _write_pending(storage: storage_lib.Storage, step: int, token: str,
+                   time_s: float | None = None) -> None:
+  doc = {"step": step, "attempt": token,
+         "time": time.time() if time_s is None else time_s,
+         "host": socket.gethostname(), "pid": os.getpid()}
+  storage.write_bytes(pending_key(step, token), json.dumps(doc).encode())
+
+
+def _pending_time(storage: storage_lib.Storage, step: int, token: str
+                  ) -> float | None:
+  data = storage.read_bytes(pending_key(step, token))
+  if data is None:
+    return None
+  try:
+    return float(json.loads(data)["time"])
+  except (ValueError, KeyError, TypeError):
+    return None
+
+
+def list_pending(storage: storage_lib.Storage) -> list[tuple[int, str]]:
+  """(step, attempt token or "delete") of every ``pending/`` record: one
+  listing of that prefix."""
+  out = []
+  for key in storage.list_keys(PENDING):
+    m = _PENDING_RE.match(key[len(PENDING):])
+    if m:
+      out.append((int(m.group(1)), m.group(2)))
+  return sorted(out)
+
+
+def _ensure_records(storage: storage_lib.Storage) -> None:
+  """Process 0, before a save writes anything: makes ``commits/`` complete
+  (see "Compatibility" in the module docstring). Costs one GET once the
+  root is migrated (then nothing, for this Storage)."""
+  if records_complete(storage):
+    return
+  committed, attempts, loose = _scan(storage)  # the one full listing
+  winners = {}
+  for s in sorted(committed):
+    key = f"{storage_lib.step_dirname(s)}/{storage_lib.COMMIT_MARKER}"
+    data = storage.read_bytes(key)
+    if data is None:
+      continue  # deleted meanwhile
+    token, data_dir = _parse_marker(data, f"{storage.url.rstrip('/')}/{key}")
+    winners[s] = token
+    rel = storage_lib.step_dirname(s) + (f"/{data_dir}" if data_dir else "")
+    t = metrics = None
+    try:
+      index = storage.read_bytes(storage.index_key(rel))
+      if index is not None:
+        t, metrics = _index_info(index)
+    except CheckpointError as e:
+      logging.warning("ckpt: migrating %s: the index of step %d is "
+                      "unreadable (%s); its record holds no metrics",
+                      storage.url, s, e)
+    storage.write_bytes(record_key(s), _record(s, token, data_dir, t, metrics))
+  for s, tokens in sorted(attempts.items()):
+    for t in sorted(tokens - {winners.get(s)}):
+      _write_pending(storage, s, t, time_s=0.0)  # its attempt.json says more
+  for s in sorted(loose - committed - set(attempts)):
+    # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
+    # that never committed.
+    _write_pending(storage, s, _DELETE, time_s=0.0)
+  storage.write_bytes(RECORDS_COMPLETE, json.dumps(
+      {"records": "complete", "migrated_steps": len(committed),
+       "time": time.time()}).encode() + b"\n")
+  storage.records_complete = True
+
+
+def _drop_bucket_records(storage: storage_lib.Storage) -> None:
+  """POSIX: a root copied from a bucket holds that bucket's records, which
+  nothing maintains on a disk; before its steps change here they go, so a
+  copy back to a bucket is migrated instead of trusting stale ones."""
+  records = storage.root / storage_lib.RECORDS_DIR
+  if not (records / "complete").is_file():
+    return
+  os.unlink(records / "complete")  # first: no false "complete" after a crash
+  pending = storage.root / storage_lib.PENDING_DIR
+  if pending.is_dir() and all(_PENDING_RE.match(p.name)
+                              for p in pending.iterdir()):
+    shutil.rmtree(pending, ignore_errors=True)
+  if all(_STEP_NAME_RE.match(p.name) for p in records.iterdir()):
+    shutil.rmtree(records, ignore_errors=True)
+
+
 # ---- discovery --------------------------------------------------------------
 
 def is_committed(storage: storage_lib.Storage, step: int) -> bool:
   name = storage_lib.step_dirname(step)
   if storage.is_posix:
     return (storage.root / name / storage_lib.COMMIT_MARKER).exists()
-  return storage.read_bytes(f"{name}/{storage_lib.COMMIT_MARKER}") is not None
+  if records_complete(storage):
+    return read_record(storage, step) is not None
+  return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
 
 
 def step_dir(storage: storage_lib.Storage, step: int) -> str:
   """The relative directory holding ``step``'s index and data."""
   name = storage_lib.step_dirname(step)
+  if records_complete(storage):
+    rec = read_record(storage, step)
+    if rec is None:
+      raise CheckpointNotFoundError(
+          f"step {step} is not committed in {storage.url!r} (no "
+          f"{record_key(step)})")
+    return f"{name}/{rec['dir']}" if rec["dir"] else name
   key = f"{name}/{storage_lib.COMMIT_MARKER}"
   data = storage.read_bytes(key)
   if data is None:
@@ -226,11 +547,22 @@ def step_dir(storage: storage_lib.Storage, step: int) -> str:
   return f"{name}/{data_dir}" if data_dir else name
 
 
+def _commit_state(storage: storage_lib.Storage, step: int
+                  ) -> tuple[bool, str | None]:
+  """(whether ``step`` is committed, the token of the attempt that
+  committed it): one read."""
+  if records_complete(storage):
+    rec = read_record(storage, step)
+    return rec is not None, rec and rec["attempt"]
+  data = storage.read_bytes(
+      f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}")
+  return data is not None, _marker_attempt(data)
+
+
 def committed_attempt(storage: storage_lib.Storage, step: int) -> str | None:
   """The token of the attempt that committed ``step`` (None: not committed,
   or committed by a ckpt that did not record it)."""
-  return _marker_attempt(storage.read_bytes(
-      f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"))
+  return _commit_state(storage, step)[1]
 
 
 def own_step_dir(storage: storage_lib.Storage) -> str | None:
@@ -264,17 +596,25 @@ def own_step_dir(storage: storage_lib.Storage) -> str | None:
 
 
 def committed_steps(storage: storage_lib.Storage) -> list[int]:
+  """The committed steps, sorted. POSIX: one listing of the root. Object
+  stores: one listing of ``commits/`` (a root not migrated yet: of every
+  key under ``checkpoint_*``, see the module docstring)."""
   if storage.is_posix:
     if not storage.root.exists():
       return []
     steps = [storage_lib.parse_step(p.name) for p in storage.root.iterdir()]
     return sorted(s for s in steps if s is not None and is_committed(storage, s))
+  names = [k[len(RECORDS):] for k in storage.list_keys(RECORDS)]
+  if storage.records_complete or "complete" in names:
+    storage.records_complete = True
+    return sorted(int(n) for n in names if _STEP_NAME_RE.match(n))
   return sorted(_scan(storage)[0])
 
 
 def _scan(storage: storage_lib.Storage):
-  """From ONE listing of a bucket: (committed steps, {step: attempt tokens},
-  steps holding keys outside any attempt)."""
+  """From ONE listing of every key under ``checkpoint_*`` of a bucket (a
+  root whose records are not complete): (committed steps, {step: attempt
+  tokens}, steps holding keys outside any attempt)."""
   committed, attempts, loose = set(), {}, set()
   for key in storage.list_keys(storage_lib.STEP_PREFIX):
     head, _, tail = key.partition("/")
@@ -305,12 +645,25 @@ def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
       return time.time() - os.stat(storage.root / rel).st_mtime
     except OSError:
       return None
+  # No attempt.json (yet, or any more): the time its pending record was made.
+  s, _, tail = rel.partition("/")
+  m = _ATTEMPT_DIR_RE.match(tail)
+  step = storage_lib.parse_step(s)
+  if m and step is not None:
+    t = _pending_time(storage, step, m.group(1))
+    if t is not None:
+      return time.time() - t
   return None
 
 
 def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
               ) -> list[str]:
-  """Relative directories of attempts that are provably abandoned."""
+  """Relative directories of attempts that are provably abandoned (and, on
+  object stores, steps whose deletion died half way).
+
+  Object stores: one listing of ``pending/`` and a read or two per entry
+  (the lease of an attempt, the record of a step); a root not migrated yet
+  is also listed in full, as earlier versions did."""
   out = []
   if storage.is_posix:
     if not storage.root.exists():
@@ -323,6 +676,33 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
         if age is not None and age >= lease_s:
           out.append(p.name)
     return out
+  pending = list_pending(storage)
+  live = set()
+  for s, t in pending:
+    if t == _DELETE:
+      continue
+    rel = work_dir(storage, s, t)
+    age = _age_s(storage, rel)
+    if age is not None and age < lease_s:
+      live.add(s)
+    else:
+      # remove() keeps the data of the attempt that committed s (its
+      # pending record alone is left over) and drops a marker naming it
+      # that never got its record.
+      out.append(rel)
+  for s, t in pending:
+    if t == _DELETE and s not in live and read_record(storage, s) is None:
+      out.append(storage_lib.step_dirname(s))
+  if records_complete(storage):
+    return out
+  return out + [r for r in _abandoned_by_scan(storage, lease_s)
+                if r not in out]
+
+
+def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float
+                       ) -> list[str]:
+  """A root whose records are not complete: from one full listing."""
+  out = []
   committed, attempts, loose = _scan(storage)
   for s, tokens in sorted(attempts.items()):
     winner = committed_attempt(storage, s) if s in committed else None
@@ -356,6 +736,8 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
     with storage.store_errors(f"deleting {what} from"):
       if not path.exists():
         return
+      if step is not None:
+        _drop_bucket_records(storage)
       if not _DEL_RE.match(rel):
         # One atomic rename first: a committed step vanishes at once, and a
         # save still writing into an attempt can no longer commit it.
@@ -365,16 +747,38 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
         path = doomed
       shutil.rmtree(path, ignore_errors=True)
     return
-  if step is not None:  # a whole step: the marker first
-    with storage.store_errors(f"deleting the commit marker of step {step} from"):
-      storage.kv.write(f"{rel}/{storage_lib.COMMIT_MARKER}", None).result()
+  if step is not None:  # a whole step: invisible first, then the data
+    intent = pending_key(step, _DELETE)
+    _write_pending(storage, step, _DELETE)
+    storage.delete_key(record_key(step))
+    storage.delete_key(f"{rel}/{storage_lib.COMMIT_MARKER}")
+    storage.delete_prefix(f"{rel}/", what)
+    storage.delete_key(intent)
+    return
+  head, _, tail = rel.partition("/")
+  m = _ATTEMPT_DIR_RE.match(tail)
+  if not m:  # checkpoint_<step>.tmp-<id> (written to a disk, then copied)
+    storage.delete_prefix(f"{rel}/", what)
+    return
+  # One attempt: checkpoint_<step>/attempt-<token>.
+  step, token = storage_lib.parse_step(head), m.group(1)
+  complete = records_complete(storage)
+  committed, winner = _commit_state(storage, step)
+  if committed and winner == token:
+    # The step itself (a commit that died before removing its pending
+    # record, or a legacy root): only that record goes.
+    storage.delete_key(pending_key(step, token))
+    return
+  if complete and not committed:
+    marker = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+    if _marker_attempt(storage.read_bytes(marker)) == token:
+      storage.delete_key(marker)  # it never got its record: never listed
   storage.delete_prefix(f"{rel}/", what)
+  storage.delete_key(pending_key(step, token))
 
 
 def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:
   """Deletes one attempt that did not commit (never a committed step)."""
-  if committed_attempt(storage, step) == token and not storage.is_posix:
-    return  # it did commit after all: it is the step now
   remove(storage, work_dir(storage, step, token))
 
 
@@ -384,10 +788,11 @@ def guard(storage: storage_lib.Storage, step: int):
   they were made from, or raise."""
   token = committed_attempt(storage, step)
 
-  def check() -> None:
-    if not is_committed(storage, step):
+  def check() -> None:  # one read of the record (or the marker)
+    committed, now = _commit_state(storage, step)
+    if not committed:
       what = "deleted"
-    elif committed_attempt(storage, step) != token:
+    elif now != token:
       what = "deleted and saved again"
     else:
       return

@@ -6,8 +6,11 @@ step, the attempt token and the work directory process 0 prepared. Then:
 3-4. stage and write this process's boxes under one byte budget (save.py)
 5.   barrier "written": every process has stopped writing; failures travel
      with it, so one failed process fails the save on all of them at once
-6.   process 0 gathers host states and checksums, merges OCDBT databases,
-     writes the index
+     Before it, each process writes its own small files into the attempt
+     (index.process_file): its host_state and, for format "zarr", the
+     crc32c of each box it wrote; nothing per process goes through the
+     coordinator or into the index
+6.   process 0 merges OCDBT databases, writes the index
 7.   process 0 commits (storage.py knows how)
 9.   barrier "done": the save is complete everywhere
 8.   retention, on process 0, after the save is complete everywhere (see
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import threading
 import time
 import weakref
@@ -91,38 +95,41 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
   lease = (asyncio.ensure_future(_renew_lease(storage, attempt))
            if pid == 0 else None)
   try:
-    # 3-4. stage and write this process's boxes under one byte budget.
+    # 3-4. stage and write this process's boxes under one byte budget; its
+    # host_state file alongside.
     error = None
     sums: list = []
+    host_file = asyncio.ensure_future(_write_process_file(
+        storage, attempt, index_lib.HOST_STATE_DIR, pid, host_bytes))
     try:
       sums = await save_lib.write_owned(plan, step_kvstore, context,
                                         ByteLimiter(budget), stats, on_staged)
     except Exception as e:  # told to every process at the barrier below
       error = e
-    if error is None:  # what process 0 needs, posted before the barrier
-      await asyncio.to_thread(multihost.post_bytes, f"{key}/host_state",
-                              host_bytes)
-      await asyncio.to_thread(multihost.post_bytes, f"{key}/checksums",
-                              msgpack.packb(sums))
+    # Awaited even after a failure: past the barrier this process writes
+    # nothing into the attempt.
+    try:
+      await host_file
+      if error is None and plan.options.codec.resolved_checksum(
+          plan.options.storage_format) == "none":  # zarr v2: its checksums
+        await _write_process_file(
+            storage, attempt, index_lib.CHECKSUMS_DIR, pid,
+            msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
+    except Exception as e:  # pylint: disable=broad-except
+      error = error or e
     # 5. every process has written (or stopped writing, having failed).
     await _barrier(attempt, "written", "all processes wrote their data", error,
                    on_arrival=lambda: stopped_writing.append(True))
     error = None
     if pid == 0:
       try:
-        host_states = await asyncio.to_thread(
-            multihost.collect_bytes, f"{key}/host_state", host_bytes,
-            f"the host_state of step {step}")
-        all_sums = await asyncio.to_thread(
-            multihost.collect_bytes, f"{key}/checksums", msgpack.packb(sums),
-            f"the checksums of step {step}")
         if plan.options.storage_format == "ocdbt":
           # One database from the per-process ones (ckpt/ocdbt.py).
           await ocdbt.merge(step_kvstore, n, context)
-        # 6-7. index, then commit.
-        checksums = [c for b in all_sums for c in msgpack.unpackb(b)]
-        index = save_lib.make_index(plan, step, metrics, host_states, n,
-                                    checksums)
+        # 6-7. index, then commit. encode() refuses an index readers would
+        # refuse: the save then fails everywhere at "done", and nothing is
+        # committed.
+        index = save_lib.make_index(plan, step, metrics, n)
         index = dataclasses.replace(index, time=retention_lib.now_s(clock))
         data = index_lib.encode(index)
         await asyncio.to_thread(commit_lib.commit, storage, step,
@@ -142,6 +149,40 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
       lease.cancel()
     if stopped_writing:
       multihost.forget(key)
+
+
+async def _write_process_file(storage: storage_lib.Storage, attempt: Attempt,
+                              kind: str, pid: int, data: bytes) -> None:
+  """One of this process's files in the attempt's directory
+  (index.process_file): its host_state, or (format "zarr") the crc32c of
+  every box it wrote. Written before the "written" barrier, so the commit
+  (rename or marker) covers it and a failed attempt is removed with it;
+  nothing of it passes through the coordinator or grows the index."""
+  rel = index_lib.process_file(kind, pid)
+  what = f"the {kind.lstrip('.')} file of process {pid}, step {attempt.step},"
+  await asyncio.to_thread(_write_file, storage, attempt.work_dir, rel, data,
+                          what)
+
+
+def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
+                data: bytes, what: str) -> None:
+  if len(data) > index_lib.MAX_PROCESS_FILE_BYTES:
+    raise CheckpointError(
+        f"{what} is {len(data)} bytes; readers accept at most "
+        f"{index_lib.MAX_PROCESS_FILE_BYTES}")
+  if not storage.is_posix:
+    storage.write_bytes(f"{work_dir}/{rel}", data)
+    return
+  # Never recreates the attempt's directory (if it was removed, the commit
+  # fails on its missing attempt.json): only the per-process subdirectory.
+  sub, name = rel.rsplit("/", 1)
+  folder = os.path.join(os.fspath(storage.root), work_dir, sub)
+  with storage.store_errors(f"writing {what} to"):
+    try:
+      os.mkdir(folder)
+    except FileExistsError:
+      pass
+    storage_lib.write_file(os.path.join(folder, name), data)
 
 
 async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
@@ -173,6 +214,12 @@ class Retention:
   and the queries do. A failure is logged with the step and its cause; the
   save it followed stays committed. A step whose metrics cannot be read
   counts as a step without metrics.
+
+  What a pass reads: the committed steps (on a bucket one listing of the
+  flat ``commits/`` prefix, never the steps' keys) and, for a policy that
+  ranks by metrics or keeps by time, each step's metrics or save time once
+  per Checkpointer (``read_metrics``/``read_time`` cache them: one GET of
+  the step's commit record on a bucket, its index on a disk).
 
   Steps being restored (``protect``) are never deleted: each deletion
   checks them under a lock at the moment it happens.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import math
 import re
@@ -26,20 +27,31 @@ from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
 VERSION = 1
-# A real index takes about 240 bytes per array leaf (one checksummed box; 190
-# for the entry, 40 for its place in the tree structure) plus about 20 per
-# further checksummed box: 100,000 leaves fit in 24 MiB. Checked before the
-# file is read (restore.read_index) and again here; save refuses to write more.
+# The index grows with the leaves only, never with the number of processes:
+# no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
+# boxes are in per-process files) and no per-process host_state (files too),
+# so the same leaves saved by 1 or 4,096 processes differ by the 2 bytes of
+# the process_count integer. Measured with save.make_index and encode (5-part
+# names such as params/layer_12/attn/q/kernel, a 2x4 NamedSharding): 334 and
+# 337 bytes per array leaf for 1,000 and 10,000 leaves in format zarr3 (318
+# and 321 for zarr, whose codec map has no "checksum"); about 75 of those are
+# the leaf's place in the tree structure, most of the rest its path (twice:
+# parts and relpath) and sharding text. So 32 MiB holds about 99,000 such
+# leaves (more with shorter names). Indexes written before kept ~20 bytes
+# per box written and a blob per process, which at 4,096-way sharding and
+# ~12,000 leaves passed this limit. Checked before the file is read
+# (restore.read_index) and again here; encode refuses to write more.
 MAX_INDEX_BYTES = 32 << 20
 MAX_RANK = 64
 MAX_DEPTH = 256
-# No list or map of an index is longer (leaves, a dict's keys, a leaf's
-# checksummed boxes, host_state per process).
+# No list or map of an index is longer (leaves, a dict's keys; in older
+# indexes a leaf's checksummed boxes and host_state per process).
 MAX_CONTAINER_LEN = 1 << 20
 # msgpack nests at most 1024 containers deep (its fixed C stack): an index
 # deeper than that fails to parse whatever the options say.
-# A real index makes fewer than one list per 3 bytes (a leaf's 1-D
-# checksummed box [[a], [b], crc] is 3 lists in 10 bytes) and one map per 8
+# A real index makes fewer than one list per 3 bytes (an older index's 1-D
+# checksummed box [[a], [b], crc] is 3 lists in 10 bytes; a zarr v2
+# checksum file's record [leaf, [a], [b], crc] 3 in 11) and one map per 8
 # (a python-int leaf: entry, value and structure maps in 45 bytes); more is
 # refused while decoding, so a hostile index costs at most about 25 bytes of
 # python objects per byte (README: "Reading checkpoints you did not write").
@@ -60,6 +72,8 @@ ALLOWED_DTYPES = frozenset({
     "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4",
 })
+# Each allowed name's dtype, looked up once (not np.dtype() per leaf).
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +84,15 @@ class ArrayEntry:
   shape: tuple[int, ...]
   dtype: str
   chunks: tuple[int, ...]
+  # {"compression": None | "zstd", "level": int, "checksum": "crc32c"}: the
+  # checksum codec of zarr3/ocdbt arrays (absent in older indexes: none).
   codec: dict[str, Any]
   source_dtype: str
   sharding: str = ""
-  # (start, stop, crc32c) of every box written, taken of the staged bytes.
+  # Older indexes only: (start, stop, crc32c) of every box written. Now
+  # zarr3/ocdbt chunks carry their crc32c (codec) and zarr v2 boxes are
+  # checksummed in per-process files (CHECKSUMS_DIR), so the index does not
+  # grow with the number of processes.
   checksums: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...] = ()
   # A typed PRNG key leaf: the array is its key data, this its
   # implementation's name (ckpt/prng.py); "" for any other leaf.
@@ -83,8 +102,9 @@ class ArrayEntry:
     out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
            "shape": list(self.shape), "dtype": self.dtype,
            "chunks": list(self.chunks), "codec": self.codec,
-           "source_dtype": self.source_dtype, "sharding": self.sharding,
-           "checksums": [[list(a), list(b), c] for a, b, c in self.checksums]}
+           "source_dtype": self.source_dtype, "sharding": self.sharding}
+    if self.checksums:  # only indexes written before checksum files had them
+      out["checksums"] = [[list(a), list(b), c] for a, b, c in self.checksums]
     if self.prng_impl:  # absent otherwise: older indexes decode unchanged
       out["prng_impl"] = self.prng_impl
     return out
@@ -117,7 +137,39 @@ class Index:
   structure: Any
   leaves: tuple[Entry, ...]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
-  host_state: tuple[bytes, ...] | None = None  # msgpack, one per process
+  # Older indexes only: msgpack, one per process. Now each process writes
+  # its own file (HOST_STATE_DIR) and this is None.
+  host_state: tuple[bytes, ...] | None = None
+
+
+# ---- per-process files of a step ------------------------------------------
+# Each process writes its own small files into the attempt's directory
+# before the "written" barrier, so they commit (and are deleted) with the
+# data and nothing about them passes through the coordinator or the index:
+#   <step dir>/.host_state/<process>.msgpack   its host_state (msgpack)
+#   <step dir>/.checksums/<process>.msgpack    format "zarr" only: crc32c of
+#                                              every box it wrote
+# A leaf's directory never starts with "." (tree.storage_relpath escapes it,
+# check_relpath refuses it), so these names cannot meet a leaf's array.
+HOST_STATE_DIR = ".host_state"
+CHECKSUMS_DIR = ".checksums"
+# Process numbers read from an index beyond this are refused (file names are
+# built from them).
+MAX_PROCESSES = 1 << 20
+# The largest per-process file written or read (storage.MAX_OBJECT_BYTES).
+MAX_PROCESS_FILE_BYTES = 32 << 20
+
+
+def process_file(kind: str, process: int, step_dir: str = "") -> str:
+  """``<step_dir>/<kind>/<process>.msgpack``: the name is built from a
+  process number checked here, never read from a checkpoint."""
+  if kind not in (HOST_STATE_DIR, CHECKSUMS_DIR):
+    raise ValueError(f"unknown per-process file kind {kind!r}")
+  if type(process) is not int or not 0 <= process < MAX_PROCESSES:
+    raise CorruptCheckpointError(
+        f"process number {process!r} is not an int in [0, {MAX_PROCESSES})")
+  rel = f"{kind}/{process}.msgpack"
+  return f"{step_dir}/{rel}" if step_dir else rel
 
 
 # ---- inline values ---------------------------------------------------------
@@ -175,15 +227,112 @@ def encode(index: Index) -> bytes:
       "leaves": [e.to_json() for e in index.leaves],
       "host_state": list(index.host_state) if index.host_state is not None else None,
   }
-  data = msgpack.packb(doc, use_bin_type=True)
   # What decode() would refuse is not written: a checkpoint nobody can read.
-  if len(data) > MAX_INDEX_BYTES or len(index.leaves) > MAX_CONTAINER_LEN:
+  # Each limit decode enforces on the document's shape is checked here, on
+  # process 0 before the commit, so the save fails instead.
+  depth = _structure_depth(index.structure)
+  if depth > MAX_DEPTH:
+    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+                      "Nest the state less deeply")
+  for e in index.leaves:
+    if isinstance(e, ArrayEntry):
+      try:
+        check_extent(e.shape, e.chunks, np.dtype(e.dtype).itemsize,
+                     f"leaf {tree.path_str(e.path)!r}")
+      except CorruptCheckpointError as err:
+        raise InvalidStateError(
+            f"the index of step {index.step} would be refused by readers: "
+            f"{err}") from err
+  try:
+    data = msgpack.packb(doc, use_bin_type=True)
+  except ValueError as e:  # msgpack's own nesting limit
     raise InvalidStateError(
-        f"the index of step {index.step} would be {len(data)} bytes for "
-        f"{len(index.leaves)} leaves; readers accept at most {MAX_INDEX_BYTES} "
-        f"bytes and {MAX_CONTAINER_LEN} leaves (ckpt.index.MAX_INDEX_BYTES). "
-        "Save fewer, larger leaves (or fewer inline values)")
+        f"the index of step {index.step} cannot be encoded: {e} (msgpack "
+        f"nests at most {_PACK_DEPTH} containers)") from e
+  check_encoded(data, index)
   return data
+
+
+# msgpack packs and unpacks at most this many nested containers (its
+# recursion limit and fixed C stack): whatever packs, parses. The structure
+# depth limit (MAX_DEPTH, two containers a level) keeps real indexes far
+# below it.
+_PACK_DEPTH = 1024
+
+
+def _over_limit(index: "Index", what: str, found: int, limit: int,
+                name: str, hint: str = "") -> InvalidStateError:
+  n = len(index.leaves)
+  return InvalidStateError(
+      f"the index of step {index.step} ({n} leaves) would exceed a limit "
+      f"that readers enforce, so nobody could read the checkpoint; nothing "
+      f"was committed: {what} is {found}, the limit is {limit} "
+      f"(ckpt.index.{name}). "
+      + (hint or "Save fewer, larger leaves (or fewer inline values)"))
+
+
+def _structure_depth(structure: Any) -> int:
+  """How deep a tree structure nests (as _check_structure counts it)."""
+  deepest, stack = 0, [(structure, 0)]
+  while stack:
+    node, depth = stack.pop()
+    deepest = max(deepest, depth)
+    if isinstance(node, dict) and "leaf" not in node:
+      children = node.get("children", [])
+      if isinstance(children, list):
+        stack.extend((c, depth + 1) for c in children)
+  return deepest
+
+
+class _ContainerCount:
+  """msgpack list/object hooks that count what _ContainerBudget limits."""
+
+  def __init__(self):
+    self.lists = self.maps = self.longest = 0
+
+  def list_hook(self, x: list) -> list:
+    self.lists += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+  def object_hook(self, x: dict) -> dict:
+    self.maps += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+
+def check_encoded(data: bytes, index: "Index") -> None:
+  """Raises InvalidStateError (naming the limit, what was found and the
+  limit) if ``decode`` would refuse ``data`` for its size or the number,
+  length or nesting of its containers."""
+  if len(data) > MAX_INDEX_BYTES:
+    raise _over_limit(index, "the encoded size in bytes", len(data),
+                      MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
+  count = _ContainerCount()
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    msgpack.unpackb(data, raw=False, strict_map_key=True,
+                    list_hook=count.list_hook, object_hook=count.object_hook)
+  except ValueError as e:  # a map key that is not a string, say
+    raise InvalidStateError(
+        f"the index of step {index.step} would not decode: {e}") from e
+  finally:
+    if was_enabled:
+      gc.enable()
+  budget = _ContainerBudget(len(data))
+  longest = min(MAX_CONTAINER_LEN, len(data))
+  if count.longest > longest:
+    raise _over_limit(index, "the longest list or map (e.g. the leaves)",
+                      count.longest, longest, "MAX_CONTAINER_LEN")
+  if count.lists > budget.lists:
+    raise _over_limit(index, f"the number of lists in {len(data)} bytes "
+                      f"(at most one per {_LISTS_PER_BYTE} bytes)",
+                      count.lists, budget.lists, "_LISTS_PER_BYTE")
+  if count.maps > budget.maps:
+    raise _over_limit(index, f"the number of maps in {len(data)} bytes "
+                      f"(at most one per {_MAPS_PER_BYTE} bytes)",
+                      count.maps, budget.maps, "_MAPS_PER_BYTE")
 
 
 class _ContainerBudget:
@@ -261,8 +410,13 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
   raw_leaves = doc.get("leaves")
   if not isinstance(raw_leaves, list):
     raise _bad(where, "a list of leaves", raw_leaves)
-  leaves = tuple(_decode_entry(e, f"{where}: leaf {i}")
+  leaves = tuple(_decode_entry(e, _Where(where, i))
                  for i, e in enumerate(raw_leaves))
+  if fmt == "zarr":
+    for i, e in enumerate(leaves):
+      if isinstance(e, ArrayEntry) and e.codec.get("checksum") == "crc32c":
+        raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+                   "no checksum codec (format zarr v2 has none)", e.codec)
   names = [tree.path_str(e.path) for e in leaves]
   if len(set(names)) != len(names):
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
@@ -294,7 +448,7 @@ def _decode_entry(e: Any, where: str) -> Entry:
   if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
     raise _bad(where, "path as a list of strings", path)
   path = tuple(path)
-  where = f"{where} ({tree.path_str(path)})"
+  where.path = path
   if e.get("kind") == "value":
     value = decode_value(e.get("value"), where)
     impl = "" if e.get("prng_impl", "") == "" else _prng_impl(
@@ -310,13 +464,15 @@ def _decode_entry(e: Any, where: str) -> Entry:
   chunks = _shape(e.get("chunks"), where)
   if len(chunks) != len(shape) or any(c < 1 for c in chunks):
     raise _bad(where, f"{len(shape)} positive chunk extents", chunks)
-  dtype = _dtype(e.get("dtype"), where).name
-  check_extent(shape, chunks, np.dtype(dtype).itemsize, where)
+  dtype = e.get("dtype")
+  check_extent(shape, chunks, _dtype(dtype, where).itemsize, where)
   source = e.get("source_dtype", dtype)
   _dtype(source, where)
   codec = e.get("codec") or {}
   if not isinstance(codec, dict) or codec.get("compression") not in (None, "zstd"):
     raise _bad(where, "codec compression None or 'zstd'", codec)
+  if codec.get("checksum", "none") not in ("none", "crc32c"):
+    raise _bad(where, "codec checksum absent, 'none' or 'crc32c'", codec)
   sharding = e.get("sharding", "")
   if not isinstance(sharding, str):
     raise _bad(where, "sharding as a string", sharding)
@@ -362,8 +518,7 @@ def check_relpath(relpath: Any, where: str) -> str:
   """A path read from a checkpoint must stay inside the step directory."""
   if not isinstance(relpath, str) or not relpath or len(relpath) > 4096:
     raise _bad(where, "a relative path", relpath)
-  parts = relpath.split("/")
-  if any(not _REL_PART.match(p) or p in (".", "..") for p in parts):
+  if not all(map(_plain_part, relpath.split("/"))):
     raise CorruptCheckpointError(
         f"{where}: path {relpath!r} is not a plain relative path inside the "
         "checkpoint (absolute, '..', or unexpected characters); refusing it")
@@ -433,9 +588,30 @@ def _shape(v: Any, where: str) -> tuple[int, ...]:
 
 
 def _dtype(name: Any, where: str) -> np.dtype:
-  if not isinstance(name, str) or name not in ALLOWED_DTYPES:
+  dtype = _DTYPES.get(name) if isinstance(name, str) else None
+  if dtype is None:
     raise _bad(where, "a known dtype name", name)
-  return np.dtype(name)
+  return dtype
+
+
+class _Where:
+  """Where an entry is, for error messages: formatted only if one is
+  raised (an index of 100,000 leaves decodes each entry once)."""
+
+  def __init__(self, prefix: str, i: int):
+    self.prefix, self.i, self.path = prefix, i, None
+
+  def __str__(self) -> str:
+    where = f"{self.prefix}: leaf {self.i}"
+    return where if self.path is None else (
+        f"{where} ({tree.path_str(self.path)})")
+
+  __format__ = lambda self, spec: format(str(self), spec)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _plain_part(p: str) -> bool:
+  return bool(_REL_PART.match(p)) and p not in (".", "..")
 
 
 # Errors show a bounded excerpt of what was found: repr() of a hostile

@@ -1,9 +1,18 @@
-"""End-to-end integrity: crc32c checksums recorded at save, checked on read.
+"""End-to-end integrity: crc32c checksums taken at save, checked on read.
 
-Every box a process writes is checksummed from its staged host copy (no
-second pass over the data) and recorded in the index with the leaf. ``verify``
-reads every recorded box back and compares; ``restore(verify=True)`` checks
-the recorded boxes that overlap what this process reads.
+- Formats "zarr3" and "ocdbt": every chunk carries a crc32c (zarr3's codec,
+  last in the chain), checked by TensorStore whenever it decodes the chunk.
+  ``verify`` reads every chunk; every restore is verified as it reads.
+- Format "zarr" (v2): every box a process writes is checksummed from its
+  staged host copy (no second pass over the data) into that process's file
+  ``.checksums/<process>.msgpack`` in the step. ``verify`` reads those
+  files and every box back and compares; ``restore(verify=True)`` checks
+  the boxes that overlap what this process reads. A missing file leaves
+  the boxes of its process unverifiable, which is reported.
+- Indexes from before carry the box checksums in their entries; checked
+  the same way.
+
+(ckpt/checksums.py holds the checks.)
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import asyncio
 import dataclasses
 from typing import Callable
 
+from ckpt import checksums
 from ckpt import lazy
 from ckpt import restore as restore_lib
 from ckpt import storage as storage_lib
@@ -34,6 +44,7 @@ async def _verify(storage: storage_lib.Storage, step_dir: str, budget: int,
   index = await asyncio.to_thread(restore_lib.read_index, storage, step_dir)
   leaves = restore_lib.checkpoint_leaves(
       index, storage.step_spec(step_dir), storage.context(), budget)
+  checksums.attach(leaves, storage, step_dir, index)
   arrays = [v for v in leaves.values() if isinstance(v, lazy.LazyArray)]
   limiter = ByteLimiter(budget)
   problems: list[Problem] = []
@@ -57,7 +68,7 @@ def verify(path, *, step: int | None = None, storage_options: dict | None = None
            progress: Callable[[int, int], None] | None = None,
            budget: int = DEFAULT_BUDGET) -> list[Problem]:
   """Reads every stored byte of a checkpoint and checks it against the
-  checksums recorded at save. Returns the corrupt leaves (empty: all good).
+  checksums taken at save (its chunks' crc32c, or its checksum files). Returns the corrupt leaves (empty: all good).
 
   ``path`` is a checkpoint root (then ``step``, default latest) or one step
   directory. An unreadable index raises CorruptCheckpointError.

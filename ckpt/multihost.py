@@ -10,11 +10,13 @@ Checkpointer's background thread.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import secrets
 import signal
 import threading
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import jax
 from jax._src import distributed as _distributed
@@ -35,7 +37,92 @@ def process_count() -> int:
 
 
 def _client():
-  return _distributed.global_state.client
+  client = _distributed.global_state.client
+  return None if client is None else _TimedClient(client)
+
+
+# ---- what coordination costs --------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class CoordinationStats:
+  """Calls into the coordination service made by this process, and the
+  wall time spent inside them (waiting for other processes included).
+
+  ``barriers`` counts ``wait_at_barrier``; ``kv_calls`` every key-value
+  call (set, get, blocking get, dir get, delete; bytes variants too).
+  """
+  seconds: float = 0.0
+  barriers: int = 0
+  barrier_s: float = 0.0
+  kv_calls: int = 0
+  kv_s: float = 0.0
+
+  def __sub__(self, other: "CoordinationStats") -> "CoordinationStats":
+    return CoordinationStats(*(a - b for a, b in zip(
+        dataclasses.astuple(self), dataclasses.astuple(other))))
+
+
+_coord = [0.0, 0, 0.0, 0, 0.0]  # the fields of CoordinationStats
+_coord_lock = threading.Lock()
+_trace: list | None = None  # (method, first argument, start, seconds)
+
+
+def coordination_stats(reset: bool = False) -> CoordinationStats:
+  """This process's totals since it started (or the last reset); every
+  thread's calls count, so take a delta around what you measure."""
+  with _coord_lock:
+    out = CoordinationStats(*_coord)
+    if reset:
+      _coord[:] = [0.0, 0, 0.0, 0, 0.0]
+  return out
+
+
+def trace_coordination(enabled: bool) -> list:
+  """Starts (True) or stops (False) recording every call as ``(method,
+  first argument, perf_counter at start, seconds)``; returns what was
+  recorded since the last start. For benchmarks: off by default."""
+  global _trace
+  with _coord_lock:
+    got, _trace = (_trace or []), ([] if enabled else None)
+  return got
+
+
+def _record(method: str, arg: Any, start: float, seconds: float) -> None:
+  with _coord_lock:
+    _coord[0] += seconds
+    if method == "wait_at_barrier":
+      _coord[1] += 1
+      _coord[2] += seconds
+    else:
+      _coord[3] += 1
+      _coord[4] += seconds
+    if _trace is not None:
+      _trace.append((method, str(arg)[:200], start, seconds))
+
+
+class _TimedClient:
+  """The distributed client, with every call timed into the totals above
+  (one ``perf_counter`` pair and one uncontended lock per call)."""
+
+  __slots__ = ("_client",)
+
+  def __init__(self, client):
+    self._client = client
+
+  def __getattr__(self, name: str):
+    attr = getattr(self._client, name)
+    if not callable(attr) or not (name == "wait_at_barrier" or
+                                  "key_value" in name):
+      return attr
+
+    def timed(*args, **kwargs):
+      start = time.perf_counter()
+      try:
+        return attr(*args, **kwargs)
+      finally:
+        _record(name, args[0] if args else "", start,
+                time.perf_counter() - start)
+    return timed
 
 
 def is_multiprocess() -> bool:

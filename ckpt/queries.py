@@ -53,6 +53,12 @@ class Queries:
     return self._time_cache[step]
 
   def _read_step_info(self, step: int) -> None:
+    """Process 0 (or one process alone): the step's metrics and save time,
+    from its commit record on an object store (one GET), else its index."""
+    info = commit_lib.read_info(self.storage, step)
+    if info is not None and info[1] is not None:
+      self._metrics_cache[step], self._time_cache[step] = info
+      return
     index = restore_lib.read_index(self.storage,
                                    commit_lib.step_dir(self.storage, step))
     self._metrics_cache[step] = dict(index.metrics)
@@ -142,19 +148,50 @@ class Queries:
         restore_lib.read_index(self.storage, step_dir))
 
   def host_state(self, step: int | None = None) -> Any:
-    step, step_dir = self._agreed(
-        f"host_state({step!r})",
-        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
-                 commit_lib.step_dir(self.storage, s)],
+    """This process's host_state saved with ``step`` (default: latest).
+
+    Process 0 picks the step and reads its index once (how many processes
+    saved it; whether the index holds every process's host_state itself,
+    as older indexes do); then each process reads only its own file,
+    ``<step>/.host_state/<process>.msgpack`` (one GET per process).
+    """
+    # pylint: disable=g-import-not-at-top
+    from ckpt import index as index_lib
+    from ckpt.errors import CorruptCheckpointError
+
+    def answer() -> list:
+      s = restore_lib.resolve_step(self.storage, step)
+      d = commit_lib.step_dir(self.storage, s)
+      index = restore_lib.read_index(self.storage, d)
+      return [s, d, index.process_count, index.host_state is not None]
+
+    step, step_dir, saved_by, inline = self._agreed(
+        f"host_state({step!r})", answer,
         f"the step of host_state in {self.storage.url!r}")
-    index = restore_lib.read_index(self.storage, step_dir)
-    n = multihost.process_count()
-    if index.process_count != n or len(index.host_state or ()) != n:
-      raise CheckpointError(
-          f"step {step} holds host_state for {index.process_count} processes "
+    n, pid = multihost.process_count(), multihost.process_index()
+
+    def mismatch(count: int) -> CheckpointError:
+      return CheckpointError(
+          f"step {step} holds host_state for {count} processes "
           f"but this job has {n}; host_state is per process and cannot be "
           "mapped onto a different process count")
-    return save_lib.unpack_host_state(index.host_state[multihost.process_index()])
+
+    if saved_by != n:
+      raise mismatch(saved_by)
+    if inline:  # an older index: every process's host_state is in it
+      index = restore_lib.read_index(self.storage, step_dir)
+      if len(index.host_state or ()) != n:
+        raise mismatch(len(index.host_state or ()))
+      return save_lib.unpack_host_state(index.host_state[pid])
+    rel = index_lib.process_file(index_lib.HOST_STATE_DIR, pid, step_dir)
+    where = f"{self.storage.url.rstrip('/')}/{rel}"
+    data = self.storage.read_bytes(rel, limit=index_lib.MAX_PROCESS_FILE_BYTES)
+    if data is None:
+      raise CorruptCheckpointError(
+          f"step {step}: the host_state of process {pid} ({where}) is "
+          "missing; the checkpoint is incomplete (every process writes its "
+          "file before the step is committed)")
+    return save_lib.unpack_host_state(data, where)
 
 
 def check_step(step: Any) -> int:

@@ -284,6 +284,8 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
   index = await asyncio.to_thread(read_index, storage, step_dir)
   leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
                              budget)
+  if args.verify:  # format "zarr": the per-process checksum files
+    checksums.attach(leaves, storage, step_dir, index)
   return await restore_tree(index, leaves, args, ByteLimiter(budget))
 
 

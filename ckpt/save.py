@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ import tensorstore as ts
 from ckpt import index as index_lib
 from ckpt import multihost
 from ckpt import ocdbt
+from ckpt import placement as placement_lib
 from ckpt import plan as plan_lib
 from ckpt import prng
 from ckpt import tree
@@ -71,6 +73,14 @@ class SaveStats:
   blocking_s: float = 0.0
   total_s: float = 0.0
   skipped: bool = False
+  # Where the time went (seconds, this process): plan_save on the caller's
+  # thread, and the calls into the coordination service over the whole save
+  # (the agreement round, barriers, posts; the wait for other processes at
+  # barriers included), with how many barriers and key-value calls it made.
+  plan_s: float = 0.0
+  coordination_s: float = 0.0
+  barriers: int = 0
+  kv_calls: int = 0
 
 
 HOST_REPLICATED = "replicated (host value)"
@@ -97,14 +107,11 @@ class LeafPlan:
 class SavePlan:
   structure: Any
   leaves: list[LeafPlan]
-  writes: list[plan_lib.Write]      # every process's writes
+  writes: list[plan_lib.Write]      # this process's writes, nobody else's
   options: SaveOptions
   # The caller waits until the save is committed (async_save=False): its
   # arrays may be written from directly, with no staging copy.
   borrow: bool = False
-
-  def my_writes(self, process: int) -> list[plan_lib.Write]:
-    return [w for w in self.writes if w.process == process]
 
 
 def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:
@@ -114,18 +121,29 @@ def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:
 
 
 def _describe_sharding(x: Any, sharding) -> str:
+  if sharding is None:
+    return HOST_REPLICATED
+  try:
+    return _describe(sharding)
+  except TypeError:  # not hashable
+    return type(sharding).__name__
+
+
+@functools.lru_cache(maxsize=1024)
+def _describe(sharding) -> str:
   if isinstance(sharding, jax.sharding.NamedSharding):
     axes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
     return f"NamedSharding(mesh={axes}, spec={tuple(sharding.spec)})"
-  if sharding is None:
-    return HOST_REPLICATED
   return type(sharding).__name__
 
 
 def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
-              process_count: int | None = None) -> SavePlan:
-  """Stages 1 and 2: flatten the state and decide who writes what."""
+              process_count: int | None = None,
+              process: int | None = None) -> SavePlan:
+  """Stages 1 and 2: flatten the state and decide what this process writes
+  (from its own shards only: ckpt/placement.py, ckpt/plan.py)."""
   process_count = process_count or multihost.process_count()
+  process = multihost.process_index() if process is None else process
   structure = tree.encode_structure(state)
   leaves: list[LeafPlan] = []
   layouts: list[plan_lib.LeafLayout] = []
@@ -142,10 +160,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         leaves.append(LeafPlan(parts, None,
                                index_lib.ValueEntry(parts, value, impl)))
         continue
-      devices = {d.id: idx for d, idx in
-                 x.sharding.devices_indices_map(x.shape).items()}
-      proc = {d.id: d.process_index for d in x.sharding.device_set}
-      shards = plan_lib.shards_from_index_map(x.shape, devices, proc)
+      where = placement_lib.placement(x.sharding, x.shape, process)
       sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, np.ndarray):
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
@@ -155,12 +170,9 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         continue
       sharding = partitioner(name, x.shape) if partitioner else None
       if sharding is None:
-        shards = plan_lib.replicated_shards(x.shape, process_count)
+        where = placement_lib.host_replicated(x.shape, process, process_count)
       else:
-        devices = {d.id: idx for d, idx in
-                   sharding.devices_indices_map(x.shape).items()}
-        proc = {d.id: d.process_index for d in sharding.device_set}
-        shards = plan_lib.shards_from_index_map(x.shape, devices, proc)
+        where = placement_lib.placement(sharding, x.shape, process)
       sharding_text = _describe_sharding(x, sharding)
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       value = x
@@ -175,7 +187,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
           f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
           "expected a jax.Array, numpy array, scalar, str, bytes or None. "
           "Register custom containers as pytree nodes.")
-    layout = plan_lib.leaf_layout(x.shape, stored.itemsize, shards,
+    layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
     entry = index_lib.ArrayEntry(
         path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
@@ -185,8 +197,8 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
-  writes = [dataclasses.replace(w, leaf=layout_leaf[w.leaf])  # layout -> leaf
-            for w in plan_lib.assign_writes(layouts, process_count,
+  writes = [w._replace(leaf=layout_leaf[w.leaf])  # layout -> leaf
+            for w in plan_lib.assign_writes(layouts, process,
                                             options.max_item_bytes)]
   return SavePlan(structure, leaves, writes, options)
 
@@ -276,7 +288,7 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   With format "ocdbt" each process writes into its own database, merged at
   finalize (ckpt/ocdbt.py); process 0's holds the metadata of every array.
   """
-  mine = {w.leaf for w in plan.my_writes(process)}
+  mine = {w.leaf for w in plan.writes}
   wanted = [i for i, lp in enumerate(plan.leaves)
             if lp.layout is not None and (process == 0 or i in mine)]
   kvstore = step_kvstore
@@ -312,9 +324,11 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   With ``plan.borrow`` (the caller waits for the whole save) boxes are
   written straight from its arrays, with no staging copy.
 
-  Returns ``[leaf, start, stop, crc32c]`` for every box written: checksums
-  are taken of the staged data while TensorStore writes it, off the
-  caller's path.
+  Returns ``[leaf, start, stop, crc32c]`` for every box written with
+  format "zarr" (zarr v2 has no checksum codec; finalize writes them to this
+  process's checksum file): checksums are taken of the staged data while
+  TensorStore writes it, off the caller's path. Empty for "zarr3" and
+  "ocdbt", whose chunks carry their own crc32c (tsspec.default_checksum).
   """
   process = multihost.process_index()
   stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
@@ -327,6 +341,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   tasks: list[asyncio.Task] = []
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
   sums: list[list] = []
+  take_sums = (plan.options.codec.resolved_checksum(
+      plan.options.storage_format) == "none")
 
   async def write_box(w: plan_lib.Write, data: np.ndarray, txn=None):
     try:
@@ -338,10 +354,13 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       # to it instead of copying it into its chunk cache.
       write = store[w.box.slices()].write(
           data, can_reference_source_data_indefinitely=True)
-      crc = (checksum(data) if data.nbytes <= INLINE_WORK_BYTES else
-             await asyncio.to_thread(checksum, data))
+      crc = None
+      if take_sums:
+        crc = (checksum(data) if data.nbytes <= INLINE_WORK_BYTES else
+               await asyncio.to_thread(checksum, data))
       await write
-      sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
+      if take_sums:
+        sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
@@ -410,7 +429,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # competing for the same cores; when the budget is full, the staged boxes
   # start writing and free it.
   try:
-    for w in plan.my_writes(process):
+    for w in plan.writes:
       if w.box.size == 0:
         continue  # a zero-size shard: nothing to store
       if write_failed:
@@ -462,17 +481,20 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
 
 
 def make_index(plan: SavePlan, step: int, metrics: dict | None,
-               host_states: list | None, process_count: int,
-               checksums: list[list] | None = None) -> index_lib.Index:
-  """The index; ``checksums`` are every process's write_owned results."""
-  by_leaf: dict[int, list] = {}
-  for leaf, start, stop, crc in checksums or ():
-    by_leaf.setdefault(leaf, []).append((tuple(start), tuple(stop), crc))
+               process_count: int) -> index_lib.Index:
+  """The index. Its size depends on the leaves only, never on the number
+  of processes: checksums and host states are in per-process files
+  (index.process_file), and each array's entry records its checksum codec
+  (crc32c for "zarr3" and "ocdbt", so a reader opens it with the same
+  codec chain it was written with)."""
+  fmt = plan.options.storage_format
+  checksum = plan.options.codec.resolved_checksum(fmt)
   entries = []
-  for i, lp in enumerate(plan.leaves):
+  for lp in plan.leaves:
     e = lp.entry
-    if isinstance(e, index_lib.ArrayEntry) and i in by_leaf:
-      e = dataclasses.replace(e, checksums=tuple(sorted(by_leaf[i])))
+    if (isinstance(e, index_lib.ArrayEntry) and checksum != "none" and
+        e.codec.get("checksum") != checksum):
+      e = dataclasses.replace(e, codec={**e.codec, "checksum": checksum})
     entries.append(e)
   return index_lib.Index(
       step=step, time=time.time(), storage_format=plan.options.storage_format,
@@ -480,8 +502,7 @@ def make_index(plan: SavePlan, step: int, metrics: dict | None,
       leaves=tuple(entries),
       # ints stay ints (the index has always accepted int or float values)
       metrics={k: v if type(v) is int else float(v)
-               for k, v in (metrics or {}).items()},
-      host_state=tuple(host_states) if host_states is not None else None)
+               for k, v in (metrics or {}).items()})
 
 
 # ---- the other arguments of save() -----------------------------------------
@@ -541,14 +562,31 @@ def _metric_value(name: str, v: Any) -> float | int:
 
 def pack_host_state(value: Any) -> bytes:
   try:
-    return msgpack.packb(value, use_bin_type=True)
+    data = msgpack.packb(value, use_bin_type=True)
   except Exception as e:
     raise InvalidStateError(
         f"host_state must be msgpack-able (dicts, lists, str, numbers, bytes); "
         f"got {type(value).__name__}: {e}") from e
+  if len(data) > index_lib.MAX_PROCESS_FILE_BYTES:
+    raise InvalidStateError(
+        f"host_state is {len(data)} bytes packed; readers accept at most "
+        f"{index_lib.MAX_PROCESS_FILE_BYTES} "
+        "(ckpt.index.MAX_PROCESS_FILE_BYTES). Save large per-host data as "
+        "arrays of the state instead")
+  return data
 
 
-def unpack_host_state(data: Any) -> Any:
+def unpack_host_state(data: Any, where: str = "host_state") -> Any:
+  """A host_state blob (from an older index, or this process's file), with
+  its lengths bounded by its size."""
   if not isinstance(data, bytes):
-    raise CheckpointError(f"host_state entry is {type(data).__name__}, not bytes")
-  return msgpack.unpackb(data, raw=False, strict_map_key=False)
+    raise CheckpointError(f"{where} is {type(data).__name__}, not bytes")
+  n = len(data)
+  try:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False,
+                           max_str_len=n, max_bin_len=n, max_array_len=n,
+                           max_map_len=n, max_ext_len=n)
+  except Exception as e:
+    raise index_lib.CorruptCheckpointError(
+        f"{where} is not a valid msgpack value (truncated or corrupt?): {e}"
+    ) from e

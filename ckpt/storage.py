@@ -14,12 +14,14 @@ The commit protocol (attempts, markers, what cleanup may delete) lives in
 ckpt/commit.py; this module gives it small objects, listings and deletions.
 
 Listing: TensorStore's ``KvStore.list`` takes a key range but no delimiter
-and no page limit, so discovery on an object store lists every key under
-``checkpoint_*`` (one listing per call, paged by the server: about 1,000 keys
-a request). That is why ``format="ocdbt"`` (a few dozen keys per step) suits
-buckets best. Every listed key is checked against the range asked for: a
-server that ignores the range (an emulator without ``startOffset``) raises
-instead of letting a deletion touch keys outside the step.
+and no page limit, so listing ``checkpoint_*`` on an object store returns
+every key of every step (one per chunk with zarr). Discovery therefore lists
+the flat prefix of commit records instead (``commits/``, one key per
+committed step; see ckpt/commit.py), and only a root written before those
+records existed is listed in full. Deleting a step still lists its own keys
+(it deletes each). Every listed key is checked against the range asked for:
+a server that ignores the range (an emulator without ``startOffset``)
+raises instead of letting a deletion touch keys outside the step.
 
 A dead store fails in bounded time: TensorStore retries each request 32
 times with backoff up to 32 s by default (about 15 minutes before an error),
@@ -217,11 +219,20 @@ def _split_resources(spec: dict[str, Any]) -> tuple[dict, dict]:
 
 _KEY_NAMES = {INDEX_NAME: "the index", COMMIT_MARKER: "the commit marker",
               "attempt.json": "the lease"}
+# The flat prefixes of ckpt/commit.py (object stores): one key per committed
+# step, one per save or deletion in progress.
+RECORDS_DIR = "commits"
+PENDING_DIR = "pending"
 
 
 def _describe(rel: str) -> str:
   """How an error names the key ``rel``: "the index of step 5", ..."""
   head, _, tail = rel.partition("/")
+  if head == RECORDS_DIR and tail:
+    return (f"the commit record of step {tail}" if tail.isdigit() else
+            f"{rel} (the commit records)")
+  if head == PENDING_DIR and tail:
+    return f"{rel} (a save or deletion in progress)"
   if tail.startswith("attempt-") and "/" in tail:  # an attempt on a bucket
     attempt, _, tail = tail.partition("/")
     head = f"{head}/{attempt}"
@@ -239,6 +250,10 @@ def _describe_listing(prefix: str) -> str:
   """How an error names a listing of ``prefix``: "listing the steps of"."""
   if prefix == STEP_PREFIX:
     return "listing the steps of"
+  if prefix == RECORDS_DIR + "/":
+    return "listing the steps of"  # their commit records
+  if prefix == PENDING_DIR + "/":
+    return "listing the saves and deletions in progress in"
   head, _, tail = prefix.partition("/")
   m = _STEP_RE.match(head) or _TMP_RE.match(head)
   if m and not tail:
@@ -257,6 +272,9 @@ class Storage:
       raise CheckpointError(
           f"{self.url!r}: memory:// shares one context per process and takes "
           f"no context resources; storage_options has {sorted(self._resources)}")
+    # ckpt/commit.py's cache: this root's commit records were seen complete
+    # (they never stop being so once they are).
+    self.records_complete = False
     if self.is_posix:
       self.root = epath.Path(self.spec["path"])
       self._kv = None
@@ -327,6 +345,48 @@ class Storage:
     if data is not None and len(data) > limit:
       self._too_large(rel, len(data), limit)
     return data
+
+  def read_head(self, rel: str, size: int) -> bytes | None:
+    """At most the first ``size`` bytes of ``rel`` in ONE request (None if
+    missing), for objects written padded to at least ``size`` bytes (commit
+    records): bounded memory without the size probe of ``read_bytes``. An
+    object shorter than ``size`` (not padded: written by hand) is read with
+    ``read_bytes`` instead. The caller checks whether it got it whole."""
+    if self.is_posix:
+      return self.read_bytes(rel)
+    with self.store_errors(f"reading {_describe(rel)} from"):
+      try:
+        r = self._kv.read(rel, byte_range=slice(0, size)).result()
+      except Exception as e:  # pylint: disable=broad-except
+        if not any(s in str(e) for s in ("OUT_OF_RANGE", "not satisfied",
+                                         "not valid for value of size",
+                                         "Content-Range")):
+          raise
+        r = None
+    if r is None:
+      return self.read_bytes(rel)
+    return None if r.state == "missing" else bytes(r.value)
+
+  def exists(self, rel: str) -> bool:
+    """Whether the object (file) ``rel`` exists: one request reading at
+    most one byte on an object store."""
+    if self.is_posix:
+      return os.path.isfile(os.path.join(os.fspath(self.root), rel))
+    with self.store_errors(f"reading {_describe(rel)} from"):
+      try:
+        r = self._kv.read(rel, byte_range=slice(0, 1)).result()
+      except Exception as e:  # pylint: disable=broad-except
+        if any(s in str(e) for s in ("OUT_OF_RANGE", "not satisfied",
+                                     "not valid for value of size",
+                                     "Content-Range")):
+          return True  # an empty object
+        raise
+    return r.state != "missing"
+
+  def delete_key(self, rel: str) -> None:
+    """Deletes one key (object stores; a missing key is not an error)."""
+    with self.store_errors(f"deleting {_describe(rel)} from"):
+      self._kv.write(rel, None).result()
 
   def _read_file(self, rel: str, limit: int) -> bytes | None:
     path = os.path.join(os.fspath(self.root), rel)

@@ -5,6 +5,7 @@ the field (or leaf) at fault.
 """
 
 import copy
+import dataclasses
 
 import ml_dtypes
 import msgpack
@@ -13,6 +14,7 @@ import pytest
 
 import ckpt
 from ckpt import index
+from ckpt import tsspec
 from ckpt import tree
 
 WHERE = "/ckpts/checkpoint_7/index.msgpack"
@@ -289,3 +291,136 @@ def test_structure_with_int_keys_decodes(rng):
   out = index.decode(pack(doc), WHERE)
   values = {tree.path_str(e.path): e.value for e in out.leaves}
   assert tree.decode_structure(out.structure, values.__getitem__) == state
+
+
+# ---- size: leaves only, never processes ----------------------------------
+
+def _plan(n_leaves=200):
+  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  state = {f"layer_{i}": {"w": rng.standard_normal((64, 32)).astype(np.float32),
+                          "step": i}
+           for i in range(n_leaves)}
+  return save_lib, save_lib.plan_save(
+      state, save_lib.SaveOptions(
+          storage_format="zarr3", codec=tsspec.Codec(checksum="crc32c")),
+      process_count=1)
+
+
+def test_index_size_does_not_grow_with_process_count():
+  """The same leaves saved as if by 2 and by 1,024 processes: the index
+  differs only in the process_count integer (1 vs 3 msgpack bytes)."""
+  save_lib, plan = _plan()
+  sizes = {}
+  for n in (1, 2, 1024, 4096):
+    idx = save_lib.make_index(plan, 5, {"loss": 1.0}, n)
+    assert idx.host_state is None
+    assert all(not e.checksums for e in idx.leaves
+               if isinstance(e, index.ArrayEntry))
+    sizes[n] = len(index.encode(dataclasses.replace(idx, time=0.0)))
+  assert sizes[1] == sizes[2], sizes
+  assert 0 <= sizes[1024] - sizes[2] <= 2, sizes
+  assert sizes[1024] == sizes[4096], sizes
+  out = index.decode(index.encode(save_lib.make_index(plan, 5, None, 1024)))
+  assert out.process_count == 1024 and out.host_state is None
+  arrays = [e for e in out.leaves if isinstance(e, index.ArrayEntry)]
+  assert arrays and all(e.codec["checksum"] == "crc32c" for e in arrays)
+
+
+def test_zarr_v2_entries_have_no_checksum_codec():
+  save_lib, _ = _plan(1)
+  plan = save_lib.plan_save({"w": np.zeros((64, 32), np.float32)},
+                            save_lib.SaveOptions(storage_format="zarr"),
+                            process_count=1)
+  e = save_lib.make_index(plan, 1, None, 2).leaves[0]
+  assert "checksum" not in e.codec
+
+
+def test_rejects_a_checksum_codec_it_does_not_know(rng):
+  rejected(with_leaf(rng, 1, codec={"compression": None, "checksum": "md5"}),
+           "leaf 1", "codec checksum")
+  doc = doc_of(make_index(rng))
+  doc["storage_format"] = "zarr"
+  doc["leaves"][1]["codec"]["checksum"] = "crc32c"
+  rejected(pack(doc), "leaf 1 (params/w)", "format zarr v2 has none")
+
+
+# ---- encode refuses what decode refuses -------------------------------------
+
+def _refused(idx, *fragments):
+  with pytest.raises(ckpt.InvalidStateError) as e:
+    index.encode(idx)
+  msg = str(e.value)
+  for f in fragments:
+    assert f in msg, f"{f!r} not in {msg!r}"
+  return msg
+
+
+def _value_index(n):
+  leaves = {f"v{i}": i for i in range(n)}
+  return index.Index(
+      step=3, time=0.0, storage_format="zarr", process_count=1,
+      structure=tree.encode_structure(leaves),
+      leaves=tuple(index.ValueEntry((k,), v) for k, v in leaves.items()))
+
+
+def test_encode_refuses_an_index_over_the_byte_limit(monkeypatch):
+  idx = _value_index(50)
+  size = len(index.encode(idx))
+  monkeypatch.setattr(index, "MAX_INDEX_BYTES", size - 1)
+  msg = _refused(idx, "step 3", "MAX_INDEX_BYTES", f"is {size}",
+                 f"limit is {size - 1}", "nothing was committed")
+  # Exactly at the limit it is written, and it decodes.
+  monkeypatch.setattr(index, "MAX_INDEX_BYTES", size)
+  assert len(index.decode(index.encode(idx)).leaves) == 50
+  assert "50 leaves" in msg
+
+
+def test_encode_refuses_too_long_a_container(monkeypatch):
+  idx = _value_index(50)
+  data = index.encode(idx)
+  monkeypatch.setattr(index, "MAX_CONTAINER_LEN", 20)
+  _refused(idx, "MAX_CONTAINER_LEN", "is 50", "limit is 20")
+  with pytest.raises(ckpt.CorruptCheckpointError):  # as decode refuses it
+    index.decode(data)
+
+
+@pytest.mark.parametrize("name", ["_LISTS_PER_BYTE", "_MAPS_PER_BYTE"])
+def test_encode_refuses_more_containers_than_decode_allows(monkeypatch, name):
+  idx = _value_index(200)
+  data = index.encode(idx)
+  monkeypatch.setattr(index, name, 10**9)  # then at most 64 of them
+  _refused(idx, name, "limit is 64")
+  with pytest.raises(ckpt.CorruptCheckpointError):
+    index.decode(data)
+
+
+def test_encode_refuses_too_deep_a_tree():
+  node = {"leaf": "x"}
+  for _ in range(index.MAX_DEPTH + 1):
+    node = {"node": "list", "children": [node]}
+  idx = index.Index(step=4, time=0.0, storage_format="zarr", process_count=1,
+                    structure=node, leaves=(index.ValueEntry(("x",), 1),))
+  _refused(idx, "tree depth", f"is {index.MAX_DEPTH + 1}",
+           f"limit is {index.MAX_DEPTH}", "MAX_DEPTH")
+
+
+def test_a_save_over_the_limit_fails_and_keeps_earlier_checkpoints(
+    monkeypatch, tmp_path):
+  root = tmp_path / "ckpts"
+  small = {f"v{i}": np.full((80,), i, np.float32) for i in range(5)}
+  with ckpt.Checkpointer(root, async_save=False) as c:
+    c.save(1, small, host_state={"rng": 1})
+    size = len((root / "checkpoint_1" / "index.msgpack").read_bytes())
+    monkeypatch.setattr(index, "MAX_INDEX_BYTES", size + 10)
+    big = {f"v{i}": np.full((80,), i, np.float32) for i in range(50)}
+    with pytest.raises(ckpt.CheckpointError, match="MAX_INDEX_BYTES") as e:
+      c.save(2, big, host_state={"rng": 2})
+    assert f"limit is {size + 10}" in str(e.value)
+    assert c.all_steps() == [1]
+    assert sorted(p.name for p in root.iterdir()) == ["checkpoint_1"]
+    out = c.restore()
+    assert np.array_equal(out["v4"], small["v4"])
+    assert c.host_state() == {"rng": 1}
+    c.save(3, small)  # the next save works
+    assert c.all_steps() == [1, 3]

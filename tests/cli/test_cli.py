@@ -202,7 +202,9 @@ def test_inspect_json(root):
   assert w["codec"]["compression"] is None
   assert w["chunk_count"] == np.prod(np.ceil(np.divide(w["shape"],
                                                        w["chunks"])))
-  assert w["checksums"] >= 1
+  # Box checksums are no longer in the index (zarr v2: per-process files
+  # .checksums/<process>.msgpack; zarr3/ocdbt: the crc32c codec).
+  assert w["checksums"] == 0
   assert leaves["params/b"]["dtype"] == "bfloat16"
   assert leaves["params/b"]["sharding"] == "replicated (host value)"
   assert leaves["params/q"]["dtype"] == "int4"

@@ -763,7 +763,57 @@ def scenario_restore_race(conf: dict) -> dict:
   return out
 
 
+def scenario_process_files(conf: dict) -> dict:
+  """Each process writes its own host_state (and, for zarr v2, checksum)
+  file into the attempt; verify and restore(verify=True) use them; an index
+  over the readers' limit fails the save on every process and keeps the
+  earlier step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+
+  pid, n = jax.process_index(), jax.process_count()
+  host = _base("w", (128, 64), "float32", 7)
+  mesh = _mesh((n, len(jax.devices()) // n))
+  sh = _sharding(mesh, ("x", "y"))
+  out: dict[str, Any] = {"pid": pid}
+  for fmt in ("zarr", "zarr3"):
+    d = os.path.join(conf["dir"], fmt)
+    step_dir = os.path.join(d, "checkpoint_1")
+    res: dict[str, Any] = {}
+    ck = ckpt.Checkpointer(d, format=fmt, async_save=False, chunk_bytes=4096)
+    ck.save(1, {"w": _put(host, sh), "h": host[:4]}, host_state={"pid": pid})
+    res["files"] = sorted(
+        os.path.relpath(os.path.join(r, f), step_dir)
+        for r, _, fs in os.walk(step_dir) for f in fs
+        if f.endswith(".msgpack") and f != "index.msgpack")
+    res["hs"] = ck.host_state(1)
+    got = ck.restore(1, target={"w": _target(host, sh), "h": host[:4]},
+                     verify=True)
+    res["exact"] = (_shards_match(got["w"], host) and
+                    bool(np.array_equal(got["h"], host[:4])))
+    res["verify"] = [p.path for p in ckpt.integrity.verify(d)]
+    limit = index_lib.MAX_INDEX_BYTES
+    if pid == 0:  # only process 0 encodes the index
+      with open(os.path.join(step_dir, "index.msgpack"), "rb") as f:
+        index_lib.MAX_INDEX_BYTES = len(f.read()) + 10
+    big = {"w": _put(host, sh),
+           **{f"v{i}": np.full((80,), i, np.float32) for i in range(40)}}
+    try:
+      ck.save(2, big)
+      res["big"] = None
+    except ckpt.CheckpointError as e:
+      res["big"] = _err(e)
+    index_lib.MAX_INDEX_BYTES = limit
+    res["steps"] = ck.all_steps()
+    res["left"] = sorted(os.listdir(d))
+    ck.close()
+    out[fmt] = res
+  return out
+
+
 SCENARIOS = {
+    "process_files": scenario_process_files,
     "async": scenario_async,
     "bgfail": scenario_bgfail,
     "budget": scenario_budget,

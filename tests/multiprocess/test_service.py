@@ -410,6 +410,32 @@ def test_host_state_on_other_process_count(resave_runs):
   assert r["exact"] == {str(s): True for s in (1, 2, 3, 4)}
 
 
+def test_per_process_files_and_index_limit(tmp_path):
+  """host_state and box checksums are per-process files in the step
+  (nothing per process in the index or through the coordinator); an index
+  over the readers' limit fails the save everywhere, keeping step 1."""
+  runs = _run("process_files", {"dir": str(tmp_path)})
+  for r in runs:
+    pid = r["pid"]
+    for fmt in ("zarr", "zarr3"):
+      res = r[fmt]
+      # Box checksums are per-process files in every format by default
+      # (zarr3's crc32c chunk codec is opt-in: Checkpointer(chunk_checksums=True)).
+      expected = [".checksums/0.msgpack", ".checksums/1.msgpack",
+                  ".host_state/0.msgpack", ".host_state/1.msgpack"]
+      assert res["files"] == expected, res
+      assert res["hs"] == {"pid": pid}, res
+      assert res["exact"] is True and res["verify"] == [], res
+      err = res["big"]
+      assert err is not None and "MAX_INDEX_BYTES" in err["msg"], res
+      assert "step 2" in err["msg"], err
+      assert res["steps"] == [1] and res["left"] == ["checkpoint_1"], res
+  # Process 0 raises its own error; the others are told it, word for word.
+  for fmt in ("zarr", "zarr3"):
+    assert runs[0][fmt]["big"]["msg"] in runs[1][fmt]["big"]["msg"]
+    assert "process(es) [0]" in runs[1][fmt]["big"]["msg"]
+
+
 # ---- 8: preemption ---------------------------------------------------------
 
 

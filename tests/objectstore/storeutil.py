@@ -33,6 +33,10 @@ def copy_tree(src: str, dst: str) -> int:
   return len(names)
 
 
+def write_key(url: str, key: str, data: bytes) -> None:
+  kvstore(url).write(key, data).result()
+
+
 def delete_key(url: str, key: str) -> None:
   kvstore(url).write(key, None).result()
 

@@ -144,24 +144,37 @@ def test_retention_deletes_from_the_bucket(store, fmt, s3_bucket, gs_bucket):
     assert ckptr.all_steps() == [2, 4, 5]
     for s in (2, 4, 5):
       assert_same(ckptr.restore(s), states[s])
-  heads = {k.partition("/")[0] for k in storeutil.keys(url)}
-  assert heads == {"checkpoint_2", "checkpoint_4", "checkpoint_5"}, heads
+  keys = storeutil.keys(url)
+  heads = {k.partition("/")[0] for k in keys}
+  # The steps, and their commit records (no deletion or save left pending).
+  assert heads == {"checkpoint_2", "checkpoint_4", "checkpoint_5",
+                   "commits"}, heads
+  assert sorted(k for k in keys if k.startswith("commits/")) == [
+      "commits/2", "commits/4", "commits/5", "commits/complete"]
 
 
-def test_delete_removes_the_marker_first(s3_bucket):
-  """A step whose deletion is interrupted is no longer committed: the
-  marker goes before the data (here: only the marker is gone)."""
+def test_delete_removes_the_record_first(s3_bucket):
+  """A step whose deletion is interrupted is no longer committed: its
+  record and marker go before the data (here the deletion stopped right
+  after them), and the deletion's pending record lets cleanup finish it."""
   url = s3_bucket + "/marker"
   with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
     ckptr.save(1, {"w": np.ones(1000, np.float32)})
     ckptr.save(2, {"w": np.zeros(1000, np.float32)})
+  storeutil.write_key(url, "pending/1.delete", b'{"step": 1, "time": 0}')
+  storeutil.delete_key(url, "commits/1")
   storeutil.delete_key(url, f"checkpoint_1/{storage_lib.COMMIT_MARKER}")
+  assert [k for k in storeutil.keys(url) if k.startswith("checkpoint_1/")]
   with ckpt.Checkpointer(url) as ckptr:
     assert ckptr.all_steps() == [2]
-    [attempt] = commit_lib.abandoned(ckptr.storage, lease_s=0.0)
-    assert attempt.startswith("checkpoint_1/attempt-"), attempt
+    assert commit_lib.abandoned(ckptr.storage) == ["checkpoint_1"]
     with pytest.raises(ckpt.CheckpointNotFoundError):
       ckptr.restore(1)
+  with ckpt.Checkpointer(url, async_save=False) as ckptr:
+    ckptr.save(3, {"w": np.ones(10, np.float32)})  # its cleanup finishes it
+    assert ckptr.all_steps() == [2, 3]
+  keys = storeutil.keys(url)
+  assert not [k for k in keys if k.startswith(("checkpoint_1/", "pending/"))]
 
 
 def test_a_failed_save_removes_its_keys_from_the_bucket(s3_bucket):

@@ -94,13 +94,18 @@ def test_disk_to_bucket_and_moved_directory(s3_bucket, tmp_path):
 
 
 def test_bucket_copy_without_its_marker_is_not_committed(s3_bucket, gs_bucket):
-  """A partial copy (everything but the marker) is not a checkpoint."""
+  """A partial copy (everything but the commit record and the marker) is
+  not a checkpoint: in a root with records (``commits/complete``) the
+  record is what makes a step committed, the marker alone does not."""
   state = make_state(3)
   src = f"{gs_bucket}/run"
   with ckpt.Checkpointer(src, format="zarr") as ckptr:
     ckptr.save(1, state)
   dst = f"{s3_bucket}/partial"
   storeutil.copy_tree(src, dst)
+  storeutil.delete_key(dst, "commits/1")
+  with ckpt.Checkpointer(dst) as ckptr:
+    assert ckptr.all_steps() == []
   storeutil.delete_key(dst, "checkpoint_1/commit_success")
   with ckpt.Checkpointer(dst) as ckptr:
     assert ckptr.all_steps() == []

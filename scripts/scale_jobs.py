@@ -1,0 +1,400 @@
+"""Scale harness, part "jobs": real multi-process saves and restores.
+
+For each N in ``processes`` it starts N local ``jax.distributed`` processes
+(``ckpt.local_cluster``, one CPU device each, gloo collectives; this file is
+also the worker) that hold the same state: ``leaves`` float32 leaves of
+``min_kib``..``max_kib`` of random data, a ``sharded_fraction`` of them split
+over the N devices, the rest replicated on every device. Each job makes one
+warm-up save and restore (not counted), then ``saves`` saves (each followed
+by ``wait_until_finished``) and ``restores`` restores onto the same
+shardings, every one started by all processes together after a barrier of
+their own, then ``empty_rounds`` empty barrier rounds and key-value sets
+(what the coordination service costs at this N with nothing else to do).
+
+Where a save's time goes, per process (``Checkpointer.last_save_stats`` and
+two wrappers this worker puts around library functions):
+- plan: ``plan_save`` (``SaveStats.plan_s``);
+- data: ``save.write_owned`` (stage and write this process's boxes);
+- coordination: every call into the coordination service during the save
+  (``SaveStats.coordination_s``; ckpt/multihost.py times them), split into
+  the barriers' floor (for each barrier, the wait of the process that came
+  last: the service's own cost), the wait for other processes at barriers
+  (skew: the others' data, process 0's index and commit), and key-value
+  calls (a blocking get waits for process 0's decision);
+- rest: the remainder (process 0's merge, index and commit, thread hops).
+A restore: index (reading and decoding the index, opening the leaves),
+data (reading and placing the leaves), coordination (its agreement round).
+
+The second table splits a save's coordination: barrier floor and skew (as
+above), kv (seconds in key-value calls), coord max (the process that spent
+the most), the cost of an empty barrier round and of one key-value set at
+this N with nothing else going on, floor/empty (the floor per barrier over
+an empty round: near 1 when a save's barriers cost what the service costs),
+the CPU seconds every process together spent per save (over the cores of
+the machine, a lower bound on the save's wall time when they share it) and
+per process, and the boxes (stored chunks) each process wrote per save.
+
+Each figure of a row is the median over the saves (restores) of the mean
+over the processes, except "save" and "restore", the median of the slowest
+process's time (the job's), and the call counts, the largest per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent
+DEFAULTS: dict[str, Any] = {
+    "processes": [2, 4, 8, 16],
+    "leaves": 500,
+    "min_kib": 4,
+    "max_kib": 64,
+    "sharded_fraction": 0.5,
+    "saves": 3,
+    "restores": 3,
+    "empty_rounds": 20,
+    "format": "zarr",
+    "async_save": True,
+    "seed": 0,
+    "timeout_s": 900,
+    "barrier_timeout_s": 300,
+    "dir": None,  # where the jobs write (default: a temporary directory)
+}
+COLUMNS = [
+    ("N", "processes", "{:d}"),
+    ("save s", "save_s", "{:.3f}"),
+    ("plan s", "plan_s", "{:.3f}"),
+    ("data s", "data_s", "{:.3f}"),
+    ("coord s", "coordination_s", "{:.3f}"),
+    ("rest s", "rest_s", "{:.3f}"),
+    ("#barriers", "barriers", "{:d}"),
+    ("#kv calls", "kv_calls", "{:d}"),
+    ("restore s", "restore_s", "{:.3f}"),
+    ("r.index s", "restore_index_s", "{:.3f}"),
+    ("r.data s", "restore_data_s", "{:.3f}"),
+    ("r.coord s", "restore_coordination_s", "{:.3f}"),
+]
+DETAIL_COLUMNS = [
+    ("N", "processes", "{:d}"),
+    ("coord s", "coordination_s", "{:.3f}"),
+    ("barrier floor s", "barrier_floor_s", "{:.3f}"),
+    ("barrier skew s", "barrier_skew_s", "{:.3f}"),
+    ("kv s", "kv_s", "{:.3f}"),
+    ("coord max s", "coordination_max_s", "{:.3f}"),
+    ("empty barrier ms", "empty_barrier_ms", "{:.2f}"),
+    ("kv set ms", "kv_set_ms", "{:.2f}"),
+    ("floor/empty", "floor_over_empty", "{:.1f}"),
+    ("job CPU s/save", "save_cpu_s", "{:.2f}"),
+    ("CPU s/process", "cpu_per_process_s", "{:.2f}"),
+    ("boxes/process", "boxes_per_process", "{:.0f}"),
+    ("kv calls p0", "kv_calls_p0", "{:d}"),
+    ("kv calls others", "kv_calls_others", "{:d}"),
+]
+
+
+# ---- the state --------------------------------------------------------------
+
+def leaf_shapes(conf: dict[str, Any]) -> list[tuple[tuple[int, int], bool]]:
+  """(shape, sharded) of every leaf: the same for every N, so rows compare.
+
+  A shape is ``(16 * a, 64)`` float32 (rows divisible by any N up to 16):
+  ``a`` from ``min_kib`` / 4 to ``max_kib`` / 4.
+  """
+  rng = np.random.default_rng([conf["seed"], 1])
+  lo = max(1, conf["min_kib"] // 4)
+  hi = max(lo, conf["max_kib"] // 4)
+  n_sharded = round(conf["leaves"] * conf["sharded_fraction"])
+  return [((16 * int(rng.integers(lo, hi + 1)), 64), i < n_sharded)
+          for i in range(conf["leaves"])]
+
+
+def build_state(conf: dict[str, Any]):
+  """(state, target): random arrays and their ShapeDtypeStructs."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  state, target = {}, {}
+  for i, (shape, sharded) in enumerate(leaf_shapes(conf)):
+    sharding = NamedSharding(mesh, P("x") if sharded else P())
+    value = np.random.default_rng([conf["seed"], 2, i]).standard_normal(
+        shape, dtype=np.float32)
+    name = f"layer_{i // 50}"
+    state.setdefault(name, {})[f"w{i % 50}"] = jax.make_array_from_callback(
+        shape, sharding, lambda idx, v=value: v[idx])
+    target.setdefault(name, {})[f"w{i % 50}"] = jax.ShapeDtypeStruct(
+        shape, np.float32, sharding=sharding)
+  jax.block_until_ready(jax.tree_util.tree_leaves(state))
+  return state, target
+
+
+# ---- the worker ---------------------------------------------------------------
+
+class _Timer:
+  """Wraps ``module.name`` (a sync or async function) to add up its time."""
+
+  def __init__(self, module, name: str):
+    import inspect  # pylint: disable=g-import-not-at-top
+    self.seconds = 0.0
+    fn = getattr(module, name)
+    if inspect.iscoroutinefunction(fn):
+      async def wrapped(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+          return await fn(*args, **kwargs)
+        finally:
+          self.seconds += time.perf_counter() - t
+    else:
+      def wrapped(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+          return fn(*args, **kwargs)
+        finally:
+          self.seconds += time.perf_counter() - t
+    setattr(module, name, wrapped)
+
+  def take(self) -> float:
+    s, self.seconds = self.seconds, 0.0
+    return s
+
+
+def _barrier_waits(trace: list) -> list[list]:
+  return [[arg, sec] for method, arg, _, sec in trace
+          if method == "wait_at_barrier"]
+
+
+def worker(conf: dict[str, Any]) -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.init_from_env()
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt import restore as restore_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+
+  pid = jax.process_index()
+  write_timer = _Timer(save_lib, "write_owned")
+  index_timer = _Timer(restore_lib, "read_index")
+  leaves_timer = _Timer(restore_lib, "checkpoint_leaves")
+  read_timer = _Timer(restore_lib, "restore_tree")
+  state, target = build_state(conf)
+  sync = iter(range(1 << 30))
+
+  def together():
+    multihost.barrier(f"scale-jobs/sync/{next(sync)}")
+
+  ckptr = ckpt.Checkpointer(conf["dir"], format=conf["format"],
+                            async_save=conf["async_save"],
+                            barrier_timeout_s=conf["barrier_timeout_s"])
+  # Warm-up (first-use costs: TensorStore context, the first-step round).
+  together()
+  ckptr.save(0, state)
+  ckptr.wait_until_finished()
+  restored = ckptr.restore(0, target=target)
+  first = jax.tree_util.tree_leaves(restored)[0]
+  truth = jax.tree_util.tree_leaves(state)[0]
+  for a, b in zip(first.addressable_shards, truth.addressable_shards):
+    if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
+      raise AssertionError("the warm-up restore differs from the state")
+  del restored
+  write_timer.take(), index_timer.take(), leaves_timer.take(), read_timer.take()
+
+  saves = []
+  for step in range(1, conf["saves"] + 1):
+    together()
+    multihost.trace_coordination(True)
+    cpu, t = time.process_time(), time.perf_counter()
+    ckptr.save(step, state)
+    ckptr.wait_until_finished()
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+    trace = multihost.trace_coordination(False)
+    s = ckptr.last_save_stats
+    saves.append({
+        "total_s": s.total_s, "wall_s": wall, "cpu_s": cpu,
+        "plan_s": s.plan_s, "data_s": write_timer.take(),
+        "coordination_s": s.coordination_s, "barriers": s.barriers,
+        "kv_calls": s.kv_calls,
+        "kv_s": sum(sec for m, _, _, sec in trace if m != "wait_at_barrier"),
+        "barrier_waits": _barrier_waits(trace),
+        "bytes_written": s.bytes_written, "boxes_written": s.boxes_written})
+
+  restores = []
+  for r in range(conf["restores"]):
+    step = 1 + r % conf["saves"]
+    together()
+    multihost.trace_coordination(True)
+    c0 = multihost.coordination_stats()
+    t = time.perf_counter()
+    restored = ckptr.restore(step, target=target)
+    jax.block_until_ready(jax.tree_util.tree_leaves(restored))
+    wall = time.perf_counter() - t
+    c = multihost.coordination_stats() - c0
+    trace = multihost.trace_coordination(False)
+    restores.append({
+        "total_s": wall, "index_s": index_timer.take() + leaves_timer.take(),
+        "data_s": read_timer.take(), "coordination_s": c.seconds,
+        "barriers": c.barriers, "kv_calls": c.kv_calls, "kv_s": c.kv_s,
+        "barrier_waits": _barrier_waits(trace)})
+    del restored
+  ckptr.close()
+
+  # What the service costs with nothing else going on.
+  empty, kv = [], []
+  client = multihost._client()  # pylint: disable=protected-access
+  together()
+  for i in range(conf["empty_rounds"]):
+    t = time.perf_counter()
+    multihost.barrier(f"scale-jobs/empty/{i}")
+    empty.append(time.perf_counter() - t)
+  together()
+  for i in range(conf["empty_rounds"]):
+    t = time.perf_counter()
+    client.key_value_set(f"scale-jobs/kv/{i}/{pid}", "x")
+    kv.append(time.perf_counter() - t)
+  together()
+  local_cluster.write_result({
+      "process": pid, "saves": saves, "restores": restores,
+      "empty_barrier_s": statistics.median(empty),
+      "kv_set_s": statistics.median(kv)})
+
+
+# ---- the driver ---------------------------------------------------------------
+
+def _mean(xs) -> float:
+  return sum(xs) / len(xs)
+
+
+def _barrier_split(ops: list[dict]) -> tuple[float, float]:
+  """(floor, skew) of one save or restore over the processes: the floor is
+  the sum over its barriers of the shortest wait (the last arrival's), the
+  skew the mean over processes of the rest of their barrier waits."""
+  by_name: dict[str, list[float]] = {}
+  for op in ops:
+    for name, sec in op["barrier_waits"]:
+      by_name.setdefault(name, []).append(sec)
+  floor = sum(min(v) for v in by_name.values())
+  total = _mean([sum(sec for _, sec in op["barrier_waits"]) for op in ops])
+  return floor, total - floor
+
+
+def summarize(n: int, results: list[dict]) -> dict[str, Any]:
+  saves = list(zip(*(r["saves"] for r in results)))       # [save][process]
+  restores = list(zip(*(r["restores"] for r in results)))
+  med = statistics.median
+
+  def per_save(ops, key, agg=_mean):
+    return med([agg([p[key] for p in op]) for op in ops])
+
+  splits = [_barrier_split(op) for op in saves]
+  row = {
+      "processes": n,
+      "save_s": per_save(saves, "total_s", max),
+      "plan_s": per_save(saves, "plan_s"),
+      "data_s": per_save(saves, "data_s"),
+      "coordination_s": per_save(saves, "coordination_s"),
+      "coordination_max_s": per_save(saves, "coordination_s", max),
+      "rest_s": med([_mean([p["total_s"] - p["plan_s"] - p["data_s"]
+                            - p["coordination_s"] for p in op])
+                     for op in saves]),
+      "barrier_floor_s": med([f for f, _ in splits]),
+      "barrier_skew_s": med([s for _, s in splits]),
+      "kv_s": per_save(saves, "kv_s"),
+      "barriers": max(p["barriers"] for op in saves for p in op),
+      "kv_calls": max(p["kv_calls"] for op in saves for p in op),
+      "kv_calls_p0": max(op[0]["kv_calls"] for op in saves),
+      "kv_calls_others": max(p["kv_calls"] for op in saves for p in op[1:]),
+      "save_cpu_s": per_save(saves, "cpu_s", sum),
+      "restore_s": per_save(restores, "total_s", max),
+      "restore_index_s": per_save(restores, "index_s"),
+      "restore_data_s": per_save(restores, "data_s"),
+      "restore_coordination_s": per_save(restores, "coordination_s"),
+      "restore_barriers": max(p["barriers"] for op in restores for p in op),
+      "restore_kv_calls": max(p["kv_calls"] for op in restores for p in op),
+      "empty_barrier_ms": 1e3 * _mean([r["empty_barrier_s"] for r in results]),
+      "kv_set_ms": 1e3 * _mean([r["kv_set_s"] for r in results]),
+      "bytes_written": per_save(saves, "bytes_written", sum),
+      "boxes_per_process": per_save(saves, "boxes_written"),
+  }
+  row["cpu_per_process_s"] = row["save_cpu_s"] / n
+  row["floor_over_empty"] = (row["barrier_floor_s"] / max(row["barriers"], 1)
+                             / max(row["empty_barrier_ms"] / 1e3, 1e-9))
+  return row
+
+
+def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
+  """One row per process count (see the module docstring)."""
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  conf = {**DEFAULTS, **conf}
+  own = conf["dir"] is None
+  base = tempfile.mkdtemp(prefix="ckpt-scale-jobs-") if own else conf["dir"]
+  rows = []
+  try:
+    for n in conf["processes"]:
+      job_dir = os.path.join(base, f"n{n}")
+      t0 = time.perf_counter()
+      results = local_cluster.check(local_cluster.run(
+          "scale_jobs", {**conf, "dir": job_dir}, num_processes=n,
+          devices_per_process=1, timeout_s=conf["timeout_s"],
+          cwd=str(SCRIPTS)))
+      rows.append(summarize(n, results))
+      rows[-1]["job_s"] = time.perf_counter() - t0
+      shutil.rmtree(job_dir, ignore_errors=True)
+      print(f"  jobs: {n} processes done in {rows[-1]['job_s']:.0f} s",
+            file=sys.stderr, flush=True)
+  finally:
+    if own:
+      shutil.rmtree(base, ignore_errors=True)
+  return rows
+
+
+def markdown(columns, rows: list[dict]) -> str:
+  head = "| " + " | ".join(c for c, _, _ in columns) + " |"
+  rule = "|" + "|".join("---:" for _ in columns) + "|"
+  body = ["| " + " | ".join(f.format(r[k]) for _, k, f in columns) + " |"
+          for r in rows]
+  return "\n".join([head, rule, *body])
+
+
+def table(rows: list[dict]) -> str:
+  if not rows:
+    return "(no rows)"
+  text = [markdown(COLUMNS, rows), "",
+          "Coordination of a save, split (seconds per process, mean):", "",
+          markdown(DETAIL_COLUMNS, rows)]
+  first, last = rows[0], rows[-1]
+  if last["processes"] != first["processes"]:
+    ratio = last["coordination_s"] / max(first["coordination_s"], 1e-9)
+    floor = ((last["barrier_floor_s"] + last["kv_s"]) /
+             max(first["barrier_floor_s"] + first["kv_s"], 1e-9))
+    empty = last["empty_barrier_ms"] / max(first["empty_barrier_ms"], 1e-9)
+    skew = last["barrier_skew_s"] / max(last["coordination_s"], 1e-9)
+    text += ["", (
+        f"coordination per save at {last['processes']} processes / at "
+        f"{first['processes']}: {ratio:.1f}x (target: within 2x: "
+        f"{'met' if ratio <= 2 else 'MISSED'}); at {last['processes']}, "
+        f"{100 * skew:.0f}% of it is the wait at barriers for slower "
+        f"processes. The service's own cost (barrier floor + kv): "
+        f"{floor:.1f}x; an empty barrier round on this machine: {empty:.1f}x "
+        f"(N processes share {os.cpu_count()} cores), so {floor / empty:.1f}x "
+        f"with that contention divided out. Calls per save per process: "
+        f"{first['barriers']} -> {last['barriers']} barriers, "
+        f"{first['kv_calls']} -> {last['kv_calls']} key-value calls.")]
+  return "\n".join(text)
+
+
+if __name__ == "__main__":
+  from ckpt import local_cluster as _lc  # pylint: disable=g-import-not-at-top
+  if os.environ.get(_lc.ENV_CONFIG) and len(sys.argv) == 2:
+    worker(json.loads(sys.argv[1]))
+    sys.exit(0)
+  import scale  # pylint: disable=g-import-not-at-top
+  sys.exit(scale.main(["--part", "jobs", *sys.argv[1:]]))
