@@ -41,6 +41,7 @@ from ckpt import ocdbt
 from ckpt import retention as retention_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
+from ckpt import tiling
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.limiter import ByteLimiter
 from ckpt.retention import RetentionPolicy
@@ -99,6 +100,7 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
     # host_state file alongside.
     error = None
     sums: list = []
+    mine = b""
     host_file = asyncio.ensure_future(_write_process_file(
         storage, attempt, index_lib.HOST_STATE_DIR, pid, host_bytes))
     try:
@@ -115,6 +117,9 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
         await _write_process_file(
             storage, attempt, index_lib.CHECKSUMS_DIR, pid,
             msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
+      if error is None:  # what it wrote, for process 0's tiling check
+        mine = await asyncio.to_thread(_tiling_digest, plan)
+        await asyncio.to_thread(multihost.post_bytes, f"{key}/tiling", mine)
     except Exception as e:  # pylint: disable=broad-except
       error = error or e
     # 5. every process has written (or stopped writing, having failed).
@@ -123,6 +128,7 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
     error = None
     if pid == 0:
       try:
+        await asyncio.to_thread(_check_tiling, plan, key, mine, step)
         if plan.options.storage_format == "ocdbt":
           # One database from the per-process ones (ckpt/ocdbt.py).
           await ocdbt.merge(step_kvstore, n, context)
@@ -183,6 +189,31 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     except FileExistsError:
       pass
     storage_lib.write_file(os.path.join(folder, name), data)
+
+
+def _tiling_digest(plan: save_lib.SavePlan) -> bytes:
+  entries = [lp.entry for lp in plan.leaves]
+  return msgpack.packb(tiling.digest(
+      (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start, w.box.stop)
+      for w in plan.writes))
+
+
+def _check_tiling(plan: save_lib.SavePlan, key: str, mine: bytes,
+                  step: int) -> None:
+  """Process 0, before the commit: every array was written exactly once
+  (ckpt/tiling.py), or the save fails on every process."""
+  posts = multihost.collect_bytes(f"{key}/tiling", mine,
+                                  f"the written boxes of step {step}")
+  got = tiling.combine(msgpack.unpackb(p) for p in posts)
+  want = tiling.whole((lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
+                      if lp.layout is not None)
+  if got != want:
+    raise CheckpointError(
+        f"saving step {step}: the boxes the {len(posts)} processes wrote do "
+        "not cover every array exactly once (a part written by no process, "
+        "or twice): the processes planned differently (hosts running "
+        "different ckpt versions, or a different view of the mesh?); "
+        f"nothing was committed (digest {list(got)}, expected {list(want)})")
 
 
 async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:

@@ -145,7 +145,38 @@ def scenario_host_mismatch(conf: dict) -> dict:
   return out
 
 
-SCENARIOS = {"one_fails": scenario_one_fails,
+def scenario_planned_differently(conf: dict) -> dict:
+  """Process 1 plans its writes differently from the others (as a host
+  running another ckpt version would): for step 2 it leaves out one box,
+  for step 3 it writes one box twice instead of another."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  mesh = _mesh()
+  out: dict[str, Any] = {"pid": pid}
+  ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout_s"],
+                         chunk_bytes=1024, concurrent_bytes=1024)
+  out["s1"] = _timed_save(ck, 1, _state(1, mesh))
+  honest = plan_lib.assign_writes
+  for step, fault in ((2, "drop"), (3, "twice")):
+    def lying(layouts, process, max_item_bytes=None, fault=fault):
+      writes = honest(layouts, process, max_item_bytes)
+      if process != 1:
+        return writes
+      return writes[1:] if fault == "drop" else [writes[0]] + writes[:-1]
+    plan_lib.assign_writes = lying
+    out[f"s{step}"] = _timed_save(ck, step, _state(step, mesh))
+    plan_lib.assign_writes = honest
+  out["s4"] = _timed_save(ck, 4, _state(4, mesh))
+  out["steps"] = ck.all_steps()
+  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  ck.close()
+  return out
+
+
+SCENARIOS = {"planned_differently": scenario_planned_differently,
+             "one_fails": scenario_one_fails,
              "restore_race": scenario_restore_race,
              "host_mismatch": scenario_host_mismatch}
 

@@ -111,3 +111,21 @@ def test_host_leaves_that_differ_are_refused(host_mismatch):
     assert r["steps"] == [1, 4]
     assert r["tmp_left"] == []
   assert [r["hs"] for r in host_mismatch] == [{"rng": 0}, {"rng": 1}]
+
+
+def test_processes_that_planned_differently_never_commit(tmp_path):
+  """One host's plan leaves a box unwritten (step 2) or writes one box
+  twice and another never (step 3): process 0 finds the tiling wrong before
+  the commit (ckpt/tiling.py), the save fails on both processes, nothing is
+  committed, and the next honest save works."""
+  runs = _run("planned_differently", {"dir": str(tmp_path),
+                                      "timeout_s": TIMEOUT_S})
+  for r in runs:
+    assert r["s1"][0] is None and r["s4"][0] is None, r
+    for step in (2, 3):
+      err = r[f"s{step}"][0]
+      assert err is not None and err["type"] == "CheckpointError", err
+      assert f"step {step}" in err["msg"], err
+      assert "exactly once" in err["msg"], err
+    assert r["steps"] == [1, 4]
+    assert r["tmp_left"] == []
