@@ -126,10 +126,19 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
     await _barrier(attempt, "written", "all processes wrote their data", error,
                    on_arrival=lambda: stopped_writing.append(True))
     error = None
+    groups = _ocdbt_groups(plan)
+    if groups > 1:  # a large OCDBT step: its merge groups, all at once
+      try:
+        for g in ocdbt.merges_of(pid, n, groups):
+          await ocdbt.merge(step_kvstore, n, context, g)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+      await _barrier(attempt, "merged", "every OCDBT merge group was merged",
+                     error)
     if pid == 0:
       try:
         await asyncio.to_thread(_check_tiling, plan, key, mine, step)
-        if plan.options.storage_format == "ocdbt":
+        if groups == 1:
           # One database from the per-process ones (ckpt/ocdbt.py).
           await ocdbt.merge(step_kvstore, n, context)
         # 6-7. index, then commit. encode() refuses an index readers would
@@ -189,6 +198,16 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     except FileExistsError:
       pass
     storage_lib.write_file(os.path.join(folder, name), data)
+
+
+def _ocdbt_groups(plan: save_lib.SavePlan) -> int:
+  """Format "ocdbt": how many merge groups the step has (1: one database at
+  the step's root); 0 for the other formats."""
+  if plan.options.storage_format != "ocdbt":
+    return 0
+  groups = {lp.entry.ocdbt_group for lp in plan.leaves if lp.layout is not None}
+  groups.discard(None)
+  return max(groups) + 1 if groups else 1
 
 
 def _tiling_digest(plan: save_lib.SavePlan) -> bytes:

@@ -72,6 +72,7 @@ ALLOWED_DTYPES = frozenset({
     "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4",
 })
+_MAX_OCDBT_GROUPS = 4096  # ckpt/ocdbt.py MAX_GROUPS (not imported: a cycle)
 # Each allowed name's dtype, looked up once (not np.dtype() per leaf).
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 
@@ -97,6 +98,9 @@ class ArrayEntry:
   # A typed PRNG key leaf: the array is its key data, this its
   # implementation's name (ckpt/prng.py); "" for any other leaf.
   prng_impl: str = ""
+  # Format "ocdbt", a step too large for one merge: the merge group whose
+  # database holds the array (ckpt/ocdbt.py); None: the step's database.
+  ocdbt_group: int | None = None
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
@@ -107,6 +111,8 @@ class ArrayEntry:
       out["checksums"] = [[list(a), list(b), c] for a, b, c in self.checksums]
     if self.prng_impl:  # absent otherwise: older indexes decode unchanged
       out["prng_impl"] = self.prng_impl
+    if self.ocdbt_group is not None:
+      out["ocdbt_group"] = self.ocdbt_group
     return out
 
 
@@ -417,6 +423,11 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
       if isinstance(e, ArrayEntry) and e.codec.get("checksum") == "crc32c":
         raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                    "no checksum codec (format zarr v2 has none)", e.codec)
+  if fmt != "ocdbt":
+    for i, e in enumerate(leaves):
+      if getattr(e, "ocdbt_group", None) is not None:
+        raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+                   f"no ocdbt_group (format {fmt})", e.ocdbt_group)
   names = [tree.path_str(e.path) for e in leaves]
   if len(set(names)) != len(names):
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
@@ -490,8 +501,13 @@ def _decode_entry(e: Any, where: str) -> Entry:
       raise _bad(where, f"a checksummed box inside shape {shape}", item)
     checksums.append((start, stop, item[2]))
   impl = _prng_impl(e, where, shape, dtype, True)
+  group = e.get("ocdbt_group")
+  if group is not None and (type(group) is not int or
+                            not 0 <= group < _MAX_OCDBT_GROUPS):
+    raise _bad(where, f"ocdbt_group an int in [0, {_MAX_OCDBT_GROUPS})",
+               group)
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
-                    tuple(checksums), prng_impl=impl)
+                    tuple(checksums), prng_impl=impl, ocdbt_group=group)
 
 
 def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import time
 from typing import Any, Callable
 
@@ -200,7 +201,22 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
   writes = [w._replace(leaf=layout_leaf[w.leaf])  # layout -> leaf
             for w in plan_lib.assign_writes(layouts, process,
                                             options.max_item_bytes)]
+  if options.storage_format == "ocdbt":
+    _assign_ocdbt_groups(leaves, process_count)
   return SavePlan(structure, leaves, writes, options)
+
+
+def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
+  """Format "ocdbt": the merge group of each array (ckpt/ocdbt.py), from
+  its chunk count, the same on every process; none for a step that one
+  merge handles."""
+  arrays = [lp for lp in leaves if lp.layout is not None]
+  keys = [1 + math.prod(-(-n // c) for n, c in zip(lp.entry.shape,
+                                                    lp.entry.chunks))
+          for lp in arrays]
+  for lp, g in zip(arrays, ocdbt.assign_groups(keys, process_count)):
+    if g is not None:
+      lp.entry = dataclasses.replace(lp.entry, ocdbt_group=g)
 
 
 def _check_dtype(name: str, dtype: np.dtype) -> None:
@@ -291,15 +307,14 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   mine = {w.leaf for w in plan.writes}
   wanted = [i for i, lp in enumerate(plan.leaves)
             if lp.layout is not None and (process == 0 or i in mine)]
-  kvstore = step_kvstore
-  if plan.options.storage_format == "ocdbt":
-    kvstore = ocdbt.process_database(step_kvstore, process)
-
   # In OCDBT every commit adds files: the metadata goes in one transaction.
   txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
 
   async def open_one(i: int):
     e = plan.leaves[i].entry
+    kvstore = step_kvstore
+    if plan.options.storage_format == "ocdbt":  # this process's database
+      kvstore = ocdbt.process_database(step_kvstore, process, e.ocdbt_group)
     spec = tsspec.array_spec(plan.options.storage_format, kvstore,
                              e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
                              plan.options.codec)

@@ -424,3 +424,16 @@ def test_a_save_over_the_limit_fails_and_keeps_earlier_checkpoints(
     assert c.host_state() == {"rng": 1}
     c.save(3, small)  # the next save works
     assert c.all_steps() == [1, 3]
+
+
+def test_ocdbt_group_is_an_int_and_only_in_format_ocdbt(rng):
+  rejected(with_leaf(rng, 0, ocdbt_group=-1), "leaf 0", "ocdbt_group an int")
+  rejected(with_leaf(rng, 0, ocdbt_group="../x"), "leaf 0", "ocdbt_group an int")
+  doc = doc_of(make_index(rng))
+  doc["leaves"][0]["ocdbt_group"] = 3
+  doc["storage_format"] = "zarr3"
+  rejected(pack(doc), "leaf 0", "no ocdbt_group (format zarr3)")
+  doc["storage_format"] = "ocdbt"
+  out = index.decode(pack(doc), WHERE)
+  assert out.leaves[0].ocdbt_group == 3
+  assert doc_of(out)["leaves"][0]["ocdbt_group"] == 3

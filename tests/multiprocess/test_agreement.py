@@ -129,3 +129,34 @@ def test_processes_that_planned_differently_never_commit(tmp_path):
       assert "exactly once" in err["msg"], err
     assert r["steps"] == [1, 4]
     assert r["tmp_left"] == []
+
+
+def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
+  """A step with more keys than one merge should take is split into merge
+  groups, each merged by another process at once (ckpt/ocdbt.py); the
+  arrays restore bit-exact on the job and in one process with no job."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+  runs = _run("ocdbt_groups", {"dir": str(tmp_path), "timeout_s": TIMEOUT_S,
+                               "keys_per_merge": 8})
+  for r in runs:
+    assert r["save"][0] is None, r
+    assert r["exact"] and r["exact_host"], r
+  step = tmp_path / "checkpoint_1"
+  idx = index_lib.decode((step / "index.msgpack").read_bytes())
+  groups = {e.ocdbt_group for e in idx.leaves
+            if isinstance(e, index_lib.ArrayEntry)}
+  assert groups == {0, 1}, groups
+  names = sorted(p.name for p in step.iterdir())
+  assert "ocdbt.group_0" in names and "ocdbt.group_1" in names, names
+  assert "manifest.ocdbt" not in names  # no database at the step's root
+  for g in (0, 1):  # each group merged: its own manifest beside the writers'
+    assert (step / f"ocdbt.group_{g}" / "manifest.ocdbt").exists()
+  loaded = ckpt.load(tmp_path)  # one process, no jax.distributed job
+  rng = np.random.default_rng(7)
+  want = {f"w{i}": rng.standard_normal((32, 16)).astype(np.float32)
+          for i in range(6)}
+  want["r"] = rng.standard_normal((40,)).astype(np.float32)
+  for k, v in want.items():
+    assert np.array_equal(loaded[k], v), k

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import tensorstore as ts
 
 import ckpt
@@ -63,3 +64,19 @@ def test_merge_references_the_data_without_copying(tmp_path):
   merged_only = sum(os.path.getsize(f) for f in files_under(step / "d"))
   assert data > 2 << 20  # the 2 MiB of arrays
   assert merged_only < 64 << 10, merged_only
+
+
+def test_merge_groups_split_large_steps_only():
+  # One merge is enough: no groups (the step's root database, as before).
+  assert ocdbt.assign_groups([10] * 100, 64, keys_per_merge=5000) == [None] * 100
+  # 100 arrays of 10 keys, at most 250 keys per merge, 64 processes: 4
+  # groups of contiguous arrays with 250 keys each.
+  groups = ocdbt.assign_groups([10] * 100, 64, keys_per_merge=250)
+  assert groups == sorted(groups) and set(groups) == {0, 1, 2, 3}
+  assert [groups.count(g) for g in range(4)] == [25] * 4
+  # Never more groups than processes (each merges at most its share).
+  assert set(ocdbt.assign_groups([10] * 100, 2, keys_per_merge=10)) == {0, 1}
+  assert ocdbt.merges_of(1, 2, 5) == [1, 3]
+  # A group's directory name comes from a checked int only.
+  with pytest.raises(ckpt.CheckpointError):
+    ocdbt.group_base({"driver": "file", "path": "/x/"}, "../../etc")
