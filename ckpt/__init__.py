@@ -11,9 +11,10 @@ from ckpt.lazy import LazyLeaf
 from ckpt.metadata import Metadata, abstract_target
 from ckpt.partition import MeshPartitioner
 from ckpt.restore import load
+from ckpt.tiers import MultiTierCheckpointer
 
 __all__ = [
-    "Checkpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",
+    "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "InvalidStateError", "MissingLeavesError", "TreeMismatchError",
     "WaitTimeoutError",

@@ -36,6 +36,7 @@ from ckpt import commit as commit_lib
 from ckpt import finalize
 from ckpt import multihost
 from ckpt import queries
+from ckpt import readonce
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
@@ -98,6 +99,13 @@ class Checkpointer(queries.Queries):
     lease_s: a save renews its lease every ``lease_s / 5`` seconds; another
       writer's cleanup removes an uncommitted attempt only once its lease is
       older than this (see ckpt/commit.py).
+    read_once: restore onto a mesh with data-parallel replicas reads each
+      box from storage once, spread over the replica processes, and
+      exchanges the parts with an all-gather (ckpt/readonce.py). True: on,
+      False: off, None (default): automatic, on for object stores (s3://,
+      gs://) when a leaf has 2 or more replica processes, off for a local
+      disk or memory:// (see README "Read once" for the measurements).
+      ``restore(read_once=...)`` overrides it for one call.
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -117,7 +125,8 @@ class Checkpointer(queries.Queries):
                chunk_checksums: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
-               lease_s: float = commit_lib.DEFAULT_LEASE_S):
+               lease_s: float = commit_lib.DEFAULT_LEASE_S,
+               read_once: bool | None = None):
     self._clock = clock if clock is not None else time.time
     self.policy = RetentionPolicy(
         keep, keep_period, best_metric, best_mode,
@@ -142,6 +151,9 @@ class Checkpointer(queries.Queries):
             format, chunk_checksums)), chunk_bytes=int(chunk_bytes),
         save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes))
     self.restore_dtype = restore_dtype
+    readonce.min_replicas(read_once, "")  # validates it
+    self.read_once = read_once
+    self.last_restore_stats = readonce.RestoreStats()
     self.concurrent_bytes = int(concurrent_bytes)
     self.async_save = async_save
     self.partitioner = partitioner
@@ -395,7 +407,7 @@ class Checkpointer(queries.Queries):
   def restore(self, step: int | None = None, *, target: Any = None,
               path: str | None = None, transforms: Sequence[Callable] = (),
               fallback_state: Any = None, lazy: bool = False,
-              verify: bool = False) -> Any:
+              verify: bool = False, read_once: Any = "default") -> Any:
     """Restores ``step`` (default: latest) or the checkpoint at ``path``.
 
     Args:
@@ -416,12 +428,28 @@ class Checkpointer(queries.Queries):
       verify: check the crc32c recorded at save of every stored box that
         overlaps what this process reads (that data is read twice); a
         mismatch raises CorruptCheckpointError naming the leaf.
+      read_once: True / False / None (automatic) for this call; by default
+        the Checkpointer's ``read_once``. With it, the processes that hold
+        the same box of a leaf (replicas over mesh axes its PartitionSpec
+        does not use) each read a distinct part of it and exchange the
+        parts with an all-gather run on this (the caller's) thread, in
+        batches within ``concurrent_bytes``. Every process must pass the
+        same value (checked). Leaves it cannot apply to are read as usual:
+        typed PRNG keys, values in memory (inline leaves, fallbacks), leaves
+        whose dimensions do not divide by the replica count, and
+        ``lazy=True`` leaves (read later by ``leaf.read()``, outside this
+        call's collectives). ``last_restore_stats`` says what it did
+        (bytes read from storage, leaves exchanged).
 
     In a multi-process job every process calls it; process 0 picks the step
     (the latest, or checks that all asked for the same one) and every
     process restores that step.
     """
     self._check_open()
+    t_start = time.perf_counter()
+    if isinstance(read_once, str) and read_once == "default":
+      read_once = self.read_once
+    readonce.min_replicas(read_once, "")  # validates it
     with self._lock:
       fut = self._inflight
     if fut is not None:
@@ -433,7 +461,8 @@ class Checkpointer(queries.Queries):
       # Processes may each read their own copy (a path on a local disk):
       # then each finds its own step directory.
       step_dir = self._agreed(
-          f"restore(path=..., step={step!r})",
+          f"restore(path=..., step={step!r}, read_once={read_once!r}, "
+          f"store={readonce.storage_kind(storage.url)})",
           lambda: restore_lib.locate_path(storage, step),
           f"the step directory under {os.fspath(path)!r}",
           where=storage.url)
@@ -441,7 +470,8 @@ class Checkpointer(queries.Queries):
     else:
       storage = self.storage
       step, step_dir, is_resuming = self._agreed(
-          f"restore(step={step!r})", lambda: self._choose_step(step),
+          f"restore(step={step!r}, read_once={read_once!r})",
+          lambda: self._choose_step(step),
           f"the step to restore from {self.storage.url!r}")
       protected = step if multihost.process_index() == 0 else None
     guard = keepalive = None
@@ -453,11 +483,27 @@ class Checkpointer(queries.Queries):
         target=target, restore_dtype=self.restore_dtype,
         transforms=tuple(transforms), fallback_state=fallback_state,
         lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
-        keepalive=keepalive)
+        keepalive=keepalive,
+        read_once_min=readonce.min_replicas(read_once, storage.url))
+    stats = readonce.RestoreStats(read_once=read_once)
+    counter = readonce.ReadCounter()
+    self.last_restore_stats = stats
     try:
-      return self._run(restore_lib.restore(
-          storage, step_dir, args, self.concurrent_bytes, self._context))
+      result = self._run(readonce.counted(restore_lib.restore(
+          storage, step_dir, args, self.concurrent_bytes, self._context),
+          counter))
+      # The exchange: collectives on this (the caller's) thread; the reads
+      # of each batch on the background thread.
+      result = readonce.finish(
+          result, lambda batch: self._run(readonce.counted(
+              restore_lib.read_parts(batch, self.concurrent_bytes), counter)),
+          self.concurrent_bytes, stats)
+      return result
     finally:
+      stats.bytes_read = counter.bytes_read
+      stats.chunk_bytes_read = counter.chunk_bytes_read
+      stats.reads = counter.reads
+      stats.total_s = time.perf_counter() - t_start
       if protected is not None:
         self._retention.release(protected)
 

@@ -22,7 +22,9 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt import index as index_lib
+from ckpt import ocdbt
 from ckpt import prng
+from ckpt import readonce
 from ckpt import tree
 from ckpt import tsspec
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
@@ -182,6 +184,9 @@ class LazyArray(LazyLeaf):
     self.shape = tuple(entry.shape)
     self.dtype = np.dtype(entry.dtype)
     self.prng_impl = getattr(entry, "prng_impl", "") or None
+    group = getattr(entry, "ocdbt_group", None)
+    if storage_format == "ocdbt" and group is not None:
+      step_kvstore = ocdbt.group_database(step_kvstore, group)  # its merge group
     self._spec = tsspec.open_spec(
         storage_format, step_kvstore, entry.relpath, self.shape, self.dtype,
         tuple(entry.chunks), tsspec.codec_of(entry.codec))
@@ -212,6 +217,7 @@ class LazyArray(LazyLeaf):
   async def read_box(self, box: Box) -> np.ndarray:
     check_fits(self.path, box.shape, self.dtype)
     store = await self._open()
+    self._count(box)
     try:
       return await store[box.slices()].read()
     except Exception as e:
@@ -223,6 +229,7 @@ class LazyArray(LazyLeaf):
     if out.dtype != self.dtype:
       return await super().read_into(box, out)
     store = await self._open()
+    self._count(box)
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
       await ts.array(out, copy=False, write=True).write(store[box.slices()])
@@ -230,6 +237,11 @@ class LazyArray(LazyLeaf):
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"
       ) from e
+
+  def _count(self, box: Box) -> None:
+    """Counts the read in the restore's stats (readonce.COUNTER)."""
+    readonce.count(box.start, box.stop, tuple(self.entry.chunks) or box.stop,
+                   self.dtype.itemsize)
 
 
 class LazyValue(LazyLeaf):
@@ -311,7 +323,9 @@ class LazySlice(LazyLeaf):
 
 
 class LazyReshape(LazyLeaf):
-  """Another leaf with a new shape of the same size (reads it whole)."""
+  """Another leaf with a new shape of the same size. A box is read as the
+  few contiguous parent boxes that cover it (see ``pieces``), one at a time,
+  and their bytes are counted in the byte budget (``read_bytes``)."""
 
   def __init__(self, parent: LazyLeaf, shape: Sequence[int],
                path: str = "<reshape>"):
@@ -332,10 +346,83 @@ class LazyReshape(LazyLeaf):
     self.dtype = np.dtype(parent.dtype)
     self.path = path
 
+  # A piece is read as is when the contiguous parent box covering it holds
+  # at most this many times its elements; else the piece is halved.
+  MAX_WASTE = 2
+
+  def pieces(self, box: Box) -> list[tuple[Box, Box, Box]]:
+    """(piece of ``box``, the new-shape box covering it contiguously, the
+    parent box covering that contiguously), tiling ``box``; together the
+    parent boxes hold at most MAX_WASTE times ``box``'s elements, so the
+    parent is read once, only where needed (not whole per box)."""
+    out, todo = [], [box]
+    while todo:
+      b = todo.pop()
+      if b.size == 0:
+        continue
+      near, lo, hi = _contiguous_cover(b, self.shape)
+      far = _flat_cover(lo, hi, tuple(self.parent.shape))
+      if far.size <= self.MAX_WASTE * b.size or b.size == 1:
+        out.append((b, near, far))
+        continue
+      d = next(i for i, n in enumerate(b.shape) if n > 1)
+      mid = b.start[d] + b.shape[d] // 2
+      todo.append(Box(b.start, b.stop[:d] + (mid,) + b.stop[d + 1:]))
+      todo.append(Box(b.start[:d] + (mid,) + b.start[d + 1:], b.stop))
+    return out
+
+  def read_bytes(self, box: Box) -> int:
+    """Host bytes one read of ``box`` holds beyond the box itself: the
+    largest parent piece (pieces are read one at a time)."""
+    itemsize = np.dtype(self.dtype).itemsize
+    return max((far.size for _, _, far in self.pieces(box)),
+               default=0) * itemsize
+
   async def read_box(self, box: Box) -> np.ndarray:
-    whole = Box((0,) * len(self.parent.shape), tuple(self.parent.shape))
-    data = await self.parent.read_box(whole)
-    return np.asarray(data.reshape(self.shape)[box.slices()])
+    out = np.empty(box.shape, self.dtype)
+    await self.read_into(box, out)
+    return out
+
+  async def read_into(self, box: Box, out: np.ndarray) -> None:
+    shape = tuple(self.parent.shape)
+    for piece, near, far in self.pieces(box):
+      data = np.ravel(await self.parent.read_box(far))
+      lo = int(np.ravel_multi_index(near.start, self.shape)) if near.size else 0
+      base = int(np.ravel_multi_index(far.start, shape)) if shape else 0
+      got = data[lo - base:lo - base + near.size].reshape(near.shape)
+      np.copyto(out[piece.relative_to(box)], got[piece.relative_to(near)],
+                casting="unsafe")
+      del data, got
+
+
+def _contiguous_cover(box: Box, shape: tuple[int, ...]
+                      ) -> tuple[Box, int, int]:
+  """The smallest box of ``shape`` that covers ``box`` and is one
+  contiguous run in row-major order; and that run's [lo, hi) flat range."""
+  k = next((i for i, n in enumerate(box.shape) if n > 1), len(shape))
+  # Dimensions after the first one wider than 1 must be whole.
+  inner = [i for i in range(k + 1, len(shape)) if box.shape[i] != shape[i]]
+  if inner:
+    start = box.start[:k + 1] + (0,) * (len(shape) - k - 1)
+    stop = box.stop[:k + 1] + tuple(shape[k + 1:])
+    near = Box(start, stop)
+  else:
+    near = box
+  lo = int(np.ravel_multi_index(near.start, shape)) if shape else 0
+  return near, lo, lo + near.size
+
+
+def _flat_cover(lo: int, hi: int, shape: tuple[int, ...]) -> Box:
+  """The smallest contiguous box of ``shape`` holding flat range [lo, hi)."""
+  if not shape:
+    return Box((), ())
+  a = np.unravel_index(lo, shape)
+  b = np.unravel_index(hi - 1, shape)
+  k = next((i for i in range(len(shape)) if a[i] != b[i]), len(shape) - 1)
+  start = tuple(int(x) for x in a[:k + 1]) + (0,) * (len(shape) - k - 1)
+  stop = (tuple(int(x) + 1 for x in a[:k]) + (int(b[k]) + 1,) +
+          tuple(shape[k + 1:]))
+  return Box(start, stop)
 
 
 class LazyPlaced(LazyLeaf):
@@ -417,7 +504,8 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
   placed: dict[Any, jax.Array] = {}
 
   async def one(box: Box, devices: list):
-    grant = await limiter.acquire(box.size * np.dtype(out_dtype).itemsize)
+    grant = await limiter.acquire(box.size * np.dtype(out_dtype).itemsize
+                                  + _extra_bytes(leaf, box))
     try:
       # Read into 64-byte-aligned memory: jax.device_put onto a CPU device
       # then adopts the buffer instead of copying it (jax's CPU client
@@ -439,6 +527,13 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
   return jax.make_array_from_single_device_arrays(
       logical, sharding, [placed[d] for d in index_map],
       dtype=prng.info(impl).dtype if impl else out_dtype)
+
+
+def _extra_bytes(leaf: LazyLeaf, box: Box) -> int:
+  """Host bytes a read of ``box`` holds besides the box (a reshape's
+  parent pieces); counted in the byte budget with it."""
+  fn = getattr(leaf, "read_bytes", None)
+  return int(fn(box)) if fn is not None else 0
 
 
 _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
@@ -479,7 +574,8 @@ async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,
   if limiter is None:
     data = await leaf.read_box(box)
   else:
-    grant = await limiter.acquire(box.size * np.dtype(leaf.dtype).itemsize)
+    grant = await limiter.acquire(box.size * np.dtype(leaf.dtype).itemsize
+                                  + _extra_bytes(leaf, box))
     try:
       data = await leaf.read_box(box)
     finally:

@@ -20,6 +20,7 @@ from ckpt import commit as commit_lib
 from ckpt import index as index_lib
 from ckpt import lazy
 from ckpt import prng
+from ckpt import readonce
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt.errors import (CheckpointNotFoundError,
@@ -86,6 +87,11 @@ class RestoreArgs:
   # lazy: given to every leaf returned (see LazyLeaf.guard / keepalive).
   guard: Callable[[], None] | None = None
   keepalive: Any = None
+  # Read once (ckpt/readonce.py): the replica count from which a leaf is
+  # read spread over its replicas and exchanged; None: never. The leaves it
+  # picks come back from restore_tree as readonce.Deferred placeholders for
+  # the caller's thread to read and exchange (readonce.finish).
+  read_once_min: int | None = None
 
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
@@ -198,8 +204,18 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
           f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
           f"target wants {shape}")
     out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
+  later = None
+  if (not args.lazy and not impl and args.read_once_min is not None and
+      sharding is not None and not isinstance(src, lazy.LazyValue) and
+      checksums.stored_bases(src)):
+    later = readonce.deferred(name, src, out, sharding, args.read_once_min)
   if args.verify:  # keys are small: their whole data is checked
-    await checksums.verify_leaf(src, None if impl else sharding, limiter)
+    # Read once: this process checks the part it reads.
+    await checksums.verify_leaf(
+        src, None if impl else (later.read_sharding if later else sharding),
+        limiter)
+  if later is not None:
+    return later
   if args.lazy:
     leaf = src.bind(sharding, out)
     leaf.guard, leaf.keepalive = args.guard, args.keepalive
@@ -258,6 +274,16 @@ async def restore_tree(index: index_lib.Index,
       *(_resolve(tree.path_str(p), src, tgt, args, limiter)
         for (p, tgt), src in zip(named, sources)))
   return tree_util.tree_unflatten(treedef, results)
+
+
+async def read_parts(batch: Sequence[readonce.Deferred], budget: int
+                     ) -> list[jax.Array]:
+  """Read once: each leaf of ``batch`` read with its read sharding (this
+  process's distinct part of each replicated box), under one byte limiter."""
+  limiter = ByteLimiter(budget)
+  return await lazy.gather_or_cancel(
+      *(lazy.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
+        for d in batch))
 
 
 def locate(storage: storage_lib.Storage, step: int | None

@@ -895,6 +895,64 @@ def _orbax_installed() -> bool:
     return False
 
 
+def run_read_once(args) -> dict[str, Any]:
+  """The multi-process restore figure of read once (ckpt/readonce.py).
+
+  For each store (the local disk; moto's S3 server, started here) and
+  process count (2, 4; 2 CPU devices each), one job saves the state of
+  ``tests/multiprocess/readonce_worker.py`` (leaves replicated over every
+  process, over 2, and fully sharded; ``--read-once-scale`` times 3.5 MiB),
+  then restores it with read_once True, False, True, False: the figures
+  are the second (warm: jit compiled, TensorStore opened) restore of each
+  policy. Time: ``last_restore_stats.total_s`` (slowest process); bytes:
+  ``last_restore_stats.bytes_read`` per process (ckpt's read-path counter).
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  sys.path.insert(0, str(ROOT))
+  from tests.objectstore import servers  # pylint: disable=g-import-not-at-top
+  rows = []
+  logs = tempfile.mkdtemp(prefix="ckpt-bench-moto-")
+  moto = servers.start_moto(logs)
+  try:
+    for store in ("disk", "s3"):
+      for n in (2, 4):
+        if store == "disk":
+          url, env = tempfile.mkdtemp(prefix="ckpt-bench-ro-") + "/ck", {}
+        else:
+          url, env = servers.new_bucket(moto) + "/ck", moto.env
+        out = local_cluster.check(local_cluster.run(
+            "tests.multiprocess.readonce_worker",
+            {"dir": url, "format": "zarr", "op": "both",
+             "scale": args.read_once_scale,
+             "policies": [True, False, True, False]},
+            num_processes=n, devices_per_process=2, timeout_s=600,
+            extra_env=env, cwd=str(ROOT)))
+        for policy in ("True", "False"):
+          st = [r[policy]["stats"] for r in out]
+          bad = [b for r in out for b in r[policy]["bad"]]
+          rows.append({
+              "store": store, "processes": n,
+              "read_once": policy == "True",
+              "time_s": max(x["total_s"] for x in st),
+              "exchange_s": max(x["exchange_s"] for x in st),
+              "bytes_read_per_process": [x["bytes_read"] for x in st],
+              "bytes_read_total": sum(x["bytes_read"] for x in st),
+              "bit_exact": not bad})
+  finally:
+    moto.stop()
+  lines = ["| store | processes | read once | restore s (slowest) | "
+           "exchange s | MiB read per process | MiB read, all |",
+           "|---|---|---|---|---|---|---|"]
+  for r in rows:
+    per = "/".join(f"{b / 2**20:.1f}" for b in r["bytes_read_per_process"])
+    lines.append(f"| {r['store']} | {r['processes']} | "
+                 f"{'on' if r['read_once'] else 'off'} | {r['time_s']:.3f} | "
+                 f"{r['exchange_s']:.3f} | {per} | "
+                 f"{r['bytes_read_total'] / 2**20:.1f} |")
+  return {"rows": rows, "table": "\n".join(lines)}
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       description=__doc__.split("\n\n")[0],
@@ -902,6 +960,11 @@ def main(argv: list[str] | None = None) -> int:
       epilog=__doc__.split("\n\n", 1)[1])
   parser.add_argument("--preset", default="smoke",
                       help="a name in configs/ or a path to a JSON preset")
+  parser.add_argument("--read-once", action="store_true",
+                      help="only the multi-process read-once restore figure "
+                      "(disk and moto S3, 2 and 4 processes)")
+  parser.add_argument("--read-once-scale", type=int, default=8,
+                      help="--read-once: state size in units of 3.5 MiB")
   parser.add_argument("--runs", type=int, default=None,
                       help="runs per system (default: the preset's, else 3)")
   parser.add_argument("--systems", default=None,
@@ -936,6 +999,15 @@ def main(argv: list[str] | None = None) -> int:
 
   if args.worker:
     return worker_main(args.worker, args.preset, args.rss_interval_ms / 1000)
+
+  if args.read_once:
+    report = run_read_once(args)
+    print(report["table"])
+    if args.out:
+      os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+      with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
 
   preset = load_preset(args.preset)
   preset_path = (CONFIGS / f"{args.preset}.json"

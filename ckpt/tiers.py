@@ -1,0 +1,859 @@
+"""Multi-tier checkpoints: a fast local tier per host plus the persistent tier.
+
+``MultiTierCheckpointer`` composes two things:
+
+- the persistent tier: a plain ``ckpt.Checkpointer`` on any URL, saved every
+  ``persistent_interval`` steps, keeping ``persistent_keep``;
+- the local tier (``LocalTier``, this module): every ``local_interval`` steps
+  each process writes the shards it holds to a directory on its own host
+  (``<local>/process_<i>/``; no shared file system is assumed), plus a replica
+  of the shards of one partner process, received with a jitted
+  ``jax.lax.ppermute`` over all devices issued on the caller's thread inside
+  ``save()``. Writing, the agreement and retention run on a background thread.
+
+Local tier on disk (one directory per process)::
+
+  <local>/process_<i>/
+    step_<N>/                  committed: every process wrote its part of N
+      manifest.json            format, step, process count/index, partner,
+                               per leaf: shape, dtype, shards (index, offset)
+      own.bin                  this process's distinct shards, back to back
+      partner.bin              the shards of process ``src`` (its partner)
+      host.msgpack             host_state and host values: own and partner's
+    step_<N>.tmp-<token>/      being written, or left by a crash: removed at
+                               the next save of this process
+
+A step becomes ``step_<N>`` on a process only after a barrier that every
+process reaches once its own part and its partner replica are written and
+fsynced (a process that failed says so before the barrier, and then no one
+commits). So when any process holds ``step_<N>``, every process has committed
+``N - 1`` (saves are serialized), which is why ``local_keep >= 2`` is
+required: retention can never delete the newest step the job can rebuild.
+
+Restore: each process posts the local steps it can serve for the target
+(own part, partner replica, both checked against the target's shardings and
+the process count); process 0 takes the newest step for which every process
+has its own part or its partner holds a replica of it, compares it with the
+newest persistent step, and every process restores the same one. Processes
+whose own part is missing get it back from their partner with the inverse
+``ppermute``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+from absl import logging
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ckpt import multihost
+from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt.errors import CheckpointError
+
+FORMAT = "ckpt-local-tier"
+VERSION = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TMP_RE = re.compile(r"^step_\d+\.(tmp|del)-[0-9a-f]+$")
+MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
+
+
+# ---- the partner ring ---------------------------------------------------------
+
+def _process_slices() -> list[int]:
+  """Slice index of each process (TPU multi-slice); 0 where unknown."""
+  out = [0] * jax.process_count()
+  for d in jax.devices():
+    out[d.process_index] = int(getattr(d, "slice_index", 0) or 0)
+  return out
+
+
+def partner_of(n: int, slices: list[int]) -> list[int]:
+  """``dst[p]``: the process that keeps a replica of process p's shards.
+
+  Another process (= another host) when n >= 2; with several slices of
+  equal size, the process at the same position in the next slice, so that
+  losing a whole slice loses no step.
+  """
+  if n == 1:
+    return [0]
+  groups: dict[int, list[int]] = {}
+  for p, s in enumerate(slices):
+    groups.setdefault(s, []).append(p)
+  order = sorted(groups)
+  if len(order) > 1 and len({len(g) for g in groups.values()}) == 1:
+    dst = [0] * n
+    for k, s in enumerate(order):
+      nxt = groups[order[(k + 1) % len(order)]]
+      for pos, p in enumerate(groups[s]):
+        dst[p] = nxt[pos]
+    return dst
+  return [(p + 1) % n for p in range(n)]
+
+
+# ---- a byte budget for the caller and the writer thread ------------------------
+
+class _Budget:
+  """Bytes staged on the host and not yet written. An item larger than the
+  budget waits until nothing else is held, then proceeds alone."""
+
+  def __init__(self, budget: int):
+    self.budget, self.used, self.peak = int(budget), 0, 0
+    self._cv = threading.Condition()
+
+  def acquire(self, n: int, failed: threading.Event) -> None:
+    with self._cv:
+      while self.used and self.used + n > self.budget and not failed.is_set():
+        self._cv.wait(0.1)
+      self.used += n
+      self.peak = max(self.peak, self.used)
+
+  def release(self, n: int) -> None:
+    with self._cv:
+      self.used -= n
+      self._cv.notify_all()
+
+
+# ---- leaves -----------------------------------------------------------------
+
+def _index(idx, shape) -> tuple:
+  return tuple((s.start or 0, shape[d] if s.stop is None else s.stop)
+               for d, s in enumerate(idx))
+
+
+def _is_key(x) -> bool:
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _flatten(tree):
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return [(jax.tree_util.keystr(p), v) for p, v in flat], treedef
+
+
+def _encode_host(v):
+  if isinstance(v, (np.ndarray, np.generic)):
+    a = np.asarray(v)
+    return {"__nd__": [a.dtype.str, list(a.shape), a.tobytes()],
+            "scalar": isinstance(v, np.generic)}
+  return v
+
+
+def _decode_host(v):
+  if isinstance(v, dict) and "__nd__" in v:
+    dt, shape, data = v["__nd__"]
+    a = np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape).copy()
+    return a[()] if v.get("scalar") else a
+  return v
+
+
+class _Layout:
+  """The 1-D mesh of every device, ordered by (process, local position), and
+  the jitted permutes to and from the partner (cached per perm)."""
+
+  def __init__(self):
+    self.n, self.pid = jax.process_count(), jax.process_index()
+    self.devs = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    self.L = jax.local_device_count()
+    if len(self.devs) != self.n * self.L:
+      raise CheckpointError("the local tier needs the same number of devices "
+                            "on every process")
+    self.local = self.devs[self.pid * self.L:(self.pid + 1) * self.L]
+    self.dst = partner_of(self.n, _process_slices())
+    self.src = [0] * self.n
+    for p, q in enumerate(self.dst):
+      self.src[q] = p
+    self.mesh = Mesh(np.array(self.devs), ("tier",))
+    self._fns = {}
+
+  def devices_of(self, p: int):
+    return self.devs[p * self.L:(p + 1) * self.L]
+
+  def permute(self, arrays: list, inverse: bool = False) -> list:
+    """Each device's block of every ``(n*L, ...)`` array goes to the same
+    local position on the partner (``inverse``: back from it)."""
+    if not arrays:
+      return []
+    L = self.L
+    pairs = [(p * L + j, self.dst[p] * L + j) for p in range(self.n)
+             for j in range(L)]
+    if inverse:
+      pairs = [(b, a) for a, b in pairs]
+    fn = self._fns.get(inverse)
+    if fn is None:
+      from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+      perm = tuple(pairs)
+      fn = jax.jit(shard_map(
+          lambda xs: [jax.lax.ppermute(x, "tier", perm) for x in xs],
+          mesh=self.mesh, in_specs=P("tier"), out_specs=P("tier")))
+      self._fns[inverse] = fn
+    return fn(list(arrays))
+
+  def stack(self, blocks: list, block_shape, dtype):
+    """A ``(n*L, *block_shape)`` array from this process's L device blocks."""
+    sh = NamedSharding(self.mesh, P("tier"))
+    return jax.make_array_from_single_device_arrays(
+        (self.n * self.L, *block_shape), sh, blocks)
+
+
+# ---- the local tier ------------------------------------------------------------
+
+class LocalTier:
+  """Per-host saves with a partner replica; see the module docstring."""
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
+               concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S):
+    if keep is None or int(keep) < 2:
+      raise ValueError(f"local_keep must be >= 2 (the newest step the job can "
+                       f"rebuild may be the one before the newest), got {keep!r}")
+    self.keep = int(keep)
+    self.root = os.path.abspath(os.fspath(directory))
+    self.pid = multihost.process_index()
+    self.dir = os.path.join(self.root, f"process_{self.pid}")
+    os.makedirs(self.dir, exist_ok=True)
+    self.budget = _Budget(concurrent_bytes)
+    self.timeout_s = barrier_timeout_s
+    # The same on every process (never hash(): it is salted per process).
+    self._key_base = "local-" + hashlib.sha1(
+        os.fspath(directory).encode()).hexdigest()[:16]
+    self._pool = concurrent.futures.ThreadPoolExecutor(
+        1, thread_name_prefix="ckpt-local")
+    self._fut: concurrent.futures.Future | None = None
+    self._layout: _Layout | None = None
+    self.last_save_stats: dict = {}
+    self.last_restore_stats: dict = {}
+
+  @property
+  def layout(self) -> _Layout:
+    if self._layout is None:
+      self._layout = _Layout()
+    return self._layout
+
+  # -- listing --
+
+  def committed_steps(self) -> list[int]:
+    try:
+      names = os.listdir(self.dir)
+    except FileNotFoundError:
+      return []
+    return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
+
+  def _manifest(self, step: int) -> dict | None:
+    try:
+      with open(os.path.join(self.dir, f"step_{step}", "manifest.json")) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return None
+
+  # -- save --
+
+  def wait(self) -> None:
+    fut, self._fut = self._fut, None
+    if fut is not None:
+      fut.result()
+
+  def save(self, step: int, state: Any, host_state: Any = None) -> None:
+    self.wait()
+    t0 = time.perf_counter()
+    lay = self.layout
+    key = multihost.call_key(self._key_base, "save", step)
+    leaves, _ = _flatten(state)
+    token = multihost.unique_token()
+    work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
+    src = lay.src[lay.pid]
+    manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                "process_count": lay.n, "process": lay.pid,
+                "local_devices": lay.L, "partner_src": src, "own": {},
+                "partner": {}, "host_names": []}
+    host_vals, arrays = {}, []
+    for name, v in leaves:
+      if isinstance(v, jax.Array):
+        if _is_key(v):
+          raise CheckpointError(f"the local tier does not save typed PRNG key "
+                                f"arrays ({name}); save jax.random.key_data")
+        arrays.append((name, v))
+      else:
+        host_vals[name] = _encode_host(v)
+    manifest["host_names"] = sorted(host_vals)
+    own_host = msgpack.packb({"host_state": host_state, "values": host_vals},
+                             use_bin_type=True)
+    if len(own_host) > MAX_HOST_BYTES:
+      raise CheckpointError(
+          f"host_state and host (non-jax) leaves take {len(own_host)} bytes; "
+          f"the local tier sends at most {MAX_HOST_BYTES} to the partner "
+          "through the coordination service: make large leaves jax arrays")
+    multihost.post_bytes(f"{key}/host", own_host)  # read by our partner below
+    q: queue.Queue = queue.Queue()
+    failed = threading.Event()
+    os.makedirs(work)
+    self._fut = self._pool.submit(self._write, step, key, work, manifest, q,
+                                  failed, own_host, src, t0)
+    stats = {"step": step, "own_bytes": 0, "partner_bytes": 0}
+    try:
+      offset = 0
+      for name, arr in arrays:  # own shards, distinct indices only
+        shards = {s.device: s for s in arr.addressable_shards}
+        entry = {"shape": list(arr.shape), "dtype": arr.dtype.str,
+                 "slots": [], "shards": []}
+        seen: dict[tuple, int] = {}
+        for d in lay.local:
+          s = shards[d]
+          idx = _index(s.index, arr.shape)
+          if idx not in seen:
+            seen[idx] = len(entry["shards"])
+            nb = int(np.prod(s.data.shape)) * arr.dtype.itemsize
+            self.budget.acquire(nb, failed)
+            host = np.array(s.data)  # a copy: the caller may donate
+            entry["shards"].append([idx, offset, nb, list(host.shape)])
+            q.put(("own.bin", offset, host, nb))
+            offset += nb
+            stats["own_bytes"] += nb
+          entry["slots"].append(seen[idx])
+        manifest["own"][name] = entry
+      if lay.n > 1:
+        stats["partner_bytes"] = self._send_to_partner(arrays, manifest, q,
+                                                       failed)
+        their = multihost._wait_for_key(  # pylint: disable=protected-access
+            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+            f"{key}/host/{src}", self.timeout_s,
+            f"the host values of process {src} for the local tier")
+        q.put(("partner-host", 0, their, 0))
+    except BaseException as e:
+      failed.set()
+      q.put(("error", 0, e, 0))
+      raise
+    finally:
+      q.put(None)
+    stats["blocking_s"] = time.perf_counter() - t0
+    self.last_save_stats = stats
+
+  def _send_to_partner(self, arrays, manifest, q, failed) -> int:
+    """Each leaf's device shards go to the same local positions on the
+    partner: batched jitted ppermutes within the byte budget."""
+    lay = self.layout
+    src = lay.src[lay.pid]
+    src_devs = lay.devices_of(src)
+    offset, total = 0, 0
+    batch, batch_bytes = [], 0
+
+    def flush():
+      nonlocal offset, total
+      if not batch:
+        return
+      stacked = []
+      for name, arr in batch:
+        shards = {s.device: s for s in arr.addressable_shards}
+        blocks = [shards[d].data[None] for d in lay.local]
+        stacked.append(lay.stack(blocks, blocks[0].shape[1:], arr.dtype))
+      outs = lay.permute(stacked)
+      del stacked
+      for (name, arr), out in zip(batch, outs):
+        imap = arr.sharding.devices_indices_map(arr.shape)
+        got = {s.device: s for s in out.addressable_shards}
+        entry = {"shape": list(arr.shape), "dtype": arr.dtype.str,
+                 "slots": [], "shards": []}
+        seen: dict[tuple, int] = {}
+        for j, d in enumerate(lay.local):
+          idx = _index(imap[src_devs[j]], arr.shape)
+          if idx not in seen:
+            seen[idx] = len(entry["shards"])
+            data = got[d].data
+            nb = int(np.prod(data.shape)) * arr.dtype.itemsize
+            self.budget.acquire(nb, failed)
+            host = np.array(data)[0]
+            entry["shards"].append([idx, offset, nb, list(host.shape)])
+            q.put(("partner.bin", offset, host, nb))
+            offset += nb
+            total += nb
+          entry["slots"].append(seen[idx])
+        manifest["partner"][name] = entry
+      batch.clear()
+
+    for name, arr in arrays:
+      nb = arr.sharding.shard_shape(arr.shape)  # raises if shards are uneven
+      nb = int(np.prod(nb)) * arr.dtype.itemsize * lay.L
+      if batch and batch_bytes + nb > self.budget.budget:
+        flush()
+        batch_bytes = 0
+      batch.append((name, arr))
+      batch_bytes += nb
+    flush()
+    return total
+
+  def _write(self, step, key, work, manifest, q, failed, own_host, src,
+             t0) -> None:
+    """The background part: write what the caller stages, fsync, agree,
+    commit (rename), clean up leftovers and apply retention."""
+    error: BaseException | None = None
+    files: dict[str, Any] = {}
+    partner_host = b""
+    try:
+      self._remove_leftovers(keep=os.path.basename(work))
+      while True:
+        item = q.get()
+        if item is None:
+          break
+        kind, offset, data, nb = item
+        if kind == "error":
+          error = error or data
+          continue
+        if kind == "partner-host":
+          partner_host = data
+          continue
+        try:
+          if error is None:
+            f = files.get(kind)
+            if f is None:
+              f = files[kind] = open(os.path.join(work, kind), "wb")
+            f.seek(offset)
+            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        except BaseException as e:  # pylint: disable=broad-except
+          error, _ = e, failed.set()
+        finally:
+          self.budget.release(nb)
+      if error is None:
+        for f in files.values():
+          f.flush()
+          os.fsync(f.fileno())
+        _write_file(os.path.join(work, "host.msgpack"), msgpack.packb(
+            {"own": own_host, "partner": partner_host, "partner_src": src},
+            use_bin_type=True))
+        _write_file(os.path.join(work, "manifest.json"),
+                    json.dumps(manifest).encode())
+        _fsync_dir(work)
+    except BaseException as e:  # pylint: disable=broad-except
+      error = error or e
+    finally:
+      for f in files.values():
+        f.close()
+    if error is not None:
+      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+    multihost.barrier(f"{key}/written", timeout_s=self.timeout_s,
+                      what=f"the local tier's save of step {step}")
+    failures = multihost.reported_failures(f"{key}/failed")
+    if error is not None or failures:
+      shutil.rmtree(work, ignore_errors=True)
+      if error is not None:
+        raise error
+      raise CheckpointError(f"local save of step {step} failed on process(es) "
+                            f"{sorted(failures)}: {failures}")
+    final = os.path.join(self.dir, f"step_{step}")
+    if os.path.exists(final):  # saved again: the old one goes first
+      _remove(final, self.dir, step)
+    os.rename(work, final)
+    _fsync_dir(self.dir)
+    self.last_save_stats["total_s"] = time.perf_counter() - t0
+    # Every process is past the barrier, so our host values were read.
+    try:
+      multihost._client() and multihost._client().key_value_delete(  # pylint: disable=protected-access
+          f"{key}/host/{self.pid}")
+    except Exception:  # pylint: disable=broad-except
+      pass
+    self._retain()
+
+  def _retain(self) -> None:
+    steps = self.committed_steps()
+    for s in steps[:-self.keep]:
+      try:
+        _remove(os.path.join(self.dir, f"step_{s}"), self.dir, s)
+      except OSError as e:
+        logging.warning("ckpt: local tier could not delete step %d: %s", s, e)
+
+  def _remove_leftovers(self, keep: str) -> None:
+    for name in os.listdir(self.dir):
+      if _TMP_RE.match(name) and name != keep:
+        logging.info("ckpt: local tier removes leftover %s",
+                     os.path.join(self.dir, name))
+        shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+  # -- restore --
+
+  def usable(self, target_leaves) -> dict:
+    """What this process can serve: local steps whose own part / partner
+    replica match the target (process count, devices, shardings)."""
+    lay = self.layout
+    out = {"own": [], "partner": [], "why": ""}
+    tsig = None
+    if target_leaves is not None:
+      tsig = {}
+      for name, t in target_leaves:
+        sh = getattr(t, "sharding", None)
+        if sh is None or not hasattr(t, "shape"):
+          continue
+        tsig[name] = (list(t.shape), sh.devices_indices_map(tuple(t.shape)))
+    for s in self.committed_steps():
+      m = self._manifest(s)
+      if m is None or m.get("format") != FORMAT:
+        continue
+      if m["process_count"] != lay.n or m["local_devices"] != lay.L:
+        out["why"] = (f"step {s} was saved by {m['process_count']} processes "
+                      f"x {m['local_devices']} devices, this job has {lay.n} x "
+                      f"{lay.L}")
+        continue
+      for part, proc in (("own", lay.pid), ("partner", m["partner_src"])):
+        if part == "partner" and (lay.n == 1 or proc != lay.src[lay.pid]):
+          continue
+        why = _mismatch(m[part], tsig, lay.devices_of(proc)) if tsig else ""
+        if not why and target_leaves is not None:
+          known = set(m[part]) | set(m.get("host_names", ()))
+          missing = [n for n, _ in target_leaves if n not in known]
+          if missing:
+            why = f"leaves {missing[:4]} are not in the local tier"
+        if why:
+          out["why"] = f"step {s}: {why}"
+        else:
+          out[part].append(s)
+    return out
+
+  def restore(self, step: int, target_leaves, need_partner: list[int]):
+    """Collective: this process's arrays of ``step`` onto the target's
+    shardings (same topology as the save); {name: value}, host_state."""
+    t0 = time.perf_counter()
+    lay = self.layout
+    base = os.path.join(self.dir, f"step_{step}")
+    mine = lay.pid not in need_partner
+    m = self._manifest(step) if (mine or lay.src[lay.pid] in need_partner) else None
+    host = {}
+    if m is not None:
+      with open(os.path.join(base, "host.msgpack"), "rb") as f:
+        host = msgpack.unpackb(f.read(), raw=False)
+    key = multihost.call_key(self._key_base, "restore", step)
+    if need_partner:
+      if lay.src[lay.pid] in need_partner:
+        multihost.post_bytes(f"{key}/host", host["partner"])
+      if not mine:
+        host_bytes = multihost._wait_for_key(  # pylint: disable=protected-access
+            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+            f"{key}/host/{lay.dst[lay.pid]}", self.timeout_s,
+            "this process's host values from its partner")
+    own_host = host["own"] if mine else host_bytes
+    values = msgpack.unpackb(own_host, raw=False)
+    out = {name: _decode_host(v) for name, v in values["values"].items()}
+    own = self._read_part(base, m["own"], "own.bin") if mine else None
+    arrays = [(n, t) for n, t in target_leaves
+              if getattr(t, "sharding", None) is not None and hasattr(t, "shape")]
+    send_partner = lay.src[lay.pid] in need_partner
+    partner = (self._read_part(base, m["partner"], "partner.bin")
+               if send_partner else None)
+    batch, batch_bytes, read = [], 0, 0
+
+    def flush():
+      nonlocal read
+      if not batch:
+        return
+      stacked = []
+      for name, t in batch:
+        ss = t.sharding.shard_shape(tuple(t.shape))
+        blocks = []
+        for j, d in enumerate(lay.local):
+          data = (partner[name]["slot"](j).astype(t.dtype, copy=False)
+                  if send_partner else np.zeros(ss, t.dtype))
+          blocks.append(jax.device_put(data[None], d))
+        stacked.append(lay.stack(blocks, tuple(ss), np.dtype(t.dtype)))
+      outs = lay.permute(stacked, inverse=True)
+      for (name, t), o in zip(batch, outs):
+        if not mine:
+          got = {s.device: s.data for s in o.addressable_shards}
+          out[name] = _assemble(t, [got[d][0] for d in lay.local])
+      batch.clear()
+
+    for name, t in arrays:
+      if need_partner:
+        nb = int(np.prod(t.sharding.shard_shape(tuple(t.shape)))) * np.dtype(
+            t.dtype).itemsize * lay.L
+        if batch and batch_bytes + nb > self.budget.budget:
+          flush()
+          batch_bytes = 0
+        batch.append((name, t))
+        batch_bytes += nb
+      if mine:
+        imap = t.sharding.devices_indices_map(tuple(t.shape))
+        bufs = [jax.device_put(own[name]["index"](
+            _index(imap[d], t.shape)).astype(t.dtype, copy=False), d)
+                for d in lay.local]
+        out[name] = _assemble(t, bufs)
+        read += own[name]["bytes"]
+    flush()
+    self.last_restore_stats = {"step": step, "from_partner": not mine,
+                               "total_s": time.perf_counter() - t0}
+    return out, values.get("host_state")
+
+  def _read_part(self, base: str, part: dict, fname: str) -> dict:
+    """{leaf: accessors} over one part's data file (memory-mapped)."""
+    path = os.path.join(base, fname)
+    mm = (np.memmap(path, dtype=np.uint8, mode="r")
+          if os.path.exists(path) and os.path.getsize(path) else None)
+    out = {}
+    for name, e in part.items():
+      dt = np.dtype(e["dtype"])
+
+      def shard(k, e=e, dt=dt):
+        _, off, nb, shape = e["shards"][k]
+        return np.array(mm[off:off + nb]).view(dt).reshape(shape)
+
+      by_index = {tuple(tuple(x) for x in sh[0]): k
+                  for k, sh in enumerate(e["shards"])}
+      out[name] = {
+          "dtype": e["dtype"],
+          "bytes": sum(sh[2] for sh in e["shards"]),
+          "slot": lambda j, e=e, shard=shard: shard(e["slots"][j]),
+          "index": lambda idx, shard=shard, by_index=by_index: shard(
+              by_index[tuple(tuple(x) for x in idx)]),
+      }
+    return out
+
+
+def _mismatch(entries: dict, tsig: dict, devices) -> str:
+  for name, (shape, imap) in tsig.items():
+    e = entries.get(name)
+    if e is None:
+      return f"leaf {name} is not in the local tier"
+    if list(e["shape"]) != shape:
+      return f"leaf {name} has shape {e['shape']}, the target {shape}"
+    for j, d in enumerate(devices):
+      want = _index(imap[d], shape)
+      have = tuple(tuple(x) for x in e["shards"][e["slots"][j]][0])
+      if want != have:
+        return (f"leaf {name} is sharded differently from the save (device "
+                f"{d.id}: saved {have}, target {want})")
+  return ""
+
+
+def _assemble(t, bufs):
+  return jax.make_array_from_single_device_arrays(tuple(t.shape), t.sharding,
+                                                  bufs)
+
+
+def _write_file(path: str, data: bytes) -> None:
+  with open(path, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _remove(path: str, parent: str, step: int) -> None:
+  """Renames a committed step away first, so it is never half-deleted."""
+  gone = os.path.join(parent, f"step_{step}.del-{multihost.unique_token()}")
+  os.rename(path, gone)
+  shutil.rmtree(gone, ignore_errors=True)
+
+
+# ---- the public class -----------------------------------------------------------
+
+class MultiTierCheckpointer:
+  """A ``Checkpointer`` with a fast local tier in front of it.
+
+  Args:
+    persistent: the persistent tier's directory (any URL ckpt supports).
+    local: a directory on each host (``/dev/shm/ckpt``, a local SSD); each
+      process uses ``<local>/process_<i>/``.
+    local_interval: save to the local tier every N steps.
+    local_keep: local steps kept per process (>= 2).
+    persistent_interval: save to the persistent tier every N steps (None:
+      only forced and preemption saves).
+    persistent_keep: ``keep`` of the persistent Checkpointer.
+    concurrent_bytes: the host-memory budget of each tier's save.
+    **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
+      (``format``, ``keep_period``, ``storage_options`` ...), for the
+      persistent tier.
+  """
+
+  def __init__(self, persistent, *, local, local_interval: int = 1,
+               local_keep: int = 2, persistent_interval: int | None = None,
+               persistent_keep: int | None = None,
+               concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
+               **checkpointer_kwargs):
+    for name, v in (("local_interval", local_interval),
+                    ("persistent_interval", persistent_interval)):
+      if v is not None and (type(v) is not int or v < 1):
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    self.local_interval = local_interval
+    self.persistent_interval = persistent_interval
+    self.persistent = Checkpointer(
+        persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
+        barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
+    self.local = LocalTier(local, keep=local_keep,
+                           concurrent_bytes=concurrent_bytes,
+                           barrier_timeout_s=barrier_timeout_s)
+    self._timeout_s = barrier_timeout_s
+    self._preemption_step: int | None = None
+    self._restored: tuple[int, Any] | None = None  # (step, host_state)
+    self.last_restore_tier: str | None = None
+    self.last_restore_reason: str = ""
+
+  # -- save --
+
+  def should_save_local(self, step: int) -> bool:
+    return step % self.local_interval == 0 or step == self._preemption_step
+
+  def should_save_persistent(self, step: int) -> bool:
+    return ((self.persistent_interval is not None and
+             step % self.persistent_interval == 0) or
+            step == self._preemption_step)
+
+  def save(self, step: int, state: Any, *, metrics: dict | None = None,
+           host_state: Any = None, force: bool = False) -> bool:
+    """Saves ``step`` to the tiers whose interval it hits (both with
+    ``force``); returns True if any tier saved it. Collective: every
+    process calls it with the same step."""
+    saved = False
+    if force or self.should_save_persistent(step):
+      saved |= bool(self.persistent.save(step, state, metrics=metrics,
+                                         host_state=host_state, force=True))
+    if force or self.should_save_local(step):
+      self.local.save(step, state, host_state)
+      saved = True
+    return saved
+
+  def reached_preemption(self, step: int) -> bool:
+    if self.persistent.reached_preemption(step):
+      self._preemption_step = step
+      return True
+    return False
+
+  def wait_until_finished(self) -> None:
+    try:
+      self.persistent.wait_until_finished()
+    finally:
+      self.local.wait()
+
+  # -- which step, which tier --
+
+  def _choose(self, step: int | None, target_leaves) -> dict:
+    """Collective: process 0 picks the tier and the step; all get it."""
+    self.local.wait()
+    try:
+      p_latest = self.persistent.latest_step()
+    except CheckpointError:
+      p_latest = None
+    if target_leaves is None:
+      usable = {"own": [], "partner": [], "why": "no target was given (the "
+                "local tier restores onto the target's shardings)"}
+    else:
+      usable = self.local.usable(target_leaves)
+    dst = self.local.layout.dst
+    n = self.local.layout.n
+
+    def decide(posts: dict[int, str]) -> str:
+      got = {p: json.loads(v) for p, v in posts.items()}
+      candidates = set()
+      for g in got.values():
+        candidates |= set(g["own"]) | set(g["partner"])
+      complete = []
+      for s in sorted(candidates, reverse=True):
+        if len(got) == n and all(
+            s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
+            for p in range(n)):
+          complete.append(s)
+      if step is not None:
+        complete = [s for s in complete if s == step]
+      why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
+                              got.items() if g["why"]}))[:2000]
+      if complete and (step is not None or p_latest is None or
+                       complete[0] >= p_latest):
+        s = complete[0]
+        need = [p for p in range(n) if s not in got[p]["own"]]
+        return json.dumps({"tier": "local", "step": s, "need": need})
+      if complete:
+        reason = (f"the newest persistent step {p_latest} is newer than the "
+                  f"newest step the local tier can rebuild ({complete[0]})")
+      elif step is not None:
+        reason = f"the local tier cannot rebuild step {step}"
+      else:
+        reason = "the local tier holds no step every process can rebuild"
+      if why:
+        reason += f" ({why})"
+      return json.dumps({"tier": "persistent", "step": step if step is not None
+                         else p_latest, "reason": reason})
+
+    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
+    return json.loads(multihost.agree(
+        key, json.dumps({"own": usable["own"], "partner": usable["partner"],
+                         "why": usable["why"]}), decide,
+        timeout_s=self._timeout_s, what="the tier and step to restore"))
+
+  def latest_step(self) -> int | None:
+    """The newest step the job can restore from either tier (collective)."""
+    d = self._choose(None, [])
+    return d["step"]
+
+  # -- restore --
+
+  def restore(self, step: int | None = None, *, target: Any = None,
+              **restore_kwargs) -> Any:
+    """Restores ``step`` (default: the newest the job can rebuild).
+
+    From the local tier when every process has its own part of that step
+    or its partner holds a replica of it, and the process count, devices
+    and the target's shardings are those of the save; else from the
+    persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
+    with an info log saying why.
+    """
+    self.wait_until_finished()
+    leaves, treedef = (_flatten(target) if target is not None else
+                       (None, None))
+    d = self._choose(step, leaves)
+    if d["tier"] == "local" and not restore_kwargs:
+      out, hs = self.local.restore(d["step"], leaves, d["need"])
+      logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
+                   self.local.root, f" (process(es) {d['need']} from their "
+                   "partners)" if d["need"] else "")
+      self.last_restore_tier, self.last_restore_reason = "local", ""
+      self._restored = (d["step"], hs)
+      return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
+    reason = d.get("reason") or "restore options the local tier does not take"
+    logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
+                 d["step"], self.persistent.storage.url, reason)
+    self.last_restore_tier, self.last_restore_reason = "persistent", reason
+    state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
+    s = d["step"] if d["step"] is not None else self.persistent.latest_step()
+    try:
+      hs = self.persistent.host_state(s)
+    except CheckpointError as e:
+      logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
+      hs = None
+    self._restored = (s, hs)
+    return state
+
+  def host_state(self, step: int | None = None) -> Any:
+    """This process's host_state of the step restored last (or of ``step``
+    in the persistent tier)."""
+    if self._restored is not None and step in (None, self._restored[0]):
+      return self._restored[1]
+    return self.persistent.host_state(step)
+
+  # -- lifecycle --
+
+  def close(self) -> None:
+    try:
+      self.wait_until_finished()
+    finally:
+      self.persistent.close()
+      self.local._pool.shutdown(wait=True)  # pylint: disable=protected-access
+
+  def __enter__(self) -> "MultiTierCheckpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,73 @@
+"""Read once (ckpt/readonce.py) across real processes, on the local disk.
+
+4 processes x 2 devices save a state fully sharded, then restore it onto
+leaves replicated over 4 processes, over 2, and fully sharded, with
+``read_once`` True, False and None (automatic: off on a disk). The bytes
+read from storage come from ``Checkpointer.last_restore_stats.bytes_read``
+(counted in ckpt's read path, LazyArray): read once, their sum over the
+processes is the stored bytes of the target's leaves, each process within
+1.5x of an equal share; read everywhere it is R times that per leaf. Every
+shard is bit-exact with the target's sharding in both. The read-once restore
+runs with ``verify=True``, which checks what each process reads (so reads it
+twice).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+
+import numpy as np
+
+from ckpt import local_cluster
+from tests.multiprocess import readonce_worker as worker
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+WORKER = "tests.multiprocess.readonce_worker"
+BALANCE = 1.5
+# Processes holding the same box of each leaf (4 x 2 mesh a=2, b=2, c=2).
+REPLICAS = {"rep4/w": 4, "rep4/all": 4, "rep4/i": 4, "rep2/w": 2,
+            "shard/w": 1}
+
+
+def stored_bytes() -> int:
+  return sum(math.prod(s) * np.dtype(d).itemsize
+             for s, d, _ in worker.SHAPES.values())
+
+
+def everywhere_bytes() -> int:
+  return sum(math.prod(s) * np.dtype(d).itemsize * REPLICAS[n]
+             for n, (s, d, _) in worker.SHAPES.items())
+
+
+def launch(config: dict, n: int = 4):
+  return local_cluster.check(local_cluster.run(
+      WORKER, config, num_processes=n, devices_per_process=2,
+      timeout_s=180, cwd=str(REPO)))
+
+
+def check_counts(out: list[dict], policy: str, expect_total: int,
+                 balanced: bool) -> list[int]:
+  per = [r[policy]["stats"]["bytes_read"] for r in out]
+  for r in out:
+    assert r[policy]["bad"] == [], r[policy]["bad"]
+  assert sum(per) == expect_total, (policy, per, expect_total)
+  if balanced:
+    share = expect_total / len(per)
+    assert max(per) <= BALANCE * share, (policy, per)
+  return per
+
+
+def test_read_once_on_disk(tmp_path):
+  config = {"dir": str(tmp_path / "ck"), "format": "zarr3"}
+  out = launch({**config, "op": "both", "policies": [True, False, None],
+                "verify": [True]})
+  # verify=True reads each box it checks once more: twice the stored bytes.
+  check_counts(out, "True", 2 * stored_bytes(), balanced=True)
+  check_counts(out, "False", everywhere_bytes(), balanced=True)
+  # Automatic on a local disk: off (reading is cheaper than exchanging).
+  check_counts(out, "None", everywhere_bytes(), balanced=True)
+  for r in out:
+    s = r["True"]["stats"]
+    assert s["read_once_leaves"] == 4 and s["batches"] >= 1
+    assert r["False"]["stats"]["read_once_leaves"] == 0

@@ -1,0 +1,123 @@
+"""Multi-tier checkpoints (ckpt/tiers.py) in real 4-process jobs.
+
+One job (4 processes x 2 CPU devices) saves every step to the local tier
+and every 5th to the persistent tier and is SIGKILLed (every process) while
+a local save is in flight. Restarts then restore: the newest complete local
+step, bit-exact; the same after one process's local directory is wiped (its
+shards come from its partner); after that process's partner is wiped too,
+the newest persistent step, with the log line; and on 2 processes x 4
+devices, the persistent tier.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+
+import pytest
+
+from ckpt import local_cluster
+
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+WORKER = "tests.multiprocess.tiers_worker"
+N = 4
+
+
+def _steps(path) -> list[int]:
+  try:
+    names = os.listdir(path)
+  except FileNotFoundError:
+    return []
+  return sorted(int(m.group(1)) for m in
+                map(re.compile(r"^step_(\d+)$").match, names) if m)
+
+
+def _persistent(path) -> list[int]:
+  return sorted(int(m.group(1)) for m in
+                map(re.compile(r"^checkpoint_(\d+)$").match, os.listdir(path))
+                if m)
+
+
+def _newest_complete(held: dict[int, list[int]]) -> int | None:
+  dst = {p: (p + 1) % N for p in range(N)}
+  cands = set().union(*held.values())
+  ok = [s for s in cands
+        if all(s in held[p] or s in held[dst[p]] for p in range(N))]
+  return max(ok) if ok else None
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tiers")
+  conf = {"persistent": str(root / "persistent"), "local": str(root / "local"),
+          "flags": str(root), "mesh": [4, 2], "steps": 200,
+          "scenario": "train"}
+  cluster = local_cluster.start(WORKER, conf, num_processes=N,
+                                devices_per_process=2, cwd=REPO_ROOT)
+  try:
+    cluster.wait_for_files([root / f"saved_{p}_12" for p in range(N)], 150)
+  except BaseException:
+    for p in range(N):
+      cluster.kill(p, signal.SIGKILL)
+    raise
+  for p in range(N):  # every process, while a local save is in flight
+    cluster.kill(p, signal.SIGKILL)
+  cluster.wait(30, grace_s=0)
+  leftovers = [n for p in range(N) for n in os.listdir(root / "local" /
+                                                        f"process_{p}")
+               if ".tmp-" in n]
+  return root, conf, leftovers
+
+
+def _restore(conf, phases, processes=N, devices=2, mesh=(4, 2), **extra):
+  results = local_cluster.run(
+      WORKER, dict(conf, scenario="restore", phases=phases, mesh=list(mesh),
+                   **extra),
+      num_processes=processes, devices_per_process=devices, timeout_s=180,
+      cwd=REPO_ROOT)
+  return local_cluster.check(results), results
+
+
+def test_restore_after_sigkill_wipes_and_topology(killed):
+  root, conf, leftovers = killed
+  assert leftovers, "the kill did not catch a local save in flight"
+  local = root / "local"
+  held = {p: _steps(local / f"process_{p}") for p in range(N)}
+  persistent = _persistent(root / "persistent")
+  assert persistent and persistent[-1] >= 10, persistent
+  want_a = _newest_complete(held)
+  assert want_a is not None and want_a >= persistent[-1], (held, persistent)
+  # Phase B: process 1 is a replaced host (its local directory is empty).
+  held_b = {**held, 1: []}
+  want_b = _newest_complete(held_b)
+  got, results = _restore(conf, [{}, {"wipe": [1]}, {"wipe": [2]}],
+                          save_after=True)
+  for p, r in enumerate(got):
+    a, b, c, after = r
+    assert (a["tier"], a["step"], a["exact"]) == ("local", want_a, True), r
+    assert a["host_state"] == {"pos": want_a * 100 + p}
+    assert (b["tier"], b["step"], b["exact"]) == ("local", want_b, True), r
+    assert b["from_partner"] == (p == 1)
+    assert b["host_state"] == {"pos": want_b * 100 + p}
+    # Process 1 and its partner (process 2) both lost their local tier.
+    assert (c["tier"], c["step"], c["exact"]) == (
+        "persistent", persistent[-1], True), r
+    assert c["host_state"] == {"pos": persistent[-1] * 100 + p}
+    # The next save works, and leaves nothing over (crash leftovers gone).
+    assert f"step_{after['saved']}" in after["entries"], after
+    assert all(re.fullmatch(r"step_\d+", e) for e in after["entries"]), after
+  assert "from the persistent tier" in results[0].output
+  assert "the local tier holds no step every process can rebuild" in (
+      results[0].output)
+
+
+def test_restore_on_another_topology_uses_persistent(killed):
+  root, conf, _ = killed
+  persistent = _persistent(root / "persistent")
+  got, results = _restore(conf, [{}], processes=2, devices=4, mesh=(2, 4))
+  for r in got:
+    assert (r[0]["tier"], r[0]["step"], r[0]["exact"]) == (
+        "persistent", persistent[-1], True), r
+  assert "saved by 4 processes x 2 devices" in results[0].output

@@ -1,0 +1,114 @@
+"""One process of a multi-tier job for tests/multiprocess/test_tiers.py.
+
+``config["scenario"]``: "train" saves every step to the local tier and every
+``persistent_interval`` steps to the persistent one, writing
+``<flags>/saved_<process>_<step>`` after each ``save()`` returns (the test
+SIGKILLs the job while a local save is in flight); "restore" runs the
+``phases`` (optionally wiping some processes' local directories first) and
+reports what each restore returned and whether it is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging as std_logging
+import os
+import shutil
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {
+    "w": ((1024, 1024), "float32"),     # sharded over both mesh axes
+    "emb": ((512, 256), "float32"),     # sharded over x, replicated over y
+    "r": ((256, 128), "float32"),       # replicated on every device
+    "i": ((256, 512), "int32"),         # sharded over y on axis 1
+}
+SPECS = {"w": ("x", "y"), "emb": ("x", None), "r": (), "i": (None, "y")}
+_BASE: dict = {}
+
+
+def state_np(step: int) -> dict:
+  """Random (np.random) base + step: every element changes every step."""
+  if not _BASE:
+    for name, (shape, dtype) in SHAPES.items():
+      rng = np.random.default_rng([7, sum(map(ord, name))])
+      _BASE[name] = (rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+                     if dtype.startswith("float") else
+                     rng.integers(-2**20, 2**20, size=shape).astype(dtype))
+  return {n: b + np.asarray(step, b.dtype) for n, b in _BASE.items()}
+
+
+def main() -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  cfg = local_cluster.init_from_env()
+  conf = json.loads(sys.argv[1])
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.set_verbosity(logging.INFO)
+  std_logging.getLogger("absl").setLevel(std_logging.INFO)
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  pid = cfg["process_id"]
+  mesh = Mesh(np.array(jax.devices()).reshape(conf["mesh"]), ("x", "y"))
+  shard = {n: NamedSharding(mesh, P(*SPECS[n])) for n in SHAPES}
+
+  def make(step):
+    s = state_np(step)
+    return {"params": {n: jax.make_array_from_callback(
+        s[n].shape, shard[n], lambda idx, a=s[n]: a[idx]) for n in s},
+            "step": np.int64(step)}
+
+  ckptr = ckpt.MultiTierCheckpointer(
+      conf["persistent"], local=conf["local"], local_interval=1, local_keep=2,
+      persistent_interval=conf.get("persistent_interval", 5),
+      persistent_keep=3, concurrent_bytes=conf.get("budget", 1 << 30),
+      barrier_timeout_s=60)
+  if conf["scenario"] == "train":
+    for step in range(1, conf["steps"] + 1):
+      ckptr.save(step, make(step), host_state={"pos": step * 100 + pid})
+      open(os.path.join(conf["flags"], f"saved_{pid}_{step}"), "w").close()
+      time.sleep(conf.get("sleep", 0.0))
+    ckptr.close()
+    local_cluster.write_result({"done": True})
+    return
+
+  target = {"params": {n: jax.ShapeDtypeStruct(SHAPES[n][0], SHAPES[n][1],
+                                               sharding=shard[n])
+                       for n in SHAPES}, "step": np.int64(0)}
+  out = []
+  for k, phase in enumerate(conf["phases"]):
+    multihost.barrier(f"phase-{k}-start")
+    if pid in phase.get("wipe", []):
+      shutil.rmtree(os.path.join(conf["local"], f"process_{pid}"),
+                    ignore_errors=True)
+    multihost.barrier(f"phase-{k}-wiped")
+    t0 = time.perf_counter()
+    got = ckptr.restore(target=target)
+    dt = time.perf_counter() - t0
+    step = int(got["step"])
+    want = state_np(step)
+    exact = all(
+        np.array_equal(np.asarray(s.data), want[n][s.index])
+        for n in SHAPES for s in got["params"][n].addressable_shards)
+    exact &= all(got["params"][n].sharding == shard[n] for n in SHAPES)
+    out.append({"step": step, "tier": ckptr.last_restore_tier,
+                "reason": ckptr.last_restore_reason, "exact": bool(exact),
+                "host_state": ckptr.host_state(), "seconds": dt,
+                "from_partner": ckptr.local.last_restore_stats.get(
+                    "from_partner")})
+  if conf.get("save_after"):
+    step = out[-1]["step"] + 1
+    ckptr.save(step, make(step), host_state={"pos": step * 100 + pid},
+               force=True)
+    ckptr.wait_until_finished()
+    mine = os.path.join(conf["local"], f"process_{pid}")
+    out.append({"saved": step, "entries": sorted(os.listdir(mine))})
+  ckptr.close()
+  local_cluster.write_result(out)
+
+
+if __name__ == "__main__":
+  main()

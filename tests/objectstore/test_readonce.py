@@ -1,0 +1,36 @@
+"""Read once on moto's S3, across 4 real processes x 2 devices.
+
+The same job as tests/multiprocess/test_readonce.py (save fully sharded,
+restore onto leaves replicated over 4 and 2 processes and fully sharded),
+into a bucket on moto. Bytes are counted twice, independently: by ckpt
+(``last_restore_stats.bytes_read``, each process) and by the server: the
+GET requests of chunk objects in moto's access log during each restore
+(every chunk here is one 32 KiB object, so GETs x 32 KiB are the bytes
+served). Read once, each stored chunk of the target's leaves is fetched
+once over all processes; with ``read_once=False`` R times; automatic
+(None) on an object store is on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from tests.multiprocess import readonce_worker as worker
+from tests.multiprocess.test_readonce import (check_counts, everywhere_bytes,
+                                              launch, stored_bytes)
+
+
+def test_read_once_on_s3(s3_server, s3_bucket):
+  out = launch({"dir": f"{s3_bucket}/ck", "format": "zarr", "op": "both",
+                "policies": [True, False, None],
+                "moto_log": s3_server.log_path})
+  check_counts(out, "True", stored_bytes(), balanced=True)
+  check_counts(out, "False", everywhere_bytes(), balanced=True)
+  check_counts(out, "None", stored_bytes(), balanced=True)  # auto: on
+  chunk = worker.CHUNK_BYTES
+  gets = {p: out[0][p]["moto_gets"] for p in ("True", "False", "None")}
+  assert gets["True"] == stored_bytes() // chunk, gets
+  assert gets["None"] == gets["True"], gets
+  assert gets["False"] == everywhere_bytes() // chunk, gets
