@@ -158,6 +158,7 @@ class Checkpointer(queries.Queries):
     self.async_save = async_save
     self.partitioner = partitioner
     self.barrier_timeout_s = barrier_timeout_s
+    self._readonce_key: str | None = None  # the last read-once restore's
     if not float(lease_s) > 0:
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
     self.lease_s = float(lease_s)
@@ -488,16 +489,36 @@ class Checkpointer(queries.Queries):
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
     self.last_restore_stats = stats
+    # With read-once on (agreed: the same on every process), a process that
+    # fails must say so before the others start an exchange it never joins.
+    rounds = (args.read_once_min is not None and multihost.is_multiprocess())
+    key = multihost.call_key(self._key_base, "readonce")  # every restore
+    check = (lambda i, e: readonce.all_ok(
+        f"{key}/{i}", e, f"restore from {step_dir!r}",
+        self.barrier_timeout_s)) if rounds else (lambda i, e: None)
     try:
-      result = self._run(readonce.counted(restore_lib.restore(
-          storage, step_dir, args, self.concurrent_bytes, self._context),
-          counter))
+      result, error = None, None
+      try:
+        result = self._run(readonce.counted(restore_lib.restore(
+            storage, step_dir, args, self.concurrent_bytes, self._context),
+            counter))
+      except Exception as e:  # pylint: disable=broad-except
+        if not rounds:
+          raise
+        error = e
+      check("read", error)
+      if rounds:
+        # Every process reached this restore's first round, so each is done
+        # with the previous restore's rounds: their keys can go.
+        if self._readonce_key is not None:
+          multihost.forget(self._readonce_key)
+        self._readonce_key = key
       # The exchange: collectives on this (the caller's) thread; the reads
       # of each batch on the background thread.
       result = readonce.finish(
           result, lambda batch: self._run(readonce.counted(
               restore_lib.read_parts(batch, self.concurrent_bytes), counter)),
-          self.concurrent_bytes, stats)
+          self.concurrent_bytes, stats, check)
       return result
     finally:
       stats.bytes_read = counter.bytes_read

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import json
 import math
 import threading
 import time
@@ -43,6 +44,9 @@ import jax
 import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
+
+from ckpt import multihost
+from ckpt.errors import CheckpointError
 
 # The automatic policy (read_once=None), chosen from scripts/bench.py's
 # multi-process restore figures (see README "Read once"): on an object
@@ -273,13 +277,34 @@ def batches(items: list[Deferred], budget: int) -> list[list[Deferred]]:
   return out
 
 
+def all_ok(key: str, error: BaseException | None, what: str,
+           timeout_s: float) -> None:
+  """One round before a collective: every process says whether it got
+  here without failing; if any did, all raise (the failing process its own
+  error), instead of the others waiting forever in an all-gather that
+  process never joins."""
+  failures = json.loads(multihost.agree(
+      key, "" if error is None else f"{type(error).__name__}: {error}",
+      lambda posts: json.dumps({p: m for p, m in sorted(posts.items()) if m}),
+      timeout_s=timeout_s, what=what))
+  if error is not None:
+    raise error
+  if failures:
+    raise CheckpointError(
+        f"{what} failed on process(es) {sorted(int(p) for p in failures)}: "
+        + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
+
+
 def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
-           budget: int, stats: RestoreStats) -> Any:
+           budget: int, stats: RestoreStats,
+           check: Callable[[int, BaseException | None], None] = (
+               lambda i, e: None)) -> Any:
   """Replaces every Deferred leaf of ``result`` by its exchanged array.
 
   ``read(batch)`` reads a batch with its read shardings (on the background
-  thread, under the byte limiter); the exchange runs here, on the caller's
-  thread, one jit program per batch.
+  thread, under the byte limiter); ``check(i, error)`` is a round in which
+  every process says whether batch i was read (``all_ok``); the exchange
+  runs here, on the caller's thread, one jit program per batch.
   """
   leaves, treedef = tree_util.tree_flatten(
       result, is_leaf=lambda x: isinstance(x, Deferred))
@@ -288,8 +313,13 @@ def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
     return result
   items = [leaves[i] for i in pos]
   done: dict[int, jax.Array] = {}
-  for batch in batches(items, budget):
-    parts = read(batch)
+  for i, batch in enumerate(batches(items, budget)):
+    parts, error = None, None
+    try:
+      parts = read(batch)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    check(i, error)
     t0 = time.perf_counter()
     fn = jax.jit(_identity, out_shardings=tuple(b.sharding for b in batch))
     outs = fn(*parts)

@@ -277,23 +277,41 @@ class LocalTier:
                 "process_count": lay.n, "process": lay.pid,
                 "local_devices": lay.L, "partner_src": src, "own": {},
                 "partner": {}, "host_names": []}
-    host_vals, arrays = {}, []
-    for name, v in leaves:
-      if isinstance(v, jax.Array):
-        if _is_key(v):
-          raise CheckpointError(f"the local tier does not save typed PRNG key "
-                                f"arrays ({name}); save jax.random.key_data")
-        arrays.append((name, v))
-      else:
-        host_vals[name] = _encode_host(v)
-    manifest["host_names"] = sorted(host_vals)
-    own_host = msgpack.packb({"host_state": host_state, "values": host_vals},
-                             use_bin_type=True)
-    if len(own_host) > MAX_HOST_BYTES:
+    host_vals, arrays, error = {}, [], None
+    try:
+      for name, v in leaves:
+        if isinstance(v, jax.Array):
+          if _is_key(v):
+            raise CheckpointError(
+                f"the local tier does not save typed PRNG key arrays ({name}); "
+                "save jax.random.key_data")
+          arrays.append((name, v))
+        else:
+          host_vals[name] = _encode_host(v)
+      manifest["host_names"] = sorted(host_vals)
+      own_host = msgpack.packb({"host_state": host_state, "values": host_vals},
+                               use_bin_type=True)
+      if len(own_host) > MAX_HOST_BYTES:
+        raise CheckpointError(
+            f"host_state and host (non-jax) leaves take {len(own_host)} bytes; "
+            f"the local tier sends at most {MAX_HOST_BYTES} to the partner "
+            "through the coordination service: make large leaves jax arrays")
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    # Every process learns of a failure on any of them BEFORE the partner
+    # exchange: a collective that one process never joins would hang.
+    failures = json.loads(multihost.agree(
+        f"{key}/start", "" if error is None else f"{type(error).__name__}: "
+        f"{error}", lambda posts: json.dumps(
+            {p: m for p, m in sorted(posts.items()) if m}),
+        timeout_s=self.timeout_s, what=f"local save of step {step}"))
+    if error is not None:
+      raise error
+    if failures:
       raise CheckpointError(
-          f"host_state and host (non-jax) leaves take {len(own_host)} bytes; "
-          f"the local tier sends at most {MAX_HOST_BYTES} to the partner "
-          "through the coordination service: make large leaves jax arrays")
+          f"local save of step {step} failed on process(es) "
+          f"{sorted(int(p) for p in failures)}: "
+          + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
     multihost.post_bytes(f"{key}/host", own_host)  # read by our partner below
     q: queue.Queue = queue.Queue()
     failed = threading.Event()

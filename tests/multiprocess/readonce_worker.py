@@ -131,6 +131,18 @@ def main():
           rec["moto_gets"] = moto_gets(log, offset)
         multihost.barrier(f"counted-{policy}")
         out[str(policy)] = rec  # a repeated policy: the last (warm) one
+    if "fail_on" in conf:  # one process fails before the exchange
+      def boom(ckpt_tree, target_tree, *, is_resuming):
+        del target_tree, is_resuming
+        if cfg["process_id"] == conf["fail_on"]:
+          raise ValueError("boom on this process")
+        return ckpt_tree
+      try:
+        ck.restore(1, target=target, read_once=True, transforms=(boom,))
+        out["fail"] = None
+      except Exception as e:  # pylint: disable=broad-except
+        out["fail"] = f"{type(e).__name__}: {e}"
+      out["after_fail"] = ck.restore(1, target=target, read_once=True)["step"]
   local_cluster.write_result(out)
 
 

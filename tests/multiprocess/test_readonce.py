@@ -71,3 +71,16 @@ def test_read_once_on_disk(tmp_path):
     s = r["True"]["stats"]
     assert s["read_once_leaves"] == 4 and s["batches"] >= 1
     assert r["False"]["stats"]["read_once_leaves"] == 0
+
+
+def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
+    tmp_path):
+  """A restore transform raises on process 1 only: instead of process 0
+  waiting in an all-gather process 1 never joins, both raise (process 0
+  naming process 1), and the next restore works on both."""
+  out = launch({"dir": str(tmp_path / "ck"), "op": "both", "policies": [],
+                "fail_on": 1}, n=2)
+  p0, p1 = out
+  assert p1["fail"].startswith("ValueError: boom"), p1
+  assert "process(es) [1]" in p0["fail"] and "boom" in p0["fail"], p0
+  assert p0["after_fail"] == p1["after_fail"] == 7

@@ -121,3 +121,22 @@ def test_restore_on_another_topology_uses_persistent(killed):
     assert (r[0]["tier"], r[0]["step"], r[0]["exact"]) == (
         "persistent", persistent[-1], True), r
   assert "saved by 4 processes x 2 devices" in results[0].output
+
+
+def test_a_local_save_failing_on_one_process_fails_on_all(tmp_path):
+  """Process 1's host_state is over the local tier's limit at step 2: every
+  process raises before the partner exchange (a collective one process
+  never joined would hang), nothing is committed, step 3 saves."""
+  conf = {"persistent": str(tmp_path / "persistent"),
+          "local": str(tmp_path / "local"), "flags": str(tmp_path),
+          "mesh": [2, 2], "scenario": "one_fails",
+          "persistent_interval": 100}
+  results = local_cluster.check(local_cluster.run(
+      WORKER, conf, num_processes=2, devices_per_process=2, timeout_s=180,
+      cwd=REPO_ROOT))
+  for r in results:
+    assert r["1"] is None and r["3"] is None, r
+    assert r["local_steps"] == [1, 3], r
+  p0, p1 = results
+  assert p0["2"] and "process(es) [1]" in p0["2"] and "bytes" in p0["2"], p0
+  assert p1["2"] and p1["2"].startswith("CheckpointError: host_state"), p1

@@ -75,6 +75,22 @@ def main() -> None:
     local_cluster.write_result({"done": True})
     return
 
+  if conf["scenario"] == "one_fails":  # process 1 alone fails at step 2
+    res = {}
+    for step in (1, 2, 3):
+      big = step == 2 and pid == 1
+      hs = {"pos": step, "blob": b"x" * ((17 << 20) if big else 8)}
+      try:
+        ckptr.save(step, make(step), host_state=hs, force=False)
+        ckptr.wait_until_finished()
+        res[str(step)] = None
+      except Exception as e:  # pylint: disable=broad-except
+        res[str(step)] = f"{type(e).__name__}: {e}"
+    res["local_steps"] = ckptr.local.committed_steps()
+    ckptr.close()
+    local_cluster.write_result(res)
+    return
+
   target = {"params": {n: jax.ShapeDtypeStruct(SHAPES[n][0], SHAPES[n][1],
                                                sharding=shard[n])
                        for n in SHAPES}, "step": np.int64(0)}
