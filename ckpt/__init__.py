@@ -11,7 +11,7 @@ from ckpt.lazy import LazyLeaf
 from ckpt.metadata import Metadata, abstract_target
 from ckpt.partition import MeshPartitioner
 from ckpt.restore import load
-from ckpt.tiers import MultiTierCheckpointer
+from ckpt.multitier import MultiTierCheckpointer
 
 __all__ = [
     "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",

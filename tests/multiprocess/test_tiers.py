@@ -1,4 +1,4 @@
-"""Multi-tier checkpoints (ckpt/tiers.py) in real 4-process jobs.
+"""Multi-tier checkpoints (ckpt/multitier.py, ckpt/local_tier.py) in real 4-process jobs.
 
 One job (4 processes x 2 CPU devices) saves every step to the local tier
 and every 5th to the persistent tier and is SIGKILLed (every process) while

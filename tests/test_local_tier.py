@@ -1,9 +1,9 @@
-"""Unit tests of ckpt/tiers.py that need no multi-process job."""
+"""Unit tests of ckpt/local_tier.py that need no multi-process job."""
 
 import pytest
 
 import ckpt
-from ckpt import tiers
+from ckpt import local_tier as tiers
 
 
 def test_partner_is_another_process_and_another_slice():

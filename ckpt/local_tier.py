@@ -1,6 +1,5 @@
-"""Multi-tier checkpoints: a fast local tier per host plus the persistent tier.
-
-``MultiTierCheckpointer`` composes two things:
+"""The local tier of multi-tier checkpoints (ckpt/multitier.py composes it
+with a persistent ``Checkpointer``):
 
 - the persistent tier: a plain ``ckpt.Checkpointer`` on any URL, saved every
   ``persistent_interval`` steps, keeping ``persistent_keep``;
@@ -59,8 +58,10 @@ from absl import logging
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ckpt import commit as commit_lib
 from ckpt import multihost
-from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt import storage as storage_lib
+from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
 from ckpt.errors import CheckpointError
 
 FORMAT = "ckpt-local-tier"
@@ -137,7 +138,7 @@ def _is_key(x) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def _flatten(tree):
+def flatten(tree):
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return [(jax.tree_util.keystr(p), v) for p, v in flat], treedef
 
@@ -269,7 +270,7 @@ class LocalTier:
     t0 = time.perf_counter()
     lay = self.layout
     key = multihost.call_key(self._key_base, "save", step)
-    leaves, _ = _flatten(state)
+    leaves, _ = flatten(state)
     token = multihost.unique_token()
     work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
     src = lay.src[lay.pid]
@@ -445,12 +446,12 @@ class LocalTier:
         for f in files.values():
           f.flush()
           os.fsync(f.fileno())
-        _write_file(os.path.join(work, "host.msgpack"), msgpack.packb(
+        storage_lib.write_file(os.path.join(work, "host.msgpack"), msgpack.packb(
             {"own": own_host, "partner": partner_host, "partner_src": src},
             use_bin_type=True))
-        _write_file(os.path.join(work, "manifest.json"),
+        storage_lib.write_file(os.path.join(work, "manifest.json"),
                     json.dumps(manifest).encode())
-        _fsync_dir(work)
+        commit_lib.fsync_dir(work)
     except BaseException as e:  # pylint: disable=broad-except
       error = error or e
     finally:
@@ -471,7 +472,7 @@ class LocalTier:
     if os.path.exists(final):  # saved again: the old one goes first
       _remove(final, self.dir, step)
     os.rename(work, final)
-    _fsync_dir(self.dir)
+    commit_lib.fsync_dir(self.dir)
     self.last_save_stats["total_s"] = time.perf_counter() - t0
     # Every process is past the barrier, so our host values were read.
     try:
@@ -568,7 +569,6 @@ class LocalTier:
     batch, batch_bytes, read = [], 0, 0
 
     def flush():
-      nonlocal read
       if not batch:
         return
       stacked = []
@@ -654,224 +654,8 @@ def _assemble(t, bufs):
                                                   bufs)
 
 
-def _write_file(path: str, data: bytes) -> None:
-  with open(path, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def _remove(path: str, parent: str, step: int) -> None:
   """Renames a committed step away first, so it is never half-deleted."""
   gone = os.path.join(parent, f"step_{step}.del-{multihost.unique_token()}")
   os.rename(path, gone)
   shutil.rmtree(gone, ignore_errors=True)
-
-
-# ---- the public class -----------------------------------------------------------
-
-class MultiTierCheckpointer:
-  """A ``Checkpointer`` with a fast local tier in front of it.
-
-  Args:
-    persistent: the persistent tier's directory (any URL ckpt supports).
-    local: a directory on each host (``/dev/shm/ckpt``, a local SSD); each
-      process uses ``<local>/process_<i>/``.
-    local_interval: save to the local tier every N steps.
-    local_keep: local steps kept per process (>= 2).
-    persistent_interval: save to the persistent tier every N steps (None:
-      only forced and preemption saves).
-    persistent_keep: ``keep`` of the persistent Checkpointer.
-    concurrent_bytes: the host-memory budget of each tier's save.
-    **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
-      (``format``, ``keep_period``, ``storage_options`` ...), for the
-      persistent tier.
-  """
-
-  def __init__(self, persistent, *, local, local_interval: int = 1,
-               local_keep: int = 2, persistent_interval: int | None = None,
-               persistent_keep: int | None = None,
-               concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
-               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
-               **checkpointer_kwargs):
-    for name, v in (("local_interval", local_interval),
-                    ("persistent_interval", persistent_interval)):
-      if v is not None and (type(v) is not int or v < 1):
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    self.local_interval = local_interval
-    self.persistent_interval = persistent_interval
-    self.persistent = Checkpointer(
-        persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
-        barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
-    self.local = LocalTier(local, keep=local_keep,
-                           concurrent_bytes=concurrent_bytes,
-                           barrier_timeout_s=barrier_timeout_s)
-    self._timeout_s = barrier_timeout_s
-    self._preemption_step: int | None = None
-    self._restored: tuple[int, Any] | None = None  # (step, host_state)
-    self.last_restore_tier: str | None = None
-    self.last_restore_reason: str = ""
-
-  # -- save --
-
-  def should_save_local(self, step: int) -> bool:
-    return step % self.local_interval == 0 or step == self._preemption_step
-
-  def should_save_persistent(self, step: int) -> bool:
-    return ((self.persistent_interval is not None and
-             step % self.persistent_interval == 0) or
-            step == self._preemption_step)
-
-  def save(self, step: int, state: Any, *, metrics: dict | None = None,
-           host_state: Any = None, force: bool = False) -> bool:
-    """Saves ``step`` to the tiers whose interval it hits (both with
-    ``force``); returns True if any tier saved it. Collective: every
-    process calls it with the same step."""
-    saved = False
-    if force or self.should_save_persistent(step):
-      saved |= bool(self.persistent.save(step, state, metrics=metrics,
-                                         host_state=host_state, force=True))
-    if force or self.should_save_local(step):
-      self.local.save(step, state, host_state)
-      saved = True
-    return saved
-
-  def reached_preemption(self, step: int) -> bool:
-    if self.persistent.reached_preemption(step):
-      self._preemption_step = step
-      return True
-    return False
-
-  def wait_until_finished(self) -> None:
-    try:
-      self.persistent.wait_until_finished()
-    finally:
-      self.local.wait()
-
-  # -- which step, which tier --
-
-  def _choose(self, step: int | None, target_leaves) -> dict:
-    """Collective: process 0 picks the tier and the step; all get it."""
-    self.local.wait()
-    try:
-      p_latest = self.persistent.latest_step()
-    except CheckpointError:
-      p_latest = None
-    if target_leaves is None:
-      usable = {"own": [], "partner": [], "why": "no target was given (the "
-                "local tier restores onto the target's shardings)"}
-    else:
-      usable = self.local.usable(target_leaves)
-    dst = self.local.layout.dst
-    n = self.local.layout.n
-
-    def decide(posts: dict[int, str]) -> str:
-      got = {p: json.loads(v) for p, v in posts.items()}
-      candidates = set()
-      for g in got.values():
-        candidates |= set(g["own"]) | set(g["partner"])
-      complete = []
-      for s in sorted(candidates, reverse=True):
-        if len(got) == n and all(
-            s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
-            for p in range(n)):
-          complete.append(s)
-      if step is not None:
-        complete = [s for s in complete if s == step]
-      why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
-                              got.items() if g["why"]}))[:2000]
-      if complete and (step is not None or p_latest is None or
-                       complete[0] >= p_latest):
-        s = complete[0]
-        need = [p for p in range(n) if s not in got[p]["own"]]
-        return json.dumps({"tier": "local", "step": s, "need": need})
-      if complete:
-        reason = (f"the newest persistent step {p_latest} is newer than the "
-                  f"newest step the local tier can rebuild ({complete[0]})")
-      elif step is not None:
-        reason = f"the local tier cannot rebuild step {step}"
-      else:
-        reason = "the local tier holds no step every process can rebuild"
-      if why:
-        reason += f" ({why})"
-      return json.dumps({"tier": "persistent", "step": step if step is not None
-                         else p_latest, "reason": reason})
-
-    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
-    return json.loads(multihost.agree(
-        key, json.dumps({"own": usable["own"], "partner": usable["partner"],
-                         "why": usable["why"]}), decide,
-        timeout_s=self._timeout_s, what="the tier and step to restore"))
-
-  def latest_step(self) -> int | None:
-    """The newest step the job can restore from either tier (collective)."""
-    d = self._choose(None, [])
-    return d["step"]
-
-  # -- restore --
-
-  def restore(self, step: int | None = None, *, target: Any = None,
-              **restore_kwargs) -> Any:
-    """Restores ``step`` (default: the newest the job can rebuild).
-
-    From the local tier when every process has its own part of that step
-    or its partner holds a replica of it, and the process count, devices
-    and the target's shardings are those of the save; else from the
-    persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
-    with an info log saying why.
-    """
-    self.wait_until_finished()
-    leaves, treedef = (_flatten(target) if target is not None else
-                       (None, None))
-    d = self._choose(step, leaves)
-    if d["tier"] == "local" and not restore_kwargs:
-      out, hs = self.local.restore(d["step"], leaves, d["need"])
-      logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
-                   self.local.root, f" (process(es) {d['need']} from their "
-                   "partners)" if d["need"] else "")
-      self.last_restore_tier, self.last_restore_reason = "local", ""
-      self._restored = (d["step"], hs)
-      return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
-    reason = d.get("reason") or "restore options the local tier does not take"
-    logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
-                 d["step"], self.persistent.storage.url, reason)
-    self.last_restore_tier, self.last_restore_reason = "persistent", reason
-    state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
-    s = d["step"] if d["step"] is not None else self.persistent.latest_step()
-    try:
-      hs = self.persistent.host_state(s)
-    except CheckpointError as e:
-      logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
-      hs = None
-    self._restored = (s, hs)
-    return state
-
-  def host_state(self, step: int | None = None) -> Any:
-    """This process's host_state of the step restored last (or of ``step``
-    in the persistent tier)."""
-    if self._restored is not None and step in (None, self._restored[0]):
-      return self._restored[1]
-    return self.persistent.host_state(step)
-
-  # -- lifecycle --
-
-  def close(self) -> None:
-    try:
-      self.wait_until_finished()
-    finally:
-      self.persistent.close()
-      self.local._pool.shutdown(wait=True)  # pylint: disable=protected-access
-
-  def __enter__(self) -> "MultiTierCheckpointer":
-    return self
-
-  def __exit__(self, *exc) -> None:
-    self.close()

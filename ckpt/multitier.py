@@ -1,0 +1,216 @@
+"""The two-tier checkpointer: a fast local tier (ckpt/local_tier.py) in
+front of a persistent ``Checkpointer``, each with its own interval and
+retention; restore takes the newest step the job can rebuild from either
+(see README "Multi-tier checkpoints")."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from absl import logging
+import jax
+
+from ckpt import local_tier
+from ckpt import multihost
+from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt.errors import CheckpointError
+
+
+class MultiTierCheckpointer:
+  """A ``Checkpointer`` with a fast local tier in front of it.
+
+  Args:
+    persistent: the persistent tier's directory (any URL ckpt supports).
+    local: a directory on each host (``/dev/shm/ckpt``, a local SSD); each
+      process uses ``<local>/process_<i>/``.
+    local_interval: save to the local tier every N steps.
+    local_keep: local steps kept per process (>= 2).
+    persistent_interval: save to the persistent tier every N steps (None:
+      only forced and preemption saves).
+    persistent_keep: ``keep`` of the persistent Checkpointer.
+    concurrent_bytes: the host-memory budget of each tier's save.
+    **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
+      (``format``, ``keep_period``, ``storage_options`` ...), for the
+      persistent tier.
+  """
+
+  def __init__(self, persistent, *, local, local_interval: int = 1,
+               local_keep: int = 2, persistent_interval: int | None = None,
+               persistent_keep: int | None = None,
+               concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
+               **checkpointer_kwargs):
+    for name, v in (("local_interval", local_interval),
+                    ("persistent_interval", persistent_interval)):
+      if v is not None and (type(v) is not int or v < 1):
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    self.local_interval = local_interval
+    self.persistent_interval = persistent_interval
+    self.persistent = Checkpointer(
+        persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
+        barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
+    self.local = local_tier.LocalTier(local, keep=local_keep,
+                           concurrent_bytes=concurrent_bytes,
+                           barrier_timeout_s=barrier_timeout_s)
+    self._timeout_s = barrier_timeout_s
+    self._preemption_step: int | None = None
+    self._restored: tuple[int, Any] | None = None  # (step, host_state)
+    self.last_restore_tier: str | None = None
+    self.last_restore_reason: str = ""
+
+  # -- save --
+
+  def should_save_local(self, step: int) -> bool:
+    return step % self.local_interval == 0 or step == self._preemption_step
+
+  def should_save_persistent(self, step: int) -> bool:
+    return ((self.persistent_interval is not None and
+             step % self.persistent_interval == 0) or
+            step == self._preemption_step)
+
+  def save(self, step: int, state: Any, *, metrics: dict | None = None,
+           host_state: Any = None, force: bool = False) -> bool:
+    """Saves ``step`` to the tiers whose interval it hits (both with
+    ``force``); returns True if any tier saved it. Collective: every
+    process calls it with the same step."""
+    saved = False
+    if force or self.should_save_persistent(step):
+      saved |= bool(self.persistent.save(step, state, metrics=metrics,
+                                         host_state=host_state, force=True))
+    if force or self.should_save_local(step):
+      self.local.save(step, state, host_state)
+      saved = True
+    return saved
+
+  def reached_preemption(self, step: int) -> bool:
+    if self.persistent.reached_preemption(step):
+      self._preemption_step = step
+      return True
+    return False
+
+  def wait_until_finished(self) -> None:
+    try:
+      self.persistent.wait_until_finished()
+    finally:
+      self.local.wait()
+
+  # -- which step, which tier --
+
+  def _choose(self, step: int | None, target_leaves) -> dict:
+    """Collective: process 0 picks the tier and the step; all get it."""
+    self.local.wait()
+    try:
+      p_latest = self.persistent.latest_step()
+    except CheckpointError:
+      p_latest = None
+    if target_leaves is None:
+      usable = {"own": [], "partner": [], "why": "no target was given (the "
+                "local tier restores onto the target's shardings)"}
+    else:
+      usable = self.local.usable(target_leaves)
+    dst = self.local.layout.dst
+    n = self.local.layout.n
+
+    def decide(posts: dict[int, str]) -> str:
+      got = {p: json.loads(v) for p, v in posts.items()}
+      candidates = set()
+      for g in got.values():
+        candidates |= set(g["own"]) | set(g["partner"])
+      complete = []
+      for s in sorted(candidates, reverse=True):
+        if len(got) == n and all(
+            s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
+            for p in range(n)):
+          complete.append(s)
+      if step is not None:
+        complete = [s for s in complete if s == step]
+      why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
+                              got.items() if g["why"]}))[:2000]
+      if complete and (step is not None or p_latest is None or
+                       complete[0] >= p_latest):
+        s = complete[0]
+        need = [p for p in range(n) if s not in got[p]["own"]]
+        return json.dumps({"tier": "local", "step": s, "need": need})
+      if complete:
+        reason = (f"the newest persistent step {p_latest} is newer than the "
+                  f"newest step the local tier can rebuild ({complete[0]})")
+      elif step is not None:
+        reason = f"the local tier cannot rebuild step {step}"
+      else:
+        reason = "the local tier holds no step every process can rebuild"
+      if why:
+        reason += f" ({why})"
+      return json.dumps({"tier": "persistent", "step": step if step is not None
+                         else p_latest, "reason": reason})
+
+    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
+    return json.loads(multihost.agree(
+        key, json.dumps({"own": usable["own"], "partner": usable["partner"],
+                         "why": usable["why"]}), decide,
+        timeout_s=self._timeout_s, what="the tier and step to restore"))
+
+  def latest_step(self) -> int | None:
+    """The newest step the job can restore from either tier (collective)."""
+    d = self._choose(None, [])
+    return d["step"]
+
+  # -- restore --
+
+  def restore(self, step: int | None = None, *, target: Any = None,
+              **restore_kwargs) -> Any:
+    """Restores ``step`` (default: the newest the job can rebuild).
+
+    From the local tier when every process has its own part of that step
+    or its partner holds a replica of it, and the process count, devices
+    and the target's shardings are those of the save; else from the
+    persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
+    with an info log saying why.
+    """
+    self.wait_until_finished()
+    leaves, treedef = (local_tier.flatten(target) if target is not None else
+                       (None, None))
+    d = self._choose(step, leaves)
+    if d["tier"] == "local" and not restore_kwargs:
+      out, hs = self.local.restore(d["step"], leaves, d["need"])
+      logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
+                   self.local.root, f" (process(es) {d['need']} from their "
+                   "partners)" if d["need"] else "")
+      self.last_restore_tier, self.last_restore_reason = "local", ""
+      self._restored = (d["step"], hs)
+      return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
+    reason = d.get("reason") or "restore options the local tier does not take"
+    logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
+                 d["step"], self.persistent.storage.url, reason)
+    self.last_restore_tier, self.last_restore_reason = "persistent", reason
+    state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
+    s = d["step"] if d["step"] is not None else self.persistent.latest_step()
+    try:
+      hs = self.persistent.host_state(s)
+    except CheckpointError as e:
+      logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
+      hs = None
+    self._restored = (s, hs)
+    return state
+
+  def host_state(self, step: int | None = None) -> Any:
+    """This process's host_state of the step restored last (or of ``step``
+    in the persistent tier)."""
+    if self._restored is not None and step in (None, self._restored[0]):
+      return self._restored[1]
+    return self.persistent.host_state(step)
+
+  # -- lifecycle --
+
+  def close(self) -> None:
+    try:
+      self.wait_until_finished()
+    finally:
+      self.persistent.close()
+      self.local._pool.shutdown(wait=True)  # pylint: disable=protected-access
+
+  def __enter__(self) -> "MultiTierCheckpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
