@@ -493,7 +493,7 @@ class Checkpointer(queries.Queries):
     # fails must say so before the others start an exchange it never joins.
     rounds = (args.read_once_min is not None and multihost.is_multiprocess())
     key = multihost.call_key(self._key_base, "readonce")  # every restore
-    check = (lambda i, e: readonce.all_ok(
+    check = (lambda i, e: multihost.all_ok(
         f"{key}/{i}", e, f"restore from {step_dir!r}",
         self.barrier_timeout_s)) if rounds else (lambda i, e: None)
     try:

@@ -99,6 +99,7 @@ import secrets
 import shutil
 import socket
 import time
+from typing import Any
 
 from absl import logging
 import msgpack
@@ -195,14 +196,21 @@ def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
 
 
-def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
-  data = storage.read_bytes(f"{rel}/{ATTEMPT_FILE}")
+def _json_field(storage: storage_lib.Storage, key: str, field: str,
+                cast: type) -> Any:
+  """``cast(value of field)`` in the small JSON object at ``key``; None if
+  the key is missing or does not hold such a field."""
+  data = storage.read_bytes(key)
   if data is None:
     return None
   try:
-    return str(json.loads(data)["token"])
+    return cast(json.loads(data)[field])
   except (ValueError, KeyError, TypeError):
     return None
+
+
+def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
+  return _json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
 def commit(storage: storage_lib.Storage, step: int, token: str,
@@ -442,13 +450,7 @@ def _write_pending(storage: storage_lib.Storage, step: int, token: str,
 
 def _pending_time(storage: storage_lib.Storage, step: int, token: str
                   ) -> float | None:
-  data = storage.read_bytes(pending_key(step, token))
-  if data is None:
-    return None
-  try:
-    return float(json.loads(data)["time"])
-  except (ValueError, KeyError, TypeError):
-    return None
+  return _json_field(storage, pending_key(step, token), "time", float)
 
 
 def list_pending(storage: storage_lib.Storage) -> list[tuple[int, str]]:
@@ -634,12 +636,9 @@ def _scan(storage: storage_lib.Storage):
 
 def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
   """Seconds since the attempt's last heartbeat (None: unknown)."""
-  data = storage.read_bytes(f"{rel}/{ATTEMPT_FILE}")
-  if data is not None:
-    try:
-      return time.time() - float(json.loads(data)["time"])
-    except (ValueError, KeyError, TypeError):
-      pass
+  beat = _json_field(storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
+  if beat is not None:
+    return time.time() - beat
   if storage.is_posix:
     try:
       return time.time() - os.stat(storage.root / rel).st_mtime

@@ -301,18 +301,8 @@ class LocalTier:
       error = e
     # Every process learns of a failure on any of them BEFORE the partner
     # exchange: a collective that one process never joins would hang.
-    failures = json.loads(multihost.agree(
-        f"{key}/start", "" if error is None else f"{type(error).__name__}: "
-        f"{error}", lambda posts: json.dumps(
-            {p: m for p, m in sorted(posts.items()) if m}),
-        timeout_s=self.timeout_s, what=f"local save of step {step}"))
-    if error is not None:
-      raise error
-    if failures:
-      raise CheckpointError(
-          f"local save of step {step} failed on process(es) "
-          f"{sorted(int(p) for p in failures)}: "
-          + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
+    multihost.all_ok(f"{key}/start", error, f"local save of step {step}",
+                     self.timeout_s)
     multihost.post_bytes(f"{key}/host", own_host)  # read by our partner below
     q: queue.Queue = queue.Queue()
     failed = threading.Event()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import re
 import secrets
 import signal
@@ -21,7 +22,7 @@ from typing import Any, Callable
 import jax
 from jax._src import distributed as _distributed
 
-from ckpt.errors import BarrierTimeoutError
+from ckpt.errors import BarrierTimeoutError, CheckpointError
 
 DEFAULT_TIMEOUT_S = 600.0
 _calls: collections.Counter[str] = collections.Counter()
@@ -167,6 +168,24 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
     return decision
   return _wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
                        f"the decision on {what or key} from process 0")
+
+
+def all_ok(key: str, error: BaseException | None, what: str,
+           timeout_s: float) -> None:
+  """One round before a collective: every process says whether it got
+  here without failing; if any did, all raise (the failing process its own
+  error), instead of the others waiting forever in an all-gather that
+  process never joins."""
+  failures = json.loads(agree(
+      key, "" if error is None else f"{type(error).__name__}: {error}",
+      lambda posts: json.dumps({p: m for p, m in sorted(posts.items()) if m}),
+      timeout_s=timeout_s, what=what))
+  if error is not None:
+    raise error
+  if failures:
+    raise CheckpointError(
+        f"{what} failed on process(es) {sorted(int(p) for p in failures)}: "
+        + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
 
 
 def forget(key: str) -> None:

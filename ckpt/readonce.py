@@ -31,10 +31,8 @@ those are read later by ``leaf.read()``, outside any collective call.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import dataclasses
-import json
 import math
 import threading
 import time
@@ -45,8 +43,6 @@ import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ckpt import multihost
-from ckpt.errors import CheckpointError
 
 # The automatic policy (read_once=None), chosen from scripts/bench.py's
 # multi-process restore figures (see README "Read once"): on an object
@@ -277,24 +273,6 @@ def batches(items: list[Deferred], budget: int) -> list[list[Deferred]]:
   return out
 
 
-def all_ok(key: str, error: BaseException | None, what: str,
-           timeout_s: float) -> None:
-  """One round before a collective: every process says whether it got
-  here without failing; if any did, all raise (the failing process its own
-  error), instead of the others waiting forever in an all-gather that
-  process never joins."""
-  failures = json.loads(multihost.agree(
-      key, "" if error is None else f"{type(error).__name__}: {error}",
-      lambda posts: json.dumps({p: m for p, m in sorted(posts.items()) if m}),
-      timeout_s=timeout_s, what=what))
-  if error is not None:
-    raise error
-  if failures:
-    raise CheckpointError(
-        f"{what} failed on process(es) {sorted(int(p) for p in failures)}: "
-        + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
-
-
 def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
            budget: int, stats: RestoreStats,
            check: Callable[[int, BaseException | None], None] = (
@@ -303,7 +281,7 @@ def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
 
   ``read(batch)`` reads a batch with its read shardings (on the background
   thread, under the byte limiter); ``check(i, error)`` is a round in which
-  every process says whether batch i was read (``all_ok``); the exchange
+  every process says whether batch i was read (``multihost.all_ok``); the exchange
   runs here, on the caller's thread, one jit program per batch.
   """
   leaves, treedef = tree_util.tree_flatten(
