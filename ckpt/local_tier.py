@@ -324,7 +324,9 @@ class LocalTier:
             seen[idx] = len(entry["shards"])
             nb = int(np.prod(s.data.shape)) * arr.dtype.itemsize
             self.budget.acquire(nb, failed)
-            host = np.array(s.data)  # a copy: the caller may donate
+            # CPU: a view that keeps the buffer alive and undonatable (see
+            # save._host_box); an accelerator: a fresh host copy.
+            host = np.asarray(s.data)
             entry["shards"].append([idx, offset, nb, list(host.shape)])
             q.put(("own.bin", offset, host, nb))
             offset += nb

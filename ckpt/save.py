@@ -266,35 +266,58 @@ def _key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
   return impl, jax.random.key_data(x)
 
 
-def _stage(leaf: LeafPlan, write: plan_lib.Write,
-           borrow: bool = False) -> np.ndarray:
-  """One owned box on the host, in the stored dtype, safe to write later.
+def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
+  """Stage 3a: where one owned box comes from, its device-to-host copy
+  started.
 
-  With ``borrow`` (a synchronous save: the caller waits, so it can neither
-  change nor free what it passed in) the box may be a view of the caller's
-  data. Otherwise it is ckpt's own: after save() returns the caller may
-  donate, delete or mutate its arrays. From an accelerator ``np.asarray`` is
-  a fresh host copy already, and a cast makes a new array anyway; only
-  views (a CPU device buffer, a host numpy leaf) are copied.
+  A jax.Array's box is its device buffer, or on an accelerator a slice of
+  it cut on the device (so only the box moves); ``copy_to_host_async``
+  starts the transfer without waiting, so the transfers of every box that
+  fits in the budget (of all local devices) overlap and ``_host_box`` only
+  waits for them. A CPU device buffer is not copied at all (``_host_box``
+  takes a view). A host numpy leaf is cut as a view.
   """
   src = leaf.source
-  if isinstance(src, jax.Array):
-    shard = next(s for s in src.addressable_shards if s.device.id == write.device)
-    part = write.box.relative_to(write.shard)
-    if write.box == write.shard or shard.device.platform == "cpu":
-      host = np.asarray(shard.data)[part]  # on CPU a view, not a copy
-    else:  # on an accelerator, cut on the device and move only the part
-      host = np.asarray(shard.data[part])
-    fresh = shard.device.platform != "cpu"
+  if not isinstance(src, jax.Array):
+    return src[write.box.slices()]
+  shard = next(s for s in src.addressable_shards if s.device.id == write.device)
+  if shard.device.platform == "cpu":
+    return shard.data
+  piece = shard.data
+  if write.box != write.shard:  # cut on the device: only the box moves
+    piece = piece[write.box.relative_to(write.shard)]
+  piece.copy_to_host_async()
+  return piece
+
+
+def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
+              borrow: bool = False) -> np.ndarray:
+  """Stage 3b: one owned box on the host, in the stored dtype, safe to
+  write after save() returns (the caller may then delete, donate or
+  overwrite its arrays).
+
+  From a CPU device the box is a read-only view of the device buffer, not
+  a copy, in async mode too: the view keeps the buffer alive when the
+  caller deletes its array or drops the last reference, and XLA does not
+  donate a buffer that has outside references (a jitted step that donates
+  it allocates its output instead, with no error), so the data cannot
+  change under the write; tests/test_zero_copy.py shows each case. From an
+  accelerator ``np.asarray`` waits for the transfer ``_device_piece``
+  started and is ckpt's own copy; a cast makes a new array anyway. A host
+  numpy leaf is mutable, so it is copied unless the caller waits for the
+  whole save (``borrow``).
+  """
+  if isinstance(piece, jax.Array):
+    host = np.asarray(piece)  # CPU: a view; accelerator: the host copy
+    if host.shape != write.box.shape:  # a CPU device's whole buffer
+      host = host[write.box.relative_to(write.shard)]  # a view of the box
+    owned = True
   else:
-    host = src[write.box.slices()]
-    fresh = False
+    host, owned = piece, borrow
   dtype = np.dtype(leaf.entry.dtype)
   if host.dtype != dtype:
     return host.astype(dtype, order="C")
-  if borrow or fresh:
-    return host
-  return np.array(host, order="C", copy=True)
+  return host if owned else np.array(host, order="C", copy=True)
 
 
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
@@ -442,7 +465,27 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # Staging runs ahead of writing while the budget allows, so that the
   # caller (released once everything is staged) does not wait for writes
   # competing for the same cores; when the budget is full, the staged boxes
-  # start writing and free it.
+  # start writing and free it. Device-to-host copies of every box granted
+  # so far start together (``_device_piece``) and are waited for in order
+  # (``land``), so the transfers of all local devices overlap.
+  started: list[tuple[plan_lib.Write, Any, int]] = []  # copies in flight
+
+  async def land():
+    while started:
+      w, piece, grant = started[0]
+      leaf = plan.leaves[w.leaf]
+      try:
+        data = (_host_box(leaf, w, piece, plan.borrow)
+                if w.nbytes <= INLINE_WORK_BYTES else await asyncio.to_thread(
+                    _host_box, leaf, w, piece, plan.borrow))
+      except Exception as e:
+        raise CheckpointError(
+            f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
+            f"{w.box.stop} to the host failed (was the array deleted or "
+            f"donated before save() returned?): {e}") from e
+      started.pop(0)
+      staged.append((w, data, grant))
+
   try:
     for w in plan.writes:
       if w.box.size == 0:
@@ -451,25 +494,23 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         break  # a write failed: stop staging, report it below
       grant = limiter.try_acquire(w.nbytes)  # stored bytes, after the cast
       if grant is None:
+        await land()
         start_writes()
         grant = await limiter.acquire(w.nbytes)
       leaf = plan.leaves[w.leaf]
       try:
-        data = (_stage(leaf, w, plan.borrow) if w.nbytes <= INLINE_WORK_BYTES
-                else await asyncio.to_thread(_stage, leaf, w, plan.borrow))
+        started.append((w, _device_piece(leaf, w), grant))
       except Exception as e:
         limiter.release(grant)
         raise CheckpointError(
-            f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
-            f"{w.box.stop} to the host failed (was the array deleted or "
-            f"donated before save() returned?): {e}") from e
-      except BaseException:
-        limiter.release(grant)
-        raise
-      staged.append((w, data, grant))
+            f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
+            f"{w.box.start}..{w.box.stop} to the host failed (was the array "
+            f"deleted or donated before save() returned?): {e}") from e
+    await land()
   except BaseException:
-    for _, _, grant in staged:
+    for _, _, grant in started + staged:
       limiter.release(grant)
+    started.clear()
     staged.clear()
     # Writes already started finish (they hold at most the budget) instead
     # of being cancelled mid-flight: once this raises, this process writes

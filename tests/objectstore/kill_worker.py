@@ -69,16 +69,16 @@ def main(argv: list[str]) -> None:
 
   if config["kill"] == "mid_write" and me == config["victim"]:
     staged = []
-    plain_stage = save_lib._stage  # pylint: disable=protected-access
+    plain_stage = save_lib._host_box  # pylint: disable=protected-access
 
     def stage_then_die(leaf, write, *args):
-      staged.append(write)
+      staged.append(write)  # each box lands on the host here
       if len(staged) == 3:
         print(f"process {me}: SIGKILL while staging box 3", flush=True)
         _die()
       return plain_stage(leaf, write, *args)
 
-    save_lib._stage = stage_then_die  # pylint: disable=protected-access
+    save_lib._host_box = stage_then_die  # pylint: disable=protected-access
   elif config["kill"] == "after_index" and me == 0:
     plain_write = storage_lib.Storage.write_bytes
 

@@ -1,0 +1,130 @@
+"""Async save without a staging copy on CPU devices (issue #16).
+
+save() returns once every owned box is staged; from a CPU device a staged
+box is a view of the device buffer, not a copy. These tests hold the writes
+back until the caller has done each thing a training loop can do to its
+arrays after save() returns (delete, donate to a jitted step, drop the
+last reference, clear jax's caches), then check what was written is what
+was passed in. Host numpy leaves are mutable and must still be copied.
+"""
+
+import asyncio
+import gc
+import threading
+import tracemalloc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ckpt
+from ckpt import save as save_lib
+from tests.conftest import mesh, named, random_array, sharded
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+  """A gate: the save's writes wait until ``gate.set()`` (staging and the
+  caller's release do not); opened on teardown so nothing hangs."""
+  gate = threading.Event()
+  plain = save_lib._open_arrays  # pylint: disable=protected-access
+
+  async def gated(*args, **kwargs):
+    await asyncio.to_thread(gate.wait, 60)
+    return await plain(*args, **kwargs)
+
+  monkeypatch.setattr(save_lib, "_open_arrays", gated)
+  yield gate
+  gate.set()
+
+
+def _state(rng, m):
+  return {
+      "w": sharded(random_array(rng, (256, 128)), named(m, "data", "model")),
+      "rep": sharded(random_array(rng, (64, 32)), named(m)),
+      "col": sharded(random_array(rng, (32, 64)), named(m, None, "model")),
+      "host": random_array(rng, (40, 10)),
+  }
+
+
+def _expected(state):
+  return jax.tree.map(lambda x: np.array(x, copy=True), state)
+
+
+def _donating_step(state):
+  fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 7, s),
+               donate_argnums=0)
+  return fn(state)
+
+
+@pytest.mark.parametrize("what", ["delete", "donate", "drop", "clear_caches"])
+def test_async_save_is_safe_after_the_caller_lets_go(what, rng, make_ckptr,
+                                                     ckpt_dir, held_writes):
+  m = mesh()
+  ckptr = make_ckptr(async_save=True)
+  state = _state(rng, m)
+  want = _expected(state)
+  ckptr.save(1, state)
+  assert not ckptr.last_save_stats.total_s  # the writes are still held
+  devices_state = {k: v for k, v in state.items() if k != "host"}
+  if what == "delete":
+    for x in devices_state.values():
+      x.delete()
+  elif what == "donate":
+    out = _donating_step(devices_state)
+    jax.block_until_ready(out)
+    np.testing.assert_array_equal(np.asarray(out["w"]),
+                                  np.full((256, 128), -7, np.float32))
+  elif what == "clear_caches":
+    jax.clear_caches()
+  state["host"][:] = -1  # a host leaf changed after save() returned
+  del state, devices_state
+  gc.collect()
+  held_writes.set()
+  ckptr.wait_until_finished()
+  got = ckpt.load(ckpt_dir, 1)
+  for k in want:
+    np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _staging_peak(ckptr, state) -> int:
+  """Peak bytes numpy allocated while save() ran (numpy reports its
+  allocations to tracemalloc)."""
+  tracemalloc.start()
+  try:
+    ckptr.save(1, state)
+    return tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+
+
+def test_async_save_copies_no_cpu_device_buffer(rng, tmp_path, make_ckptr,
+                                                held_writes):
+  """Staging 80 MiB of CPU device data allocates no host copy of it; a
+  cast and a host numpy leaf still do (the test can tell a copy)."""
+  m = mesh()
+  state = {
+      "big": sharded(random_array(rng, (4096, 4096)), named(m, "data", "model")),
+      "rep": sharded(random_array(rng, (1024, 1024)), named(m)),
+  }
+  ckptr = make_ckptr(tmp_path / "plain", async_save=True,
+                     concurrent_bytes=256 * MiB)
+  peak = _staging_peak(ckptr, state)
+  held_writes.set()
+  ckptr.wait_until_finished()
+  assert peak < 8 * MiB, f"staging allocated {peak / MiB:.1f} MiB"
+  got = ckpt.load(tmp_path / "plain", 1)
+  np.testing.assert_array_equal(got["big"], np.asarray(state["big"]))
+
+  host = {"h": random_array(rng, (2048, 2048))}  # 16 MiB, mutable
+  cast = make_ckptr(tmp_path / "cast", async_save=True,
+                    save_dtype=jnp.bfloat16, concurrent_bytes=256 * MiB)
+  copied = make_ckptr(tmp_path / "host", async_save=True,
+                      concurrent_bytes=256 * MiB)
+  assert _staging_peak(cast, {"big": state["big"]}) >= 32 * MiB  # bf16 copy
+  assert _staging_peak(copied, host) >= 16 * MiB
+  cast.wait_until_finished()
+  copied.wait_until_finished()
