@@ -290,6 +290,14 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   return piece
 
 
+def _is_view(leaf: LeafPlan, piece: Any) -> bool:
+  """Whether ``_host_box`` of ``piece`` only takes a view (a CPU device
+  buffer in the stored dtype): work too small for a worker thread."""
+  return (isinstance(piece, jax.Array)
+          and piece.dtype == np.dtype(leaf.entry.dtype)
+          and all(d.platform == "cpu" for d in piece.devices()))
+
+
 def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
               borrow: bool = False) -> np.ndarray:
   """Stage 3b: one owned box on the host, in the stored dtype, safe to
@@ -476,7 +484,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       leaf = plan.leaves[w.leaf]
       try:
         data = (_host_box(leaf, w, piece, plan.borrow)
-                if w.nbytes <= INLINE_WORK_BYTES else await asyncio.to_thread(
+                if w.nbytes <= INLINE_WORK_BYTES or _is_view(leaf, piece)
+                else await asyncio.to_thread(
                     _host_box, leaf, w, piece, plan.borrow))
       except Exception as e:
         raise CheckpointError(
