@@ -274,19 +274,18 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   it cut on the device (so only the box moves); ``copy_to_host_async``
   starts the transfer without waiting, so the transfers of every box that
   fits in the budget (of all local devices) overlap and ``_host_box`` only
-  waits for them. A CPU device buffer is not copied at all (``_host_box``
-  takes a view). A host numpy leaf is cut as a view.
+  waits for them. The same calls run on CPU devices, where nothing is
+  copied (``_host_box`` takes a view of the buffer, cut on the host). A
+  host numpy leaf is cut as a view.
   """
   src = leaf.source
   if not isinstance(src, jax.Array):
     return src[write.box.slices()]
   shard = next(s for s in src.addressable_shards if s.device.id == write.device)
-  if shard.device.platform == "cpu":
-    return shard.data
   piece = shard.data
-  if write.box != write.shard:  # cut on the device: only the box moves
-    piece = piece[write.box.relative_to(write.shard)]
-  piece.copy_to_host_async()
+  if write.box != write.shard and shard.device.platform != "cpu":
+    piece = piece[write.box.relative_to(write.shard)]  # only the box moves
+  piece.copy_to_host_async()  # CPU: nothing to copy (np.asarray is a view)
   return piece
 
 

@@ -129,3 +129,43 @@ def test_async_save_copies_no_cpu_device_buffer(rng, tmp_path, make_ckptr,
   assert _staging_peak(copied, host) >= 16 * MiB
   cast.wait_until_finished()
   copied.wait_until_finished()
+
+
+def test_copies_to_the_host_start_together_within_the_budget(
+    rng, tmp_path, make_ckptr, monkeypatch):
+  """Every box that fits in the budget has its device-to-host copy started
+  before the first one is waited for (transfers of all local devices
+  overlap); started and not yet landed never exceeds the budget."""
+  events = []
+  plain_start = save_lib._device_piece  # pylint: disable=protected-access
+  plain_land = save_lib._host_box  # pylint: disable=protected-access
+
+  def start(leaf, write):
+    events.append(("start", write.nbytes))
+    return plain_start(leaf, write)
+
+  def land(leaf, write, piece, borrow=False):
+    events.append(("land", write.nbytes))
+    return plain_land(leaf, write, piece, borrow)
+
+  monkeypatch.setattr(save_lib, "_device_piece", start)
+  monkeypatch.setattr(save_lib, "_host_box", land)
+  m = mesh()
+  # 8 devices x 2 leaves: 16 boxes of 1 MiB; a 4 MiB budget.
+  state = {f"w{i}": sharded(random_array(rng, (2048, 1024)),
+                            named(m, "data", "model")) for i in range(2)}
+  ckptr = make_ckptr(tmp_path / "c", async_save=True,
+                     concurrent_bytes=4 * MiB, chunk_bytes=1 * MiB)
+  ckptr.save(1, state)
+  ckptr.wait_until_finished()
+  first_land = next(i for i, (e, _) in enumerate(events) if e == "land")
+  assert first_land == 4, events[:8]  # 4 copies in flight at once
+  assert [e for e, _ in events].count("start") == 16
+  in_flight = peak = 0
+  for e, n in events:
+    in_flight += n if e == "start" else -n
+    peak = max(peak, in_flight)
+  assert peak <= 4 * MiB
+  got = ckpt.load(tmp_path / "c", 1)
+  for k, v in state.items():
+    np.testing.assert_array_equal(got[k], np.asarray(v))
