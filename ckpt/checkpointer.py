@@ -159,6 +159,9 @@ class Checkpointer(queries.Queries):
     self.partitioner = partitioner
     self.barrier_timeout_s = barrier_timeout_s
     self._readonce_key: str | None = None  # the last read-once restore's
+    # The rounds of read-once lazy leaves' reads (made at the first
+    # multi-process restore(lazy=True) with read once on).
+    self._lazy_rounds: readonce.LazyRounds | None = None
     if not float(lease_s) > 0:
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
     self.lease_s = float(lease_s)
@@ -437,10 +440,14 @@ class Checkpointer(queries.Queries):
         batches within ``concurrent_bytes``. Every process must pass the
         same value (checked). Leaves it cannot apply to are read as usual:
         typed PRNG keys, values in memory (inline leaves, fallbacks), leaves
-        whose dimensions do not divide by the replica count, and
-        ``lazy=True`` leaves (read later by ``leaf.read()``, outside this
-        call's collectives). ``last_restore_stats`` says what it did
-        (bytes read from storage, leaves exchanged).
+        whose dimensions do not divide by the replica count.
+        ``last_restore_stats`` says what it did (bytes read from storage,
+        leaves exchanged). With ``lazy=True`` the leaves it applies to read
+        once when read later with the sharding they were bound to:
+        ``leaf.read()`` of such a leaf is then a collective call, which
+        every process must make, for the same leaves in the same order
+        (like a jitted function over global arrays); the leaves' reads add
+        to this restore's ``last_restore_stats`` object.
 
     In a multi-process job every process calls it; process 0 picks the step
     (the latest, or checks that all asked for the same one) and every
@@ -480,19 +487,27 @@ class Checkpointer(queries.Queries):
       guard = commit_lib.guard(storage, step)
       if protected is not None:  # the step outlives this call with the leaves
         keepalive = self._retention.keepalive(step)
-    args = restore_lib.RestoreArgs(
-        target=target, restore_dtype=self.restore_dtype,
-        transforms=tuple(transforms), fallback_state=fallback_state,
-        lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
-        keepalive=keepalive,
-        read_once_min=readonce.min_replicas(read_once, storage.url))
+    read_once_min = readonce.min_replicas(read_once, storage.url)
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
     self.last_restore_stats = stats
     # With read-once on (agreed: the same on every process), a process that
     # fails must say so before the others start an exchange it never joins.
-    rounds = (args.read_once_min is not None and multihost.is_multiprocess())
+    rounds = read_once_min is not None and multihost.is_multiprocess()
     key = multihost.call_key(self._key_base, "readonce")  # every restore
+    lazy_reads = None
+    if lazy:  # the leaves' later reads count here; read once: collectives
+      if rounds and self._lazy_rounds is None:
+        self._lazy_rounds = readonce.LazyRounds(f"{key}-lazy",
+                                                self.barrier_timeout_s)
+      lazy_reads = readonce.LazyReads(
+          counter, stats, self._lazy_rounds if rounds else None)
+    args = restore_lib.RestoreArgs(
+        target=target, restore_dtype=self.restore_dtype,
+        transforms=tuple(transforms), fallback_state=fallback_state,
+        lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
+        keepalive=keepalive, read_once_min=read_once_min,
+        lazy_reads=lazy_reads)
     check = (lambda i, e: multihost.all_ok(
         f"{key}/{i}", e, f"restore from {step_dir!r}",
         self.barrier_timeout_s)) if rounds else (lambda i, e: None)
@@ -521,9 +536,7 @@ class Checkpointer(queries.Queries):
           self.concurrent_bytes, stats, check)
       return result
     finally:
-      stats.bytes_read = counter.bytes_read
-      stats.chunk_bytes_read = counter.chunk_bytes_read
-      stats.reads = counter.reads
+      stats.add_reads(counter)
       stats.total_s = time.perf_counter() - t_start
       if protected is not None:
         self._retention.release(protected)

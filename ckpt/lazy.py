@@ -59,6 +59,17 @@ class LazyLeaf(abc.ABC):
   ``prng_impl`` names the implementation; ``read()`` returns typed keys
   (a ``jax.Array`` of key dtype, on jax's default device when no sharding
   is given, else placed by that sharding of the keys' shape).
+
+  Read once (``read_once``, see ckpt/readonce.py): a leaf returned by a
+  multi-process ``Checkpointer.restore(lazy=True)`` that restore would have
+  read once, read with the sharding it was bound to (a bare ``read()``),
+  reads only this process's distinct part of each replicated box and
+  all-gathers the parts over the replicas. Such a read is a collective
+  call, like a jitted function over global arrays: every process must read
+  the same leaves, in the same order (a process that fails to read its part
+  makes every process raise, naming it). Read with another sharding, or
+  with read once off, a leaf reads its boxes on each process as usual (not
+  collective).
   """
 
   shape: tuple[int, ...]
@@ -74,6 +85,11 @@ class LazyLeaf(abc.ABC):
   # any leaf of that restore is alive.
   guard: Callable[[], None] | None = None
   keepalive: Any = None
+  # restore(lazy=True) from a Checkpointer: the restore's stats, which this
+  # leaf's reads add to (readonce.LazyReads), and, for a leaf that reads
+  # once, its plan (readonce.LazyPlan).
+  reads: Any = None
+  read_once: Any = None
 
   @abc.abstractmethod
   async def read_box(self, box: Box) -> np.ndarray:
@@ -106,16 +122,53 @@ class LazyLeaf(abc.ABC):
         None if dtype is None or prng.is_key_dtype(dtype) else np.dtype(dtype))
     return out
 
-  async def read_async(self, sharding=None, dtype=None):
+  def _args(self, sharding, dtype):
+    """(sharding, dtype, read-once plan or None) of one read."""
     sharding = sharding if sharding is not None else self.sharding
-    dtype = dtype if dtype is not None else (self.target_dtype or self.dtype)
+    dtype = np.dtype(dtype if dtype is not None else
+                     (self.target_dtype or self.dtype))
+    plan = self.read_once
+    return sharding, dtype, (plan if plan is not None and
+                             plan.applies(sharding) else None)
+
+  async def read_async(self, sharding=None, dtype=None):
+    sharding, dtype, plan = self._args(sharding, dtype)
+    if plan is None:
+      return await self._guarded(dtype, sharding)
+    ticket = plan.reads.rounds.ticket()
+    part, error = await self._read_part(plan, dtype, ticket)
+    # The collective part on a thread of its own (not blocking the loop).
+    return await asyncio.to_thread(plan.finish, ticket, part, error,
+                                   self.path)
+
+  def read(self, sharding=None, dtype=None):
+    sharding, dtype, plan = self._args(sharding, dtype)
+    if plan is None:
+      return run_sync(self.read_async(sharding, dtype))
+    ticket = plan.reads.rounds.ticket()
+    try:
+      part, error = run_sync(self._read_part(plan, dtype, ticket))
+    except BaseException as e:  # interrupted: the others must not wait for us
+      plan.reads.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
+      raise
+    return plan.finish(ticket, part, error, self.path)  # the caller's thread
+
+  async def _read_part(self, plan, dtype, ticket: int):
+    """Read once: (this process's part, None) or (None, the error)."""
+    try:
+      return await self._guarded(dtype, plan.read_sharding), None
+    except Exception as e:  # pylint: disable=broad-except
+      return None, e
+    except BaseException as e:  # cancelled: the others must not wait for us
+      plan.reads.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
+      raise
+
+  async def _guarded(self, dtype, sharding):
     if self.guard is None:
-      return await materialize(self, np.dtype(dtype), sharding,
-                               ByteLimiter(self.budget))
+      return await self._counted(dtype, sharding)
     await asyncio.to_thread(self.guard)
     try:
-      out = await materialize(self, np.dtype(dtype), sharding,
-                              ByteLimiter(self.budget))
+      out = await self._counted(dtype, sharding)
     except Exception:
       await asyncio.to_thread(self.guard)  # a vanished step explains it
       raise
@@ -123,8 +176,19 @@ class LazyLeaf(abc.ABC):
     await asyncio.to_thread(self.guard)
     return out
 
-  def read(self, sharding=None, dtype=None):
-    return run_sync(self.read_async(sharding, dtype))
+  async def _counted(self, dtype, sharding):
+    """materialize, counted in the restore's stats (``reads``) if any."""
+    limiter = ByteLimiter(self.budget)
+    reads = self.reads
+    if reads is None:
+      return await materialize(self, dtype, sharding, limiter)
+    token = readonce.COUNTER.set(reads.counter)
+    try:
+      return await materialize(self, dtype, sharding, limiter)
+    finally:
+      readonce.COUNTER.reset(token)
+      reads.counter.note(limiter)
+      reads.update()
 
 
 def _copy(leaf: LazyLeaf) -> LazyLeaf:

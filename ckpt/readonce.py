@@ -24,9 +24,18 @@ freed before the next one is read.
 
 Not read once (the normal read, each process its own boxes): leaves with no
 NamedSharding target, no replica axis across processes, no dimension that
-divides by the replica count, typed PRNG keys, values already in memory
-(inline leaves, fallback values), and lazy leaves (``restore(lazy=True)``):
-those are read later by ``leaf.read()``, outside any collective call.
+divides by the replica count, typed PRNG keys and values already in memory
+(inline leaves, fallback values).
+
+Lazy leaves (``restore(lazy=True)``) read once too, when they are read
+later: a leaf the restore would have read once carries a ``LazyPlan``, and
+its ``read()`` / ``read_async()`` with the sharding it was bound to reads
+this process's part with the read sharding, runs the failure round and
+exchanges that one leaf (``LazyPlan.finish``). That read is a collective
+call: every process reads the same leaves in the same order. The rounds of
+one Checkpointer's lazy reads (``LazyRounds``) are numbered in the order
+the reads are called, and their collective part runs in that order even
+when reads overlap (``asyncio.gather`` of ``read_async``).
 """
 
 from __future__ import annotations
@@ -42,6 +51,8 @@ import jax
 import numpy as np
 from jax import tree_util
 from jax.sharding import NamedSharding, PartitionSpec
+
+from ckpt import multihost
 
 
 # The automatic policy (read_once=None), chosen from scripts/bench.py's
@@ -86,12 +97,25 @@ class ReadCounter:
     self.bytes_read = 0
     self.chunk_bytes_read = 0
     self.reads = 0
+    self.peak_in_use = 0  # the most a byte limiter of the restore granted
 
   def add(self, nbytes: int, chunk_bytes: int) -> None:
     with self._lock:
       self.bytes_read += int(nbytes)
       self.chunk_bytes_read += int(chunk_bytes)
       self.reads += 1
+
+  def note(self, limiter) -> None:
+    """Records the peak of a ByteLimiter the restore used."""
+    with self._lock:
+      self.peak_in_use = max(self.peak_in_use, int(limiter.peak_in_use))
+
+
+def note_limiter(limiter) -> None:
+  """Records ``limiter``'s peak in the restore's counter (if counting)."""
+  c = COUNTER.get()
+  if c is not None:
+    c.note(limiter)
 
 
 # Set for the duration of a restore; asyncio tasks and to_thread inherit it.
@@ -129,7 +153,16 @@ class RestoreStats:
   read_once_leaves: leaves read once and exchanged; exchanged_bytes: bytes
   this process's devices received from the exchange (gathered boxes minus
   the parts read here); exchange_s: time in the exchange programs;
-  batches: how many exchange batches; total_s: the whole call.
+  batches: how many exchange programs (batches); peak_read_bytes: the most
+  bytes the restore's byte limiters had granted at once (reads in flight,
+  at most ``concurrent_bytes``); peak_batch_bytes: the largest exchange
+  batch, measured: bytes of this process's device buffers of the batch's
+  parts read plus its gathered arrays (within ``concurrent_bytes`` unless
+  one leaf alone is larger); total_s: the whole call.
+
+  A ``lazy=True`` restore's stats keep growing as its leaves are read (the
+  bytes they read, and for leaves read once their exchange); total_s stays
+  the restore call's.
   """
   read_once: bool | None = None
   bytes_read: int = 0
@@ -139,7 +172,16 @@ class RestoreStats:
   exchanged_bytes: int = 0
   exchange_s: float = 0.0
   batches: int = 0
+  peak_read_bytes: int = 0
+  peak_batch_bytes: int = 0
   total_s: float = 0.0
+
+  def add_reads(self, counter: ReadCounter) -> None:
+    """Takes the counts of ``counter`` (this restore's)."""
+    self.bytes_read = counter.bytes_read
+    self.chunk_bytes_read = counter.chunk_bytes_read
+    self.reads = counter.reads
+    self.peak_read_bytes = max(self.peak_read_bytes, counter.peak_in_use)
 
 
 # ---- the read sharding -------------------------------------------------------
@@ -257,6 +299,28 @@ def _identity(*xs):
   return xs
 
 
+def exchange(parts: Sequence[jax.Array], shardings: Sequence[Any],
+             stats: RestoreStats) -> tuple[jax.Array, ...]:
+  """One jit identity program: each part (read with its read sharding) into
+  its target sharding; XLA all-gathers over the replica devices. A
+  collective: on the caller's thread, in the same order on every process."""
+  t0 = time.perf_counter()
+  fn = jax.jit(_identity, out_shardings=tuple(shardings))
+  outs = fn(*parts)
+  jax.block_until_ready(outs)
+  stats.exchange_s += time.perf_counter() - t0
+  stats.batches += 1
+  held = 0
+  for p, o in zip(parts, outs):
+    got = sum(s.data.nbytes for s in o.addressable_shards)
+    mine = sum(s.data.nbytes for s in p.addressable_shards)
+    stats.exchanged_bytes += max(0, got - mine)
+    held += got + mine
+  stats.peak_batch_bytes = max(stats.peak_batch_bytes, held)
+  stats.read_once_leaves += len(outs)
+  return outs
+
+
 def batches(items: list[Deferred], budget: int) -> list[list[Deferred]]:
   """Consecutive items whose costs sum to at most ``budget`` (an item larger
   than the budget alone). Costs are global, so every process cuts the same
@@ -298,19 +362,10 @@ def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
     except Exception as e:  # pylint: disable=broad-except
       error = e
     check(i, error)
-    t0 = time.perf_counter()
-    fn = jax.jit(_identity, out_shardings=tuple(b.sharding for b in batch))
-    outs = fn(*parts)
-    jax.block_until_ready(outs)
-    stats.exchange_s += time.perf_counter() - t0
-    stats.batches += 1
-    for b, p, o in zip(batch, parts, outs):
-      got = sum(s.data.nbytes for s in o.addressable_shards)
-      mine = sum(s.data.nbytes for s in p.addressable_shards)
-      stats.exchanged_bytes += max(0, got - mine)
+    outs = exchange(parts, [b.sharding for b in batch], stats)
+    for b, o in zip(batch, outs):
       done[id(b)] = o
-    del parts
-  stats.read_once_leaves += len(items)
+    del parts, outs
   for i in pos:
     leaves[i] = done[id(leaves[i])]
   return tree_util.tree_unflatten(treedef, leaves)
@@ -319,3 +374,105 @@ def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
 def has_deferred(result: Any) -> bool:
   return any(isinstance(x, Deferred) for x in tree_util.tree_leaves(
       result, is_leaf=lambda x: isinstance(x, Deferred)))
+
+
+# ---- lazy leaves (read later, one collective read per leaf) ------------------
+
+@dataclasses.dataclass
+class LazyReads:
+  """What a ``restore(lazy=True)`` gives its leaves: the restore's counter
+  and stats (their later reads add to them), and the Checkpointer's rounds
+  for leaves read once (None: no leaf of this restore is read once)."""
+  counter: ReadCounter
+  stats: RestoreStats
+  rounds: "LazyRounds | None" = None
+
+  def update(self) -> None:
+    self.stats.add_reads(self.counter)
+
+
+class LazyRounds:
+  """The failure rounds of one Checkpointer's read-once lazy reads.
+
+  Every process calls the reads in the same order, so the n-th read on each
+  process takes ticket n and names round ``{base}/{n}``. The collective part
+  of a read (the round, then the exchange) waits for its ticket's turn, so
+  reads that overlap (``asyncio.gather`` of ``read_async``) still issue
+  their collectives in the order they were called. When round n passes,
+  every process is done with the earlier rounds: their keys are deleted.
+  """
+
+  def __init__(self, base: str, timeout_s: float):
+    self.base = base
+    self.timeout_s = timeout_s
+    self._cond = threading.Condition()
+    self._issued = 0
+    self._turn = 0
+    self._pending: list[str] = []  # round keys not deleted yet
+    self._abandoned: set[int] = set()
+
+  def ticket(self) -> int:
+    with self._cond:
+      self._issued += 1
+      return self._issued - 1
+
+  def collective(self, ticket: int, error: BaseException | None, what: str,
+                 fn: Callable[[], Any]) -> Any:
+    """In ``ticket``'s turn: the round (every process raises if any failed),
+    then ``fn()`` (the exchange) when none did."""
+    with self._cond:
+      while self._turn != ticket:
+        self._cond.wait()
+    try:
+      key = f"{self.base}/{ticket}"
+      self._pending.append(key)
+      multihost.all_ok(key, error, what, self.timeout_s)
+      done, self._pending = self._pending[:-1], self._pending[-1:]
+      for k in done:
+        multihost.forget(k)
+      return fn()
+    finally:
+      with self._cond:
+        self._turn += 1
+        self._cond.notify_all()
+
+  def abandon(self, ticket: int, error: BaseException, what: str) -> None:
+    """A read given up before its round (cancelled, interrupted): its round
+    still runs, with the error, on a thread of its own, so the other
+    processes raise instead of waiting for this one, and later reads get
+    their turn."""
+    with self._cond:
+      if ticket in self._abandoned:
+        return
+      self._abandoned.add(ticket)
+
+    def run():
+      try:
+        self.collective(ticket, error, what, lambda: None)
+      except BaseException:  # pylint: disable=broad-except
+        pass  # the error is the caller's, already raised there
+    threading.Thread(target=run, name="ckpt-readonce-abandon",
+                     daemon=True).start()
+
+
+@dataclasses.dataclass
+class LazyPlan:
+  """A lazy leaf that reads once when read with ``sharding`` (the one it
+  was bound to): its part with ``read_sharding``, then the exchange."""
+  sharding: Any
+  read_sharding: Any
+  replicas: int
+  reads: LazyReads
+
+  def applies(self, sharding) -> bool:
+    return sharding is not None and (sharding is self.sharding or
+                                     sharding == self.sharding)
+
+  def finish(self, ticket: int, part: jax.Array | None,
+             error: BaseException | None, path: str) -> jax.Array:
+    """The round, then the exchange of ``part`` into ``sharding``; on the
+    calling thread (a collective)."""
+    assert self.reads.rounds is not None
+    return self.reads.rounds.collective(
+        ticket, error, f"read of lazy leaf {path!r}",
+        lambda: exchange([part], [self.sharding], self.reads.stats)[0])

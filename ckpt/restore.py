@@ -92,6 +92,10 @@ class RestoreArgs:
   # picks come back from restore_tree as readonce.Deferred placeholders for
   # the caller's thread to read and exchange (readonce.finish).
   read_once_min: int | None = None
+  # lazy, from a Checkpointer: given to every leaf returned (their reads
+  # count in the restore's stats); with ``rounds``, the leaves read once
+  # get a readonce.LazyPlan (read once when read later, a collective).
+  lazy_reads: readonce.LazyReads | None = None
 
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
@@ -205,21 +209,28 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
           f"target wants {shape}")
     out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
   later = None
-  if (not args.lazy and not impl and args.read_once_min is not None and
+  # A lazy leaf reads once only with the rounds its later read needs.
+  if (not impl and args.read_once_min is not None and
       sharding is not None and not isinstance(src, lazy.LazyValue) and
+      (not args.lazy or (args.lazy_reads is not None and
+                         args.lazy_reads.rounds is not None)) and
       checksums.stored_bases(src)):
     later = readonce.deferred(name, src, out, sharding, args.read_once_min)
   if args.verify:  # keys are small: their whole data is checked
-    # Read once: this process checks the part it reads.
+    # Read once: this process checks the part it reads (lazy: will read).
     await checksums.verify_leaf(
         src, None if impl else (later.read_sharding if later else sharding),
         limiter)
-  if later is not None:
-    return later
   if args.lazy:
     leaf = src.bind(sharding, out)
     leaf.guard, leaf.keepalive = args.guard, args.keepalive
+    leaf.reads, leaf.read_once = args.lazy_reads, None
+    if later is not None:
+      leaf.read_once = readonce.LazyPlan(later.sharding, later.read_sharding,
+                                         later.replicas, args.lazy_reads)
     return leaf
+  if later is not None:
+    return later
   return await lazy.materialize(src, out, sharding, limiter)
 
 
@@ -281,9 +292,12 @@ async def read_parts(batch: Sequence[readonce.Deferred], budget: int
   """Read once: each leaf of ``batch`` read with its read sharding (this
   process's distinct part of each replicated box), under one byte limiter."""
   limiter = ByteLimiter(budget)
-  return await lazy.gather_or_cancel(
-      *(lazy.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
-        for d in batch))
+  try:
+    return await lazy.gather_or_cancel(
+        *(lazy.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
+          for d in batch))
+  finally:
+    readonce.note_limiter(limiter)
 
 
 def locate(storage: storage_lib.Storage, step: int | None
@@ -312,7 +326,11 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
                              budget)
   if args.verify:  # format "zarr": the per-process checksum files
     checksums.attach(leaves, storage, step_dir, index)
-  return await restore_tree(index, leaves, args, ByteLimiter(budget))
+  limiter = ByteLimiter(budget)
+  try:
+    return await restore_tree(index, leaves, args, limiter)
+  finally:
+    readonce.note_limiter(limiter)
 
 
 def load(path, step: int | None = None, *, storage_options: dict | None = None,

@@ -16,10 +16,21 @@ process. Each process builds the same global arrays from fixed seeds.
   (the policies in ``config["verify"]`` restore with ``verify=True``);
   with ``config["moto_log"]`` process 0 also counts moto's GET requests of
   chunk keys made during that restore (all processes), from its access log.
+- ``config["cases"]``: more read-once restores of the same step, each
+  reported under its name with the same checks (``run_case``): ``lazy``
+  (``lazy=True`` leaves read later, read once on and off), ``dtype``
+  (``restore_dtype`` bfloat16), ``fallback`` (a rename transform and a
+  fallback leaf), ``batches`` (a tiny ``concurrent_bytes``: several exchange
+  batches), ``ocdbt`` (the state saved again in format "ocdbt" and
+  restored).
+- ``fail_on``: a restore whose transform raises on that process only, then
+  a lazy read-once read whose step guard raises on that process only; both
+  must fail on every process, and the next read work.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import re
@@ -93,13 +104,7 @@ def main():
   out = {"process": cfg["process_id"]}
   with ckpt.Checkpointer(conf["dir"], **opts) as ck:
     if conf["op"] in ("save", "both"):
-      full = NamedSharding(mesh, P(("a", "b", "c")))
-      state = {n: jax.make_array_from_callback(
-          s, full, lambda i, n=n, s=s, d=d: truth(n, s, d)[i])
-               for n, (s, d, _) in SHAPES.items()}
-      state = _nest(state)
-      state["step"] = 7
-      ck.save(1, state)
+      ck.save(1, make_state(mesh))
       out["saved"] = True
     if conf["op"] in ("restore", "both"):
       target = _nest({n: jax.ShapeDtypeStruct(
@@ -113,17 +118,7 @@ def main():
         got = ck.restore(1, target=target, read_once=policy,
                          verify=policy in conf.get("verify", ()))
         multihost.barrier(f"after-{policy}")
-        bad = []
-        for n, (s, d, spec) in SHAPES.items():
-          a = got
-          for part in n.split("/"):
-            a = a[part]
-          want = truth(n, s, d)
-          if a.sharding != NamedSharding(mesh, P(*spec)):
-            bad.append(f"{n}: sharding {a.sharding}")
-          for sh in a.addressable_shards:
-            if not np.array_equal(np.asarray(sh.data), want[sh.index]):
-              bad.append(f"{n}: shard {sh.index} differs")
+        bad = [b for n in SHAPES for b in check_leaf(leaf_of(got, n), n, mesh)]
         if got["step"] != 7:
           bad.append(f"step {got['step']}")
         rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad}
@@ -131,6 +126,10 @@ def main():
           rec["moto_gets"] = moto_gets(log, offset)
         multihost.barrier(f"counted-{policy}")
         out[str(policy)] = rec  # a repeated policy: the last (warm) one
+      for case in conf.get("cases", ()):
+        multihost.barrier(f"before-{case}")
+        out.update(run_case(case, conf, opts, ck, mesh, target))
+        multihost.barrier(f"after-{case}")
     if "fail_on" in conf:  # one process fails before the exchange
       def boom(ckpt_tree, target_tree, *, is_resuming):
         del target_tree, is_resuming
@@ -143,7 +142,153 @@ def main():
       except Exception as e:  # pylint: disable=broad-except
         out["fail"] = f"{type(e).__name__}: {e}"
       out["after_fail"] = ck.restore(1, target=target, read_once=True)["step"]
+      # A lazy leaf read once, whose read fails on that process only (its
+      # step guard raises there): every process raises; the next read works.
+      lz = ck.restore(1, target=target, read_once=True, lazy=True)
+      leaf = lz["rep4"]["w"]
+      if cfg["process_id"] == conf["fail_on"]:
+        def gone():
+          raise ValueError("step gone on this process")
+        leaf.guard = gone
+      try:
+        leaf.read()
+        out["lazy_fail"] = None
+      except Exception as e:  # pylint: disable=broad-except
+        out["lazy_fail"] = f"{type(e).__name__}: {e}"
+      out["lazy_after_fail"] = check_leaf(lz["rep4"]["all"].read(),
+                                          "rep4/all", mesh)
+      out["lazy_after_fail_stats"] = dataclasses.asdict(ck.last_restore_stats)
   local_cluster.write_result(out)
+
+
+# The ``batches`` case's concurrent_bytes: 4 processes cut the 4 read-once
+# leaves (exchange costs per process, in tree order: rep2/w 768 KiB,
+# rep4/all 640 KiB, rep4/i 320 KiB, rep4/w 1.25 MiB) into 3 batches, the
+# largest 1.375 MiB.
+BATCH_BYTES = 1536 << 10
+
+
+def make_state(mesh):
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  full = NamedSharding(mesh, P(("a", "b", "c")))
+  state = _nest({n: jax.make_array_from_callback(
+      s, full, lambda i, n=n, s=s, d=d: truth(n, s, d)[i])
+                 for n, (s, d, _) in SHAPES.items()})
+  state["step"] = 7
+  return state
+
+
+def leaf_of(tree, name):
+  for part in name.split("/"):
+    tree = tree[part]
+  return tree
+
+
+def check_leaf(a, name, mesh, dtype=None) -> list[str]:
+  """What is wrong with restored leaf ``name``: its sharding is not the
+  target's, its dtype, or a shard not bit-exact with the truth (cast to
+  ``dtype`` if floating)."""
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  s, d, spec = SHAPES[name]
+  want = truth(name, s, d)
+  if dtype is not None and want.dtype.kind == "f":
+    want = want.astype(dtype)
+  bad = []
+  if a.sharding != NamedSharding(mesh, P(*spec)):
+    bad.append(f"{name}: sharding {a.sharding}")
+  if a.dtype != want.dtype:
+    bad.append(f"{name}: dtype {a.dtype}, want {want.dtype}")
+  for sh in a.addressable_shards:
+    if np.asarray(sh.data).tobytes() != want[sh.index].tobytes():
+      bad.append(f"{name}: shard {sh.index} differs")
+  return bad
+
+
+def run_case(case, conf, opts, ck, mesh, target) -> dict:
+  """One more read-once restore of step 1 (see the module docstring):
+  {result name: {"stats", "bad", ...}}."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import ckpt
+  from ckpt import multihost
+  from ckpt import transforms
+
+  def record(ckptr, got, dtype=None, names=None):
+    names = names or {n: n for n in SHAPES}
+    bad = [b for n, m in names.items()
+           for b in check_leaf(leaf_of(got, m), n, mesh, dtype)]
+    return {"stats": dataclasses.asdict(ckptr.last_restore_stats), "bad": bad}
+
+  if case == "lazy":
+    out = {}
+    for policy in (True, False):
+      got = ck.restore(1, target=target, read_once=policy, lazy=True)
+      stats = ck.last_restore_stats  # grows as the leaves are read
+      before = stats.bytes_read
+      names = list(SHAPES)
+      plans = [n for n in names if leaf_of(got, n).read_once is not None]
+      # Two leaves read one by one, the others overlapping (gather of
+      # read_async): their collectives still run in call order.
+      arrays = {n: leaf_of(got, n).read() for n in names[:2]}
+
+      async def rest():
+        return await asyncio.gather(
+            *(leaf_of(got, n).read_async() for n in names[2:]))
+      arrays.update(zip(names[2:], asyncio.run(rest())))
+      bad = [b for n in names for b in check_leaf(arrays[n], n, mesh)]
+      rec = {"before": before, "stats": dataclasses.asdict(stats),
+             "read_once": plans, "bad": bad}
+      if policy and multihost.process_index() == 0:
+        # Another sharding than the one it was bound to: the normal read,
+        # not a collective (process 0 alone reads).
+        leaf = leaf_of(got, "rep4/i")
+        a = leaf.read(NamedSharding(mesh, P()))
+        rec["other_sharding"] = {
+            "bytes": stats.bytes_read - rec["stats"]["bytes_read"],
+            "exchanged": stats.read_once_leaves - rec["stats"][
+                "read_once_leaves"],
+            "exact": np.asarray(a.addressable_shards[0].data).tobytes() ==
+                     truth("rep4/i", *SHAPES["rep4/i"][:2]).tobytes()}
+      multihost.barrier(f"lazy-{policy}")
+      out[f"lazy-{policy}"] = rec
+    return out
+  if case == "dtype":
+    with ckpt.Checkpointer(conf["dir"], **opts,
+                           restore_dtype=jnp.bfloat16) as ck2:
+      got = ck2.restore(1, target=target, read_once=True)
+      return {"dtype": record(ck2, got, jnp.bfloat16)}
+  if case == "batches":
+    with ckpt.Checkpointer(conf["dir"], **{
+        **opts, "concurrent_bytes": BATCH_BYTES}) as ck2:
+      got = ck2.restore(1, target=target, read_once=True)
+      return {"batches": record(ck2, got)}
+  if case == "fallback":
+    renamed = {n: n.replace("rep4/", "r4/") for n in SHAPES}
+    tgt = _nest({renamed[n]: leaf_of(target, n) for n in SHAPES})
+    extra = np.arange(512, dtype=np.float32).reshape(64, 8)
+    tgt["extra"] = {"v": jax.ShapeDtypeStruct(
+        extra.shape, extra.dtype, sharding=NamedSharding(mesh, P(None, "c")))}
+    got = ck.restore(1, target=tgt, read_once=True,
+                     transforms=(transforms.rename(r"rep4/(.*)", r"r4/\1"),),
+                     fallback_state={"extra": {"v": extra}})
+    rec = record(ck, got, names=renamed)
+    v = got["extra"]["v"]
+    if v.sharding != tgt["extra"]["v"].sharding or any(
+        not np.array_equal(np.asarray(sh.data), extra[sh.index])
+        for sh in v.addressable_shards):
+      rec["bad"].append("extra/v (the fallback) differs")
+    return {"fallback": rec}
+  if case == "ocdbt":
+    with ckpt.Checkpointer(conf["dir"] + "-ocdbt", **{
+        **opts, "format": "ocdbt"}) as ck2:
+      ck2.save(1, make_state(mesh))
+      got = ck2.restore(1, target=target, read_once=True)
+      return {"ocdbt": record(ck2, got)}
+  raise ValueError(f"unknown case {case!r}")
 
 
 def _nest(flat):

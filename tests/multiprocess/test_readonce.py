@@ -10,6 +10,14 @@ processes is the stored bytes of the target's leaves, each process within
 shard is bit-exact with the target's sharding in both. The read-once restore
 runs with ``verify=True``, which checks what each process reads (so reads it
 twice).
+
+The same launch then restores read once with what else a restore takes
+(the worker's ``cases``): ``lazy=True`` leaves read later (each read a
+collective; read once off for comparison), ``restore_dtype``, a rename
+transform with a fallback leaf, a ``concurrent_bytes`` small enough to cut
+the exchange into several batches, and the state saved again as "ocdbt".
+Each must read the stored bytes once in total, bit-exact, in the target's
+sharding (read everywhere, the byte count would be ``everywhere_bytes``).
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ def check_counts(out: list[dict], policy: str, expect_total: int,
 def test_read_once_on_disk(tmp_path):
   config = {"dir": str(tmp_path / "ck"), "format": "zarr3"}
   out = launch({**config, "op": "both", "policies": [True, False, None],
-                "verify": [True]})
+                "verify": [True],
+                "cases": ["lazy", "dtype", "fallback", "batches", "ocdbt"]})
   # verify=True reads each box it checks once more: twice the stored bytes.
   check_counts(out, "True", 2 * stored_bytes(), balanced=True)
   check_counts(out, "False", everywhere_bytes(), balanced=True)
@@ -71,6 +80,43 @@ def test_read_once_on_disk(tmp_path):
     s = r["True"]["stats"]
     assert s["read_once_leaves"] == 4 and s["batches"] >= 1
     assert r["False"]["stats"]["read_once_leaves"] == 0
+  check_cases(out, stored_bytes(), everywhere_bytes(), 4)
+
+
+READ_ONCE_LEAVES = ["rep4/w", "rep4/all", "rep4/i", "rep2/w"]
+
+
+def check_cases(out: list[dict], stored: int, everywhere: int,
+                leaves: int) -> None:
+  """The worker's ``cases`` (those it ran): each read once, bit-exact."""
+  ran = set(out[0])
+  if "lazy-True" in ran:
+    # The restore reads nothing; the leaves' reads, later, read once.
+    assert [r["lazy-True"]["before"] for r in out] == [0] * len(out)
+    check_counts(out, "lazy-True", stored, balanced=True)
+    check_counts(out, "lazy-False", everywhere, balanced=True)
+    for r in out:
+      assert r["lazy-True"]["read_once"] == READ_ONCE_LEAVES[:leaves]
+      assert r["lazy-True"]["stats"]["read_once_leaves"] == leaves
+      assert r["lazy-False"]["read_once"] == []
+      assert r["lazy-False"]["stats"]["read_once_leaves"] == 0
+    # Read with another sharding (P(), process 0 alone): the whole leaf,
+    # read as usual, no exchange.
+    assert out[0]["lazy-True"]["other_sharding"] == {
+        "bytes": math.prod(worker.SHAPES["rep4/i"][0]) * 4, "exchanged": 0,
+        "exact": True}
+  for case in ("dtype", "fallback", "batches", "ocdbt"):
+    if case in ran:
+      check_counts(out, case, stored, balanced=True)
+      for r in out:
+        assert r[case]["stats"]["read_once_leaves"] == leaves, (case, r)
+  if "batches" in ran:
+    for r in out:
+      s = r["batches"]["stats"]
+      assert s["batches"] > 1, s
+      # Measured: parts read + gathered arrays of the largest batch.
+      assert 0 < s["peak_batch_bytes"] <= worker.BATCH_BYTES, s
+      assert 0 < s["peak_read_bytes"] <= worker.BATCH_BYTES, s
 
 
 def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
@@ -84,3 +130,12 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   assert p1["fail"].startswith("ValueError: boom"), p1
   assert "process(es) [1]" in p0["fail"] and "boom" in p0["fail"], p0
   assert p0["after_fail"] == p1["after_fail"] == 7
+  # The same for a lazy leaf read once (its read is the collective): process
+  # 1's read fails (its step guard raises there), process 0's names it; the
+  # next lazy read (the next round) works on both, read once.
+  assert p1["lazy_fail"].startswith("ValueError: step gone"), p1
+  assert "process(es) [1]" in p0["lazy_fail"], p0
+  assert "step gone" in p0["lazy_fail"], p0
+  for p in out:
+    assert p["lazy_after_fail"] == [], p
+    assert p["lazy_after_fail_stats"]["read_once_leaves"] == 1, p

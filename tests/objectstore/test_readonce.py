@@ -1,4 +1,5 @@
-"""Read once on moto's S3, across 4 real processes x 2 devices.
+"""Read once on moto's S3, across 4 real processes x 2 devices, and on the
+GCS emulator across 2.
 
 The same job as tests/multiprocess/test_readonce.py (save fully sharded,
 restore onto leaves replicated over 4 and 2 processes and fully sharded),
@@ -9,6 +10,9 @@ GET requests of chunk objects in moto's access log during each restore
 served). Read once, each stored chunk of the target's leaves is fetched
 once over all processes; with ``read_once=False`` R times; automatic
 (None) on an object store is on.
+
+On gs:// (2 processes, to keep the job short: the emulator is slow), one
+restore with the automatic policy, which must read once.
 """
 
 from __future__ import annotations
@@ -34,3 +38,12 @@ def test_read_once_on_s3(s3_server, s3_bucket):
   assert gets["True"] == stored_bytes() // chunk, gets
   assert gets["None"] == gets["True"], gets
   assert gets["False"] == everywhere_bytes() // chunk, gets
+
+
+def test_read_once_on_gcs(gs_bucket):
+  out = launch({"dir": f"{gs_bucket}/ck", "format": "zarr3", "op": "both",
+                "policies": [None]}, n=2)
+  # Automatic on an object store: on. Read everywhere (read_once=False),
+  # the processes would read 6 MiB in all (1.7x: shard/w is not replicated).
+  check_counts(out, "None", stored_bytes(), balanced=True)
+  assert [r["None"]["stats"]["read_once_leaves"] for r in out] == [4, 4]
