@@ -99,14 +99,13 @@ import secrets
 import shutil
 import socket
 import time
-from typing import Any
 
 from absl import logging
 import msgpack
 
+from ckpt import records
 from ckpt import storage as storage_lib
-from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
-                         CorruptCheckpointError)
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 ATTEMPT_FILE = "attempt.json"
 ATTEMPT_PREFIX = "attempt-"
@@ -114,31 +113,15 @@ DEFAULT_LEASE_S = 600.0
 # TensorStore's generation of a key that does not exist: a write with
 # ``if_equal=NO_VALUE`` creates the key only if it is absent.
 NO_VALUE = b"\x02"
-_TOKEN_RE = re.compile(r"^[0-9a-f]{1,64}$")
-_ATTEMPT_DIR_RE = re.compile(r"^attempt-([0-9a-f]{1,64})$")
 _DEL_RE = re.compile(r"^checkpoint_\d+\.tmp-del-[0-9a-f]+$")
-# The flat records (object stores), see the module docstring.
-RECORDS = storage_lib.RECORDS_DIR + "/"
-RECORDS_COMPLETE = RECORDS + "complete"
-PENDING = storage_lib.PENDING_DIR + "/"
-RECORD_BYTES = 4096
-_STEP_NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})$")
-_PENDING_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{1,64}|delete)$")
-_DELETE = "delete"
-
-
-def _check_token(token: str) -> str:
-  if not _TOKEN_RE.match(token):
-    raise CheckpointError(f"invalid attempt token {token!r}: expected hex digits")
-  return token
 
 
 def work_dir(storage: storage_lib.Storage, step: int, token: str) -> str:
   """The relative directory the attempt ``token`` at ``step`` writes into."""
   name = storage_lib.step_dirname(step)
   if storage.is_posix:
-    return f"{name}.tmp-{_check_token(token)}"
-  return f"{name}/{ATTEMPT_PREFIX}{_check_token(token)}"
+    return f"{name}.tmp-{records.check_token(token)}"
+  return f"{name}/{ATTEMPT_PREFIX}{records.check_token(token)}"
 
 
 def _lease(token: str) -> bytes:
@@ -181,7 +164,8 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
       logging.warning("ckpt: could not make the commit records of %s "
                       "complete: %s", storage.url, e)
     _clear_stale_marker(storage, step, lease_s)
-    _write_pending(storage, step, token)  # first: cleanup can find the rest
+    # first: cleanup can find the rest
+    records.write_pending(storage, step, token)
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
   return rel
 
@@ -196,21 +180,8 @@ def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
 
 
-def _json_field(storage: storage_lib.Storage, key: str, field: str,
-                cast: type) -> Any:
-  """``cast(value of field)`` in the small JSON object at ``key``; None if
-  the key is missing or does not hold such a field."""
-  data = storage.read_bytes(key)
-  if data is None:
-    return None
-  try:
-    return cast(json.loads(data)[field])
-  except (ValueError, KeyError, TypeError):
-    return None
-
-
 def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
-  return _json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
+  return records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
 def commit(storage: storage_lib.Storage, step: int, token: str,
@@ -229,7 +200,7 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
     work = os.fspath(storage.root / rel)
     storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME), index_data)
     storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
-                    _marker(step, token, ""))
+                    records.marker(step, token, ""))
     for dirpath, _, _ in os.walk(work, topdown=False):
       fsync_dir(dirpath)  # every entry the checkpoint consists of, durable
     try:
@@ -248,24 +219,24 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
   marker_key = f"{final}/{storage_lib.COMMIT_MARKER}"
   data_dir = rel.split("/", 1)[1]
   with storage.store_errors(f"writing the commit marker of step {step} to"):
-    storage.kv.write(marker_key, _marker(step, token, data_dir),
+    storage.kv.write(marker_key, records.marker(step, token, data_dir),
                      if_equal=NO_VALUE).result()
   # A write whose condition failed is not an error in TensorStore; a retried
   # PUT of ours may also find our own marker. Read which attempt won.
-  won = _marker_attempt(storage.read_bytes(marker_key))
+  won = records.marker_attempt(storage.read_bytes(marker_key))
   if won != token:
     raise CheckpointError(
         f"cannot commit step {step} in {storage.url!r}: another attempt "
         f"committed it first; this attempt ({where}) was not committed")
   t, metrics = _index_info(index_data)
   # The record makes the step visible; then the attempt is no longer pending.
-  storage.write_bytes(record_key(step),
-                      _record(step, token, data_dir, t, metrics))
+  storage.write_bytes(records.record_key(step),
+                      records.record(step, token, data_dir, t, metrics))
   try:
-    storage.delete_key(pending_key(step, token))
+    storage.delete_key(records.pending_key(step, token))
   except CheckpointError as e:  # committed all the same; cleanup drops it
     logging.warning("ckpt: step %d is committed, but removing %s failed: %s",
-                    step, pending_key(step, token), e)
+                    step, records.pending_key(step, token), e)
 
 
 def _clear_stale_marker(storage: storage_lib.Storage, step: int,
@@ -275,15 +246,15 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
   way) would make this attempt's commit fail. It goes when that is provably
   no live commit: the step's deletion is pending, or the attempt the marker
   names has no live lease. One GET when there is no such marker."""
-  if not records_complete(storage):
+  if not records.records_complete(storage):
     return  # without records, a marker is a commit
   key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
-  if not storage.exists(key) or read_record(storage, step) is not None:
+  if not storage.exists(key) or records.read_record(storage, step) is not None:
     return
-  if storage.exists(pending_key(step, _DELETE)):
+  if storage.exists(records.pending_key(step, records.DELETE)):
     remove(storage, storage_lib.step_dirname(step))  # finish that deletion
     return
-  won = _marker_attempt(storage.read_bytes(key))
+  won = records.marker_attempt(storage.read_bytes(key))
   age = None if won is None else _age_s(storage, work_dir(storage, step, won))
   if age is not None and age < lease_s:
     return  # maybe a commit in progress: if it is, ours fails, naming it
@@ -296,126 +267,7 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
     remove(storage, work_dir(storage, step, won))
 
 
-def _marker(step: int, token: str, data_dir: str) -> bytes:
-  # Not empty: some servers (gcp-storage-emulator) fail on empty objects.
-  return (json.dumps({"step": step, "attempt": token, "dir": data_dir})
-          + "\n").encode()
-
-
-def _parse_marker(data: bytes, where: str) -> tuple[str | None, str]:
-  """(attempt token or None, data directory relative to the step)."""
-  try:
-    m = json.loads(data)
-  except ValueError:
-    return None, ""  # ckpt < 0.2: "checkpoint_<step> committed", data beside it
-  if not isinstance(m, dict):
-    return None, ""
-  data_dir = m.get("dir", "")
-  if data_dir and not (isinstance(data_dir, str)
-                       and _ATTEMPT_DIR_RE.match(data_dir)):
-    # Never trust a path read from a checkpoint.
-    from ckpt.errors import CorruptCheckpointError  # pylint: disable=g-import-not-at-top
-    raise CorruptCheckpointError(
-        f"{where} names the data directory {data_dir!r}; expected "
-        "'attempt-<hex>' or nothing")
-  token = m.get("attempt")
-  return (str(token) if token is not None else None), data_dir
-
-
-def _marker_attempt(data: bytes | None) -> str | None:
-  if data is None:
-    return None
-  return _parse_marker(data, "the commit marker")[0]
-
-
-# ---- flat records (object stores) -------------------------------------------
-
-def record_key(step: int) -> str:
-  return f"{RECORDS}{step}"
-
-
-def pending_key(step: int, token: str) -> str:
-  """The ``pending/`` record of an attempt, or of a deletion (``"delete"``)."""
-  return f"{PENDING}{step}.{token if token == _DELETE else _check_token(token)}"
-
-
-def _record(step: int, token: str | None, data_dir: str,
-            time_s: float | None, metrics: dict | None) -> bytes:
-  doc = {"step": step, "attempt": token, "dir": data_dir, "time": time_s,
-         "metrics": metrics}
-  data = (json.dumps(doc, sort_keys=True) + "\n").encode()
-  return data + b" " * (RECORD_BYTES - len(data))  # nothing if longer
-
-
-def _check_metrics(m, where: str) -> dict | None:
-  if m is None:
-    return None
-  if not isinstance(m, dict) or not all(
-      isinstance(k, str) and type(v) in (int, float) for k, v in m.items()):
-    raise CorruptCheckpointError(
-        f"{where}: metrics must map names to numbers, got {str(m)[:200]!r}")
-  return dict(m)
-
-
-def read_record(storage: storage_lib.Storage, step: int) -> dict | None:
-  """``step``'s commit record (None: no record), checked: ``attempt``,
-  ``dir``, ``time`` (None if unknown) and ``metrics`` (None if unknown).
-  One GET (a record longer than RECORD_BYTES: three)."""
-  key = record_key(step)
-  where = f"{storage.url.rstrip('/')}/{key}"
-  data = storage.read_head(key, RECORD_BYTES)
-  if data is None:
-    return None
-  try:
-    doc = json.loads(data)
-  except ValueError:
-    doc = None
-    if len(data) >= RECORD_BYTES:  # longer than the padding: read it whole
-      data = storage.read_bytes(key)
-      if data is None:
-        return None
-      try:
-        doc = json.loads(data)
-      except ValueError:
-        pass
-  if not isinstance(doc, dict) or doc.get("step") != step:
-    raise CorruptCheckpointError(
-        f"{where}: not the commit record of step {step} (expected a JSON "
-        f"object with \"step\": {step}), got {bytes(data[:200])!r}")
-  token, data_dir = _parse_marker(
-      json.dumps({k: doc.get(k) for k in ("attempt", "dir")}).encode(), where)
-  if token is not None and not _TOKEN_RE.match(token):
-    raise CorruptCheckpointError(f"{where}: invalid attempt {token!r}")
-  t = doc.get("time")
-  if t is not None and (type(t) not in (int, float) or not math.isfinite(t)):
-    raise CorruptCheckpointError(f"{where}: invalid save time {t!r}")
-  return {"attempt": token, "dir": data_dir or "",
-          "time": None if t is None else float(t),
-          "metrics": _check_metrics(doc.get("metrics"), where)}
-
-
-def read_info(storage: storage_lib.Storage, step: int
-              ) -> tuple[dict, float | None] | None:
-  """(metrics, save time) of ``step`` from its commit record: one GET; None
-  where there is no record holding them (POSIX, a root not migrated yet,
-  a record written without them): then the index says."""
-  if storage.is_posix or not records_complete(storage):
-    return None
-  rec = read_record(storage, step)
-  if rec is None or rec["metrics"] is None:
-    return None
-  return rec["metrics"], rec["time"]
-
-
-def records_complete(storage: storage_lib.Storage) -> bool:
-  """Whether ``commits/`` lists every committed step of this root (False on
-  POSIX). One GET of ``commits/complete`` until it is seen, then cached."""
-  if storage.is_posix:
-    return False
-  if not storage.records_complete and storage.exists(RECORDS_COMPLETE):
-    storage.records_complete = True
-  return storage.records_complete
-
+# ---- migration of roots written before records ----------------------------
 
 def _index_info(index_data: bytes) -> tuple[float | None, dict | None]:
   """(time, metrics) from an encoded index, reading only its top-level map
@@ -435,40 +287,16 @@ def _index_info(index_data: bytes) -> tuple[float | None, dict | None]:
         u.skip()
     t = found.get("time")
     t = float(t) if type(t) in (int, float) and math.isfinite(t) else None
-    return t, _check_metrics(found.get("metrics"), "the index")
+    return t, records.check_metrics(found.get("metrics"), "the index")
   except Exception:  # pylint: disable=broad-except
     return None, None
-
-
-def _write_pending(storage: storage_lib.Storage, step: int, token: str,
-                   time_s: float | None = None) -> None:
-  doc = {"step": step, "attempt": token,
-         "time": time.time() if time_s is None else time_s,
-         "host": socket.gethostname(), "pid": os.getpid()}
-  storage.write_bytes(pending_key(step, token), json.dumps(doc).encode())
-
-
-def _pending_time(storage: storage_lib.Storage, step: int, token: str
-                  ) -> float | None:
-  return _json_field(storage, pending_key(step, token), "time", float)
-
-
-def list_pending(storage: storage_lib.Storage) -> list[tuple[int, str]]:
-  """(step, attempt token or "delete") of every ``pending/`` record: one
-  listing of that prefix."""
-  out = []
-  for key in storage.list_keys(PENDING):
-    m = _PENDING_RE.match(key[len(PENDING):])
-    if m:
-      out.append((int(m.group(1)), m.group(2)))
-  return sorted(out)
 
 
 def _ensure_records(storage: storage_lib.Storage) -> None:
   """Process 0, before a save writes anything: makes ``commits/`` complete
   (see "Compatibility" in the module docstring). Costs one GET once the
   root is migrated (then nothing, for this Storage)."""
-  if records_complete(storage):
+  if records.records_complete(storage):
     return
   committed, attempts, loose = _scan(storage)  # the one full listing
   winners = {}
@@ -477,7 +305,8 @@ def _ensure_records(storage: storage_lib.Storage) -> None:
     data = storage.read_bytes(key)
     if data is None:
       continue  # deleted meanwhile
-    token, data_dir = _parse_marker(data, f"{storage.url.rstrip('/')}/{key}")
+    token, data_dir = records.parse_marker(
+        data, f"{storage.url.rstrip('/')}/{key}")
     winners[s] = token
     rel = storage_lib.step_dirname(s) + (f"/{data_dir}" if data_dir else "")
     t = metrics = None
@@ -489,15 +318,17 @@ def _ensure_records(storage: storage_lib.Storage) -> None:
       logging.warning("ckpt: migrating %s: the index of step %d is "
                       "unreadable (%s); its record holds no metrics",
                       storage.url, s, e)
-    storage.write_bytes(record_key(s), _record(s, token, data_dir, t, metrics))
+    storage.write_bytes(records.record_key(s),
+                        records.record(s, token, data_dir, t, metrics))
   for s, tokens in sorted(attempts.items()):
     for t in sorted(tokens - {winners.get(s)}):
-      _write_pending(storage, s, t, time_s=0.0)  # its attempt.json says more
+      # its attempt.json says more
+      records.write_pending(storage, s, t, time_s=0.0)
   for s in sorted(loose - committed - set(attempts)):
     # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
     # that never committed.
-    _write_pending(storage, s, _DELETE, time_s=0.0)
-  storage.write_bytes(RECORDS_COMPLETE, json.dumps(
+    records.write_pending(storage, s, records.DELETE, time_s=0.0)
+  storage.write_bytes(records.RECORDS_COMPLETE, json.dumps(
       {"records": "complete", "migrated_steps": len(committed),
        "time": time.time()}).encode() + b"\n")
   storage.records_complete = True
@@ -507,16 +338,16 @@ def _drop_bucket_records(storage: storage_lib.Storage) -> None:
   """POSIX: a root copied from a bucket holds that bucket's records, which
   nothing maintains on a disk; before its steps change here they go, so a
   copy back to a bucket is migrated instead of trusting stale ones."""
-  records = storage.root / storage_lib.RECORDS_DIR
-  if not (records / "complete").is_file():
+  rec_dir = storage.root / storage_lib.RECORDS_DIR
+  if not (rec_dir / "complete").is_file():
     return
-  os.unlink(records / "complete")  # first: no false "complete" after a crash
+  os.unlink(rec_dir / "complete")  # first: no false "complete" after a crash
   pending = storage.root / storage_lib.PENDING_DIR
-  if pending.is_dir() and all(_PENDING_RE.match(p.name)
+  if pending.is_dir() and all(records.PENDING_RE.match(p.name)
                               for p in pending.iterdir()):
     shutil.rmtree(pending, ignore_errors=True)
-  if all(_STEP_NAME_RE.match(p.name) for p in records.iterdir()):
-    shutil.rmtree(records, ignore_errors=True)
+  if all(records.STEP_NAME_RE.match(p.name) for p in rec_dir.iterdir()):
+    shutil.rmtree(rec_dir, ignore_errors=True)
 
 
 # ---- discovery --------------------------------------------------------------
@@ -525,27 +356,27 @@ def is_committed(storage: storage_lib.Storage, step: int) -> bool:
   name = storage_lib.step_dirname(step)
   if storage.is_posix:
     return (storage.root / name / storage_lib.COMMIT_MARKER).exists()
-  if records_complete(storage):
-    return read_record(storage, step) is not None
+  if records.records_complete(storage):
+    return records.read_record(storage, step) is not None
   return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
 
 
 def step_dir(storage: storage_lib.Storage, step: int) -> str:
   """The relative directory holding ``step``'s index and data."""
   name = storage_lib.step_dirname(step)
-  if records_complete(storage):
-    rec = read_record(storage, step)
+  if records.records_complete(storage):
+    rec = records.read_record(storage, step)
     if rec is None:
       raise CheckpointNotFoundError(
           f"step {step} is not committed in {storage.url!r} (no "
-          f"{record_key(step)})")
+          f"{records.record_key(step)})")
     return f"{name}/{rec['dir']}" if rec["dir"] else name
   key = f"{name}/{storage_lib.COMMIT_MARKER}"
   data = storage.read_bytes(key)
   if data is None:
     raise CheckpointNotFoundError(
         f"step {step} is not committed in {storage.url!r} (no {key})")
-  _, data_dir = _parse_marker(data, f"{storage.url.rstrip('/')}/{key}")
+  _, data_dir = records.parse_marker(data, f"{storage.url.rstrip('/')}/{key}")
   return f"{name}/{data_dir}" if data_dir else name
 
 
@@ -553,12 +384,12 @@ def _commit_state(storage: storage_lib.Storage, step: int
                   ) -> tuple[bool, str | None]:
   """(whether ``step`` is committed, the token of the attempt that
   committed it): one read."""
-  if records_complete(storage):
-    rec = read_record(storage, step)
+  if records.records_complete(storage):
+    rec = records.read_record(storage, step)
     return rec is not None, rec and rec["attempt"]
   data = storage.read_bytes(
       f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}")
-  return data is not None, _marker_attempt(data)
+  return data is not None, records.marker_attempt(data)
 
 
 def committed_attempt(storage: storage_lib.Storage, step: int) -> str | None:
@@ -572,7 +403,7 @@ def own_step_dir(storage: storage_lib.Storage) -> str | None:
   directory ("" or "attempt-<token>"); else None."""
   data = storage.read_bytes(storage_lib.COMMIT_MARKER)
   if data is not None:
-    return _parse_marker(data, f"{storage.url.rstrip('/')}/"
+    return records.parse_marker(data, f"{storage.url.rstrip('/')}/"
                          f"{storage_lib.COMMIT_MARKER}")[1]
   if storage.read_bytes(storage_lib.INDEX_NAME) is not None:
     return ""  # a step directory copied without its marker
@@ -582,12 +413,12 @@ def own_step_dir(storage: storage_lib.Storage) -> str | None:
     if not storage.root.is_dir():
       return None
     found = sorted(p.name for p in storage.root.iterdir()
-                   if _ATTEMPT_DIR_RE.match(p.name)
+                   if records.ATTEMPT_DIR_RE.match(p.name)
                    and (p / storage_lib.INDEX_NAME).exists())
   else:
     found = sorted({k.split("/")[0] for k in storage.list_keys(ATTEMPT_PREFIX)
                     if k.endswith("/" + storage_lib.INDEX_NAME)
-                    and _ATTEMPT_DIR_RE.match(k.split("/")[0])
+                    and records.ATTEMPT_DIR_RE.match(k.split("/")[0])
                     and k.count("/") == 1})
   if len(found) > 1:
     raise CheckpointError(
@@ -606,10 +437,11 @@ def committed_steps(storage: storage_lib.Storage) -> list[int]:
       return []
     steps = [storage_lib.parse_step(p.name) for p in storage.root.iterdir()]
     return sorted(s for s in steps if s is not None and is_committed(storage, s))
-  names = [k[len(RECORDS):] for k in storage.list_keys(RECORDS)]
+  names = [k[len(records.RECORDS):]
+           for k in storage.list_keys(records.RECORDS)]
   if storage.records_complete or "complete" in names:
     storage.records_complete = True
-    return sorted(int(n) for n in names if _STEP_NAME_RE.match(n))
+    return sorted(int(n) for n in names if records.STEP_NAME_RE.match(n))
   return sorted(_scan(storage)[0])
 
 
@@ -624,7 +456,7 @@ def _scan(storage: storage_lib.Storage):
     if s is None or not tail:
       continue
     first, _, rest = tail.partition("/")
-    m = _ATTEMPT_DIR_RE.match(first)
+    m = records.ATTEMPT_DIR_RE.match(first)
     if tail == storage_lib.COMMIT_MARKER:
       committed.add(s)
     elif m and rest:
@@ -636,7 +468,7 @@ def _scan(storage: storage_lib.Storage):
 
 def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
   """Seconds since the attempt's last heartbeat (None: unknown)."""
-  beat = _json_field(storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
+  beat = records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
   if beat is not None:
     return time.time() - beat
   if storage.is_posix:
@@ -646,10 +478,10 @@ def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
       return None
   # No attempt.json (yet, or any more): the time its pending record was made.
   s, _, tail = rel.partition("/")
-  m = _ATTEMPT_DIR_RE.match(tail)
+  m = records.ATTEMPT_DIR_RE.match(tail)
   step = storage_lib.parse_step(s)
   if m and step is not None:
-    t = _pending_time(storage, step, m.group(1))
+    t = records.pending_time(storage, step, m.group(1))
     if t is not None:
       return time.time() - t
   return None
@@ -675,10 +507,10 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
         if age is not None and age >= lease_s:
           out.append(p.name)
     return out
-  pending = list_pending(storage)
+  pending = records.list_pending(storage)
   live = set()
   for s, t in pending:
-    if t == _DELETE:
+    if t == records.DELETE:
       continue
     rel = work_dir(storage, s, t)
     age = _age_s(storage, rel)
@@ -690,9 +522,10 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
       # that never got its record.
       out.append(rel)
   for s, t in pending:
-    if t == _DELETE and s not in live and read_record(storage, s) is None:
+    if (t == records.DELETE and s not in live
+        and records.read_record(storage, s) is None):
       out.append(storage_lib.step_dirname(s))
-  if records_complete(storage):
+  if records.records_complete(storage):
     return out
   return out + [r for r in _abandoned_by_scan(storage, lease_s)
                 if r not in out]
@@ -747,33 +580,33 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
       shutil.rmtree(path, ignore_errors=True)
     return
   if step is not None:  # a whole step: invisible first, then the data
-    intent = pending_key(step, _DELETE)
-    _write_pending(storage, step, _DELETE)
-    storage.delete_key(record_key(step))
+    intent = records.pending_key(step, records.DELETE)
+    records.write_pending(storage, step, records.DELETE)
+    storage.delete_key(records.record_key(step))
     storage.delete_key(f"{rel}/{storage_lib.COMMIT_MARKER}")
     storage.delete_prefix(f"{rel}/", what)
     storage.delete_key(intent)
     return
   head, _, tail = rel.partition("/")
-  m = _ATTEMPT_DIR_RE.match(tail)
+  m = records.ATTEMPT_DIR_RE.match(tail)
   if not m:  # checkpoint_<step>.tmp-<id> (written to a disk, then copied)
     storage.delete_prefix(f"{rel}/", what)
     return
   # One attempt: checkpoint_<step>/attempt-<token>.
   step, token = storage_lib.parse_step(head), m.group(1)
-  complete = records_complete(storage)
+  complete = records.records_complete(storage)
   committed, winner = _commit_state(storage, step)
   if committed and winner == token:
     # The step itself (a commit that died before removing its pending
     # record, or a legacy root): only that record goes.
-    storage.delete_key(pending_key(step, token))
+    storage.delete_key(records.pending_key(step, token))
     return
   if complete and not committed:
     marker = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
-    if _marker_attempt(storage.read_bytes(marker)) == token:
+    if records.marker_attempt(storage.read_bytes(marker)) == token:
       storage.delete_key(marker)  # it never got its record: never listed
   storage.delete_prefix(f"{rel}/", what)
-  storage.delete_key(pending_key(step, token))
+  storage.delete_key(records.pending_key(step, token))
 
 
 def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:

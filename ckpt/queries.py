@@ -14,6 +14,7 @@ from typing import Any
 from ckpt import commit as commit_lib
 from ckpt import metadata as metadata_lib
 from ckpt import multihost
+from ckpt import records
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt.errors import CheckpointError
@@ -55,7 +56,7 @@ class Queries:
   def _read_step_info(self, step: int) -> None:
     """Process 0 (or one process alone): the step's metrics and save time,
     from its commit record on an object store (one GET), else its index."""
-    info = commit_lib.read_info(self.storage, step)
+    info = records.read_info(self.storage, step)
     if info is not None and info[1] is not None:
       self._metrics_cache[step], self._time_cache[step] = info
       return

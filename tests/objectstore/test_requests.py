@@ -27,6 +27,7 @@ import ckpt
 from ckpt import cli
 from ckpt import commit as commit_lib
 from ckpt import finalize
+from ckpt import records
 from ckpt import storage as storage_lib
 from tests.objectstore import storeutil
 
@@ -186,7 +187,7 @@ def _crash_between_marker_and_record(monkeypatch, url: str, step: int):
   real = storage_lib.Storage.write_bytes
 
   def write(self, rel, data):
-    if rel == commit_lib.record_key(step):
+    if rel == records.record_key(step):
       raise RuntimeError("killed between the marker and the record")
     return real(self, rel, data)
   with monkeypatch.context() as m:
@@ -197,7 +198,7 @@ def _crash_between_marker_and_record(monkeypatch, url: str, step: int):
         ckptr.save(step, state(8, step))
   keys = storeutil.keys(url)
   assert f"checkpoint_{step}/commit_success" in keys, keys
-  assert commit_lib.record_key(step) not in keys
+  assert records.record_key(step) not in keys
   [pending] = [k for k in keys if k.startswith(f"pending/{step}.")]
   return pending
 
@@ -241,7 +242,7 @@ def test_a_failed_record_write_removes_the_marker(s3_bucket, monkeypatch):
   real = storage_lib.Storage.write_bytes
 
   def write(self, rel, data):
-    if rel == commit_lib.record_key(1):
+    if rel == records.record_key(1):
       raise ckpt.CheckpointError("the store refused the record")
     return real(self, rel, data)
   with ckpt.Checkpointer(url, **KW) as ckptr:
