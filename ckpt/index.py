@@ -72,7 +72,8 @@ ALLOWED_DTYPES = frozenset({
     "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4",
 })
-_MAX_OCDBT_GROUPS = 4096  # ckpt/ocdbt.py MAX_GROUPS (not imported: a cycle)
+# The most OCDBT merge groups a step may have (ckpt/ocdbt.py uses it).
+MAX_OCDBT_GROUPS = 4096
 # Each allowed name's dtype, looked up once (not np.dtype() per leaf).
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 
@@ -503,8 +504,8 @@ def _decode_entry(e: Any, where: str) -> Entry:
   impl = _prng_impl(e, where, shape, dtype, True)
   group = e.get("ocdbt_group")
   if group is not None and (type(group) is not int or
-                            not 0 <= group < _MAX_OCDBT_GROUPS):
-    raise _bad(where, f"ocdbt_group an int in [0, {_MAX_OCDBT_GROUPS})",
+                            not 0 <= group < MAX_OCDBT_GROUPS):
+    raise _bad(where, f"ocdbt_group an int in [0, {MAX_OCDBT_GROUPS})",
                group)
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
                     tuple(checksums), prng_impl=impl, ocdbt_group=group)

@@ -52,6 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorstore as ts
 
+from ckpt import index as index_lib
 from ckpt import plan as plan_lib
 from ckpt import storage as storage_lib
 from ckpt.errors import CheckpointError
@@ -60,7 +61,7 @@ PROCESS_DIR_PREFIX = "ocdbt.process_"
 GROUP_DIR_PREFIX = "ocdbt.group_"
 # Keys one process merges (about 1 s at 4.6 us per key); more make groups.
 KEYS_PER_MERGE = 250_000
-MAX_GROUPS = 4096
+MAX_GROUPS = index_lib.MAX_OCDBT_GROUPS  # what an index may name
 
 
 def database(base: dict[str, Any]) -> dict[str, Any]:
