@@ -39,6 +39,7 @@ from ckpt import queries
 from ckpt import readonce
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
+from ckpt import save_extras
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt import tsspec
@@ -225,12 +226,12 @@ class Checkpointer(queries.Queries):
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
     try:
-      metrics = save_lib.check_metrics(metrics)
+      metrics = save_extras.check_metrics(metrics)
       if transforms:  # they see and return nested dicts keyed by path parts
         state = tree.nest(dict(tree.flatten(state)))
         for fn in transforms:
           state = fn(state)
-      host_bytes = save_lib.pack_host_state(host_state)
+      host_bytes = save_extras.pack_host_state(host_state)
       t_plan = time.perf_counter()
       plan = save_lib.plan_save(state, self._options, self.partitioner)
       plan_s = time.perf_counter() - t_plan

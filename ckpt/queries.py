@@ -16,7 +16,7 @@ from ckpt import metadata as metadata_lib
 from ckpt import multihost
 from ckpt import records
 from ckpt import restore as restore_lib
-from ckpt import save as save_lib
+from ckpt import save_extras
 from ckpt.errors import CheckpointError
 
 
@@ -183,7 +183,7 @@ class Queries:
       index = restore_lib.read_index(self.storage, step_dir)
       if len(index.host_state or ()) != n:
         raise mismatch(len(index.host_state or ()))
-      return save_lib.unpack_host_state(index.host_state[pid])
+      return save_extras.unpack_host_state(index.host_state[pid])
     rel = index_lib.process_file(index_lib.HOST_STATE_DIR, pid, step_dir)
     where = f"{self.storage.url.rstrip('/')}/{rel}"
     data = self.storage.read_bytes(rel, limit=index_lib.MAX_PROCESS_FILE_BYTES)
@@ -192,7 +192,7 @@ class Queries:
           f"step {step}: the host_state of process {pid} ({where}) is "
           "missing; the checkpoint is incomplete (every process writes its "
           "file before the step is committed)")
-    return save_lib.unpack_host_state(data, where)
+    return save_extras.unpack_host_state(data, where)
 
 
 def check_step(step: Any) -> int:
