@@ -67,6 +67,19 @@ _OCDBT_CACHE_BYTES = 64 << 20
 # backoff up to 32 s). A transient outage of a minute is still ridden out.
 STORE_RETRIES = {"max_retries": 8, "initial_delay": "1s", "max_delay": "16s"}
 _RETRY_RESOURCES = ("s3_request_retries", "gcs_request_retries")
+# Local files are read through mmap, not pread: a pread fills a fresh
+# buffer of the whole chunk file (its pages faulted in and zeroed, then
+# copied from the page cache) that is copied again into the restore's
+# buffer; mapped, the page cache is copied once, straight into that buffer,
+# and a box that needs part of a chunk touches only that part's pages.
+# Measured on 1 GiB of float32 in 16 MiB chunks (2 cores): 64 chunk reads
+# into fresh buffers 1.9 s -> 0.38 s. Safe because no file of a checkpoint
+# is ever changed in place (TensorStore writes a new file and renames it;
+# deletion unlinks), so no mapped file shrinks under a read. On a network
+# file system whose files another host may delete or truncate mid-read (a
+# mapped page that vanishes is SIGBUS, not an error),
+# storage_options={"file_io_mode": {"mode": "default"}} restores pread.
+FILE_IO_MODE = {"mode": "memmap"}
 # The largest small object (index, commit marker, lease) ckpt reads; the
 # index has its own, equal limit (ckpt.index.MAX_INDEX_BYTES).
 MAX_OBJECT_BYTES = 32 << 20
@@ -294,6 +307,8 @@ class Storage:
             {OCDBT_CACHE_POOL: {"total_bytes_limit": _OCDBT_CACHE_BYTES}})
       return _MEMORY_CONTEXT
     spec = {"file_io_concurrency": {"limit": 64},
+            **({"file_io_mode": dict(FILE_IO_MODE)}
+               if self.spec["driver"] == "file" else {}),
             "cache_pool": {"total_bytes_limit": 0},
             OCDBT_CACHE_POOL: {"total_bytes_limit": _OCDBT_CACHE_BYTES},
             **{k: dict(STORE_RETRIES) for k in _RETRY_RESOURCES},

@@ -967,3 +967,29 @@ def test_checkpoint_can_be_moved(make_ckptr, ckpt_dir, tmp_path, rng, mesh8):
   moved = tmp_path / "elsewhere"
   os.rename(ckpt_dir, moved)
   assert_same(make_ckptr(moved).restore(1, target=sds_like(state)), state)
+
+
+def test_local_files_are_read_mapped(make_ckptr, ckpt_dir, rng, mesh8):
+  # Local chunks are read through mmap (one copy from the page cache into
+  # the restore's buffer, see storage.FILE_IO_MODE); storage_options can ask
+  # for pread back. Both restore the same bytes, onto another mesh too
+  # (boxes that need part of a chunk) and as host numpy values.
+  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  mode = lambda opts: storage_lib.Storage(str(ckpt_dir), opts).context()[
+      "file_io_mode"].to_json()
+  pread = {"file_io_mode": {"mode": "default"}}
+  assert mode(None) == {"mode": "memmap"} and mode(pread) == {}
+  state = {"w": sharded(random_array(rng, (64, 32)), named(mesh8, "data",
+                                                            "model")),
+           "b": random_array(rng, (7,), ml_dtypes.bfloat16)}
+  make_ckptr(async_save=False).save(1, state)
+  other = named(mesh((4, 2), devices=jax.devices()[::-1]), "data", "model")
+  for options in (None, pread):
+    c = make_ckptr(storage_options=options)
+    assert_same(c.restore(1, target=sds_like(state)), state)
+    assert_same(c.restore(1), to_host(state))
+    got = c.restore(1, target={
+        "w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=other),
+        "b": state["b"]})
+    assert got["w"].sharding == other
+    assert_same(np.asarray(got["w"]), np.asarray(state["w"]))
