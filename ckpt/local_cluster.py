@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -95,6 +96,9 @@ class Cluster:
           result = json.load(f)
       results.append(ProcessResult(pid, p.returncode, log.read(), result))
       log.close()
+    # Logs and results are in ``results`` now: the directory goes (a test
+    # suite starts hundreds of jobs).
+    shutil.rmtree(self.outdir, ignore_errors=True)
     return results
 
 
