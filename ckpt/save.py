@@ -282,10 +282,16 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
     return src[write.box.slices()]
   shard = next(s for s in src.addressable_shards if s.device.id == write.device)
   piece = shard.data
-  if write.box != write.shard and shard.device.platform != "cpu":
+  if write.box != write.shard and _cut_on_device(shard.device):
     piece = piece[write.box.relative_to(write.shard)]  # only the box moves
   piece.copy_to_host_async()  # CPU: nothing to copy (np.asarray is a view)
   return piece
+
+
+def _cut_on_device(device) -> bool:
+  """Whether a box that is part of a shard is sliced on the device before
+  its transfer (accelerators), not on the host (CPU: a view, no copy)."""
+  return device.platform != "cpu"
 
 
 def _is_view(leaf: LeafPlan, piece: Any) -> bool:

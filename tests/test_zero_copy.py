@@ -169,3 +169,30 @@ def test_copies_to_the_host_start_together_within_the_budget(
   got = ckpt.load(tmp_path / "c", 1)
   for k, v in state.items():
     np.testing.assert_array_equal(got[k], np.asarray(v))
+
+
+def test_boxes_cut_on_the_device_as_on_an_accelerator(rng, tmp_path,
+                                                      make_ckptr, monkeypatch):
+  """The accelerator path (each chunk of a shard sliced on the device, then
+  copied to the host) saves the same bytes; forced here on CPU devices,
+  with shards cut into chunks by a small budget and spread over replicas."""
+  cuts = []
+
+  def cut(device):
+    cuts.append(device.id)
+    return True
+
+  monkeypatch.setattr(save_lib, "_cut_on_device", cut)
+  m = mesh()
+  state = {"w": sharded(random_array(rng, (512, 256)), named(m, "data")),
+           "rep": sharded(random_array(rng, (256, 64)), named(m)),
+           "b": sharded(random_array(rng, (64, 512), jnp.bfloat16),
+                        named(m, None, "model"))}
+  ckptr = make_ckptr(tmp_path / "c", async_save=True,
+                     concurrent_bytes=64 << 10, chunk_bytes=32 << 10)
+  ckptr.save(1, state)
+  ckptr.wait_until_finished()
+  assert len(cuts) > 8  # boxes smaller than their shards were cut
+  got = ckpt.load(tmp_path / "c", 1)
+  for k, v in state.items():
+    np.testing.assert_array_equal(got[k], np.asarray(v), err_msg=k)
