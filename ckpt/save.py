@@ -20,6 +20,7 @@ then donate or delete its arrays.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import math
@@ -480,7 +481,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # start writing and free it. Device-to-host copies of every box granted
   # so far start together (``_device_piece``) and are waited for in order
   # (``land``), so the transfers of all local devices overlap.
-  started: list[tuple[plan_lib.Write, Any, int]] = []  # copies in flight
+  started: collections.deque[tuple[plan_lib.Write, Any, int]] = (
+      collections.deque())  # copies in flight, oldest first
 
   async def land():
     while started:
@@ -496,7 +498,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
             f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
             f"{w.box.stop} to the host failed (was the array deleted or "
             f"donated before save() returned?): {e}") from e
-      started.pop(0)
+      started.popleft()
       staged.append((w, data, grant))
 
   try:
@@ -521,7 +523,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
             f"deleted or donated before save() returned?): {e}") from e
     await land()
   except BaseException:
-    for _, _, grant in started + staged:
+    for _, _, grant in [*started, *staged]:
       limiter.release(grant)
     started.clear()
     staged.clear()
