@@ -135,7 +135,7 @@ class LazyLeaf(abc.ABC):
     sharding, dtype, plan = self._args(sharding, dtype)
     if plan is None:
       return await self._guarded(dtype, sharding)
-    ticket = plan.reads.rounds.ticket()
+    ticket = plan.rounds.ticket()
     part, error = await self._read_part(plan, dtype, ticket)
     # The collective part on a thread of its own (not blocking the loop).
     return await asyncio.to_thread(plan.finish, ticket, part, error,
@@ -145,11 +145,11 @@ class LazyLeaf(abc.ABC):
     sharding, dtype, plan = self._args(sharding, dtype)
     if plan is None:
       return run_sync(self.read_async(sharding, dtype))
-    ticket = plan.reads.rounds.ticket()
+    ticket = plan.rounds.ticket()
     try:
       part, error = run_sync(self._read_part(plan, dtype, ticket))
     except BaseException as e:  # interrupted: the others must not wait for us
-      plan.reads.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
+      plan.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
       raise
     return plan.finish(ticket, part, error, self.path)  # the caller's thread
 
@@ -160,7 +160,7 @@ class LazyLeaf(abc.ABC):
     except Exception as e:  # pylint: disable=broad-except
       return None, e
     except BaseException as e:  # cancelled: the others must not wait for us
-      plan.reads.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
+      plan.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
       raise
 
   async def _guarded(self, dtype, sharding):

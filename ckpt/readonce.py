@@ -275,7 +275,6 @@ class Deferred:
   out_dtype: np.dtype
   sharding: Any
   read_sharding: Any
-  replicas: int
   cost: int
 
 
@@ -288,7 +287,7 @@ def deferred(name: str, src, out_dtype, sharding, min_r: int | None
   if plan is None:
     return None
   read, r = plan
-  return Deferred(name, src, np.dtype(out_dtype), sharding, read, r,
+  return Deferred(name, src, np.dtype(out_dtype), sharding, read,
                   _per_process_bytes(sharding, shape,
                                      np.dtype(out_dtype).itemsize, r))
 
@@ -461,8 +460,8 @@ class LazyPlan:
   was bound to): its part with ``read_sharding``, then the exchange."""
   sharding: Any
   read_sharding: Any
-  replicas: int
   reads: LazyReads
+  rounds: LazyRounds  # the Checkpointer's (reads.rounds, never None here)
 
   def applies(self, sharding) -> bool:
     return sharding is not None and (sharding is self.sharding or
@@ -472,7 +471,6 @@ class LazyPlan:
              error: BaseException | None, path: str) -> jax.Array:
     """The round, then the exchange of ``part`` into ``sharding``; on the
     calling thread (a collective)."""
-    assert self.reads.rounds is not None
-    return self.reads.rounds.collective(
+    return self.rounds.collective(
         ticket, error, f"read of lazy leaf {path!r}",
         lambda: exchange([part], [self.sharding], self.reads.stats)[0])

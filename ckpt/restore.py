@@ -226,8 +226,9 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
     leaf.guard, leaf.keepalive = args.guard, args.keepalive
     leaf.reads, leaf.read_once = args.lazy_reads, None
     if later is not None:
-      leaf.read_once = readonce.LazyPlan(later.sharding, later.read_sharding,
-                                         later.replicas, args.lazy_reads)
+      leaf.read_once = readonce.LazyPlan(
+          later.sharding, later.read_sharding, args.lazy_reads,
+          args.lazy_reads.rounds)
     return leaf
   if later is not None:
     return later

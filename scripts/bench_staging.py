@@ -126,10 +126,10 @@ def main() -> int:
   report = {}
   for name, vals in figures.items():
     med = statistics.median(vals)
-    report[name] = {"median_s": med, "runs": vals,
-                    "GB/s": nbytes / med / 1e9 if med else None}
+    gbps = nbytes / med / 1e9 if med else None
+    report[name] = {"median_s": med, "runs": vals, "GB/s": gbps}
     print(f"{name:28s} {med:8.3f} s  ({min(vals):.3f}-{max(vals):.3f})  "
-          f"{nbytes / med / 1e9 if med else float('inf'):7.1f} GB/s")
+          f"{gbps or float('inf'):7.1f} GB/s")
   if args.out:
     with open(args.out, "w") as f:
       json.dump(report, f, indent=1)
