@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402
+import faulthandler  # noqa: E402
 import itertools  # noqa: E402
 import typing  # noqa: E402
 
@@ -20,6 +21,34 @@ import pytest  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 _memory_names = itertools.count()
+
+# pytest-timeout (signal method) fails a test stuck in Python after 300 s;
+# one stuck in native code never returns to Python, and the whole run would
+# stall until CI's limit. After this long, every thread's stack goes to the
+# file named by CKPT_HANG_DUMP (scripts/test prints it) and the run ends.
+HANG_EXIT_S = 420
+_hang_dump = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  global _hang_dump
+  path = os.environ.get("CKPT_HANG_DUMP")
+  if path and _hang_dump is None:
+    _hang_dump = open(path, "w")  # pylint: disable=consider-using-with
+  if _hang_dump is not None:
+    _hang_dump.seek(0)
+    _hang_dump.truncate()
+    _hang_dump.write(f"hung (over {HANG_EXIT_S} s): {item.nodeid}\n")
+    _hang_dump.flush()
+    faulthandler.dump_traceback_later(HANG_EXIT_S, exit=True, file=_hang_dump)
+  try:
+    yield
+  finally:
+    if _hang_dump is not None:
+      faulthandler.cancel_dump_traceback_later()
+      _hang_dump.seek(0)
+      _hang_dump.truncate()
 
 
 @pytest.fixture(scope="session", autouse=True)
