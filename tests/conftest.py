@@ -24,10 +24,42 @@ _memory_names = itertools.count()
 
 # pytest-timeout (signal method) fails a test stuck in Python after 300 s;
 # one stuck in native code never returns to Python, and the whole run would
-# stall until CI's limit. After this long, every thread's stack goes to the
-# file named by CKPT_HANG_DUMP (scripts/test prints it) and the run ends.
-HANG_EXIT_S = 420
+# stall until CI's limit. scripts/test sets three files:
+# - CKPT_HANG_DUMP: after HANG_EXIT_S in one test, every thread's stack goes
+#   there (with the test's name) and the run ends; scripts/test prints it;
+# - CKPT_DONE_LOG: "done <test>" for each finished test, "failed <test>" for
+#   each failure, so that a run cut by a hang is judged on what did run;
+# - CKPT_SKIP_DONE: a CKPT_DONE_LOG of a run cut by a hang: its finished
+#   tests are not run again (scripts/test runs the rest, the hung one first).
+HANG_EXIT_S = float(os.environ.get("CKPT_HANG_EXIT_S", 420))
 _hang_dump = None
+_done_log = None
+
+
+def _log_line(line: str) -> None:
+  global _done_log
+  path = os.environ.get("CKPT_DONE_LOG")
+  if path and _done_log is None:
+    _done_log = open(path, "a")  # pylint: disable=consider-using-with
+  if _done_log is not None:
+    _done_log.write(line + "\n")
+    _done_log.flush()
+
+
+def pytest_collection_modifyitems(config, items):
+  path = os.environ.get("CKPT_SKIP_DONE")
+  if not path:
+    return
+  with open(path) as f:
+    done = {l.split(" ", 1)[1].strip() for l in f if l.startswith("done ")}
+  keep = [i for i in items if i.nodeid not in done]
+  config.hook.pytest_deselected(items=[i for i in items if i.nodeid in done])
+  items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+  if report.failed:
+    _log_line(f"failed {report.nodeid}")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -39,7 +71,7 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   if _hang_dump is not None:
     _hang_dump.seek(0)
     _hang_dump.truncate()
-    _hang_dump.write(f"hung (over {HANG_EXIT_S} s): {item.nodeid}\n")
+    _hang_dump.write(f"running {item.nodeid} (limit {HANG_EXIT_S} s)\n")
     _hang_dump.flush()
     faulthandler.dump_traceback_later(HANG_EXIT_S, exit=True, file=_hang_dump)
   try:
@@ -49,6 +81,7 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
       faulthandler.cancel_dump_traceback_later()
       _hang_dump.seek(0)
       _hang_dump.truncate()
+    _log_line(f"done {item.nodeid}")
 
 
 @pytest.fixture(scope="session", autouse=True)
