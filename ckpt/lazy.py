@@ -26,6 +26,7 @@ from ckpt import ocdbt
 from ckpt import prng
 from ckpt import readonce
 from ckpt import tree
+from ckpt import tsfuture
 from ckpt import tsspec
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
@@ -260,8 +261,8 @@ class LazyArray(LazyLeaf):
   async def _open(self) -> ts.TensorStore:
     if self._store is None:
       try:
-        store = await ts.open(self._spec, open=True, read=True,
-                              context=self._context)
+        store = await tsfuture.wait(ts.open(
+            self._spec, open=True, read=True, context=self._context))
       except Exception as e:
         raise CorruptCheckpointError(
             f"leaf {self.path!r}: cannot open its array at "
@@ -283,7 +284,7 @@ class LazyArray(LazyLeaf):
     store = await self._open()
     self._count(box)
     try:
-      return await store[box.slices()].read()
+      return await tsfuture.wait(store[box.slices()].read())
     except Exception as e:
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"
@@ -296,7 +297,8 @@ class LazyArray(LazyLeaf):
     self._count(box)
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
-      await ts.array(out, copy=False, write=True).write(store[box.slices()])
+      await tsfuture.wait(ts.array(out, copy=False, write=True).write(
+          store[box.slices()]))
     except Exception as e:
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"

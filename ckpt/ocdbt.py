@@ -55,6 +55,7 @@ import tensorstore as ts
 from ckpt import index as index_lib
 from ckpt import plan as plan_lib
 from ckpt import storage as storage_lib
+from ckpt import tsfuture
 from ckpt.errors import CheckpointError
 
 PROCESS_DIR_PREFIX = "ocdbt.process_"
@@ -139,14 +140,15 @@ async def merge(step_kvstore: dict[str, Any], process_count: int,
   base = group_base(step_kvstore, group)
   try:
     parent, *children = await asyncio.gather(
-        ts.KvStore.open(database(base), context=context),
-        *(ts.KvStore.open(process_database(base, p), context=context)
+        tsfuture.wait(ts.KvStore.open(database(base), context=context)),
+        *(tsfuture.wait(ts.KvStore.open(process_database(base, p),
+                                        context=context))
           for p in range(process_count)))
     txn = ts.Transaction(atomic=True)
     target = parent.with_transaction(txn)
-    await asyncio.gather(*(c.experimental_copy_range_to(target)
+    await asyncio.gather(*(tsfuture.wait(c.experimental_copy_range_to(target))
                            for c in children))
-    await txn.commit_async()
+    await tsfuture.wait(txn.commit_async())
   except Exception as e:
     raise CheckpointError(
         f"merging the OCDBT databases of {process_count} processes under "

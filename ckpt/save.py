@@ -39,6 +39,7 @@ from ckpt import placement as placement_lib
 from ckpt import plan as plan_lib
 from ckpt import prng
 from ckpt import tree
+from ckpt import tsfuture
 from ckpt import tsspec
 from ckpt.checksums import checksum
 from ckpt.errors import CheckpointError, InvalidStateError
@@ -355,14 +356,14 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                              e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
                              plan.options.codec)
     if process == 0:
-      return i, await ts.open(spec, create=True, context=context,
-                              transaction=txn)
-    return i, await ts.open(spec, open=True, assume_metadata=True,
-                            context=context)
+      return i, await tsfuture.wait(ts.open(spec, create=True,
+                                            context=context, transaction=txn))
+    return i, await tsfuture.wait(ts.open(spec, open=True, assume_metadata=True,
+                                          context=context))
 
   arrays = dict(await asyncio.gather(*(open_one(i) for i in wanted)))
   if txn is not None:
-    await txn.commit_async()
+    await tsfuture.wait(txn.commit_async())
     arrays = {i: a.with_transaction(None) for i, a in arrays.items()}
   return arrays
 
@@ -409,7 +410,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       if take_sums:
         crc = (checksum(data) if data.nbytes <= INLINE_WORK_BYTES else
                await asyncio.to_thread(checksum, data))
-      await write
+      await tsfuture.wait(write)
       if take_sums:
         sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
     except Exception as e:
@@ -438,7 +439,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       await asyncio.gather(*(write_box(w, data, txn) for w, data, _ in batch))
       batch.clear()
       try:
-        await txn.commit_async()
+        await tsfuture.wait(txn.commit_async())
       except Exception as e:
         names = sorted({tree.path_str(plan.leaves[w.leaf].parts)
                         for w in writes})
