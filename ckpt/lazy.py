@@ -17,7 +17,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
 
@@ -179,6 +178,8 @@ class LazyLeaf(abc.ABC):
 
   async def _counted(self, dtype, sharding):
     """materialize, counted in the restore's stats (``reads``) if any."""
+    # assemble imports this module (the leaf types): imported here.
+    from ckpt.assemble import materialize
     limiter = ByteLimiter(self.budget)
     reads = self.reads
     if reads is None:
@@ -534,77 +535,6 @@ async def gather_or_cancel(*coros):
     raise
 
 
-def is_floating(dtype) -> bool:
-  return jnp.issubdtype(np.dtype(dtype), jnp.floating)
-
-
-async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
-                      sharding: jax.sharding.Sharding | None,
-                      limiter: ByteLimiter):
-  """Reads what this process needs of ``leaf`` and places it.
-
-  With no sharding the whole value comes back as numpy; with a sharding each
-  distinct box this process's devices hold is read once, cast and put on
-  those devices.
-
-  A key leaf (``leaf.prng_impl``) comes back as typed keys: with no
-  sharding on jax's default device, else placed by ``sharding`` (a sharding
-  of the keys' shape; each device's box spans the whole key data).
-  """
-  shape = tuple(leaf.shape)
-  impl = leaf.prng_impl
-  if sharding is None:
-    data = await _read(leaf, Box((0,) * len(shape), shape), limiter, out_dtype)
-    if impl:
-      return prng.wrap(data, impl)
-    if isinstance(leaf, LazyValue) and leaf.scalar:
-      return data[()]
-    return data
-  logical = logical_shape(leaf)
-  tail = (slice(None),) * (len(shape) - len(logical))
-  index_map = sharding.addressable_devices_indices_map(logical)
-  by_box: dict[Box, list] = {}
-  for device, index in index_map.items():
-    by_box.setdefault(Box.from_index(tuple(index) + tail, shape),
-                      []).append(device)
-  placed: dict[Any, jax.Array] = {}
-
-  async def one(box: Box, devices: list):
-    grant = await limiter.acquire(box.size * np.dtype(out_dtype).itemsize
-                                  + _extra_bytes(leaf, box))
-    try:
-      # Read into 64-byte-aligned memory: jax.device_put onto a CPU device
-      # then adopts the buffer instead of copying it (jax's CPU client
-      # aliases aligned host arrays); one batched call for all the devices.
-      check_fits(leaf.path, box.shape, out_dtype)
-      data = _aligned_empty(box.shape, out_dtype)
-      await leaf.read_into(box, data)
-      arrays = jax.device_put([data] * len(devices), list(devices))
-      jax.block_until_ready(arrays)
-      if impl:  # a wrapper around each device's buffer: no copy, no program
-        arrays = [prng.wrap(a, impl) for a in arrays]
-      placed.update(zip(devices, arrays))
-    finally:
-      limiter.release(grant)
-
-  await gather_or_cancel(*(one(b, ds) for b, ds in by_box.items()))
-  # dtype: a process that holds no part of the target (a mesh of other
-  # processes' devices) gets an array with no local shards.
-  return jax.make_array_from_single_device_arrays(
-      logical, sharding, [placed[d] for d in index_map],
-      dtype=prng.info(impl).dtype if impl else out_dtype)
-
-
-def _extra_bytes(leaf: LazyLeaf, box: Box) -> int:
-  """Host bytes a read of ``box`` holds besides the box (a reshape's
-  parent pieces); counted in the byte budget with it."""
-  fn = getattr(leaf, "read_bytes", None)
-  return int(fn(box)) if fn is not None else 0
-
-
-_ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
-
-
 def host_memory_bytes() -> int:
   """This host's physical memory (a large number where unknown)."""
   try:
@@ -625,25 +555,3 @@ def check_fits(path: str, shape: Sequence[int], dtype) -> None:
         f"{host_memory_bytes()} bytes of memory; restore it with a target "
         "sharding so that each process reads only its part (or the index "
         "is not what was saved)")
-
-
-def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
-  dtype = np.dtype(dtype)
-  nbytes = math.prod(shape) * dtype.itemsize
-  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
-  offset = -raw.ctypes.data % _ALIGNMENT
-  return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
-
-
-async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,
-                out_dtype) -> np.ndarray:
-  if limiter is None:
-    data = await leaf.read_box(box)
-  else:
-    grant = await limiter.acquire(box.size * np.dtype(leaf.dtype).itemsize
-                                  + _extra_bytes(leaf, box))
-    try:
-      data = await leaf.read_box(box)
-    finally:
-      limiter.release(grant)
-  return np.asarray(data).astype(out_dtype, copy=False)

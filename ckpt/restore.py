@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from ckpt import assemble
 from ckpt import checksums
 from ckpt import commit as commit_lib
 from ckpt import index as index_lib
@@ -100,11 +101,11 @@ class RestoreArgs:
 
 def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
                restore_dtype) -> np.dtype:
-  if restore_dtype is not None and lazy.is_floating(saved):
+  if restore_dtype is not None and assemble.is_floating(saved):
     return np.dtype(restore_dtype)
   if wanted is None or wanted == saved:
     return saved
-  if lazy.is_floating(saved) and lazy.is_floating(wanted):
+  if assemble.is_floating(saved) and assemble.is_floating(wanted):
     return wanted
   raise TreeMismatchError(
       f"leaf {name!r}: the checkpoint has dtype {saved}, the target wants "
@@ -232,7 +233,7 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
     return leaf
   if later is not None:
     return later
-  return await lazy.materialize(src, out, sharding, limiter)
+  return await assemble.materialize(src, out, sharding, limiter)
 
 
 def _apply_transforms(leaves: dict[tree.PathParts, Any], args: RestoreArgs
@@ -295,7 +296,7 @@ async def read_parts(batch: Sequence[readonce.Deferred], budget: int
   limiter = ByteLimiter(budget)
   try:
     return await lazy.gather_or_cancel(
-        *(lazy.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
+        *(assemble.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
           for d in batch))
   finally:
     readonce.note_limiter(limiter)
