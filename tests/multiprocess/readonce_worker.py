@@ -24,8 +24,9 @@ process. Each process builds the same global arrays from fixed seeds.
   batches), ``ocdbt`` (the state saved again in format "ocdbt" and
   restored).
 - ``fail_on``: a restore whose transform raises on that process only, then
-  a lazy read-once read whose step guard raises on that process only; both
-  must fail on every process, and the next read work.
+  a lazy read-once read whose step guard raises on that process only, then
+  one cancelled on that process only after it started; each must fail on
+  every process, and the next read work.
 """
 
 from __future__ import annotations
@@ -155,6 +156,27 @@ def main():
         out["lazy_fail"] = None
       except Exception as e:  # pylint: disable=broad-except
         out["lazy_fail"] = f"{type(e).__name__}: {e}"
+      # A lazy read-once read cancelled on that process only, after it has
+      # taken its round (readonce.LazyRounds.abandon): the others raise
+      # instead of waiting for a process that never joins.
+      other = lz["rep4"]["i"]
+      if cfg["process_id"] == conf["fail_on"]:
+        async def cancelled():
+          task = asyncio.ensure_future(other.read_async())
+          await asyncio.sleep(0)  # it has started: its round is taken
+          task.cancel()
+          try:
+            await task
+          except asyncio.CancelledError:
+            return "cancelled"
+          return "finished"
+        out["lazy_cancel"] = asyncio.run(cancelled())
+      else:
+        try:
+          other.read()
+          out["lazy_cancel"] = None
+        except Exception as e:  # pylint: disable=broad-except
+          out["lazy_cancel"] = f"{type(e).__name__}: {e}"
       out["lazy_after_fail"] = check_leaf(lz["rep4"]["all"].read(),
                                           "rep4/all", mesh)
       out["lazy_after_fail_stats"] = dataclasses.asdict(ck.last_restore_stats)

@@ -136,6 +136,10 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   assert p1["lazy_fail"].startswith("ValueError: step gone"), p1
   assert "process(es) [1]" in p0["lazy_fail"], p0
   assert "step gone" in p0["lazy_fail"], p0
+  # A read cancelled on process 1 after it took its round: process 0's read
+  # of the same leaf raises naming process 1 instead of waiting.
+  assert p1["lazy_cancel"] == "cancelled", p1
+  assert "process(es) [1]" in p0["lazy_cancel"], p0
   for p in out:
     assert p["lazy_after_fail"] == [], p
     assert p["lazy_after_fail_stats"]["read_once_leaves"] == 1, p
