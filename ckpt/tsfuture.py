@@ -61,6 +61,14 @@ async def wait(future: Any) -> Any:
   try:
     return await asyncio.shield(out)
   except asyncio.CancelledError:
+    # Its error, if any, belongs to nobody now: marked as retrieved, so
+    # asyncio does not log "exception was never retrieved" for it.
+    out.add_done_callback(_drop_error)
     if not out.done():
       await asyncio.wait([out])  # the operation ends on its own
     raise
+
+
+def _drop_error(out: asyncio.Future) -> None:
+  if not out.cancelled():
+    out.exception()

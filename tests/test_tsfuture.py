@@ -7,6 +7,7 @@ with a deadline, so a freeze fails the test instead of the suite.
 """
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -104,3 +105,28 @@ def test_a_cancelled_wait_returns_once_the_operation_ended(tmp_path):
           open=True))
 
   asyncio.run(main())
+
+
+def test_errors_of_abandoned_operations_are_not_reported_as_lost(tmp_path):
+  """A cancelled caller's operation that then fails is nobody's error:
+  asyncio must not log "Future exception was never retrieved" for it (a
+  failed restore would otherwise log one per cancelled read)."""
+  lost = []
+
+  async def main():
+    asyncio.get_running_loop().set_exception_handler(
+        lambda loop, context: lost.append(context.get("message")))
+    for _ in range(20):
+      task = asyncio.ensure_future(tsfuture.wait(ts.open(
+          {"driver": "zarr",
+           "kvstore": {"driver": "file", "path": os.fspath(tmp_path / "no")}},
+          open=True)))
+      await asyncio.sleep(0)
+      task.cancel()
+      with pytest.raises(asyncio.CancelledError):
+        await task
+    gc.collect()
+    await asyncio.sleep(0)
+
+  asyncio.run(main())
+  assert lost == []
