@@ -12,7 +12,9 @@ once over all processes; with ``read_once=False`` R times; automatic
 (None) on an object store is on.
 
 On gs:// (2 processes, to keep the job short: the emulator is slow), one
-restore with the automatic policy, which must read once.
+restore with the automatic policy, which must read once, then lazy leaves
+read later from the bucket with read once on (each read a collective: the
+stored bytes once in all) and off (read everywhere).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import math
 import numpy as np
 
 from tests.multiprocess import readonce_worker as worker
-from tests.multiprocess.test_readonce import (check_counts, everywhere_bytes,
-                                              launch, stored_bytes)
+from tests.multiprocess.test_readonce import (check_cases, check_counts,
+                                              everywhere_bytes, launch,
+                                              stored_bytes)
 
 
 def test_read_once_on_s3(s3_server, s3_bucket):
@@ -40,10 +43,22 @@ def test_read_once_on_s3(s3_server, s3_bucket):
   assert gets["False"] == everywhere_bytes() // chunk, gets
 
 
+# 2 processes x 2 devices: mesh a=1, b=2, c=2, the processes along b; every
+# leaf but shard/w (which uses b) is held whole by both.
+REPLICAS_2 = {"rep4/w": 2, "rep4/all": 2, "rep4/i": 2, "rep2/w": 2,
+              "shard/w": 1}
+
+
 def test_read_once_on_gcs(gs_bucket):
   out = launch({"dir": f"{gs_bucket}/ck", "format": "zarr3", "op": "both",
-                "policies": [None]}, n=2)
+                "policies": [None], "cases": ["lazy"]}, n=2)
   # Automatic on an object store: on. Read everywhere (read_once=False),
   # the processes would read 6 MiB in all (1.7x: shard/w is not replicated).
   check_counts(out, "None", stored_bytes(), balanced=True)
   assert [r["None"]["stats"]["read_once_leaves"] for r in out] == [4, 4]
+  # Lazy leaves read later from the bucket: read once (each read a
+  # collective), against read everywhere with read_once=False.
+  everywhere = sum(math.prod(s) * np.dtype(d).itemsize * REPLICAS_2[n]
+                   for n, (s, d, _) in worker.SHAPES.items())
+  assert everywhere == 6 << 20
+  check_cases(out, stored_bytes(), everywhere, 4)
