@@ -416,8 +416,11 @@ class Storage:
           "refusing to read it")
     if st.st_size > limit:
       self._too_large(rel, st.st_size, limit)
-    with open(path, "rb") as f:  # read(n) allocates n bytes up front
-      data = f.read(min(st.st_size, limit) + 1)
+    try:
+      with open(path, "rb") as f:  # read(n) allocates n bytes up front
+        data = f.read(min(st.st_size, limit) + 1)
+    except (FileNotFoundError, NotADirectoryError):
+      return None  # deleted between the stat and the open (retention)
     if len(data) > limit:
       self._too_large(rel, len(data), limit)
     return data

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import ckpt
+from ckpt import storage as storage_lib
 from tests.conftest import random_array
 
 
@@ -284,12 +285,31 @@ def test_live_lazy_leaves_keep_their_step(make_ckptr, rng):
   assert c.all_steps() == [3]
 
 
+def test_small_object_deleted_between_stat_and_open_reads_as_missing(
+    tmp_path, monkeypatch):
+  """Retention deletes a step while another reader reads its marker: a file
+  gone between read_bytes' size check and its open is missing (None), not
+  an error (CI once failed a lazy read with ENOENT from that window)."""
+  storage = storage_lib.Storage(str(tmp_path))
+  (tmp_path / "marker").write_bytes(b"x")
+  real_stat = os.stat
+
+  def stat_then_delete(path, *args, **kwargs):
+    st = real_stat(path, *args, **kwargs)
+    if os.fspath(path).endswith("marker"):
+      os.remove(path)  # the other process's retention, right after the stat
+    return st
+  monkeypatch.setattr(os, "stat", stat_then_delete)
+  assert storage.read_bytes("marker") is None
+
+
 def test_lazy_leaf_of_a_step_deleted_or_replaced_elsewhere(make_ckptr, rng):
   c = make_ckptr(async_save=False)
   c.save(1, {"w": random_array(rng, (128, 64))})
   leaf = c.restore(lazy=True)["w"]
   other = make_ckptr(async_save=False, keep=1)  # another job's retention
   other.save(2, {"w": random_array(rng, (128, 64))})
+  other.wait_until_finished()  # its retention runs after save() returns
   with pytest.raises(ckpt.CheckpointError, match="step 1 .* was deleted after"):
     leaf.read()
   other.save(1, {"w": random_array(rng, (128, 64))})  # step 1 again, new data
