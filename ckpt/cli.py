@@ -100,9 +100,16 @@ def _step_of(name: str) -> int:
   return int(re.match(r"checkpoint_(\d+)", name).group(1))
 
 
-def list_entries(storage: storage_lib.Storage, progress=None) -> list[dict]:
+def list_entries(storage: storage_lib.Storage, progress=None,
+                 count_objects: bool = False) -> list[dict]:
   """Every checkpoint_* entry of a root: committed, uncommitted (a save in
-  progress or abandoned), incomplete (no index) or corrupt (bad index)."""
+  progress or abandoned), incomplete (no index) or corrupt (bad index).
+
+  On an object store this costs one listing of ``commits/`` and one of
+  ``pending/`` (plus a GET of each step's record and index), whatever the
+  number of chunks; ``count_objects`` adds the objects of each step, from
+  one listing of every key under ``checkpoint_*`` (a LIST page per 1,000
+  keys: millions of chunks are thousands of pages), else ``files`` is None."""
   committed = commit_lib.committed_steps(storage)
   rows: dict[str, dict] = {}
   for s in committed:
@@ -136,9 +143,10 @@ def list_entries(storage: storage_lib.Storage, progress=None) -> list[dict]:
       if progress:
         progress(i + 1, len(rows))
   else:
-    counts = _object_counts(storage)
+    counts = _object_counts(storage) if count_objects else {}
     for row in rows.values():
-      row.update(bytes=None, files=counts.get(row["name"], 0))
+      row.update(bytes=None, files=(counts.get(row["name"], 0)
+                                    if count_objects else None))
       row.setdefault("age_s", None)  # object stores give no times here
   out = sorted(rows.values(), key=lambda r: (r["step"], r["name"]))
   for row in out:
@@ -156,7 +164,7 @@ _STATUS_NOTE = {
 def cmd_ls(args) -> int:
   storage = open_root(args, args.dir)
   with Progress(args, "sizing", unit="step") as bar:
-    rows = list_entries(storage, bar)
+    rows = list_entries(storage, bar, count_objects=args.objects)
   doc = {"directory": storage.url, "steps": rows}
   if not rows:
     emit(args, doc, f"no checkpoints in {args.dir}")
@@ -169,8 +177,9 @@ def cmd_ls(args) -> int:
       note = r["error"]
     else:
       note = f"{r['name']}: {_STATUS_NOTE[r['status']]}"
+    files = "-" if r["files"] is None else str(r["files"])
     lines.append([str(r["step"]), r["status"], human_bytes(r["bytes"]),
-                  str(r["files"]), local_time(r["time"]), note])
+                  files, local_time(r["time"]), note])
   text = table(["STEP", "STATUS", "SIZE", "FILES", "TIME", "METRICS"], lines,
                right=("STEP", "SIZE", "FILES"))
   ok = [r for r in rows if r["status"] == "committed"]
@@ -503,6 +512,10 @@ def build_parser() -> argparse.ArgumentParser:
   p = sub.add_parser("ls", parents=[common],
                      help="list the steps of a checkpoint root")
   p.add_argument("dir", metavar="DIR")
+  p.add_argument("--objects", action="store_true",
+                 help="object stores: count each step's objects (FILES), "
+                 "from a listing of every key of every step (a request per "
+                 "1,000 keys); without it ls lists only the commit records")
   p.set_defaults(func=cmd_ls)
 
   p = sub.add_parser("inspect", parents=[common],

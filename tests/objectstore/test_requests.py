@@ -92,6 +92,11 @@ def lists_per_operation(server, url: str, chunks: int, steps: int) -> dict:
     c = count_requests(server, url, lambda: restarted.save(
         steps + 1, state(chunks, steps + 1)))
     out["first_save"] = c["LIST"]
+  # The operator's view: `ckpt ls` and a dry-run `ckpt gc`.
+  for name, argv in (("ls", ["ls", url, "--json"]),
+                     ("gc", ["gc", url, "--keep", "1", "--json"])):
+    c = count_requests(server, url, lambda: cli.main(argv))
+    out[name] = c["LIST"]
   # metrics() after a restart: one GET per step (its commit record).
   assert gets["metrics"] == steps, gets
   return out
@@ -103,11 +108,41 @@ def test_lists_do_not_grow_with_chunks_or_steps(s3_server, s3_bucket):
                              steps=2)
   longer = lists_per_operation(s3_server, f"{s3_bucket}/longer", chunks=8,
                                steps=6)
-  # One listing of commits/ per discovery, one of pending/ per first save.
-  want = {"save": 0, "restore": 1, "metrics": 1, "first_save": 1}
+  # One listing of commits/ per discovery, one of pending/ per first save;
+  # ls and gc list both (committed steps, abandoned attempts), never the
+  # chunks (`ckpt ls --objects` does: test_ls_counts_objects_on_request).
+  want = {"save": 0, "restore": 1, "metrics": 1, "first_save": 1, "ls": 2,
+          "gc": 2}
   assert few == want, few
   assert many == want, many
   assert longer == want, longer
+
+
+def test_ls_counts_objects_on_request(s3_server, s3_bucket, capsys):
+  """Without --objects a bucket's FILES are unknown ("-", null in JSON);
+  with it, each step's objects are counted from one full listing (2,000+
+  keys here: more than one page)."""
+  url = f"{s3_bucket}/ls"
+  with ckpt.Checkpointer(url, **KW) as ckptr:
+    ckptr.save(1, state(1000, 1))
+    ckptr.save(2, state(8, 2))
+  capsys.readouterr()
+  assert cli.main(["ls", url, "--json"]) == 0
+  rows = json.loads(capsys.readouterr().out)["steps"]
+  assert [(r["step"], r["status"], r["files"]) for r in rows] == [
+      (1, "committed", None), (2, "committed", None)]
+  assert cli.main(["ls", url]) == 0
+  text = capsys.readouterr().out
+  assert [line.split()[3] for line in text.splitlines()[1:3]] == ["-", "-"]
+  c = count_requests(s3_server, url, lambda: cli.main(
+      ["ls", url, "--objects", "--json"]))
+  rows = json.loads(capsys.readouterr().out)["steps"]
+  keys = storeutil.keys(url)
+  for r in rows:
+    assert r["files"] == sum(k.startswith(f"checkpoint_{r['step']}/")
+                             for k in keys) > 0, r
+  assert rows[0]["files"] > 1000 > rows[1]["files"]
+  assert c["LIST"] >= 4, c  # commits/, pending/, and 2+ pages of chunks
 
 
 @pytest.fixture
