@@ -16,6 +16,7 @@ each entry (``ArrayEntry.checksums``); those are checked as they always were.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import math
 from typing import Any
@@ -210,16 +211,22 @@ class ProcessChecksums:
     if self._error is not None:
       raise CorruptCheckpointError(
           f"leaf {leaf.path!r} cannot be verified: {self._error}")
-    return tuple(self._boxes.get(leaf.entry.relpath, ()))
+    flat = self._boxes.get(leaf.entry.relpath)
+    if flat is None:
+      return ()
+    rank = len(leaf.entry.shape)
+    n = 2 * rank + 1
+    return tuple((tuple(flat[i:i + rank]), tuple(flat[i + rank:i + 2 * rank]),
+                  flat[i + 2 * rank]) for i in range(0, len(flat), n))
 
-  async def _load(self) -> dict[str, list]:
+  async def _load(self) -> dict[str, array.array]:
     n = self.index.process_count
     if not 0 < n <= index_lib.MAX_PROCESSES:
       raise CorruptCheckpointError(
           f"the index says {n} processes saved the step; expected 1 to "
           f"{index_lib.MAX_PROCESSES}")
     sem = asyncio.Semaphore(_FILE_READS)
-    out: dict[str, list] = {}
+    out: dict[str, array.array] = {}
     chunk_counts: dict[str, int] = {}
 
     async def one(p: int):
@@ -238,8 +245,12 @@ class ProcessChecksums:
     await lazy.gather_or_cancel(*(one(p) for p in range(n)))
     return out
 
-  def _add(self, out: dict[str, list], chunk_counts: dict[str, int], p: int,
-           data: bytes, where: str) -> None:
+  def _add(self, out: dict[str, array.array], chunk_counts: dict[str, int],
+           p: int, data: bytes, where: str) -> None:
+    """Checks process ``p``'s records and appends each to its leaf's flat
+    int64 array (start, stop, crc32c): 8 bytes a number, not ~300 bytes of
+    Python tuples a record, since every process holds every process's
+    records (a 1,000-host step of 10,000 boxes a host: 10 million)."""
     try:
       doc = index_lib.unpack(data)  # bounded, as the index is
     except Exception as e:
@@ -269,15 +280,18 @@ class ProcessChecksums:
         raise CorruptCheckpointError(
             f"{name}: box {list(start)}..{list(stop)} is not inside the "
             f"leaf's shape {list(shape)}")
-      boxes = out.setdefault(e.relpath, [])
-      if e.relpath not in chunk_counts:
+      boxes = out.get(e.relpath)
+      if boxes is None:
+        boxes = out[e.relpath] = array.array("q")
         chunk_counts[e.relpath] = math.prod(
             -(-s // c) for s, c in zip(shape, e.chunks))
-      if len(boxes) >= chunk_counts[e.relpath]:
+      if len(boxes) >= chunk_counts[e.relpath] * (2 * len(shape) + 1):
         raise CorruptCheckpointError(
             f"{name}: more checksummed boxes than the leaf has chunks "
             f"({chunk_counts[e.relpath]})")
-      boxes.append((start, stop, item[3]))
+      boxes.extend(start)
+      boxes.extend(stop)
+      boxes.append(item[3])
 
 
 def attach(leaves: dict, storage: Any, step_dir: str,

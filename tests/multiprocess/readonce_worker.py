@@ -27,6 +27,10 @@ process. Each process builds the same global arrays from fixed seeds.
   a lazy read-once read whose step guard raises on that process only, then
   one cancelled on that process only after it started; each must fail on
   every process, and the next read work.
+- ``corrupt`` (format "zarr", on a disk): process 0 flips one byte of a
+  chunk of rep4/w, then every process restores read once without and with
+  ``verify=True`` (the crc32c of each box, from the per-process checksum
+  files) and reports the error or whether rep4/w came back exact.
 """
 
 from __future__ import annotations
@@ -180,6 +184,25 @@ def main():
       out["lazy_after_fail"] = check_leaf(lz["rep4"]["all"].read(),
                                           "rep4/all", mesh)
       out["lazy_after_fail_stats"] = dataclasses.asdict(ck.last_restore_stats)
+    if conf.get("corrupt"):  # format "zarr" on a disk: a flipped byte
+      multihost.barrier("before-corrupt")
+      if cfg["process_id"] == 0:
+        path = os.path.join(conf["dir"], "checkpoint_1", "rep4", "w", "0.0")
+        with open(path, "r+b") as f:
+          f.seek(os.path.getsize(path) // 2)
+          byte = f.read(1)
+          f.seek(-1, os.SEEK_CUR)
+          f.write(bytes([byte[0] ^ 0x40]))
+      multihost.barrier("after-corrupt")
+      for verify in (False, True):
+        try:
+          got = ck.restore(1, target=target, read_once=True, verify=verify)
+          out[f"corrupt_verify_{verify}"] = None
+          out[f"corrupt_exact_{verify}"] = check_leaf(
+              leaf_of(got, "rep4/w"), "rep4/w", mesh) == []
+        except Exception as e:  # pylint: disable=broad-except
+          out[f"corrupt_verify_{verify}"] = f"{type(e).__name__}: {e}"
+        multihost.barrier(f"after-corrupt-{verify}")
   local_cluster.write_result(out)
 
 

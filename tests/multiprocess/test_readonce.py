@@ -123,10 +123,21 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
     tmp_path):
   """A restore transform raises on process 1 only: instead of process 0
   waiting in an all-gather process 1 never joins, both raise (process 0
-  naming process 1), and the next restore works on both."""
-  out = launch({"dir": str(tmp_path / "ck"), "op": "both", "policies": [],
-                "fail_on": 1}, n=2)
+  naming process 1), and the next restore works on both. Then, format
+  "zarr": restore(verify=True) over both processes' checksum files, exact;
+  and with a flipped byte, both processes raise (the reader of that chunk
+  its crc32c mismatch, the other naming it)."""
+  out = launch({"dir": str(tmp_path / "ck"), "op": "both", "policies": [True],
+                "verify": [True], "fail_on": 1, "corrupt": True}, n=2)
   p0, p1 = out
+  # Format "zarr", verify=True: the crc32c of every box each process reads
+  # comes from the checksum files both processes wrote; all exact. Each
+  # checked box is read whole (a saved box may be larger than the part this
+  # process reads): the stored bytes once, plus at least that for the check.
+  for r in out:
+    assert r["True"]["bad"] == [], r["True"]
+  assert sum(r["True"]["stats"]["bytes_read"] for r in out) >= (
+      2 * stored_bytes())
   assert p1["fail"].startswith("ValueError: boom"), p1
   assert "process(es) [1]" in p0["fail"] and "boom" in p0["fail"], p0
   assert p0["after_fail"] == p1["after_fail"] == 7
@@ -143,3 +154,18 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   for p in out:
     assert p["lazy_after_fail"] == [], p
     assert p["lazy_after_fail_stats"]["read_once_leaves"] == 1, p
+  # One byte flipped in a chunk of rep4/w (zarr v2: no codec checksum):
+  # without verify the restore returns wrong data, read once onto both
+  # processes; with verify=True both raise, the reader of that chunk naming
+  # its crc32c mismatch, the other naming that process.
+  for p in out:
+    assert p["corrupt_verify_False"] is None, p
+    assert p["corrupt_exact_False"] is False, p
+    assert "rep4/w" in p["corrupt_verify_True"], p
+  errors = [p["corrupt_verify_True"] for p in out]
+  [reader] = [i for i, e in enumerate(errors)
+              if e.startswith("CorruptCheckpointError: leaf 'rep4/w': box")]
+  assert "has crc32c" in errors[reader], errors
+  other = errors[1 - reader]
+  assert f"failed on process(es) [{reader}]" in other, errors
+  assert "has crc32c" in other, errors
