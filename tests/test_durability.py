@@ -236,21 +236,31 @@ def test_ctrl_c_while_waiting_keeps_the_save_tracked(make_ckptr, ckpt_dir, rng):
   c = make_ckptr()
   s1 = {"w": random_array(rng, (256, 256))}
   c.save(1, s1)
-  # A real SIGINT, sent to the main thread, interrupts its blocked wait,
-  # provided Python's handler is installed and SIGINT is not blocked there.
-  # Twice in a full suite it was not (a faulthandler dump 3 s after the
-  # signal still had the main thread in the wait's lock; the wait ended
-  # with the 60 s hold): something an earlier test loaded into this
-  # process blocks or replaces SIGINT. So the test puts both back first.
+  # A real SIGINT, sent to the main thread, interrupts its blocked wait.
+  # One signal is not enough in a long suite: with other threads running,
+  # a signal that lands before the main thread is blocked in the wait can
+  # stay pending (CPython 3.11 keeps one eval breaker per interpreter, and
+  # a non-main thread may recompute it without the signal bit) until the
+  # wait ends by itself; twice a full run waited the 60 s hold and did not
+  # raise. So SIGINT is sent every 0.2 s until the wait raises; a signal
+  # sent meanwhile is run by a no-op handler afterwards.
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+  main, stop = threading.main_thread().ident, threading.Event()
+
+  def interrupt():
+    while not stop.wait(0.2):
+      signal.pthread_kill(main, signal.SIGINT)
+  sender = threading.Thread(target=interrupt, daemon=True)
   try:
     with hold(c):
-      threading.Timer(0.2, signal.pthread_kill,
-                      (threading.main_thread().ident, signal.SIGINT)).start()
+      sender.start()
       with pytest.raises(KeyboardInterrupt):
         c.wait_until_finished()
   finally:
+    signal.signal(signal.SIGINT, lambda *a: None)
+    stop.set()
+    sender.join(10)
+    signal.pthread_kill(main, signal.SIGINT)  # runs any pending: the no-op
     signal.signal(signal.SIGINT, previous)
   # The interrupted wait did not forget the save: restore waits for it.
   assert_same(c.restore(), s1)
