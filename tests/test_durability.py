@@ -237,13 +237,13 @@ def test_ctrl_c_while_waiting_keeps_the_save_tracked(make_ckptr, ckpt_dir, rng):
   s1 = {"w": random_array(rng, (256, 256))}
   c.save(1, s1)
   # A real SIGINT, sent to the main thread, interrupts its blocked wait.
-  # One signal is not enough in a long suite: with other threads running,
-  # a signal that lands before the main thread is blocked in the wait can
-  # stay pending (CPython 3.11 keeps one eval breaker per interpreter, and
-  # a non-main thread may recompute it without the signal bit) until the
-  # wait ends by itself; twice a full run waited the 60 s hold and did not
-  # raise. So SIGINT is sent every 0.2 s until the wait raises; a signal
-  # sent meanwhile is run by a no-op handler afterwards.
+  # One signal was not enough in a long suite: twice a full run waited the
+  # 60 s hold and did not raise, with SIGINT neither blocked nor its
+  # handler replaced (watched after every test). Likely the signal landed
+  # before the main thread blocked in the wait and stayed pending (CPython
+  # 3.11 keeps one eval breaker per interpreter, which other threads
+  # recompute); not proven. So SIGINT is sent every 0.2 s until the wait
+  # raises; one still pending after that runs a no-op handler.
   previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   main, stop = threading.main_thread().ident, threading.Event()
 
