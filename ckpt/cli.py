@@ -143,10 +143,10 @@ def list_entries(storage: storage_lib.Storage, progress=None,
       if progress:
         progress(i + 1, len(rows))
   else:
-    counts = _object_counts(storage) if count_objects else {}
+    counts = _object_counts(storage) if count_objects else None
     for row in rows.values():
-      row.update(bytes=None, files=(counts.get(row["name"], 0)
-                                    if count_objects else None))
+      row.update(bytes=None, files=(None if counts is None else
+                                    counts.get(row["name"], 0)))
       row.setdefault("age_s", None)  # object stores give no times here
   out = sorted(rows.values(), key=lambda r: (r["step"], r["name"]))
   for row in out:
