@@ -152,7 +152,7 @@ def save_round(key: str, step: int, local_error: BaseException | None,
       if failed:
         first = next(iter(failed.values()))[0]
         name = first if first in _ERRORS else "CheckpointError"
-        shown = "; ".join(f"process {p}: {m}" for p, m in list(failed.items())[:8])
+        shown = "; ".join(f"process {p}: {m[1]}" for p, m in list(failed.items())[:8])
         more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
         return Decision("error", error_type=name, message=(
             f"saving step {step} was refused before anything was written: "
@@ -188,20 +188,41 @@ def save_round(key: str, step: int, local_error: BaseException | None,
 # ---- read rounds ------------------------------------------------------------
 
 def read_round(key: str, request: str, answer: Callable[[], Any], *,
-               timeout_s: float, what: str, where: str = "") -> Any:
+               timeout_s: float, what: str, where: str = "",
+               local_error: BaseException | None = None) -> Any:
   """Process 0 computes ``answer()`` (JSON-able) once; every process gets it.
 
   ``request`` says what this process asked for; if processes ask different
   things, all raise, naming them. ``where`` is a location that may differ
   between processes (``restore(path=...)`` of per-host copies): if it does,
-  every process computes ``answer()`` itself.
+  every process computes ``answer()`` itself. ``local_error``: this process
+  failed before the round (a bad argument, a path it cannot open); it still
+  takes part, so that every process raises (the failing one its own error,
+  the others one naming it) and no key of a later call drifts.
   """
   if not multihost.is_multiprocess():
+    if local_error is not None:
+      raise local_error
     return answer()
+  err = (None if local_error is None else
+         f"{type(local_error).__name__}: {local_error}"[:2000])
 
   def decide(raw: dict[int, str]) -> str:
-    posts = {p: json.loads(v)[0] for p, v in raw.items()}
-    if len({json.loads(v)[1] for v in raw.values()}) > 1:
+    # Every process has passed this round's barrier, so all have read the
+    # previous round's decision: its keys can go.
+    base, _, n = key.rpartition("/")
+    if n.isdigit() and int(n) > 0:
+      multihost.forget(f"{base}/{int(n) - 1}")
+    got = {p: json.loads(v) for p, v in raw.items()}
+    failed = {p: g[2] for p, g in sorted(got.items()) if g[2]}
+    if failed:
+      shown = "; ".join(f"process {p}: {m}" for p, m in
+                        list(failed.items())[:8])
+      return Decision("error", error_type="CheckpointError", message=(
+          f"{what} failed on process(es) {sorted(failed)} before the "
+          f"processes agreed: {shown}")).encode()
+    posts = {p: g[0] for p, g in got.items()}
+    if len({json.dumps(g[1]) for g in got.values()}) > 1:
       return Decision("local").encode()
     differ = {p: r for p, r in posts.items() if r != posts.get(0)}
     if differ:
@@ -210,19 +231,16 @@ def read_round(key: str, request: str, answer: Callable[[], Any], *,
           f"processes asked for different things in {what}: process 0: "
           f"{posts.get(0)}; {shown}. Every process must make the same "
           "Checkpointer calls with the same arguments")).encode()
-    # Every process has passed this round's barrier, so all have read the
-    # previous round's decision: its keys can go.
-    base, _, n = key.rpartition("/")
-    if n.isdigit() and int(n) > 0:
-      multihost.forget(f"{base}/{int(n) - 1}")
     try:
       return Decision("value", value=answer()).encode()
     except Exception as e:  # pylint: disable=broad-except
       return _error_decision(e, str(e)).encode()
 
   decision = Decision.decode(multihost.agree(
-      key, json.dumps([request, where]), decide, timeout_s=timeout_s,
+      key, json.dumps([request, where, err]), decide, timeout_s=timeout_s,
       what=what))
+  if local_error is not None:
+    raise local_error
   if decision.action == "error":
     decision.raise_error()
   if decision.action == "local":

@@ -97,9 +97,10 @@ class Checkpointer(queries.Queries):
       per-process files, checked by ``verify`` and ``restore(verify=True)``.
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
-    lease_s: a save renews its lease every ``lease_s / 5`` seconds; another
-      writer's cleanup removes an uncommitted attempt only once its lease is
-      older than this (see ckpt/commit.py).
+    lease_s: a save renews its lease every ``lease_s / 6`` seconds (at
+      most once a second on an object store); cleanup (process 0, at every
+      save) removes an uncommitted attempt once its lease is older than this,
+      or at once when its holder is provably dead (see ckpt/lease.py).
     read_once: restore onto a mesh with data-parallel replicas reads each
       box from storage once, spread over the replica processes, and
       exchanges the parts with an all-gather (ckpt/readonce.py). True: on,
@@ -186,7 +187,6 @@ class Checkpointer(queries.Queries):
                                     name="ckpt-background", daemon=True)
     self._thread.start()
     self._closed = False
-    self._cleaned_up = False
     # A job that ends without close() still finishes (commits) its last save.
     # It must run before the interpreter stops thread pools (asyncio.to_thread
     # refuses work after that), which plain atexit handlers do not.
@@ -212,7 +212,6 @@ class Checkpointer(queries.Queries):
     save, or all skip a committed step, or all raise the same error naming
     the process that could not prepare its part and why.
     """
-    self._check_open()
     step = queries.check_step(step)
     if not force and not self.should_save(step):
       # should_save decided from agreed facts only (no I/O and no round,
@@ -220,12 +219,15 @@ class Checkpointer(queries.Queries):
       # save in flight either, so its failure comes from the next save that
       # writes (the same one on every process).
       return False
-    self._wait_for_save()
+    # The key first: whatever fails below on one process goes into the
+    # round, so every process raises and no later key drifts.
     key = multihost.call_key(self._key_base, "save", step)
     coord0 = multihost.coordination_stats()
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
     try:
+      self._check_open()
+      self._wait_for_save()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)
       if transforms:  # they see and return nested dicts keyed by path parts
         state = tree.nest(dict(tree.flatten(state)))
@@ -286,10 +288,10 @@ class Checkpointer(queries.Queries):
                         coord0: multihost.CoordinationStats) -> None:
     cleanup = None
     try:
-      if multihost.process_index() == 0 and not self._cleaned_up:
-        # Abandoned work of crashed jobs goes at this writer's first save
-        # (not when a Checkpointer opens: a reader must not delete anything).
-        self._cleaned_up = True
+      if multihost.process_index() == 0:
+        # Abandoned work of crashed jobs and failed saves goes at every save
+        # (one listing of the root, or of pending/ on a bucket; never when a
+        # Checkpointer opens: a reader must not delete anything).
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
       await finalize.run_save(attempt, plan, self.storage, self._context,
@@ -311,8 +313,9 @@ class Checkpointer(queries.Queries):
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 
   def _remove_abandoned(self, own: str) -> None:
+    reasons: dict[str, str] = {}
     try:
-      names = commit_lib.abandoned(self.storage, self.lease_s)
+      names = commit_lib.abandoned(self.storage, self.lease_s, reasons)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)
@@ -320,7 +323,8 @@ class Checkpointer(queries.Queries):
     for name in names:
       if name == own:
         continue
-      logging.info("ckpt: removing abandoned %s", name)
+      logging.info("ckpt: removing abandoned %s in %s: %s", name,
+                   self.storage.url, reasons.get(name, "an unfinished deletion"))
       try:
         commit_lib.remove(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
@@ -366,6 +370,14 @@ class Checkpointer(queries.Queries):
         with self._lock:
           if self._inflight is fut:
             self._inflight = None
+
+  def _settle(self) -> None:
+    """Lets the in-flight save end (a restore of the latest step wants its
+    commit); its failure stays for the next save or wait."""
+    with self._lock:
+      fut = self._inflight
+    if fut is not None:
+      concurrent.futures.wait([fut])
 
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the
@@ -454,19 +466,22 @@ class Checkpointer(queries.Queries):
     (the latest, or checks that all asked for the same one) and every
     process restores that step.
     """
-    self._check_open()
+    # Both keys first: nothing below may shift them on one process only.
+    read_key = self._read_key()
+    key = multihost.call_key(self._key_base, "readonce")  # every restore
     t_start = time.perf_counter()
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.read_once
-    readonce.min_replicas(read_once, "")  # validates it
-    with self._lock:
-      fut = self._inflight
-    if fut is not None:
-      # Let the in-flight save commit everywhere first (a restore of the
-      # latest step wants it); its failure stays for the next save or wait.
-      concurrent.futures.wait([fut])
+    storage, error = self.storage, None
+    try:  # this process's own checks; a failure joins the round below
+      self._check_open()
+      readonce.min_replicas(read_once, "")  # validates it
+      if path is not None:
+        storage = storage_lib.Storage(path, self._storage_options)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    self._settle()
     if path is not None:
-      storage = storage_lib.Storage(path, self._storage_options)
       # Processes may each read their own copy (a path on a local disk):
       # then each finds its own step directory.
       step_dir = self._agreed(
@@ -474,20 +489,15 @@ class Checkpointer(queries.Queries):
           f"store={readonce.storage_kind(storage.url)})",
           lambda: restore_lib.locate_path(storage, step),
           f"the step directory under {os.fspath(path)!r}",
-          where=storage.url)
+          where=storage.url, key=read_key, error=error)
       is_resuming, protected = False, None
     else:
-      storage = self.storage
       step, step_dir, is_resuming = self._agreed(
           f"restore(step={step!r}, read_once={read_once!r})",
           lambda: self._choose_step(step),
-          f"the step to restore from {self.storage.url!r}")
+          f"the step to restore from {self.storage.url!r}", key=read_key,
+          error=error)
       protected = step if multihost.process_index() == 0 else None
-    guard = keepalive = None
-    if lazy and path is None:
-      guard = commit_lib.guard(storage, step)
-      if protected is not None:  # the step outlives this call with the leaves
-        keepalive = self._retention.keepalive(step)
     read_once_min = readonce.min_replicas(read_once, storage.url)
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
@@ -495,7 +505,6 @@ class Checkpointer(queries.Queries):
     # With read-once on (agreed: the same on every process), a process that
     # fails must say so before the others start an exchange it never joins.
     rounds = read_once_min is not None and multihost.is_multiprocess()
-    key = multihost.call_key(self._key_base, "readonce")  # every restore
     lazy_reads = None
     if lazy:  # the leaves' later reads count here; read once: collectives
       if rounds and self._lazy_rounds is None:
@@ -503,18 +512,23 @@ class Checkpointer(queries.Queries):
                                                 self.barrier_timeout_s)
       lazy_reads = readonce.LazyReads(
           counter, stats, self._lazy_rounds if rounds else None)
-    args = restore_lib.RestoreArgs(
-        target=target, restore_dtype=self.restore_dtype,
-        transforms=tuple(transforms), fallback_state=fallback_state,
-        lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
-        keepalive=keepalive, read_once_min=read_once_min,
-        lazy_reads=lazy_reads)
     check = (lambda i, e: multihost.all_ok(
         f"{key}/{i}", e, f"restore from {step_dir!r}",
         self.barrier_timeout_s)) if rounds else (lambda i, e: None)
     try:
       result, error = None, None
-      try:
+      try:  # everything that can fail on this process alone, before "read"
+        guard = keepalive = None
+        if lazy and path is None:
+          guard = commit_lib.guard(storage, step)
+          if protected is not None:  # the step outlives this call
+            keepalive = self._retention.keepalive(step)
+        args = restore_lib.RestoreArgs(
+            target=target, restore_dtype=self.restore_dtype,
+            transforms=tuple(transforms), fallback_state=fallback_state,
+            lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
+            keepalive=keepalive, read_once_min=read_once_min,
+            lazy_reads=lazy_reads)
         result = self._run(readonce.counted(restore_lib.restore(
             storage, step_dir, args, self.concurrent_bytes, self._context),
             counter))
@@ -556,11 +570,25 @@ class Checkpointer(queries.Queries):
     return [step, step_dir, step == steps[-1]]
 
   def _agreed(self, request: str, answer: Callable[[], Any], what: str,
-              where: str = "") -> Any:
-    """``answer()`` computed once by process 0; every process gets it."""
+              where: str = "", *, key: str | None = None,
+              error: BaseException | None = None) -> Any:
+    """``answer()`` computed once by process 0; every process gets it.
+
+    The call's key is taken before anything of the call can fail (``key``:
+    taken by the caller already). ``error``: this process's own checks
+    failed (a closed Checkpointer, a bad argument or path); the failure
+    joins the round, so every process raises and later calls keep their
+    keys (agreement.read_round)."""
+    if key is None:
+      key = self._read_key()
     return agreement.read_round(
-        multihost.call_key(self._key_base, "read"), request, answer,
-        timeout_s=self.barrier_timeout_s, what=what, where=where)
+        key, request, answer, timeout_s=self.barrier_timeout_s, what=what,
+        where=where, local_error=error)
+
+  def _read_key(self) -> str:
+    """The key of the next read round (restore, the queries); taken before
+    anything of the call can fail (multihost.call_key)."""
+    return multihost.call_key(self._key_base, "read")
 
   def _run(self, coro):
     return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -30,12 +30,15 @@ What a commit guarantees (``commit``):
   onto a non-empty directory fails; buckets: the marker is written only if
   absent, where the store supports conditional writes).
 
-What cleanup may delete (``abandoned``): attempts whose lease expired. A
-live attempt's ``attempt.json`` holds the time of its last heartbeat
-(process 0 rewrites it every ``lease_s / 5`` while the save runs); an
-attempt is abandoned only when that time is older than ``lease_s`` (default
-10 minutes) or the file is missing and the directory itself is that old.
-Half-done deletions (``*.tmp-del-*``) are always removable. A committed
+What cleanup may delete (``abandoned``, run by process 0 at every save):
+attempts whose holder is provably dead or whose lease expired. A live
+attempt's ``attempt.json`` is its lease (ckpt/lease.py): it names the
+process that holds it and the time of its last renewal (process 0 renews it
+every ``lease_s / 6`` while the save runs). An attempt is abandoned when its
+holder ran on this machine and is gone (a crashed job restarted on the same
+host), or when its lease is older than ``lease_s`` (default 30 s), or when
+the file is missing and the directory itself is that old. Half-done
+deletions (``*.tmp-del-*``) are always removable. A committed
 step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
@@ -97,19 +100,19 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import time
 
 from absl import logging
 import msgpack
 
+from ckpt import lease as lease_lib
 from ckpt import records
 from ckpt import storage as storage_lib
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 ATTEMPT_FILE = "attempt.json"
 ATTEMPT_PREFIX = "attempt-"
-DEFAULT_LEASE_S = 600.0
+DEFAULT_LEASE_S = lease_lib.DEFAULT_LEASE_S
 # TensorStore's generation of a key that does not exist: a write with
 # ``if_equal=NO_VALUE`` creates the key only if it is absent.
 NO_VALUE = b"\x02"
@@ -122,11 +125,6 @@ def work_dir(storage: storage_lib.Storage, step: int, token: str) -> str:
   if storage.is_posix:
     return f"{name}.tmp-{records.check_token(token)}"
   return f"{name}/{ATTEMPT_PREFIX}{records.check_token(token)}"
-
-
-def _lease(token: str) -> bytes:
-  return json.dumps({"token": token, "time": time.time(),
-                     "host": socket.gethostname(), "pid": os.getpid()}).encode()
 
 
 def fsync_dir(path: str) -> None:
@@ -154,7 +152,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
     if final.is_dir() and not is_committed(storage, step):
       remove(storage, storage_lib.step_dirname(step))
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
-    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
+    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
   else:
     try:
       _ensure_records(storage)
@@ -166,7 +164,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
     _clear_stale_marker(storage, step, lease_s)
     # first: cleanup can find the rest
     records.write_pending(storage, step, token)
-    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
+    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
   return rel
 
 
@@ -175,9 +173,9 @@ def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
   its directory still exists)."""
   rel = work_dir(storage, step, token)
   if storage.is_posix:
-    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
+    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
   else:
-    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
+    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
 
 
 def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
@@ -255,8 +253,7 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
     remove(storage, storage_lib.step_dirname(step))  # finish that deletion
     return
   won = records.marker_attempt(storage.read_bytes(key))
-  age = None if won is None else _age_s(storage, work_dir(storage, step, won))
-  if age is not None and age < lease_s:
+  if won is not None and _live(storage, work_dir(storage, step, won), lease_s):
     return  # maybe a commit in progress: if it is, ours fails, naming it
   logging.warning("ckpt: step %d in %s has a commit marker but no commit "
                   "record (a save that died while committing); removing "
@@ -466,10 +463,13 @@ def _scan(storage: storage_lib.Storage):
   return committed, attempts, loose
 
 
-def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
-  """Seconds since the attempt's last heartbeat (None: unknown)."""
-  beat = records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
-  if beat is not None:
+def _age_s(storage: storage_lib.Storage, rel: str,
+           lease: dict | None = None) -> float | None:
+  """Seconds since the attempt's last renewal (None: unknown); ``lease``:
+  its ``attempt.json``, if read already."""
+  beat = lease.get("time") if lease is not None else records.json_field(
+      storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
+  if type(beat) in (int, float):
     return time.time() - beat
   if storage.is_posix:
     try:
@@ -487,10 +487,30 @@ def _age_s(storage: storage_lib.Storage, rel: str) -> float | None:
   return None
 
 
-def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
-              ) -> list[str]:
+def _live(storage: storage_lib.Storage, rel: str, lease_s: float,
+          reasons: dict | None = None) -> bool | None:
+  """Whether the attempt at ``rel`` may still be saving: False when its
+  holder is provably dead or its lease is older than ``lease_s`` (the
+  reason goes into ``reasons[rel]``), None when its age is unknown."""
+  lease = lease_lib.parse(storage.read_bytes(f"{rel}/{ATTEMPT_FILE}"))
+  dead = None if lease is None else lease_lib.dead_reason(lease)
+  if dead is None:
+    age = _age_s(storage, rel, lease)
+    if age is None:
+      return None
+    if age < lease_s:
+      return True
+    dead = f"its lease is {age:.0f} s old (lease_s={lease_s:g})"
+  if reasons is not None:
+    reasons[rel] = dead
+  return False
+
+
+def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
+              reasons: dict | None = None) -> list[str]:
   """Relative directories of attempts that are provably abandoned (and, on
-  object stores, steps whose deletion died half way).
+  object stores, steps whose deletion died half way); ``reasons`` gets why,
+  for attempts (see ``_live``).
 
   Object stores: one listing of ``pending/`` and a read or two per entry
   (the lease of an attempt, the record of a step); a root not migrated yet
@@ -503,8 +523,7 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
       if _DEL_RE.match(p.name):
         out.append(p.name)
       elif storage_lib.is_tmp_name(p.name):
-        age = _age_s(storage, p.name)
-        if age is not None and age >= lease_s:
+        if _live(storage, p.name, lease_s, reasons) is False:
           out.append(p.name)
     return out
   pending = records.list_pending(storage)
@@ -513,8 +532,7 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
     if t == records.DELETE:
       continue
     rel = work_dir(storage, s, t)
-    age = _age_s(storage, rel)
-    if age is not None and age < lease_s:
+    if _live(storage, rel, lease_s, reasons):
       live.add(s)
     else:
       # remove() keeps the data of the attempt that committed s (its
@@ -527,12 +545,12 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
       out.append(storage_lib.step_dirname(s))
   if records.records_complete(storage):
     return out
-  return out + [r for r in _abandoned_by_scan(storage, lease_s)
+  return out + [r for r in _abandoned_by_scan(storage, lease_s, reasons)
                 if r not in out]
 
 
-def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float
-                       ) -> list[str]:
+def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
+                       reasons: dict | None = None) -> list[str]:
   """A root whose records are not complete: from one full listing."""
   out = []
   committed, attempts, loose = _scan(storage)
@@ -540,9 +558,8 @@ def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float
     winner = committed_attempt(storage, s) if s in committed else None
     for t in sorted(tokens - {winner}):
       rel = work_dir(storage, s, t)
-      age = _age_s(storage, rel)
       # A committed step's losing attempts go once their lease is over too.
-      if age is None or age >= lease_s:
+      if not _live(storage, rel, lease_s, reasons):
         out.append(rel)
   # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
   # that never committed (today's saves write only inside attempts).

@@ -36,6 +36,7 @@ import msgpack
 
 from ckpt import commit as commit_lib
 from ckpt import index as index_lib
+from ckpt import lease as lease_lib
 from ckpt import multihost
 from ckpt import ocdbt
 from ckpt import retention as retention_lib
@@ -156,8 +157,15 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
   except BaseException:
     if stopped_writing and pid == 0:
       # Every process has said (at "written") that it stopped writing: the
-      # attempt can go now, not at the next job's first save.
+      # attempt can go now, not at the next save.
       await asyncio.to_thread(_remove_failed, storage, attempt)
+    elif pid == 0:
+      logging.warning(
+          "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
+          "every process said it stopped writing into it; its lease is no "
+          "longer renewed, and the cleanup of the next save removes it once "
+          "the lease is %g s old", step, attempt.work_dir, storage.url,
+          attempt.lease_s)
     raise
   finally:
     if lease is not None:
@@ -238,7 +246,8 @@ def _check_tiling(plan: save_lib.SavePlan, key: str, mine: bytes,
 async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
   """Process 0: keeps the attempt alive for other writers' cleanup."""
   while True:
-    await asyncio.sleep(max(attempt.lease_s / 5, 0.05))
+    await asyncio.sleep(lease_lib.renew_interval(attempt.lease_s,
+                                                 storage.is_posix))
     try:
       await asyncio.to_thread(commit_lib.heartbeat, storage, attempt.step,
                               attempt.token)

@@ -184,10 +184,11 @@ class LocalTier:
       fut.result()
 
   def save(self, step: int, state: Any, host_state: Any = None) -> None:
-    self.wait()
+    # The key first: a failure below on one process (the previous save's
+    # too) goes into the round, so no later key drifts.
+    key = multihost.call_key(self._key_base, "save", step)
     t0 = time.perf_counter()
     lay = self.layout
-    key = multihost.call_key(self._key_base, "save", step)
     leaves, _ = flatten(state)
     token = multihost.unique_token()
     work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
@@ -198,6 +199,7 @@ class LocalTier:
                 "partner": {}, "host_names": []}
     host_vals, arrays, error = {}, [], None
     try:
+      self.wait()
       for name, v in leaves:
         if isinstance(v, jax.Array):
           if _is_key(v):
@@ -449,6 +451,7 @@ class LocalTier:
   def restore(self, step: int, target_leaves, need_partner: list[int]):
     """Collective: this process's arrays of ``step`` onto the target's
     shardings (same topology as the save); {name: value}, host_state."""
+    key = multihost.call_key(self._key_base, "restore", step)
     t0 = time.perf_counter()
     lay = self.layout
     base = os.path.join(self.dir, f"step_{step}")
@@ -458,7 +461,6 @@ class LocalTier:
     if m is not None:
       with open(os.path.join(base, "host.msgpack"), "rb") as f:
         host = msgpack.unpackb(f.read(), raw=False)
-    key = multihost.call_key(self._key_base, "restore", step)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])

@@ -98,17 +98,27 @@ class MultiTierCheckpointer:
   # -- which step, which tier --
 
   def _choose(self, step: int | None, target_leaves) -> dict:
-    """Collective: process 0 picks the tier and the step; all get it."""
-    self.local.wait()
+    """Collective: process 0 picks the tier and the step; all get it.
+
+    The key is taken first, and a process whose local checks fail (its
+    last local save failed, an unreadable manifest) says so in the round:
+    it holds no local step, so every process takes the same decision."""
+    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
     try:
+      self.local.wait()
+      if target_leaves is None:
+        usable = {"own": [], "partner": [], "why": "no target was given "
+                  "(the local tier restores onto the target's shardings)"}
+      else:
+        usable = self.local.usable(target_leaves)
+    except Exception as e:  # pylint: disable=broad-except
+      usable = {"own": [], "partner": [], "why": (
+          f"the local tier failed on process {multihost.process_index()}: "
+          f"{type(e).__name__}: {e}")[:1000]}
+    try:  # a collective round of the persistent tier, on every process
       p_latest = self.persistent.latest_step()
     except CheckpointError:
       p_latest = None
-    if target_leaves is None:
-      usable = {"own": [], "partner": [], "why": "no target was given (the "
-                "local tier restores onto the target's shardings)"}
-    else:
-      usable = self.local.usable(target_leaves)
     dst = self.local.layout.dst
     n = self.local.layout.n
 
@@ -144,7 +154,6 @@ class MultiTierCheckpointer:
       return json.dumps({"tier": "persistent", "step": step if step is not None
                          else p_latest, "reason": reason})
 
-    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
     return json.loads(multihost.agree(
         key, json.dumps({"own": usable["own"], "partner": usable["partner"],
                          "why": usable["why"]}), decide,
@@ -167,10 +176,12 @@ class MultiTierCheckpointer:
     persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
     with an info log saying why.
     """
-    self.wait_until_finished()
+    # The persistent tier's save in flight ends first (its failure stays for
+    # the next save or wait), the local tier's in _choose.
+    self.persistent._settle()  # pylint: disable=protected-access
     leaves, treedef = (local_tier.flatten(target) if target is not None else
                        (None, None))
-    d = self._choose(step, leaves)
+    d = self._choose(step, leaves)  # waits for the local tier's save
     if d["tier"] == "local" and not restore_kwargs:
       out, hs = self.local.restore(d["step"], leaves, d["need"])
       logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],

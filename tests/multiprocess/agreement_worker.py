@@ -210,11 +210,113 @@ def scenario_ocdbt_groups(conf: dict) -> dict:
   return out
 
 
+def _timed(fn, *args, **kwargs) -> tuple[dict | None, float, Any]:
+  """(error or None, seconds, result) of one call."""
+  t0 = time.monotonic()
+  try:
+    out = fn(*args, **kwargs)
+    return None, time.monotonic() - t0, out
+  except Exception as e:  # pylint: disable=broad-except
+    return _err(e), time.monotonic() - t0, None
+
+
+def _fail_once(obj, name: str, what: str) -> None:
+  """Makes ``obj.name()`` raise once, then puts back what was there (a
+  module's function; for an instance, the class's method)."""
+  own = vars(obj).get(name)
+
+  def once(*args, **kwargs):
+    del args, kwargs
+    if own is None:
+      delattr(obj, name)
+    else:
+      setattr(obj, name, own)
+    raise RuntimeError(f"injected failure at the start of {what}")
+  setattr(obj, name, once)
+
+
+def scenario_each_call_fails_once(conf: dict) -> dict:
+  """One process fails at the start of each collective call in turn; the
+  call fails on every process within seconds, and the next call of the same
+  kind works everywhere (no key drifted)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  mesh = _mesh()
+  out: dict[str, Any] = {"pid": pid}
+  ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout_s"])
+  sharding = _state(0, mesh)["w"].sharding
+  target = {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=sharding),
+            "step": 0}
+
+  def first_w(tree):
+    return [float(np.asarray(s.data).flat[0])
+            for s in tree["w"].addressable_shards]
+
+  def saved(step):
+    ck.save(step, _state(step, mesh))
+    ck.wait_until_finished()
+    return True
+
+  out["setup"] = _timed(saved, 1)
+  step_dir = os.path.join(conf["dir"], "checkpoint_1")
+  calls = {  # name: (first call, with the failure; the same call again)
+      "save": (lambda: saved(10), lambda: saved(3)),
+      "restore": (lambda: ck.restore(target=target)["step"],) * 2,
+      "restore_path": (lambda: ck.restore(path=step_dir,
+                                          target=target)["step"],) * 2,
+      "metadata": (lambda: ck.metadata().step,) * 2,
+      "delete": (lambda: ck.delete(3),) * 2,
+  }
+  for name, (call, again) in calls.items():
+    if pid == 1:
+      _fail_once(ck, "_check_open", name)
+    out[name] = [_timed(call), _timed(again)]
+  # Natural failures on process 1: a path it cannot open, a bad argument.
+  out["bad_path"] = [_timed(lambda: ck.restore(
+      path=step_dir if pid == 0 else "nosuchscheme://bucket/x",
+      target=target)["step"]),
+                     _timed(lambda: ck.restore(path=step_dir,
+                                               target=target)["step"])]
+  out["bad_arg"] = [_timed(lambda: ck.restore(
+      target=target, read_once=None if pid == 0 else "sometimes")["step"]),
+                    _timed(lambda: ck.restore(target=target)["step"])]
+  # latest_step: process 0's listing fails once (it answers for all).
+  if pid == 0:
+    _fail_once(commit_lib, "committed_steps", "latest_step")
+  out["latest_step"] = [_timed(ck.latest_step), _timed(ck.latest_step)]
+  out["steps"] = ck.all_steps()
+  ck.close()
+
+  # The two-tier checkpointer: its local save and its restore.
+  mt = ckpt.MultiTierCheckpointer(
+      conf["persistent"], local=conf["local"], local_interval=1,
+      barrier_timeout_s=conf["timeout_s"])
+  out["mt_setup"] = _timed(mt.save, 1, _state(1, mesh), force=True)
+  if pid == 1:
+    _fail_once(mt.local, "wait", "the local save")
+  out["mt_save"] = [_timed(mt.save, 2, _state(2, mesh)),
+                    _timed(mt.save, 3, _state(3, mesh))]
+  restores = []
+  for inject in (True, False):
+    if inject and pid == 1:
+      _fail_once(mt.local, "usable", "the multi-tier restore")
+    err, took, got = _timed(mt.restore, target=target)
+    restores.append([err, took, None if got is None else got["step"],
+                     mt.last_restore_tier, mt.last_restore_reason,
+                     None if got is None else first_w(got)])
+  out["mt_restore"] = restores
+  mt.close()
+  return out
+
+
 SCENARIOS = {"planned_differently": scenario_planned_differently,
              "ocdbt_groups": scenario_ocdbt_groups,
              "one_fails": scenario_one_fails,
              "restore_race": scenario_restore_race,
-             "host_mismatch": scenario_host_mismatch}
+             "host_mismatch": scenario_host_mismatch,
+             "each_call_fails_once": scenario_each_call_fails_once}
 
 
 def main() -> None:

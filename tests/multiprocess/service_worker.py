@@ -649,10 +649,10 @@ def scenario_killloop(conf: dict) -> dict:
   sh = {k: _sharding(mesh, spec) for k, spec in KILL_SPECS.items()}
   tmp_before = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
       os.path.isdir(root)) else []
-  # A short lease: a killed job's attempts are abandoned (no heartbeat)
-  # by the time the next job, started after a kill, saves for the first time.
-  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60,
-                         lease_s=conf["lease_s"])
+  # The default lease (30 s): a killed job's attempts go at the next job's
+  # first save because their holder (process 0, on this host) is provably
+  # dead, not because the lease expired (ckpt/lease.py).
+  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60)
 
   def report_cleanup():
     # Process 0 removed abandoned work at this job's first save; nothing of
@@ -661,7 +661,8 @@ def scenario_killloop(conf: dict) -> dict:
       after = sorted(n for n in os.listdir(root) if ".tmp-" in n)
       path = os.path.join(events_dir, f"cleanup_{launch}.json")
       with open(path + ".partial", "w") as f:
-        json.dump({"before": tmp_before, "after": after}, f)
+        json.dump({"before": tmp_before, "after": after,
+                   "time": time.time()}, f)
       os.replace(path + ".partial", path)
   latest = ck.latest_step()
   resume_exact = None

@@ -160,3 +160,75 @@ def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
   want["r"] = rng.standard_normal((40,)).astype(np.float32)
   for k, v in want.items():
     assert np.array_equal(loaded[k], v), k
+
+
+# ---- one process fails at the start of each collective call ----------------
+
+@pytest.fixture(scope="module")
+def each_call(tmp_path_factory):
+  root = tmp_path_factory.mktemp("each_call")
+  return _run("each_call_fails_once", {
+      "dir": str(root / "ckpt"), "persistent": str(root / "persistent"),
+      "local": str(root / "local"), "timeout_s": TIMEOUT_S})
+
+
+CALLS = ["save", "restore", "restore_path", "metadata", "delete",
+         "bad_path", "bad_arg", "latest_step"]
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_a_call_failing_on_one_process_fails_on_all_at_once(each_call, call):
+  """Process 1 (process 0 for latest_step, whose listing answers for all)
+  fails at the start of the call: every process raises within seconds,
+  not at a barrier timeout, and the others name the failing process."""
+  failing = 0 if call == "latest_step" else 1
+  for r in each_call:
+    err, took, got = r[call][0]
+    assert err is not None, (call, r["pid"], got)
+    assert took < 10, (call, r["pid"], took, err)
+    if call == "latest_step":  # process 0's answer: its error, everywhere
+      assert err["msg"] == "injected failure at the start of latest_step"
+    elif r["pid"] != failing:
+      assert f"process {failing}" in err["msg"], (call, err)
+      assert "injected failure" in err["msg"] or call in ("bad_path",
+                                                          "bad_arg"), err
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_the_next_call_works_on_every_process(each_call, call):
+  want = {"save": True, "restore": 3, "restore_path": 1, "metadata": 3,
+          "delete": None, "bad_path": 1, "bad_arg": 1, "latest_step": 1}
+  for r in each_call:
+    assert r["setup"][0] is None, r["setup"]
+    err, took, got = r[call][1]
+    assert err is None, (call, r["pid"], err)
+    assert took < 10, (call, r["pid"], took)
+    assert got == want[call], (call, r["pid"], got)
+  assert [r["steps"] for r in each_call] == [[1], [1]]
+
+
+def test_multi_tier_calls_failing_on_one_process(each_call):
+  """The local save: all raise at once, the next save works. The restore:
+  process 1's local check fails; every process takes the same decision,
+  and the next restore comes from the local tier, bit-exact."""
+  for r in each_call:
+    assert r["mt_setup"][0] is None, r["mt_setup"]
+    (err, took, _), (err3, took3, ok3) = r["mt_save"]
+    assert err is not None and took < 10, (r["pid"], err, took)
+    assert "process(es) [1]" in err["msg"] or r["pid"] == 1, err
+    assert err3 is None and ok3 is True and took3 < 10, r["mt_save"]
+  first, second = [r["mt_restore"] for r in each_call], None
+  # The same decision on both processes, whichever it was.
+  assert first[0][0][2:4] == first[1][0][2:4], first
+  for r in each_call:
+    (err, took, step, tier, why, w), again = r["mt_restore"]
+    assert err is None and took < 10, (r["pid"], err, took)
+    if tier == "persistent":  # process 1's local tier could not answer
+      assert "injected failure" in why and step == 1, (why, step)
+    else:  # process 1's part from its partner's replica
+      assert step == 3, (r["pid"], step)
+    second = again
+    assert second[0] is None and second[2] == 3 and second[3] == "local", second
+    assert second[5] == w or w is None
+    # step 3's w is arange + 3: each shard's first element says which rows
+    assert all((v - 3) % 32 == 0 for v in second[5]), second[5]

@@ -552,7 +552,7 @@ def _check_cleanup(cleanup_path: pathlib.Path, tmp_seen: list[str]) -> bool:
   cleanup = json.loads(cleanup_path.read_text())
   assert set(tmp_seen) <= set(cleanup["before"]), (tmp_seen, cleanup)
   assert cleanup["after"] == [], cleanup  # process 0 removed abandoned dirs
-  return True
+  return cleanup["time"]
 
 
 def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
@@ -560,10 +560,11 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
   root, events = tmp_path / "ckpt", tmp_path / "events"
   events.mkdir()
   conf = {"dir": str(root), "events": str(events), "keep": KEEP,
-          "max_step": 10**6, "lease_s": 1.0}
+          "max_step": 10**6}
   t_start = time.monotonic()
   latest, tmp_seen, rows = None, [], []
   launch, cleanups_checked = 0, 0
+  crash_to_cleanup, last_kill = [], 0.0
   while launch < KILLS:
     if launch >= 16 and time.monotonic() - t_start > KILL_BUDGET_S:
       break
@@ -583,8 +584,11 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
     finally:
       results = cluster.wait(0, grace_s=0)
     phases = [_phase_at(_events(events, p), launch, t_kill) for p in (0, 1)]
-    cleanups_checked += _check_cleanup(events / f"cleanup_{launch}.json",
-                                       tmp_seen)
+    cleaned = _check_cleanup(events / f"cleanup_{launch}.json", tmp_seen)
+    cleanups_checked += bool(cleaned)
+    if cleaned and tmp_seen:  # the previous kill left attempts: how soon gone
+      crash_to_cleanup.append(cleaned - last_kill)
+    last_kill = t_kill
     tmp_seen = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
         root.exists()) else []
     steps = _verify_root(root, latest)
@@ -622,6 +626,11 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
         f"{sum(r['tmp'] > 0 for r in rows)} left "
         f"abandoned *.tmp-* directories; {cleanups_checked} restarted jobs "
         "were seen removing them at their first save")
+  if crash_to_cleanup:
+    print(f"  from a kill to the removal of its attempts by the restarted "
+          f"job's first save (default lease, {len(crash_to_cleanup)} "
+          f"restarts): median {sorted(crash_to_cleanup)[len(crash_to_cleanup) // 2]:.1f} s, "
+          f"max {max(crash_to_cleanup):.1f} s")
   for row in rows:
     where = ", ".join(f"p{p}: {ph} {s}" if s >= 0 else f"p{p}: {ph}"
                       for p, (ph, s) in enumerate(row["phases"]))
