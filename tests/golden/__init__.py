@@ -1,0 +1,1 @@
+"""Golden checkpoints of every index format version (see make_golden.py)."""
