@@ -81,12 +81,21 @@ class _Budget:
     self.budget, self.used, self.peak = int(budget), 0, 0
     self._cv = threading.Condition()
 
-  def acquire(self, n: int, failed: threading.Event) -> None:
+  def acquire(self, n: int, failed: threading.Event) -> bool:
+    """Takes ``n`` bytes once they fit; False, taking nothing, once the save
+    has failed: the caller then stages nothing more (it still joins the
+    partner exchange, a collective), so a failed save drains within the
+    budget too, and never waits for a writer that stopped."""
     with self._cv:
-      while self.used and self.used + n > self.budget and not failed.is_set():
+      while self.used and self.used + n > self.budget:
+        if failed.is_set():
+          return False
         self._cv.wait(0.1)
+      if failed.is_set():
+        return False
       self.used += n
       self.peak = max(self.peak, self.used)
+      return True
 
   def release(self, n: int) -> None:
     with self._cv:
@@ -243,12 +252,11 @@ class LocalTier:
           if idx not in seen:
             seen[idx] = len(entry["shards"])
             nb = int(np.prod(s.data.shape)) * arr.dtype.itemsize
-            self.budget.acquire(nb, failed)
-            # CPU: a view that keeps the buffer alive and undonatable (see
-            # save._host_box); an accelerator: a fresh host copy.
-            host = np.asarray(s.data)
-            entry["shards"].append([idx, offset, nb, list(host.shape)])
-            q.put(("own.bin", offset, host, nb))
+            entry["shards"].append([idx, offset, nb, list(s.data.shape)])
+            if self.budget.acquire(nb, failed):
+              # CPU: a view that keeps the buffer alive and undonatable (see
+              # save._host_box); an accelerator: a fresh host copy.
+              q.put(("own.bin", offset, np.asarray(s.data), nb))
             offset += nb
             stats["own_bytes"] += nb
           entry["slots"].append(seen[idx])
@@ -302,10 +310,9 @@ class LocalTier:
             seen[idx] = len(entry["shards"])
             data = got[d].data
             nb = int(np.prod(data.shape)) * arr.dtype.itemsize
-            self.budget.acquire(nb, failed)
-            host = np.array(data)[0]
-            entry["shards"].append([idx, offset, nb, list(host.shape)])
-            q.put(("partner.bin", offset, host, nb))
+            entry["shards"].append([idx, offset, nb, list(data.shape[1:])])
+            if self.budget.acquire(nb, failed):
+              q.put(("partner.bin", offset, np.array(data)[0], nb))
             offset += nb
             total += nb
           entry["slots"].append(seen[idx])
@@ -330,11 +337,13 @@ class LocalTier:
     error: BaseException | None = None
     files: dict[str, Any] = {}
     partner_host = b""
+    drained = False
     try:
       self._remove_leftovers(keep=os.path.basename(work))
       while True:
         item = q.get()
         if item is None:
+          drained = True
           break
         kind, offset, data, nb = item
         if kind == "error":
@@ -369,6 +378,13 @@ class LocalTier:
     finally:
       for f in files.values():
         f.close()
+      if error is not None:
+        failed.set()  # the caller stages nothing more
+      while not drained:  # whatever it staged before it heard, given back
+        item = q.get()
+        drained = item is None
+        if not drained:
+          self.budget.release(item[3])
     if error is not None:
       multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
     multihost.barrier(f"{key}/written", timeout_s=self.timeout_s,

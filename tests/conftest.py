@@ -105,6 +105,29 @@ def ckpt_dir(tmp_path):
 
 
 @pytest.fixture
+def tmpfs(tmp_path):
+  """``tmpfs("8m")``: a fresh tmpfs of that size, unmounted after the test
+  (a real full disk; mounting needs root, as on the development machines
+  and CI, else the test is skipped)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  mounted = []
+
+  def mount(size: str):
+    mnt = tmp_path / f"tmpfs{len(mounted)}"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs",
+                        str(mnt)], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+      pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    mounted.append(mnt)
+    return mnt
+
+  yield mount
+  for mnt in mounted:
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
 def memory_url():
   return f"memory://ckpt-test-{os.getpid()}-{next(_memory_names)}"
 

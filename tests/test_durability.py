@@ -130,18 +130,9 @@ def test_two_jobs_saving_one_step(make_ckptr, ckpt_dir, rng):
 # ---- a failed save gives its space back ---------------------------------------
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmpfs):
   """An 8 MiB tmpfs (needs root, as on the development machines and CI)."""
-  mnt = tmp_path / "small"
-  mnt.mkdir()
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
-                      str(mnt)], capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-  try:
-    yield mnt
-  finally:
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+  return tmpfs("8m")
 
 
 def test_disk_full_save_cleans_up_and_the_next_one_fits(small_disk, rng):

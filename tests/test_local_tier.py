@@ -19,3 +19,37 @@ def test_local_keep_must_be_two_or_more(tmp_path):
   with pytest.raises(ValueError, match="local_keep"):
     ckpt.MultiTierCheckpointer(str(tmp_path / "p"), local=str(tmp_path / "l"),
                                local_keep=1)
+
+
+def test_a_failed_local_save_drains_within_the_budget(tmpfs, tmp_path):
+  """The local disk fills up during a local save (a real 1 MiB tmpfs); the
+  writer then drains slowly. The caller must stage nothing more once the
+  save has failed: host memory held stays within concurrent_bytes."""
+  import time  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  budget = 1 << 20
+  mesh = Mesh(np.array(jax.devices()), ("x",))
+  rng = np.random.default_rng(6)
+  state = {f"w{i}": jax.device_put(  # 2 MiB a leaf, 256 KiB a shard
+      rng.standard_normal((8 * 256, 256), np.float32),
+      NamedSharding(mesh, P("x"))) for i in range(8)}
+  mt = ckpt.MultiTierCheckpointer(str(tmp_path / "p"), local=str(tmpfs("1m")),
+                                  concurrent_bytes=budget)
+  try:
+    release = mt.local.budget.release
+
+    def slow_release(n):  # a slow drain: the writer gives bytes back late
+      time.sleep(0.02)
+      release(n)
+    mt.local.budget.release = slow_release
+    with pytest.raises((ckpt.CheckpointError, OSError), match="space"):
+      mt.save(1, state)
+      mt.wait_until_finished()
+    assert 0 < mt.local.budget.peak <= budget, mt.local.budget.peak
+    assert mt.local.budget.used == 0
+  finally:
+    mt.local.budget.release = release
+    mt.close()
