@@ -511,7 +511,8 @@ class Checkpointer(queries.Queries):
         self._lazy_rounds = readonce.LazyRounds(f"{key}-lazy",
                                                 self.barrier_timeout_s)
       lazy_reads = readonce.LazyReads(
-          counter, stats, self._lazy_rounds if rounds else None)
+          counter, stats, self._lazy_rounds if rounds else None,
+          name=f"restore {key}")
     check = (lambda i, e: multihost.all_ok(
         f"{key}/{i}", e, f"restore from {step_dir!r}",
         self.barrier_timeout_s)) if rounds else (lambda i, e: None)

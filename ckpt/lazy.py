@@ -139,7 +139,7 @@ class LazyLeaf(abc.ABC):
     part, error = await self._read_part(plan, dtype, ticket)
     # The collective part on a thread of its own (not blocking the loop).
     return await asyncio.to_thread(plan.finish, ticket, part, error,
-                                   self.path)
+                                   self.path, self.shape, dtype)
 
   def read(self, sharding=None, dtype=None):
     sharding, dtype, plan = self._args(sharding, dtype)
@@ -151,7 +151,8 @@ class LazyLeaf(abc.ABC):
     except BaseException as e:  # interrupted: the others must not wait for us
       plan.rounds.abandon(ticket, e, f"read of lazy leaf {self.path!r}")
       raise
-    return plan.finish(ticket, part, error, self.path)  # the caller's thread
+    return plan.finish(ticket, part, error, self.path, self.shape,
+                       dtype)  # on the caller's thread
 
   async def _read_part(self, plan, dtype, ticket: int):
     """Read once: (this process's part, None) or (None, the error)."""

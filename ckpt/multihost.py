@@ -171,21 +171,43 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
 
 
 def all_ok(key: str, error: BaseException | None, what: str,
-           timeout_s: float) -> None:
+           timeout_s: float, same: str = "", differ: str = "") -> None:
   """One round before a collective: every process says whether it got
   here without failing; if any did, all raise (the failing process its own
   error), instead of the others waiting forever in an all-gather that
-  process never joins."""
-  failures = json.loads(agree(
-      key, "" if error is None else f"{type(error).__name__}: {error}",
-      lambda posts: json.dumps({p: m for p, m in sorted(posts.items()) if m}),
-      timeout_s=timeout_s, what=what))
+  process never joins.
+
+  ``same``: what this process is about to do (the leaf it exchanges, say).
+  If the processes that did not fail say different things, all raise a
+  CheckpointError naming what each said, followed by ``differ`` (why it
+  must be the same): a collective over different data would mix it."""
+  def decide(posts: dict[int, str]) -> str:
+    got = {p: json.loads(v) for p, v in sorted(posts.items())}
+    failed = {p: g[0] for p, g in got.items() if g[0]}
+    if failed:
+      return json.dumps({"failed": failed})
+    if len({g[1] for g in got.values()}) > 1:
+      return json.dumps({"differ": {p: g[1] for p, g in got.items()}})
+    return "{}"
+
+  err = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
+  out = json.loads(agree(key, json.dumps([err, same[:2000]]), decide,
+                         timeout_s=timeout_s, what=what))
   if error is not None:
     raise error
-  if failures:
+  if "failed" in out:
+    failures = out["failed"]
     raise CheckpointError(
         f"{what} failed on process(es) {sorted(int(p) for p in failures)}: "
         + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
+  if "differ" in out:
+    said = out["differ"]
+    first = said.get("0", next(iter(said.values())))
+    others = "; ".join(f"process {p}: {m}" for p, m in said.items()
+                       if m != first)
+    raise CheckpointError(
+        f"{what}: the processes are not doing the same thing: process 0: "
+        f"{first}; {others}. {differ}".rstrip())
 
 
 def forget(key: str) -> None:

@@ -377,6 +377,25 @@ def has_deferred(result: Any) -> bool:
 
 # ---- lazy leaves (read later, one collective read per leaf) ------------------
 
+LAZY_ORDER = (
+    "Reads of lazy leaves that are read once are collective: every process "
+    "must read the same leaves, with the same sharding and dtype, in the "
+    "same order (as it calls a jitted function over global arrays); nothing "
+    "was exchanged, and later reads in the same order work")
+
+
+def exchange_signature(restore: str, path: str, shape, dtype, sharding) -> str:
+  """What one lazy read-once read exchanges, the same on every process
+  that reads the same leaf alike: the restore, the leaf, its shape and
+  dtype, and the sharding (mesh axes and sizes, PartitionSpec)."""
+  mesh = getattr(sharding, "mesh", None)
+  where = (f"{type(sharding).__name__}(mesh {dict(mesh.shape)}, "
+           f"spec {getattr(sharding, 'spec', None)})" if mesh is not None
+           else repr(sharding))
+  return (f"leaf {path!r} of {restore}, shape {tuple(shape)}, "
+          f"dtype {np.dtype(dtype).name}, {where}")
+
+
 @dataclasses.dataclass
 class LazyReads:
   """What a ``restore(lazy=True)`` gives its leaves: the restore's counter
@@ -385,6 +404,7 @@ class LazyReads:
   counter: ReadCounter
   stats: RestoreStats
   rounds: "LazyRounds | None" = None
+  name: str = ""  # the restore, the same on every process (its call key)
 
   def update(self) -> None:
     self.stats.add_reads(self.counter)
@@ -416,16 +436,18 @@ class LazyRounds:
       return self._issued - 1
 
   def collective(self, ticket: int, error: BaseException | None, what: str,
-                 fn: Callable[[], Any]) -> Any:
-    """In ``ticket``'s turn: the round (every process raises if any failed),
-    then ``fn()`` (the exchange) when none did."""
+                 fn: Callable[[], Any], same: str = "") -> Any:
+    """In ``ticket``'s turn: the round (every process raises if any failed,
+    or if they are not about to exchange the ``same`` leaf), then ``fn()``
+    (the exchange) when none did."""
     with self._cond:
       while self._turn != ticket:
         self._cond.wait()
     try:
       key = f"{self.base}/{ticket}"
       self._pending.append(key)
-      multihost.all_ok(key, error, what, self.timeout_s)
+      multihost.all_ok(key, error, what, self.timeout_s, same=same,
+                       differ=LAZY_ORDER)
       done, self._pending = self._pending[:-1], self._pending[-1:]
       for k in done:
         multihost.forget(k)
@@ -468,9 +490,13 @@ class LazyPlan:
                                      sharding == self.sharding)
 
   def finish(self, ticket: int, part: jax.Array | None,
-             error: BaseException | None, path: str) -> jax.Array:
+             error: BaseException | None, path: str, shape, dtype
+             ) -> jax.Array:
     """The round, then the exchange of ``part`` into ``sharding``; on the
-    calling thread (a collective)."""
+    calling thread (a collective). The round checks that every process
+    exchanges this same leaf alike (never mixed data)."""
     return self.rounds.collective(
         ticket, error, f"read of lazy leaf {path!r}",
-        lambda: exchange([part], [self.sharding], self.reads.stats)[0])
+        lambda: exchange([part], [self.sharding], self.reads.stats)[0],
+        same=exchange_signature(self.reads.name, path, shape, dtype,
+                                self.sharding))

@@ -184,6 +184,20 @@ def main():
       out["lazy_after_fail"] = check_leaf(lz["rep4"]["all"].read(),
                                           "rep4/all", mesh)
       out["lazy_after_fail_stats"] = dataclasses.asdict(ck.last_restore_stats)
+      # Lazy read-once reads in another order on each process (same shape
+      # and dtype; then different ones): every read raises on every process,
+      # naming both leaves, never mixing them; the same order then works.
+      for pair in (("rep4/w", "rep2/w"), ("rep4/w", "rep4/i")):
+        lz = ck.restore(1, target=target, read_once=True, lazy=True)
+        order = pair if cfg["process_id"] == 0 else pair[::-1]
+        got = []
+        for name in order:
+          try:
+            got.append(check_leaf(leaf_of(lz, name).read(), name, mesh))
+          except Exception as e:  # pylint: disable=broad-except
+            got.append(f"{type(e).__name__}: {e}")
+        again = [check_leaf(leaf_of(lz, n).read(), n, mesh) for n in pair]
+        out[f"lazy_order_{pair[1]}"] = {"got": got, "again": again}
     if conf.get("corrupt"):  # format "zarr" on a disk: a flipped byte
       multihost.barrier("before-corrupt")
       if cfg["process_id"] == 0:

@@ -154,6 +154,19 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   for p in out:
     assert p["lazy_after_fail"] == [], p
     assert p["lazy_after_fail_stats"]["read_once_leaves"] == 1, p
+  # Lazy read-once reads in a different order on the two processes: same
+  # shape and dtype (rep4/w, rep2/w: before, each process silently got half
+  # of each leaf), then different ones (rep4/w, rep4/i: before, gloo aborted
+  # the job). Every read raises on both, naming both leaves; the same order
+  # then reads both exactly.
+  for other in ("rep2/w", "rep4/i"):
+    for p in out:
+      r = p[f"lazy_order_{other}"]
+      for msg in r["got"]:
+        assert isinstance(msg, str) and msg.startswith("CheckpointError"), r
+        assert "'rep4/w'" in msg and f"'{other}'" in msg, msg
+        assert "same order" in msg, msg
+      assert r["again"] == [[], []], r
   # One byte flipped in a chunk of rep4/w (zarr v2: no codec checksum):
   # without verify the restore returns wrong data, read once onto both
   # processes; with verify=True both raise, the reader of that chunk naming
