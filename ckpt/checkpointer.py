@@ -322,7 +322,7 @@ class Checkpointer(queries.Queries):
         continue
       logging.info("ckpt: removing abandoned %s", name)
       try:
-        commit_lib.remove(self.storage, name)
+        commit_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Sequence
@@ -32,6 +31,7 @@ import numpy as np
 
 from ckpt import commit as commit_lib
 from ckpt import convert
+from ckpt import deletion
 from ckpt.cli_output import (Progress, brief, emit, human_age, human_bytes,
                              iso_utc, jsonable, local_time, metrics_text,
                              table)
@@ -97,13 +97,15 @@ def _object_counts(storage: storage_lib.Storage) -> dict[str, int]:
 
 
 def _step_of(name: str) -> int:
-  return int(re.match(r"checkpoint_(\d+)", name).group(1))
+  return commit_lib.step_of(name)
 
 
 def list_entries(storage: storage_lib.Storage, progress=None,
                  count_objects: bool = False) -> list[dict]:
   """Every checkpoint_* entry of a root: committed, uncommitted (a save in
-  progress or abandoned), incomplete (no index) or corrupt (bad index).
+  progress or abandoned; on an object store also ``pending/<step>.delete``,
+  a deletion that did not finish), incomplete (no index) or corrupt (bad
+  index).
 
   On an object store this costs one listing of ``commits/`` and one of
   ``pending/`` (plus a GET of each step's record and index), whatever the
@@ -158,7 +160,16 @@ def list_entries(storage: storage_lib.Storage, progress=None,
 _STATUS_NOTE = {
     "uncommitted": "a save in progress, or abandoned by one that crashed",
     "incomplete": "no index: a partial copy or a failed delete",
+    "deletion": "a deletion that did not finish (a writer's cleanup or "
+                "`ckpt gc` finishes it)",
 }
+
+
+def _note(row: dict) -> str:
+  """What the text of `ckpt ls` says of a row that is not committed."""
+  if deletion.parse_name(row["name"]) is not None:
+    return _STATUS_NOTE["deletion"]
+  return _STATUS_NOTE[row["status"]]
 
 
 def cmd_ls(args) -> int:
@@ -176,7 +187,7 @@ def cmd_ls(args) -> int:
     elif r["status"] == "corrupt":
       note = r["error"]
     else:
-      note = f"{r['name']}: {_STATUS_NOTE[r['status']]}"
+      note = f"{r['name']}: {_note(r)}"
     files = "-" if r["files"] is None else str(r["files"])
     lines.append([str(r["step"]), r["status"], human_bytes(r["bytes"]),
                   files, local_time(r["time"]), note])
@@ -389,7 +400,10 @@ def cmd_gc(args) -> int:
   if args.yes:
     with Progress(args, "deleting", unit="dir") as bar:
       for i, item in enumerate(plan):
-        commit_lib.remove(storage, item["name"])
+        if item["kind"] == "uncommitted":  # as it is now: never a new commit
+          commit_lib.remove_abandoned(storage, item["name"])
+        else:
+          commit_lib.remove(storage, item["name"])
         deleted.append(item["name"])
         bar(i + 1, len(plan))
   kept = sorted(set(steps) - set(doomed))
@@ -399,8 +413,12 @@ def cmd_gc(args) -> int:
   verb = "deleted" if args.yes else "would delete"
   lines = []
   for item in plan:
-    what = (f"step {item['step']}" if item["kind"] == "step" else
-            "abandoned save")
+    if item["kind"] == "step":
+      what = f"step {item['step']}"
+    elif deletion.parse_name(item["name"]) is not None:
+      what = "unfinished deletion"
+    else:
+      what = "abandoned save"
     lines.append(f"{verb} {item['name']} ({what}, "
                  f"{human_bytes(item['bytes'])})")
   for item in skipped:

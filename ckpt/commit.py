@@ -40,6 +40,18 @@ step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
 
+Two cleaners, one step (object stores): a deletion names the commit it
+deletes, and whoever finishes it removes only that (see ckpt/deletion.py).
+Cleanup checks, then removes; between the two, another job may commit the
+same step (a host stalled, a cleaner's first save alongside another job's
+saves). So ``abandoned`` names an unfinished deletion by its record,
+``pending/<step>.delete``, and ``remove`` of that name reads it again and
+removes the attempt it names: that attempt's data, its marker (a delete
+conditional on the generation read, only if it still names that attempt),
+never a record or an attempt written since. A whole step found by a full
+listing (a root without records) loses only the keys an earlier ckpt left
+beside no marker (``remove_abandoned``).
+
 Flat records (object stores and ``memory://``). Listing ``checkpoint_*``
 on a bucket returns every key of every step (one per chunk with zarr:
 millions at scale), so discovery never does it. Beside the step
@@ -68,13 +80,23 @@ directories, two flat prefixes hold one small object per step or attempt::
   save's ``pending/`` record (still there) or the deletion's lets cleanup
   find it; a later save of the same step removes such a marker first
   (``prepare``) once the attempt it names has no live lease.
-- Deletion of a step: ``pending/<step>.delete``, the record, the marker,
-  the data, then the ``pending`` record: a step is never listed once its
-  deletion began, and a deletion that died is finished by cleanup (or by
-  the next save of that step, before it writes anything, if the marker is
-  still there).
+- Deletion of a step: read the record (the attempt it names: the
+  deletion's *target*), ``pending/<step>.delete`` naming that target, the
+  record (if it is still the one read), the marker (if it still names the
+  target), the target's data (``attempt-<token>/``; a step of ckpt < 0.2:
+  the keys beside the marker, outside every ``attempt-*/``), then the
+  ``pending`` record (if it is still this deletion's): a step is never
+  listed once its deletion began, and a deletion that died is finished by
+  cleanup (or by the next save of that step, before it writes anything, if
+  the marker is still there), which removes only the target, whatever was
+  committed since. A ``pending/<step>.delete`` written by an earlier ckpt
+  names no target: finishing it removes what of ``checkpoint_<step>/`` no
+  pending attempt, record or marker names, read in that order after
+  listing the step's keys.
 - Cleanup (``abandoned``) lists ``pending/`` only: what it costs grows with
-  the attempts and deletions in progress, never with the chunks.
+  the attempts and deletions in progress, never with the chunks. A
+  deletion whose target is still the step's record is not listed (it
+  never got past the record, or is running now: the step stands).
 - Compatibility: a root whose ``commits/complete`` is missing was written by
   an earlier ckpt (markers only) or copied from a disk. Readers then find
   its steps from one full listing of ``checkpoint_*`` per query, as earlier
@@ -103,6 +125,7 @@ import time
 from absl import logging
 import msgpack
 
+from ckpt import deletion
 from ckpt import records
 from ckpt import storage as storage_lib
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
@@ -251,18 +274,22 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
   key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
   if not storage.exists(key) or records.read_record(storage, step) is not None:
     return
-  if storage.exists(records.pending_key(step, records.DELETE)):
-    remove(storage, storage_lib.step_dirname(step))  # finish that deletion
-    return
-  won = records.marker_attempt(storage.read_bytes(key))
+  if storage.exists(deletion.name(step)):
+    # Finish that deletion: it removes the marker only if it names the
+    # commit that deletion deletes.
+    deletion.finish(storage, step)
+    if not storage.exists(key):
+      return
+  data, gen = storage.read_generation(key)
+  won = records.marker_attempt(data)
   age = None if won is None else _age_s(storage, work_dir(storage, step, won))
-  if age is not None and age < lease_s:
+  if data is None or (age is not None and age < lease_s):
     return  # maybe a commit in progress: if it is, ours fails, naming it
   logging.warning("ckpt: step %d in %s has a commit marker but no commit "
                   "record (a save that died while committing); removing "
                   "that attempt (%s)", step, storage.url, won)
   if won is None:
-    storage.delete_key(key)
+    storage.delete_key(key, generation=gen)
   else:
     remove(storage, work_dir(storage, step, won))
 
@@ -326,8 +353,9 @@ def _ensure_records(storage: storage_lib.Storage) -> None:
       records.write_pending(storage, s, t, time_s=0.0)
   for s in sorted(loose - committed - set(attempts)):
     # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
-    # that never committed.
-    records.write_pending(storage, s, records.DELETE, time_s=0.0)
+    # that never committed (its deletion deletes only those).
+    records.write_pending(storage, s, records.DELETE, time_s=0.0,
+                          deletes=(None, ""))
   storage.write_bytes(records.RECORDS_COMPLETE, json.dumps(
       {"records": "complete", "migrated_steps": len(committed),
        "time": time.time()}).encode() + b"\n")
@@ -359,6 +387,15 @@ def is_committed(storage: storage_lib.Storage, step: int) -> bool:
   if records.records_complete(storage):
     return records.read_record(storage, step) is not None
   return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
+
+
+def step_of(name: str) -> int:
+  """The step an entry of ``abandoned`` (or a POSIX root's listing) is
+  about."""
+  s = deletion.parse_name(name)
+  if s is not None:
+    return s
+  return int(re.match(r"checkpoint_(\d+)", name).group(1))
 
 
 def step_dir(storage: storage_lib.Storage, step: int) -> str:
@@ -508,23 +545,21 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S
           out.append(p.name)
     return out
   pending = records.list_pending(storage)
-  live = set()
   for s, t in pending:
     if t == records.DELETE:
       continue
     rel = work_dir(storage, s, t)
     age = _age_s(storage, rel)
-    if age is not None and age < lease_s:
-      live.add(s)
-    else:
+    if age is None or age >= lease_s:
       # remove() keeps the data of the attempt that committed s (its
       # pending record alone is left over) and drops a marker naming it
       # that never got its record.
       out.append(rel)
-  for s, t in pending:
-    if (t == records.DELETE and s not in live
-        and records.read_record(storage, s) is None):
-      out.append(storage_lib.step_dirname(s))
+  # Deletions that died, by the name of their pending record: remove()
+  # finishes what that record names, as it is when it does (never the
+  # step as a whole: see ckpt/deletion.py).
+  out += [deletion.name(s) for s, t in pending
+          if t == records.DELETE and deletion.unfinished(storage, s)]
   if records.records_complete(storage):
     return out
   return out + [r for r in _abandoned_by_scan(storage, lease_s)
@@ -555,7 +590,12 @@ def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float
 
 def remove(storage: storage_lib.Storage, rel: str) -> None:
   """Deletes a step, an attempt or a leftover directory; a committed step
-  stops being visible first, so it is never seen half-deleted."""
+  stops being visible first, so it is never seen half-deleted. On object
+  stores ``pending/<step>.delete`` (a name ``abandoned`` gives) finishes
+  that deletion."""
+  if not storage.is_posix and deletion.parse_name(rel) is not None:
+    deletion.finish(storage, deletion.parse_name(rel))
+    return
   if not storage_lib.is_deletable(rel):
     raise CheckpointError(
         f"refusing to delete {rel!r} in {storage.url!r}: ckpt deletes only "
@@ -580,12 +620,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
       shutil.rmtree(path, ignore_errors=True)
     return
   if step is not None:  # a whole step: invisible first, then the data
-    intent = records.pending_key(step, records.DELETE)
-    records.write_pending(storage, step, records.DELETE)
-    storage.delete_key(records.record_key(step))
-    storage.delete_key(f"{rel}/{storage_lib.COMMIT_MARKER}")
-    storage.delete_prefix(f"{rel}/", what)
-    storage.delete_key(intent)
+    deletion.remove_step(storage, step)
     return
   head, _, tail = rel.partition("/")
   m = records.ATTEMPT_DIR_RE.match(tail)
@@ -603,10 +638,27 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
     return
   if complete and not committed:
     marker = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
-    if records.marker_attempt(storage.read_bytes(marker)) == token:
-      storage.delete_key(marker)  # it never got its record: never listed
+    data, gen = storage.read_generation(marker)
+    if records.marker_attempt(data) == token:
+      # It never got its record: never listed. Only that marker: a commit
+      # of another attempt may have replaced it since it was read.
+      storage.delete_key(marker, generation=gen)
   storage.delete_prefix(f"{rel}/", what)
   storage.delete_key(records.pending_key(step, token))
+
+
+def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
+  """Removes one entry of ``abandoned`` as it is now, never more than what
+  was found abandoned (between that check and this call another job may
+  have committed the same step). Object stores: ``pending/<step>.delete``
+  finishes what that deletion names; a whole step (found by a full listing
+  of a root without records) is only the keys an earlier ckpt left beside
+  no marker. Everything else as ``remove``."""
+  step = storage_lib.parse_step(name)
+  if step is not None and not storage.is_posix:
+    deletion.drop_leftovers(storage, step)
+    return
+  remove(storage, name)
 
 
 def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:
