@@ -40,6 +40,23 @@ step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
 
+What a step is on a disk (``is_committed``, ``committed_steps``): a
+``checkpoint_<step>/`` holding both its commit marker and its index (one
+stat each per step; every format, OCDBT included, keeps ``index.msgpack``
+as a plain file at the top of the step). A step directory whose index is
+gone (a person, a partial copy: T5X's own test deletes it) is not
+committed: nobody lists, restores or counts it (the latest step is the one
+before), retention never deletes it, and errors about that step say what
+is missing. A new save of that step sets it aside as
+``checkpoint_<step>.broken-<id>`` (one rename; nothing is deleted: its
+arrays may be worth recovering); only ``ckpt gc --incomplete`` deletes it
+or any other incomplete step directory. A directory without a marker never
+was a checkpoint and is replaced by that save, as before. On object stores
+the record alone is the commit: a step whose index was deleted behind
+ckpt's back stays listed, and restoring it fails, naming the missing index
+(checking every step's index would cost a request per step in every
+listing, which the records exist to avoid); ``ckpt ls`` shows it corrupt.
+
 Two cleaners, one step (object stores): a deletion names the commit it
 deletes, and whoever finishes it removes only that (see ckpt/deletion.py).
 Cleanup checks, then removes; between the two, another job may commit the
@@ -171,11 +188,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
   if storage.is_posix:
     storage.root.mkdir(parents=True, exist_ok=True)
     _drop_bucket_records(storage)
-    # An uncommitted checkpoint_<step>/ (no marker: a partial copy, say)
-    # would make the commit rename fail on every try; drop it.
-    final = storage.root / storage_lib.step_dirname(step)
-    if final.is_dir() and not is_committed(storage, step):
-      remove(storage, storage_lib.step_dirname(step))
+    _clear_uncommitted_dir(storage, step)
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
     storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), _lease(token))
   else:
@@ -191,6 +204,29 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
     records.write_pending(storage, step, token)
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", _lease(token))
   return rel
+
+
+def _clear_uncommitted_dir(storage: storage_lib.Storage, step: int) -> None:
+  """POSIX, preparing a save of ``step``: an uncommitted
+  ``checkpoint_<step>/`` would make the commit rename fail on every try.
+  Without a commit marker it never was a checkpoint (a partial copy, say):
+  it goes. With a marker but no index it was one, and its arrays may be
+  worth recovering by hand: it is renamed ``checkpoint_<step>.broken-<id>``,
+  which nothing of ckpt reads or deletes, except ``ckpt gc --incomplete``."""
+  name = storage_lib.step_dirname(step)
+  path = os.path.join(os.fspath(storage.root), name)
+  problem = posix_problem(storage, name)
+  if problem is None or not os.path.isdir(path):
+    return
+  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+    remove(storage, name)
+    return
+  aside = storage_lib.broken_name(step, secrets.token_hex(4))
+  os.rename(path, os.path.join(os.fspath(storage.root), aside))
+  fsync_dir(os.fspath(storage.root))
+  logging.warning("ckpt: %s %s; a save of step %d needs its name, so it was "
+                  "set aside as %s (nothing deleted; `ckpt gc --incomplete "
+                  "--yes` deletes it)", path, problem, step, aside)
 
 
 def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
@@ -383,10 +419,49 @@ def _drop_bucket_records(storage: storage_lib.Storage) -> None:
 def is_committed(storage: storage_lib.Storage, step: int) -> bool:
   name = storage_lib.step_dirname(step)
   if storage.is_posix:
-    return (storage.root / name / storage_lib.COMMIT_MARKER).exists()
+    return posix_problem(storage, name) is None
   if records.records_complete(storage):
     return records.read_record(storage, step) is not None
   return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
+
+
+def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
+  """Why the directory ``name`` (``checkpoint_<step>``) of a POSIX root is
+  not a committed step; None if it is. Committed: its commit marker and
+  its index are both there (a stat each; a step copied from a bucket, whose
+  index is in the attempt its marker names, reads the marker too)."""
+  path = os.path.join(os.fspath(storage.root), name)
+  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+    return ("has no commit marker (commit_success)" if os.path.isdir(path)
+            else "does not exist")
+  if os.path.isfile(os.path.join(path, storage_lib.INDEX_NAME)):
+    return None
+  key = f"{name}/{storage_lib.COMMIT_MARKER}"
+  try:
+    _, data_dir = records.parse_marker(storage.read_bytes(key) or b"",
+                                       f"{path}/{storage_lib.COMMIT_MARKER}")
+  except CheckpointError:
+    data_dir = ""
+  if data_dir and os.path.isfile(os.path.join(path, data_dir,
+                                              storage_lib.INDEX_NAME)):
+    return None
+  where = f"{data_dir}/" if data_dir else ""
+  return f"has a commit marker but no {where}{storage_lib.INDEX_NAME}"
+
+
+def not_committed_reason(storage: storage_lib.Storage, step: int
+                         ) -> str | None:
+  """For errors: what is wrong with ``step``'s directory if it has one but
+  is not committed (POSIX; None elsewhere, or when there is no such
+  directory)."""
+  if not storage.is_posix:
+    return None
+  name = storage_lib.step_dirname(step)
+  problem = posix_problem(storage, name)
+  if problem is None or problem == "does not exist":
+    return None
+  return (f"{os.path.join(os.fspath(storage.root), name)} {problem} (deleted, "
+          "or never copied?)")
 
 
 def step_of(name: str) -> int:

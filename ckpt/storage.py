@@ -53,6 +53,9 @@ COMMIT_MARKER = "commit_success"
 _STEP_RE = re.compile(r"^checkpoint_(\d+)$")
 _TMP_RE = re.compile(r"^checkpoint_(\d+)\.tmp-[0-9a-z\-]+$")
 _ATTEMPT_REL_RE = re.compile(r"^checkpoint_(\d+)/attempt-[0-9a-f]{1,64}$")
+# POSIX: a step directory that lost its index, set aside by a save of that
+# step (ckpt/commit.py); only ``ckpt gc --incomplete`` deletes it.
+_BROKEN_RE = re.compile(r"^checkpoint_(\d+)\.broken-[0-9a-f]+$")
 # Members of the kvstore spec that the URL decides; storage_options may not.
 _FROM_URL = ("driver", "bucket", "path")
 # TensorStore reads its GCS endpoint from this variable (no spec member).
@@ -125,7 +128,19 @@ def is_tmp_name(name: str) -> bool:
 def is_deletable(rel: str) -> bool:
   """The only relative directories ckpt ever deletes."""
   return bool(_STEP_RE.match(rel) or _TMP_RE.match(rel)
-              or _ATTEMPT_REL_RE.match(rel))
+              or _ATTEMPT_REL_RE.match(rel) or _BROKEN_RE.match(rel))
+
+
+def broken_name(step: int, tag: str) -> str:
+  """Where a save of ``step`` sets aside a ``checkpoint_<step>/`` that lost
+  its index (POSIX)."""
+  return f"{step_dirname(step)}.broken-{tag}"
+
+
+def parse_broken(name: str) -> int | None:
+  """The step of a set-aside ``checkpoint_<step>.broken-<id>`` (else None)."""
+  m = _BROKEN_RE.match(name)
+  return int(m.group(1)) if m else None
 
 
 def _env_s3_options() -> dict[str, Any]:
