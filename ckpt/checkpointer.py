@@ -326,7 +326,7 @@ class Checkpointer(queries.Queries):
       logging.info("ckpt: removing abandoned %s in %s: %s", name,
                    self.storage.url, reasons.get(name, "an unfinished deletion"))
       try:
-        commit_lib.remove(self.storage, name)
+        commit_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 

@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any, Sequence
@@ -32,6 +31,7 @@ import numpy as np
 
 from ckpt import commit as commit_lib
 from ckpt import convert
+from ckpt import deletion
 from ckpt.cli_output import (Progress, brief, emit, human_age, human_bytes,
                              iso_utc, jsonable, local_time, metrics_text,
                              table)
@@ -97,13 +97,17 @@ def _object_counts(storage: storage_lib.Storage) -> dict[str, int]:
 
 
 def _step_of(name: str) -> int:
-  return int(re.match(r"checkpoint_(\d+)", name).group(1))
+  return commit_lib.step_of(name)
 
 
 def list_entries(storage: storage_lib.Storage, progress=None,
                  count_objects: bool = False) -> list[dict]:
   """Every checkpoint_* entry of a root: committed, uncommitted (a save in
-  progress or abandoned), incomplete (no index) or corrupt (bad index).
+  progress or abandoned; on an object store also ``pending/<step>.delete``,
+  a deletion that did not finish), incomplete (a disk's step directory
+  without its commit marker or its index, with ``problem`` saying which,
+  or one a save set aside: ``checkpoint_<step>.broken-*``) or corrupt (bad
+  index).
 
   On an object store this costs one listing of ``commits/`` and one of
   ``pending/`` (plus a GET of each step's record and index), whatever the
@@ -129,9 +133,18 @@ def list_entries(storage: storage_lib.Storage, progress=None,
                   "status": "uncommitted"}
   if storage.is_posix:
     for p in os.listdir(storage.spec["path"]):
+      if not os.path.isdir(os.path.join(storage.spec["path"], p)):
+        continue  # a file named checkpoint_<n> is not ckpt's
       s = storage_lib.parse_step(p)
+      aside = storage_lib.parse_broken(p)
       if s is not None and p not in rows:
-        rows[p] = {"step": s, "name": p, "status": "incomplete"}
+        rows[p] = {"step": s, "name": p, "status": "incomplete",
+                   "problem": commit_lib.posix_problem(storage, p)}
+      elif aside is not None:
+        problem = commit_lib.posix_problem(storage, p)
+        rows[p] = {"step": aside, "name": p, "status": "incomplete",
+                   "problem": f"set aside by a later save of step {aside}"
+                   + (f"; it {problem}" if problem else "")}
     now = time.time()
     for i, row in enumerate(rows.values()):
       size, files, mtime = _disk_usage(
@@ -157,8 +170,18 @@ def list_entries(storage: storage_lib.Storage, progress=None,
 
 _STATUS_NOTE = {
     "uncommitted": "a save in progress, or abandoned by one that crashed",
-    "incomplete": "no index: a partial copy or a failed delete",
+    "deletion": "a deletion that did not finish (a writer's cleanup or "
+                "`ckpt gc` finishes it)",
 }
+
+
+def _note(row: dict) -> str:
+  """What the text of `ckpt ls` says of a row that is not committed."""
+  if row["status"] == "incomplete":
+    return row["problem"] or "not committed"
+  if deletion.parse_name(row["name"]) is not None:
+    return _STATUS_NOTE["deletion"]
+  return _STATUS_NOTE[row["status"]]
 
 
 def cmd_ls(args) -> int:
@@ -176,7 +199,7 @@ def cmd_ls(args) -> int:
     elif r["status"] == "corrupt":
       note = r["error"]
     else:
-      note = f"{r['name']}: {_STATUS_NOTE[r['status']]}"
+      note = f"{r['name']}: {_note(r)}"
     files = "-" if r["files"] is None else str(r["files"])
     lines.append([str(r["step"]), r["status"], human_bytes(r["bytes"]),
                   files, local_time(r["time"]), note])
@@ -370,6 +393,7 @@ def cmd_gc(args) -> int:
   metrics = {r["step"]: r.get("metrics", {}) for r in committed}
   doomed = policy.to_delete(steps, metrics)
   tmp = [r for r in rows if r["status"] == "uncommitted"]
+  incomplete = [r for r in rows if r["status"] == "incomplete"]
   plan = []
   for s in doomed:
     r = by_name[storage_lib.step_dirname(s)]
@@ -385,11 +409,22 @@ def cmd_gc(args) -> int:
                       "may be a save in progress"})
     else:
       plan.append({**item, "reason": "abandoned save"})
+  for r in incomplete:  # never without --incomplete: data may be recoverable
+    item = {"name": r["name"], "step": r["step"], "kind": "incomplete",
+            "bytes": r["bytes"], "problem": r["problem"]}
+    if args.incomplete:
+      plan.append({**item, "reason": f"incomplete: {r['problem']}"})
+    else:
+      skipped.append({**item, "reason": f"incomplete: {r['problem']}; "
+                      "--incomplete deletes it"})
   deleted = []
   if args.yes:
     with Progress(args, "deleting", unit="dir") as bar:
       for i, item in enumerate(plan):
-        commit_lib.remove(storage, item["name"])
+        if item["kind"] == "uncommitted":  # as it is now: never a new commit
+          commit_lib.remove_abandoned(storage, item["name"])
+        else:
+          commit_lib.remove(storage, item["name"])
         deleted.append(item["name"])
         bar(i + 1, len(plan))
   kept = sorted(set(steps) - set(doomed))
@@ -399,13 +434,20 @@ def cmd_gc(args) -> int:
   verb = "deleted" if args.yes else "would delete"
   lines = []
   for item in plan:
-    what = (f"step {item['step']}" if item["kind"] == "step" else
-            "abandoned save")
+    if item["kind"] == "step":
+      what = f"step {item['step']}"
+    elif item["kind"] == "incomplete":
+      what = item["reason"]
+    elif deletion.parse_name(item["name"]) is not None:
+      what = "unfinished deletion"
+    else:
+      what = "abandoned save"
     lines.append(f"{verb} {item['name']} ({what}, "
                  f"{human_bytes(item['bytes'])})")
   for item in skipped:
-    lines.append(f"kept {item['name']}: {item['reason']} (--tmp-min-age "
-                 f"{args.tmp_min_age})")
+    lines.append(f"kept {item['name']}: {item['reason']}" + (
+        "" if item["kind"] == "incomplete" else
+        f" (--tmp-min-age {args.tmp_min_age})"))
   lines.append(f"kept steps: {', '.join(map(str, kept)) or 'none'}")
   freed = sum(i["bytes"] or 0 for i in plan)
   if not plan:
@@ -551,6 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="remove an uncommitted checkpoint_*.tmp-* directory "
                  "only if nothing in it changed for this long (default "
                  "%(default)s; it may be a save in progress)")
+  p.add_argument("--incomplete", action="store_true",
+                 help="also delete incomplete step directories (no commit "
+                 "marker, or no index; on a disk only) and the ones a save "
+                 "set aside (checkpoint_<step>.broken-*); never without "
+                 "this flag: their data may be worth recovering")
   p.add_argument("--yes", action="store_true", help="really delete")
   p.set_defaults(func=cmd_gc)
 

@@ -43,6 +43,35 @@ step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
 
+What a step is on a disk (``is_committed``, ``committed_steps``): a
+``checkpoint_<step>/`` holding both its commit marker and its index (one
+stat each per step; every format, OCDBT included, keeps ``index.msgpack``
+as a plain file at the top of the step). A step directory whose index is
+gone (a person, a partial copy: T5X's own test deletes it) is not
+committed: nobody lists, restores or counts it (the latest step is the one
+before), retention never deletes it, and errors about that step say what
+is missing. A new save of that step sets it aside as
+``checkpoint_<step>.broken-<id>`` (one rename; nothing is deleted: its
+arrays may be worth recovering); only ``ckpt gc --incomplete`` deletes it
+or any other incomplete step directory. A directory without a marker never
+was a checkpoint and is replaced by that save, as before. On object stores
+the record alone is the commit: a step whose index was deleted behind
+ckpt's back stays listed, and restoring it fails, naming the missing index
+(checking every step's index would cost a request per step in every
+listing, which the records exist to avoid); ``ckpt ls`` shows it corrupt.
+
+Two cleaners, one step (object stores): a deletion names the commit it
+deletes, and whoever finishes it removes only that (see ckpt/deletion.py).
+Cleanup checks, then removes; between the two, another job may commit the
+same step (a host stalled, a cleaner's first save alongside another job's
+saves). So ``abandoned`` names an unfinished deletion by its record,
+``pending/<step>.delete``, and ``remove`` of that name reads it again and
+removes the attempt it names: that attempt's data, its marker (a delete
+conditional on the generation read, only if it still names that attempt),
+never a record or an attempt written since. A whole step found by a full
+listing (a root without records) loses only the keys an earlier ckpt left
+beside no marker (``remove_abandoned``).
+
 Flat records (object stores and ``memory://``). Listing ``checkpoint_*``
 on a bucket returns every key of every step (one per chunk with zarr:
 millions at scale), so discovery never does it. Beside the step
@@ -71,13 +100,23 @@ directories, two flat prefixes hold one small object per step or attempt::
   save's ``pending/`` record (still there) or the deletion's lets cleanup
   find it; a later save of the same step removes such a marker first
   (``prepare``) once the attempt it names has no live lease.
-- Deletion of a step: ``pending/<step>.delete``, the record, the marker,
-  the data, then the ``pending`` record: a step is never listed once its
-  deletion began, and a deletion that died is finished by cleanup (or by
-  the next save of that step, before it writes anything, if the marker is
-  still there).
+- Deletion of a step: read the record (the attempt it names: the
+  deletion's *target*), ``pending/<step>.delete`` naming that target, the
+  record (if it is still the one read), the marker (if it still names the
+  target), the target's data (``attempt-<token>/``; a step of ckpt < 0.2:
+  the keys beside the marker, outside every ``attempt-*/``), then the
+  ``pending`` record (if it is still this deletion's): a step is never
+  listed once its deletion began, and a deletion that died is finished by
+  cleanup (or by the next save of that step, before it writes anything, if
+  the marker is still there), which removes only the target, whatever was
+  committed since. A ``pending/<step>.delete`` written by an earlier ckpt
+  names no target: finishing it removes what of ``checkpoint_<step>/`` no
+  pending attempt, record or marker names, read in that order after
+  listing the step's keys.
 - Cleanup (``abandoned``) lists ``pending/`` only: what it costs grows with
-  the attempts and deletions in progress, never with the chunks.
+  the attempts and deletions in progress, never with the chunks. A
+  deletion whose target is still the step's record is not listed (it
+  never got past the record, or is running now: the step stands).
 - Compatibility: a root whose ``commits/complete`` is missing was written by
   an earlier ckpt (markers only) or copied from a disk. Readers then find
   its steps from one full listing of ``checkpoint_*`` per query, as earlier
@@ -105,6 +144,7 @@ import time
 from absl import logging
 import msgpack
 
+from ckpt import deletion
 from ckpt import lease as lease_lib
 from ckpt import records
 from ckpt import storage as storage_lib
@@ -146,11 +186,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
   if storage.is_posix:
     storage.root.mkdir(parents=True, exist_ok=True)
     _drop_bucket_records(storage)
-    # An uncommitted checkpoint_<step>/ (no marker: a partial copy, say)
-    # would make the commit rename fail on every try; drop it.
-    final = storage.root / storage_lib.step_dirname(step)
-    if final.is_dir() and not is_committed(storage, step):
-      remove(storage, storage_lib.step_dirname(step))
+    _clear_uncommitted_dir(storage, step)
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
     storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
   else:
@@ -166,6 +202,29 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
     records.write_pending(storage, step, token)
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
   return rel
+
+
+def _clear_uncommitted_dir(storage: storage_lib.Storage, step: int) -> None:
+  """POSIX, preparing a save of ``step``: an uncommitted
+  ``checkpoint_<step>/`` would make the commit rename fail on every try.
+  Without a commit marker it never was a checkpoint (a partial copy, say):
+  it goes. With a marker but no index it was one, and its arrays may be
+  worth recovering by hand: it is renamed ``checkpoint_<step>.broken-<id>``,
+  which nothing of ckpt reads or deletes, except ``ckpt gc --incomplete``."""
+  name = storage_lib.step_dirname(step)
+  path = os.path.join(os.fspath(storage.root), name)
+  problem = posix_problem(storage, name)
+  if problem is None or not os.path.isdir(path):
+    return
+  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+    remove(storage, name)
+    return
+  aside = storage_lib.broken_name(step, secrets.token_hex(4))
+  os.rename(path, os.path.join(os.fspath(storage.root), aside))
+  fsync_dir(os.fspath(storage.root))
+  logging.warning("ckpt: %s %s; a save of step %d needs its name, so it was "
+                  "set aside as %s (nothing deleted; `ckpt gc --incomplete "
+                  "--yes` deletes it)", path, problem, step, aside)
 
 
 def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
@@ -249,17 +308,22 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
   key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
   if not storage.exists(key) or records.read_record(storage, step) is not None:
     return
-  if storage.exists(records.pending_key(step, records.DELETE)):
-    remove(storage, storage_lib.step_dirname(step))  # finish that deletion
-    return
-  won = records.marker_attempt(storage.read_bytes(key))
-  if won is not None and _live(storage, work_dir(storage, step, won), lease_s):
+  if storage.exists(deletion.name(step)):
+    # Finish that deletion: it removes the marker only if it names the
+    # commit that deletion deletes.
+    deletion.finish(storage, step)
+    if not storage.exists(key):
+      return
+  data, gen = storage.read_generation(key)
+  won = records.marker_attempt(data)
+  if data is None or (won is not None and _live(
+      storage, work_dir(storage, step, won), lease_s)):
     return  # maybe a commit in progress: if it is, ours fails, naming it
   logging.warning("ckpt: step %d in %s has a commit marker but no commit "
                   "record (a save that died while committing); removing "
                   "that attempt (%s)", step, storage.url, won)
   if won is None:
-    storage.delete_key(key)
+    storage.delete_key(key, generation=gen)
   else:
     remove(storage, work_dir(storage, step, won))
 
@@ -323,8 +387,9 @@ def _ensure_records(storage: storage_lib.Storage) -> None:
       records.write_pending(storage, s, t, time_s=0.0)
   for s in sorted(loose - committed - set(attempts)):
     # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
-    # that never committed.
-    records.write_pending(storage, s, records.DELETE, time_s=0.0)
+    # that never committed (its deletion deletes only those).
+    records.write_pending(storage, s, records.DELETE, time_s=0.0,
+                          deletes=(None, ""))
   storage.write_bytes(records.RECORDS_COMPLETE, json.dumps(
       {"records": "complete", "migrated_steps": len(committed),
        "time": time.time()}).encode() + b"\n")
@@ -352,10 +417,58 @@ def _drop_bucket_records(storage: storage_lib.Storage) -> None:
 def is_committed(storage: storage_lib.Storage, step: int) -> bool:
   name = storage_lib.step_dirname(step)
   if storage.is_posix:
-    return (storage.root / name / storage_lib.COMMIT_MARKER).exists()
+    return posix_problem(storage, name) is None
   if records.records_complete(storage):
     return records.read_record(storage, step) is not None
   return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
+
+
+def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
+  """Why the directory ``name`` (``checkpoint_<step>``) of a POSIX root is
+  not a committed step; None if it is. Committed: its commit marker and
+  its index are both there (a stat each; a step copied from a bucket, whose
+  index is in the attempt its marker names, reads the marker too)."""
+  path = os.path.join(os.fspath(storage.root), name)
+  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+    return ("has no commit marker (commit_success)" if os.path.isdir(path)
+            else "does not exist")
+  if os.path.isfile(os.path.join(path, storage_lib.INDEX_NAME)):
+    return None
+  key = f"{name}/{storage_lib.COMMIT_MARKER}"
+  try:
+    _, data_dir = records.parse_marker(storage.read_bytes(key) or b"",
+                                       f"{path}/{storage_lib.COMMIT_MARKER}")
+  except CheckpointError:
+    data_dir = ""
+  if data_dir and os.path.isfile(os.path.join(path, data_dir,
+                                              storage_lib.INDEX_NAME)):
+    return None
+  where = f"{data_dir}/" if data_dir else ""
+  return f"has a commit marker but no {where}{storage_lib.INDEX_NAME}"
+
+
+def not_committed_reason(storage: storage_lib.Storage, step: int
+                         ) -> str | None:
+  """For errors: what is wrong with ``step``'s directory if it has one but
+  is not committed (POSIX; None elsewhere, or when there is no such
+  directory)."""
+  if not storage.is_posix:
+    return None
+  name = storage_lib.step_dirname(step)
+  problem = posix_problem(storage, name)
+  if problem is None or problem == "does not exist":
+    return None
+  return (f"{os.path.join(os.fspath(storage.root), name)} {problem} (deleted, "
+          "or never copied?)")
+
+
+def step_of(name: str) -> int:
+  """The step an entry of ``abandoned`` (or a POSIX root's listing) is
+  about."""
+  s = deletion.parse_name(name)
+  if s is not None:
+    return s
+  return int(re.match(r"checkpoint_(\d+)", name).group(1))
 
 
 def step_dir(storage: storage_lib.Storage, step: int) -> str:
@@ -487,23 +600,46 @@ def _age_s(storage: storage_lib.Storage, rel: str,
   return None
 
 
+# An attempt directory that holds nothing, not even its lease, is a save
+# that died between creating it and writing its lease (microseconds on a
+# live one): once it is this old, nobody can be about to write its lease.
+UNFINISHED_PREPARE_S = 2.0
+
+
 def _live(storage: storage_lib.Storage, rel: str, lease_s: float,
           reasons: dict | None = None) -> bool | None:
   """Whether the attempt at ``rel`` may still be saving: False when its
-  holder is provably dead or its lease is older than ``lease_s`` (the
-  reason goes into ``reasons[rel]``), None when its age is unknown."""
+  holder is provably dead, its lease is older than ``lease_s``, or (POSIX)
+  it is an empty directory that never got its lease and is older than
+  ``UNFINISHED_PREPARE_S`` (the reason goes into ``reasons[rel]``); None
+  when its age is unknown."""
   lease = lease_lib.parse(storage.read_bytes(f"{rel}/{ATTEMPT_FILE}"))
   dead = None if lease is None else lease_lib.dead_reason(lease)
   if dead is None:
     age = _age_s(storage, rel, lease)
     if age is None:
       return None
-    if age < lease_s:
+    if lease is None and age >= UNFINISHED_PREPARE_S and _empty(storage, rel):
+      dead = (f"it holds nothing, not even its lease, and is {age:.0f} s old "
+              "(a save that died as it created it)")
+    elif age < lease_s:
       return True
-    dead = f"its lease is {age:.0f} s old (lease_s={lease_s:g})"
+    else:
+      dead = f"its lease is {age:.0f} s old (lease_s={lease_s:g})"
   if reasons is not None:
     reasons[rel] = dead
   return False
+
+
+def _empty(storage: storage_lib.Storage, rel: str) -> bool:
+  """POSIX: the attempt directory holds at most a lease being written."""
+  if not storage.is_posix:
+    return False
+  try:
+    names = os.listdir(storage.root / rel)
+  except OSError:
+    return False
+  return all(n.startswith(f"{ATTEMPT_FILE}.partial-") for n in names)
 
 
 def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
@@ -527,22 +663,20 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
           out.append(p.name)
     return out
   pending = records.list_pending(storage)
-  live = set()
   for s, t in pending:
     if t == records.DELETE:
       continue
     rel = work_dir(storage, s, t)
-    if _live(storage, rel, lease_s, reasons):
-      live.add(s)
-    else:
+    if not _live(storage, rel, lease_s, reasons):
       # remove() keeps the data of the attempt that committed s (its
       # pending record alone is left over) and drops a marker naming it
       # that never got its record.
       out.append(rel)
-  for s, t in pending:
-    if (t == records.DELETE and s not in live
-        and records.read_record(storage, s) is None):
-      out.append(storage_lib.step_dirname(s))
+  # Deletions that died, by the name of their pending record: remove()
+  # finishes what that record names, as it is when it does (never the
+  # step as a whole: see ckpt/deletion.py).
+  out += [deletion.name(s) for s, t in pending
+          if t == records.DELETE and deletion.unfinished(storage, s)]
   if records.records_complete(storage):
     return out
   return out + [r for r in _abandoned_by_scan(storage, lease_s, reasons)
@@ -572,7 +706,12 @@ def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
 
 def remove(storage: storage_lib.Storage, rel: str) -> None:
   """Deletes a step, an attempt or a leftover directory; a committed step
-  stops being visible first, so it is never seen half-deleted."""
+  stops being visible first, so it is never seen half-deleted. On object
+  stores ``pending/<step>.delete`` (a name ``abandoned`` gives) finishes
+  that deletion."""
+  if not storage.is_posix and deletion.parse_name(rel) is not None:
+    deletion.finish(storage, deletion.parse_name(rel))
+    return
   if not storage_lib.is_deletable(rel):
     raise CheckpointError(
         f"refusing to delete {rel!r} in {storage.url!r}: ckpt deletes only "
@@ -597,12 +736,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
       shutil.rmtree(path, ignore_errors=True)
     return
   if step is not None:  # a whole step: invisible first, then the data
-    intent = records.pending_key(step, records.DELETE)
-    records.write_pending(storage, step, records.DELETE)
-    storage.delete_key(records.record_key(step))
-    storage.delete_key(f"{rel}/{storage_lib.COMMIT_MARKER}")
-    storage.delete_prefix(f"{rel}/", what)
-    storage.delete_key(intent)
+    deletion.remove_step(storage, step)
     return
   head, _, tail = rel.partition("/")
   m = records.ATTEMPT_DIR_RE.match(tail)
@@ -620,10 +754,27 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
     return
   if complete and not committed:
     marker = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
-    if records.marker_attempt(storage.read_bytes(marker)) == token:
-      storage.delete_key(marker)  # it never got its record: never listed
+    data, gen = storage.read_generation(marker)
+    if records.marker_attempt(data) == token:
+      # It never got its record: never listed. Only that marker: a commit
+      # of another attempt may have replaced it since it was read.
+      storage.delete_key(marker, generation=gen)
   storage.delete_prefix(f"{rel}/", what)
   storage.delete_key(records.pending_key(step, token))
+
+
+def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
+  """Removes one entry of ``abandoned`` as it is now, never more than what
+  was found abandoned (between that check and this call another job may
+  have committed the same step). Object stores: ``pending/<step>.delete``
+  finishes what that deletion names; a whole step (found by a full listing
+  of a root without records) is only the keys an earlier ckpt left beside
+  no marker. Everything else as ``remove``."""
+  step = storage_lib.parse_step(name)
+  if step is not None and not storage.is_posix:
+    deletion.drop_leftovers(storage, step)
+    return
+  remove(storage, name)
 
 
 def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:

@@ -117,22 +117,25 @@ def read_record(storage: storage_lib.Storage, step: int) -> dict | None:
   ``dir``, ``time`` (None if unknown) and ``metrics`` (None if unknown).
   One GET (a record longer than RECORD_BYTES: three)."""
   key = record_key(step)
-  where = f"{storage.url.rstrip('/')}/{key}"
   data = storage.read_head(key, RECORD_BYTES)
   if data is None:
     return None
   try:
-    doc = json.loads(data)
+    json.loads(data)
   except ValueError:
-    doc = None
     if len(data) >= RECORD_BYTES:  # longer than the padding: read it whole
       data = storage.read_bytes(key)
       if data is None:
         return None
-      try:
-        doc = json.loads(data)
-      except ValueError:
-        pass
+  return parse_record(data, step, f"{storage.url.rstrip('/')}/{key}")
+
+
+def parse_record(data: bytes, step: int, where: str) -> dict:
+  """``read_record``'s check of the bytes of ``step``'s record."""
+  try:
+    doc = json.loads(data)
+  except ValueError:
+    doc = None
   if not isinstance(doc, dict) or doc.get("step") != step:
     raise CorruptCheckpointError(
         f"{where}: not the commit record of step {step} (expected a JSON "
@@ -173,11 +176,41 @@ def records_complete(storage: storage_lib.Storage) -> bool:
 
 
 def write_pending(storage: storage_lib.Storage, step: int, token: str,
-                   time_s: float | None = None) -> None:
+                   time_s: float | None = None,
+                   deletes: tuple[str | None, str] | None = None
+                   ) -> bytes | None:
+  """Writes the ``pending/`` record of an attempt, or (``token`` "delete")
+  of a deletion; a deletion's names what it deletes: ``deletes`` is the
+  (attempt token or None, data directory) of the commit it removes, data
+  directory "" for data beside the marker (ckpt < 0.2, or a step copied
+  from a disk). Returns the record's storage generation."""
   doc = {"step": step, "attempt": token,
          "time": time.time() if time_s is None else time_s,
          "host": socket.gethostname(), "pid": os.getpid()}
-  storage.write_bytes(pending_key(step, token), json.dumps(doc).encode())
+  if deletes is not None:
+    doc["deletes"] = {"attempt": deletes[0], "dir": deletes[1]}
+  return storage.write_bytes(pending_key(step, token), json.dumps(doc).encode())
+
+
+def deletion_target(data: bytes | None) -> tuple[str | None, str] | None:
+  """The (attempt token or None, data directory) a deletion's ``pending/``
+  record names; None if it names none (written by a ckpt before 0.3, or
+  damaged): then whoever finishes it goes by what nobody names."""
+  if data is None:
+    return None
+  try:
+    doc = json.loads(data)
+    target = doc["deletes"]
+    token, data_dir = target["attempt"], target["dir"]
+  except (ValueError, KeyError, TypeError):
+    return None
+  if token is not None and not (isinstance(token, str)
+                                and TOKEN_RE.match(token)):
+    return None
+  if not (data_dir == "" or (isinstance(data_dir, str)
+                             and ATTEMPT_DIR_RE.match(data_dir))):
+    return None  # never trust a path read from the store
+  return token, data_dir
 
 
 def pending_time(storage: storage_lib.Storage, step: int, token: str

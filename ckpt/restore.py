@@ -42,9 +42,10 @@ def resolve_step(storage: storage_lib.Storage, step: int | None,
   if step is None:
     return steps[-1]
   if step not in steps:
+    why = commit_lib.not_committed_reason(storage, step)
     raise CheckpointNotFoundError(
-        f"step {step} is not a committed checkpoint in {storage.url!r}; "
-        f"committed steps: {steps}")
+        f"step {step} is not a committed checkpoint in {storage.url!r}"
+        f"{f': {why}' if why else ''}; committed steps: {steps}")
   return step
 
 

@@ -53,6 +53,9 @@ COMMIT_MARKER = "commit_success"
 _STEP_RE = re.compile(r"^checkpoint_(\d+)$")
 _TMP_RE = re.compile(r"^checkpoint_(\d+)\.tmp-[0-9a-z\-]+$")
 _ATTEMPT_REL_RE = re.compile(r"^checkpoint_(\d+)/attempt-[0-9a-f]{1,64}$")
+# POSIX: a step directory that lost its index, set aside by a save of that
+# step (ckpt/commit.py); only ``ckpt gc --incomplete`` deletes it.
+_BROKEN_RE = re.compile(r"^checkpoint_(\d+)\.broken-[0-9a-f]+$")
 # Members of the kvstore spec that the URL decides; storage_options may not.
 _FROM_URL = ("driver", "bucket", "path")
 # TensorStore reads its GCS endpoint from this variable (no spec member).
@@ -125,7 +128,19 @@ def is_tmp_name(name: str) -> bool:
 def is_deletable(rel: str) -> bool:
   """The only relative directories ckpt ever deletes."""
   return bool(_STEP_RE.match(rel) or _TMP_RE.match(rel)
-              or _ATTEMPT_REL_RE.match(rel))
+              or _ATTEMPT_REL_RE.match(rel) or _BROKEN_RE.match(rel))
+
+
+def broken_name(step: int, tag: str) -> str:
+  """Where a save of ``step`` sets aside a ``checkpoint_<step>/`` that lost
+  its index (POSIX)."""
+  return f"{step_dirname(step)}.broken-{tag}"
+
+
+def parse_broken(name: str) -> int | None:
+  """The step of a set-aside ``checkpoint_<step>.broken-<id>`` (else None)."""
+  m = _BROKEN_RE.match(name)
+  return int(m.group(1)) if m else None
 
 
 def _env_s3_options() -> dict[str, Any]:
@@ -398,10 +413,40 @@ class Storage:
         raise
     return r.state != "missing"
 
-  def delete_key(self, rel: str) -> None:
-    """Deletes one key (object stores; a missing key is not an error)."""
+  def read_generation(self, rel: str, limit: int | None = None
+                      ) -> tuple[bytes | None, bytes]:
+    """(a small object's bytes or None if missing, the storage generation
+    that read saw), for a later ``delete_key(rel, generation=...)``
+    (object stores)."""
+    limit = MAX_OBJECT_BYTES if limit is None else limit
+    with self.store_errors(f"reading {_describe(rel)} from"):
+      self._check_object_size(rel, limit)
+      r = self._kv.read(rel).result()
+    if r.state == "missing":
+      return None, bytes(r.stamp.generation)
+    data = bytes(r.value)
+    if len(data) > limit:
+      self._too_large(rel, len(data), limit)
+    return data, bytes(r.stamp.generation)
+
+  def delete_key(self, rel: str, generation: bytes | None = None) -> bool:
+    """Deletes one key (object stores; a missing key is not an error).
+
+    With ``generation`` (from ``read_generation`` or ``write_bytes``): only
+    if the key still holds what was read or written then; returns whether
+    it did (tried on memory, file and moto: a stale generation deletes
+    nothing). TensorStore's memory and file drivers check it in the same
+    operation, its gcs driver sends the DELETE with ifGenerationMatch
+    (GCS checks it; gcp-storage-emulator ignores it), its s3 driver sends
+    a HEAD with If-Match, then the DELETE (S3 has no conditional DELETE):
+    a replacement between those two requests is not seen
+    (ckpt/deletion.py relies on this only where that is harmless)."""
     with self.store_errors(f"deleting {_describe(rel)} from"):
-      self._kv.write(rel, None).result()
+      if generation is None:
+        self._kv.write(rel, None).result()
+        return True
+      r = self._kv.write(rel, None, if_equal=generation).result()
+    return bool(r.generation)  # empty: the condition failed
 
   def _read_file(self, rel: str, limit: int) -> bytes | None:
     path = os.path.join(os.fspath(self.root), rel)
@@ -447,14 +492,16 @@ class Storage:
         f"the {limit}-byte limit; refusing to read it (not a ckpt index, "
         "or a hostile one)")
 
-  def write_bytes(self, rel: str, data: bytes) -> None:
+  def write_bytes(self, rel: str, data: bytes) -> bytes | None:
+    """Writes a small object; returns its storage generation (object
+    stores; None on POSIX)."""
     with self.store_errors(f"writing {_describe(rel)} to"):
       if self.is_posix:
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         write_file(os.fspath(p), data)
-      else:
-        self._kv.write(rel, data).result()
+        return None
+      return bytes(self._kv.write(rel, data).result().generation)
 
   # ---- listing and deleting keys (object stores) ---------------------------
 
@@ -486,7 +533,10 @@ class Storage:
   def delete_prefix(self, prefix: str, what: str) -> None:
     """Deletes every key under ``prefix`` (object stores), concurrently,
     after checking that the listing stayed inside it."""
-    keys = self.list_keys(prefix)
+    self.delete_keys(self.list_keys(prefix), what)
+
+  def delete_keys(self, keys: list[str], what: str) -> None:
+    """Deletes ``keys`` (object stores), concurrently."""
     with self.store_errors(f"deleting {what} from"):
       pending = [self._kv.write(k, None) for k in keys]
       for f in pending:

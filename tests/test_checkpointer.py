@@ -611,6 +611,71 @@ def test_discovery_sees_only_committed_steps(make_ckptr, ckpt_dir, rng):
       "checkpoint_8", "checkpoint_x", "notes.txt"]
 
 
+@pytest.mark.parametrize("fmt", ["zarr", "ocdbt"])
+def test_a_step_without_its_index_is_not_committed(make_ckptr, ckpt_dir, rng,
+                                                   fmt):
+  """T5X's own test (issue 22, item 4): a step directory whose index is
+  gone is no checkpoint. Nobody lists or restores it, latest falls back to
+  the step before, retention neither counts nor deletes it, and a new save
+  of that step sets it aside (renamed, never deleted: its arrays may be
+  worth recovering by hand) instead of failing on it."""
+  c = make_ckptr(format=fmt, async_save=False)
+  s42 = {"w": random_array(rng, (64, 32)), "n": 42}
+  s100 = {"w": random_array(rng, (64, 32)), "n": 100}
+  c.save(42, s42)
+  c.save(100, s100)
+  broken = ckpt_dir / "checkpoint_100"
+  os.unlink(broken / "index.msgpack")  # OCDBT too: the index is a plain file
+  assert c.all_steps() == [42]
+  assert c.latest_step() == 42
+  assert_same(c.restore(), s42)
+  assert_same(ckpt.load(ckpt_dir), s42)
+  with pytest.raises(ckpt.CheckpointNotFoundError,
+                     match=r"step 100 .*checkpoint_100.* no index\.msgpack"):
+    c.restore(100)
+  before = sorted(p.relative_to(broken) for p in broken.rglob("*"))
+  s100b = {"w": random_array(rng, (64, 32)), "n": 100}
+  assert c.save(100, s100b)
+  assert c.all_steps() == [42, 100]
+  assert_same(c.restore(100), s100b)
+  assert_same(c.restore(), s100b)
+  [aside] = [p for p in ckpt_dir.iterdir()
+             if p.name.startswith("checkpoint_100.")]
+  assert aside.name.startswith("checkpoint_100.broken-"), aside
+  assert sorted(p.relative_to(aside) for p in aside.rglob("*")) == before
+  # Retention counts committed steps only, and leaves the broken one be.
+  os.unlink(ckpt_dir / "checkpoint_100" / "index.msgpack")
+  r = make_ckptr(format=fmt, async_save=False, keep=1)
+  assert r.save(101, s42)
+  r.wait_until_finished()
+  assert r.all_steps() == [101]
+  assert (ckpt_dir / "checkpoint_100" / "commit_success").exists()
+  assert aside.exists()
+
+
+def test_a_bucket_step_without_its_index_fails_loudly(make_ckptr, memory_url,
+                                                      rng):
+  """On object stores the commit record alone makes a step committed (one
+  listing finds every step; checking each index would cost a request per
+  step): a step whose index was deleted behind ckpt's back stays listed,
+  and restoring it fails naming the step and the missing index, never
+  another step silently."""
+  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  c = make_ckptr(memory_url, async_save=False)
+  s42 = {"w": random_array(rng, (64, 32))}
+  c.save(42, s42)
+  c.save(100, {"w": random_array(rng, (64, 32))})
+  store = storage_lib.Storage(memory_url)
+  index = store.index_key(commit_lib.step_dir(store, 100))
+  store.delete_key(index)
+  assert c.all_steps() == [42, 100]
+  with pytest.raises(ckpt.CheckpointNotFoundError) as e:
+    c.restore()
+  assert index in str(e.value) and "checkpoint_100/" in str(e.value)
+  assert_same(c.restore(42), s42)
+
+
 def test_no_checkpoint_anywhere(make_ckptr, ckpt_dir, tmp_path):
   ckptr = make_ckptr()
   assert ckptr.all_steps() == [] and ckptr.latest_step() is None

@@ -10,6 +10,7 @@ waiting thread, Ctrl-C) is then exactly what a slow save meets in a job.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 
 import ckpt
+from ckpt import commit as commit_lib
+from ckpt import records
 from ckpt import storage as storage_lib
 from tests.conftest import random_array
 
@@ -125,6 +128,233 @@ def test_two_jobs_saving_one_step(make_ckptr, ckpt_dir, rng):
     a.wait_until_finished()
   assert_same(b.restore(7), sb)  # the first commit stands, whole
   assert committed_names(ckpt_dir) == ["checkpoint_7"]
+
+
+# ---- a late cleaner never deletes a newer commit (buckets, memory://) --------
+
+class Killed(Exception):
+  """Where a test stops a process the way SIGKILL would."""
+
+
+def die_deleting(url: str, step: int, after: str) -> None:
+  """Deletes the committed ``step`` as retention does, and stops it the way
+  a killed process stops: once it removed the step's record ("record") or
+  its record and marker ("marker"); ``pending/<step>.delete`` stays."""
+  storage = storage_lib.Storage(url)
+  marker = f"checkpoint_{step}/{storage_lib.COMMIT_MARKER}"
+  real = storage_lib.Storage.delete_key
+
+  def delete_key(self, rel, *args, **kwargs):
+    if after == "record" and rel == marker:
+      raise Killed(rel)
+    return real(self, rel, *args, **kwargs)
+
+  def delete_prefix(self, prefix, what):
+    raise Killed(prefix)
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(storage_lib.Storage, "delete_key", delete_key)
+    m.setattr(storage_lib.Storage, "delete_prefix", delete_prefix)
+    m.setattr(storage_lib.Storage, "delete_keys", delete_prefix, raising=False)
+    with pytest.raises(Killed):
+      commit_lib.remove(storage, storage_lib.step_dirname(step))
+
+
+def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
+  """The race of issue 22 (item 5), made deterministic: a writer's cleanup
+  finds the unfinished deletion of ``step`` (its check), then pauses, as
+  if the host stalled; meanwhile ``new_save()`` (another job) commits
+  ``step``; then the cleanup resumes and does what it decided. Returns
+  what the cleanup had decided to remove."""
+  cleaner = make_ckptr(url)
+  checked, resume = threading.Event(), threading.Event()
+  found = []
+  real = commit_lib.abandoned
+
+  def abandoned_then_pause(storage, *args, **kwargs):
+    out = real(storage, *args, **kwargs)
+    if storage is cleaner.storage:  # not the other job's own cleanup
+      found.extend(out)
+      checked.set()
+      assert resume.wait(60)
+    return out
+  with pytest.MonkeyPatch.context() as m:
+    m.setattr(commit_lib, "abandoned", abandoned_then_pause)
+    # What a writer's first save runs alongside its writes.
+    t = threading.Thread(target=cleaner._remove_abandoned, args=("",))  # pylint: disable=protected-access
+    t.start()
+    try:
+      assert checked.wait(30), "the cleanup never looked"
+      new_save()
+    finally:
+      resume.set()
+      t.join(60)
+  assert not t.is_alive()
+  return found
+
+
+@pytest.mark.parametrize("after", ["record", "marker"])
+def test_a_late_cleaner_spares_a_newer_commit(make_ckptr, memory_url, rng,
+                                              after):
+  check_late_cleaner(make_ckptr, memory_url, rng,
+                     lambda: die_deleting(memory_url, 5, after))
+
+
+def as_legacy_step(url: str, step: int) -> None:
+  """Rewrites the committed ``step`` in the layout of ckpt < 0.2: its data
+  beside the marker (no attempt directory), a marker naming no attempt."""
+  store = storage_lib.Storage(url)
+  name = storage_lib.step_dirname(step)
+  data_dir = records.read_record(store, step)["dir"]
+  for key in store.list_keys(f"{name}/{data_dir}/"):
+    store.write_bytes(f"{name}/{key.split('/', 2)[2]}", store.read_bytes(key))
+    store.delete_key(key)
+  store.write_bytes(f"{name}/{storage_lib.COMMIT_MARKER}",
+                    f"{name} committed".encode())
+  store.write_bytes(records.record_key(step),
+                    records.record(step, None, "", None, None))
+
+
+def die_deleting_as_before(url: str, step: int) -> None:
+  """A deletion of ``step`` by the ckpt before this one (its
+  ``pending/<step>.delete`` names no attempt), killed after it removed the
+  record, the marker and some of the data."""
+  store = storage_lib.Storage(url)
+  name = storage_lib.step_dirname(step)
+  store.write_bytes(records.pending_key(step, records.DELETE),
+                    json.dumps({"step": step, "attempt": "delete",
+                                "time": time.time()}).encode())
+  store.delete_key(records.record_key(step))
+  store.delete_key(f"{name}/{storage_lib.COMMIT_MARKER}")
+  keys = store.list_keys(f"{name}/")
+  assert len(keys) > 2, keys
+  for key in keys[:len(keys) // 2]:
+    store.delete_key(key)
+
+
+@pytest.mark.parametrize("layout,deletion", [
+    ("legacy", "this"), ("legacy", "before"), ("attempt", "before")])
+def test_a_late_cleaner_of_an_older_deletion_spares_a_newer_commit(
+    make_ckptr, memory_url, rng, layout, deletion):
+  """As above, for a step of ckpt < 0.2 (data beside the marker: its
+  deletion must not take the new attempt's data), and for a deletion begun
+  by the ckpt before this one (its record names no attempt)."""
+  def die():
+    if layout == "legacy":
+      as_legacy_step(memory_url, 5)
+      assert_same(ckpt.load(memory_url, step=5), old)
+    if deletion == "this":
+      die_deleting(memory_url, 5, "marker")
+    else:
+      die_deleting_as_before(memory_url, 5)
+  old = {"w": random_array(rng, (64, 64))}
+  check_late_cleaner(make_ckptr, memory_url, rng, die, old)
+
+
+def test_a_late_cleaner_of_a_root_without_records_spares_a_newer_commit(
+    make_ckptr, memory_url, rng):
+  """A root written before commit records: the cleaner finds, from a full
+  listing, keys of step 5 outside any attempt (a save of ckpt < 0.2 that
+  never committed); while it stalls, another job migrates the root and
+  commits step 5."""
+  a = make_ckptr(memory_url, async_save=False)
+  s3 = {"w": random_array(rng, (32,))}
+  a.save(3, s3)
+  store = storage_lib.Storage(memory_url)
+  for key in store.list_keys("commits/") + store.list_keys("pending/"):
+    store.delete_key(key)  # as written by a ckpt without records
+  for i in range(3):
+    store.write_bytes(f"checkpoint_5/w/{i}", b"old")
+  new = {"w": random_array(rng, (64, 64))}
+
+  def other_job():
+    b = make_ckptr(memory_url, async_save=False)
+    assert b.save(5, new)
+  found = late_cleaner(make_ckptr, memory_url, 5, other_job)
+  assert "checkpoint_5" in found, found
+  c = make_ckptr(memory_url)
+  assert c.all_steps() == [3, 5], f"the cleanup of {found} took the new commit"
+  assert_same(c.restore(5), new)
+  assert not [k for k in store.list_keys("checkpoint_5/w/")], "leftovers"
+
+
+def test_a_stalled_save_of_the_step_spares_a_newer_commit(make_ckptr,
+                                                          memory_url, rng):
+  """The other place that finishes a deletion: a save of step 5 whose
+  prepare finds the old marker and the unfinished deletion (its check),
+  then stalls; another job saves step 5 meanwhile. The stalled save must
+  fail (the step was committed by another attempt), not delete it."""
+  a = make_ckptr(memory_url, async_save=False)
+  a.save(3, {"w": random_array(rng, (32,))})
+  a.save(5, {"w": random_array(rng, (64, 64))})
+  die_deleting(memory_url, 5, "record")  # the old marker stays
+  p = make_ckptr(memory_url, async_save=False)
+  checked, resume = threading.Event(), threading.Event()
+  real = p.storage.exists
+
+  def exists_then_pause(rel):
+    out = real(rel)
+    if rel == "pending/5.delete" and out and not checked.is_set():
+      checked.set()
+      assert resume.wait(60)
+    return out
+  p.storage.exists = exists_then_pause
+  errors = []
+
+  def stalled_save():
+    try:
+      p.save(5, {"w": random_array(np.random.default_rng(1), (64, 64))})
+    except ckpt.CheckpointError as e:
+      errors.append(e)
+  t = threading.Thread(target=stalled_save)
+  t.start()
+  try:
+    assert checked.wait(30), "the save never looked for the deletion"
+    new = {"w": random_array(rng, (64, 64))}
+    assert a.save(5, new)
+  finally:
+    resume.set()
+    t.join(60)
+  c = make_ckptr(memory_url)
+  assert c.all_steps() == [3, 5]
+  assert np.asarray(c.restore(5)["w"]).tobytes() == new["w"].tobytes(), (
+      "the stalled save deleted the other job's commit of step 5")
+  assert len(errors) == 1 and "another attempt committed" in str(errors[0]), (
+      errors)
+
+
+def check_late_cleaner(make_ckptr, url, rng, die, old=None):
+  """Step 5's deletion died half way (``die``); a cleaner decides to finish
+  it and stalls; another job commits step 5 meanwhile; the cleaner resumes.
+  Step 5 must stay committed, with the new job's data, and what was left of
+  the old step 5 must be gone."""
+  a = make_ckptr(url, async_save=False)
+  s3 = {"w": random_array(rng, (32,))}
+  old = old or {"w": random_array(rng, (64, 64))}
+  a.save(3, s3)
+  a.save(5, old)
+  die()
+  assert a.all_steps() == [3]
+  new = {"w": random_array(rng, (64, 64)), "b": random_array(rng, (300,))}
+
+  def other_job():
+    # ``a``'s cleanup ran at its first save: what is left of the deletion
+    # is the stalled cleaner's to finish (or a's prepare's, when the old
+    # marker is still in the way of its commit).
+    assert a.save(5, new)
+    assert a.all_steps() == [3, 5]
+  found = late_cleaner(make_ckptr, url, 5, other_job)
+  assert found, "the cleanup did not plan to finish the deletion of step 5"
+  c = make_ckptr(url)
+  assert c.all_steps() == [3, 5], f"the cleanup of {found} took the new commit"
+  assert_same(c.restore(5), new)
+  assert_same(c.restore(3), s3)
+  # The old step's leftovers and its deletion's record are gone.
+  store = storage_lib.Storage(url)
+  keys = store.list_keys("checkpoint_5/")
+  marker = store.read_bytes(f"checkpoint_5/{storage_lib.COMMIT_MARKER}")
+  assert {k.split("/")[1] for k in keys} == {
+      storage_lib.COMMIT_MARKER, json.loads(marker)["dir"]}, keys
+  assert store.list_keys("pending/") == []
 
 
 # ---- a failed save gives its space back ---------------------------------------

@@ -166,3 +166,25 @@ def test_a_lease_names_its_holder():
   assert lease["processes"] == 1 and lease["coordinator"] is None
   assert lease_lib.dead_reason(lease) is None  # this very process
   assert np.isfinite(lease["time"])
+
+
+def test_an_attempt_that_never_got_its_lease(make_ckptr, ckpt_dir, rng):
+  """A save killed between creating its directory and writing its lease
+  leaves an empty directory (maybe a lease being written): gone at the next
+  save once it is 2 s old; one that holds data waits for the lease age."""
+  ckpt_dir.mkdir()
+  empty = ckpt_dir / "checkpoint_3.tmp-0badc0de"
+  empty.mkdir()
+  (empty / f"{commit_lib.ATTEMPT_FILE}.partial-1234").write_bytes(b"{")
+  data = ckpt_dir / "checkpoint_4.tmp-0badf00d"
+  data.mkdir()
+  (data / "w").write_bytes(b"x")
+  ckptr = make_ckptr(async_save=False)
+  assert ckptr.save(1, _state(rng))
+  assert empty.exists() and data.exists()  # younger than 2 s
+  old = time.time() - commit_lib.UNFINISHED_PREPARE_S - 1
+  for d in (empty, data):
+    os.utime(d, (old, old))
+  assert ckptr.save(2, _state(rng))
+  assert not empty.exists()
+  assert data.exists()  # not empty: the age rule (lease_s) applies

@@ -316,6 +316,32 @@ def test_gc_best_metric_and_period(root, tmp_path, capsys):
                                    "checkpoint_4"]
 
 
+def test_ls_and_gc_of_a_step_without_its_index(root, tmp_path, capsys):
+  """A step directory that lost its index is "incomplete": listed, not
+  committed, kept by gc unless --incomplete asks for it."""
+  d = pathlib.Path(shutil.copytree(root, tmp_path / "ckpts"))
+  os.unlink(d / "checkpoint_3" / "index.msgpack")
+  rows = {r["name"]: r for r in json_in_process(capsys, "ls", d)["steps"]}
+  assert rows["checkpoint_3"]["status"] == "incomplete"
+  assert "no index.msgpack" in rows["checkpoint_3"]["problem"]
+  rc, out, _ = in_process(capsys, "ls", d)
+  assert rc == 0 and "checkpoint_3: has a commit marker but no index.msgpack" in out
+  doc = json_in_process(capsys, "gc", d, "--keep", 1, "--tmp-min-age", 0,
+                        "--yes")
+  assert doc["deleted"] == ["checkpoint_1", "checkpoint_2",
+                            "checkpoint_9.tmp-old1", "checkpoint_10.tmp-new1"]
+  assert [(i["name"], i["kind"]) for i in doc["skipped"]] == [
+      ("checkpoint_3", "incomplete")]
+  assert (d / "checkpoint_3" / "commit_success").exists()
+  rc, out, _ = in_process(capsys, "gc", d, "--incomplete")
+  assert rc == 0
+  assert "would delete checkpoint_3 (incomplete: has a commit marker but no " \
+         "index.msgpack" in out
+  doc = json_in_process(capsys, "gc", d, "--incomplete", "--yes")
+  assert doc["deleted"] == ["checkpoint_3"]
+  assert sorted(os.listdir(d)) == ["checkpoint_4"]
+
+
 def run_size(path: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 

@@ -178,10 +178,14 @@ def test_only_flat_prefixes_are_listed(store, s3_bucket, gs_bucket, listed):
   assert deleted
   step_prefixes = {p for p in listed if p.startswith("checkpoint_")}
   # The whole-root listing happened once: the first save of the fresh root
-  # (its migration, which found nothing); then only the deleted steps' own.
+  # (its migration, which found nothing); then only the deleted steps' own
+  # data: the attempt each deletion names.
   assert [p for p in listed if p == "checkpoint_"] == ["checkpoint_"], listed
-  assert step_prefixes - {"checkpoint_"} == {f"checkpoint_{s}/"
-                                             for s in deleted}, listed
+  own = step_prefixes - {"checkpoint_"}
+  assert {p.split("/")[0] for p in own} == {f"checkpoint_{s}"
+                                            for s in deleted}, listed
+  assert all(re.fullmatch(r"checkpoint_\d+/attempt-[0-9a-f]+/", p)
+             for p in own), listed
   assert set(listed) - step_prefixes <= {"commits/", "pending/"}, listed
 
 
@@ -193,7 +197,7 @@ def test_a_deleted_step_is_unlisted_before_its_data_goes(
   real = storage_lib.Storage.delete_prefix
 
   def check_first(self, prefix, what):
-    step = storage_lib.parse_step(prefix.rstrip("/"))
+    step = storage_lib.parse_step(prefix.split("/")[0])
     if step is not None:
       # Whoever lists the steps right now (another process, another job)
       # no longer sees the step whose data is about to go.
