@@ -15,7 +15,10 @@ Local tier on disk (one directory per process)::
   <local>/process_<i>/
     step_<N>/                  committed: every process wrote its part of N
       manifest.json            format, step, process count/index, partner,
-                               per leaf: shape, dtype, shards (index, offset)
+                               the persistent root it belongs to (owner),
+                               the size of each file, the crc32c of
+                               host.msgpack; per leaf: shape, dtype, shards
+                               (index, offset, bytes, shape, crc32c)
       own.bin                  this process's distinct shards, back to back
       partner.bin              the shards of process ``src`` (its partner)
       host.msgpack             host_state and host values: own and partner's
@@ -30,8 +33,11 @@ commits). So when any process holds ``step_<N>``, every process has committed
 required: retention can never delete the newest step the job can rebuild.
 
 Restore: each process posts the local steps it can serve for the target
-(own part, partner replica, both checked against the target's shardings and
-the process count); process 0 takes the newest step for which every process
+(own part, partner replica: a valid manifest of this persistent root and
+topology, the target's shardings, and for the steps that can be chosen
+every file's size and every shard's crc32c, verified before the round, so a
+bad file moves every process's decision to the partner's replica or the
+persistent tier, with the reason); process 0 takes the newest step for which every process
 has its own part or its partner holds a replica of it, compares it with the
 newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse

@@ -224,3 +224,6 @@ def test_local_steps_of_another_persistent_root_are_not_restored(damaged):
     # The next save removes them (retention would otherwise keep 4, 5).
     assert other["entries"] == ["step_1"], other
     assert other["restored_after_save"] == [1, True], other
+  # Nothing to restore anywhere: every process raises the same error.
+  errors = [r[-1].get("error") for r in damaged]
+  assert errors[0] == errors[1], errors
