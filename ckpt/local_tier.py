@@ -15,7 +15,10 @@ Local tier on disk (one directory per process)::
   <local>/process_<i>/
     step_<N>/                  committed: every process wrote its part of N
       manifest.json            format, step, process count/index, partner,
-                               per leaf: shape, dtype, shards (index, offset)
+                               the persistent root it belongs to (owner),
+                               the size of each file, the crc32c of
+                               host.msgpack; per leaf: shape, dtype, shards
+                               (index, offset, bytes, shape, crc32c)
       own.bin                  this process's distinct shards, back to back
       partner.bin              the shards of process ``src`` (its partner)
       host.msgpack             host_state and host values: own and partner's
@@ -30,8 +33,11 @@ commits). So when any process holds ``step_<N>``, every process has committed
 required: retention can never delete the newest step the job can rebuild.
 
 Restore: each process posts the local steps it can serve for the target
-(own part, partner replica, both checked against the target's shardings and
-the process count); process 0 takes the newest step for which every process
+(own part, partner replica: a valid manifest of this persistent root and
+topology, the target's shardings, and for the steps that can be chosen
+every file's size and every shard's crc32c, verified before the round, so a
+bad file moves every process's decision to the partner's replica or the
+persistent tier, with the reason); process 0 takes the newest step for which every process
 has its own part or its partner holds a replica of it, compares it with the
 newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse
@@ -51,6 +57,7 @@ import threading
 import time
 from typing import Any
 
+import crc32c
 import msgpack
 import numpy as np
 from absl import logging
@@ -62,10 +69,13 @@ from ckpt import multihost
 from ckpt import partner
 from ckpt import storage as storage_lib
 from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 
 FORMAT = "ckpt-local-tier"
-VERSION = 1
+VERSION = 2   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
+MAX_MANIFEST_BYTES = 32 << 20   # as MAX_INDEX_BYTES of the persistent tier
+_DATA_FILES = {"own": "own.bin", "partner": "partner.bin"}
+_CRC_CHUNK = 64 << 20   # bytes read at a time to verify a shard
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+\.(tmp|del)-[0-9a-f]+$")
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
@@ -142,11 +152,15 @@ class LocalTier:
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
                concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
-               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S):
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
+               owner: str = ""):
     if keep is None or int(keep) < 2:
       raise ValueError(f"local_keep must be >= 2 (the newest step the job can "
                        f"rebuild may be the one before the newest), got {keep!r}")
     self.keep = int(keep)
+    # The persistent tier this local tier belongs to: steps of another are
+    # never restored and are removed at the next save.
+    self.owner = str(owner)
     self.root = os.path.abspath(os.fspath(directory))
     self.pid = multihost.process_index()
     self.dir = os.path.join(self.root, f"process_{self.pid}")
@@ -178,12 +192,100 @@ class LocalTier:
       return []
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
 
-  def _manifest(self, step: int) -> dict | None:
+  def _manifest(self, step: int) -> dict:
+    """The validated manifest of ``step`` (this process's); raises
+    CorruptCheckpointError naming the file, what was expected and found."""
+    path = os.path.join(self.dir, f"step_{step}", "manifest.json")
     try:
-      with open(os.path.join(self.dir, f"step_{step}", "manifest.json")) as f:
-        return json.load(f)
-    except (OSError, ValueError):
-      return None
+      with open(path, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+      raise CorruptCheckpointError(
+          f"local step {step}: cannot read {path}: {e}") from e
+    if len(data) > MAX_MANIFEST_BYTES:
+      raise CorruptCheckpointError(
+          f"local step {step}: {path} has more than MAX_MANIFEST_BYTES = "
+          f"{MAX_MANIFEST_BYTES} bytes: not a manifest of the local tier")
+    try:
+      m = json.loads(data)
+    except ValueError as e:
+      raise CorruptCheckpointError(
+          f"local step {step}: {path} is not JSON ({len(data)} bytes): "
+          f"{str(e)[:200]}") from e
+    check_manifest(m, step, self.pid, path)
+    return m
+
+  def _foreign(self, m: dict) -> str:
+    """Why a valid manifest belongs to another run ('' if it is ours)."""
+    lay = self.layout
+    if m["owner"] != self.owner:
+      return (f"it was saved for the persistent tier {m['owner']!r}, this "
+              f"job's is {self.owner!r} (a local directory left by another "
+              "run)")
+    if m["process_count"] != lay.n or m["local_devices"] != lay.L:
+      return (f"it was saved by {m['process_count']} processes x "
+              f"{m['local_devices']} devices, this job has {lay.n} x {lay.L}")
+    return ""
+
+  def _remove_unusable(self) -> None:
+    """At a save (writer thread, local only): committed steps of another
+    run (persistent root, topology) or with a bad manifest go: they are
+    never restored, and retention must not keep them over this run's."""
+    for s in self.committed_steps():
+      try:
+        why = self._foreign(self._manifest(s))
+      except CorruptCheckpointError as e:
+        why = str(e)
+      if why:
+        path = os.path.join(self.dir, f"step_{s}")
+        logging.info("ckpt: local tier removes %s: %s", path, why)
+        try:
+          _remove(path, self.dir, s)
+        except OSError as e:
+          logging.warning("ckpt: local tier could not remove %s: %s", path, e)
+
+  def _verify(self, step: int, m: dict, part: str | None) -> str:
+    """'' if the data file of ``part`` (None: host.msgpack) of ``step``
+    has the size and every shard the crc32c its manifest records; else why
+    (naming the file, what was expected and what was found)."""
+    base = os.path.join(self.dir, f"step_{step}")
+    fname = "host.msgpack" if part is None else _DATA_FILES[part]
+    path = os.path.join(base, fname)
+    want = m["files"][fname]
+    try:
+      size = os.path.getsize(path)
+    except OSError as e:
+      if want == 0 and isinstance(e, FileNotFoundError):
+        return ""
+      return f"local step {step}: cannot read {path}: {e}"
+    if size != want:
+      return (f"local step {step}: {path} is {size} bytes, its manifest says "
+              f"{want} (truncated or overwritten)")
+    if part is None:
+      spans = [(0, size, m["crc32c"]["host.msgpack"], "host values")]
+    else:
+      spans = [(sh[1], sh[2], sh[4], f"leaf {name} shard {k}")
+               for name, e in m[part].items()
+               for k, sh in enumerate(e["shards"])]
+    try:
+      with open(path, "rb") as f:
+        for off, nb, crc, what in sorted(spans):
+          f.seek(off)
+          got, left = 0, nb
+          while left:
+            chunk = f.read(min(left, _CRC_CHUNK))
+            if not chunk:
+              return (f"local step {step}: {path} ended at byte "
+                      f"{off + nb - left}, {what} ends at {off + nb}")
+            got = crc32c.crc32c(chunk, got)
+            left -= len(chunk)
+          if got != crc:
+            return (f"local step {step}: {path}: {what} (bytes {off}.."
+                    f"{off + nb}) has crc32c {got:#010x}, its manifest says "
+                    f"{crc:#010x} (the file is corrupt)")
+    except OSError as e:
+      return f"local step {step}: cannot read {path}: {e}"
+    return ""
 
   # -- save --
 
@@ -205,7 +307,7 @@ class LocalTier:
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "process_count": lay.n, "process": lay.pid,
                 "local_devices": lay.L, "partner_src": src, "own": {},
-                "partner": {}, "host_names": []}
+                "partner": {}, "host_names": [], "owner": self.owner}
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
@@ -336,10 +438,12 @@ class LocalTier:
     commit (rename), clean up leftovers and apply retention."""
     error: BaseException | None = None
     files: dict[str, Any] = {}
+    crcs: dict[tuple[str, int], int] = {}  # (file, offset): crc32c
     partner_host = b""
     drained = False
     try:
       self._remove_leftovers(keep=os.path.basename(work))
+      self._remove_unusable()
       while True:
         item = q.get()
         if item is None:
@@ -358,7 +462,9 @@ class LocalTier:
             if f is None:
               f = files[kind] = open(os.path.join(work, kind), "wb")
             f.seek(offset)
-            f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            mv = memoryview(np.ascontiguousarray(data)).cast("B")
+            crcs[(kind, offset)] = crc32c.crc32c(mv)  # of the staged bytes
+            f.write(mv)
         except BaseException as e:  # pylint: disable=broad-except
           error, _ = e, failed.set()
         finally:
@@ -367,9 +473,19 @@ class LocalTier:
         for f in files.values():
           f.flush()
           os.fsync(f.fileno())
-        storage_lib.write_file(os.path.join(work, "host.msgpack"), msgpack.packb(
+        host = msgpack.packb(
             {"own": own_host, "partner": partner_host, "partner_src": src},
-            use_bin_type=True))
+            use_bin_type=True)
+        storage_lib.write_file(os.path.join(work, "host.msgpack"), host)
+        manifest["files"] = {"host.msgpack": len(host)}
+        manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
+        for part, fname in _DATA_FILES.items():
+          size = 0
+          for e in manifest[part].values():
+            for sh in e["shards"]:
+              sh.append(crcs[(fname, sh[1])])
+              size = max(size, sh[1] + sh[2])
+          manifest["files"][fname] = size
         storage_lib.write_file(os.path.join(work, "manifest.json"),
                     json.dumps(manifest).encode())
         commit_lib.fsync_dir(work)
@@ -427,11 +543,20 @@ class LocalTier:
 
   # -- restore --
 
-  def usable(self, target_leaves) -> dict:
-    """What this process can serve: local steps whose own part / partner
-    replica match the target (process count, devices, shardings)."""
+  def usable(self, target_leaves, verify=lambda step: True) -> dict:
+    """What this process can serve: local steps whose manifest is valid and
+    of this run (persistent root, process count, devices), whose own part /
+    partner replica match the target's shardings and, for the steps
+    ``verify(step)`` names, whose files have the recorded sizes and crc32c.
+    Local only (no collective): the caller posts the result in a round."""
     lay = self.layout
     out = {"own": [], "partner": [], "why": ""}
+    whys = []
+
+    def skip(why):
+      logging.info("ckpt: local tier on process %d: %s", lay.pid, why)
+      whys.append(why)
+
     tsig = None
     if target_leaves is not None:
       tsig = {}
@@ -440,15 +565,17 @@ class LocalTier:
         if sh is None or not hasattr(t, "shape"):
           continue
         tsig[name] = (list(t.shape), sh.devices_indices_map(tuple(t.shape)))
-    for s in self.committed_steps():
-      m = self._manifest(s)
-      if m is None or m.get("format") != FORMAT:
+    for s in reversed(self.committed_steps()):
+      try:
+        m = self._manifest(s)
+      except CorruptCheckpointError as e:
+        skip(f"{e}; step skipped")
         continue
-      if m["process_count"] != lay.n or m["local_devices"] != lay.L:
-        out["why"] = (f"step {s} was saved by {m['process_count']} processes "
-                      f"x {m['local_devices']} devices, this job has {lay.n} x "
-                      f"{lay.L}")
+      why = self._foreign(m)
+      if why:
+        skip(f"local step {s} is not restored: {why}")
         continue
+      host_bad = None
       for part, proc in (("own", lay.pid), ("partner", m["partner_src"])):
         if part == "partner" and (lay.n == 1 or proc != lay.src[lay.pid]):
           continue
@@ -459,9 +586,20 @@ class LocalTier:
           if missing:
             why = f"leaves {missing[:4]} are not in the local tier"
         if why:
-          out["why"] = f"step {s}: {why}"
+          why = f"step {s}: {why}"
+        elif verify(s):
+          if host_bad is None:
+            host_bad = self._verify(s, m, None)
+          why = host_bad or self._verify(s, m, part)
+          if why:
+            which = ("its own part" if part == "own" else
+                     f"the replica of process {proc}")
+            why = f"{why}; {which} is not used"
+        if why:
+          skip(why)
         else:
           out[part].append(s)
+    out["why"] = "; ".join(whys)[:1000]
     return out
 
   def restore(self, step: int, target_leaves, need_partner: list[int]):
@@ -472,11 +610,23 @@ class LocalTier:
     lay = self.layout
     base = os.path.join(self.dir, f"step_{step}")
     mine = lay.pid not in need_partner
-    m = self._manifest(step) if (mine or lay.src[lay.pid] in need_partner) else None
-    host = {}
-    if m is not None:
-      with open(os.path.join(base, "host.msgpack"), "rb") as f:
-        host = msgpack.unpackb(f.read(), raw=False)
+    send_partner = lay.src[lay.pid] in need_partner
+    host, own, replica, error = {}, None, None, None
+    try:  # everything that can fail on this process alone, before the round
+      m = self._manifest(step) if (mine or send_partner) else None
+      if m is not None:
+        with open(os.path.join(base, "host.msgpack"), "rb") as f:
+          host = msgpack.unpackb(f.read(), raw=False)
+      if mine:
+        own = self._read_part(base, m["own"], "own.bin")
+      if send_partner:
+        replica = self._read_part(base, m["partner"], "partner.bin")
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    # A process that cannot read what it checked before the choice (the
+    # files changed since) makes every process raise, before the exchange.
+    multihost.all_ok(f"{key}/read", error, f"local restore of step {step}",
+                     self.timeout_s)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
@@ -488,12 +638,8 @@ class LocalTier:
     own_host = host["own"] if mine else host_bytes
     values = msgpack.unpackb(own_host, raw=False)
     out = {name: _decode_host(v) for name, v in values["values"].items()}
-    own = self._read_part(base, m["own"], "own.bin") if mine else None
     arrays = [(n, t) for n, t in target_leaves
               if getattr(t, "sharding", None) is not None and hasattr(t, "shape")]
-    send_partner = lay.src[lay.pid] in need_partner
-    replica = (self._read_part(base, m["partner"], "partner.bin")
-               if send_partner else None)
     batch, batch_bytes, read = [], 0, 0
 
     def flush():
@@ -546,7 +692,7 @@ class LocalTier:
       dt = np.dtype(e["dtype"])
 
       def shard(k, e=e, dt=dt):
-        _, off, nb, shape = e["shards"][k]
+        _, off, nb, shape = e["shards"][k][:4]
         return np.array(mm[off:off + nb]).view(dt).reshape(shape)
 
       by_index = {tuple(tuple(x) for x in sh[0]): k
@@ -559,6 +705,87 @@ class LocalTier:
               by_index[tuple(tuple(x) for x in idx)]),
       }
     return out
+
+
+def _is_int(v, lo: int = 0, hi: int = 1 << 62) -> bool:
+  return type(v) is int and lo <= v < hi
+
+
+def check_manifest(m: Any, step: int, pid: int, path: str) -> None:
+  """Raises CorruptCheckpointError unless ``m`` is a manifest of this
+  version for ``step`` of process ``pid`` whose shards all lie within the
+  data files it records (no field is trusted before this)."""
+  def bad(where: str, want: str, got: Any) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"local step {step}: {path} is not a manifest of the local tier: "
+        f"{where}: expected {want}, found {str(got)[:200]!r}")
+
+  if not isinstance(m, dict):
+    raise bad("the top level", "an object", type(m).__name__)
+  for k, want in (("format", FORMAT), ("version", VERSION), ("step", step),
+                  ("process", pid)):
+    if k not in m:
+      raise bad(k, repr(want), "nothing (missing)")
+    if m[k] != want or type(m[k]) is not type(want):
+      raise bad(k, repr(want), m[k])
+  for k, lo in (("process_count", 1), ("local_devices", 1), ("partner_src", 0)):
+    if not _is_int(m.get(k), lo, 1 << 20):
+      raise bad(k, f"an int >= {lo}", m.get(k, "nothing (missing)"))
+  if m["partner_src"] >= m["process_count"]:
+    raise bad("partner_src", f"< process_count {m['process_count']}",
+              m["partner_src"])
+  if not isinstance(m.get("owner"), str):
+    raise bad("owner", "the persistent tier's URL", m.get("owner"))
+  if not (isinstance(m.get("host_names"), list) and
+          all(isinstance(n, str) for n in m["host_names"])):
+    raise bad("host_names", "a list of leaf names", m.get("host_names"))
+  files = m.get("files")
+  names = {"host.msgpack", *_DATA_FILES.values()}
+  if (not isinstance(files, dict) or set(files) != names or
+      not all(_is_int(v) for v in files.values())):
+    raise bad("files", f"the sizes of {sorted(names)}", files)
+  crcs = m.get("crc32c")
+  if not (isinstance(crcs, dict) and _is_int(crcs.get("host.msgpack"), 0,
+                                               1 << 32)):
+    raise bad("crc32c", "the crc32c of host.msgpack", crcs)
+  for part, fname in _DATA_FILES.items():
+    entries = m.get(part)
+    if not isinstance(entries, dict):
+      raise bad(part, "an object of leaves", entries)
+    for name, e in entries.items():
+      where = f"{part} leaf {name}"
+      if not isinstance(e, dict):
+        raise bad(where, "an object", e)
+      shape = e.get("shape")
+      if not (isinstance(shape, list) and len(shape) <= 64 and
+              all(_is_int(d) for d in shape)):
+        raise bad(f"{where} shape", "a list of sizes", shape)
+      try:
+        dt = np.dtype(e.get("dtype"))
+      except (TypeError, ValueError):
+        dt = None
+      if dt is None or dt.hasobject or dt.itemsize == 0:
+        raise bad(f"{where} dtype", "a numeric dtype", e.get("dtype"))
+      shards, slots = e.get("shards"), e.get("slots")
+      if not isinstance(shards, list):
+        raise bad(f"{where} shards", "a list", shards)
+      if not (isinstance(slots, list) and len(slots) == m["local_devices"] and
+              all(_is_int(j, 0, len(shards)) for j in slots)):
+        raise bad(f"{where} slots", f"{m['local_devices']} shard numbers",
+                  slots)
+      for k, sh in enumerate(shards):
+        ok = (isinstance(sh, list) and len(sh) == 5 and
+              isinstance(sh[0], list) and len(sh[0]) == len(shape) and
+              all(isinstance(b, list) and len(b) == 2 and _is_int(b[0]) and
+                  _is_int(b[1]) and b[0] <= b[1] <= d
+                  for b, d in zip(sh[0], shape)) and
+              _is_int(sh[1]) and _is_int(sh[2]) and
+              sh[3] == [b[1] - b[0] for b in sh[0]] and
+              sh[2] == int(np.prod(sh[3], dtype=np.int64)) * dt.itemsize and
+              sh[1] + sh[2] <= files[fname] and _is_int(sh[4], 0, 1 << 32))
+        if not ok:
+          raise bad(f"{where} shard {k}", "[index, offset, bytes, shape, "
+                    f"crc32c] within {fname} ({files[fname]} bytes)", sh)
 
 
 def _mismatch(entries: dict, tsig: dict, devices) -> str:

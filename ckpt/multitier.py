@@ -52,7 +52,8 @@ class MultiTierCheckpointer:
         barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
     self.local = local_tier.LocalTier(local, keep=local_keep,
                            concurrent_bytes=concurrent_bytes,
-                           barrier_timeout_s=barrier_timeout_s)
+                           barrier_timeout_s=barrier_timeout_s,
+                           owner=_owner(self.persistent.storage.spec))
     self._timeout_s = barrier_timeout_s
     self._preemption_step: int | None = None
     self._restored: tuple[int, Any] | None = None  # (step, host_state)
@@ -104,21 +105,29 @@ class MultiTierCheckpointer:
     last local save failed, an unreadable manifest) says so in the round:
     it holds no local step, so every process takes the same decision."""
     key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
+    try:  # a collective round of the persistent tier, on every process
+      p_latest = self.persistent.latest_step()
+    except CheckpointError:
+      p_latest = None
+
+    def verify(s: int) -> bool:
+      """The steps that can be chosen have their checksums verified here,
+      before the round, so a bad file changes every process's decision."""
+      if step is not None:
+        return s == step
+      return p_latest is None or s >= p_latest
+
     try:
       self.local.wait()
       if target_leaves is None:
         usable = {"own": [], "partner": [], "why": "no target was given "
                   "(the local tier restores onto the target's shardings)"}
       else:
-        usable = self.local.usable(target_leaves)
+        usable = self.local.usable(target_leaves, verify)
     except Exception as e:  # pylint: disable=broad-except
       usable = {"own": [], "partner": [], "why": (
           f"the local tier failed on process {multihost.process_index()}: "
           f"{type(e).__name__}: {e}")[:1000]}
-    try:  # a collective round of the persistent tier, on every process
-      p_latest = self.persistent.latest_step()
-    except CheckpointError:
-      p_latest = None
     dst = self.local.layout.dst
     n = self.local.layout.n
 
@@ -141,7 +150,12 @@ class MultiTierCheckpointer:
                        complete[0] >= p_latest):
         s = complete[0]
         need = [p for p in range(n) if s not in got[p]["own"]]
-        return json.dumps({"tier": "local", "step": s, "need": need})
+        reason = (f"process(es) {need} restore step {s} from their partners' "
+                  "replicas" if need else "")
+        if why and need:
+          reason += f" ({why})"
+        return json.dumps({"tier": "local", "step": s, "need": need,
+                           "reason": reason})
       if complete:
         reason = (f"the newest persistent step {p_latest} is newer than the "
                   f"newest step the local tier can rebuild ({complete[0]})")
@@ -185,9 +199,9 @@ class MultiTierCheckpointer:
     if d["tier"] == "local" and not restore_kwargs:
       out, hs = self.local.restore(d["step"], leaves, d["need"])
       logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
-                   self.local.root, f" (process(es) {d['need']} from their "
-                   "partners)" if d["need"] else "")
-      self.last_restore_tier, self.last_restore_reason = "local", ""
+                   self.local.root, f": {d['reason']}" if d["reason"] else "")
+      self.last_restore_tier = "local"
+      self.last_restore_reason = d.get("reason", "")
       self._restored = (d["step"], hs)
       return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
     reason = d.get("reason") or "restore options the local tier does not take"
@@ -225,3 +239,10 @@ class MultiTierCheckpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _owner(spec: dict) -> str:
+  """The persistent tier's root, normalised (an absolute path for a local
+  one): what ties a local step to the run that saved it."""
+  driver, path = spec.get("driver", ""), spec.get("path", "")
+  return f"{driver}://{spec.get('bucket', '')}/{path.strip('/')}"

@@ -140,3 +140,90 @@ def test_a_local_save_failing_on_one_process_fails_on_all(tmp_path):
   p0, p1 = results
   assert p0["2"] and "process(es) [1]" in p0["2"] and "bytes" in p0["2"], p0
   assert p1["2"] and p1["2"].startswith("CheckpointError: host_state"), p1
+
+
+# ---- integrity, run identity and manifests (issue 23 items 2, 3, 8) --------
+
+_PHASES = [
+    [(0, 5, "own.bin", "flip")],                                   # 0
+    [(0, 5, "own.bin", "flip"), (1, 5, "partner.bin", "flip")],    # 1
+    [(1, 5, "own.bin", "truncate")],                               # 2
+    [(0, 5, "own.bin", "empty"), (1, 5, "partner.bin", "truncate")],  # 3
+    [(0, 5, "manifest.json", "{}"), (1, 5, "manifest.json", "huge")],  # 4
+    [(0, 5, "manifest.json", "not json {"),
+     (1, 5, "manifest.json", '{"format": "ckpt-local-tier"}')],    # 5
+    [(0, 5, "host.msgpack", "flip")],                              # 6
+]
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+  """One 2-process x 2-device job: local steps 4, 5 and persistent step 5,
+  restored after each phase's damage (process 1 keeps process 0's replica
+  and the other way round), then by a run of another persistent root."""
+  root = tmp_path_factory.mktemp("damaged")
+  conf = {"persistent": str(root / "persistent"), "local": str(root / "local"),
+          "flags": str(root), "mesh": [2, 2], "scenario": "integrity",
+          "phases": _PHASES, "dump_after_s": 120}
+  results = local_cluster.check(local_cluster.run(
+      WORKER, conf, num_processes=2, devices_per_process=2, timeout_s=240,
+      cwd=REPO_ROOT))
+  return results
+
+
+def test_a_damaged_local_shard_falls_back_to_the_replica_then_persistent(
+    damaged):
+  for p, r in enumerate(damaged):
+    flip, both, trunc, gone = r[0], r[1], r[2], r[3]
+    # A flipped bit in process 0's own part: its partner's replica.
+    assert (flip.get("tier"), flip.get("step"), flip.get("exact")) == (
+        "local", 5, True), flip
+    assert flip["from_partner"] == (p == 0), flip
+    assert flip["host_state"] == {"pos": 500 + p}, flip
+    assert "process 0" in flip["reason"] and "own.bin" in flip["reason"], flip
+    assert "crc32c" in flip["reason"], flip
+    # ... and in that replica too: the persistent tier, on every process.
+    assert (both.get("tier"), both.get("step"), both.get("exact")) == (
+        "persistent", 5, True), both
+    assert "own.bin" in both["reason"] and "partner.bin" in both["reason"]
+    # A truncated own part: the replica, with a reason naming sizes.
+    assert (trunc.get("tier"), trunc.get("step"), trunc.get("exact")) == (
+        "local", 5, True), trunc
+    assert trunc["from_partner"] == (p == 1), trunc
+    assert "own.bin" in trunc["reason"] and "bytes" in trunc["reason"], trunc
+    # Empty own part and truncated replica: the persistent tier.
+    assert (gone.get("tier"), gone.get("step"), gone.get("exact")) == (
+        "persistent", 5, True), gone
+    assert "Error" not in gone["reason"], gone  # no bare ValueError/TypeError
+  assert damaged[0][1]["reason"] == damaged[1][1]["reason"]
+
+
+def test_a_bad_manifest_is_skipped_with_a_reason(damaged):
+  for r in damaged:
+    empty_huge, garbage, host = r[4], r[5], r[6]
+    for d in (empty_huge, garbage):
+      assert (d.get("tier"), d.get("step"), d.get("exact")) == (
+          "persistent", 5, True), d
+      assert "manifest.json" in d["reason"], d
+    assert "bytes" in empty_huge["reason"], empty_huge   # the size bound
+    assert "JSON" in garbage["reason"], garbage
+    assert "process_count" not in garbage["reason"] or (
+        "missing" in garbage["reason"]), garbage
+    # A damaged host.msgpack: that process's part comes from its partner.
+    assert (host.get("tier"), host.get("step"), host.get("exact")) == (
+        "local", 5, True), host
+    assert "host.msgpack" in host["reason"], host
+
+
+def test_local_steps_of_another_persistent_root_are_not_restored(damaged):
+  for r in damaged:
+    other = r[-1]
+    assert other["latest"] is None, other
+    assert other.get("tier") != "local", other
+    assert "step" not in other or other["tier"] == "persistent", other
+    # The next save removes them (retention would otherwise keep 4, 5).
+    assert other["entries"] == ["step_1"], other
+    assert other["restored_after_save"] == [1, True], other
+  # Nothing to restore anywhere: every process raises the same error.
+  errors = [r[-1].get("error") for r in damaged]
+  assert errors[0] == errors[1], errors

@@ -94,6 +94,22 @@ def main() -> None:
   target = {"params": {n: jax.ShapeDtypeStruct(SHAPES[n][0], SHAPES[n][1],
                                                sharding=shard[n])
                        for n in SHAPES}, "step": np.int64(0)}
+
+  def check(got):
+    step = int(got["step"])
+    want = state_np(step)
+    exact = all(
+        np.array_equal(np.asarray(s.data), want[n][s.index])
+        for n in SHAPES for s in got["params"][n].addressable_shards)
+    return step, bool(exact and all(got["params"][n].sharding == shard[n]
+                                    for n in SHAPES))
+
+  if conf["scenario"] == "integrity":
+    if conf.get("dump_after_s"):
+      import faulthandler  # pylint: disable=g-import-not-at-top
+      faulthandler.dump_traceback_later(conf["dump_after_s"], exit=True)
+    integrity(conf, pid, ckptr, make, target, check)
+    return
   out = []
   for k, phase in enumerate(conf["phases"]):
     multihost.barrier(f"phase-{k}-start")
@@ -123,6 +139,87 @@ def main() -> None:
     mine = os.path.join(conf["local"], f"process_{pid}")
     out.append({"saved": step, "entries": sorted(os.listdir(mine))})
   ckptr.close()
+  local_cluster.write_result(out)
+
+
+def _damage(path: str, how: str) -> None:
+  """Damages one local-tier file in place."""
+  if how == "remove":
+    shutil.rmtree(os.path.dirname(path))
+  elif how == "flip":  # one bit of the byte in the middle of the file
+    with open(path, "r+b") as f:
+      f.seek(os.path.getsize(path) // 2)
+      b = f.read(1)
+      f.seek(-1, 1)
+      f.write(bytes([b[0] ^ 0x08]))
+  elif how == "truncate":
+    os.truncate(path, os.path.getsize(path) // 2)
+  elif how == "empty":
+    os.truncate(path, 0)
+  elif how == "huge":  # 40 MiB (sparse): more than any manifest may hold
+    with open(path, "wb") as f:
+      f.truncate(40 << 20)
+  else:  # the file's new content
+    with open(path, "w") as f:
+      f.write(how)
+
+
+def integrity(conf, pid, ckptr, make, target, check) -> None:
+  """Saves steps 1..5 (local: 4, 5; persistent: 5), then per phase puts the
+  local directories back and damages the files the phase names before
+  restoring; last, a checkpointer of another persistent root (empty) over
+  the same local directory restores, saves step 1 and lists what is left."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  for step in range(1, 6):
+    ckptr.save(step, make(step), host_state={"pos": step * 100 + pid})
+  ckptr.wait_until_finished()
+  mine = os.path.join(conf["local"], f"process_{pid}")
+  backup = os.path.join(conf["flags"], f"backup_{pid}")
+  shutil.copytree(mine, backup)
+  out = []
+
+  def put_back(k, damage):
+    multihost.barrier(f"integrity-{k}-start")
+    shutil.rmtree(mine)
+    shutil.copytree(backup, mine)
+    for p, step, fname, how in damage:
+      if p == pid:
+        _damage(os.path.join(mine, f"step_{step}", fname or "x"), how)
+    multihost.barrier(f"integrity-{k}-damaged")
+
+  for k, damage in enumerate(conf["phases"]):
+    put_back(k, damage)
+    r = {}
+    try:
+      got = ckptr.restore(target=target)
+      r["step"], r["exact"] = check(got)
+      r["host_state"] = ckptr.host_state()
+    except Exception as e:  # pylint: disable=broad-except
+      r["error"] = f"{type(e).__name__}: {e}"
+    r.update(tier=ckptr.last_restore_tier, reason=ckptr.last_restore_reason,
+             from_partner=ckptr.local.last_restore_stats.get("from_partner"))
+    ckptr.local.last_restore_stats = {}
+    out.append(r)
+  ckptr.close()
+  # Another run: an empty persistent root, the local directory of this one.
+  put_back("other", [])
+  other = ckpt.MultiTierCheckpointer(
+      conf["persistent"] + "_other", local=conf["local"], local_interval=1,
+      local_keep=2, persistent_interval=100, barrier_timeout_s=60)
+  r = {"latest": other.latest_step()}
+  try:
+    r["step"], r["exact"] = check(other.restore(target=target))
+  except Exception as e:  # pylint: disable=broad-except
+    r["error"] = f"{type(e).__name__}: {e}"
+  r.update(tier=other.last_restore_tier, reason=other.last_restore_reason)
+  other.save(1, make(1), host_state={"pos": 100 + pid})
+  other.wait_until_finished()
+  r["entries"] = sorted(os.listdir(mine))
+  r["restored_after_save"] = check(other.restore(target=target))
+  other.close()
+  out.append(r)
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.write_result(out)
 
 
