@@ -15,6 +15,7 @@ import os
 import pathlib
 import re
 import signal
+import time
 
 import pytest
 
@@ -40,6 +41,13 @@ def _persistent(path) -> list[int]:
                 if m)
 
 
+def _listdir(path) -> list[str]:
+  try:
+    return os.listdir(path)
+  except FileNotFoundError:
+    return []
+
+
 def _newest_complete(held: dict[int, list[int]]) -> int | None:
   dst = {p: (p + 1) % N for p in range(N)}
   cands = set().union(*held.values())
@@ -62,7 +70,21 @@ def killed(tmp_path_factory):
     for p in range(N):
       cluster.kill(p, signal.SIGKILL)
     raise
-  for p in range(N):  # every process, while a local save is in flight
+  # Every process, while a local save is in flight: a process seen with a
+  # .tmp- directory is stopped first (SIGSTOP), and killed if the directory
+  # is still there (not renamed meanwhile); then all of them (bounded).
+  deadline = time.monotonic() + 60
+  while time.monotonic() < deadline:
+    busy = [p for p in range(N) if any(".tmp-" in n for n in _listdir(
+        root / "local" / f"process_{p}"))]
+    if busy:
+      cluster.kill(busy[0], signal.SIGSTOP)
+      if any(".tmp-" in n for n in _listdir(
+          root / "local" / f"process_{busy[0]}")):
+        break
+      cluster.kill(busy[0], signal.SIGCONT)
+    time.sleep(0.001)
+  for p in range(N):
     cluster.kill(p, signal.SIGKILL)
   cluster.wait(30, grace_s=0)
   leftovers = [n for p in range(N) for n in os.listdir(root / "local" /
