@@ -429,10 +429,13 @@ def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
   its index are both there (a stat each; a step copied from a bucket, whose
   index is in the attempt its marker names, reads the marker too)."""
   path = os.path.join(os.fspath(storage.root), name)
-  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+  if not os.path.exists(os.path.join(path, storage_lib.COMMIT_MARKER)):
     return ("has no commit marker (commit_success)" if os.path.isdir(path)
             else "does not exist")
-  if os.path.isfile(os.path.join(path, storage_lib.INDEX_NAME)):
+  # Anything at the index's name counts: one that is not a regular file (a
+  # FIFO, a link out of the step) is a corrupt step that reading refuses,
+  # naming it, not a missing one.
+  if os.path.lexists(os.path.join(path, storage_lib.INDEX_NAME)):
     return None
   key = f"{name}/{storage_lib.COMMIT_MARKER}"
   try:
@@ -440,8 +443,8 @@ def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
                                        f"{path}/{storage_lib.COMMIT_MARKER}")
   except CheckpointError:
     data_dir = ""
-  if data_dir and os.path.isfile(os.path.join(path, data_dir,
-                                              storage_lib.INDEX_NAME)):
+  if data_dir and os.path.lexists(os.path.join(path, data_dir,
+                                               storage_lib.INDEX_NAME)):
     return None
   where = f"{data_dir}/" if data_dir else ""
   return f"has a commit marker but no {where}{storage_lib.INDEX_NAME}"
