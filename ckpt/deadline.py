@@ -70,15 +70,19 @@ class Deadline:
   def left(self) -> float:
     return self.at - time.monotonic()
 
-  def error(self, doing: str | None = None) -> StoreTimeoutError:
+  def error(self, doing: str | None = None,
+            failure: BaseException | None = None) -> StoreTimeoutError:
     """The error of a wait that ran past this deadline; ``doing`` is the
     store call it was waiting for ("reading the index of step 5 from
-    's3://b/run'"), when known."""
+    's3://b/run'"), when known; ``failure`` an earlier error of the
+    operation, when the deadline cut what followed it."""
     what = self.operation or doing or "an operation on the store"
     message = (f"{what} did not finish within {self.bound_s:g} s: the store "
                "did not answer in time")
     if self.operation and doing:
       message += f" (it was waiting for {doing})"
+    if failure is not None:
+      message += f"; it had failed with {type(failure).__name__}: {failure}"
     message += (f". The bound is the Checkpointer argument {self.option}="
                 f"{self.bound_s:g}; pass a larger value to wait longer, or "
                 "None to wait as long as the store's retries take")
@@ -119,15 +123,21 @@ async def bounded(coro, deadline: Deadline | None) -> Any:
   """Awaits ``coro`` under ``deadline``. A failure that a wait past the
   deadline caused (a StoreTimeoutError in its chain, perhaps wrapped by the
   code in between) comes out as that StoreTimeoutError, so the caller sees
-  the operation, the bound and its option first."""
+  the operation, the bound and its option first; so does one that arrives
+  after the deadline (a request that failed after its retries, and then
+  the removal of the failed attempt was cut), with that failure in it."""
   with scope(deadline):
     try:
       return await coro
     except Exception as e:
       timeout = timeout_in(e)
-      if timeout is None or timeout is e or timeout.deadline is None:
+      if timeout is e:
         raise
-      raise timeout.deadline.error(timeout.doing) from e
+      if timeout is not None and timeout.deadline is not None:
+        raise timeout.deadline.error(timeout.doing) from e
+      if timeout is None and deadline is not None and deadline.left() <= 0:
+        raise deadline.error(failure=e) from e
+      raise
 
 
 def timeout_in(e: BaseException | None) -> StoreTimeoutError | None:

@@ -135,6 +135,29 @@ def test_store_dies_after_save_returned(proxied, flavour):
   other.close()
 
 
+def test_a_request_that_failed_before_the_deadline_is_named(proxied):
+  """The store refuses; each request gives up after its retries (about
+  6 s here), before the save's bound (10 s): the write fails first, then
+  the removal of the failed attempt is cut at the deadline. The error is
+  the deadline's (operation, URL, bound, option) and names that failure."""
+  px, url = proxied
+  slow = {"s3_request_retries": {"max_retries": 3, "initial_delay": "2s",
+                                 "max_delay": "2s"}}
+  ckptr = ckpt.Checkpointer(url, storage_options=slow, **BOUNDS)
+  ckptr.save(1, SMALL)
+  ckptr.wait_until_finished()
+  ckptr.save(2, BIG)
+  px.refuse()
+  waiting = in_thread(ckptr.wait_until_finished)
+  error, seconds = waiting(SAVE_BOUND_S + SLACK_S + 5, "wait_until_finished()")
+  print(f"wait_until_finished() raised after {seconds:.1f} s: {error}")
+  check_timeout(error, seconds, SAVE_BOUND_S, f"writing step 2 to {url!r}",
+                "save_timeout_s")
+  assert "; it had failed with " in str(error), error
+  assert "All 3 retry attempts failed" in str(error), error
+  ckptr.close()
+
+
 @pytest.mark.xfail(strict=True, raises=AssertionError,
                    reason="cleanup at every save: other branch")
 def test_next_save_after_the_store_came_back(proxied):
