@@ -135,7 +135,8 @@ async def bounded(coro, deadline: Deadline | None) -> Any:
         raise
       if timeout is not None and timeout.deadline is not None:
         raise timeout.deadline.error(timeout.doing) from e
-      if timeout is None and deadline is not None and deadline.left() <= 0:
+      if (deadline is not None and deadline.left() <= 0
+          and not abandoned(e)):  # (another process's deadline: as it is)
         raise deadline.error(failure=e) from e
       raise
 

@@ -73,7 +73,8 @@ async def _barrier(attempt: Attempt, name: str, what: str,
   if error is not None:
     # A deadline's own error names the operation, the bound and its option.
     shown = deadline_lib.timeout_in(error) or error
-    multihost.report_failure(f"{key}/failed", f"{type(shown).__name__}: {shown}")
+    multihost.report_failure(f"{key}/failed",
+                             f"{type(shown).__name__}: {shown}")
   await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
                           what=f"{what}, step {attempt.step}")
   on_arrival()

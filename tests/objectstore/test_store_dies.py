@@ -228,7 +228,8 @@ def test_a_job_fails_together_when_one_process_loses_the_store(
   assert one["error"].startswith(
       f"writing step 2 to {url!r} did not finish within {SAVE_BOUND_S:g} s")
   assert zero["type"] == "CheckpointError", zero
-  assert "failed on process(es) [1] before 'all processes wrote" in zero["error"]
+  assert ("failed on process(es) [1] before 'all processes wrote"
+          in zero["error"]), zero
   assert (f"process 1: StoreTimeoutError: writing step 2 to {url!r} did not "
           f"finish within {SAVE_BOUND_S:g} s") in zero["error"], zero
   assert "save_timeout_s=" in zero["error"]
