@@ -4,7 +4,8 @@ from ckpt.checkpointer import Checkpointer
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          CheckpointNotFoundError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError,
-                         TreeMismatchError, WaitTimeoutError)
+                         StoreTimeoutError, TreeMismatchError,
+                         WaitTimeoutError)
 from ckpt import integrity
 from ckpt import transforms
 from ckpt.lazy import LazyLeaf
@@ -16,7 +17,7 @@ from ckpt.multitier import MultiTierCheckpointer
 __all__ = [
     "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "InvalidStateError", "MissingLeavesError", "TreeMismatchError",
-    "WaitTimeoutError",
+    "InvalidStateError", "MissingLeavesError", "StoreTimeoutError",
+    "TreeMismatchError", "WaitTimeoutError",
 ]
 __version__ = "0.1.0"

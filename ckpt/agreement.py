@@ -41,7 +41,8 @@ MAX_DIGESTS = 256
 _ERRORS = {c.__name__: c for c in (
     errors.CheckpointError, errors.CheckpointNotFoundError,
     errors.CorruptCheckpointError, errors.TreeMismatchError,
-    errors.InvalidStateError, errors.BarrierTimeoutError)}
+    errors.InvalidStateError, errors.BarrierTimeoutError,
+    errors.StoreTimeoutError)}
 _ERRORS["MissingLeavesError"] = errors.TreeMismatchError
 
 

@@ -33,6 +33,7 @@ from absl import logging
 
 from ckpt import agreement
 from ckpt import commit as commit_lib
+from ckpt import deadline as deadline_lib
 from ckpt import finalize
 from ckpt import multihost
 from ckpt import queries
@@ -48,6 +49,10 @@ from ckpt.plan import DEFAULT_CHUNK_BYTES
 from ckpt.retention import RetentionPolicy
 
 DEFAULT_CONCURRENT_BYTES = 1 << 30
+# Bounds of whole operations against a store that stops answering
+# (ckpt/deadline.py): a save (and its retention pass), and a query.
+DEFAULT_SAVE_TIMEOUT_S = 120.0
+DEFAULT_QUERY_TIMEOUT_S = 60.0
 
 
 def _chunk_checksum(fmt: str, on: bool) -> str | None:
@@ -97,6 +102,22 @@ class Checkpointer(queries.Queries):
       per-process files, checked by ``verify`` and ``restore(verify=True)``.
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
+    save_timeout_s: a save that is not committed this many seconds after it
+      started writing (process 0: when it prepares the attempt) fails with
+      ``StoreTimeoutError`` naming the step, the URL and this option,
+      re-raised by ``wait_until_finished``/``close``/the next ``save``, on
+      every process (the failure travels with the "written" barrier). The
+      bound covers the whole save: every request, the commit and the
+      removal of the failed attempt (cut short at the deadline; its
+      ``pending/`` record then stays for cleanup). Requests in flight at the
+      deadline are abandoned, not cancelled (ckpt/tsfuture.py). Also bounds
+      each retention pass and ``delete``. None: no bound but TensorStore's
+      retries of each request (ckpt/storage.py).
+    query_timeout_s: the same bound for the directory queries:
+      ``latest_step``, ``all_steps``, ``metrics``, ``metadata``,
+      ``host_state``'s choice of step, ``should_save``'s first round,
+      ``restore``'s choice of step (not its reads of data), and opening the
+      store when the Checkpointer is made.
     lease_s: a save renews its lease every ``lease_s / 6`` seconds (at
       most once a second on an object store); cleanup (process 0, at every
       save) removes an uncommitted attempt once its lease is older than this,
@@ -128,7 +149,9 @@ class Checkpointer(queries.Queries):
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
                lease_s: float = commit_lib.DEFAULT_LEASE_S,
-               read_once: bool | None = None):
+               read_once: bool | None = None,
+               save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
+               query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S):
     self._clock = clock if clock is not None else time.time
     self.policy = RetentionPolicy(
         keep, keep_period, best_metric, best_mode,
@@ -168,7 +191,13 @@ class Checkpointer(queries.Queries):
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
     self.lease_s = float(lease_s)
     self._storage_options = storage_options
-    self.storage = storage_lib.Storage(directory, storage_options)
+    self.save_timeout_s = deadline_lib.check_bound("save_timeout_s",
+                                                   save_timeout_s)
+    self.query_timeout_s = deadline_lib.check_bound("query_timeout_s",
+                                                    query_timeout_s)
+    self.storage = deadline_lib.call(
+        self._query_deadline(), storage_lib.Storage, directory,
+        storage_options)
     self._context = self.storage.context()
     # Coordination keys name the directory, so every process derives the
     # same ones from what it was given (see multihost.call_key).
@@ -180,7 +209,8 @@ class Checkpointer(queries.Queries):
     self._inflight: concurrent.futures.Future | None = None
     self._inflight_step: int | None = None
     self._retention = finalize.Retention(self.storage, self.policy,
-                                         self._read_metrics, self._read_time)
+                                         self._read_metrics, self._read_time,
+                                         timeout_s=self.save_timeout_s)
     self.last_save_stats = save_lib.SaveStats()
     self._loop = asyncio.new_event_loop()
     self._thread = threading.Thread(target=self._loop.run_forever,
@@ -241,8 +271,9 @@ class Checkpointer(queries.Queries):
       values = agreement.host_values(plan.leaves)
     except Exception as e:  # pylint: disable=broad-except
       error = e  # every process hears of it in the round below
+    started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
-        key, step, error, values, lambda: self._prepare_attempt(step),
+        key, step, error, values, lambda: self._prepare_attempt(step, started),
         timeout_s=self.barrier_timeout_s)
     self._has_checkpoint = True  # agreed: committed already, or about to be
     if decision.action == "skip":
@@ -257,10 +288,10 @@ class Checkpointer(queries.Queries):
     stats = save_lib.SaveStats(step=step, plan_s=plan_s)
     self.last_save_stats = stats
     staged = threading.Event()
-    fut = asyncio.run_coroutine_threadsafe(
+    fut = asyncio.run_coroutine_threadsafe(deadline_lib.bounded(
         self._save_async(attempt, plan, metrics, host_bytes, stats, staged, t0,
                          coord0),
-        self._loop)
+        started[0] if started else self._save_deadline(step)), self._loop)
     with self._lock:
       self._inflight, self._inflight_step = fut, step
     if self.async_save:
@@ -273,14 +304,30 @@ class Checkpointer(queries.Queries):
       stats.blocking_s = stats.total_s
     return True
 
-  def _prepare_attempt(self, step: int) -> str | None:
+  def _prepare_attempt(self, step: int, started: list) -> str | None:
     """Process 0, in the save round: None if ``step`` is committed, else the
-    token of a fresh, empty attempt directory."""
-    if commit_lib.is_committed(self.storage, step):
-      return None
-    token = multihost.unique_token()
-    commit_lib.prepare(self.storage, step, token, self.lease_s)
-    return token
+    token of a fresh, empty attempt directory. The save's deadline starts
+    here (appended to ``started``): its first request."""
+    deadline = self._save_deadline(step)
+    started.append(deadline)
+    with deadline_lib.scope(deadline):
+      if commit_lib.is_committed(self.storage, step):
+        return None
+      token = multihost.unique_token()
+      commit_lib.prepare(self.storage, step, token, self.lease_s)
+      return token
+
+  def _save_deadline(self, step: int, doing: str = "writing step {} to"
+                     ) -> deadline_lib.Deadline | None:
+    """The deadline of saving (or deleting) ``step``, from now."""
+    return deadline_lib.Deadline.start(
+        self.save_timeout_s, "save_timeout_s",
+        f"{doing.format(step)} {self.storage.url!r}")
+
+  def _query_deadline(self) -> deadline_lib.Deadline | None:
+    """The deadline of a query, from now; the store call in flight names
+    the operation ("listing the steps of 's3://...'")."""
+    return deadline_lib.Deadline.start(self.query_timeout_s, "query_timeout_s")
 
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
                         host_bytes: bytes, stats: save_lib.SaveStats,
@@ -573,7 +620,8 @@ class Checkpointer(queries.Queries):
   def _agreed(self, request: str, answer: Callable[[], Any], what: str,
               where: str = "", *, key: str | None = None,
               error: BaseException | None = None) -> Any:
-    """``answer()`` computed once by process 0; every process gets it.
+    """``answer()`` computed once by process 0, within the query bound
+    (``query_timeout_s``); every process gets it.
 
     The call's key is taken before anything of the call can fail (``key``:
     taken by the caller already). ``error``: this process's own checks
@@ -582,8 +630,11 @@ class Checkpointer(queries.Queries):
     keys (agreement.read_round)."""
     if key is None:
       key = self._read_key()
+
+    def bounded() -> Any:
+      return deadline_lib.call(self._query_deadline(), answer)
     return agreement.read_round(
-        key, request, answer, timeout_s=self.barrier_timeout_s, what=what,
+        key, request, bounded, timeout_s=self.barrier_timeout_s, what=what,
         where=where, local_error=error)
 
   def _read_key(self) -> str:

@@ -276,8 +276,8 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
   marker_key = f"{final}/{storage_lib.COMMIT_MARKER}"
   data_dir = rel.split("/", 1)[1]
   with storage.store_errors(f"writing the commit marker of step {step} to"):
-    storage.kv.write(marker_key, records.marker(step, token, data_dir),
-                     if_equal=NO_VALUE).result()
+    storage.result(storage.kv.write(
+        marker_key, records.marker(step, token, data_dir), if_equal=NO_VALUE))
   # A write whose condition failed is not an error in TensorStore; a retried
   # PUT of ours may also find our own marker. Read which attempt won.
   won = records.marker_attempt(storage.read_bytes(marker_key))

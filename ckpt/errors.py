@@ -45,6 +45,14 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
   """Not every process reached a barrier within the timeout."""
 
 
+class StoreTimeoutError(CheckpointError, TimeoutError):
+  """An operation on a store did not finish within its bound
+  (``save_timeout_s``, ``query_timeout_s``; see ckpt/deadline.py). The
+  message names the operation, the URL, the bound and the option."""
+  deadline = None  # the ckpt.deadline.Deadline it ran past
+  doing = None     # the store call it was waiting for, when known
+
+
 class WaitTimeoutError(CheckpointError, TimeoutError):
   """``wait_until_finished(timeout=...)`` ran out of time; the save it waited
   for is still tracked (the next wait, save or close waits for it again)."""

@@ -18,7 +18,10 @@ step, the attempt token and the work directory process 0 prepared. Then:
 
 A save that fails after the "written" barrier is removed by process 0 (every
 process has said it stopped writing into it), so a job that ran out of space
-gets it back. Its coordination keys are deleted once no process needs them.
+gets it back; but not one that ran past its deadline (``save_timeout_s``,
+ckpt/deadline.py): writes abandoned then may still land, so that attempt
+stays, recorded under ``pending/``, for cleanup. Its coordination keys are
+deleted once no process needs them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from absl import logging
 import msgpack
 
 from ckpt import commit as commit_lib
+from ckpt import deadline as deadline_lib
 from ckpt import index as index_lib
 from ckpt import lease as lease_lib
 from ckpt import multihost
@@ -68,7 +72,10 @@ async def _barrier(attempt: Attempt, name: str, what: str,
   is raised."""
   key = f"{attempt.key}/{name}"
   if error is not None:
-    multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+    # A deadline's own error names the operation, the bound and its option.
+    shown = deadline_lib.timeout_in(error) or error
+    multihost.report_failure(f"{key}/failed",
+                             f"{type(shown).__name__}: {shown}")
   await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
                           what=f"{what}, step {attempt.step}")
   on_arrival()
@@ -154,10 +161,11 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
         error = e
     # 9. the save is complete everywhere.
     await _barrier(attempt, "done", "the commit finished", error)
-  except BaseException:
-    if stopped_writing and pid == 0:
-      # Every process has said (at "written") that it stopped writing: the
-      # attempt can go now, not at the next save.
+  except BaseException as e:
+    # Every process has said (at "written") that it stopped writing: the
+    # attempt can go now, not at the next save; unless one gave up at the
+    # deadline, leaving writes in flight (ckpt/deadline.py).
+    if stopped_writing and pid == 0 and not deadline_lib.abandoned(e):
       await asyncio.to_thread(_remove_failed, storage, attempt)
     elif pid == 0:
       logging.warning(
@@ -282,12 +290,20 @@ class Retention:
 
   Steps being restored (``protect``) are never deleted: each deletion
   checks them under a lock at the moment it happens.
+
+  Each pass has its own bound, ``timeout_s`` from its start (the
+  Checkpointer's ``save_timeout_s``; ckpt/deadline.py), not what is left of
+  the save's: a store that dies after a commit holds ``wait_until_finished``
+  at most that long more. A pass cut short is logged like any failure; a
+  deletion it began is finished by cleanup (its ``pending/`` record).
   """
 
   def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
                read_metrics: Callable[[int], dict],
-               read_time: Callable[[int], float] | None = None):
+               read_time: Callable[[int], float] | None = None,
+               timeout_s: float | None = None):
     self.storage = storage
+    self.timeout_s = timeout_s
     self.policy = policy
     self.read_metrics = read_metrics
     self.read_time = read_time  # the save time of a step (the time rule)
@@ -317,7 +333,8 @@ class Retention:
     async def run():
       if previous is not None:
         await asyncio.gather(previous, return_exceptions=True)
-      await asyncio.to_thread(self.apply, newest)
+      deadline = deadline_lib.Deadline.start(self.timeout_s, "save_timeout_s")
+      await asyncio.to_thread(deadline_lib.call, deadline, self.apply, newest)
     self._task = asyncio.ensure_future(run())
 
   async def wait(self) -> None:

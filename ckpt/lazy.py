@@ -300,7 +300,7 @@ class LazyArray(LazyLeaf):
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
       await tsfuture.wait(ts.array(out, copy=False, write=True).write(
-          store[box.slices()]))
+          store[box.slices()]), abandonable=False)
     except Exception as e:
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"

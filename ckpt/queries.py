@@ -12,12 +12,13 @@ import operator
 from typing import Any
 
 from ckpt import commit as commit_lib
+from ckpt import deadline as deadline_lib
 from ckpt import metadata as metadata_lib
 from ckpt import multihost
 from ckpt import records
 from ckpt import restore as restore_lib
 from ckpt import save_extras
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, WaitTimeoutError
 
 
 class Queries:
@@ -34,7 +35,10 @@ class Queries:
     return steps[-1] if steps else None
 
   def _list_steps(self) -> list[int]:
-    self._wait_for_retention()  # report the directory as retention left it
+    try:  # report the directory as retention left it
+      self._wait_for_retention(deadline_lib.time_left())
+    except WaitTimeoutError:  # within the query's bound: then list anyway
+      pass
     return commit_lib.committed_steps(self.storage)
 
   def metrics(self, step: int) -> dict[str, float | int]:
@@ -124,14 +128,16 @@ class Queries:
     self._time_cache.pop(step, None)
 
   def _delete_step(self, step: int) -> bool:
-    """Process 0, in the delete round."""
+    """Process 0, in the delete round: within ``save_timeout_s`` (a step
+    of many keys may take longer than a query)."""
     with self._lock:
       fut, saving = self._inflight, self._inflight_step
     if fut is not None and saving == step and not fut.done():
       raise CheckpointError(
           f"cannot delete step {step} in {self.storage.url!r}: it is being "
           "saved (call wait_until_finished() first)")
-    self._retention.delete(step)
+    with deadline_lib.scope(self._save_deadline(step, "deleting step {} from")):
+      self._retention.delete(step)
     return True
 
   def metadata(self, step: int | None = None) -> "metadata_lib.Metadata":

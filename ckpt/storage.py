@@ -23,13 +23,37 @@ records existed is listed in full. Deleting a step still lists its own keys
 a server that ignores the range (an emulator without ``startOffset``)
 raises instead of letting a deletion touch keys outside the step.
 
-A dead store fails in bounded time: TensorStore retries each request 32
-times with backoff up to 32 s by default (about 15 minutes before an error),
-so every context made here retries ``STORE_RETRIES`` (about 80 s per request
-against a store that does not answer). ``s3_request_retries`` /
-``gcs_request_retries`` in storage_options override it member by member.
-Errors of the store come out of ``Storage`` as ``CheckpointError`` naming the
-URL, the operation and the step.
+A dead store fails in bounded time, at two levels:
+
+- Each request: TensorStore retries a request 32 times with backoff up to
+  32 s by default (about 15 minutes before an error), so every context made
+  here retries ``STORE_RETRIES``: a store that refuses connections fails a
+  request after about 80 s. ``s3_request_retries`` / ``gcs_request_retries``
+  in storage_options override it member by member. Retries do not bound a
+  store that accepts connections and never answers: curl then waits
+  forever, unless ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS`` is set.
+- Each whole operation (ckpt/deadline.py), since one is many requests in
+  sequence: a save (from its first request to its commit, including the
+  removal of a failed attempt) fails within the Checkpointer's
+  ``save_timeout_s`` (default 120 s; also each retention pass and
+  ``delete``), a query (``latest_step``, ``all_steps``, ``metrics``,
+  ``metadata``, the choice of step of ``restore`` and ``host_state``, and
+  opening the store) within ``query_timeout_s`` (default 60 s), whether
+  the store refuses or never answers. Every wait of this module
+  (``Storage.result``) and every awaited TensorStore future
+  (``tsfuture.wait``) checks the deadline; requests in flight at it are
+  abandoned, not cancelled. Before these bounds, a store that died right
+  after an async ``save()`` returned took 162 s to fail the save (refused)
+  or never failed it (no answer: none after 400 s), and a new
+  Checkpointer's ``latest_step()`` took 81 s (refused) or never answered.
+  Reading a checkpoint's data (``restore``, ``load``, lazy leaves) has the
+  per-request bound only.
+
+Errors of the store come out of ``Storage`` as ``CheckpointError`` naming
+the URL, the operation and the step; a deadline's as ``StoreTimeoutError``
+(a CheckpointError) that also names the bound and the option that sets it:
+"writing step 5 to 's3://b/run' did not finish within 120 s: ... The bound
+is the Checkpointer argument save_timeout_s=120; ...".
 """
 
 from __future__ import annotations
@@ -45,7 +69,9 @@ from typing import Any
 from etils import epath
 import tensorstore as ts
 
+from ckpt import deadline as deadline_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import StoreTimeoutError
 
 STEP_PREFIX = "checkpoint_"
 INDEX_NAME = "index.msgpack"
@@ -309,7 +335,10 @@ class Storage:
     else:
       self.root = None
       try:
-        self._kv = ts.KvStore.open(self.spec, context=self.context()).result()
+        self._kv = self.result(ts.KvStore.open(self.spec,
+                                               context=self.context()))
+      except StoreTimeoutError as e:
+        raise e.deadline.error(f"opening {self.url!r}") from None
       except Exception as e:
         raise CheckpointError(
             f"cannot open {self.url!r} (kvstore {self.spec}): {e}") from e
@@ -338,13 +367,26 @@ class Storage:
           f"the context resources in storage_options for {self.url!r} are "
           f"invalid: {e}; they were {self._resources}") from e
 
+  @staticmethod
+  def result(future):
+    """``future.result()`` of a call into the store, within the deadline of
+    the operation in progress (ckpt/deadline.py). Every wait of this module
+    goes through it; callers outside call it inside ``store_errors``."""
+    return deadline_lib.result(future)
+
   @contextlib.contextmanager
   def store_errors(self, doing: str):
     """Re-raises an error of the store (TensorStore's ValueError, OSError) as
     CheckpointError naming ``doing`` ("listing the steps of") and the URL;
-    ckpt's own errors pass unchanged. For every call into ``self.kv``."""
+    ckpt's own errors pass unchanged, but for a wait that ran past the
+    deadline, which is told what it waited for. For every call into
+    ``self.kv``."""
     try:
       yield
+    except StoreTimeoutError as e:
+      if e.deadline is None or e.doing is not None:
+        raise
+      raise e.deadline.error(f"{doing} {self.url!r}") from None
     except CheckpointError:
       raise
     except Exception as e:
@@ -370,7 +412,7 @@ class Storage:
       if self.is_posix:
         return self._read_file(rel, limit)
       self._check_object_size(rel, limit)
-      r = self._kv.read(rel).result()
+      r = self.result(self._kv.read(rel))
       data = None if r.state == "missing" else bytes(r.value)
     if data is not None and len(data) > limit:
       self._too_large(rel, len(data), limit)
@@ -386,7 +428,7 @@ class Storage:
       return self.read_bytes(rel)
     with self.store_errors(f"reading {_describe(rel)} from"):
       try:
-        r = self._kv.read(rel, byte_range=slice(0, size)).result()
+        r = self.result(self._kv.read(rel, byte_range=slice(0, size)))
       except Exception as e:  # pylint: disable=broad-except
         if not any(s in str(e) for s in ("OUT_OF_RANGE", "not satisfied",
                                          "not valid for value of size",
@@ -404,7 +446,7 @@ class Storage:
       return os.path.isfile(os.path.join(os.fspath(self.root), rel))
     with self.store_errors(f"reading {_describe(rel)} from"):
       try:
-        r = self._kv.read(rel, byte_range=slice(0, 1)).result()
+        r = self.result(self._kv.read(rel, byte_range=slice(0, 1)))
       except Exception as e:  # pylint: disable=broad-except
         if any(s in str(e) for s in ("OUT_OF_RANGE", "not satisfied",
                                      "not valid for value of size",
@@ -443,9 +485,9 @@ class Storage:
     (ckpt/deletion.py relies on this only where that is harmless)."""
     with self.store_errors(f"deleting {_describe(rel)} from"):
       if generation is None:
-        self._kv.write(rel, None).result()
+        self.result(self._kv.write(rel, None))
         return True
-      r = self._kv.write(rel, None, if_equal=generation).result()
+      r = self.result(self._kv.write(rel, None, if_equal=generation))
     return bool(r.generation)  # empty: the condition failed
 
   def _read_file(self, rel: str, limit: int) -> bytes | None:
@@ -475,7 +517,7 @@ class Storage:
     answers OUT_OF_RANGE for a range past the end of a smaller object (some
     emulators send a Content-Range TensorStore rejects instead)."""
     try:
-      r = self._kv.read(rel, byte_range=slice(limit, limit + 1)).result()
+      r = self.result(self._kv.read(rel, byte_range=slice(limit, limit + 1)))
     except Exception as e:  # pylint: disable=broad-except
       text = str(e)
       if any(s in text for s in ("OUT_OF_RANGE", "not valid for value of size",
@@ -501,7 +543,7 @@ class Storage:
         p.parent.mkdir(parents=True, exist_ok=True)
         write_file(os.fspath(p), data)
         return None
-      return bytes(self._kv.write(rel, data).result().generation)
+      return bytes(self.result(self._kv.write(rel, data)).generation)
 
   # ---- listing and deleting keys (object stores) ---------------------------
 
@@ -518,7 +560,7 @@ class Storage:
     lo, hi = _prefix_range(prefix)
     with self.store_errors(_describe_listing(prefix)):
       keys = [k.decode() for k in
-              self._kv.list(ts.KvStore.KeyRange(lo, hi)).result()]
+              self.result(self._kv.list(ts.KvStore.KeyRange(lo, hi)))]
     outside = [k for k in keys if not lo <= k < hi]
     if outside:
       raise CheckpointError(
@@ -540,7 +582,7 @@ class Storage:
     with self.store_errors(f"deleting {what} from"):
       pending = [self._kv.write(k, None) for k in keys]
       for f in pending:
-        f.result()
+        self.result(f)
 
   def step_spec(self, rel_dir: str) -> dict[str, Any]:
     return join(self.spec, rel_dir)

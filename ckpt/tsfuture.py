@@ -20,6 +20,16 @@ cancelled while waiting first lets the operation end (TensorStore bounds it:
 its retries), then raises CancelledError: no read or write of a failed
 operation is still running (or writing into a caller's buffer) once the
 failure is reported.
+
+Inside a bounded operation (ckpt/deadline.py: a save, a query) neither
+wait outlasts the deadline: at the deadline ``wait`` abandons the
+TensorStore future (never cancels it: the freeze above) and raises the
+deadline's ``StoreTimeoutError``; a cancelled caller stops waiting for the
+operation to end at the deadline too. An abandoned operation goes on inside
+TensorStore until its retries end; its late result or error is dropped
+(marked retrieved, so asyncio logs nothing), and a write keeps its source
+buffer alive until then. So a store that stops answering costs a save its
+bound, not the sum of TensorStore's retries of every request it makes.
 """
 
 from __future__ import annotations
@@ -28,6 +38,8 @@ import asyncio
 from typing import Any
 
 import tensorstore as ts
+
+from ckpt import deadline as deadline_lib
 
 
 def _bridge(future: Any) -> asyncio.Future:
@@ -52,20 +64,34 @@ def _bridge(future: Any) -> asyncio.Future:
   return out
 
 
-async def wait(future: Any) -> Any:
+async def wait(future: Any, *, abandonable: bool = True) -> Any:
   """The result of a TensorStore ``Future`` (or of a ``WriteFutures``'
-  commit), awaited without linking cancellation to it (module docstring)."""
+  commit), awaited without linking cancellation to it, and never past the
+  current deadline (module docstring). ``abandonable=False``: waited for to
+  its end whatever the deadline, for an operation that writes into a
+  caller's buffer (a read into ``out``), which must be over once the wait
+  is."""
   if isinstance(future, ts.WriteFutures):
     future = future.commit
   out = _bridge(future)
+  deadline = deadline_lib.current() if abandonable else None
   try:
-    return await asyncio.shield(out)
+    if deadline is None:
+      return await asyncio.shield(out)
+    # asyncio.wait never cancels what it waits for.
+    await asyncio.wait([out], timeout=max(0.0, deadline.left()))
+    if out.done():
+      return out.result()
+    out.add_done_callback(_drop_error)  # abandoned: see _drop_error
+    raise deadline.error()
   except asyncio.CancelledError:
     # Its error, if any, belongs to nobody now: marked as retrieved, so
     # asyncio does not log "exception was never retrieved" for it.
     out.add_done_callback(_drop_error)
     if not out.done():
-      await asyncio.wait([out])  # the operation ends on its own
+      # The operation ends on its own (or is abandoned at the deadline).
+      await asyncio.wait([out], timeout=None if deadline is None
+                         else max(0.0, deadline.left()))
     raise
 
 

@@ -1,9 +1,12 @@
 """A store that does not answer fails in bounded time, naming what failed.
 
-Real parts only: an endpoint on 127.0.0.1 where nothing listens, and a moto
-server stopped after a save. Most tests retry briefly through
-storage_options (their point is the error); one keeps ckpt's defaults and
-checks their bound (about 80 s, against TensorStore's 15 minutes).
+Real parts only: an endpoint on 127.0.0.1 where nothing listens, a moto
+server stopped after a save, and moto behind a proxy that stops answering.
+Most tests retry briefly through storage_options (their point is the
+error); one keeps ckpt's defaults and checks their bounds: 120 s for a
+save, 60 s for a query (ckpt/deadline.py), and about 80 s per request
+with the bounds off, against TensorStore's 15 minutes. The bounds with a
+store that dies mid-save, both ways, are in test_store_dies.py.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import tensorstore as ts
 import ckpt
 from ckpt import local_cluster
 from ckpt import storage as storage_lib
+from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 
 STATE = {"w": np.arange(5000, dtype=np.float32), "n": 3}
@@ -134,13 +138,32 @@ def test_server_stopped_after_a_save(server_logs, restore_environ):
   later.close()
 
 
-def test_defaults_give_up_in_bounded_time(dead_endpoint):
-  """No retry options: a dead store fails in about 80 s, not 15 minutes.
-  Listing on s3 and gcs and a data write through the context every
-  Checkpointer uses run concurrently, so this takes one bound, not three."""
+def test_defaults_give_up_in_bounded_time(dead_endpoint, s3_server):
+  """No bounds given: ckpt's defaults, all at once (the test takes the
+  longest, 120 s, not their sum).
+
+  - A save whose store dies right after save() returned (moto behind a
+    proxy that black-holes: no request of it would ever end) fails within
+    save_timeout_s=120 s, and a new Checkpointer's latest_step() within
+    query_timeout_s=60 s (ckpt/deadline.py).
+  - Nothing listening: latest_step() on s3 fails at the query bound; with
+    the bound off (query_timeout_s=None), TensorStore's retries as ckpt
+    sets them end a listing on gcs, and a data write through the context
+    every Checkpointer uses, in about 80 s, not 15 minutes.
+  """
   del dead_endpoint
   s3 = ckpt.Checkpointer("s3://bkt/run", async_save=False)
-  gs = ckpt.Checkpointer("gs://bkt/run", async_save=False)
+  gs = ckpt.Checkpointer("gs://bkt/run", async_save=False,
+                         query_timeout_s=None)
+  moto = ("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1]))
+  px = proxy_lib.Proxy(moto).start()
+  # Through the proxy by storage_options: the environment names the dead
+  # endpoint (the credentials and region in it suit moto as well).
+  opts = {"endpoint": px.endpoint}
+  url = f"{servers.new_bucket(s3_server)}/run"
+  saver = ckpt.Checkpointer(url, storage_options=opts)
+  saver.save(1, STATE)
+  saver.wait_until_finished()
 
   def write_array():
     spec = {"driver": "zarr3", "kvstore": s3.storage.step_spec("checkpoint_1/w"),
@@ -153,16 +176,61 @@ def test_defaults_give_up_in_bounded_time(dead_endpoint):
       return e, time.monotonic() - t0
     return None, time.monotonic() - t0
 
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    listings = [pool.submit(fails_within, DEFAULT_BOUND_S, c.storage.url,
-                            c.latest_step) for c in (s3, gs)]
-    write = pool.submit(write_array)
-    for f in listings:
-      error, elapsed = f.result()
+  def timed(fn):
+    """(its CheckpointError or None, seconds from its start, the time it
+    ended)."""
+    t0 = time.monotonic()
+    try:
+      fn()
+      error = None
+    except ckpt.CheckpointError as e:
+      error = e
+    end = time.monotonic()
+    return error, end - t0, end
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+      called = time.monotonic()
+      saver.save(2, {"big": np.ones((1024, 1024), np.float32), **STATE})
+      returned = time.monotonic()
+      px.black_hole()
+      save = pool.submit(timed, saver.wait_until_finished)
+      query = pool.submit(
+          timed, lambda: ckpt.Checkpointer(
+              url, storage_options=opts).latest_step())
+      s3_listing = pool.submit(timed, s3.latest_step)
+      gs_listing = pool.submit(fails_within, DEFAULT_BOUND_S, gs.storage.url,
+                               gs.latest_step)
+      write = pool.submit(write_array)
+
+      error, _, end = save.result()
+      print(f"save: failed {end - returned:.2f} s after save() returned, "
+            f"{end - called:.2f} s after it was called: {error}")
+      assert isinstance(error, ckpt.StoreTimeoutError), error
+      assert str(error).startswith(
+          f"writing step 2 to {url!r} did not finish within 120 s"), error
+      assert "save_timeout_s=120" in str(error)
+      # The bound starts at the save's first request, inside save(), before
+      # the staging that save() returns after: 120 s from there, plus what
+      # the error takes to reach the caller (milliseconds).
+      assert 119 < end - called < 121, end - called
+      for name, f in (("latest_step() of a new Checkpointer", query),
+                      ("latest_step() on s3, nothing listening", s3_listing)):
+        error, elapsed, _ = f.result()
+        print(f"{name}: failed after {elapsed:.1f} s: {error}")
+        assert isinstance(error, ckpt.StoreTimeoutError), error
+        assert str(error).startswith("listing the steps of 's3://"), error
+        assert "did not finish within 60 s" in str(error), error
+        assert "query_timeout_s=60" in str(error), error
+        assert 59.5 < elapsed < 61, elapsed
+      error, elapsed = gs_listing.result()
       assert "All 8 retry attempts failed" in str(error), error
       assert elapsed > 60, f"gave up after {elapsed:.1f}s, before the retries"
-    error, elapsed = write.result()
-    assert error is not None and "All 8 retry attempts failed" in str(error)
-    assert elapsed < DEFAULT_BOUND_S, f"data write took {elapsed:.1f}s"
+      error, elapsed = write.result()
+      assert error is not None and "All 8 retry attempts failed" in str(error)
+      assert elapsed < DEFAULT_BOUND_S, f"data write took {elapsed:.1f}s"
+  finally:
+    px.close()
   s3.close()
   gs.close()
+  saver.close()
