@@ -688,6 +688,15 @@ class Checkpointer(queries.Queries):
   def __exit__(self, *exc) -> None:
     self.close()
 
+  def _open_error(self) -> Exception | None:
+    """``_check_open``'s error, returned, for a collective call to post in
+    its round instead of raising on this process alone."""
+    try:
+      self._check_open()
+    except Exception as e:  # pylint: disable=broad-except
+      return e
+    return None
+
   def _check_open(self) -> None:
     if self._closed:
       raise CheckpointError("this Checkpointer is closed")

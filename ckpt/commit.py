@@ -580,11 +580,10 @@ def _scan(storage: storage_lib.Storage):
 
 
 def _age_s(storage: storage_lib.Storage, rel: str,
-           lease: dict | None = None) -> float | None:
+           lease: dict | None) -> float | None:
   """Seconds since the attempt's last renewal (None: unknown); ``lease``:
-  its ``attempt.json``, if read already."""
-  beat = lease.get("time") if lease is not None else records.json_field(
-      storage, f"{rel}/{ATTEMPT_FILE}", "time", float)
+  its ``attempt.json`` as read by ``_live`` (None: missing)."""
+  beat = None if lease is None else lease.get("time")
   if type(beat) in (int, float):
     return time.time() - beat
   if storage.is_posix:

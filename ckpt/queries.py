@@ -115,15 +115,14 @@ class Queries:
     Collective: process 0 decides and deletes, every process gets the same
     result or error.
     """
-    key, given, error = self._read_key(), step, None
+    given, error = step, self._open_error()
     try:  # a failure on one process fails the round on all
-      self._check_open()
       step = check_step(step)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
+    except ValueError as e:
+      error = error or e
     self._agreed(f"delete({given!r})", lambda: self._delete_step(step),
                  f"the deletion of step {given!r} in {self.storage.url!r}",
-                 key=key, error=error)
+                 error=error)
     self._metrics_cache.pop(step, None)
     self._time_cache.pop(step, None)
 
@@ -150,17 +149,12 @@ class Queries:
     mesh, rules)`` turns it into a restore target for any mesh. Collective,
     like ``restore``: every process reads the index of the agreed step.
     """
-    key, error = self._read_key(), None
-    try:
-      self._check_open()
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
     step, step_dir = self._agreed(
         f"metadata({step!r})",
         lambda: [(s := restore_lib.resolve_step(self.storage, step)),
                  commit_lib.step_dir(self.storage, s)],
-        f"the step of metadata() in {self.storage.url!r}", key=key,
-        error=error)
+        f"the step of metadata() in {self.storage.url!r}",
+        error=self._open_error())
     return metadata_lib.from_index(
         restore_lib.read_index(self.storage, step_dir))
 

@@ -98,12 +98,17 @@ def run_storm(tmp_path, rounds: int, mode: str, timeout_s: float):
       env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
-def test_cancelled_reads_never_freeze_the_process(tmp_path):
+def storm_or_fail(tmp_path, mode: str, what: str):
+  """``run_storm`` of ROUNDS rounds within 120 s; a freeze fails the test."""
   try:
-    r = run_storm(tmp_path, ROUNDS, "0", timeout_s=120)
+    return run_storm(tmp_path, ROUNDS, mode, timeout_s=120)
   except subprocess.TimeoutExpired:
-    pytest.fail(f"{ROUNDS} rounds of cancelled reads did not finish in 120 s "
+    pytest.fail(f"{ROUNDS} rounds of {what} reads did not finish in 120 s "
                 "(the process froze: see ckpt/tsfuture.py)")
+
+
+def test_cancelled_reads_never_freeze_the_process(tmp_path):
+  r = storm_or_fail(tmp_path, "0", "cancelled")
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"rounds done {ROUNDS}" in r.stdout
 
@@ -112,11 +117,7 @@ def test_reads_abandoned_at_a_deadline_never_freeze_the_process(tmp_path):
   """The abandon mode (a wait that gives up at its deadline without
   cancelling the TensorStore future), raced against reads completing and
   against cancellation, many times, in a child process with a deadline."""
-  try:
-    r = run_storm(tmp_path, ROUNDS, "deadline", timeout_s=120)
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"{ROUNDS} rounds of abandoned reads did not finish in 120 s "
-                "(the process froze)")
+  r = storm_or_fail(tmp_path, "deadline", "abandoned")
   assert r.returncode == 0, r.stderr[-3000:]
   done = r.stdout.split()
   assert done[:3] == ["rounds", "done", str(ROUNDS)], r.stdout
