@@ -501,8 +501,14 @@ def _phase_at(events, launch: int, t: float) -> tuple[str, int]:
           "committed": "between saves"}.get(last[2], last[2]), last[3]
 
 
-def _verify_root(root: pathlib.Path, prev_latest: int | None) -> list[int]:
-  """Every committed step is complete and bit-exact; returns the steps."""
+def _verify_root(root: pathlib.Path, prev_latest: int | None,
+                 prev_count: int = 0) -> list[int]:
+  """Every committed step is complete and bit-exact; returns the steps.
+
+  Retention runs after each commit, so a job killed between a commit and
+  its retention leaves one step more than KEEP; a restarted job killed in
+  that window of ITS first commit adds one more to what it found (seen
+  once in a full run: [82..86] after two such kills in a row)."""
   names = os.listdir(root) if root.exists() else []
   step_dirs = sorted(int(m.group(1)) for n in names
                      if (m := re.fullmatch(r"checkpoint_(\d+)", n)))
@@ -511,7 +517,7 @@ def _verify_root(root: pathlib.Path, prev_latest: int | None) -> list[int]:
         f"checkpoint_{s} is visible without index.msgpack: {names}")
   steps = commit_lib.committed_steps(storage_lib.Storage(str(root)))
   assert steps == step_dirs, (steps, names)
-  assert len(steps) <= KEEP + 1, steps  # a kill between commit and retention
+  assert len(steps) <= max(KEEP, prev_count) + 1, (prev_count, steps)
   if prev_latest is not None:
     assert steps and steps[-1] >= prev_latest, (prev_latest, steps)
   for s in steps:
@@ -591,7 +597,7 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
     last_kill = t_kill
     tmp_seen = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
         root.exists()) else []
-    steps = _verify_root(root, latest)
+    steps = _verify_root(root, latest, len(rows[-1]["steps"]) if rows else 0)
     rows.append({"launch": launch, "victims": victims, "phases": phases,
                  "grace": grace, "steps": steps, "tmp": len(tmp_seen),
                  "codes": [r.returncode for r in results]})
