@@ -20,10 +20,12 @@ that is training) unless ``JAX_PLATFORMS`` says otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any, Sequence
 
@@ -598,7 +600,10 @@ def build_parser() -> argparse.ArgumentParser:
                  "marker, or no index; on a disk only) and the ones a save "
                  "set aside (checkpoint_<step>.broken-*); never without "
                  "this flag: their data may be worth recovering")
-  p.add_argument("--yes", action="store_true", help="really delete")
+  really = p.add_mutually_exclusive_group()
+  really.add_argument("--yes", action="store_true", help="really delete")
+  really.add_argument("--dry-run", action="store_true",
+                      help="only say what would be deleted (the default)")
   p.set_defaults(func=cmd_gc)
 
   p = sub.add_parser("export", parents=[common],
@@ -645,8 +650,47 @@ def _setup_libraries() -> int:
   return before
 
 
+@contextlib.contextmanager
+def _native_stderr_quiet():
+  """Native libraries log to file descriptor 2 on their own (TensorStore's
+  AWS SDK prints nine lines while it looks for credentials, before ckpt's
+  own one-line error). For the command's duration, fd 2 goes to an
+  unlinked temporary file, and Python's ``sys.stderr`` (ckpt's messages,
+  progress bars, tracebacks) to a copy of the real one. ``CKPT_DEBUG=1``
+  keeps the native lines. Only when ``sys.stderr`` is the process's own:
+  a program that captured it (pytest, a caller of ``main``) keeps its own."""
+  try:
+    fd = sys.stderr.fileno()
+  except (AttributeError, OSError, ValueError):
+    fd = None
+  if (fd != 2 or sys.stderr is not sys.__stderr__ or
+      os.environ.get("CKPT_DEBUG")):
+    yield
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  py = os.fdopen(os.dup(saved), "w", buffering=1, encoding=sys.stderr.encoding,
+                 errors="backslashreplace")
+  with tempfile.TemporaryFile() as sink:
+    os.dup2(sink.fileno(), 2)
+    sys.stderr = py
+    try:
+      yield
+    finally:
+      py.flush()
+      sys.stderr = sys.__stderr__
+      os.dup2(saved, 2)
+      os.close(saved)
+      py.close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Runs the command; returns the exit status (console-script entry)."""
+  with _native_stderr_quiet():
+    return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
   args = build_parser().parse_args(argv)
   from absl import logging  # pylint: disable=g-import-not-at-top
   verbosity = logging.get_verbosity()

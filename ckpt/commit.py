@@ -450,6 +450,18 @@ def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
   return f"has a commit marker but no {where}{storage_lib.INDEX_NAME}"
 
 
+def not_committed(storage: storage_lib.Storage, step: int,
+                  doing: str = "") -> CheckpointNotFoundError:
+  """The one wording of "``step`` is not committed" (restore, metadata,
+  metrics, delete ...): what is wrong with its directory, if it has one,
+  and the committed steps. ``doing``: a prefix, e.g. "cannot delete step 5"."""
+  why = not_committed_reason(storage, step)
+  return CheckpointNotFoundError(
+      f"{doing + ': ' if doing else ''}step {step} is not a committed "
+      f"checkpoint in {storage.url!r}{f': {why}' if why else ''}; committed "
+      f"steps: {committed_steps(storage)}")
+
+
 def not_committed_reason(storage: storage_lib.Storage, step: int
                          ) -> str | None:
   """For errors: what is wrong with ``step``'s directory if it has one but
@@ -480,15 +492,12 @@ def step_dir(storage: storage_lib.Storage, step: int) -> str:
   if records.records_complete(storage):
     rec = records.read_record(storage, step)
     if rec is None:
-      raise CheckpointNotFoundError(
-          f"step {step} is not committed in {storage.url!r} (no "
-          f"{records.record_key(step)})")
+      raise not_committed(storage, step)
     return f"{name}/{rec['dir']}" if rec["dir"] else name
   key = f"{name}/{storage_lib.COMMIT_MARKER}"
   data = storage.read_bytes(key)
   if data is None:
-    raise CheckpointNotFoundError(
-        f"step {step} is not committed in {storage.url!r} (no {key})")
+    raise not_committed(storage, step)
   _, data_dir = records.parse_marker(data, f"{storage.url.rstrip('/')}/{key}")
   return f"{name}/{data_dir}" if data_dir else name
 

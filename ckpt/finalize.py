@@ -47,7 +47,7 @@ from ckpt import retention as retention_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
 from ckpt import tiling
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.errors import CheckpointError
 from ckpt.limiter import ByteLimiter
 from ckpt.retention import RetentionPolicy
 
@@ -399,10 +399,8 @@ class Retention:
             "read (a restore in progress, or live leaves of "
             "restore(lazy=True)); delete it once they are done")
       if not commit_lib.is_committed(self.storage, step):
-        raise CheckpointNotFoundError(
-            f"cannot delete step {step}: it is not a committed checkpoint in "
-            f"{self.storage.url!r}; committed steps: "
-            f"{commit_lib.committed_steps(self.storage)}")
+        raise commit_lib.not_committed(self.storage, step,
+                                       f"cannot delete step {step}")
       logging.info("ckpt: deleting step %d (delete())", step)
       commit_lib.remove(self.storage, storage_lib.step_dirname(step))
 

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ckpt import index as index_lib
 from ckpt import prng
+from ckpt import transforms
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.partition import MeshPartitioner
@@ -77,16 +78,21 @@ def from_index(index: index_lib.Index) -> Metadata:
 
 
 def abstract_target(metadata: Metadata | Any, mesh: Mesh,
-                    rules: Sequence[tuple[str, PartitionSpec]] = ()) -> Any:
+                    rules: Sequence[tuple[str, PartitionSpec]] = (), *,
+                    strict: bool = True) -> Any:
   """A restore target for ``mesh`` from ``metadata`` (or its ``.tree``).
 
   ``rules``: ``[(regex, PartitionSpec)]`` as ``ckpt.MeshPartitioner``; the
   first regex that fully matches a leaf path gives its spec. An array leaf
   no rule matches is replicated over ``mesh``, except host numpy leaves
   that were saved without a partitioner: they stay host numpy (sharding
-  None). Inline values are kept as they are.
+  None). Inline values are kept as they are. A rule that matches no array
+  leaf raises TreeMismatchError naming it (usually a typo that would leave
+  the leaves it meant replicated), unless ``strict=False``.
   """
   partition = MeshPartitioner(mesh, rules)
+  used: set[int] = set()
+  names: list[str] = []
   saved = metadata.shardings if isinstance(metadata, Metadata) else {}
   src = metadata.tree if isinstance(metadata, Metadata) else metadata
 
@@ -94,6 +100,9 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
     if not isinstance(x, jax.ShapeDtypeStruct):
       return x
     name = tree.path_str(tuple(tree.key_name(k) for k in path))
+    names.append(name)
+    used.update(i for i, (regex, _) in enumerate(partition.rules)
+                if regex.fullmatch(name))
     sharding = partition(name, tuple(x.shape))
     if sharding is None:
       if saved.get(name) == HOST_REPLICATED:
@@ -116,4 +125,8 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
             "expected a multiple of it (give this leaf another rule)")
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
-  return tree_util.tree_map_with_path(leaf, src)
+  out = tree_util.tree_map_with_path(leaf, src)
+  unused = [r for i, r in enumerate(rules) if i not in used]
+  if strict and unused:
+    raise transforms.unmatched("abstract_target rule", unused[0][0], names)
+  return out

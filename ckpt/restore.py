@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -42,10 +43,7 @@ def resolve_step(storage: storage_lib.Storage, step: int | None,
   if step is None:
     return steps[-1]
   if step not in steps:
-    why = commit_lib.not_committed_reason(storage, step)
-    raise CheckpointNotFoundError(
-        f"step {step} is not a committed checkpoint in {storage.url!r}"
-        f"{f': {why}' if why else ''}; committed steps: {steps}")
+    raise commit_lib.not_committed(storage, step)
   return step
 
 
@@ -127,10 +125,32 @@ def _target_spec(x: Any, name: str = "<target>"):
           f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
           "restore into; expected a numpy dtype or a typed PRNG key dtype"
       ) from e
+    _check_divides(name, tuple(x.shape), x.sharding)
     return tuple(x.shape), dtype, x.sharding, True
   if isinstance(x, np.ndarray):
     return tuple(x.shape), np.dtype(x.dtype), None, True
   return None, None, None, False
+
+
+def _check_divides(name: str, shape: tuple, sharding: Any) -> None:
+  """A target sharding must split each dimension evenly (jax's own error,
+  IndivisibleError, names no leaf)."""
+  if sharding is None:
+    return
+  try:
+    sharding.shard_shape(shape)
+  except ValueError as e:
+    spec = getattr(sharding, "spec", sharding)
+    mesh = getattr(getattr(sharding, "mesh", None), "shape", None)
+    m = re.search(r"axis (\d+) is partitioned (\d+) times", str(e))
+    found = (f"dimension {m[1]} has size {shape[int(m[1])]}, split over "
+             f"{m[2]} devices" if m else str(e)[:300])
+    raise TreeMismatchError(
+        f"leaf {name!r}: the target's sharding {spec}"
+        f"{f' over the mesh {dict(mesh)}' if mesh else ''} does not divide "
+        f"its shape {shape}: expected each sharded dimension to be a multiple "
+        f"of the devices it is split over, found {found}; give this leaf "
+        "another PartitionSpec") from None
 
 
 def _check_keys(name: str, src: lazy.LazyLeaf, impl: str, shape, wanted

@@ -154,6 +154,11 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
     name = tree.path_str(parts)
     impl = ""
     if isinstance(x, jax.Array):
+      if x.is_deleted():  # jax's own error would name no leaf
+        raise InvalidStateError(
+            f"leaf {name!r}: expected a live jax.Array, found one that has "
+            "been deleted (donated to a jitted call, or .delete()d) before "
+            "save(); save the state before donating it")
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
         impl, x = _key_data(name, x)
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)

@@ -39,7 +39,7 @@ def _nested(flat: dict[str, Any]) -> dict:
   return tree.nest({tuple(k.split("/")): v for k, v in flat.items()})
 
 
-def _unmatched(what: str, pattern: str, names) -> TreeMismatchError:
+def unmatched(what: str, pattern: str, names) -> TreeMismatchError:
   shown = sorted(names)[:20]
   return TreeMismatchError(
       f"{what} pattern {pattern!r} matches no checkpoint leaf; leaves are: "
@@ -69,7 +69,7 @@ def rename(pattern: str, replacement: str, *, strict: bool = True) -> Transform:
             f"{origin[new]!r} both become {new!r}")
       out[new], origin[new] = leaf, name
     if strict and not hits:
-      raise _unmatched("rename", pattern, flat)
+      raise unmatched("rename", pattern, flat)
     return _nested(out)
 
   return fn
@@ -84,7 +84,7 @@ def drop(pattern: str, *, strict: bool = True) -> Transform:
     flat = _flat(ckpt_tree)
     out = {k: v for k, v in flat.items() if not regex.fullmatch(k)}
     if strict and len(out) == len(flat):
-      raise _unmatched("drop", pattern, flat)
+      raise unmatched("drop", pattern, flat)
     return _nested(out)
 
   return fn
@@ -158,7 +158,7 @@ def stack_layers(layer_pattern: str = r"layers_(\d+)", stacked: str = "layers",
       key = "/".join(parts[:i] + [stacked] + parts[i + 1:])
       groups.setdefault(key, {})[int(m.group(1))] = (name, leaf)
     if strict and not groups:
-      raise _unmatched("stack_layers", layer_pattern, flat)
+      raise unmatched("stack_layers", layer_pattern, flat)
     for key, members in groups.items():
       if key in out:
         raise TreeMismatchError(
@@ -214,7 +214,7 @@ def unstack_layers(stacked: str = "layers", layer_format: str = "layers_{}",
               f"(from {origin[new]!r})")
         out[new], origin[new] = lazy.LazySlice(leaf, axis, k, path=new), name
     if strict and not hits:
-      raise _unmatched("unstack_layers", stacked, flat)
+      raise unmatched("unstack_layers", stacked, flat)
     return _nested(out)
 
   return fn
