@@ -83,3 +83,18 @@ def test_host_id_can_be_overridden(monkeypatch):
   monkeypatch.delenv(partner.ENV_HOST_ID)
   import socket  # pylint: disable=g-import-not-at-top
   assert partner.host_id() == socket.gethostname()
+
+
+def test_replicas_kept_on_their_own_host_are_logged(caplog):
+  import logging  # pylint: disable=g-import-not-at-top
+  hosts = ["A", "A", "A", "B"]
+  with caplog.at_level(logging.INFO, logger="absl"):
+    partner._log_map(partner.partner_of(4, [0] * 4, hosts), hosts)  # pylint: disable=protected-access
+  text = caplog.text
+  assert "0->3, 1->0, 2->1, 3->2" in text, text
+  assert "2 process(es) on their own host" in text, text
+  assert "process 1 -> 0 on 'A', process 2 -> 1 on 'A'" in text, text
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="absl"):
+    partner._log_map([1, 2, 0], ["A"] * 3)  # pylint: disable=protected-access
+  assert "all report host 'A'" in caplog.text, caplog.text

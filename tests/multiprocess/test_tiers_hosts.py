@@ -41,9 +41,11 @@ _SETUP = ('hostname "$0" && mount --bind "$1" /etc/hosts && '
           'mount --bind "$2" "$3" && shift 3 && exec "$@"')
 
 
-def _unshare() -> list[str]:
-  base = ["unshare", "--uts", "--mount"]
-  return base if os.geteuid() == 0 else base + ["--user", "--map-root-user"]
+# Root needs no user namespace; others (and a root without CAP_SYS_ADMIN)
+# may have one. The probe keeps the first that works.
+_UNSHARE = (["unshare", "--uts", "--mount"],
+            ["unshare", "--user", "--map-root-user", "--uts", "--mount"])
+_unshare: list[str] = []
 
 
 def _hosts_file(root: pathlib.Path, host: str) -> str:
@@ -64,7 +66,7 @@ def _prefix(root: pathlib.Path, hosts: list[str], dirs: list[str]):
 
   def prefix(pid: int) -> list[str]:
     (root / dirs[pid]).mkdir(exist_ok=True)
-    return [*_unshare(), "sh", "-c", _SETUP, hosts[pid],
+    return [*_unshare, "sh", "-c", _SETUP, hosts[pid],
             _hosts_file(root, hosts[pid]), str(root / dirs[pid]),
             str(root / "local")]
   return prefix
@@ -84,18 +86,24 @@ def root(tmp_path_factory):
   (root / "probe_dir").mkdir()
   (root / "probe_dir" / "seen").touch()
   (root / "probe_mnt").mkdir()
-  cmd = _prefix(root, ["hostProbe"], ["probe_dir"])(0)
-  cmd[-1] = str(root / "probe_mnt")
-  try:
-    r = subprocess.run([*cmd, sys.executable, "-c", probe,
-                        str(root / "probe_mnt")], capture_output=True,
-                       text=True, timeout=60)
-  except subprocess.TimeoutExpired:
-    pytest.skip(f"`{' '.join(cmd[:6])} ...` did not finish in 60 s")
-  if r.returncode != 0:
+  failed = []
+  for base in _UNSHARE:
+    _unshare[:] = base
+    cmd = _prefix(root, ["hostProbe"], ["probe_dir"])(0)
+    cmd[-1] = str(root / "probe_mnt")
+    try:
+      r = subprocess.run([*cmd, sys.executable, "-c", probe,
+                          str(root / "probe_mnt")], capture_output=True,
+                         text=True, timeout=60)
+      out = f"exited {r.returncode}: {(r.stderr or r.stdout).strip()[-300:]}"
+    except subprocess.TimeoutExpired:
+      r, out = None, "did not finish in 60 s"
+    if r is not None and r.returncode == 0:
+      break
+    failed.append(f"`{' '.join(base)} ...` {out}")
+  else:
     pytest.skip(f"cannot give a process its own host name and mounts here "
-                f"(uid {os.geteuid()}): `{' '.join(cmd[:6])} ...` exited "
-                f"{r.returncode}: {(r.stderr or r.stdout).strip()[-500:]}")
+                f"(uid {os.geteuid()}): " + "; ".join(failed))
   return root
 
 
