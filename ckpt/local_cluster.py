@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 ENV_CONFIG = "CKPT_CLUSTER"
 
@@ -104,8 +104,13 @@ class Cluster:
 
 def start(module: str, config: dict, *, num_processes: int,
           devices_per_process: int, extra_env: dict | None = None,
-          cwd: str | None = None) -> Cluster:
-  """Starts ``python -m module <config json>`` as N processes of one job."""
+          cwd: str | None = None,
+          prefix: Callable[[int], list[str]] | None = None) -> Cluster:
+  """Starts ``python -m module <config json>`` as N processes of one job.
+
+  ``prefix(process_id)``: a command that process runs under (it ends by
+  executing its arguments), e.g. ``unshare --uts ...`` to give it its own
+  host name."""
   port = free_port()
   outdir = tempfile.mkdtemp(prefix="ckpt-cluster-")
   procs = []
@@ -120,19 +125,21 @@ def start(module: str, config: dict, *, num_processes: int,
         "result": os.path.join(outdir, f"result_{pid}.json")})
     log = open(os.path.join(outdir, f"log_{pid}.txt"), "w+")
     procs.append((subprocess.Popen(
-        [sys.executable, "-m", module, json.dumps(config)], env=env,
+        [*(prefix(pid) if prefix else ()), sys.executable, "-m", module,
+         json.dumps(config)], env=env,
         stdout=log, stderr=subprocess.STDOUT, cwd=cwd), log))
   return Cluster(procs, outdir)
 
 
 def run(module: str, config: dict, *, num_processes: int,
         devices_per_process: int, timeout_s: float = 300.0,
-        extra_env: dict | None = None,
-        cwd: str | None = None) -> list[ProcessResult]:
+        extra_env: dict | None = None, cwd: str | None = None,
+        prefix: Callable[[int], list[str]] | None = None
+        ) -> list[ProcessResult]:
   """Starts the processes, waits (bounded), and returns each one's result."""
   return start(module, config, num_processes=num_processes,
                devices_per_process=devices_per_process, extra_env=extra_env,
-               cwd=cwd).wait(timeout_s)
+               cwd=cwd, prefix=prefix).wait(timeout_s)
 
 
 def check(results: list[ProcessResult]) -> list[Any]:

@@ -180,7 +180,9 @@ class LocalTier:
   @property
   def layout(self) -> partner.Layout:
     if self._layout is None:
-      self._layout = partner.Layout()
+      # Collective (the hosts' round): built at the first save or restore,
+      # which every process calls.
+      self._layout = partner.Layout(self._key_base, self.timeout_s)
     return self._layout
 
   # -- listing --
@@ -577,7 +579,13 @@ class LocalTier:
         continue
       host_bad = None
       for part, proc in (("own", lay.pid), ("partner", m["partner_src"])):
-        if part == "partner" and (lay.n == 1 or proc != lay.src[lay.pid]):
+        if part == "partner" and lay.n == 1:
+          continue
+        if part == "partner" and proc != lay.src[lay.pid]:
+          skip(f"local step {s}: this process holds the replica of process "
+               f"{proc}, but this job's partner map gives it process "
+               f"{lay.src[lay.pid]}'s (the processes' hosts changed since "
+               "the save); the replica is not used")
           continue
         why = _mismatch(m[part], tsig, lay.devices_of(proc)) if tsig else ""
         if not why and target_leaves is not None:
