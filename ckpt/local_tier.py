@@ -42,6 +42,15 @@ has its own part or its partner holds a replica of it, compares it with the
 newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse
 ``ppermute``.
+
+Leaves mean what they mean to a ``Checkpointer`` (``_prepare_leaves``,
+``_restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
+casts of floating leaves (with numpy, so both tiers hold the same bits),
+typed PRNG keys stored as key data with their implementation, arrays one
+process holds whole (an uncommitted ``jnp.asarray(10)``) as host values, and
+the same refusals (TreeMismatchError naming the leaf: a float32 leaf into an
+int32 target, another shape, keys of another implementation) raised by
+every process before the exchange, not a fall back to another step.
 """
 
 from __future__ import annotations
@@ -81,7 +90,10 @@ from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
 
 FORMAT = "ckpt-local-tier"
-VERSION = 2   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
+VERSION = 3   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
+# 3: leaves named as the persistent tier names them ("params/w"); host.msgpack
+# holds each stored leaf's dtype and PRNG implementation, and host values
+# encoded as the persistent tier's index encodes inline values
 MAX_MANIFEST_BYTES = 32 << 20   # as MAX_INDEX_BYTES of the persistent tier
 _DATA_FILES = {"own": "own.bin", "partner": "partner.bin"}
 _CRC_CHUNK = 64 << 20   # bytes read at a time to verify a shard
@@ -1025,8 +1037,7 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
           "tier places arrays on the target's shardings")
     plan[name] = _Leaf("array" if name in arrays else "host", sharding,
                        tuple(src.shape), tuple(logical), np.dtype(src.dtype),
-                       np.dtype(out), impl,
-                       None if name in arrays else src.value)
+                       np.dtype(out), impl, None if name in arrays else value)
   return plan
 
 
@@ -1067,7 +1078,7 @@ def _host_value(p: _Leaf) -> Any:
     return data[()] if isinstance(p.value, np.generic) else data
   whole = (slice(None),) * (len(p.shape) - len(p.logical))
   imap = p.sharding.addressable_devices_indices_map(p.logical)
-  bufs = [_wrap(jax.device_put(np.ascontiguousarray(data[tuple(idx) + whole]),
+  bufs = [_wrap(jax.device_put(np.array(data[tuple(idx) + whole], order="C"),
                                d), p) for d, idx in imap.items()]
   return _assemble(p, bufs)
 
