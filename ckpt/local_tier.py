@@ -977,8 +977,8 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
   error (TreeMismatchError naming the leaf: a float32 leaf into an int32
   target, keys of another implementation, another shape), applies
   ``restore_dtype`` to the same (floating) leaves and casts only floating
-  dtypes; a target sharding that cannot hold the leaf (uneven) raises
-  jax's error, naming the leaf. Local: no I/O, no collective."""
+  dtypes. Local: no I/O, no collective. (Uneven target shardings:
+  _check_shardings.)"""
   maps = [blob.get(k) if isinstance(blob, dict) else None
           for k in ("values", "arrays", "prng")]
   if not all(isinstance(x, dict) for x in maps):
@@ -986,7 +986,6 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
         f"{where}: host.msgpack records no saved leaves (values, arrays, "
         "prng): not written by this version of the local tier")
   values, arrays, impls = maps
-  _check_shardings(target_leaves)
   missing = [n for n, _ in target_leaves if n not in values and n not in arrays]
   if missing:
     raise MissingLeavesError(missing, sorted({*values, *arrays}))
