@@ -42,11 +42,21 @@ has its own part or its partner holds a replica of it, compares it with the
 newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse
 ``ppermute``.
+
+Leaves mean what they mean to a ``Checkpointer`` (``_prepare_leaves``,
+``_restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
+casts of floating leaves (with numpy, so both tiers hold the same bits),
+typed PRNG keys stored as key data with their implementation, arrays one
+process holds whole (an uncommitted ``jnp.asarray(10)``) as host values, and
+the same refusals (TreeMismatchError naming the leaf: a float32 leaf into an
+int32 target, another shape, keys of another implementation) raised by
+every process before the exchange, not a fall back to another step.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import os
@@ -55,7 +65,7 @@ import re
 import shutil
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import msgpack
@@ -65,14 +75,25 @@ from absl import logging
 import jax
 
 from ckpt import commit as commit_lib
+from ckpt import index as index_lib
+from ckpt import lazy
 from ckpt import multihost
 from ckpt import partner
+from ckpt import prng
+from ckpt import restore as restore_lib
+from ckpt import save as save_lib
 from ckpt import storage as storage_lib
+from ckpt import tree as tree_lib
 from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import (CheckpointError, CorruptCheckpointError,
+                         InvalidStateError, MissingLeavesError,
+                         TreeMismatchError)
 
 FORMAT = "ckpt-local-tier"
-VERSION = 2   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
+VERSION = 3   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
+# 3: leaves named as the persistent tier names them ("params/w"); host.msgpack
+# holds each stored leaf's dtype and PRNG implementation, and host values
+# encoded as the persistent tier's index encodes inline values
 MAX_MANIFEST_BYTES = 32 << 20   # as MAX_INDEX_BYTES of the persistent tier
 _DATA_FILES = {"own": "own.bin", "partner": "partner.bin"}
 _CRC_CHUNK = 64 << 20   # bytes read at a time to verify a shard
@@ -120,29 +141,79 @@ def _index(idx, shape) -> tuple:
                for d, s in enumerate(idx))
 
 
-def _is_key(x) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
 def flatten(tree):
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-  return [(jax.tree_util.keystr(p), v) for p, v in flat], treedef
+  """[(name, leaf)] named as the persistent tier names leaves ("params/w",
+  ckpt/tree.py: so both tiers' errors name a leaf alike), and the treedef."""
+  return ([(tree_lib.path_str(p), v) for p, v in tree_lib.flatten(tree)],
+          jax.tree_util.tree_structure(tree))
 
 
-def _encode_host(v):
-  if isinstance(v, (np.ndarray, np.generic)):
-    a = np.asarray(v)
-    return {"__nd__": [a.dtype.str, list(a.shape), a.tobytes()],
-            "scalar": isinstance(v, np.generic)}
-  return v
+def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
+  """The leaves of a local save, stored as a ``Checkpointer`` stores them
+  (ckpt/save.py ``plan_save``), or refused with its error naming the leaf.
 
+  Returns ``(arrays, host_vals, info)``:
 
-def _decode_host(v):
-  if isinstance(v, dict) and "__nd__" in v:
-    dt, shape, data = v["__nd__"]
-    a = np.frombuffer(data, dtype=np.dtype(dt)).reshape(shape).copy()
-    return a[()] if v.get("scalar") else a
-  return v
+  - ``arrays``: ``[(name, jax.Array)]``, the leaves with a shard on every
+    device of the job, in the dtype they are stored in: floating leaves cast
+    to ``save_dtype`` on the host with numpy, as the persistent tier casts
+    (so both tiers hold the same bits), typed PRNG keys as their key data;
+  - ``host_vals``: ``{name: index.encode_value(...)}``, numpy and Python
+    values and the jax arrays one process holds whole (an uncommitted
+    ``jnp.asarray(10)`` lives on one device of each process: a host value
+    of each, as the persistent tier stores it inline), cast as above;
+  - ``info``: ``{"arrays": {name: [dtype, shape]}, "prng": {name: impl}}``,
+    saved with the host values, so every process (one restoring from its
+    partner too) knows each leaf's stored dtype and PRNG implementation.
+
+  Raises InvalidStateError naming the leaf for what a Checkpointer refuses,
+  for an array whose shards are uneven, and for one on some devices only.
+  """
+  job = set(devices)
+  arrays, host_vals = [], {}
+  info: dict[str, dict] = {"arrays": {}, "prng": {}}
+  for name, x in leaves:
+    if isinstance(x, jax.Array):
+      if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
+        info["prng"][name], x = save_lib._key_data(name, x)  # pylint: disable=protected-access
+      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+      if x.sharding.device_set != job:
+        if not x.is_fully_addressable:
+          raise InvalidStateError(
+              f"leaf {name!r} is on {len(x.sharding.device_set)} of the job's "
+              f"{len(job)} devices, spread over processes; the local tier "
+              "stores arrays with a shard on every device, or held whole by "
+              "each process")
+        host_vals[name] = index_lib.encode_value(
+            np.asarray(x).astype(stored), (name,))
+        continue
+      try:  # the partner exchange stacks equal shards
+        x.sharding.shard_shape(tuple(x.shape))
+      except ValueError as e:
+        raise InvalidStateError(
+            f"leaf {name!r} has uneven shards (shape {tuple(x.shape)}, "
+            f"{x.sharding}), which the local tier cannot store: {e}") from e
+      if stored != x.dtype:
+        x = jax.make_array_from_single_device_arrays(
+            x.shape, x.sharding,
+            [jax.device_put(np.asarray(s.data).astype(stored), s.device)
+             for s in x.addressable_shards])
+      arrays.append((name, x))
+      info["arrays"][name] = [stored.name, list(x.shape)]
+    elif isinstance(x, np.ndarray):
+      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+      host_vals[name] = index_lib.encode_value(x.astype(stored), (name,))
+    elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
+      if isinstance(x, np.generic):
+        stored = save_lib._leaf_dtype(name, x.dtype, save_dtype, inline=True)  # pylint: disable=protected-access
+        x = np.asarray(x).astype(stored)[()]
+      host_vals[name] = index_lib.encode_value(x, (name,))
+    else:
+      raise InvalidStateError(
+          f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
+          "expected a jax.Array, numpy array, scalar, str, bytes or None. "
+          "Register custom containers as pytree nodes.")
+  return arrays, host_vals, info
 
 
 # ---- the local tier ------------------------------------------------------------
@@ -153,7 +224,8 @@ class LocalTier:
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
                concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
-               owner: str = ""):
+               owner: str = "", save_dtype: Any = None,
+               restore_dtype: Any = None):
     if keep is None or int(keep) < 2:
       raise ValueError(f"local_keep must be >= 2 (the newest step the job can "
                        f"rebuild may be the one before the newest), got {keep!r}")
@@ -161,6 +233,9 @@ class LocalTier:
     # The persistent tier this local tier belongs to: steps of another are
     # never restored and are removed at the next save.
     self.owner = str(owner)
+    # As the persistent tier's (Checkpointer save_dtype / restore_dtype):
+    # floating leaves cast before they are stored / after they are read.
+    self.save_dtype, self.restore_dtype = save_dtype, restore_dtype
     self.root = os.path.abspath(os.fspath(directory))
     self.pid = multihost.process_index()
     self.dir = os.path.join(self.root, f"process_{self.pid}")
@@ -302,7 +377,6 @@ class LocalTier:
     key = multihost.call_key(self._key_base, "save", step)
     t0 = time.perf_counter()
     lay = self.layout
-    leaves, _ = flatten(state)
     token = multihost.unique_token()
     work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
     src = lay.src[lay.pid]
@@ -313,23 +387,17 @@ class LocalTier:
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
-      for name, v in leaves:
-        if isinstance(v, jax.Array):
-          if _is_key(v):
-            raise CheckpointError(
-                f"the local tier does not save typed PRNG key arrays ({name}); "
-                "save jax.random.key_data")
-          arrays.append((name, v))
-        else:
-          host_vals[name] = _encode_host(v)
+      arrays, host_vals, info = _prepare_leaves(flatten(state)[0],
+                                                self.save_dtype, lay.devs)
       manifest["host_names"] = sorted(host_vals)
-      own_host = msgpack.packb({"host_state": host_state, "values": host_vals},
-                               use_bin_type=True)
+      own_host = msgpack.packb({"host_state": host_state, "values": host_vals,
+                                **info}, use_bin_type=True)
       if len(own_host) > MAX_HOST_BYTES:
         raise CheckpointError(
-            f"host_state and host (non-jax) leaves take {len(own_host)} bytes; "
-            f"the local tier sends at most {MAX_HOST_BYTES} to the partner "
-            "through the coordination service: make large leaves jax arrays")
+            f"host_state and host values (non-jax leaves, jax arrays one "
+            f"process holds whole) take {len(own_host)} bytes; the local tier "
+            f"sends at most {MAX_HOST_BYTES} to the partner through the "
+            "coordination service: make large leaves sharded jax arrays")
     except Exception as e:  # pylint: disable=broad-except
       error = e
     # Every process learns of a failure on any of them BEFORE the partner
@@ -347,7 +415,7 @@ class LocalTier:
       offset = 0
       for name, arr in arrays:  # own shards, distinct indices only
         shards = {s.device: s for s in arr.addressable_shards}
-        entry = {"shape": list(arr.shape), "dtype": arr.dtype.str,
+        entry = {"shape": list(arr.shape), "dtype": arr.dtype.name,
                  "slots": [], "shards": []}
         seen: dict[tuple, int] = {}
         for d in lay.local:
@@ -405,7 +473,7 @@ class LocalTier:
       for (name, arr), out in zip(batch, outs):
         imap = arr.sharding.devices_indices_map(arr.shape)
         got = {s.device: s for s in out.addressable_shards}
-        entry = {"shape": list(arr.shape), "dtype": arr.dtype.str,
+        entry = {"shape": list(arr.shape), "dtype": arr.dtype.name,
                  "slots": [], "shards": []}
         seen: dict[tuple, int] = {}
         for j, d in enumerate(lay.local):
@@ -464,7 +532,9 @@ class LocalTier:
             if f is None:
               f = files[kind] = open(os.path.join(work, kind), "wb")
             f.seek(offset)
-            mv = memoryview(np.ascontiguousarray(data)).cast("B")
+            # A byte view: memoryview rejects ml_dtypes (bfloat16 ...).
+            mv = memoryview(
+                np.ascontiguousarray(data).reshape(-1).view(np.uint8))
             crcs[(kind, offset)] = crc32c.crc32c(mv)  # of the staged bytes
             f.write(mv)
         except BaseException as e:  # pylint: disable=broad-except
@@ -559,14 +629,15 @@ class LocalTier:
       logging.info("ckpt: local tier on process %d: %s", lay.pid, why)
       whys.append(why)
 
-    tsig = None
+    tsig, unsharded = None, set()
     if target_leaves is not None:
       tsig = {}
       for name, t in target_leaves:
-        sh = getattr(t, "sharding", None)
-        if sh is None or not hasattr(t, "shape"):
-          continue
-        tsig[name] = (list(t.shape), sh.devices_indices_map(tuple(t.shape)))
+        sig = _target_sig(t)
+        if sig is not None:
+          tsig[name] = sig
+        elif getattr(t, "sharding", None) is None:
+          unsharded.add(name)
     for s in reversed(self.committed_steps()):
       try:
         m = self._manifest(s)
@@ -587,7 +658,14 @@ class LocalTier:
                f"{lay.src[lay.pid]}'s (the processes' hosts changed since "
                "the save); the replica is not used")
           continue
-        why = _mismatch(m[part], tsig, lay.devices_of(proc)) if tsig else ""
+        # Host values are placed from the host copy, on any sharding.
+        hosts = set(m.get("host_names", ()))
+        sig = {n: v for n, v in (tsig or {}).items() if n not in hosts}
+        why = _mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
+        flat = sorted(n for n in unsharded if n in m[part])
+        if flat and not why:
+          why = (f"leaves {flat[:4]} have no sharding in the target (the "
+                 "local tier places arrays on the target's shardings)")
         if not why and target_leaves is not None:
           known = set(m[part]) | set(m.get("host_names", ()))
           missing = [n for n, _ in target_leaves if n not in known]
@@ -619,12 +697,21 @@ class LocalTier:
     base = os.path.join(self.dir, f"step_{step}")
     mine = lay.pid not in need_partner
     send_partner = lay.src[lay.pid] in need_partner
-    host, own, replica, error = {}, None, None, None
+    host, own, replica, error, plans = {}, None, None, None, {}
     try:  # everything that can fail on this process alone, before the round
       m = self._manifest(step) if (mine or send_partner) else None
       if m is not None:
         with open(os.path.join(base, "host.msgpack"), "rb") as f:
           host = msgpack.unpackb(f.read(), raw=False)
+      # What a Checkpointer refuses for this target (dtype, shape, keys, a
+      # sharding that cannot hold the leaf), from the saved leaves this
+      # process holds (its own, its partner's), before the round.
+      _check_shardings(target_leaves)  # on every process
+      for part, run in (("own", mine), ("partner", send_partner)):
+        if run:
+          plans[part] = _restore_plan(
+              msgpack.unpackb(host[part], raw=False), target_leaves,
+              self.restore_dtype, f"local step {step} ({part})")
       if mine:
         own = self._read_part(base, m["own"], "own.bin")
       if send_partner:
@@ -633,8 +720,8 @@ class LocalTier:
       error = e
     # A process that cannot read what it checked before the choice (the
     # files changed since) makes every process raise, before the exchange.
-    multihost.all_ok(f"{key}/read", error, f"local restore of step {step}",
-                     self.timeout_s)
+    _all_ok(f"{key}/read", error, f"local restore of step {step}",
+            self.timeout_s)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
@@ -645,47 +732,52 @@ class LocalTier:
             "this process's host values from its partner")
     own_host = host["own"] if mine else host_bytes
     values = msgpack.unpackb(own_host, raw=False)
-    out = {name: _decode_host(v) for name, v in values["values"].items()}
-    arrays = [(n, t) for n, t in target_leaves
-              if getattr(t, "sharding", None) is not None and hasattr(t, "shape")]
+    # Checked before the round, by this process or, on these same bytes, by
+    # the partner that sent them: the same plan on every process.
+    plan = plans["own"] if mine else _restore_plan(
+        values, target_leaves, self.restore_dtype, f"local step {step}")
+    out = {}
+    arrays = [(n, t) for n, t in target_leaves if plan[n].kind == "array"]
     batch, batch_bytes, read = [], 0, 0
 
     def flush():
       if not batch:
         return
       stacked = []
-      for name, t in batch:
-        ss = t.sharding.shard_shape(tuple(t.shape))
+      for name, _ in batch:  # exchanged as stored, cast as received
+        p = plan[name]
         blocks = []
         for j, d in enumerate(lay.local):
-          data = (replica[name]["slot"](j).astype(t.dtype, copy=False)
-                  if send_partner else np.zeros(ss, t.dtype))
+          data = (replica[name]["slot"](j).astype(p.stored, copy=False)
+                  if send_partner else np.zeros(p.block, p.stored))
           blocks.append(jax.device_put(data[None], d))
-        stacked.append(lay.stack(blocks, tuple(ss), np.dtype(t.dtype)))
+        stacked.append(lay.stack(blocks, p.block, p.stored))
       outs = lay.permute(stacked, inverse=True)
-      for (name, t), o in zip(batch, outs):
+      for (name, _), o in zip(batch, outs):
         if not mine:
           got = {s.device: s.data for s in o.addressable_shards}
-          out[name] = _assemble(t, [got[d][0] for d in lay.local])
+          out[name] = _place(plan[name], [got[d][0] for d in lay.local],
+                             lay.local)
       batch.clear()
 
     for name, t in arrays:
+      p = plan[name]
       if need_partner:
-        nb = int(np.prod(t.sharding.shard_shape(tuple(t.shape)))) * np.dtype(
-            t.dtype).itemsize * lay.L
+        nb = int(np.prod(p.block)) * p.stored.itemsize * lay.L
         if batch and batch_bytes + nb > self.budget.budget:
           flush()
           batch_bytes = 0
         batch.append((name, t))
         batch_bytes += nb
       if mine:
-        imap = t.sharding.devices_indices_map(tuple(t.shape))
-        bufs = [jax.device_put(own[name]["index"](
-            _index(imap[d], t.shape)).astype(t.dtype, copy=False), d)
-                for d in lay.local]
-        out[name] = _assemble(t, bufs)
+        imap = p.sharding.devices_indices_map(p.logical)
+        out[name] = _place(p, [own[name]["index"](p.box(imap[d]))
+                               for d in lay.local], lay.local)
         read += own[name]["bytes"]
     flush()
+    for name, _ in target_leaves:  # host values: local, after the exchange
+      if plan[name].kind != "array":
+        out[name] = _host_value(plan[name])
     self.last_restore_stats = {"step": step, "from_partner": not mine,
                                "total_s": time.perf_counter() - t0}
     return out, values.get("host_state")
@@ -802,8 +894,10 @@ def _mismatch(entries: dict, tsig: dict, devices) -> str:
     if e is None:
       return f"leaf {name} is not in the local tier"
     if list(e["shape"]) != shape:
-      return f"leaf {name} has shape {e['shape']}, the target {shape}"
+      continue  # the restore refuses it as a Checkpointer does
     for j, d in enumerate(devices):
+      if d not in imap:
+        return f"leaf {name} is not on every device in the target ({d})"
       want = _index(imap[d], shape)
       have = tuple(tuple(x) for x in e["shards"][e["slots"][j]][0])
       if want != have:
@@ -812,9 +906,218 @@ def _mismatch(entries: dict, tsig: dict, devices) -> str:
   return ""
 
 
-def _assemble(t, bufs):
-  return jax.make_array_from_single_device_arrays(tuple(t.shape), t.sharding,
-                                                  bufs)
+# ---- restore: what a Checkpointer does with each target leaf -------------------
+
+@functools.lru_cache(maxsize=64)
+def _key_dims(dtype) -> tuple[int, ...]:
+  """The trailing key-data dimensions of a typed PRNG key dtype."""
+  return tuple(jax.eval_shape(jax.random.key_data,
+                              jax.ShapeDtypeStruct((), dtype)).shape)
+
+
+def _target_sig(t) -> tuple | None:
+  """(stored shape, {device: stored index}) of a target leaf with a
+  sharding (a key target: its key data's, with the key dimensions whole);
+  None with no sharding, or one that cannot hold the shape (the restore
+  then raises for it as a Checkpointer does: _restore_plan)."""
+  sh = getattr(t, "sharding", None)
+  if sh is None or not hasattr(t, "shape"):
+    return None
+  shape = tuple(t.shape)
+  tail = _key_dims(t.dtype) if prng.is_key_dtype(t.dtype) else ()
+  try:
+    imap = sh.devices_indices_map(shape)
+  except ValueError:  # uneven: jax's IndivisibleError
+    return None
+  whole = (slice(None),) * len(tail)
+  return (list(shape + tail),
+          {d: tuple(idx) + whole for d, idx in imap.items()})
+
+
+class _Leaf(NamedTuple):
+  """How the local tier restores one target leaf (see _restore_plan)."""
+  kind: str              # "array" (own.bin / partner.bin), "host", "python"
+  sharding: Any          # the target's (None: a numpy value, as saved)
+  shape: tuple = ()      # as stored (keys: their key data's shape)
+  logical: tuple = ()    # as restored (keys: without the key dimensions)
+  stored: Any = None     # the stored dtype
+  out: Any = None        # the restored dtype (key data: the stored one)
+  impl: str | None = None  # a typed PRNG key leaf's implementation
+  value: Any = None      # "host" / "python": the saved value
+
+  @property
+  def block(self) -> tuple:
+    """One device's block as stored (the partner exchange's unit)."""
+    tail = self.shape[len(self.logical):]
+    return tuple(self.sharding.shard_shape(self.logical)) + tail
+
+  def box(self, index) -> tuple:
+    """The stored box of a device's index into the restored shape."""
+    whole = (slice(None),) * (len(self.shape) - len(self.logical))
+    return _index(tuple(index) + whole, self.shape)
+
+
+def _check_shardings(target_leaves) -> None:
+  """A target sharding that cannot hold its leaf's shape (uneven: a
+  dimension the mesh axis does not divide) raises jax's error, as a
+  Checkpointer restore does, naming the leaf. From the target alone, so
+  every process raises the same (the first such leaf)."""
+  for name, t in target_leaves:
+    sh = getattr(t, "sharding", None)
+    if sh is None or not hasattr(t, "shape"):
+      continue
+    try:
+      sh.shard_shape(tuple(t.shape))
+    except ValueError as e:  # jax's IndivisibleError: that type, named
+      try:
+        named = type(e)(f"leaf {name!r}: {e}")
+      except Exception:  # pylint: disable=broad-except
+        named = TreeMismatchError(f"leaf {name!r}: {e}")
+      raise named from e
+
+
+def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
+                  ) -> dict[str, _Leaf]:
+  """What a ``Checkpointer`` restore does with each target leaf, from the
+  saved leaves a host.msgpack part records (``values``, ``arrays``,
+  ``prng``: _prepare_leaves): ckpt/restore.py ``_resolve``'s checks, with
+  its functions, so the local tier refuses what it refuses with the same
+  error (TreeMismatchError naming the leaf: a float32 leaf into an int32
+  target, keys of another implementation, another shape), applies
+  ``restore_dtype`` to the same (floating) leaves and casts only floating
+  dtypes. Local: no I/O, no collective. (Uneven target shardings:
+  _check_shardings.)"""
+  maps = [blob.get(k) if isinstance(blob, dict) else None
+          for k in ("values", "arrays", "prng")]
+  if not all(isinstance(x, dict) for x in maps):
+    raise CorruptCheckpointError(
+        f"{where}: host.msgpack records no saved leaves (values, arrays, "
+        "prng): not written by this version of the local tier")
+  values, arrays, impls = maps
+  missing = [n for n, _ in target_leaves if n not in values and n not in arrays]
+  if missing:
+    raise MissingLeavesError(missing, sorted({*values, *arrays}))
+  plan = {}
+  for name, t in target_leaves:
+    shape, wanted, sharding, wants_array = restore_lib._target_spec(t, name)  # pylint: disable=protected-access
+    impl = impls.get(name) or None
+    if impl is not None and not isinstance(impl, str):
+      raise CorruptCheckpointError(
+          f"{where}: leaf {name!r}: expected a PRNG implementation's name, "
+          f"found {impl!r}")
+    if name in values:
+      value = index_lib.decode_value(values[name], f"{where}: leaf {name!r}")
+      if not isinstance(value, (np.ndarray, np.generic)):
+        plan[name] = _Leaf("python", None, value=value)  # as saved
+        continue
+      src = lazy.LazyValue(value, name, prng_impl=impl)
+    else:
+      a = arrays[name]
+      try:
+        dtype, stored_shape = np.dtype(a[0]), tuple(int(d) for d in a[1])
+        if dtype.hasobject or any(d < 0 for d in stored_shape):
+          raise ValueError(a)
+      except (TypeError, ValueError, IndexError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: leaf {name!r}: expected [dtype, shape], found "
+            f"{str(a)[:200]!r}") from e
+      # Shape and dtype only (a view of one element): what the checks read.
+      src = lazy.LazyValue(np.broadcast_to(np.zeros((), dtype), stored_shape),
+                           name, prng_impl=impl)
+    if impl:
+      out = restore_lib._check_keys(name, src, impl, shape, wanted)  # pylint: disable=protected-access
+    else:  # as restore._resolve, with its messages
+      if wanted is not None and prng.is_key_dtype(wanted):
+        raise TreeMismatchError(
+            f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
+            f"(not PRNG keys), the target wants {prng.describe(wanted)}")
+      if wants_array and tuple(src.shape) != shape:
+        raise TreeMismatchError(
+            f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
+            f"target wants {shape}")
+      out = restore_lib._out_dtype(name, np.dtype(src.dtype), wanted,  # pylint: disable=protected-access
+                                   restore_dtype)
+    logical = lazy.logical_shape(src)
+    if sharding is None and name in arrays:  # usable() sends these elsewhere
+      raise CheckpointError(
+          f"{where}: leaf {name!r} has no sharding in the target; the local "
+          "tier places arrays on the target's shardings")
+    plan[name] = _Leaf("array" if name in arrays else "host", sharding,
+                       tuple(src.shape), tuple(logical), np.dtype(src.dtype),
+                       np.dtype(out), impl, None if name in arrays else value)
+  return plan
+
+
+def _wrap(x: jax.Array, p: _Leaf) -> jax.Array:
+  return prng.wrap(x, p.impl) if p.impl else x
+
+
+def _assemble(p: _Leaf, bufs) -> jax.Array:
+  return jax.make_array_from_single_device_arrays(
+      p.logical, p.sharding, bufs,
+      dtype=prng.info(p.impl).dtype if p.impl else p.out)
+
+
+def _place(p: _Leaf, datas, devices) -> jax.Array:
+  """An array leaf from each local device's block as stored (numpy, or a
+  jax.Array on that device): cast with numpy as a Checkpointer casts,
+  typed keys wrapped around their data (no copy)."""
+  bufs = []
+  for x, d in zip(datas, devices):
+    if np.dtype(x.dtype) != p.out:
+      x = np.asarray(x).astype(p.out)
+    if not isinstance(x, jax.Array):
+      x = jax.device_put(x, d)
+    bufs.append(_wrap(x, p))
+  return _assemble(p, bufs)
+
+
+def _host_value(p: _Leaf) -> Any:
+  """A host value restored as a Checkpointer restores an inline value
+  (ckpt/assemble.py ``materialize``): numpy (or typed keys on jax's default
+  device) with no target sharding, else placed on the target's sharding."""
+  if p.kind == "python":
+    return p.value
+  data = np.asarray(p.value).astype(p.out, copy=False)
+  if p.sharding is None:
+    if p.impl:
+      return prng.wrap(data, p.impl)
+    return data[()] if isinstance(p.value, np.generic) else data
+  whole = (slice(None),) * (len(p.shape) - len(p.logical))
+  imap = p.sharding.addressable_devices_indices_map(p.logical)
+  bufs = [_wrap(jax.device_put(np.array(data[tuple(idx) + whole], order="C"),
+                               d), p) for d, idx in imap.items()]
+  return _assemble(p, bufs)
+
+
+def _all_ok(key: str, error: BaseException | None, what: str,
+            timeout_s: float) -> None:
+  """``multihost.all_ok``, except that when every process that failed
+  refused the target as a Checkpointer refuses it (a TreeMismatchError:
+  the same check of the same saved leaves, so the same message), every
+  process raises a TreeMismatchError with that message: a process that
+  restores from its partner holds no saved leaves to check before the
+  round, and ends as the others do."""
+  post = None if error is None else [
+      type(error).__name__, str(error)[:4000],
+      isinstance(error, TreeMismatchError)]
+
+  def decide(posts: dict[int, str]) -> str:
+    got = {p: json.loads(v) for p, v in sorted(posts.items())}
+    return json.dumps({p: g for p, g in got.items() if g})
+
+  failed = json.loads(multihost.agree(key, json.dumps(post), decide,
+                                      timeout_s=timeout_s, what=what))
+  if error is not None:
+    raise error
+  if not failed:
+    return
+  refusals = {g[1] for g in failed.values() if g[2]}
+  if len(refusals) == 1 and all(g[2] for g in failed.values()):
+    raise TreeMismatchError(refusals.pop())
+  raise CheckpointError(
+      f"{what} failed on process(es) {sorted(int(p) for p in failed)}: "
+      + "; ".join(f"process {p}: {g[0]}: {g[1]}" for p, g in failed.items()))
 
 
 def _remove(path: str, parent: str, step: int) -> None:

@@ -32,7 +32,8 @@ class MultiTierCheckpointer:
     concurrent_bytes: the host-memory budget of each tier's save.
     **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
       (``format``, ``keep_period``, ``storage_options`` ...), for the
-      persistent tier.
+      persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
+      local tier too, as in the persistent one.
   """
 
   def __init__(self, persistent, *, local, local_interval: int = 1,
@@ -53,7 +54,10 @@ class MultiTierCheckpointer:
     self.local = local_tier.LocalTier(local, keep=local_keep,
                            concurrent_bytes=concurrent_bytes,
                            barrier_timeout_s=barrier_timeout_s,
-                           owner=_owner(self.persistent.storage.spec))
+                           owner=_owner(self.persistent.storage.spec),
+                           save_dtype=checkpointer_kwargs.get("save_dtype"),
+                           restore_dtype=checkpointer_kwargs.get(
+                               "restore_dtype"))
     self._timeout_s = barrier_timeout_s
     self._preemption_step: int | None = None
     self._restored: tuple[int, Any] | None = None  # (step, host_state)
