@@ -959,21 +959,13 @@ class _Leaf(NamedTuple):
 
 def _check_shardings(target_leaves) -> None:
   """A target sharding that cannot hold its leaf's shape (uneven: a
-  dimension the mesh axis does not divide) raises jax's error, as a
-  Checkpointer restore does, naming the leaf. From the target alone, so
-  every process raises the same (the first such leaf)."""
+  dimension the mesh axis does not divide) raises what a Checkpointer
+  restore raises (TreeMismatchError naming the leaf). From the target
+  alone, so every process raises the same (the first such leaf)."""
   for name, t in target_leaves:
     sh = getattr(t, "sharding", None)
-    if sh is None or not hasattr(t, "shape"):
-      continue
-    try:
-      sh.shard_shape(tuple(t.shape))
-    except ValueError as e:  # jax's IndivisibleError: that type, named
-      try:
-        named = type(e)(f"leaf {name!r}: {e}")
-      except Exception:  # pylint: disable=broad-except
-        named = TreeMismatchError(f"leaf {name!r}: {e}")
-      raise named from e
+    if sh is not None and hasattr(t, "shape"):
+      restore_lib._check_divides(name, tuple(t.shape), sh)  # pylint: disable=protected-access
 
 
 def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str

@@ -129,7 +129,7 @@ def test_uncommitted_single_device_arrays(results):
 
 def test_uneven_target_sharding(results):
   """A target sharding that does not divide the leaf (5 rows, 4 devices):
-  the persistent tier raises jax's IndivisibleError; the local tier fell
-  back to the (empty) persistent tier and raised CheckpointNotFoundError.
-  Now the same error type, naming the leaf."""
-  _same_error(results, "uneven", "uneven", "IndivisibleError", "u")
+  the persistent tier raises TreeMismatchError naming the leaf; the local
+  tier fell back to the (empty) persistent tier and raised
+  CheckpointNotFoundError. Now the same error, naming the leaf."""
+  _same_error(results, "uneven", "uneven", "TreeMismatchError", "u")
