@@ -38,8 +38,10 @@ VERSION = 1
 # 337 bytes per array leaf for 1,000 and 10,000 leaves in format zarr3 (318
 # and 321 for zarr, whose codec map has no "checksum"); about 75 of those are
 # the leaf's place in the tree structure, most of the rest its path (twice:
-# parts and relpath) and sharding text. So 32 MiB holds about 99,000 such
-# leaves (more with shorter names). Indexes written before kept ~20 bytes
+# parts and relpath) and sharding text. The saved sharding (saved_sharding,
+# added since) costs 69 more bytes per leaf on a 2-axis mesh of auto axes,
+# 99 with jax.make_mesh's explicit axis_types. So 32 MiB holds about 70,000
+# to 99,000 such leaves (more with shorter names). Indexes written before kept ~20 bytes
 # per box written and a blob per process, which at 4,096-way sharding and
 # ~12,000 leaves passed this limit. Checked before the file is read
 # (restore.read_index) and again here; encode refuses to write more.
