@@ -23,10 +23,9 @@ from ckpt import prng
 from ckpt import transforms
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
-from ckpt.index import HOST_REPLICATED, INLINE, SavedSharding
+from ckpt.index import INLINE  # noqa: F401  (as before: Metadata's text)
 from ckpt.partition import MeshPartitioner
-
-__all__ = ["Metadata", "SavedSharding", "abstract_target", "from_index"]
+from ckpt.saved_sharding import HOST_REPLICATED, SavedSharding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 from ckpt import convert
 from ckpt import index as index_lib
-from ckpt import storage as storage_lib
 from ckpt import transforms as T
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.metadata import SavedSharding
