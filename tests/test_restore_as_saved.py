@@ -16,6 +16,7 @@ from __future__ import annotations
 import pathlib
 import shutil
 
+from hypothesis import given, settings, strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -420,6 +421,73 @@ def test_a_hostile_field_is_refused(saved, why):
   with pytest.raises(CorruptCheckpointError, match="saved_sharding") as e:
     index_lib.decode(_index(_entry(saved=saved)))
   assert why in str(e.value) and "leaf 0 (w)" in str(e.value)
+
+
+_ANY = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 1 << 26) |
+    st.sampled_from(["data", "model", "x", "", "auto", "explicit"]) |
+    st.floats(allow_nan=False),
+    lambda inner: st.lists(inner, max_size=4) |
+    st.dictionaries(st.sampled_from(["a", "spec"]), inner, max_size=2),
+    max_leaves=12)
+_AXES = st.sampled_from(["data", "model", "x", ""])
+_FIELD = st.fixed_dictionaries({
+    "mesh_axes": st.lists(_AXES, max_size=3) | _ANY,
+    "mesh_shape": st.lists(st.integers(-1, 9), max_size=3) | _ANY,
+    "spec": st.lists(st.none() | _AXES | st.lists(_AXES, max_size=3),
+                     max_size=3) | _ANY,
+}, optional={"axis_types": st.lists(st.sampled_from(
+    ["auto", "explicit", "manual", "typo"]), max_size=3) | _ANY})
+
+
+@st.composite
+def _coherent(draw):
+  """Mostly valid fields (one thing may be off)."""
+  names = draw(st.lists(st.sampled_from(["data", "model", "x"]),
+                        max_size=3, unique=True))
+  sizes = draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=len(names),
+                        max_size=len(names)))
+  pick = st.none() | st.sampled_from(names + ["zz"]) | st.lists(
+      st.sampled_from(names + ["zz"]), max_size=2) if names else st.none()
+  out = {"mesh_axes": names, "mesh_shape": sizes,
+         "spec": draw(st.lists(pick, max_size=3))}
+  if draw(st.booleans()):
+    out["axis_types"] = draw(st.lists(st.sampled_from(
+        ["auto", "explicit", "manual"]), min_size=len(names),
+        max_size=len(names)))
+  return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(saved=_coherent() | _FIELD | _ANY)
+def test_any_field_decodes_valid_or_is_refused(saved):
+  """Whatever the field holds: CorruptCheckpointError, or a sharding whose
+  every part is what the docs promise (and that builds or says why not)."""
+  try:
+    e = index_lib.decode(_index(_entry(saved=saved))).leaves[0]
+  except CorruptCheckpointError:
+    return
+  s = e.saved_sharding
+  if saved is None:  # the field absent
+    assert s is None
+    return
+  assert all(isinstance(n, str) and n for n in s.axis_names)
+  assert len(set(s.axis_names)) == len(s.axis_names) == len(s.axis_sizes)
+  assert all(type(n) is int and n > 0 for n in s.axis_sizes)
+  used = [a for p in s.spec if p is not None
+          for a in ((p,) if isinstance(p, str) else p)]
+  assert len(used) == len(set(used)) and set(used) <= set(s.axis_names)
+  assert len(s.spec) <= 2
+  assert index_lib.decode(_index(e.to_json())).leaves[0] == e
+  try:
+    built = s.to_sharding()
+  except ValueError as err:  # a mesh of other than 8 devices
+    assert s.num_devices != 8 and "devices" in str(err)
+  else:
+    if s.kind == "device":
+      assert built == jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    else:
+      assert built.mesh.shape == s.mesh_shape and built.spec == s.spec
 
 
 def test_the_field_on_key_and_inline_leaves_is_checked():
