@@ -181,7 +181,7 @@ class AsSaved:
     if saved.kind == "replicated":
       return self._replicated_sharding()
     built = self._build(saved)
-    if isinstance(built, ValueError):
+    if isinstance(built, Exception):
       raise TreeMismatchError(
           f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
           f"sharding, so it would come back in its saved sharding "
@@ -194,8 +194,8 @@ class AsSaved:
     if built is None:
       try:
         built = saved.to_sharding()
-      except ValueError as e:
-        built = e
+      except Exception as e:  # pylint: disable=broad-except
+        built = e  # raised, naming the leaf, by every leaf that needs it
       self._built[saved] = built
     return built
 
