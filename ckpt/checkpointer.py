@@ -478,6 +478,10 @@ class Checkpointer(queries.Queries):
       target: a PyTree of ``jax.ShapeDtypeStruct`` (with ``.sharding``) or
         arrays saying where each leaf goes; None returns host numpy values
         (typed PRNG keys come back as key arrays on the default device).
+        A ShapeDtypeStruct without a sharding (``jax.eval_shape``) restores
+        the leaf as a jax.Array in its saved sharding (or raises
+        TreeMismatchError naming it; see restore.AsSaved); a numpy array
+        leaf restores as numpy.
         A target that is a subset of the saved tree restores that subset;
         checkpoint leaves it does not want are never read.
       transforms: ``fn(ckpt_tree, target_tree, *, is_resuming) -> ckpt_tree``

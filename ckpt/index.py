@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 
 from ckpt import prng
+from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
@@ -36,8 +37,10 @@ VERSION = 1
 # 337 bytes per array leaf for 1,000 and 10,000 leaves in format zarr3 (318
 # and 321 for zarr, whose codec map has no "checksum"); about 75 of those are
 # the leaf's place in the tree structure, most of the rest its path (twice:
-# parts and relpath) and sharding text. So 32 MiB holds about 99,000 such
-# leaves (more with shorter names). Indexes written before kept ~20 bytes
+# parts and relpath) and sharding text. The saved sharding (saved_sharding,
+# added since) costs 69 more bytes per leaf on a 2-axis mesh of auto axes,
+# 99 with jax.make_mesh's explicit axis_types. So 32 MiB holds about 70,000
+# to 99,000 such leaves (more with shorter names). Indexes written before kept ~20 bytes
 # per box written and a blob per process, which at 4,096-way sharding and
 # ~12,000 leaves passed this limit. Checked before the file is read
 # (restore.read_index) and again here; encode refuses to write more.
@@ -102,6 +105,10 @@ class ArrayEntry:
   # Format "ocdbt", a step too large for one merge: the merge group whose
   # database holds the array (ckpt/ocdbt.py); None: the step's database.
   ocdbt_group: int | None = None
+  # The sharding it was saved in, as a mesh and a PartitionSpec (kind
+  # "mesh" or "device"); None in older indexes and for shardings that are
+  # not recorded (see SavedSharding). ``sharding`` keeps the text.
+  saved_sharding: "SavedSharding | None" = None
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
@@ -114,6 +121,8 @@ class ArrayEntry:
       out["prng_impl"] = self.prng_impl
     if self.ocdbt_group is not None:
       out["ocdbt_group"] = self.ocdbt_group
+    if self.saved_sharding is not None:  # absent otherwise (older indexes)
+      out["saved_sharding"] = self.saved_sharding.to_json()
     return out
 
 
@@ -123,16 +132,47 @@ class ValueEntry:
   path: tuple[str, ...]
   value: Any  # the decoded python / numpy value
   prng_impl: str = ""  # as in ArrayEntry: ``value`` is then the key data
+  # A small replicated jax.Array: the sharding it was saved in, as in
+  # ArrayEntry (its mesh and PartitionSpec()); None for other values.
+  saved_sharding: "SavedSharding | None" = None
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "value",
            "value": encode_value(self.value, self.path)}
     if self.prng_impl:
       out["prng_impl"] = self.prng_impl
+    if self.saved_sharding is not None:  # absent otherwise (older indexes)
+      out["saved_sharding"] = self.saved_sharding.to_json()
     return out
 
 
 Entry = ArrayEntry | ValueEntry
+
+
+# ---- the sharding a leaf was saved in (ckpt/saved_sharding.py) ------------
+HOST_REPLICATED = saved_sharding_lib.HOST_REPLICATED
+INLINE = saved_sharding_lib.INLINE
+MAX_MESH_AXES = saved_sharding_lib.MAX_MESH_AXES
+SavedSharding = saved_sharding_lib.SavedSharding
+REPLICATED_INLINE = saved_sharding_lib.REPLICATED_INLINE
+REPLICATED_HOST = saved_sharding_lib.REPLICATED_HOST
+
+
+def decode_saved_sharding(d: Any, where: Any, rank: int) -> SavedSharding:
+  """A leaf's ``saved_sharding`` field, validated (CorruptCheckpointError
+  naming ``where``); see saved_sharding.decode."""
+  return saved_sharding_lib.decode(d, where, rank, _bad)
+
+
+def saved_sharding_of(entry: Entry) -> SavedSharding:
+  """The SavedSharding of any index entry (see its kinds)."""
+  if entry.saved_sharding is not None:
+    return entry.saved_sharding
+  if isinstance(entry, ValueEntry):
+    return REPLICATED_INLINE
+  if entry.sharding == HOST_REPLICATED:
+    return REPLICATED_HOST
+  return saved_sharding_lib.unknown(entry.sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +507,13 @@ def _decode_entry(e: Any, where: str) -> Entry:
         e, where, np.shape(value),
         getattr(value, "dtype", type(value).__name__),
         isinstance(value, np.ndarray))
-    return ValueEntry(path, value, impl)
+    saved = e.get("saved_sharding")
+    if saved is not None:
+      if not isinstance(value, (np.ndarray, np.generic)):
+        raise _bad(where, "no saved_sharding (a python value)", saved)
+      saved = decode_saved_sharding(saved, where, _keys_rank(
+          np.shape(value), impl))
+    return ValueEntry(path, value, impl, saved)
   if e.get("kind") != "array":
     raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
   relpath = e.get("relpath")
@@ -507,8 +553,17 @@ def _decode_entry(e: Any, where: str) -> Entry:
                             not 0 <= group < MAX_OCDBT_GROUPS):
     raise _bad(where, f"ocdbt_group an int in [0, {MAX_OCDBT_GROUPS})",
                group)
+  saved = e.get("saved_sharding")
+  if saved is not None:
+    saved = decode_saved_sharding(saved, where, _keys_rank(shape, impl))
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
-                    tuple(checksums), prng_impl=impl, ocdbt_group=group)
+                    tuple(checksums), prng_impl=impl, ocdbt_group=group,
+                    saved_sharding=saved)
+
+
+def _keys_rank(shape: tuple[int, ...], impl: str) -> int:
+  """The rank a saved sharding is over: the keys' for key data."""
+  return len(shape) - (len(prng.info(impl).key_shape) if impl else 0)
 
 
 def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,

@@ -3,7 +3,9 @@ a restore target built from it for any mesh (``abstract_target``).
 
 Read from the index alone: array leaves become ``jax.ShapeDtypeStruct``s of
 the saved shape and dtype (typed PRNG keys: their key dtype and shape),
-inline scalars and python values come back as saved.
+inline scalars and python values come back as saved; each array leaf's
+saved sharding is a ``SavedSharding`` (mesh axis names and sizes and a
+PartitionSpec; ``.to_sharding(devices)`` builds it).
 """
 
 from __future__ import annotations
@@ -21,22 +23,26 @@ from ckpt import prng
 from ckpt import transforms
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
+from ckpt.index import INLINE  # noqa: F401  (as before: Metadata's text)
 from ckpt.partition import MeshPartitioner
-from ckpt.save import HOST_REPLICATED
-
-INLINE = "inline (replicated)"
+from ckpt.saved_sharding import HOST_REPLICATED, SavedSharding
 
 
 @dataclasses.dataclass(frozen=True)
 class Metadata:
   """One step's contents: ``tree`` is the saved tree (dicts, lists, tuples;
   custom nodes as dicts) with a ShapeDtypeStruct per array leaf and the
-  inline values; the dicts are keyed by leaf path (``params/w``)."""
+  inline values; the dicts are keyed by leaf path (``params/w``).
+
+  ``shardings[path]`` is a ``SavedSharding``: ``.kind`` ("mesh", "device",
+  "replicated" or "unknown"), ``.mesh_shape`` (``{"data": 2, "model":
+  4}``), ``.spec`` (a PartitionSpec), ``.to_sharding(devices=None)`` (a
+  NamedSharding on this job's devices) and a readable ``str()``."""
   step: int
   time: float
   metrics: dict[str, Any]
   tree: Any
-  shardings: dict[str, str]      # the saved sharding, described
+  shardings: dict[str, SavedSharding]  # by array leaf path
   source_dtypes: dict[str, str]  # the dtype before save_dtype cast it
   process_count: int
   storage_format: str
@@ -55,18 +61,18 @@ def _sds(shape, dtype, impl: str) -> jax.ShapeDtypeStruct:
 def from_index(index: index_lib.Index) -> Metadata:
   """The Metadata of one decoded index (no data is read)."""
   leaves: dict[str, Any] = {}
-  shardings: dict[str, str] = {}
+  shardings: dict[str, SavedSharding] = {}
   source: dict[str, str] = {}
   for e in index.leaves:
     name = tree.path_str(e.path)
     if isinstance(e, index_lib.ArrayEntry):
       leaves[name] = _sds(e.shape, e.dtype, e.prng_impl)
-      shardings[name] = e.sharding
+      shardings[name] = index_lib.saved_sharding_of(e)
       source[name] = e.source_dtype
     elif isinstance(e.value, np.ndarray) or e.prng_impl:
       v = np.asarray(e.value)
       leaves[name] = _sds(v.shape, v.dtype, e.prng_impl)
-      shardings[name] = INLINE
+      shardings[name] = index_lib.saved_sharding_of(e)
       source[name] = v.dtype.name
     else:
       leaves[name] = e.value  # python values and numpy scalars, as saved
@@ -85,10 +91,13 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
   ``rules``: ``[(regex, PartitionSpec)]`` as ``ckpt.MeshPartitioner``; the
   first regex that fully matches a leaf path gives its spec. An array leaf
   no rule matches is replicated over ``mesh``, except host numpy leaves
-  that were saved without a partitioner: they stay host numpy (sharding
-  None). Inline values are kept as they are. A rule that matches no array
-  leaf raises TreeMismatchError naming it (usually a typo that would leave
-  the leaves it meant replicated), unless ``strict=False``.
+  that were saved without a partitioner: they stay host numpy (their
+  target leaf is a read-only numpy placeholder of the saved shape and
+  dtype, ``np.broadcast_to`` of one zero: no memory; a ShapeDtypeStruct
+  without a sharding would restore them as a replicated jax.Array). Inline
+  values are kept as they are. A rule that matches no array leaf raises
+  TreeMismatchError naming it (usually a typo that would leave the leaves
+  it meant replicated), unless ``strict=False``.
   """
   partition = MeshPartitioner(mesh, rules)
   used: set[int] = set()
@@ -105,8 +114,9 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
                 if regex.fullmatch(name))
     sharding = partition(name, tuple(x.shape))
     if sharding is None:
-      if saved.get(name) == HOST_REPLICATED:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+      was = saved.get(name)
+      if was is not None and was.description == HOST_REPLICATED:
+        return np.broadcast_to(np.zeros((), x.dtype), x.shape)
       sharding = NamedSharding(mesh, PartitionSpec())
     spec = sharding.spec
     if len(spec) > len(x.shape):

@@ -144,7 +144,9 @@ class Queries:
 
     ``.tree`` is the saved tree with a ``jax.ShapeDtypeStruct`` (the saved
     dtype, no sharding) per array leaf and the inline values as saved;
-    ``.shardings`` describes each array's saved sharding by leaf path; also
+    ``.shardings`` holds each array's saved sharding by leaf path (a
+    ``SavedSharding``: mesh axis names and sizes, PartitionSpec,
+    ``.to_sharding(devices=None)``); also
     ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
     mesh, rules)`` turns it into a restore target for any mesh. Collective,
     like ``restore``: every process reads the index of the agreed step.

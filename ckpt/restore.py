@@ -70,6 +70,9 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
       out[e.path] = e.value
       continue
     leaf.budget = budget
+    # For a target leaf without a sharding (AsSaved); a leaf a transform
+    # derives has none.
+    leaf.saved_sharding = index_lib.saved_sharding_of(e)
     out[e.path] = leaf
   return out
 
@@ -132,6 +135,86 @@ def _target_spec(x: Any, name: str = "<target>"):
   return None, None, None, False
 
 
+_HOW = ("pass a target leaf with a sharding (jax.ShapeDtypeStruct(shape, "
+        "dtype, sharding=...)), e.g. a target from ckpt.abstract_target("
+        "ckptr.metadata(step), mesh, rules); or a numpy array target leaf "
+        "for host numpy")
+
+
+class AsSaved:
+  """The shardings of target leaves that are ``jax.ShapeDtypeStruct``s
+  without one (what ``jax.eval_shape`` gives): each leaf is restored in the
+  sharding it was saved in, built on this job's devices (``jax.devices()``,
+  the same on every process, so every process decides alike, from the
+  index), once per distinct saved sharding of a restore.
+
+  Saved on a mesh (a stored leaf, or a small replicated jax.Array kept
+  inline): that mesh (the same axis names, sizes and types; as many devices
+  as it had) and its PartitionSpec. Saved on one device: the first device.
+  No mesh (a host numpy leaf saved without a partitioner, a numpy value
+  kept inline, a value given in memory by fallback_state or a transform):
+  replicated over all devices, on the checkpoint's mesh when its leaves
+  were saved on one mesh (so a jitted step can take it with them: jax
+  refuses arguments on different meshes of Explicit axes), else on a 1-D
+  mesh of all devices; a fallback ``jax.Array`` keeps its own sharding.
+  Anything else (no mesh recorded, a mesh this job cannot build, a leaf a
+  transform derived) raises TreeMismatchError naming the leaf: never
+  silent numpy."""
+
+  def __init__(self, index: index_lib.Index):
+    self._index = index
+    self._built: dict[index_lib.SavedSharding, Any] = {}
+    self._replicated = None
+
+  def sharding(self, name: str, src: Any) -> Any:
+    if isinstance(src, jax.Array):  # a fallback array: where it is
+      return src.sharding
+    saved = getattr(src, "saved_sharding", None)
+    if saved is None:
+      if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
+        raise TreeMismatchError(
+            f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
+            "sharding, so it would come back in its saved sharding, but a "
+            f"restore transform made this leaf ({src!r}), which has none; "
+            f"{_HOW}")
+      saved = index_lib.REPLICATED_INLINE  # a value given in memory
+    if saved.kind == "replicated":
+      return self._replicated_sharding()
+    built = self._build(saved)
+    if isinstance(built, Exception):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
+          f"sharding, so it would come back in its saved sharding "
+          f"({saved}), which cannot be built here: {built}; {_HOW}"
+      ) from None
+    return built
+
+  def _build(self, saved: index_lib.SavedSharding) -> Any:
+    built = self._built.get(saved)
+    if built is None:
+      try:
+        built = saved.to_sharding()
+      except Exception as e:  # pylint: disable=broad-except
+        built = e  # raised, naming the leaf, by every leaf that needs it
+      self._built[saved] = built
+    return built
+
+  def _replicated_sharding(self) -> Any:
+    if self._replicated is None:
+      meshes = {}
+      for e in self._index.leaves:
+        s = e.saved_sharding
+        if s is not None and s.kind == "mesh":
+          meshes.setdefault((s.axis_names, s.axis_sizes, s.axis_types), s)
+      one = next(iter(meshes.values())) if len(meshes) == 1 else None
+      built = self._build(one) if one is not None else None
+      self._replicated = (
+          jax.sharding.NamedSharding(built.mesh, jax.sharding.PartitionSpec())
+          if isinstance(built, jax.sharding.NamedSharding) else
+          index_lib.REPLICATED_INLINE.to_sharding())
+    return self._replicated
+
+
 def _check_divides(name: str, shape: tuple, sharding: Any) -> None:
   """A target sharding must split each dimension evenly (jax's own error,
   IndivisibleError, names no leaf)."""
@@ -188,14 +271,22 @@ def _as_leaf(value: Any, name: str) -> Any:
 
 
 async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
-                   limiter: ByteLimiter) -> Any:
+                   limiter: ByteLimiter, as_saved: AsSaved | None = None
+                   ) -> Any:
   """One leaf: check it against its target leaf, then read it (or bind it).
 
-  A typed PRNG key leaf (``src.prng_impl``) comes back as a typed key array
-  of its implementation, placed by the target's sharding; with no target
-  sharding (``target=None``, ``ckpt.load``) on jax's default device.
+  A target ShapeDtypeStruct without a sharding restores the leaf in its
+  saved sharding (``as_saved``). A typed PRNG key leaf (``src.prng_impl``)
+  comes back as a typed key array of its implementation, placed by the
+  target's sharding; with no target (``target=None``, ``ckpt.load``) on
+  jax's default device.
   """
   shape, wanted, sharding, wants_array = _target_spec(tgt, name)
+  if (sharding is None and isinstance(tgt, jax.ShapeDtypeStruct) and
+      as_saved is not None and isinstance(
+          src, (lazy.LazyLeaf, jax.Array, np.ndarray, np.generic))):
+    sharding = as_saved.sharding(name, src)
+    _check_divides(name, shape, sharding)
   if isinstance(src, jax.Array) and (not src.is_fully_addressable or
                                      prng.is_key_dtype(src.dtype)):
     # A fallback array spread over processes: place it, never gather it.
@@ -304,8 +395,9 @@ async def restore_tree(index: index_lib.Index,
       missing.append(name)
   if missing:
     raise MissingLeavesError(missing, list(by_name))
+  as_saved = AsSaved(index)
   results = await lazy.gather_or_cancel(
-      *(_resolve(tree.path_str(p), src, tgt, args, limiter)
+      *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved)
         for (p, tgt), src in zip(named, sources)))
   return tree_util.tree_unflatten(treedef, results)
 

@@ -42,7 +42,8 @@ from ckpt import tree
 from ckpt import tsfuture
 from ckpt import tsspec
 from ckpt.checksums import checksum
-from ckpt.errors import CheckpointError, InvalidStateError
+from ckpt.errors import (CheckpointError, CorruptCheckpointError,
+                         InvalidStateError)
 from ckpt.limiter import ByteLimiter
 
 INLINE_MAX_BYTES = 256
@@ -85,7 +86,7 @@ class SaveStats:
   kv_calls: int = 0
 
 
-HOST_REPLICATED = "replicated (host value)"
+HOST_REPLICATED = index_lib.HOST_REPLICATED
 
 
 @dataclasses.dataclass
@@ -139,6 +140,52 @@ def _describe(sharding) -> str:
   return type(sharding).__name__
 
 
+def _saved_sharding(sharding, rank: int) -> index_lib.SavedSharding | None:
+  """The sharding a leaf of ``rank`` dimensions is saved in, as the index
+  records it (a mesh's axis names, sizes and types and a PartitionSpec; a
+  single device), or None when it cannot be recorded: a sharding that is
+  not a NamedSharding or SingleDeviceSharding, axis names that are not
+  strings, a spec with UNCONSTRAINED or unreduced axes, or beyond what
+  index.decode_saved_sharding accepts (then a restore asks for a target
+  sharding, naming the leaf)."""
+  if sharding is None:
+    return None
+  try:
+    return _record(sharding, rank)
+  except TypeError:  # not hashable
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _record(sharding, rank: int) -> index_lib.SavedSharding | None:
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    doc = {"mesh_axes": [], "mesh_shape": [], "spec": []}
+  elif (isinstance(sharding, jax.sharding.NamedSharding) and
+        isinstance(sharding.mesh, jax.sharding.Mesh)):
+    mesh, spec = sharding.mesh, sharding.spec
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
+      return None
+    parts = []
+    for p in spec:
+      if p is None or isinstance(p, str):
+        parts.append(p)
+      elif isinstance(p, tuple) and all(isinstance(a, str) for a in p):
+        parts.append(list(p))
+      else:  # PartitionSpec.UNCONSTRAINED, or a name that is not a str
+        return None
+    types = [getattr(t, "name", str(t)).lower()
+             for t in getattr(mesh, "axis_types", ())]
+    doc = {"mesh_axes": list(mesh.axis_names),
+           "mesh_shape": list(mesh.devices.shape), "spec": parts,
+           "axis_types": types}
+  else:
+    return None
+  try:
+    return index_lib.decode_saved_sharding(doc, "", rank)
+  except CorruptCheckpointError:  # readers would refuse it: not recorded
+    return None
+
+
 def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
               process_count: int | None = None,
               process: int | None = None) -> SavePlan:
@@ -159,13 +206,15 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
             f"leaf {name!r}: expected a live jax.Array, found one that has "
             "been deleted (donated to a jitted call, or .delete()d) before "
             "save(); save the state before donating it")
+      # Recorded over the keys' dimensions for a key leaf.
+      saved = _saved_sharding(x.sharding, x.ndim)
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
         impl, x = _key_data(name, x)
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
       if x.is_fully_replicated and x.nbytes <= options.inline_max_bytes:
         value = np.asarray(x).astype(stored)
-        leaves.append(LeafPlan(parts, None,
-                               index_lib.ValueEntry(parts, value, impl)))
+        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
+            parts, value, impl, saved_sharding=saved)))
         continue
       where = placement_lib.placement(x.sharding, x.shape, process)
       sharding_text = _describe_sharding(x, x.sharding)
@@ -181,6 +230,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
       else:
         where = placement_lib.placement(sharding, x.shape, process)
       sharding_text = _describe_sharding(x, sharding)
+      saved = _saved_sharding(sharding, x.ndim)
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       value = x
       if isinstance(x, np.generic):
@@ -200,7 +250,7 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
         dtype=stored.name, chunks=layout.chunks,
         codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
-        sharding=sharding_text, prng_impl=impl)
+        sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))

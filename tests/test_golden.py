@@ -366,10 +366,20 @@ def test_damaged_golden_fails(tmp_path):
       c.restore(step, verify=True)
 
 
+# Optional leaf fields added to the index after the current version's
+# goldens were written, without a version bump: readers of that version
+# ignore them (index.decode reads a leaf's fields by name) and today's
+# readers find them absent in its indexes (tests/test_restore_as_saved.py).
+# Left out of the comparison below; empty this set when VERSION is next
+# bumped (the new goldens then hold these fields).
+ADDED_WITHOUT_BUMP = frozenset({"saved_sharding"})
+
+
 def _index_schema(path: pathlib.Path) -> dict:
   """The fields of an index document and of each of its leaves."""
   doc = msgpack.unpackb(path.read_bytes(), raw=False)
-  leaves = {"/".join(e["path"]): (e["kind"], sorted(e),
+  leaves = {"/".join(e["path"]): (e["kind"],
+                                  sorted(set(e) - ADDED_WITHOUT_BUMP),
                                   sorted(e.get("codec") or {}))
             for e in doc["leaves"]}
   return {"fields": sorted(doc), "version": doc["version"], "leaves": leaves}
