@@ -162,7 +162,8 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
     values and the jax arrays one process holds whole (an uncommitted
     ``jnp.asarray(10)`` lives on one device of each process: a host value
     of each, as the persistent tier stores it inline), cast as above;
-  - ``info``: ``{"arrays": {name: [dtype, shape]}, "prng": {name: impl}}``,
+  - ``info``: ``{"arrays": {name: [dtype, shape]}, "prng": {name: impl},
+    "device": [names of the host values that were one-device jax arrays]}``,
     saved with the host values, so every process (one restoring from its
     partner too) knows each leaf's stored dtype and PRNG implementation.
 
@@ -171,7 +172,7 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   """
   job = set(devices)
   arrays, host_vals = [], {}
-  info: dict[str, dict] = {"arrays": {}, "prng": {}}
+  info: dict[str, Any] = {"arrays": {}, "prng": {}, "device": []}
   for name, x in leaves:
     if isinstance(x, jax.Array):
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
@@ -186,6 +187,7 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
               "each process")
         host_vals[name] = index_lib.encode_value(
             np.asarray(x).astype(stored), (name,))
+        info["device"].append(name)  # restored as saved: on one device
         continue
       try:  # the partner exchange stacks equal shards
         x.sharding.shard_shape(tuple(x.shape))
@@ -986,6 +988,11 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
         f"{where}: host.msgpack records no saved leaves (values, arrays, "
         "prng): not written by this version of the local tier")
   values, arrays, impls = maps
+  on_device = blob.get("device", [])
+  if not isinstance(on_device, list):
+    raise CorruptCheckpointError(
+        f"{where}: expected a list of leaf names under 'device', found "
+        f"{str(on_device)[:200]!r}")
   missing = [n for n, _ in target_leaves if n not in values and n not in arrays]
   if missing:
     raise MissingLeavesError(missing, sorted({*values, *arrays}))
@@ -1034,10 +1041,27 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
       raise CheckpointError(
           f"{where}: leaf {name!r} has no sharding in the target; the local "
           "tier places arrays on the target's shardings")
+    if (sharding is None and name in values and
+        isinstance(t, (jax.ShapeDtypeStruct, jax.Array))):
+      sharding = _as_saved(name in on_device)
     plan[name] = _Leaf("array" if name in arrays else "host", sharding,
                        tuple(src.shape), tuple(logical), np.dtype(src.dtype),
                        np.dtype(out), impl, None if name in arrays else value)
   return plan
+
+
+def _as_saved(one_device: bool) -> jax.sharding.Sharding:
+  """Where a host value goes for a jax target without a sharding, as the
+  persistent tier restores it as saved (ckpt/restore.py ``AsSaved``): a
+  one-device jax array on this process's first device, a numpy value
+  replicated over every device (on a 1-D mesh: the local tier does not
+  record the checkpoint's mesh, the persistent tier uses it when there is
+  one)."""
+  if one_device:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  return jax.sharding.NamedSharding(
+      jax.sharding.Mesh(np.array(jax.devices()), ("devices",)),
+      jax.sharding.PartitionSpec())
 
 
 def _wrap(x: jax.Array, p: _Leaf) -> jax.Array:

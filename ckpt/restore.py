@@ -150,7 +150,8 @@ class AsSaved:
 
   Saved on a mesh (a stored leaf, or a small replicated jax.Array kept
   inline): that mesh (the same axis names, sizes and types; as many devices
-  as it had) and its PartitionSpec. Saved on one device: the first device.
+  as it had) and its PartitionSpec. Saved on one device: this process's
+  first device.
   No mesh (a host numpy leaf saved without a partitioner, a numpy value
   kept inline, a value given in memory by fallback_state or a transform):
   replicated over all devices, on the checkpoint's mesh when its leaves

@@ -87,15 +87,17 @@ class SavedSharding:
     had. With ``devices=None`` the mesh is ``jax.make_mesh``'s (the device
     order it picks for the topology; on CPU and GPU ``jax.devices()`` in
     order), else ``devices`` in the order given. ``"device"``: the first
-    device. ``"replicated"``: replicated over all the devices. Raises
+    of them this process holds (each process its own, as saved). ``"replicated"``: replicated over all the devices. Raises
     ValueError (saying why) when it cannot be built, and for ``"unknown"``.
     """
     given = devices is not None
     devices = tuple(jax.devices() if devices is None else devices)
     if not devices:
       raise ValueError("no devices to build a sharding on")
-    if self.kind == "device":
-      return jax.sharding.SingleDeviceSharding(devices[0])
+    if self.kind == "device":  # this process's first (addressable) one
+      here = jax.process_index()
+      return jax.sharding.SingleDeviceSharding(next(
+          (d for d in devices if d.process_index == here), devices[0]))
     if self.kind == "replicated":
       return NamedSharding(_mesh(("devices",), (len(devices),), (), devices,
                                  False), PartitionSpec())

@@ -40,7 +40,10 @@ def _same_result(results, case, label, *, partner=False):
         p, out["save"], out["wait"])
     got = out[label]
     assert "error" not in got["ckptr"], (p, got["ckptr"])
-    assert got["mt"] == got["ckptr"], (p, label)
+    assert got["mt"] == got["ckptr"], (p, label, {
+        k: (v, got["ckptr"]["leaves"].get(k))
+        for k, v in got["mt"]["leaves"].items()
+        if v != got["ckptr"]["leaves"].get(k)})
     assert got["tier"] == "local", (p, label, got["tier"])
     if partner:  # process 1's own part came from its partner
       assert got["from_partner"] is (p == 1), (p, got["from_partner"])
@@ -123,7 +126,8 @@ def test_uncommitted_single_device_arrays(results):
     assert out["close"] == {"leaves": {}}, (p, out["close"])
   _same_result(results, "uncommitted", "all")
   leaves = results[0]["uncommitted"]["all"]["mt"]["leaves"]
-  assert leaves["['c']"]["type"] == "ndarray"      # as the persistent tier
+  assert leaves["['c']"]["type"] == "jax.Array"    # restored as saved:
+  assert "SingleDeviceSharding" in leaves["['c']"]["sharding"]  # one device
   assert leaves["['f']"]["type"] == "jax.Array"    # onto the target's device
 
 
