@@ -233,6 +233,13 @@ class Checkpointer(queries.Queries):
     """Saves ``state`` as ``step``; returns False if the step already exists
     or (with ``save_interval_steps``) ``should_save(step)`` is False.
 
+    A step lower than the newest committed step is refused before anything
+    is written: ``CheckpointError`` naming the newer steps, on every
+    process. Saving it would start a new timeline while the newer steps
+    stay, and ``latest_step()``/``restore()`` (a restarted job) would
+    resume them, not it. To roll back deliberately, ``delete(s)`` each
+    newer step, then save.
+
     ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
     nested dicts flattened to ``a/b`` names. ``force`` saves whatever
     ``save_interval_steps`` says (the last step of a run, say).
@@ -307,12 +314,21 @@ class Checkpointer(queries.Queries):
   def _prepare_attempt(self, step: int, started: list) -> str | None:
     """Process 0, in the save round: None if ``step`` is committed, else the
     token of a fresh, empty attempt directory. The save's deadline starts
-    here (appended to ``started``): its first request."""
+    here (appended to ``started``): its first request.
+
+    A step lower than the newest committed one is refused here
+    (``agreement.SaveRefused``, raised on every process), before anything
+    is written: see ``save``."""
     deadline = self._save_deadline(step)
     started.append(deadline)
     with deadline_lib.scope(deadline):
-      if commit_lib.is_committed(self.storage, step):
+      steps = commit_lib.committed_steps(self.storage)
+      if step in steps:
         return None
+      newer = [s for s in steps if s > step]
+      if newer:
+        raise agreement.SaveRefused(refusal(step, newer,
+                                            f"in {self.storage.url!r}"))
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.lease_s)
       return token
@@ -721,3 +737,17 @@ def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
     ckptr.close()
   except Exception as e:  # pylint: disable=broad-except
     logging.error("ckpt: the last save did not finish at exit: %s", e)
+
+
+def refusal(step: int, newer: list[int], where: str) -> str:
+  """The message of a refused save of ``step``, lower than the committed
+  ``newer`` steps (``where``: in which directory or tier); the same for a
+  Checkpointer and both tiers of a MultiTierCheckpointer."""
+  shown = newer if len(newer) <= 20 else [*newer[:10], "...", *newer[-10:]]
+  return (
+      f"cannot save step {step}: newer committed step(s) {shown} exist "
+      f"({where}). A save of an older step would start a new timeline while "
+      "the newer steps stay, and latest_step()/restore() (a restarted job) "
+      "would resume them. To roll back deliberately, call delete(s) for each "
+      f"of {shown} (collective), then save step {step} again. Nothing was "
+      "written.")

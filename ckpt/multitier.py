@@ -11,10 +11,20 @@ from typing import Any
 from absl import logging
 import jax
 
+from ckpt import commit as commit_lib
+from ckpt import deadline as deadline_lib
 from ckpt import local_tier
 from ckpt import multihost
-from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import CheckpointError
+from ckpt import queries
+from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES, refusal
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
+                         CorruptCheckpointError)
+
+# Restore options the local tier honours: it verifies every shard's crc32c
+# on every restore (so ``verify=True`` holds), and ``read_once`` only
+# concerns reads from the persistent tier. Any other option (``transforms``,
+# ``fallback_state``, ``lazy=True``, ``path``) is the persistent tier's only.
+_LOCAL_OPTIONS = ("verify", "read_once")
 
 
 class MultiTierCheckpointer:
@@ -59,6 +69,13 @@ class MultiTierCheckpointer:
     self._restored: tuple[int, Any] | None = None  # (step, host_state)
     self.last_restore_tier: str | None = None
     self.last_restore_reason: str = ""
+    # The step the last restore returned (with last_restore_tier).
+    self.last_restore_step: int | None = None
+    # Process 0, for the save's timeline check: the persistent tier's
+    # committed steps as last listed (None: list again), and the persistent
+    # save started since, with its future.
+    self._p_steps: list[int] | None = None
+    self._p_pending: tuple[int, Any] | None = None
 
   # -- save --
 
@@ -74,15 +91,137 @@ class MultiTierCheckpointer:
            host_state: Any = None, force: bool = False) -> bool:
     """Saves ``step`` to the tiers whose interval it hits (both with
     ``force``); returns True if any tier saved it. Collective: every
-    process calls it with the same step."""
+    process calls it with the same step.
+
+    A step lower than the newest committed step of either tier (the
+    persistent tier's, or a local step of this run on any process) is
+    refused before anything is written: ``CheckpointError`` on every
+    process, naming the newer steps (agreed in one round). Saving it would
+    start a new timeline while the newer steps stay, and a restart would
+    resume them. To roll back deliberately, ``delete(s)`` each newer step,
+    then save. A step equal to the newest: the persistent tier skips it
+    with a warning (as ``Checkpointer.save``), the local tier writes it
+    again.
+    """
+    to_persistent = force or self.should_save_persistent(step)
+    to_local = force or self.should_save_local(step)
+    if not (to_persistent or to_local):
+      return False
+    self._check_timeline(step)
     saved = False
-    if force or self.should_save_persistent(step):
-      saved |= bool(self.persistent.save(step, state, metrics=metrics,
-                                         host_state=host_state, force=True))
-    if force or self.should_save_local(step):
+    if to_persistent:
+      try:
+        ok = bool(self.persistent.save(step, state, metrics=metrics,
+                                       host_state=host_state, force=True))
+      except BaseException:
+        self._p_steps = self._p_pending = None  # list again
+        raise
+      if ok:  # committed once its future is done without error
+        self._p_pending = (step, self.persistent._inflight)  # pylint: disable=protected-access
+      saved |= ok
+    if to_local:
+      # Retention keeps this step, whatever its number (LocalTier._retain);
+      # no local save is in flight (_check_timeline waited for it).
+      self.local._newest_saved = step  # pylint: disable=protected-access
       self.local.save(step, state, host_state)
       saved = True
     return saved
+
+  def _check_timeline(self, step: int) -> None:
+    """Collective, before a save writes anything: refuses a step lower
+    than the newest committed step of either tier, with the same
+    CheckpointError on every process. Each process posts its local steps
+    above ``step`` (of this run) or its own failure (the previous local
+    save's, say); process 0 adds the persistent tier's and decides."""
+    key = multihost.call_key(self.local._key_base, "timeline")  # pylint: disable=protected-access
+    newer, error = [], None
+    try:  # what can fail on one process alone goes into the round
+      step = queries.check_step(step)
+      self.local.wait()  # the previous local save: its failure, its commit
+      newer = self._local_newer(step)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+    def decide(posts: dict[int, str]) -> str:
+      _forget_previous(key)
+      got = {p: json.loads(v) for p, v in sorted(posts.items())}
+      failed = {p: g["error"] for p, g in got.items() if g["error"]}
+      if failed:
+        return json.dumps({"failed": failed})
+      local = sorted(set().union(*(g["newer"] for g in got.values())))
+      try:
+        persistent = self._persistent_newer(step, fresh=bool(local))
+      except Exception as e:  # pylint: disable=broad-except
+        return json.dumps({"failed": {0: (
+            f"listing the persistent tier {self.persistent.storage.url!r}: "
+            f"{type(e).__name__}: {e}")[:2000]}})
+      return json.dumps({"local": local, "persistent": persistent})
+
+    out = json.loads(multihost.agree(
+        key, json.dumps({"newer": newer, "error": err}), decide,
+        timeout_s=self._timeout_s,
+        what=f"whether step {step} can be saved (newer committed steps)"))
+    if error is not None:
+      raise error
+    if "failed" in out:
+      raise CheckpointError(
+          f"saving step {step} was refused before anything was written: it "
+          f"failed on process(es) {sorted(int(p) for p in out['failed'])}: "
+          + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
+    if out["local"] or out["persistent"]:
+      where = "; ".join(
+          f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
+              ("persistent", self.persistent.storage.url, out["persistent"]),
+              ("local", self.local.root, out["local"])) if steps)
+      raise CheckpointError(refusal(
+          step, sorted(set(out["local"]) | set(out["persistent"])), where))
+
+  def _local_newer(self, step: int) -> list[int]:
+    """This process's committed local steps above ``step`` that a restore
+    could use (a valid manifest of this run); local, no collective."""
+    out = []
+    for s in self.local.committed_steps():
+      if s <= step:
+        continue
+      try:
+        why = self.local._foreign(self.local._manifest(s))  # pylint: disable=protected-access
+      except CorruptCheckpointError as e:
+        why = str(e)
+      if why:  # never restored, removed by the next save
+        logging.info("ckpt: local step %d does not count as committed: %s", s,
+                     why)
+        continue
+      out.append(s)
+    return out
+
+  def _persistent_newer(self, step: int, fresh: bool) -> list[int]:
+    """Process 0: the persistent tier's committed steps above ``step``,
+    and the step of its save in flight if above. From the listing cached
+    since the last one (plus the saves committed since); listed again when
+    that finds any (``fresh``: or the local tier did), so a refusal always
+    rests on a fresh listing."""
+    in_flight = None
+    if self._p_pending is not None:
+      s, fut = self._p_pending
+      if fut is not None and not fut.done():
+        in_flight = s
+      else:
+        self._p_pending = None
+        if fut is None or (not fut.cancelled() and fut.exception() is None):
+          if self._p_steps is not None:
+            self._p_steps = sorted({*self._p_steps, s})
+        else:  # a failed save may have committed before it failed
+          self._p_steps = None
+    cached = self._p_steps is not None
+    if not cached or fresh or any(s > step for s in self._p_steps):
+      self._p_steps = deadline_lib.call(
+          self.persistent._query_deadline(),  # pylint: disable=protected-access
+          commit_lib.committed_steps, self.persistent.storage)
+    newer = [s for s in self._p_steps if s > step]
+    if in_flight is not None and in_flight > step:
+      newer = sorted({*newer, in_flight})
+    return newer
 
   def reached_preemption(self, step: int) -> bool:
     if self.persistent.reached_preemption(step):
@@ -96,23 +235,114 @@ class MultiTierCheckpointer:
     finally:
       self.local.wait()
 
+  # -- delete --
+
+  def delete(self, step: int) -> None:
+    """Deletes ``step`` from both tiers: the persistent tier's committed
+    step and every process's local ``step_<step>`` (its own part and the
+    partner replica it holds). Collective; ``CheckpointNotFoundError`` if
+    neither tier holds it. After it, ``latest_step()`` and a restart no
+    longer see the step (a rollback: delete each newer step, then save).
+
+    Atomic against failures: every process first renames its local step
+    away, then one round, in which process 0 deletes the persistent step
+    (refused for a save in flight or a step being read, as
+    ``Checkpointer.delete``); if anything failed anywhere, every process
+    puts its local step back and all raise the same error. If the round
+    itself times out (a process died), the renamed steps stay renamed and
+    go at the next save: call ``delete`` again.
+    """
+    key = multihost.call_key(self.local._key_base, "delete")  # pylint: disable=protected-access
+    given, hidden, error = step, None, None
+    try:  # what can fail on one process alone goes into the round
+      step = queries.check_step(step)
+      self.local.wait()  # a local save in flight commits first
+      hidden = self.local.hide_step(step)
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+    def decide(posts: dict[int, str]) -> str:
+      _forget_previous(key)
+      got = {p: json.loads(v) for p, v in sorted(posts.items())}
+      failed = {p: g["error"] for p, g in got.items() if g["error"]}
+      if failed:
+        return json.dumps({"failed": failed})
+      local = [p for p, g in got.items() if g["hidden"]]
+      p = self.persistent
+      try:
+        deadline_lib.call(p._query_deadline(), p._delete_step, step)  # pylint: disable=protected-access
+        persistent = True
+      except CheckpointNotFoundError as e:
+        persistent, why = False, str(e)
+      except Exception as e:  # pylint: disable=broad-except
+        return json.dumps({"error": [
+            type(e).__name__, f"deleting step {step}: {e}"[:4000]]})
+      if not (persistent or local):
+        return json.dumps({"error": ["CheckpointNotFoundError", (
+            f"cannot delete step {step}: neither tier holds it ({why}; no "
+            f"process holds step_{step} in the local tier "
+            f"{self.local.root!r})")[:4000]]})
+      self._p_steps = None  # list again at the next save
+      return json.dumps({"persistent": persistent, "local": local})
+
+    try:
+      out = json.loads(multihost.agree(
+          key, json.dumps({"hidden": hidden is not None, "error": err}),
+          decide, timeout_s=self._timeout_s, what=f"deleting step {given!r}"))
+    except BaseException:
+      if hidden is not None:
+        logging.error("ckpt: delete(%s) did not complete: the local step on "
+                      "this process stays renamed away (%s) and is removed "
+                      "at the next save", given, hidden)
+      raise
+    if "persistent" not in out:  # refused: every local step goes back
+      if hidden is not None:
+        try:
+          self.local.unhide_step(step, hidden)
+        except OSError as e:
+          logging.error("ckpt: could not put local step %d back (%s): %s",
+                        step, hidden, e)
+      if error is not None:
+        raise error
+      if "failed" in out:
+        raise CheckpointError(
+            f"delete({given!r}) failed on process(es) "
+            f"{sorted(int(p) for p in out['failed'])}; no tier was changed: "
+            + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
+      cls = (CheckpointNotFoundError if out["error"][0] ==
+             "CheckpointNotFoundError" else CheckpointError)
+      raise cls(out["error"][1])
+    if hidden is not None:
+      self.local.drop_hidden(hidden)
+    logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
+                 "process(es) %s)", step, out["persistent"], out["local"])
+    self.persistent._metrics_cache.pop(step, None)  # pylint: disable=protected-access
+    self.persistent._time_cache.pop(step, None)  # pylint: disable=protected-access
+
   # -- which step, which tier --
 
-  def _choose(self, step: int | None, target_leaves) -> dict:
+  def _choose(self, step: int | None, target_leaves,
+              persistent_only: str = "") -> dict:
     """Collective: process 0 picks the tier and the step; all get it.
 
     The key is taken first, and a process whose local checks fail (its
     last local save failed, an unreadable manifest) says so in the round:
-    it holds no local step, so every process takes the same decision."""
+    it holds no local step, so every process takes the same decision.
+    ``persistent_only``: the restore options the local tier does not take
+    (then only the persistent tier's steps can be chosen)."""
     key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
     try:  # a collective round of the persistent tier, on every process
-      p_latest = self.persistent.latest_step()
+      p_steps = self.persistent.all_steps()
     except CheckpointError:
-      p_latest = None
+      p_steps = []
+    p_latest = p_steps[-1] if p_steps else None
 
     def verify(s: int) -> bool:
       """The steps that can be chosen have their checksums verified here,
       before the round, so a bad file changes every process's decision."""
+      if persistent_only:
+        return False  # none can be chosen
       if step is not None:
         return s == step
       return p_latest is None or s >= p_latest
@@ -142,6 +372,9 @@ class MultiTierCheckpointer:
             s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
             for p in range(n)):
           complete.append(s)
+      if persistent_only:
+        return _persistent_only(step, complete, p_steps, persistent_only,
+                                self.persistent.storage.url)
       if step is not None:
         complete = [s for s in complete if s == step]
       why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
@@ -173,10 +406,20 @@ class MultiTierCheckpointer:
                          "why": usable["why"]}), decide,
         timeout_s=self._timeout_s, what="the tier and step to restore"))
 
-  def latest_step(self) -> int | None:
-    """The newest step the job can restore from either tier (collective)."""
-    d = self._choose(None, [])
-    return d["step"]
+  def latest_step(self, target: Any = None) -> int | None:
+    """The newest step the job can restore from either tier (collective).
+
+    ``target``: the step ``restore(target=target)`` returns (the local
+    step only if every process can serve it on the target's shardings; it
+    checks what that restore checks, the local steps' checksums included).
+    Without it, the local tier's newest step counts whatever the target's
+    shardings will be; it may then be newer than what ``restore`` returns
+    from the persistent tier: for ``restore()`` with no target, a target
+    whose shardings differ from the save's, or restore options the local
+    tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+    """
+    leaves = [] if target is None else local_tier.flatten(target)[0]
+    return self._choose(None, leaves)["step"]
 
   # -- restore --
 
@@ -188,28 +431,51 @@ class MultiTierCheckpointer:
     or its partner holds a replica of it, and the process count, devices
     and the target's shardings are those of the save; else from the
     persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
-    with an info log saying why.
+    with an info log saying why. ``last_restore_step``,
+    ``last_restore_tier`` and ``last_restore_reason`` say what it did.
+
+    Restore options the local tier does not take (``transforms``,
+    ``fallback_state``, ``lazy=True``) choose among the persistent tier's
+    steps only: its newest, or ``step`` if it holds it (a step only the
+    local tier holds raises ``CheckpointNotFoundError`` naming both).
+    ``verify=True`` and ``read_once`` do not restrict the choice: the
+    local tier checks every shard's crc32c on every restore.
+    ``restore(path=...)`` reads that checkpoint through the persistent
+    tier's Checkpointer.
     """
     # The persistent tier's save in flight ends first (its failure stays for
     # the next save or wait), the local tier's in _choose.
     self.persistent._settle()  # pylint: disable=protected-access
     leaves, treedef = (local_tier.flatten(target) if target is not None else
                        (None, None))
-    d = self._choose(step, leaves)  # waits for the local tier's save
-    if d["tier"] == "local" and not restore_kwargs:
+    if restore_kwargs.get("path") is not None:  # another checkpoint's root
+      self.last_restore_tier, self.last_restore_step = "persistent", step
+      self.last_restore_reason = "restore(path=...) reads that checkpoint"
+      self._restored = None
+      return self.persistent.restore(step, target=target, **restore_kwargs)
+    options = ", ".join(
+        f"{k}={v!r}"[:80] for k, v in sorted(restore_kwargs.items())
+        if k not in _LOCAL_OPTIONS and not _is_default(k, v))
+    d = self._choose(step, leaves, options)  # waits for the local tier's save
+    if d["tier"] == "error":
+      raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
+          d["reason"])
+    if d["tier"] == "local":
       out, hs = self.local.restore(d["step"], leaves, d["need"])
       logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
                    self.local.root, f": {d['reason']}" if d["reason"] else "")
       self.last_restore_tier = "local"
       self.last_restore_reason = d.get("reason", "")
+      self.last_restore_step = d["step"]
       self._restored = (d["step"], hs)
       return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
     reason = d.get("reason") or "restore options the local tier does not take"
     logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
                  d["step"], self.persistent.storage.url, reason)
     self.last_restore_tier, self.last_restore_reason = "persistent", reason
+    self.last_restore_step = None  # until it is restored
     state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
-    s = d["step"] if d["step"] is not None else self.persistent.latest_step()
+    s = self.last_restore_step = d["step"]
     try:
       hs = self.persistent.host_state(s)
     except CheckpointError as e:
@@ -239,6 +505,45 @@ class MultiTierCheckpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _is_default(option: str, value: Any) -> bool:
+  """Whether a restore option has its Checkpointer.restore default (then
+  the local tier can honour it); an option not known here never does."""
+  if option in ("transforms", "lazy"):
+    return not value
+  return option in ("fallback_state", "path") and value is None
+
+
+def _persistent_only(step: int | None, complete: list[int],
+                     p_steps: list[int], options: str, url: str) -> str:
+  """Process 0, in _choose's round, for restore options the local tier
+  does not take: the persistent tier's newest step, or the given one if
+  it has it; an error naming both tiers for a step only the local tier
+  can rebuild."""
+  why = f"restore options the local tier does not take ({options})"
+  if step is None:
+    reason = why
+    if complete and (not p_steps or complete[0] > p_steps[-1]):
+      reason += (f"; the local tier's newer step {complete[0]} is not used "
+                 "(restore it without these options)")
+    return json.dumps({"tier": "persistent", "reason": reason,
+                       "step": p_steps[-1] if p_steps else None})
+  if step in p_steps or step not in complete:
+    return json.dumps({"tier": "persistent", "step": step, "reason": why})
+  return json.dumps({"tier": "error", "not_found": True, "reason": (
+      f"step {step} is in the local tier only, which does not take the "
+      f"restore options {options}; the persistent tier {url!r} holds steps "
+      f"{p_steps}. Restore step {step} without these options, or one of the "
+      "persistent tier's steps with them")})
+
+
+def _forget_previous(key: str) -> None:
+  """In round ``n``'s decision (every process is past its barrier, so all
+  read round ``n - 1``'s decision): round ``n - 1``'s keys go."""
+  base, _, n = key.rpartition("/")
+  if n.isdigit() and int(n) > 0:
+    multihost.forget(f"{base}/{int(n) - 1}")
 
 
 def _owner(spec: dict) -> str:
