@@ -230,12 +230,13 @@ class Checkpointer(queries.Queries):
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
            force: bool = False) -> bool:
-    """Saves ``state`` as ``step``; returns False if the step already exists
-    or (with ``save_interval_steps``) ``should_save(step)`` is False.
+    """Saves ``state`` as ``step``; returns False if the step is the newest
+    committed one (with a warning) or (with ``save_interval_steps``)
+    ``should_save(step)`` is False.
 
-    A step lower than the newest committed step is refused before anything
-    is written: ``CheckpointError`` naming the newer steps, on every
-    process. Saving it would start a new timeline while the newer steps
+    A step lower than the newest committed step (committed itself or not)
+    is refused before anything is written: ``CheckpointError`` naming the
+    newer steps, on every process. Saving it would start a new timeline while the newer steps
     stay, and ``latest_step()``/``restore()`` (a restarted job) would
     resume them, not it. To roll back deliberately, ``delete(s)`` each
     newer step, then save.
@@ -323,12 +324,12 @@ class Checkpointer(queries.Queries):
     started.append(deadline)
     with deadline_lib.scope(deadline):
       steps = commit_lib.committed_steps(self.storage)
-      if step in steps:
-        return None
       newer = [s for s in steps if s > step]
-      if newer:
+      if newer:  # committed or not, it would not be the step resumed
         raise agreement.SaveRefused(refusal(step, newer,
                                             f"in {self.storage.url!r}"))
+      if step in steps:
+        return None
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.lease_s)
       return token

@@ -527,17 +527,21 @@ class LocalTier:
     self._retain()
 
   def _retain(self) -> None:
-    """Keeps the ``keep`` newest steps up to the step saved last (set by
-    MultiTierCheckpointer.save as ``_newest_saved``; else the highest):
-    never that step, whatever its number. Steps above it (a timeline
-    abandoned without ``delete``, which MultiTierCheckpointer.save refuses
-    to start) are left alone: retention never guesses which to drop."""
+    """Keeps the ``keep`` newest steps up to the step saved last, never
+    that step, whatever its number.
+
+    The step saved last is set by MultiTierCheckpointer.save
+    (``_newest_saved``), which refused the save if the job could rebuild
+    any local step above it: steps above it here are parts of steps no
+    restore can use (a host and its partner lost), and go too. Without it
+    (the class alone): the highest steps are kept."""
     steps = self.committed_steps()
     head = getattr(self, "_newest_saved", None)
-    if head not in steps:
-      head = steps[-1] if steps else None
-    below = [s for s in steps if head is not None and s <= head]
-    for s in below[:-self.keep]:
+    above = []
+    if head in steps:
+      above = [s for s in steps if s > head]
+      steps = [s for s in steps if s <= head]
+    for s in above + steps[:-self.keep]:
       try:
         _remove(os.path.join(self.dir, f"step_{s}"), self.dir, s)
       except OSError as e:

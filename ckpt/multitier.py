@@ -134,11 +134,12 @@ class MultiTierCheckpointer:
     above ``step`` (of this run) or its own failure (the previous local
     save's, say); process 0 adds the persistent tier's and decides."""
     key = multihost.call_key(self.local._key_base, "timeline")  # pylint: disable=protected-access
-    newer, error = [], None
+    newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
     try:  # what can fail on one process alone goes into the round
       step = queries.check_step(step)
       self.local.wait()  # the previous local save: its failure, its commit
       newer = self._local_newer(step)
+      dst, n = self.local.layout.dst, self.local.layout.n
     except Exception as e:  # pylint: disable=broad-except
       error = e
     err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
@@ -149,7 +150,11 @@ class MultiTierCheckpointer:
       failed = {p: g["error"] for p, g in got.items() if g["error"]}
       if failed:
         return json.dumps({"failed": failed})
-      local = sorted(set().union(*(g["newer"] for g in got.values())))
+      # The local steps a restore could use (as _choose counts them, from
+      # the manifests): a step that some process holds but the job cannot
+      # rebuild (a host and its partner lost) is never resumed, and goes
+      # at this save's retention.
+      local = sorted(_complete(got, dst, n))
       try:
         persistent = self._persistent_newer(step, fresh=bool(local))
       except Exception as e:  # pylint: disable=broad-except
@@ -159,7 +164,7 @@ class MultiTierCheckpointer:
       return json.dumps({"local": local, "persistent": persistent})
 
     out = json.loads(multihost.agree(
-        key, json.dumps({"newer": newer, "error": err}), decide,
+        key, json.dumps({**newer, "error": err}), decide,
         timeout_s=self._timeout_s,
         what=f"whether step {step} can be saved (newer committed steps)"))
     if error is not None:
@@ -177,22 +182,28 @@ class MultiTierCheckpointer:
       raise CheckpointError(refusal(
           step, sorted(set(out["local"]) | set(out["persistent"])), where))
 
-  def _local_newer(self, step: int) -> list[int]:
-    """This process's committed local steps above ``step`` that a restore
-    could use (a valid manifest of this run); local, no collective."""
-    out = []
+  def _local_newer(self, step: int) -> dict[str, list[int]]:
+    """This process's committed local steps above ``step`` with a valid
+    manifest of this run: the own parts and partner replicas it holds (as
+    ``LocalTier.usable`` counts them, checksums aside); local, no
+    collective."""
+    lay = self.local.layout
+    out = {"own": [], "partner": []}
     for s in self.local.committed_steps():
       if s <= step:
         continue
       try:
-        why = self.local._foreign(self.local._manifest(s))  # pylint: disable=protected-access
+        m = self.local._manifest(s)  # pylint: disable=protected-access
+        why = self.local._foreign(m)  # pylint: disable=protected-access
       except CorruptCheckpointError as e:
         why = str(e)
       if why:  # never restored, removed by the next save
         logging.info("ckpt: local step %d does not count as committed: %s", s,
                      why)
         continue
-      out.append(s)
+      out["own"].append(s)
+      if lay.n > 1 and m["partner_src"] == lay.src[lay.pid]:
+        out["partner"].append(s)
     return out
 
   def _persistent_newer(self, step: int, fresh: bool) -> list[int]:
@@ -363,15 +374,7 @@ class MultiTierCheckpointer:
 
     def decide(posts: dict[int, str]) -> str:
       got = {p: json.loads(v) for p, v in posts.items()}
-      candidates = set()
-      for g in got.values():
-        candidates |= set(g["own"]) | set(g["partner"])
-      complete = []
-      for s in sorted(candidates, reverse=True):
-        if len(got) == n and all(
-            s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
-            for p in range(n)):
-          complete.append(s)
+      complete = _complete(got, dst, n)
       if persistent_only:
         return _persistent_only(step, complete, p_steps, persistent_only,
                                 self.persistent.storage.url)
@@ -536,6 +539,19 @@ def _persistent_only(step: int | None, complete: list[int],
       f"restore options {options}; the persistent tier {url!r} holds steps "
       f"{p_steps}. Restore step {step} without these options, or one of the "
       "persistent tier's steps with them")})
+
+
+def _complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
+  """The steps the job can rebuild, newest first: every process ``p`` has
+  its own part (``got[p]["own"]``) or its partner ``dst[p]`` holds its
+  replica (``got[dst[p]]["partner"]``)."""
+  candidates = set()
+  for g in got.values():
+    candidates |= set(g["own"]) | set(g["partner"])
+  return [s for s in sorted(candidates, reverse=True)
+          if len(got) == n and all(
+              s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
+              for p in range(n))]
 
 
 def _forget_previous(key: str) -> None:
