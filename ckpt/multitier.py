@@ -11,14 +11,11 @@ from typing import Any
 from absl import logging
 import jax
 
-from ckpt import commit as commit_lib
-from ckpt import deadline as deadline_lib
 from ckpt import local_tier
 from ckpt import multihost
-from ckpt import queries
-from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES, refusal
-from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
-                         CorruptCheckpointError)
+from ckpt import tier_timeline
+from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
 
 # Restore options the local tier honours: it verifies every shard's crc32c
 # on every restore (so ``verify=True`` holds), and ``read_once`` only
@@ -129,110 +126,8 @@ class MultiTierCheckpointer:
 
   def _check_timeline(self, step: int) -> None:
     """Collective, before a save writes anything: refuses a step lower
-    than the newest committed step of either tier, with the same
-    CheckpointError on every process. Each process posts its local steps
-    above ``step`` (of this run) or its own failure (the previous local
-    save's, say); process 0 adds the persistent tier's and decides."""
-    key = multihost.call_key(self.local._key_base, "timeline")  # pylint: disable=protected-access
-    newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
-    try:  # what can fail on one process alone goes into the round
-      step = queries.check_step(step)
-      self.local.wait()  # the previous local save: its failure, its commit
-      newer = self._local_newer(step)
-      dst, n = self.local.layout.dst, self.local.layout.n
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-    err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-
-    def decide(posts: dict[int, str]) -> str:
-      _forget_previous(key)
-      got = {p: json.loads(v) for p, v in sorted(posts.items())}
-      failed = {p: g["error"] for p, g in got.items() if g["error"]}
-      if failed:
-        return json.dumps({"failed": failed})
-      # The local steps a restore could use (as _choose counts them, from
-      # the manifests): a step that some process holds but the job cannot
-      # rebuild (a host and its partner lost) is never resumed, and goes
-      # at this save's retention.
-      local = sorted(_complete(got, dst, n))
-      try:
-        persistent = self._persistent_newer(step, fresh=bool(local))
-      except Exception as e:  # pylint: disable=broad-except
-        return json.dumps({"failed": {0: (
-            f"listing the persistent tier {self.persistent.storage.url!r}: "
-            f"{type(e).__name__}: {e}")[:2000]}})
-      return json.dumps({"local": local, "persistent": persistent})
-
-    out = json.loads(multihost.agree(
-        key, json.dumps({**newer, "error": err}), decide,
-        timeout_s=self._timeout_s,
-        what=f"whether step {step} can be saved (newer committed steps)"))
-    if error is not None:
-      raise error
-    if "failed" in out:
-      raise CheckpointError(
-          f"saving step {step} was refused before anything was written: it "
-          f"failed on process(es) {sorted(int(p) for p in out['failed'])}: "
-          + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
-    if out["local"] or out["persistent"]:
-      where = "; ".join(
-          f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
-              ("persistent", self.persistent.storage.url, out["persistent"]),
-              ("local", self.local.root, out["local"])) if steps)
-      raise CheckpointError(refusal(
-          step, sorted(set(out["local"]) | set(out["persistent"])), where))
-
-  def _local_newer(self, step: int) -> dict[str, list[int]]:
-    """This process's committed local steps above ``step`` with a valid
-    manifest of this run: the own parts and partner replicas it holds (as
-    ``LocalTier.usable`` counts them, checksums aside); local, no
-    collective."""
-    lay = self.local.layout
-    out = {"own": [], "partner": []}
-    for s in self.local.committed_steps():
-      if s <= step:
-        continue
-      try:
-        m = self.local._manifest(s)  # pylint: disable=protected-access
-        why = self.local._foreign(m)  # pylint: disable=protected-access
-      except CorruptCheckpointError as e:
-        why = str(e)
-      if why:  # never restored, removed by the next save
-        logging.info("ckpt: local step %d does not count as committed: %s", s,
-                     why)
-        continue
-      out["own"].append(s)
-      if lay.n > 1 and m["partner_src"] == lay.src[lay.pid]:
-        out["partner"].append(s)
-    return out
-
-  def _persistent_newer(self, step: int, fresh: bool) -> list[int]:
-    """Process 0: the persistent tier's committed steps above ``step``,
-    and the step of its save in flight if above. From the listing cached
-    since the last one (plus the saves committed since); listed again when
-    that finds any (``fresh``: or the local tier did), so a refusal always
-    rests on a fresh listing."""
-    in_flight = None
-    if self._p_pending is not None:
-      s, fut = self._p_pending
-      if fut is not None and not fut.done():
-        in_flight = s
-      else:
-        self._p_pending = None
-        if fut is None or (not fut.cancelled() and fut.exception() is None):
-          if self._p_steps is not None:
-            self._p_steps = sorted({*self._p_steps, s})
-        else:  # a failed save may have committed before it failed
-          self._p_steps = None
-    cached = self._p_steps is not None
-    if not cached or fresh or any(s > step for s in self._p_steps):
-      self._p_steps = deadline_lib.call(
-          self.persistent._query_deadline(),  # pylint: disable=protected-access
-          commit_lib.committed_steps, self.persistent.storage)
-    newer = [s for s in self._p_steps if s > step]
-    if in_flight is not None and in_flight > step:
-      newer = sorted({*newer, in_flight})
-    return newer
+    than the newest committed step of either tier (ckpt/tier_timeline.py)."""
+    tier_timeline.check(self, step)
 
   def reached_preemption(self, step: int) -> bool:
     if self.persistent.reached_preemption(step):
@@ -263,73 +158,7 @@ class MultiTierCheckpointer:
     itself times out (a process died), the renamed steps stay renamed and
     go at the next save: call ``delete`` again.
     """
-    key = multihost.call_key(self.local._key_base, "delete")  # pylint: disable=protected-access
-    given, hidden, error = step, None, None
-    try:  # what can fail on one process alone goes into the round
-      step = queries.check_step(step)
-      self.local.wait()  # a local save in flight commits first
-      hidden = self.local.hide_step(step)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-    err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
-
-    def decide(posts: dict[int, str]) -> str:
-      _forget_previous(key)
-      got = {p: json.loads(v) for p, v in sorted(posts.items())}
-      failed = {p: g["error"] for p, g in got.items() if g["error"]}
-      if failed:
-        return json.dumps({"failed": failed})
-      local = [p for p, g in got.items() if g["hidden"]]
-      p = self.persistent
-      try:
-        deadline_lib.call(p._query_deadline(), p._delete_step, step)  # pylint: disable=protected-access
-        persistent = True
-      except CheckpointNotFoundError as e:
-        persistent, why = False, str(e)
-      except Exception as e:  # pylint: disable=broad-except
-        return json.dumps({"error": [
-            type(e).__name__, f"deleting step {step}: {e}"[:4000]]})
-      if not (persistent or local):
-        return json.dumps({"error": ["CheckpointNotFoundError", (
-            f"cannot delete step {step}: neither tier holds it ({why}; no "
-            f"process holds step_{step} in the local tier "
-            f"{self.local.root!r})")[:4000]]})
-      self._p_steps = None  # list again at the next save
-      return json.dumps({"persistent": persistent, "local": local})
-
-    try:
-      out = json.loads(multihost.agree(
-          key, json.dumps({"hidden": hidden is not None, "error": err}),
-          decide, timeout_s=self._timeout_s, what=f"deleting step {given!r}"))
-    except BaseException:
-      if hidden is not None:
-        logging.error("ckpt: delete(%s) did not complete: the local step on "
-                      "this process stays renamed away (%s) and is removed "
-                      "at the next save", given, hidden)
-      raise
-    if "persistent" not in out:  # refused: every local step goes back
-      if hidden is not None:
-        try:
-          self.local.unhide_step(step, hidden)
-        except OSError as e:
-          logging.error("ckpt: could not put local step %d back (%s): %s",
-                        step, hidden, e)
-      if error is not None:
-        raise error
-      if "failed" in out:
-        raise CheckpointError(
-            f"delete({given!r}) failed on process(es) "
-            f"{sorted(int(p) for p in out['failed'])}; no tier was changed: "
-            + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
-      cls = (CheckpointNotFoundError if out["error"][0] ==
-             "CheckpointNotFoundError" else CheckpointError)
-      raise cls(out["error"][1])
-    if hidden is not None:
-      self.local.drop_hidden(hidden)
-    logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
-                 "process(es) %s)", step, out["persistent"], out["local"])
-    self.persistent._metrics_cache.pop(step, None)  # pylint: disable=protected-access
-    self.persistent._time_cache.pop(step, None)  # pylint: disable=protected-access
+    tier_timeline.delete(self, step)
 
   # -- which step, which tier --
 
@@ -374,7 +203,7 @@ class MultiTierCheckpointer:
 
     def decide(posts: dict[int, str]) -> str:
       got = {p: json.loads(v) for p, v in posts.items()}
-      complete = _complete(got, dst, n)
+      complete = tier_timeline.complete(got, dst, n)
       if persistent_only:
         return _persistent_only(step, complete, p_steps, persistent_only,
                                 self.persistent.storage.url)
@@ -539,27 +368,6 @@ def _persistent_only(step: int | None, complete: list[int],
       f"restore options {options}; the persistent tier {url!r} holds steps "
       f"{p_steps}. Restore step {step} without these options, or one of the "
       "persistent tier's steps with them")})
-
-
-def _complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
-  """The steps the job can rebuild, newest first: every process ``p`` has
-  its own part (``got[p]["own"]``) or its partner ``dst[p]`` holds its
-  replica (``got[dst[p]]["partner"]``)."""
-  candidates = set()
-  for g in got.values():
-    candidates |= set(g["own"]) | set(g["partner"])
-  return [s for s in sorted(candidates, reverse=True)
-          if len(got) == n and all(
-              s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
-              for p in range(n))]
-
-
-def _forget_previous(key: str) -> None:
-  """In round ``n``'s decision (every process is past its barrier, so all
-  read round ``n - 1``'s decision): round ``n - 1``'s keys go."""
-  base, _, n = key.rpartition("/")
-  if n.isdigit() and int(n) > 0:
-    multihost.forget(f"{base}/{int(n) - 1}")
 
 
 def _owner(spec: dict) -> str:
