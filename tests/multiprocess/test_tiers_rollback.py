@@ -60,6 +60,19 @@ def test_a_save_below_the_newest_step_is_refused_until_deleted(jobs):
     assert r["restore_10"] == {
         "step": 10, "exact": True, "tier": "persistent",
         "last_restore_step": 10, "reason": r["restore_10"]["reason"]}, r
+    # A delete that fails anywhere changes no tier, on every process.
+    if r["pid"] == 1:
+      assert r["delete_fails_on_1"] == (
+          "OSError: injected: cannot rename step_22"), r["delete_fails_on_1"]
+    else:
+      assert r["delete_fails_on_1"].startswith(
+          "CheckpointError: delete(22) failed on process(es) [1]; no tier was "
+          "changed: process 1: OSError: injected"), r["delete_fails_on_1"]
+    assert re.match(r"CheckpointError: deleting step 20: cannot delete step "
+                    r"20 in '[^']*': it is being read", r["delete_being_read"]
+                    ), r["delete_being_read"]
+    assert r["after_failed_deletes"] == {"local": [20, 21, 22],
+                                         "persistent": [5, 10, 15, 20]}, r
     # delete() removes a step from both tiers; a second time, not found.
     assert r["delete"] == {"15": None, "20": None, "21": None, "22": None}, r
     assert r["delete_again"].startswith(

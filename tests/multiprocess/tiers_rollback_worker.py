@@ -13,6 +13,7 @@ the code under test does.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -158,6 +159,22 @@ def main() -> None:
   out["unchanged"] = {"local": _entries(local_dir) == local_before,
                       "persistent": _entries(conf["persistent"]) ==
                       persistent_before}
+  # delete() is all or nothing: a failure on one process (its rename), or
+  # the persistent tier refusing (a step being read), changes no tier.
+  if pid == 1 and hasattr(m.local, "hide_step"):
+    real = m.local.hide_step
+
+    def fail_once(step):
+      m.local.hide_step = real
+      raise OSError(f"injected: cannot rename step_{step}")
+    m.local.hide_step = fail_once
+  out["delete_fails_on_1"] = attempt(lambda: m.delete(22))
+  held = attempt(lambda: m.restore(20, target=t, lazy=True))  # being read
+  out["delete_being_read"] = attempt(lambda: m.delete(20))
+  del held
+  gc.collect()
+  out["after_failed_deletes"] = {"local": m.local.committed_steps(),
+                                 "persistent": attempt(m.persistent.all_steps)}
   newer = [s for s in (15, 20, 21, 22)]
   out["delete"] = {s: attempt(lambda s=s: m.delete(s)) for s in newer}
   out["delete_again"] = attempt(lambda: m.delete(20))
