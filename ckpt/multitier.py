@@ -40,6 +40,10 @@ class MultiTierCheckpointer:
     **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
       (``format``, ``keep_period``, ``storage_options`` ...), for the
       persistent tier.
+
+  After a restore, ``last_restore_step``, ``last_restore_tier`` ("local"
+  or "persistent") and ``last_restore_reason`` say which step it returned,
+  from which tier, and why.
   """
 
   def __init__(self, persistent, *, local, local_interval: int = 1,
@@ -90,9 +94,10 @@ class MultiTierCheckpointer:
     ``force``); returns True if any tier saved it. Collective: every
     process calls it with the same step.
 
-    A step lower than the newest committed step of either tier (the
-    persistent tier's, or a local step of this run on any process) is
-    refused before anything is written: ``CheckpointError`` on every
+    A save (of a step some tier's interval hits) of a step lower than the
+    newest committed step of either tier (the persistent tier's, or a
+    local step of this run the job can rebuild) is refused before anything
+    is written: ``CheckpointError`` on every
     process, naming the newer steps (agreed in one round). Saving it would
     start a new timeline while the newer steps stay, and a restart would
     resume them. To roll back deliberately, ``delete(s)`` each newer step,
