@@ -72,11 +72,6 @@ class MultiTierCheckpointer:
     self.last_restore_reason: str = ""
     # The step the last restore returned (with last_restore_tier).
     self.last_restore_step: int | None = None
-    # Process 0, for the save's timeline check: the persistent tier's
-    # committed steps as last listed (None: list again), and the persistent
-    # save started since, with its future.
-    self._p_steps: list[int] | None = None
-    self._p_pending: tuple[int, Any] | None = None
 
   # -- save --
 
@@ -112,15 +107,8 @@ class MultiTierCheckpointer:
     self._check_timeline(step)
     saved = False
     if to_persistent:
-      try:
-        ok = bool(self.persistent.save(step, state, metrics=metrics,
-                                       host_state=host_state, force=True))
-      except BaseException:
-        self._p_steps = self._p_pending = None  # list again
-        raise
-      if ok:  # committed once its future is done without error
-        self._p_pending = (step, self.persistent._inflight)  # pylint: disable=protected-access
-      saved |= ok
+      saved |= bool(self.persistent.save(step, state, metrics=metrics,
+                                         host_state=host_state, force=True))
     if to_local:
       # Retention keeps this step, whatever its number (LocalTier._retain);
       # no local save is in flight (_check_timeline waited for it).

@@ -20,7 +20,6 @@ import json
 
 from absl import logging
 
-from ckpt import commit as commit_lib
 from ckpt import deadline as deadline_lib
 from ckpt import multihost
 from ckpt import queries
@@ -111,31 +110,21 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
 
 
 def _persistent_newer(mt, step: int, fresh: bool) -> list[int]:
-  """Process 0: the persistent tier's committed steps above ``step``,
-  and the step of its save in flight if above. From the listing cached
-  since the last one (plus the saves committed since); listed again when
-  that finds any (``fresh``: or the local tier did), so a refusal always
-  rests on a fresh listing."""
-  in_flight = None
-  if mt._p_pending is not None:
-    s, fut = mt._p_pending
-    if fut is not None and not fut.done():
-      in_flight = s
-    else:
-      mt._p_pending = None
-      if fut is None or (not fut.cancelled() and fut.exception() is None):
-        if mt._p_steps is not None:
-          mt._p_steps = sorted({*mt._p_steps, s})
-      else:  # a failed save may have committed before it failed
-        mt._p_steps = None
-  cached = mt._p_steps is not None
-  if not cached or fresh or any(s > step for s in mt._p_steps):
-    mt._p_steps = deadline_lib.call(
-        mt.persistent._query_deadline(),
-        commit_lib.committed_steps, mt.persistent.storage)
-  newer = [s for s in mt._p_steps if s > step]
-  if in_flight is not None and in_flight > step:
-    newer = sorted({*newer, in_flight})
+  """Process 0: the persistent tier's committed steps above ``step``, and
+  the step of its save in flight if above. No I/O when its Checkpointer
+  knows that none is (``_newest_bound``: the saves it committed since its
+  last listing); listed when one may be, or ``fresh`` (the local tier has
+  one: the message names them all), so a refusal rests on a listing."""
+  p = mt.persistent
+  if not fresh and p._newest_bound() <= step:
+    return []
+  with p._lock:
+    fut, flying = p._inflight, p._inflight_step
+  newer = [s for s in deadline_lib.call(p._query_deadline(), p._committed_now)
+           if s > step]
+  if fut is not None and not fut.done() and flying is not None and (
+      flying > step):
+    newer = sorted({*newer, flying})
   return newer
 
 
@@ -172,7 +161,6 @@ def delete(mt, step: int) -> None:
           f"cannot delete step {step}: neither tier holds it ({why}; no "
           f"process holds step_{step} in the local tier "
           f"{mt.local.root!r})")[:4000]]})
-    mt._p_steps = None  # list again at the next save
     return json.dumps({"persistent": persistent, "local": local})
 
   try:
