@@ -243,10 +243,10 @@ class Checkpointer(queries.Queries):
 
     A step lower than the newest committed step (committed itself or not)
     is refused before anything is written: ``CheckpointError`` naming the
-    newer steps, on every process. Saving it would start a new timeline while the newer steps
-    stay, and ``latest_step()``/``restore()`` (a restarted job) would
-    resume them, not it. To roll back deliberately, ``delete(s)`` each
-    newer step, then save.
+    newer steps, on every process. Saving it would start a new timeline
+    while the newer steps stay, and ``latest_step()``/``restore()`` (a
+    restarted job) would resume them, not it. To roll back deliberately,
+    ``delete(s)`` each newer step, then save.
 
     ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
     nested dicts flattened to ``a/b`` names. ``force`` saves whatever

@@ -116,11 +116,12 @@ def _persistent_newer(mt, step: int, fresh: bool) -> list[int]:
   last listing); listed when one may be, or ``fresh`` (the local tier has
   one: the message names them all), so a refusal rests on a listing."""
   p = mt.persistent
-  if not fresh and p._newest_bound() <= step:
+  deadline = p._query_deadline()
+  if not fresh and deadline_lib.call(deadline, p._newest_bound) <= step:
     return []
   with p._lock:
     fut, flying = p._inflight, p._inflight_step
-  newer = [s for s in deadline_lib.call(p._query_deadline(), p._committed_now)
+  newer = [s for s in deadline_lib.call(deadline, p._committed_now)
            if s > step]
   if fut is not None and not fut.done() and flying is not None and (
       flying > step):
