@@ -132,6 +132,13 @@ def _host_mismatch(mine: list[tuple[str, int]], theirs: dict[int, list[int]]
 
 # ---- the save round ---------------------------------------------------------
 
+class SaveRefused(errors.CheckpointError):
+  """Raised by a save round's ``prepare`` (process 0) to refuse the save
+  from agreed facts (a newer committed step): every process raises a
+  ``CheckpointError`` with exactly this message, before anything is
+  written."""
+
+
 def save_round(key: str, step: int, local_error: BaseException | None,
                values: list[tuple[str, int]], prepare: Callable[[], str | None],
                *, timeout_s: float) -> Decision:
@@ -167,6 +174,9 @@ def save_round(key: str, step: int, local_error: BaseException | None,
       token = prepare()
       return (Decision("skip") if token is None else
               Decision("save", token=token)).encode()
+    except SaveRefused as e:
+      return Decision("error", error_type="CheckpointError",
+                      message=str(e)).encode()
     except Exception as e:  # pylint: disable=broad-except
       return _error_decision(e, (
           f"saving step {step}: process 0 could not prepare it: "

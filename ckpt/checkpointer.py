@@ -38,6 +38,7 @@ from ckpt import finalize
 from ckpt import multihost
 from ckpt import queries
 from ckpt import readonce
+from ckpt import records
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import save_extras
@@ -49,6 +50,7 @@ from ckpt.plan import DEFAULT_CHUNK_BYTES
 from ckpt.retention import RetentionPolicy
 
 DEFAULT_CONCURRENT_BYTES = 1 << 30
+_UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 # Bounds of whole operations against a store that stops answering
 # (ckpt/deadline.py): a save (and its retention pass), and a query.
 DEFAULT_SAVE_TIMEOUT_S = 120.0
@@ -208,6 +210,11 @@ class Checkpointer(queries.Queries):
     self._lock = threading.Lock()
     self._inflight: concurrent.futures.Future | None = None
     self._inflight_step: int | None = None
+    # Process 0: the newest committed step (-1: none; _UNKNOWN: list to
+    # know), and what it will be once the save in flight commits; a save's
+    # refusal of a lower step rests on them (see _newest_bound).
+    self._newest: Any = _UNKNOWN
+    self._after_commit: Any = _UNKNOWN
     self._retention = finalize.Retention(self.storage, self.policy,
                                          self._read_metrics, self._read_time,
                                          timeout_s=self.save_timeout_s)
@@ -230,8 +237,16 @@ class Checkpointer(queries.Queries):
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
            force: bool = False) -> bool:
-    """Saves ``state`` as ``step``; returns False if the step already exists
-    or (with ``save_interval_steps``) ``should_save(step)`` is False.
+    """Saves ``state`` as ``step``; returns False if the step is the newest
+    committed one (with a warning) or (with ``save_interval_steps``)
+    ``should_save(step)`` is False.
+
+    A step lower than the newest committed step (committed itself or not)
+    is refused before anything is written: ``CheckpointError`` naming the
+    newer steps, on every process. Saving it would start a new timeline
+    while the newer steps stay, and ``latest_step()``/``restore()`` (a
+    restarted job) would resume them, not it. To roll back deliberately,
+    ``delete(s)`` each newer step, then save.
 
     ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
     nested dicts flattened to ``a/b`` names. ``force`` saves whatever
@@ -307,15 +322,66 @@ class Checkpointer(queries.Queries):
   def _prepare_attempt(self, step: int, started: list) -> str | None:
     """Process 0, in the save round: None if ``step`` is committed, else the
     token of a fresh, empty attempt directory. The save's deadline starts
-    here (appended to ``started``): its first request."""
+    here (appended to ``started``): its first request.
+
+    A step lower than the newest committed one is refused here
+    (``agreement.SaveRefused``, raised on every process), before anything
+    is written: see ``save``."""
     deadline = self._save_deadline(step)
     started.append(deadline)
     with deadline_lib.scope(deadline):
+      newest = self._newest_bound()
+      if newest > step:  # confirmed by a fresh listing (then refused)
+        steps = self._committed_now()
+        newer = [s for s in steps if s > step]
+        if newer:  # committed or not, it would not be the step resumed
+          raise agreement.SaveRefused(refusal(step, newer,
+                                              f"in {self.storage.url!r}"))
+        newest = steps[-1] if steps else -1
       if commit_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.lease_s)
+      self._newest, self._after_commit = _UNKNOWN, max(newest, step)
       return token
+
+  def _newest_bound(self) -> int:
+    """Process 0: a step that no committed step is above, the save in
+    flight counted (-1: none). No I/O once known: from the last listing
+    and the saves committed since; listed when unknown (a fresh
+    Checkpointer, a failed save, ``delete``, ``reload``). On an object
+    store whose commit records are not complete yet, the migration that
+    the save's prepare makes anyway comes first, so the one listing of the
+    whole root is not made twice."""
+    with self._lock:
+      flying = self._inflight is not None and not self._inflight.done()
+      flying_step = self._inflight_step if flying else -1
+    known = self._after_commit if flying else self._newest
+    if known is not _UNKNOWN:
+      return known
+    if not self.storage.is_posix and not records.records_complete(
+        self.storage):
+      try:
+        commit_lib._ensure_records(self.storage)  # pylint: disable=protected-access
+      except CheckpointError as e:
+        logging.warning("ckpt: could not make the commit records of %s "
+                        "complete: %s", self.storage.url, e)
+    steps = self._committed_now()
+    return max(steps[-1] if steps else -1, flying_step)
+
+  def _committed_now(self) -> list[int]:
+    """Process 0: the committed steps, listed now; their newest is noted
+    when no save is in flight (one in flight commits on the background
+    thread, and notes its step then)."""
+    with self._lock:
+      idle = self._inflight is None or self._inflight.done()
+    steps = commit_lib.committed_steps(self.storage)
+    if idle:
+      with self._lock:
+        idle = self._inflight is None or self._inflight.done()
+        if idle:
+          self._newest = steps[-1] if steps else -1
+    return steps
 
   def _save_deadline(self, step: int, doing: str = "writing step {} to"
                      ) -> deadline_lib.Deadline | None:
@@ -345,6 +411,7 @@ class Checkpointer(queries.Queries):
                               self.concurrent_bytes, metrics, host_bytes,
                               stats, staged.set, clock=self._clock)
       if multihost.process_index() == 0:
+        self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)
         self._time_cache.pop(attempt.step, None)  # read from the new index
         self._retention.start(attempt.step)
@@ -611,7 +678,7 @@ class Checkpointer(queries.Queries):
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the
     step protected from retention until the restore ends."""
-    steps = commit_lib.committed_steps(self.storage)
+    steps = self._committed_now()
     step = restore_lib.resolve_step(self.storage, step, steps)
     self._retention.protect(step)
     try:
@@ -725,3 +792,17 @@ def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
     ckptr.close()
   except Exception as e:  # pylint: disable=broad-except
     logging.error("ckpt: the last save did not finish at exit: %s", e)
+
+
+def refusal(step: int, newer: list[int], where: str) -> str:
+  """The message of a refused save of ``step``, lower than the committed
+  ``newer`` steps (``where``: in which directory or tier); the same for a
+  Checkpointer and both tiers of a MultiTierCheckpointer."""
+  shown = newer if len(newer) <= 20 else [*newer[:10], "...", *newer[-10:]]
+  return (
+      f"cannot save step {step}: newer committed step(s) {shown} exist "
+      f"({where}). A save of an older step would start a new timeline while "
+      "the newer steps stay, and latest_step()/restore() (a restarted job) "
+      "would resume them. To roll back deliberately, call delete(s) for each "
+      f"of {shown} (collective), then save step {step} again. Nothing was "
+      "written.")

@@ -601,12 +601,52 @@ class LocalTier:
     self._retain()
 
   def _retain(self) -> None:
+    """Keeps the ``keep`` newest steps up to the step saved last, never
+    that step, whatever its number.
+
+    The step saved last is set by MultiTierCheckpointer.save
+    (``_newest_saved``), which refused the save if the job could rebuild
+    any local step above it: steps above it here are parts of steps no
+    restore can use (a host and its partner lost), and go too. Without it
+    (the class alone): the highest steps are kept."""
     steps = self.committed_steps()
-    for s in steps[:-self.keep]:
+    head = getattr(self, "_newest_saved", None)
+    above = []
+    if head in steps:
+      above = [s for s in steps if s > head]
+      steps = [s for s in steps if s <= head]
+    for s in above + steps[:-self.keep]:
       try:
         _remove(os.path.join(self.dir, f"step_{s}"), self.dir, s)
       except OSError as e:
         logging.warning("ckpt: local tier could not delete step %d: %s", s, e)
+
+  # -- delete (MultiTierCheckpointer.delete) --
+
+  def hide_step(self, step: int) -> str | None:
+    """This process's ``step_<step>`` renamed away (atomic): the path it
+    now has, or None if this process holds no such step. Raises OSError
+    if the rename fails (the step is then unchanged). ``unhide_step``
+    puts it back, ``drop_hidden`` removes it; a hidden step left by a
+    crash is removed at the next save (as any ``.del-`` directory)."""
+    path = os.path.join(self.dir, f"step_{step}")
+    if not os.path.isdir(path):
+      return None
+    gone = os.path.join(self.dir,
+                        f"step_{step}.del-{multihost.unique_token()}")
+    os.rename(path, gone)
+    try:
+      commit_lib.fsync_dir(self.dir)
+    except OSError as e:  # renamed: the step is hidden all the same
+      logging.warning("ckpt: local tier could not fsync %s: %s", self.dir, e)
+    return gone
+
+  def unhide_step(self, step: int, hidden: str) -> None:
+    os.rename(hidden, os.path.join(self.dir, f"step_{step}"))
+
+  @staticmethod
+  def drop_hidden(hidden: str) -> None:
+    shutil.rmtree(hidden, ignore_errors=True)
 
   def _remove_leftovers(self, keep: str) -> None:
     for name in os.listdir(self.dir):

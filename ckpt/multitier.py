@@ -13,8 +13,15 @@ import jax
 
 from ckpt import local_tier
 from ckpt import multihost
+from ckpt import tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CheckpointNotFoundError
+
+# Restore options the local tier honours: it verifies every shard's crc32c
+# on every restore (so ``verify=True`` holds), and ``read_once`` only
+# concerns reads from the persistent tier. Any other option (``transforms``,
+# ``fallback_state``, ``lazy=True``, ``path``) is the persistent tier's only.
+_LOCAL_OPTIONS = ("verify", "read_once")
 
 
 class MultiTierCheckpointer:
@@ -34,6 +41,10 @@ class MultiTierCheckpointer:
       (``format``, ``keep_period``, ``storage_options`` ...), for the
       persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
       local tier too, as in the persistent one.
+
+  After a restore, ``last_restore_step``, ``last_restore_tier`` ("local"
+  or "persistent") and ``last_restore_reason`` say which step it returned,
+  from which tier, and why.
   """
 
   def __init__(self, persistent, *, local, local_interval: int = 1,
@@ -63,6 +74,8 @@ class MultiTierCheckpointer:
     self._restored: tuple[int, Any] | None = None  # (step, host_state)
     self.last_restore_tier: str | None = None
     self.last_restore_reason: str = ""
+    # The step the last restore returned (with last_restore_tier).
+    self.last_restore_step: int | None = None
 
   # -- save --
 
@@ -78,15 +91,40 @@ class MultiTierCheckpointer:
            host_state: Any = None, force: bool = False) -> bool:
     """Saves ``step`` to the tiers whose interval it hits (both with
     ``force``); returns True if any tier saved it. Collective: every
-    process calls it with the same step."""
+    process calls it with the same step.
+
+    A save (of a step some tier's interval hits) of a step lower than the
+    newest committed step of either tier (the persistent tier's, or a
+    local step of this run the job can rebuild) is refused before anything
+    is written: ``CheckpointError`` on every
+    process, naming the newer steps (agreed in one round). Saving it would
+    start a new timeline while the newer steps stay, and a restart would
+    resume them. To roll back deliberately, ``delete(s)`` each newer step,
+    then save. A step equal to the newest: the persistent tier skips it
+    with a warning (as ``Checkpointer.save``), the local tier writes it
+    again.
+    """
+    to_persistent = force or self.should_save_persistent(step)
+    to_local = force or self.should_save_local(step)
+    if not (to_persistent or to_local):
+      return False
+    self._check_timeline(step)
     saved = False
-    if force or self.should_save_persistent(step):
+    if to_persistent:
       saved |= bool(self.persistent.save(step, state, metrics=metrics,
                                          host_state=host_state, force=True))
-    if force or self.should_save_local(step):
+    if to_local:
+      # Retention keeps this step, whatever its number (LocalTier._retain);
+      # no local save is in flight (_check_timeline waited for it).
+      self.local._newest_saved = step  # pylint: disable=protected-access
       self.local.save(step, state, host_state)
       saved = True
     return saved
+
+  def _check_timeline(self, step: int) -> None:
+    """Collective, before a save writes anything: refuses a step lower
+    than the newest committed step of either tier (ckpt/tier_timeline.py)."""
+    tier_timeline.check(self, step)
 
   def reached_preemption(self, step: int) -> bool:
     if self.persistent.reached_preemption(step):
@@ -100,23 +138,48 @@ class MultiTierCheckpointer:
     finally:
       self.local.wait()
 
+  # -- delete --
+
+  def delete(self, step: int) -> None:
+    """Deletes ``step`` from both tiers: the persistent tier's committed
+    step and every process's local ``step_<step>`` (its own part and the
+    partner replica it holds). Collective; ``CheckpointNotFoundError`` if
+    neither tier holds it. After it, ``latest_step()`` and a restart no
+    longer see the step (a rollback: delete each newer step, then save).
+
+    Atomic against failures: every process first renames its local step
+    away, then one round, in which process 0 deletes the persistent step
+    (refused for a save in flight or a step being read, as
+    ``Checkpointer.delete``); if anything failed anywhere, every process
+    puts its local step back and all raise the same error. If the round
+    itself times out (a process died), the renamed steps stay renamed and
+    go at the next save: call ``delete`` again.
+    """
+    tier_timeline.delete(self, step)
+
   # -- which step, which tier --
 
-  def _choose(self, step: int | None, target_leaves) -> dict:
+  def _choose(self, step: int | None, target_leaves,
+              persistent_only: str = "") -> dict:
     """Collective: process 0 picks the tier and the step; all get it.
 
     The key is taken first, and a process whose local checks fail (its
     last local save failed, an unreadable manifest) says so in the round:
-    it holds no local step, so every process takes the same decision."""
+    it holds no local step, so every process takes the same decision.
+    ``persistent_only``: the restore options the local tier does not take
+    (then only the persistent tier's steps can be chosen)."""
     key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
     try:  # a collective round of the persistent tier, on every process
-      p_latest = self.persistent.latest_step()
+      p_steps = self.persistent.all_steps()
     except CheckpointError:
-      p_latest = None
+      p_steps = []
+    p_latest = p_steps[-1] if p_steps else None
 
     def verify(s: int) -> bool:
       """The steps that can be chosen have their checksums verified here,
       before the round, so a bad file changes every process's decision."""
+      if persistent_only:
+        return False  # none can be chosen
       if step is not None:
         return s == step
       return p_latest is None or s >= p_latest
@@ -137,15 +200,10 @@ class MultiTierCheckpointer:
 
     def decide(posts: dict[int, str]) -> str:
       got = {p: json.loads(v) for p, v in posts.items()}
-      candidates = set()
-      for g in got.values():
-        candidates |= set(g["own"]) | set(g["partner"])
-      complete = []
-      for s in sorted(candidates, reverse=True):
-        if len(got) == n and all(
-            s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
-            for p in range(n)):
-          complete.append(s)
+      complete = tier_timeline.complete(got, dst, n)
+      if persistent_only:
+        return _persistent_only(step, complete, p_steps, persistent_only,
+                                self.persistent.storage.url)
       if step is not None:
         complete = [s for s in complete if s == step]
       why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
@@ -177,10 +235,20 @@ class MultiTierCheckpointer:
                          "why": usable["why"]}), decide,
         timeout_s=self._timeout_s, what="the tier and step to restore"))
 
-  def latest_step(self) -> int | None:
-    """The newest step the job can restore from either tier (collective)."""
-    d = self._choose(None, [])
-    return d["step"]
+  def latest_step(self, target: Any = None) -> int | None:
+    """The newest step the job can restore from either tier (collective).
+
+    ``target``: the step ``restore(target=target)`` returns (the local
+    step only if every process can serve it on the target's shardings; it
+    checks what that restore checks, the local steps' checksums included).
+    Without it, the local tier's newest step counts whatever the target's
+    shardings will be; it may then be newer than what ``restore`` returns
+    from the persistent tier: for ``restore()`` with no target, a target
+    whose shardings differ from the save's, or restore options the local
+    tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+    """
+    leaves = [] if target is None else local_tier.flatten(target)[0]
+    return self._choose(None, leaves)["step"]
 
   # -- restore --
 
@@ -192,28 +260,51 @@ class MultiTierCheckpointer:
     or its partner holds a replica of it, and the process count, devices
     and the target's shardings are those of the save; else from the
     persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
-    with an info log saying why.
+    with an info log saying why. ``last_restore_step``,
+    ``last_restore_tier`` and ``last_restore_reason`` say what it did.
+
+    Restore options the local tier does not take (``transforms``,
+    ``fallback_state``, ``lazy=True``) choose among the persistent tier's
+    steps only: its newest, or ``step`` if it holds it (a step only the
+    local tier holds raises ``CheckpointNotFoundError`` naming both).
+    ``verify=True`` and ``read_once`` do not restrict the choice: the
+    local tier checks every shard's crc32c on every restore.
+    ``restore(path=...)`` reads that checkpoint through the persistent
+    tier's Checkpointer.
     """
     # The persistent tier's save in flight ends first (its failure stays for
     # the next save or wait), the local tier's in _choose.
     self.persistent._settle()  # pylint: disable=protected-access
     leaves, treedef = (local_tier.flatten(target) if target is not None else
                        (None, None))
-    d = self._choose(step, leaves)  # waits for the local tier's save
-    if d["tier"] == "local" and not restore_kwargs:
+    if restore_kwargs.get("path") is not None:  # another checkpoint's root
+      self.last_restore_tier, self.last_restore_step = "persistent", step
+      self.last_restore_reason = "restore(path=...) reads that checkpoint"
+      self._restored = None
+      return self.persistent.restore(step, target=target, **restore_kwargs)
+    options = ", ".join(
+        f"{k}={v!r}"[:80] for k, v in sorted(restore_kwargs.items())
+        if k not in _LOCAL_OPTIONS and not _is_default(k, v))
+    d = self._choose(step, leaves, options)  # waits for the local tier's save
+    if d["tier"] == "error":
+      raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
+          d["reason"])
+    if d["tier"] == "local":
       out, hs = self.local.restore(d["step"], leaves, d["need"])
       logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
                    self.local.root, f": {d['reason']}" if d["reason"] else "")
       self.last_restore_tier = "local"
       self.last_restore_reason = d.get("reason", "")
+      self.last_restore_step = d["step"]
       self._restored = (d["step"], hs)
       return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
     reason = d.get("reason") or "restore options the local tier does not take"
     logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
                  d["step"], self.persistent.storage.url, reason)
     self.last_restore_tier, self.last_restore_reason = "persistent", reason
+    self.last_restore_step = None  # until it is restored
     state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
-    s = d["step"] if d["step"] is not None else self.persistent.latest_step()
+    s = self.last_restore_step = d["step"]
     try:
       hs = self.persistent.host_state(s)
     except CheckpointError as e:
@@ -243,6 +334,37 @@ class MultiTierCheckpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _is_default(option: str, value: Any) -> bool:
+  """Whether a restore option has its Checkpointer.restore default (then
+  the local tier can honour it); an option not known here never does."""
+  if option in ("transforms", "lazy"):
+    return not value
+  return option in ("fallback_state", "path") and value is None
+
+
+def _persistent_only(step: int | None, complete: list[int],
+                     p_steps: list[int], options: str, url: str) -> str:
+  """Process 0, in _choose's round, for restore options the local tier
+  does not take: the persistent tier's newest step, or the given one if
+  it has it; an error naming both tiers for a step only the local tier
+  can rebuild."""
+  why = f"restore options the local tier does not take ({options})"
+  if step is None:
+    reason = why
+    if complete and (not p_steps or complete[0] > p_steps[-1]):
+      reason += (f"; the local tier's newer step {complete[0]} is not used "
+                 "(restore it without these options)")
+    return json.dumps({"tier": "persistent", "reason": reason,
+                       "step": p_steps[-1] if p_steps else None})
+  if step in p_steps or step not in complete:
+    return json.dumps({"tier": "persistent", "step": step, "reason": why})
+  return json.dumps({"tier": "error", "not_found": True, "reason": (
+      f"step {step} is in the local tier only, which does not take the "
+      f"restore options {options}; the persistent tier {url!r} holds steps "
+      f"{p_steps}. Restore step {step} without these options, or one of the "
+      "persistent tier's steps with them")})
 
 
 def _owner(spec: dict) -> str:

@@ -21,6 +21,10 @@ from ckpt import save_extras
 from ckpt.errors import CheckpointError, WaitTimeoutError
 
 
+# The Checkpointer's newest committed step before a listing (process 0).
+UNKNOWN = object()
+
+
 class Queries:
   """What a Checkpointer answers about its directory; uses its
   ``storage``, ``_agreed``, ``_retention``, ``_lock``, caches and in-flight
@@ -39,7 +43,7 @@ class Queries:
       self._wait_for_retention(deadline_lib.time_left())
     except WaitTimeoutError:  # within the query's bound: then list anyway
       pass
-    return commit_lib.committed_steps(self.storage)
+    return self._committed_now()
 
   def metrics(self, step: int) -> dict[str, float | int]:
     """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints."""
@@ -76,6 +80,7 @@ class Queries:
     any process."""
     self._metrics_cache.clear()
     self._time_cache.clear()
+    self._newest = self._after_commit = UNKNOWN
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step, ...)`` writes ``step`` (``save_interval_steps``).
@@ -136,7 +141,10 @@ class Queries:
           f"cannot delete step {step} in {self.storage.url!r}: it is being "
           "saved (call wait_until_finished() first)")
     with deadline_lib.scope(self._save_deadline(step, "deleting step {} from")):
-      self._retention.delete(step)
+      try:
+        self._retention.delete(step)
+      finally:  # it may have been the newest: list again to know
+        self._newest = UNKNOWN
     return True
 
   def metadata(self, step: int | None = None) -> "metadata_lib.Metadata":

@@ -554,6 +554,9 @@ def test_lazy_leaf_of_a_step_deleted_or_replaced_elsewhere(make_ckptr, rng):
   other.wait_until_finished()  # its retention runs after save() returns
   with pytest.raises(ckpt.CheckpointError, match="step 1 .* was deleted after"):
     leaf.read()
-  other.save(1, {"w": random_array(rng, (128, 64))})  # step 1 again, new data
+  # Step 1 again, new data (a rollback: the newer step 2 goes first, as a
+  # save of a step lower than a committed one is refused).
+  other.delete(2)
+  other.save(1, {"w": random_array(rng, (128, 64))})
   with pytest.raises(ckpt.CheckpointError, match="deleted and saved again"):
     leaf.read()

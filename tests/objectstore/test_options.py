@@ -149,10 +149,13 @@ def test_server_that_ignores_listing_ranges_is_refused(
     storeutil.kvstore(other).write("checkpoint_1/precious", b"keep me").result()
     with ckpt.Checkpointer(f"{bucket}/run", async_save=False,
                            lease_s=1e-3) as ckptr:
-      # A save lists nothing on its path (its cleanup of abandoned attempts
-      # does, and refuses the listing: logged, nothing deleted) ...
-      assert ckptr.save(1, STATE)
-      # ... and discovery refuses the server outright.
+      # A save's first listing (of the committed steps, to refuse a step
+      # lower than the newest) refuses the server before anything is
+      # written ...
+      with pytest.raises(ckpt.CheckpointError,
+                         match="ignores the listing range"):
+        ckptr.save(1, STATE)
+      # ... and so does discovery.
       with pytest.raises(ckpt.CheckpointError,
                          match="ignores the listing range"):
         ckptr.all_steps()

@@ -1,0 +1,225 @@
+"""One process of a job for tests/multiprocess/test_tiers_rollback.py.
+
+``config["phase"]``: "first" saves steps 1..22 with a
+``MultiTierCheckpointer`` (local every step, persistent every 5th), checks
+restore options and ``latest_step(target=)`` while the local tier is ahead
+of the persistent one, then rolls back to step 10 (restore, a refused save
+of 11, ``delete`` of the newer steps, saves of 11 and 12); then the same
+rollback with a plain ``Checkpointer``. "restart" is a new job on the same
+directories: what it resumes. Every call's outcome is recorded (an
+exception as ``"<type>: <message>"``), so the job ends normally whatever
+the code under test does.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SHAPES = {"w": ((64, 32), "float32"), "b": ((32,), "float32"),
+          "i": ((16, 8), "int32")}
+SPECS = {"w": ("x", "y"), "b": ("y",), "i": ("x", None)}
+
+
+def state_np(step: int) -> dict:
+  rng = np.random.default_rng(5)
+  out = {}
+  for name, (shape, dtype) in SHAPES.items():
+    base = (rng.standard_normal(shape).astype(dtype) if dtype == "float32"
+            else rng.integers(-1000, 1000, size=shape).astype(dtype))
+    out[name] = base + np.asarray(step, dtype)
+  return out
+
+
+def _err(e: BaseException) -> str:
+  return f"{type(e).__name__}: {e}"
+
+
+def attempt(fn):
+  try:
+    return fn()
+  except Exception as e:  # pylint: disable=broad-except
+    return _err(e)
+
+
+def _entries(path: str) -> list[str]:
+  try:
+    return sorted(os.listdir(path))
+  except FileNotFoundError:
+    return []
+
+
+def main() -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  cfg = local_cluster.init_from_env()
+  conf = json.loads(sys.argv[1])
+  import faulthandler  # pylint: disable=g-import-not-at-top
+  faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  pid = cfg["process_id"]
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
+  shard = {n: NamedSharding(mesh, P(*SPECS[n])) for n in SHAPES}
+  # Another sharding of "w" on the same mesh: the local tier cannot serve it.
+  other = dict(shard, w=NamedSharding(mesh, P("y", "x")))
+
+  def make(step):
+    s = state_np(step)
+    return {"params": {n: jax.make_array_from_callback(
+        s[n].shape, shard[n], lambda idx, a=s[n]: a[idx]) for n in s},
+            "step": np.int64(step)}
+
+  def target(sh):
+    return {"params": {n: jax.ShapeDtypeStruct(SHAPES[n][0], SHAPES[n][1],
+                                               sharding=sh[n])
+                       for n in SHAPES}, "step": np.int64(0)}
+
+  def exact(got, sh=shard):
+    """(step, bit-exact on this process's shards and on the target's
+    shardings)."""
+    step = int(got["step"])
+    want = state_np(step)
+    ok = all(np.array_equal(np.asarray(s.data), want[n][s.index])
+             for n in SHAPES for s in got["params"][n].addressable_shards)
+    ok &= all(got["params"][n].sharding == sh[n] for n in SHAPES)
+    return [step, bool(ok)]
+
+  def restored(m, fn, sh=shard):
+    """What a restore returned, with the MultiTierCheckpointer's account."""
+    def go():
+      got = jax.tree_util.tree_map(  # lazy=True: read every leaf
+          lambda v: v.read() if hasattr(v, "read") else v, fn(),
+          is_leaf=lambda v: hasattr(v, "read"))
+      step, ok = exact(got, sh)
+      return {"step": step, "exact": ok, "tier": m.last_restore_tier,
+              "last_restore_step": getattr(m, "last_restore_step", "missing"),
+              "reason": m.last_restore_reason}
+    return attempt(go)
+
+  local_dir = os.path.join(conf["local"], f"process_{pid}")
+  out: dict = {"pid": pid}
+
+  def tiers():
+    return ckpt.MultiTierCheckpointer(
+        conf["persistent"], local=conf["local"], local_interval=1,
+        local_keep=3, persistent_interval=5, persistent_keep=4,
+        barrier_timeout_s=60)
+
+  if conf["phase"] == "restart":
+    m = tiers()
+    out["latest"] = attempt(m.latest_step)
+    out["restore"] = restored(m, lambda: m.restore(target=target(shard)))
+    out["host_state"] = attempt(m.host_state)
+    m.close()
+    c = ckpt.Checkpointer(conf["ck"], barrier_timeout_s=60)
+    out["ck_latest"] = attempt(c.latest_step)
+    out["ck_restore"] = attempt(
+        lambda: exact(c.restore(target=target(shard))))
+    c.close()
+    local_cluster.write_result(out)
+    return
+
+  # ---- MultiTierCheckpointer: the local tier ahead of the persistent one --
+  m = tiers()
+  for step in range(1, 23):
+    m.save(step, make(step), host_state={"pos": step * 100 + pid})
+  m.wait_until_finished()
+  out["before"] = {"local": m.local.committed_steps(),
+                   "persistent": m.persistent.all_steps()}
+  t, t_other = target(shard), target(other)
+  # Item 6: which step a restore onto each target returns.
+  out["latest"] = attempt(m.latest_step)
+  out["latest_fit"] = attempt(lambda: m.latest_step(target=t))
+  out["latest_other"] = attempt(lambda: m.latest_step(target=t_other))
+  out["restore_other"] = restored(m, lambda: m.restore(target=t_other), other)
+  # Item 5: restore options the local tier does not take, and verify.
+  out["lazy"] = restored(m, lambda: m.restore(target=t, lazy=True))
+  out["transforms"] = restored(m, lambda: m.restore(
+      target=t, transforms=[lambda c, t_, *, is_resuming: c]))
+  out["lazy_local_only_step"] = restored(
+      m, lambda: m.restore(21, target=t, lazy=True))
+  out["verify"] = restored(m, lambda: m.restore(target=t, verify=True))
+
+  # ---- item 4: the rollback ---------------------------------------------
+  out["restore_10"] = restored(m, lambda: m.restore(10, target=t))
+  local_before = _entries(local_dir)
+  persistent_before = _entries(conf["persistent"])
+  out["save_11"] = attempt(lambda: m.save(11, make(11),
+                                          host_state={"pos": 1100 + pid}))
+  out["save_15"] = attempt(lambda: m.save(15, make(15),
+                                          host_state={"pos": 1500 + pid}))
+  attempt(m.wait_until_finished)
+  out["unchanged"] = {"local": _entries(local_dir) == local_before,
+                      "persistent": _entries(conf["persistent"]) ==
+                      persistent_before}
+  # delete() is all or nothing: a failure on one process (its rename), or
+  # the persistent tier refusing (a step being read), changes no tier.
+  if pid == 1 and hasattr(m.local, "hide_step"):
+    real = m.local.hide_step
+
+    def fail_once(step):
+      m.local.hide_step = real
+      raise OSError(f"injected: cannot rename step_{step}")
+    m.local.hide_step = fail_once
+  out["delete_fails_on_1"] = attempt(lambda: m.delete(22))
+  held = attempt(lambda: m.restore(20, target=t, lazy=True))  # being read
+  out["delete_being_read"] = attempt(lambda: m.delete(20))
+  del held
+  gc.collect()
+  out["after_failed_deletes"] = {"local": m.local.committed_steps(),
+                                 "persistent": attempt(m.persistent.all_steps)}
+  newer = [s for s in (15, 20, 21, 22)]
+  out["delete"] = {s: attempt(lambda s=s: m.delete(s)) for s in newer}
+  out["delete_again"] = attempt(lambda: m.delete(20))
+  out["after_delete"] = {"local": m.local.committed_steps(),
+                         "persistent": attempt(m.persistent.all_steps),
+                         "latest": attempt(m.latest_step)}
+  out["save_new"] = [attempt(lambda s=s: m.save(
+      s, make(s), host_state={"pos": s * 100 + pid})) for s in (11, 12)]
+  attempt(m.wait_until_finished)
+  out["after"] = {"local": m.local.committed_steps(),
+                  "local_entries": _entries(local_dir),
+                  "persistent": attempt(m.persistent.all_steps),
+                  "latest": attempt(m.latest_step),
+                  "restore": restored(m, lambda: m.restore(target=t))}
+  # What the save's timeline round costs (it runs at every save).
+  times = []
+  for _ in range(20 if hasattr(m, "_check_timeline") else 0):
+    t0 = time.perf_counter()
+    m._check_timeline(13)  # pylint: disable=protected-access
+    times.append(time.perf_counter() - t0)
+  out["check_s"] = statistics.median(times) if times else None
+  m.close()
+
+  # ---- the same rollback with a plain Checkpointer ------------------------
+  c = ckpt.Checkpointer(conf["ck"], keep=3, keep_period=5,
+                        barrier_timeout_s=60)
+  for step in range(1, 21):
+    c.save(step, make(step))
+  c.wait_until_finished()
+  out["ck_before"] = c.all_steps()
+  out["ck_restore_10"] = attempt(lambda: exact(c.restore(10, target=t)))
+  ck_before = _entries(conf["ck"])
+  out["ck_save_11"] = attempt(lambda: c.save(11, make(11)))
+  attempt(c.wait_until_finished)
+  out["ck_unchanged"] = _entries(conf["ck"]) == ck_before
+  out["ck_delete"] = {s: attempt(lambda s=s: c.delete(s))
+                      for s in (15, 18, 19, 20)}
+  out["ck_save_new"] = [attempt(lambda s=s: c.save(s, make(s)))
+                        for s in (11, 12)]
+  attempt(c.wait_until_finished)
+  out["ck_after"] = {"steps": attempt(c.all_steps),
+                     "latest": attempt(c.latest_step)}
+  c.close()
+  local_cluster.write_result(out)
+
+
+if __name__ == "__main__":
+  main()
