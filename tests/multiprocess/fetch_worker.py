@@ -1,0 +1,154 @@
+"""One process of the read-once fetch tests: what a read-once restore
+fetches from the store, counted at the store
+(tests/objectstore/test_readonce_fetch.py on S3 and GCS,
+tests/multiprocess/test_readonce_fetch.py on a disk).
+
+SPMD, P processes x 2 devices: the mesh ("data", "model") has shape (P, 2);
+"data" spans the processes, "model" is the two devices of one process.
+Every leaf of LEAVES is saved with its save spec (as step 1, chunks cut
+towards ``chunk_bytes``) and restored onto its restore spec, which never
+uses "data": each leaf is held whole by R = P replica processes. The
+shapes do not divide evenly by R or by their chunks (see LEAVES).
+
+config: ``dir``, ``format``, ``chunk_bytes``, ``policies`` (read_once of
+each restore, in order), ``scale`` (leaf sizes times this along dim 0),
+``count_url`` (a counting proxy, tests/objectstore/proxy.py, in front of
+the store: after the save, and after each restore once every process is
+done with it, process 0 marks ``saved`` / ``<i>-<policy>``), ``evict``
+(a disk: before each restore process 0 writes back and drops the
+checkpoint's pages from the page cache, and each process reports the bytes
+it read from the block device during the restore, /proc/self/io
+``read_bytes``: what a disk served, counted by the kernel).
+
+Each process reports, per restore ``<i>-<policy>``: ``stats``
+(``last_restore_stats``), ``bad`` (leaves not bit-exact or not in the
+target's sharding), and with ``evict`` ``read_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from ckpt import local_cluster
+
+# name: (shape, dtype, save spec, restore spec). With chunk_bytes 64 KiB:
+LEAVES = {
+    # 245025 = 3^4 5^2 11^2 elements, saved by every process: 27 chunks of
+    # 9075; divides by no replica count (before: not read once at all).
+    "odd1d": ((245025,), "float32", (), ()),
+    # 999 rows (3^3 37), each process's model half in chunks of 111 rows
+    # (before: not read once, no dimension divides by R).
+    "odd2d": ((999, 130), "float32", (None, "model"), (None, "model")),
+    # Saved cut on dim 1 over every device, chunks (40, 6 or 12, 66):
+    # each chunk straddles the two devices (model halves) of one process.
+    "cross3d": ((40, 48, 66), "float32", (None, ("data", "model")),
+                (None, None, "model")),
+    # One chunk, fewer than the readers (before: split into R parts inside
+    # it, so every reader fetched it).
+    "tiny": ((3000,), "float32", (), ()),
+    # Divides by everything, chunks (64, 250) on the saved rows: before,
+    # read once on chunk boundaries, but each chunk straddles the model
+    # halves.
+    "rows": ((1024, 250), "float32", ("data",), (None, "model")),
+}
+
+
+def truth(name, shape, dtype):
+  import numpy as np
+  rng = np.random.default_rng(sum(map(ord, name)))
+  return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def read_bytes() -> int:
+  """Bytes this process made the kernel read from a block device."""
+  with open("/proc/self/io") as f:
+    for line in f:
+      if line.startswith("read_bytes:"):
+        return int(line.split()[1])
+  raise RuntimeError("/proc/self/io has no read_bytes")
+
+
+def evict(root: str) -> int:
+  """Writes back and drops from the page cache every file under ``root``;
+  how many."""
+  n = 0
+  for d, _, files in os.walk(root):
+    for name in files:
+      fd = os.open(os.path.join(d, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)
+      n += 1
+  return n
+
+
+def main():
+  cfg = local_cluster.init_from_env()
+  conf = json.loads(sys.argv[1])
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import ckpt
+  from ckpt import multihost
+  from tests.objectstore import proxy
+
+  scale = int(conf.get("scale", 1))
+  leaves = {n: ((s[0] * scale,) + s[1:], d, a, b)
+            for n, (s, d, a, b) in LEAVES.items()
+            if n in conf.get("leaves", LEAVES)}
+  nproc = jax.process_count()
+  mesh = Mesh(np.array(jax.devices()).reshape(nproc, 2), ("data", "model"))
+  opts = dict(format=conf.get("format", "zarr3"), async_save=False,
+              chunk_bytes=conf.get("chunk_bytes", 64 << 10),
+              concurrent_bytes=conf.get("concurrent_bytes", 1 << 30))
+  url = conf.get("count_url")
+  me = cfg["process_id"]
+  out = {"process": me}
+  with ckpt.Checkpointer(conf["dir"], **opts) as ck:
+    state = {n: jax.make_array_from_callback(
+        s, NamedSharding(mesh, P(*a)), lambda i, n=n, s=s, d=d: truth(
+            n, s, d)[i]) for n, (s, d, a, _) in leaves.items()}
+    ck.save(1, state)
+    del state
+    multihost.barrier("saved")
+    if url and me == 0:
+      proxy.mark(url, "saved")
+    target = {n: jax.ShapeDtypeStruct(s, np.dtype(d),
+                                      sharding=NamedSharding(mesh, P(*b)))
+              for n, (s, d, _, b) in leaves.items()}
+    for i, policy in enumerate(conf["policies"]):
+      name = f"{i}-{policy}"
+      if conf.get("evict"):
+        if me == 0:
+          out.setdefault("evicted", evict(conf["dir"]))
+        multihost.barrier(f"evicted-{name}")
+      before = read_bytes()
+      got = ck.restore(1, target=target, read_once=policy)
+      during = read_bytes() - before
+      multihost.barrier(f"restored-{name}")
+      if url and me == 0:
+        proxy.mark(url, name)
+      bad = []
+      for n, (s, d, _, b) in leaves.items():
+        want = truth(n, s, d)
+        a = got[n]
+        if a.sharding != target[n].sharding:
+          bad.append(f"{n}: sharding {a.sharding}")
+        bad += [f"{n}: shard {sh.index} differs" for sh in a.addressable_shards
+                if np.asarray(sh.data).tobytes() != want[sh.index].tobytes()]
+      rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad}
+      if conf.get("evict"):
+        rec["read_bytes"] = during
+      out[name] = rec
+      del got
+      multihost.barrier(f"checked-{name}")
+  local_cluster.write_result(out)
+
+
+if __name__ == "__main__":
+  main()
