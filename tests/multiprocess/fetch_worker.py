@@ -14,15 +14,20 @@ config: ``dir``, ``format``, ``chunk_bytes``, ``policies`` (read_once of
 each restore, in order), ``scale`` (leaf sizes times this along dim 0),
 ``count_url`` (a counting proxy, tests/objectstore/proxy.py, in front of
 the store: after the save, and after each restore once every process is
-done with it, process 0 marks ``saved`` / ``<i>-<policy>``), ``evict``
-(a disk: before each restore process 0 writes back and drops the
-checkpoint's pages from the page cache, and each process reports the bytes
-it read from the block device during the restore, /proc/self/io
-``read_bytes``: what a disk served, counted by the kernel).
+done with it, process 0 marks ``saved`` / ``<i>-<policy>``), ``copies``
+(a disk: process 0 copies the saved root once per process, and each
+process restores from its own copy, ``restore(path=...)``, as hosts with
+their own disks do: processes of one machine share its page cache, so a
+chunk another process read would not reach the disk again; before each
+restore process 0 writes back and drops every copy's pages from the page
+cache, and each process reports the bytes it read from the block device
+during the restore, /proc/self/io ``read_bytes``: what its disk served,
+counted by the kernel).
 
 Each process reports, per restore ``<i>-<policy>``: ``stats``
 (``last_restore_stats``), ``bad`` (leaves not bit-exact or not in the
-target's sharding), and with ``evict`` ``read_bytes``.
+target's sharding), and with ``copies`` ``read_bytes``; then the same for
+each of ``cases`` (``run_case``: more read-once restores, not counted).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 from ckpt import local_cluster
@@ -53,13 +59,21 @@ LEAVES = {
     # read once on chunk boundaries, but each chunk straddles the model
     # halves.
     "rows": ((1024, 250), "float32", ("data",), (None, "model")),
+    # Other widths, summed as 8- and 16-bit integers: one chunk of bools,
+    # bfloat16 in one chunk per model half.
+    "flags": ((1001, 7), "bool", (), ()),
+    "half": ((555, 66), "bfloat16", (None, "model"), (None, "model")),
 }
 
 
 def truth(name, shape, dtype):
   import numpy as np
+  import jax.numpy as jnp
   rng = np.random.default_rng(sum(map(ord, name)))
-  return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+  data = rng.standard_normal(shape, dtype=np.float32)
+  if dtype == "bool":
+    return data > 0
+  return data.astype(jnp.dtype(dtype))
 
 
 def read_bytes() -> int:
@@ -91,6 +105,7 @@ def main():
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   import jax
+  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import ckpt
@@ -118,36 +133,105 @@ def main():
     multihost.barrier("saved")
     if url and me == 0:
       proxy.mark(url, "saved")
-    target = {n: jax.ShapeDtypeStruct(s, np.dtype(d),
+    copies = [f"{conf['dir']}-copy{p}" for p in range(nproc)]
+    if conf.get("copies") and me == 0:
+      for c in copies:
+        shutil.copytree(conf["dir"], c)
+    multihost.barrier("copied")
+    target = {n: jax.ShapeDtypeStruct(s, jnp.dtype(d),
                                       sharding=NamedSharding(mesh, P(*b)))
               for n, (s, d, _, b) in leaves.items()}
     for i, policy in enumerate(conf["policies"]):
       name = f"{i}-{policy}"
-      if conf.get("evict"):
+      where = {}
+      if conf.get("copies"):
         if me == 0:
-          out.setdefault("evicted", evict(conf["dir"]))
+          out.setdefault("evicted", sum(evict(c) for c in copies))
         multihost.barrier(f"evicted-{name}")
+        where = {"path": copies[me]}
       before = read_bytes()
-      got = ck.restore(1, target=target, read_once=policy)
+      got = ck.restore(1, target=target, read_once=policy, **where)
       during = read_bytes() - before
       multihost.barrier(f"restored-{name}")
       if url and me == 0:
         proxy.mark(url, name)
-      bad = []
-      for n, (s, d, _, b) in leaves.items():
-        want = truth(n, s, d)
-        a = got[n]
-        if a.sharding != target[n].sharding:
-          bad.append(f"{n}: sharding {a.sharding}")
-        bad += [f"{n}: shard {sh.index} differs" for sh in a.addressable_shards
-                if np.asarray(sh.data).tobytes() != want[sh.index].tobytes()]
-      rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad}
-      if conf.get("evict"):
+      rec = {"stats": dataclasses.asdict(ck.last_restore_stats),
+             "bad": check(leaves, got, target)}
+      if conf.get("copies"):
         rec["read_bytes"] = during
       out[name] = rec
       del got
       multihost.barrier(f"checked-{name}")
+    for case in conf.get("cases", ()):
+      out[case] = run_case(case, conf, opts, ck, leaves, target)
+      multihost.barrier(f"case-{case}")
   local_cluster.write_result(out)
+
+
+def check(leaves, got, target, dtype=None) -> list[str]:
+  """Leaves of ``got`` not in the target's sharding or not bit-exact (with
+  the truth cast to ``dtype`` where floating)."""
+  import numpy as np
+  bad = []
+  for n, (s, d, _, _) in leaves.items():
+    want = truth(n, s, d)
+    if dtype is not None and want.dtype.kind == "f":
+      want = want.astype(dtype)
+    a = got[n]
+    if a.sharding != target[n].sharding:
+      bad.append(f"{n}: sharding {a.sharding}")
+    if a.dtype != want.dtype:
+      bad.append(f"{n}: dtype {a.dtype}, want {want.dtype}")
+    bad += [f"{n}: shard {sh.index} differs" for sh in a.addressable_shards
+            if np.asarray(sh.data).tobytes() != want[sh.index].tobytes()]
+  return bad
+
+
+def run_case(case, conf, opts, ck, leaves, target) -> dict:
+  """More read-once restores of step 1, checked bit-exact: ``verify``
+  (verify=True: each process checks the chunks it reads), ``lazy``
+  (lazy=True, the leaves read later: two one by one, the others
+  overlapping), ``bf16`` (restore_dtype bfloat16: read as bfloat16, summed
+  as 16-bit integers), ``batches`` (a concurrent_bytes that cuts the
+  exchange into batches)."""
+  import asyncio
+  import jax.numpy as jnp
+  import ckpt
+
+  def record(ckptr, got, dtype=None):
+    return {"stats": dataclasses.asdict(ckptr.last_restore_stats),
+            "bad": check(leaves, got, target, dtype)}
+  if case == "verify":
+    return record(ck, ck.restore(1, target=target, read_once=True,
+                                 verify=True))
+  if case == "lazy":
+    got = ck.restore(1, target=target, read_once=True, lazy=True)
+    names = list(leaves)
+    plans = [type(got[n].read_once.split).__name__
+             if got[n].read_once is not None else None for n in names]
+    arrays = {n: got[n].read() for n in names[:2]}
+
+    async def rest():
+      return await asyncio.gather(*(got[n].read_async() for n in names[2:]))
+    arrays.update(zip(names[2:], asyncio.run(rest())))
+    rec = record(ck, arrays)
+    rec["splits"] = dict(zip(names, plans))
+    return rec
+  if case == "bf16":
+    with ckpt.Checkpointer(conf["dir"], **opts,
+                           restore_dtype=jnp.bfloat16) as ck2:
+      got = ck2.restore(1, target=target, read_once=True)
+      return record(ck2, got, jnp.bfloat16)
+  if case == "batches":
+    with ckpt.Checkpointer(conf["dir"], **{
+        **opts, "concurrent_bytes": BATCH_BYTES}) as ck2:
+      got = ck2.restore(1, target=target, read_once=True)
+      return record(ck2, got)
+  raise ValueError(f"unknown case {case!r}")
+
+
+# The ``batches`` case's concurrent_bytes: several exchange batches.
+BATCH_BYTES = 2 << 20
 
 
 if __name__ == "__main__":
