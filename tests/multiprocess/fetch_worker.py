@@ -76,6 +76,16 @@ def truth(name, shape, dtype):
   return data.astype(jnp.dtype(dtype))
 
 
+def ts_fetched() -> int:
+  """Bytes TensorStore's base kvstore drivers read in this process so far
+  (its own counters, whatever ckpt version runs: scripts/bench.py)."""
+  import tensorstore as ts
+  return sum(int(v.get("value", 0)) for m in
+             ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+             if m["name"].endswith("/bytes_read") and "/ocdbt/" not in m["name"]
+             for v in m["values"])
+
+
 def read_bytes() -> int:
   """Bytes this process made the kernel read from a block device."""
   with open("/proc/self/io") as f:
@@ -149,14 +159,14 @@ def main():
           out.setdefault("evicted", sum(evict(c) for c in copies))
         multihost.barrier(f"evicted-{name}")
         where = {"path": copies[me]}
-      before = read_bytes()
+      before, fetched = read_bytes(), ts_fetched()
       got = ck.restore(1, target=target, read_once=policy, **where)
-      during = read_bytes() - before
+      during, fetched = read_bytes() - before, ts_fetched() - fetched
       multihost.barrier(f"restored-{name}")
       if url and me == 0:
         proxy.mark(url, name)
       rec = {"stats": dataclasses.asdict(ck.last_restore_stats),
-             "bad": check(leaves, got, target)}
+             "bad": check(leaves, got, target), "ts_fetched": fetched}
       if conf.get("copies"):
         rec["read_bytes"] = during
       out[name] = rec
