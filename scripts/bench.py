@@ -1077,7 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
                       "(disk and moto S3, 2 and 4 processes)")
   parser.add_argument("--read-once-scale", type=int, default=8,
                       help="--read-once: state sizes in units of their base "
-                      "(aligned: 3.5 MiB, awkward: 3.2 MiB)")
+                      "(aligned: 3.5 MiB; awkward: 3.2 MiB, an even scale "
+                      "rounded up to odd)")
   parser.add_argument("--read-once-states", default="aligned,awkward",
                       help="--read-once: comma-separated, from "
                       f"{','.join(READ_ONCE_STATES)}")

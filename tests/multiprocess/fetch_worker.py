@@ -11,9 +11,9 @@ uses "data": each leaf is held whole by R = P replica processes. The
 shapes do not divide evenly by R or by their chunks (see LEAVES).
 
 config: ``dir``, ``format``, ``chunk_bytes``, ``policies`` (read_once of
-each restore, in order), ``scale`` (leaf sizes times this along dim 0),
-``count_url`` (a counting proxy, tests/objectstore/proxy.py, in front of
-the store: after the save, and after each restore once every process is
+each restore, in order), ``scale`` (leaf sizes times this along dim 0;
+odd: an even one is rounded up), ``count_url`` (a counting proxy,
+tests/objectstore/proxy.py, in front of the store: after the save, and after each restore once every process is
 done with it, process 0 marks ``saved`` / ``<i>-<policy>``), ``copies``
 (a disk: process 0 copies the saved root once per process, and each
 process restores from its own copy, ``restore(path=...)``, as hosts with
@@ -123,6 +123,7 @@ def main():
   from tests.objectstore import proxy
 
   scale = int(conf.get("scale", 1))
+  scale += 1 - scale % 2  # odd: the shapes stay indivisible by 2, 4, 8
   leaves = {n: ((s[0] * scale,) + s[1:], d, a, b)
             for n, (s, d, a, b) in LEAVES.items()
             if n in conf.get("leaves", LEAVES)}
