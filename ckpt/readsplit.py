@@ -31,8 +31,11 @@ on every process):
   Against an EvenSplit it holds a whole box per device instead of 1/R (so
   twice the box with the result, in the batch's budget), and an all-reduce
   moves about twice an all-gather's bytes (measured here, 4 processes:
-  0.40 s against 0.25 s for 64 MiB per device); a chunk is never fetched
-  twice, whatever the shapes, chunks and replica count.
+  0.40 s against 0.25 s for 64 MiB per device). A chunk is fetched once by
+  one process, whatever the shapes, chunks and replica count, except a
+  chunk that straddles target boxes held by different processes along
+  axes the target spec uses (a stored grid unlike the target's): each of
+  those processes fetches it, with read once or without.
 
 Not split (read as usual, by every replica): a target whose mesh does not
 span every process, no replica axis, fewer than ``min_r`` replicas; and a

@@ -18,17 +18,29 @@ from __future__ import annotations
 
 import threading
 
+from absl import logging
 import tensorstore as ts
 
 _PREFIX = "/tensorstore/kvstore/"
 _SUFFIX = "/bytes_read"
 _ADAPTERS = ("ocdbt",)  # read through a base kvstore, counted there
+_WARNED = False
 
 
 def fetched() -> int:
-  """Bytes every base kvstore driver of this process has read so far."""
+  """Bytes every base kvstore driver of this process has read so far (0
+  where this TensorStore has no metrics: statistics never fail a read)."""
+  try:
+    metrics = ts.experimental_collect_matching_metrics(_PREFIX)
+  except Exception as e:  # pylint: disable=broad-except
+    global _WARNED
+    if not _WARNED:
+      _WARNED = True
+      logging.warning("ckpt: TensorStore's kvstore metrics are not "
+                      "available (%s); fetched_bytes stays 0", e)
+    return 0
   total = 0
-  for m in ts.experimental_collect_matching_metrics(_PREFIX):
+  for m in metrics:
     name = m["name"]
     if not name.endswith(_SUFFIX):
       continue
