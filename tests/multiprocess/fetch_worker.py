@@ -137,11 +137,7 @@ def main():
   me = cfg["process_id"]
   out = {"process": me}
   with ckpt.Checkpointer(conf["dir"], **opts) as ck:
-    state = {n: jax.make_array_from_callback(
-        s, NamedSharding(mesh, P(*a)), lambda i, n=n, s=s, d=d: truth(
-            n, s, d)[i]) for n, (s, d, a, _) in leaves.items()}
-    ck.save(1, state)
-    del state
+    ck.save(1, make_state(leaves, mesh))
     multihost.barrier("saved")
     if url and me == 0:
       proxy.mark(url, "saved")
@@ -175,9 +171,17 @@ def main():
       del got
       multihost.barrier(f"checked-{name}")
     for case in conf.get("cases", ()):
-      out[case] = run_case(case, conf, opts, ck, leaves, target)
+      out[case] = run_case(case, conf, opts, ck, leaves, target, mesh)
       multihost.barrier(f"case-{case}")
   local_cluster.write_result(out)
+
+
+def make_state(leaves, mesh):
+  import jax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  return {n: jax.make_array_from_callback(
+      s, NamedSharding(mesh, P(*a)), lambda i, n=n, s=s, d=d: truth(
+          n, s, d)[i]) for n, (s, d, a, _) in leaves.items()}
 
 
 def check(leaves, got, target, dtype=None) -> list[str]:
@@ -199,13 +203,14 @@ def check(leaves, got, target, dtype=None) -> list[str]:
   return bad
 
 
-def run_case(case, conf, opts, ck, leaves, target) -> dict:
+def run_case(case, conf, opts, ck, leaves, target, mesh) -> dict:
   """More read-once restores of step 1, checked bit-exact: ``verify``
   (verify=True: each process checks the chunks it reads), ``lazy``
   (lazy=True, the leaves read later: two one by one, the others
   overlapping), ``bf16`` (restore_dtype bfloat16: read as bfloat16, summed
   as 16-bit integers), ``batches`` (a concurrent_bytes that cuts the
-  exchange into batches)."""
+  exchange into batches), ``ocdbt`` and ``zarr`` (the state saved again in
+  that format, and restored)."""
   import asyncio
   import jax.numpy as jnp
   import ckpt
@@ -237,6 +242,12 @@ def run_case(case, conf, opts, ck, leaves, target) -> dict:
   if case == "batches":
     with ckpt.Checkpointer(conf["dir"], **{
         **opts, "concurrent_bytes": BATCH_BYTES}) as ck2:
+      got = ck2.restore(1, target=target, read_once=True)
+      return record(ck2, got)
+  if case in ("ocdbt", "zarr"):
+    with ckpt.Checkpointer(f"{conf['dir']}-{case}", **{
+        **opts, "format": case}) as ck2:
+      ck2.save(1, make_state(leaves, mesh))
       got = ck2.restore(1, target=target, read_once=True)
       return record(ck2, got)
   raise ValueError(f"unknown case {case!r}")

@@ -19,8 +19,9 @@ chunk had every reader read the whole chunk.
 
 The same job then restores read once with what else a restore takes
 (``verify=True``, ``lazy=True``, ``restore_dtype`` bfloat16, a
-``concurrent_bytes`` that cuts the exchange into batches): each bit-exact
-in the target's sharding, the leaves split by whole chunks.
+``concurrent_bytes`` that cuts the exchange into batches, formats "ocdbt"
+and "zarr"): each bit-exact in the target's sharding, the leaves split by
+whole chunks.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tests.multiprocess import fetch_worker
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BOUND = 1.05
 PAGE = 4096
+CASES = ["verify", "lazy", "bf16", "batches", "ocdbt", "zarr"]
 
 
 def pages(nbytes: int) -> int:
@@ -63,7 +65,7 @@ def test_read_once_reads_each_chunk_once_from_disk(tmp_path, n):
   out = local_cluster.check(local_cluster.run(
       "tests.multiprocess.fetch_worker",
       {"dir": root, "format": "zarr3", "policies": [True], "copies": True,
-       "cases": ["verify", "lazy", "bf16", "batches"]},
+       "cases": CASES},
       num_processes=n, devices_per_process=2, timeout_s=240,
       cwd=str(REPO)))
   for r in out:
@@ -81,7 +83,7 @@ def test_read_once_reads_each_chunk_once_from_disk(tmp_path, n):
   fetched = [s["fetched_bytes"] for s in stats]
   assert sum(fetched) <= sum(read) <= 1.15 * sum(fetched), (fetched, read)
   assert [s["fetched_bytes_all"] for s in stats] == [sum(fetched)] * n
-  for case in ("verify", "lazy", "bf16", "batches"):
+  for case in CASES:
     for r in out:
       assert r[case]["bad"] == [], (case, r[case]["bad"])
       assert r[case]["stats"]["read_once_leaves"] == len(
