@@ -224,7 +224,7 @@ def run_case(case, conf, opts, ck, leaves, target, mesh) -> dict:
   if case == "lazy":
     got = ck.restore(1, target=target, read_once=True, lazy=True)
     names = list(leaves)
-    plans = [type(got[n].read_once.split).__name__
+    plans = [type(getattr(got[n].read_once, "split", None)).__name__
              if got[n].read_once is not None else None for n in names]
     arrays = {n: got[n].read() for n in names[:2]}
 
