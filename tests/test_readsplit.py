@@ -8,6 +8,7 @@ tests/objectstore/test_readonce_fetch.py."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import types
 
@@ -123,3 +124,20 @@ def test_nothing_is_split_in_one_process():
                            ("data", "model"))
   s = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   assert readsplit.plan(s, (100,), (10,), np.float32, 2) is None
+
+
+def test_a_save_cuts_a_box_few_processes_hold_for_common_replica_counts():
+  # 16 MiB held by 2 processes: before, 2 chunks of 8 MiB (one per holder),
+  # so a read once over 4 or 8 replicas cut through them; now 8 chunks, and
+  # an even split over 2, 4 or 8 readers falls on chunk boundaries.
+  from ckpt import placement, plan  # pylint: disable=g-import-not-at-top
+  shape = (4096, 1024)
+  lay = plan.leaf_layout(shape, 4, placement.host_replicated(shape, 0, 2))
+  counts = [n // c for n, c in zip(shape, lay.chunks)]
+  assert math.prod(counts) == plan.READ_SPLIT == 8
+  for r in (2, 4, 8):
+    assert any(k % r == 0 for k in counts), (r, lay.chunks)
+  # Never below MIN_SPLIT_CHUNK_BYTES: a 4 MiB box makes 4 chunks.
+  small = plan.leaf_layout((1024, 1024), 4,
+                           placement.host_replicated((1024, 1024), 0, 2))
+  assert math.prod(small.chunks) * 4 == plan.MIN_SPLIT_CHUNK_BYTES
