@@ -93,12 +93,19 @@ def _extra_bytes(leaf: LazyLeaf, box: Box) -> int:
 _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
 
 
-def _aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+def _aligned_empty(shape: Sequence[int], dtype, *, zeros: bool = False
+                   ) -> np.ndarray:
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
-  raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+  raw = (np.zeros if zeros else np.empty)(nbytes + _ALIGNMENT, np.uint8)
   offset = -raw.ctypes.data % _ALIGNMENT
   return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def aligned_zeros(shape: Sequence[int], dtype) -> np.ndarray:
+  """Zeros in 64-byte-aligned memory (a device_put onto a CPU device adopts
+  it); the pages are the kernel's zero pages until written."""
+  return _aligned_empty(shape, dtype, zeros=True)
 
 
 async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,

@@ -39,6 +39,7 @@ from ckpt import multihost
 from ckpt import queries
 from ckpt import readonce
 from ckpt import records
+from ckpt import storemeter
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
 from ckpt import save_extras
@@ -566,14 +567,15 @@ class Checkpointer(queries.Queries):
       read_once: True / False / None (automatic) for this call; by default
         the Checkpointer's ``read_once``. With it, the processes that hold
         the same box of a leaf (replicas over mesh axes its PartitionSpec
-        does not use) each read a distinct part of it and exchange the
-        parts with an all-gather run on this (the caller's) thread, in
+        does not use) each read a distinct part of it, in whole stored
+        chunks (each chunk fetched once over all processes), and exchange
+        the parts with a collective run on this (the caller's) thread, in
         batches within ``concurrent_bytes``. Every process must pass the
         same value (checked). Leaves it cannot apply to are read as usual:
         typed PRNG keys, values in memory (inline leaves, fallbacks), leaves
-        whose dimensions do not divide by the replica count.
-        ``last_restore_stats`` says what it did (bytes read from storage,
-        leaves exchanged). With ``lazy=True`` the leaves it applies to read
+        derived by a transform whose dimensions do not divide by the
+        replica count. ``last_restore_stats`` says what it did (bytes read,
+        bytes fetched from the store, leaves exchanged). With ``lazy=True`` the leaves it applies to read
         once when read later with the sharding they were bound to:
         ``leaf.read()`` of such a leaf is then a collective call, which
         every process must make, for the same leaves in the same order
@@ -588,6 +590,14 @@ class Checkpointer(queries.Queries):
     read_key = self._read_key()
     key = multihost.call_key(self._key_base, "readonce")  # every restore
     t_start = time.perf_counter()
+    meter = storemeter.Meter()  # bytes fetched from the store, this process
+    with meter:
+      return self._restore(step, target, path, transforms, fallback_state,
+                           lazy, verify, read_once, read_key, key, t_start,
+                           meter)
+
+  def _restore(self, step, target, path, transforms, fallback_state, lazy,
+               verify, read_once, read_key, key, t_start, meter):
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.read_once
     storage, error = self.storage, None
@@ -630,10 +640,17 @@ class Checkpointer(queries.Queries):
                                                 self.barrier_timeout_s)
       lazy_reads = readonce.LazyReads(
           counter, stats, self._lazy_rounds if rounds else None,
-          name=f"restore {key}")
-    check = (lambda i, e: multihost.all_ok(
-        f"{key}/{i}", e, f"restore from {step_dir!r}",
-        self.barrier_timeout_s)) if rounds else (lambda i, e: None)
+          name=f"restore {key}", meter=meter)
+
+    def check(i, e):
+      """The round before exchange i: every process's outcome, and what
+      it fetched so far (the last round's sum is fetched_bytes_all)."""
+      if rounds:
+        sums = multihost.all_ok(
+            f"{key}/{i}", e, f"restore from {step_dir!r}",
+            self.barrier_timeout_s, tally=meter.value)
+        if sums:
+          stats.fetched_bytes_all = sum(sums.values())
     try:
       result, error = None, None
       try:  # everything that can fail on this process alone, before "read"
@@ -671,6 +688,9 @@ class Checkpointer(queries.Queries):
       return result
     finally:
       stats.add_reads(counter)
+      stats.fetched_bytes = meter.value
+      if not multihost.is_multiprocess():
+        stats.fetched_bytes_all = stats.fetched_bytes
       stats.total_s = time.perf_counter() - t_start
       if protected is not None:
         self._retention.release(protected)

@@ -112,7 +112,9 @@ def stored_bases(leaf: lazy.LazyLeaf) -> list[lazy.LazyArray]:
 
 async def verify_leaf(leaf: lazy.LazyLeaf, sharding, limiter: ByteLimiter
                       ) -> None:
-  """restore(verify=True): check what this process is about to read.
+  """restore(verify=True): check what this process is about to read, the
+  boxes of ``sharding`` on its devices (or of a read-once split's part:
+  ``sharding.boxes``, ckpt/readsplit.py).
 
   Leaves whose chunks carry a crc32c need no pass of their own: the read
   that follows checks every chunk it decodes."""
@@ -120,8 +122,11 @@ async def verify_leaf(leaf: lazy.LazyLeaf, sharding, limiter: ByteLimiter
     if codec_checked(leaf):
       return
     shape = tuple(leaf.shape)
-    wanted = list({Box.from_index(i, shape) for i in
-                   sharding.addressable_devices_indices_map(shape).values()})
+    if hasattr(sharding, "boxes"):
+      wanted = sharding.boxes(shape)
+    else:
+      wanted = list({Box.from_index(i, shape) for i in
+                     sharding.addressable_devices_indices_map(shape).values()})
     await check_boxes(leaf, wanted, limiter)
     return
   for base in stored_bases(leaf):  # whole leaf, or derived by a transform

@@ -155,9 +155,10 @@ class LazyLeaf(abc.ABC):
                        dtype)  # on the caller's thread
 
   async def _read_part(self, plan, dtype, ticket: int):
-    """Read once: (this process's part, None) or (None, the error)."""
+    """Read once: (this process's part of the leaf's split, None) or
+    (None, the error)."""
     try:
-      return await self._guarded(dtype, plan.read_sharding), None
+      return await self._guarded(dtype, plan.split), None
     except Exception as e:  # pylint: disable=broad-except
       return None, e
     except BaseException as e:  # cancelled: the others must not wait for us
@@ -178,16 +179,23 @@ class LazyLeaf(abc.ABC):
     return out
 
   async def _counted(self, dtype, sharding):
-    """materialize, counted in the restore's stats (``reads``) if any."""
+    """materialize (or, given a read-once split, read this process's part
+    of it), counted in the restore's stats (``reads``) if any."""
     # assemble imports this module (the leaf types): imported here.
     from ckpt.assemble import materialize
     limiter = ByteLimiter(self.budget)
     reads = self.reads
+
+    def read():
+      if hasattr(sharding, "read"):  # a readsplit split
+        return sharding.read(self, dtype, limiter)
+      return materialize(self, dtype, sharding, limiter)
     if reads is None:
-      return await materialize(self, dtype, sharding, limiter)
+      return await read()
     token = readonce.COUNTER.set(reads.counter)
     try:
-      return await materialize(self, dtype, sharding, limiter)
+      with reads.meter:
+        return await read()
     finally:
       readonce.COUNTER.reset(token)
       reads.counter.note(limiter)

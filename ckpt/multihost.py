@@ -171,7 +171,8 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
 
 
 def all_ok(key: str, error: BaseException | None, what: str,
-           timeout_s: float, same: str = "", differ: str = "") -> None:
+           timeout_s: float, same: str = "", differ: str = "",
+           tally: int | None = None) -> dict[int, int]:
   """One round before a collective: every process says whether it got
   here without failing; if any did, all raise (the failing process its own
   error), instead of the others waiting forever in an all-gather that
@@ -180,7 +181,11 @@ def all_ok(key: str, error: BaseException | None, what: str,
   ``same``: what this process is about to do (the leaf it exchanges, say).
   If the processes that did not fail say different things, all raise a
   CheckpointError naming what each said, followed by ``differ`` (why it
-  must be the same): a collective over different data would mix it."""
+  must be the same): a collective over different data would mix it.
+
+  ``tally``: a count this process posts with its outcome (bytes it
+  fetched, say); returns {process: its tally} of the processes that posted
+  one (empty if none did)."""
   def decide(posts: dict[int, str]) -> str:
     got = {p: json.loads(v) for p, v in sorted(posts.items())}
     failed = {p: g[0] for p, g in got.items() if g[0]}
@@ -188,11 +193,14 @@ def all_ok(key: str, error: BaseException | None, what: str,
       return json.dumps({"failed": failed})
     if len({g[1] for g in got.values()}) > 1:
       return json.dumps({"differ": {p: g[1] for p, g in got.items()}})
-    return "{}"
+    tallies = {p: g[2] for p, g in got.items()
+               if len(g) > 2 and g[2] is not None}
+    return json.dumps({"tally": tallies} if tallies else {})
 
   err = "" if error is None else f"{type(error).__name__}: {error}"[:2000]
-  out = json.loads(agree(key, json.dumps([err, same[:2000]]), decide,
-                         timeout_s=timeout_s, what=what))
+  out = json.loads(agree(key, json.dumps(
+      [err, same[:2000], None if tally is None else int(tally)]), decide,
+      timeout_s=timeout_s, what=what))
   if error is not None:
     raise error
   if "failed" in out:
@@ -208,6 +216,7 @@ def all_ok(key: str, error: BaseException | None, what: str,
     raise CheckpointError(
         f"{what}: the processes are not doing the same thing: process 0: "
         f"{first}; {others}. {differ}".rstrip())
+  return {int(p): int(n) for p, n in out.get("tally", {}).items()}
 
 
 def forget(key: str) -> None:

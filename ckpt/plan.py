@@ -16,8 +16,11 @@ Rules:
   equal share.
 - The chunk shape divides every shard's extent and offset (so no chunk is
   written by two processes) and is cut down towards ``chunk_bytes``, and for
-  a shard replicated over k processes towards a k-th of the shard (not below
-  MIN_SPLIT_CHUNK_BYTES), so that each holder has a part to write.
+  a shard replicated over k processes towards a k-th of the shard, and at
+  most an eighth of it (READ_SPLIT; neither below MIN_SPLIT_CHUNK_BYTES):
+  each holder has a part to write, and a restore that reads the leaf once
+  over R = 2, 4 or 8 replicas (ckpt/readsplit.py) deals each of them whole
+  chunks of an even split (cuts halve a dimension while it is even).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 # A shard replicated over k processes is cut into at least k chunks (so each
 # holder writes a part) unless that would make chunks smaller than this.
 MIN_SPLIT_CHUNK_BYTES = 1 << 20
+# ... and into at least this many (the replica counts a read-once restore
+# most often splits it over: 2, 4, 8), within the same floor.
+READ_SPLIT = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +235,8 @@ def leaf_layout(shape: Sequence[int], itemsize: int, placement: Placement,
     return got
   shape = tuple(int(d) for d in shape)
   if placement.split_elems is not None:
-    per_holder = placement.split_elems * itemsize
+    per_holder = min(placement.split_elems,
+                     math.prod(placement.unit) // READ_SPLIT) * itemsize
     target_bytes = min(target_bytes, max(per_holder, MIN_SPLIT_CHUNK_BYTES))
   got = placement.layouts[key] = LeafLayout(
       shape, itemsize, chunk_shape(placement.unit, itemsize, target_bytes),

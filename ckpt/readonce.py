@@ -3,14 +3,13 @@
 With a target NamedSharding, the mesh axes its spec does not use are replica
 axes: the processes along them hold the same boxes. Read naively, each of
 them reads every box it holds from storage, so a restore with R replica
-processes pulls R times the checkpoint. Here each leaf is instead read with
-a *read sharding*: the target spec with one dimension further split over the
-replica axes that span processes, so every process reads a distinct 1/R of
-each box (all reads together = each box once). The parts are then
-exchanged with one ``jax.jit`` identity program whose ``out_shardings`` are
-the target shardings: XLA inserts the all-gather over the replica devices
-(gloo across processes on CPU). The result is bit-exact and has exactly the
-target's sharding.
+processes pulls R times the checkpoint. Here each leaf is instead split
+over its replicas (ckpt/readsplit.py): each process reads a distinct part,
+in whole stored chunks, so that every chunk is fetched from the store once
+over all processes; the parts are then exchanged with one ``jax.jit``
+program whose ``out_shardings`` are the target shardings (XLA inserts the
+all-gather or all-reduce over the replica devices, gloo across processes on
+CPU). The result is bit-exact and has exactly the target's sharding.
 
 Every process must issue the same collectives in the same order, so every
 decision here is computed from information all processes share: the target
@@ -23,14 +22,15 @@ read (background thread, under the byte limiter), exchanged, and its parts
 freed before the next one is read.
 
 Not read once (the normal read, each process its own boxes): leaves with no
-NamedSharding target, no replica axis across processes, no dimension that
-divides by the replica count, typed PRNG keys and values already in memory
-(inline leaves, fallback values).
+NamedSharding target, no replica axis across processes, typed PRNG keys,
+values already in memory (inline leaves, fallback values), and leaves
+derived by a transform with no dimension that divides by the replica
+count.
 
 Lazy leaves (``restore(lazy=True)``) read once too, when they are read
 later: a leaf the restore would have read once carries a ``LazyPlan``, and
 its ``read()`` / ``read_async()`` with the sharding it was bound to reads
-this process's part with the read sharding, runs the failure round and
+this process's part of its split, runs the failure round and
 exchanges that one leaf (``LazyPlan.finish``). That read is a collective
 call: every process reads the same leaves in the same order. The rounds of
 one Checkpointer's lazy reads (``LazyRounds``) are numbered in the order
@@ -50,9 +50,10 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 from jax import tree_util
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ckpt import multihost
+from ckpt import readsplit
+from ckpt import storemeter
 
 
 # The automatic policy (read_once=None), chosen from scripts/bench.py's
@@ -148,8 +149,16 @@ def count(box_start: Sequence[int], box_stop: Sequence[int],
 class RestoreStats:
   """What the last ``Checkpointer.restore`` did on this process.
 
-  bytes_read: bytes of the boxes read from stored arrays (stored dtype);
-  chunk_bytes_read: of the whole stored chunks those boxes touch;
+  bytes_read: bytes of the boxes read from stored arrays (stored dtype:
+  the logical bytes); chunk_bytes_read: of the whole stored chunks those
+  boxes touch; fetched_bytes: bytes this process fetched from the store
+  during the restore, as TensorStore's kvstore drivers count them
+  (ckpt/storemeter.py: what the store served, whole chunks, metadata and
+  the index included, compressed as stored; process-wide, so other reads
+  of this process at the same time count too); fetched_bytes_all: the sum
+  of every process's fetched_bytes, carried by the restore's last
+  agreement round (read once in a multi-process job; for lazy leaves as of
+  the last one read once), None where no round ran;
   read_once_leaves: leaves read once and exchanged; exchanged_bytes: bytes
   this process's devices received from the exchange (gathered boxes minus
   the parts read here); exchange_s: time in the exchange programs;
@@ -167,6 +176,8 @@ class RestoreStats:
   read_once: bool | None = None
   bytes_read: int = 0
   chunk_bytes_read: int = 0
+  fetched_bytes: int = 0
+  fetched_bytes_all: int | None = None
   reads: int = 0
   read_once_leaves: int = 0
   exchanged_bytes: int = 0
@@ -184,137 +195,54 @@ class RestoreStats:
     self.peak_read_bytes = max(self.peak_read_bytes, counter.peak_in_use)
 
 
-# ---- the read sharding -------------------------------------------------------
-
-def _entry_axes(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  if isinstance(entry, (tuple, list)):
-    return tuple(entry)
-  return (entry,)
-
-
-def _spanning_axes(mesh) -> tuple[str, ...]:
-  """Mesh axes along which the process index changes."""
-  procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
-  out = []
-  for i, name in enumerate(mesh.axis_names):
-    if mesh.devices.shape[i] > 1 and (
-        procs != np.take(procs, [0], axis=i)).any():
-      out.append(name)
-  return tuple(out)
-
-
-_SPAN_CACHE: dict[Any, tuple] = {}
-
-
-def replica_plan(sharding, shape: Sequence[int], chunks: Sequence[int] | None,
-                 min_r: int | None):
-  """(read sharding, replica count) for one leaf, or None: normal read.
-
-  The replica axes are the mesh axes the spec does not use and along which
-  the process changes; one dimension whose per-device extent divides by
-  their product gets them appended (a dimension on which the parts fall on
-  stored chunk boundaries preferred, then the longest part).
-  """
-  if min_r is None or not isinstance(sharding, NamedSharding):
-    return None
-  mesh = sharding.mesh
-  if not hasattr(mesh, "devices") or jax.process_count() == 1:
-    return None
-  key = id(mesh), mesh
-  if key not in _SPAN_CACHE:
-    procs = {d.process_index for d in mesh.devices.flat}
-    _SPAN_CACHE[key] = (_spanning_axes(mesh), len(procs) == jax.process_count())
-  spanning, all_procs = _SPAN_CACHE[key]
-  if not all_procs:  # a collective on a mesh of some processes: not here
-    return None
-  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-  used = {a for e in spec for a in _entry_axes(e)}
-  axes = tuple(a for a in spanning if a not in used)
-  r = math.prod(mesh.shape[a] for a in axes) if axes else 1
-  if r < max(2, min_r):
-    return None
-  best, best_key = None, None
-  for d, n in enumerate(shape):
-    k = math.prod(mesh.shape[a] for a in _entry_axes(spec[d]))
-    if n % (k * r):
-      continue
-    part = n // (k * r)
-    aligned = bool(chunks) and part % chunks[d] == 0
-    score = (aligned, part)
-    if best_key is None or score > best_key:
-      best, best_key = d, score
-  if best is None:
-    return None
-  new = list(spec)
-  new[best] = _entry_axes(spec[best]) + axes
-  read = NamedSharding(mesh, PartitionSpec(*new),
-                       memory_kind=sharding.memory_kind)
-  return read, r
-
-
-def _per_process_bytes(sharding, shape, itemsize: int, r: int) -> int:
-  """An upper bound on the host bytes one process holds for one leaf while
-  it is exchanged (its parts read + its gathered boxes), from global
-  information only (the same number on every process)."""
-  mesh = sharding.mesh
-  spec = tuple(sharding.spec)
-  shards = math.prod(mesh.shape[a] for e in spec for a in _entry_axes(e))
-  per_device = math.prod(shape) * itemsize // max(1, shards)
-  devices = max(1, mesh.devices.size // jax.process_count())
-  return per_device * devices + (per_device * devices) // r
-
+# ---- leaves read once -------------------------------------------------------
 
 @dataclasses.dataclass
 class Deferred:
-  """A leaf to read with ``read_sharding`` and exchange into ``sharding``
-  (a placeholder in the tree restore_tree returns)."""
+  """A leaf to read split over its replicas (``split``, ckpt/readsplit.py)
+  and exchange into ``sharding`` (a placeholder in the tree restore_tree
+  returns)."""
   name: str
   src: Any  # LazyLeaf
   out_dtype: np.dtype
   sharding: Any
-  read_sharding: Any
+  split: Any  # readsplit.EvenSplit | readsplit.ChunkSplit
   cost: int
 
 
-def deferred(name: str, src, out_dtype, sharding, min_r: int | None
-             ) -> Deferred | None:
+def deferred(name: str, src, out_dtype, sharding, min_r: int | None,
+             order: int = 0) -> Deferred | None:
+  """``order``: the leaf's place in the target (the same on every
+  process), which spreads leaves of fewer chunks than readers."""
   shape = tuple(src.shape)
   chunks = getattr(getattr(src, "entry", None), "chunks", None)
-  plan = replica_plan(sharding, shape, tuple(chunks) if chunks else None,
-                      min_r)
-  if plan is None:
+  split = readsplit.plan(sharding, shape, tuple(chunks) if chunks else None,
+                         out_dtype, min_r, order)
+  if split is None:
     return None
-  read, r = plan
-  return Deferred(name, src, np.dtype(out_dtype), sharding, read,
-                  _per_process_bytes(sharding, shape,
-                                     np.dtype(out_dtype).itemsize, r))
+  return Deferred(name, src, np.dtype(out_dtype), sharding, split,
+                  readsplit.per_process_bytes(split, shape,
+                                              np.dtype(out_dtype).itemsize))
 
 
 # ---- the exchange (caller's thread) -----------------------------------------
 
-def _identity(*xs):
-  return xs
-
-
-def exchange(parts: Sequence[jax.Array], shardings: Sequence[Any],
+def exchange(parts: Sequence[readsplit.Part], shardings: Sequence[Any],
              stats: RestoreStats) -> tuple[jax.Array, ...]:
-  """One jit identity program: each part (read with its read sharding) into
-  its target sharding; XLA all-gathers over the replica devices. A
-  collective: on the caller's thread, in the same order on every process."""
+  """One jit program: each part (this process's reads of one leaf) into
+  its target sharding; XLA all-gathers (or all-reduces) over the replica
+  devices. A collective: on the caller's thread, in the same order on
+  every process."""
   t0 = time.perf_counter()
-  fn = jax.jit(_identity, out_shardings=tuple(shardings))
-  outs = fn(*parts)
+  outs = readsplit.exchange_program(parts, shardings)
   jax.block_until_ready(outs)
   stats.exchange_s += time.perf_counter() - t0
   stats.batches += 1
   held = 0
   for p, o in zip(parts, outs):
     got = sum(s.data.nbytes for s in o.addressable_shards)
-    mine = sum(s.data.nbytes for s in p.addressable_shards)
-    stats.exchanged_bytes += max(0, got - mine)
-    held += got + mine
+    stats.exchanged_bytes += max(0, got - p.mine)
+    held += got + sum(s.data.nbytes for s in p.array.addressable_shards)
   stats.peak_batch_bytes = max(stats.peak_batch_bytes, held)
   stats.read_once_leaves += len(outs)
   return outs
@@ -336,16 +264,18 @@ def batches(items: list[Deferred], budget: int) -> list[list[Deferred]]:
   return out
 
 
-def finish(result: Any, read: Callable[[list[Deferred]], list[jax.Array]],
+def finish(result: Any,
+           read: Callable[[list[Deferred]], list[readsplit.Part]],
            budget: int, stats: RestoreStats,
            check: Callable[[int, BaseException | None], None] = (
                lambda i, e: None)) -> Any:
   """Replaces every Deferred leaf of ``result`` by its exchanged array.
 
-  ``read(batch)`` reads a batch with its read shardings (on the background
-  thread, under the byte limiter); ``check(i, error)`` is a round in which
-  every process says whether batch i was read (``multihost.all_ok``); the exchange
-  runs here, on the caller's thread, one jit program per batch.
+  ``read(batch)`` reads a batch, each leaf this process's part of its
+  split (on the background thread, under the byte limiter); ``check(i,
+  error)`` is a round in which every process says whether batch i was read
+  (``multihost.all_ok``); the exchange runs here, on the caller's thread,
+  one jit program per batch.
   """
   leaves, treedef = tree_util.tree_flatten(
       result, is_leaf=lambda x: isinstance(x, Deferred))
@@ -405,9 +335,14 @@ class LazyReads:
   stats: RestoreStats
   rounds: "LazyRounds | None" = None
   name: str = ""  # the restore, the same on every process (its call key)
+  meter: storemeter.Meter = dataclasses.field(
+      default_factory=storemeter.Meter)
 
   def update(self) -> None:
     self.stats.add_reads(self.counter)
+    self.stats.fetched_bytes = self.meter.value
+    if not multihost.is_multiprocess():
+      self.stats.fetched_bytes_all = self.stats.fetched_bytes
 
 
 class LazyRounds:
@@ -436,18 +371,24 @@ class LazyRounds:
       return self._issued - 1
 
   def collective(self, ticket: int, error: BaseException | None, what: str,
-                 fn: Callable[[], Any], same: str = "") -> Any:
+                 fn: Callable[[], Any], same: str = "",
+                 tally: Callable[[], int] | None = None,
+                 tallied: Callable[[int], None] | None = None) -> Any:
     """In ``ticket``'s turn: the round (every process raises if any failed,
     or if they are not about to exchange the ``same`` leaf), then ``fn()``
-    (the exchange) when none did."""
+    (the exchange) when none did. ``tally()``: a count this process posts
+    in the round; ``tallied(sum over the processes)`` gets their sum."""
     with self._cond:
       while self._turn != ticket:
         self._cond.wait()
     try:
       key = f"{self.base}/{ticket}"
       self._pending.append(key)
-      multihost.all_ok(key, error, what, self.timeout_s, same=same,
-                       differ=LAZY_ORDER)
+      sums = multihost.all_ok(key, error, what, self.timeout_s, same=same,
+                              differ=LAZY_ORDER,
+                              tally=None if tally is None else tally())
+      if tallied is not None and sums:
+        tallied(sum(sums.values()))
       done, self._pending = self._pending[:-1], self._pending[-1:]
       for k in done:
         multihost.forget(k)
@@ -479,9 +420,9 @@ class LazyRounds:
 @dataclasses.dataclass
 class LazyPlan:
   """A lazy leaf that reads once when read with ``sharding`` (the one it
-  was bound to): its part with ``read_sharding``, then the exchange."""
+  was bound to): its part of ``split``, then the exchange."""
   sharding: Any
-  read_sharding: Any
+  split: Any  # readsplit.EvenSplit | readsplit.ChunkSplit
   reads: LazyReads
   rounds: LazyRounds  # the Checkpointer's (reads.rounds, never None here)
 
@@ -489,14 +430,20 @@ class LazyPlan:
     return sharding is not None and (sharding is self.sharding or
                                      sharding == self.sharding)
 
-  def finish(self, ticket: int, part: jax.Array | None,
+  def finish(self, ticket: int, part: readsplit.Part | None,
              error: BaseException | None, path: str, shape, dtype
              ) -> jax.Array:
     """The round, then the exchange of ``part`` into ``sharding``; on the
     calling thread (a collective). The round checks that every process
-    exchanges this same leaf alike (never mixed data)."""
+    exchanges this same leaf alike (never mixed data), and carries what
+    each fetched so far (``fetched_bytes_all``)."""
+    stats = self.reads.stats
+
+    def tallied(total: int) -> None:
+      stats.fetched_bytes_all = total
     return self.rounds.collective(
         ticket, error, f"read of lazy leaf {path!r}",
-        lambda: exchange([part], [self.sharding], self.reads.stats)[0],
+        lambda: exchange([part], [self.sharding], stats)[0],
         same=exchange_signature(self.reads.name, path, shape, dtype,
-                                self.sharding))
+                                self.sharding),
+        tally=lambda: self.reads.meter.value, tallied=tallied)

@@ -23,6 +23,7 @@ from ckpt import index as index_lib
 from ckpt import lazy
 from ckpt import prng
 from ckpt import readonce
+from ckpt import readsplit
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt.errors import (CheckpointNotFoundError,
@@ -272,9 +273,10 @@ def _as_leaf(value: Any, name: str) -> Any:
 
 
 async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
-                   limiter: ByteLimiter, as_saved: AsSaved | None = None
-                   ) -> Any:
-  """One leaf: check it against its target leaf, then read it (or bind it).
+                   limiter: ByteLimiter, as_saved: AsSaved | None = None,
+                   order: int = 0) -> Any:
+  """One leaf (the ``order``-th of the target): check it against its
+  target leaf, then read it (or bind it).
 
   A target ShapeDtypeStruct without a sharding restores the leaf in its
   saved sharding (``as_saved``). A typed PRNG key leaf (``src.prng_impl``)
@@ -329,11 +331,12 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
       (not args.lazy or (args.lazy_reads is not None and
                          args.lazy_reads.rounds is not None)) and
       checksums.stored_bases(src)):
-    later = readonce.deferred(name, src, out, sharding, args.read_once_min)
+    later = readonce.deferred(name, src, out, sharding, args.read_once_min,
+                              order)
   if args.verify:  # keys are small: their whole data is checked
     # Read once: this process checks the part it reads (lazy: will read).
     await checksums.verify_leaf(
-        src, None if impl else (later.read_sharding if later else sharding),
+        src, None if impl else (later.split if later else sharding),
         limiter)
   if args.lazy:
     leaf = src.bind(sharding, out)
@@ -341,7 +344,7 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
     leaf.reads, leaf.read_once = args.lazy_reads, None
     if later is not None:
       leaf.read_once = readonce.LazyPlan(
-          later.sharding, later.read_sharding, args.lazy_reads,
+          later.sharding, later.split, args.lazy_reads,
           args.lazy_reads.rounds)
     return leaf
   if later is not None:
@@ -398,20 +401,20 @@ async def restore_tree(index: index_lib.Index,
     raise MissingLeavesError(missing, list(by_name))
   as_saved = AsSaved(index)
   results = await lazy.gather_or_cancel(
-      *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved)
-        for (p, tgt), src in zip(named, sources)))
+      *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)
+        for i, ((p, tgt), src) in enumerate(zip(named, sources))))
   return tree_util.tree_unflatten(treedef, results)
 
 
 async def read_parts(batch: Sequence[readonce.Deferred], budget: int
-                     ) -> list[jax.Array]:
-  """Read once: each leaf of ``batch`` read with its read sharding (this
-  process's distinct part of each replicated box), under one byte limiter."""
+                     ) -> list[readsplit.Part]:
+  """Read once: this process's part of each leaf of ``batch`` (its share
+  of the leaf's split over the replicas, ckpt/readsplit.py), under one
+  byte limiter."""
   limiter = ByteLimiter(budget)
   try:
     return await lazy.gather_or_cancel(
-        *(assemble.materialize(d.src, d.out_dtype, d.read_sharding, limiter)
-          for d in batch))
+        *(d.split.read(d.src, d.out_dtype, limiter) for d in batch))
   finally:
     readonce.note_limiter(limiter)
 

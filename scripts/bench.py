@@ -956,62 +956,113 @@ def _orbax_installed() -> bool:
     return False
 
 
+# --read-once: the states (worker module, its config, what it is).
+READ_ONCE_STATES = {
+    "aligned": ("tests.multiprocess.readonce_worker", {"format": "zarr"},
+                "tests/multiprocess/readonce_worker.py: leaves replicated "
+                "over every process, over 2, and fully sharded; every box "
+                "a union of whole chunks"),
+    "awkward": ("tests.multiprocess.fetch_worker", {"format": "zarr3"},
+                "tests/multiprocess/fetch_worker.py: shapes that divide by "
+                "neither the replica count nor their chunks, all replicated "
+                "over every process"),
+}
+
+
 def run_read_once(args) -> dict[str, Any]:
   """The multi-process restore figure of read once (ckpt/readonce.py).
 
-  For each store (the local disk; moto's S3 server, started here) and
-  process count (2, 4; 2 CPU devices each), one job saves the state of
-  ``tests/multiprocess/readonce_worker.py`` (leaves replicated over every
-  process, over 2, and fully sharded; ``--read-once-scale`` times 3.5 MiB),
-  then restores it with read_once True, False, True, False: the figures
-  are the second (warm: jit compiled, TensorStore opened) restore of each
-  policy. Time: ``last_restore_stats.total_s`` (slowest process); bytes:
-  ``last_restore_stats.bytes_read`` per process (ckpt's read-path counter).
+  For each state (``--read-once-states``: READ_ONCE_STATES, both
+  ``--read-once-scale`` times their base size), store (the local disk;
+  moto's S3 server, started here, behind a counting proxy) and process
+  count (2, 4; 2 CPU devices each), one job saves the state, then restores
+  it with read_once True, False, True, False: times are the second (warm:
+  jit compiled, TensorStore opened) restore of each policy, the slowest
+  process's ``last_restore_stats.total_s``. Bytes fetched: on S3 the bodies
+  of the GETs the proxy saw during that restore (counted at the store,
+  tests/objectstore/proxy.py); on the disk the bytes TensorStore's file
+  driver read, summed over the processes (its kvstore counter, read by the
+  worker around the restore: what each host's disk would serve without a
+  page cache shared between the processes). ``x stored``: over the bytes
+  of every object of the step.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
   from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(ROOT))
+  from tests.objectstore import proxy as proxy_lib  # pylint: disable=g-import-not-at-top
   from tests.objectstore import servers  # pylint: disable=g-import-not-at-top
+  from tests.objectstore import storeutil  # pylint: disable=g-import-not-at-top
   rows = []
   logs = tempfile.mkdtemp(prefix="ckpt-bench-moto-")
   moto = servers.start_moto(logs)
+  host, port = moto.endpoint.rsplit("//", 1)[1].split(":")
+  counter = proxy_lib.HttpCounter()
+  px = proxy_lib.Proxy((host, int(port)), counter).start()
+  policies = [True, False, True, False]
   try:
-    for store in ("disk", "s3"):
-      for n in (2, 4):
-        if store == "disk":
-          url, env = tempfile.mkdtemp(prefix="ckpt-bench-ro-") + "/ck", {}
-        else:
-          url, env = servers.new_bucket(moto) + "/ck", moto.env
-        out = local_cluster.check(local_cluster.run(
-            "tests.multiprocess.readonce_worker",
-            {"dir": url, "format": "zarr", "op": "both",
-             "scale": args.read_once_scale,
-             "policies": [True, False, True, False]},
-            num_processes=n, devices_per_process=2, timeout_s=600,
-            extra_env=env, cwd=str(ROOT)))
-        for policy in ("True", "False"):
-          st = [r[policy]["stats"] for r in out]
-          bad = [b for r in out for b in r[policy]["bad"]]
-          rows.append({
-              "store": store, "processes": n,
-              "read_once": policy == "True",
-              "time_s": max(x["total_s"] for x in st),
-              "exchange_s": max(x["exchange_s"] for x in st),
-              "bytes_read_per_process": [x["bytes_read"] for x in st],
-              "bytes_read_total": sum(x["bytes_read"] for x in st),
-              "bit_exact": not bad})
+    for state in args.read_once_states.split(","):
+      module, config, _ = READ_ONCE_STATES[state]
+      for store in ("disk", "s3"):
+        for n in (2, 4):
+          counter.reset()
+          if store == "disk":
+            url, env = tempfile.mkdtemp(prefix="ckpt-bench-ro-") + "/ck", {}
+          else:
+            os.environ.update(moto.env)  # the listing below: direct
+            url = servers.new_bucket(moto) + "/ck"
+            env = {**moto.env, "AWS_ENDPOINT_URL": px.endpoint}
+          out = local_cluster.check(local_cluster.run(
+              module, {**config, "dir": url, "op": "both",
+                       "scale": args.read_once_scale, "policies": policies,
+                       **({"count_url": px.endpoint} if store == "s3" else {})},
+              num_processes=n, devices_per_process=2, timeout_s=900,
+              extra_env=env, cwd=str(ROOT)))
+          stored = _stored_bytes(url, storeutil)
+          for i in (2, 3):  # the warm restore of each policy
+            policy = str(policies[i])
+            recs = [r.get(f"{i}-{policy}", r.get(policy)) for r in out]
+            st = [x["stats"] for x in recs]
+            if store == "s3":
+              _, bodies = counter.between(
+                  "start" if i == 0 else f"{i - 1}-{policies[i - 1]}",
+                  f"{i}-{policy}")
+              fetched = sum(bodies.values())
+            else:
+              fetched = sum(x["ts_fetched"] for x in recs)
+            rows.append({
+                "state": state, "store": store, "processes": n,
+                "read_once": policy == "True",
+                "time_s": max(x["total_s"] for x in st),
+                "exchange_s": max(x["exchange_s"] for x in st),
+                "bytes_read_per_process": [x["bytes_read"] for x in st],
+                "fetched_per_process": [x["ts_fetched"] for x in recs],
+                "fetched_total": fetched, "stored": stored,
+                "bit_exact": not any(x["bad"] for x in recs)})
   finally:
+    px.close()
     moto.stop()
-  lines = ["| store | processes | read once | restore s (slowest) | "
-           "exchange s | MiB read per process | MiB read, all |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| state | store | processes | read once | restore s (slowest) | "
+           "exchange s | MiB fetched per process | MiB fetched, all | "
+           "x stored |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
-    per = "/".join(f"{b / 2**20:.1f}" for b in r["bytes_read_per_process"])
-    lines.append(f"| {r['store']} | {r['processes']} | "
+    per = "/".join(f"{b / 2**20:.1f}" for b in r["fetched_per_process"])
+    lines.append(f"| {r['state']} | {r['store']} | {r['processes']} | "
                  f"{'on' if r['read_once'] else 'off'} | {r['time_s']:.3f} | "
                  f"{r['exchange_s']:.3f} | {per} | "
-                 f"{r['bytes_read_total'] / 2**20:.1f} |")
+                 f"{r['fetched_total'] / 2**20:.1f} | "
+                 f"{r['fetched_total'] / r['stored']:.2f} |")
   return {"rows": rows, "table": "\n".join(lines)}
+
+
+def _stored_bytes(url: str, storeutil) -> int:
+  """Bytes of every object (file) of step 1 under ``url``."""
+  if "://" not in url:
+    return sum(os.path.getsize(os.path.join(d, f))
+               for d, _, files in os.walk(os.path.join(url, "checkpoint_1"))
+               for f in files)
+  store = storeutil.kvstore(url)
+  return sum(len(store.read(k).result().value) for k in store.list().result()
+             if k.decode().startswith("checkpoint_1/"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1025,7 +1076,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="only the multi-process read-once restore figure "
                       "(disk and moto S3, 2 and 4 processes)")
   parser.add_argument("--read-once-scale", type=int, default=8,
-                      help="--read-once: state size in units of 3.5 MiB")
+                      help="--read-once: state sizes in units of their base "
+                      "(aligned: 3.5 MiB; awkward: 3.2 MiB, an even scale "
+                      "rounded up to odd)")
+  parser.add_argument("--read-once-states", default="aligned,awkward",
+                      help="--read-once: comma-separated, from "
+                      f"{','.join(READ_ONCE_STATES)}")
   parser.add_argument("--runs", type=int, default=None,
                       help="runs per system (default: the preset's, else 3)")
   parser.add_argument("--systems", default=None,

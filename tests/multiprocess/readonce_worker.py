@@ -15,7 +15,11 @@ process. Each process builds the same global arrays from fixed seeds.
   bit-exact with the global arrays and has exactly the target's sharding
   (the policies in ``config["verify"]`` restore with ``verify=True``);
   with ``config["moto_log"]`` process 0 also counts moto's GET requests of
-  chunk keys made during that restore (all processes), from its access log.
+  chunk keys made during that restore (all processes), from its access log;
+  with ``config["count_url"]`` (a counting proxy, tests/objectstore/proxy.py)
+  it marks ``start`` before the first restore and ``<i>-<policy>`` after
+  each; ``ts_fetched``: the bytes TensorStore's kvstore drivers read in the
+  process during the restore.
 - ``config["cases"]``: more read-once restores of the same step, each
   reported under its name with the same checks (``run_case``): ``lazy``
   (``lazy=True`` leaves read later, read once on and off), ``dtype``
@@ -67,6 +71,16 @@ def truth(name, shape, dtype):
   return rng.standard_normal(shape, dtype=np.float32)
 
 
+def ts_fetched() -> int:
+  """Bytes TensorStore's base kvstore drivers read in this process so far
+  (its own counters, whatever ckpt version runs)."""
+  import tensorstore as ts
+  return sum(int(v.get("value", 0)) for m in
+             ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+             if m["name"].endswith("/bytes_read") and "/ocdbt/" not in m["name"]
+             for v in m["values"])
+
+
 def moto_gets(log_path: str, offset: int) -> int:
   """GETs of chunk objects (not index, metadata or listings) after offset."""
   size, since = -1, time.monotonic()
@@ -116,17 +130,26 @@ def main():
           s, np.dtype(d), sharding=NamedSharding(mesh, P(*spec)))
                       for n, (s, d, spec) in SHAPES.items()})
       target["step"] = 0
-      for policy in conf["policies"]:
+      count_url = conf.get("count_url")  # scripts/bench.py: a counting proxy
+      if count_url and cfg["process_id"] == 0:
+        from tests.objectstore import proxy  # pylint: disable=g-import-not-at-top
+        proxy.mark(count_url, "start")
+      for i, policy in enumerate(conf["policies"]):
         multihost.barrier(f"before-{policy}")
         log = conf.get("moto_log")
         offset = os.path.getsize(log) if log else 0
+        fetched = ts_fetched()
         got = ck.restore(1, target=target, read_once=policy,
                          verify=policy in conf.get("verify", ()))
+        fetched = ts_fetched() - fetched
         multihost.barrier(f"after-{policy}")
+        if count_url and cfg["process_id"] == 0:
+          proxy.mark(count_url, f"{i}-{policy}")
         bad = [b for n in SHAPES for b in check_leaf(leaf_of(got, n), n, mesh)]
         if got["step"] != 7:
           bad.append(f"step {got['step']}")
-        rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad}
+        rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad,
+               "ts_fetched": fetched}
         if log and cfg["process_id"] == 0:
           rec["moto_gets"] = moto_gets(log, offset)
         multihost.barrier(f"counted-{policy}")

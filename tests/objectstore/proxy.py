@@ -14,14 +14,27 @@ the way networks do:
 One accept thread and two pump threads per connection, every blocking call
 with a short timeout, at most ``MAX_CONNECTIONS`` open at once (more are
 closed at accept): ``close()`` ends them all within a second or two.
+
+``Proxy(target, counter=HttpCounter())`` also counts what crosses it, at
+the store's door: every HTTP/1.1 request (method and path) and the bytes of
+the body of each response, parsed from the two byte streams of each
+connection (keep-alive, ``Content-Length`` or chunked bodies, interim 1xx
+answers, HEAD). Tests read the bytes served per method and object from it
+(``HttpCounter.bodies``), independently of anything ckpt or TensorStore
+count. A worker process marks a moment with ``mark(endpoint, label)`` (a
+request for ``/__count__/<label>``, which the counter records as a
+snapshot of its counts when it arrives, and the store answers 404), so a
+test can take the difference between two marks (``between``).
 """
 
 from __future__ import annotations
 
+import collections
 import select
 import socket
 import struct
 import threading
+import urllib.parse
 
 from ckpt import local_cluster
 
@@ -45,8 +58,10 @@ def _reset(sock: socket.socket) -> None:
 class Proxy:
   """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port)."""
 
-  def __init__(self, target: tuple[str, int]):
+  def __init__(self, target: tuple[str, int],
+               counter: "HttpCounter | None" = None):
     self.target = target
+    self.counter = counter
     self.port = local_cluster.free_port()
     self.endpoint = f"http://127.0.0.1:{self.port}"
     self.mode = "forward"  # "forward" | "refuse" | "black_hole"
@@ -148,13 +163,16 @@ class Proxy:
         if upstream is not None:
           self._conns.add(upstream)
       pair = _Pair(client, upstream)
-      for src, dst in ((client, upstream), (upstream, client)):
+      http = self.counter.connection() if self.counter is not None else None
+      for src, dst, feed in (
+          (client, upstream, http and http.feed_request),
+          (upstream, client, http and http.feed_response)):
         if src is not None:
-          threading.Thread(target=self._pump, args=(pair, src, dst),
+          threading.Thread(target=self._pump, args=(pair, src, dst, feed),
                            daemon=True, name=f"proxy-{self.port}-pump").start()
 
   def _pump(self, pair: "_Pair", src: socket.socket,
-            dst: socket.socket | None) -> None:
+            dst: socket.socket | None, feed=None) -> None:
     """Copies ``src`` to ``dst`` while forwarding, drops what arrives
     otherwise. At the end of ``src`` it half-closes ``dst`` (what was sent
     is still delivered); the pair closes once both directions ended, and is
@@ -177,6 +195,8 @@ class Proxy:
         with self._lock:
           forward = self.mode == "forward" and dst is not None
         if forward:
+          if feed is not None:  # before it goes on: requests precede answers
+            feed(data)
           dst.settimeout(10)
           dst.sendall(data)
     except OSError:
@@ -211,3 +231,191 @@ class _Pair:
         self._failed = True
         return True
       return self._live == 0 and not self._failed
+
+
+# ---- counting HTTP at the store's door ---------------------------------------
+
+MARK_PREFIX = "/__count__/"
+
+
+def mark(endpoint: str, label: str, timeout_s: float = 10.0) -> None:
+  """Marks this moment in the HttpCounter of the proxy at ``endpoint``
+  (called by a worker process once everything it counts has been read)."""
+  import urllib.error  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  try:
+    with urllib.request.urlopen(f"{endpoint}{MARK_PREFIX}{label}",
+                                timeout=timeout_s) as r:
+      r.read()
+  except urllib.error.HTTPError as e:  # the store's answer: 404, 403, ...
+    e.read()
+
+
+class HttpCounter:
+  """What crossed a proxy: requests and response body bytes per (method,
+  object path). ``path`` is the request path without its query, with %XX
+  unquoted (a GCS download ``/download/storage/v1/b/B/o/a%2Fb`` becomes
+  ``.../o/a/b``)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.requests: collections.Counter = collections.Counter()
+    self.bodies: collections.Counter = collections.Counter()
+    self.errors: list[str] = []  # streams it could not parse
+    self.marks: dict[str, tuple[dict, dict]] = {}
+
+  def connection(self) -> "_HttpConnection":
+    return _HttpConnection(self)
+
+  def reset(self) -> None:
+    with self._lock:
+      self.requests.clear()
+      self.bodies.clear()
+      self.errors.clear()
+      self.marks.clear()
+
+  def between(self, first: str, last: str) -> tuple[dict, dict]:
+    """({(method, path): requests}, {(method, path): body bytes}) between
+    two marks (each counted when its request arrived)."""
+    with self._lock:
+      (r0, b0), (r1, b1) = self.marks[first], self.marks[last]
+    return ({k: v - r0.get(k, 0) for k, v in r1.items() if v > r0.get(k, 0)},
+            {k: v - b0.get(k, 0) for k, v in b1.items() if v > b0.get(k, 0)})
+
+  def _add(self, method: str, path: str, nbytes: int, request: bool) -> None:
+    with self._lock:
+      if request:
+        self.requests[method, path] += 1
+      else:
+        self.bodies[method, path] += nbytes
+
+  def _mark(self, label: str) -> None:
+    with self._lock:
+      self.marks[label] = (dict(self.requests), dict(self.bodies))
+
+  def _error(self, text: str) -> None:
+    with self._lock:
+      self.errors.append(text)
+
+  def snapshot(self) -> tuple[dict, dict]:
+    """({(method, path): requests}, {(method, path): body bytes served})."""
+    with self._lock:
+      return dict(self.requests), dict(self.bodies)
+
+
+class _HttpStream:
+  """One direction of one connection: messages (head, then a body framed
+  by Content-Length or chunked encoding), fed in arbitrary pieces."""
+
+  def __init__(self, on_head, on_body):
+    self._buf = b""
+    self._state = "head"  # head | body | chunk-size | chunk | chunk-end | trailer | rest
+    self._left = 0
+    self._on_head, self._on_body = on_head, on_body
+
+  def feed(self, data: bytes) -> None:
+    self._buf += data
+    while self._buf:
+      if self._state == "head":
+        end = self._buf.find(b"\r\n\r\n")
+        if end < 0:
+          return
+        head, self._buf = self._buf[:end].decode("latin-1"), self._buf[end + 4:]
+        lines = head.split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+          k, _, v = line.partition(":")
+          headers[k.strip().lower()] = v.strip()
+        framing = self._on_head(lines[0], headers)
+        if framing == "chunked":
+          self._state = "chunk-size"
+        elif framing == "rest":
+          self._state = "rest"
+        elif framing:
+          self._state, self._left = "body", int(framing)
+      elif self._state in ("body", "chunk"):
+        n = min(self._left, len(self._buf))
+        self._on_body(n)
+        self._buf, self._left = self._buf[n:], self._left - n
+        if not self._left:
+          self._state = "head" if self._state == "body" else "chunk-end"
+      elif self._state == "chunk-end":
+        if len(self._buf) < 2:
+          return
+        self._buf, self._state = self._buf[2:], "chunk-size"
+      elif self._state in ("chunk-size", "trailer"):
+        end = self._buf.find(b"\r\n")
+        if end < 0:
+          return
+        line, self._buf = self._buf[:end], self._buf[end + 2:]
+        if self._state == "trailer":
+          if not line:
+            self._state = "head"
+          continue
+        size = int(line.split(b";")[0].strip() or b"0", 16)
+        if size:
+          self._state, self._left = "chunk", size
+        else:
+          self._state = "trailer"
+      else:  # "rest": the body runs to the end of the connection
+        self._on_body(len(self._buf))
+        self._buf = b""
+
+
+class _HttpConnection:
+  """Both directions of one proxied connection: requests are queued as they
+  go up, and each final response is matched with the oldest one."""
+
+  def __init__(self, counter: HttpCounter):
+    self._counter = counter
+    self._lock = threading.Lock()
+    self._pending: collections.deque = collections.deque()
+    self._current: tuple[str, str] | None = None
+    self._up = _HttpStream(self._request_head, lambda n: None)
+    self._down = _HttpStream(self._response_head, self._response_body)
+
+  def feed_request(self, data: bytes) -> None:
+    try:
+      self._up.feed(data)
+    except Exception as e:  # pylint: disable=broad-except
+      self._counter._error(f"request stream: {e!r}")  # pylint: disable=protected-access
+
+  def feed_response(self, data: bytes) -> None:
+    try:
+      self._down.feed(data)
+    except Exception as e:  # pylint: disable=broad-except
+      self._counter._error(f"response stream: {e!r}")  # pylint: disable=protected-access
+
+  def _request_head(self, line: str, headers: dict):
+    method, target = (line.split(" ") + ["", ""])[:2]
+    path = urllib.parse.unquote(target.partition("?")[0])
+    if "://" in path:  # absolute form
+      path = "/" + path.split("://", 1)[1].partition("/")[2]
+    with self._lock:
+      self._pending.append((method, path))
+    if path.startswith(MARK_PREFIX):
+      self._counter._mark(path[len(MARK_PREFIX):])  # pylint: disable=protected-access
+    else:
+      self._counter._add(method, path, 0, request=True)  # pylint: disable=protected-access
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+      return "chunked"
+    return int(headers.get("content-length", "0") or 0)
+
+  def _response_head(self, line: str, headers: dict):
+    status = int(line.split(" ")[1])
+    if 100 <= status < 200:
+      return 0  # interim (100 Continue): the request is still open
+    with self._lock:
+      self._current = self._pending.popleft() if self._pending else ("?", "?")
+    if self._current[0] == "HEAD" or status in (204, 304):
+      return 0
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+      return "chunked"
+    if "content-length" in headers:
+      return int(headers["content-length"])
+    return "rest"
+
+  def _response_body(self, n: int) -> None:
+    if n and self._current is not None and not self._current[1].startswith(
+        MARK_PREFIX):
+      self._counter._add(*self._current, n, request=False)  # pylint: disable=protected-access
