@@ -33,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt import index as index_lib
+from ckpt import leafsource
 from ckpt import multihost
 from ckpt import ocdbt
 from ckpt import placement as placement_lib
@@ -134,7 +135,7 @@ def _describe_sharding(x: Any, sharding) -> str:
 @functools.lru_cache(maxsize=1024)
 def _describe(sharding) -> str:
   if isinstance(sharding, jax.sharding.NamedSharding):
-    axes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+    axes = dict(sharding.mesh.shape)  # a Mesh's or an AbstractMesh's
     return f"NamedSharding(mesh={axes}, spec={tuple(sharding.spec)})"
   return type(sharding).__name__
 
@@ -181,6 +182,15 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
       else:
         where = placement_lib.placement(sharding, x.shape, process)
       sharding_text = _describe_sharding(x, sharding)
+    elif isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
+      impl = x.prng_impl
+      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      if x.inline_ok and x.nbytes <= options.inline_max_bytes:
+        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
+            parts, x.read_all().astype(stored), impl)))
+        continue
+      where = x.placement(process, process_count)
+      sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       value = x
       if isinstance(x, np.generic):
@@ -285,6 +295,8 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   host numpy leaf is cut as a view.
   """
   src = leaf.source
+  if isinstance(src, leafsource.LeafSource):
+    return src.read(write.box)  # started now, waited for by _host_box
   if not isinstance(src, jax.Array):
     return src[write.box.slices()]
   shard = next(s for s in src.addressable_shards if s.device.id == write.device)
@@ -326,7 +338,9 @@ def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
   numpy leaf is mutable, so it is copied unless the caller waits for the
   whole save (``borrow``).
   """
-  if isinstance(piece, jax.Array):
+  if isinstance(piece, leafsource.PendingRead):
+    host, owned = piece.result(), True  # a new array, ckpt's own
+  elif isinstance(piece, jax.Array):
     host = np.asarray(piece)  # CPU: a view; accelerator: the host copy
     if host.shape != write.box.shape:  # a CPU device's whole buffer
       host = host[write.box.relative_to(write.shard)]  # a view of the box
@@ -499,6 +513,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                 if w.nbytes <= INLINE_WORK_BYTES or _is_view(leaf, piece)
                 else await asyncio.to_thread(
                     _host_box, leaf, w, piece, plan.borrow))
+      except CheckpointError as e:  # a LeafSource's read: it says what failed
+        raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
       except Exception as e:
         raise CheckpointError(
             f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
