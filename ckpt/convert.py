@@ -38,6 +38,7 @@ import numpy as np
 
 from ckpt import index as index_lib
 from ckpt import lazy
+from ckpt import multihost
 from ckpt import orbax_import
 from ckpt import restore as restore_lib
 from ckpt import storage as storage_lib
@@ -438,8 +439,10 @@ class ImportReport:
   items: dict[str, str] = dataclasses.field(default_factory=dict)
   skipped: list[str] = dataclasses.field(default_factory=list)
   metrics: dict[str, Any] | None = None
-  # The most data bytes the save held at once (within concurrent_bytes).
+  # This process's save: the most data bytes it held at once (within
+  # concurrent_bytes) and the bytes it wrote (its share in a job of several).
   peak_bytes_in_flight: int = 0
+  bytes_written: int = 0
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -462,31 +465,24 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
   "custom_metadata") to leave out on purpose.
   """
   src = os.fspath(src)
-  kind = detect(src) if kind == "auto" else kind
   report = ImportReport(source=src, kind=kind, directory=os.fspath(directory),
                         step=step)
-  metrics = None
-  if kind == "orbax":
-    found = orbax_import.read_step(src, storage_options=source_storage_options,
-                                   skip=skip)
-    state, metrics = found.tree, found.metrics
-    report.leaves, report.bytes = found.leaves, found.bytes
-    report.items, report.skipped = found.items, found.skipped
-    report.metrics = metrics
-  elif kind == "safetensors":
-    local = _local(src)
-    if local is None:
-      raise ConvertError(f"{src}: safetensors are read from local files only")
-    if skip:
-      raise ConvertError(f"skip={list(skip)} is for Orbax items; {src} is "
-                         "safetensors")
-    state = read_safetensors_tree(local, sep, progress)
-    flat = tree.flatten(state)
-    report.leaves = len(flat)
-    report.bytes = sum(getattr(x, "nbytes", 0) for _, x in flat)
-  else:
-    raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
-                       "safetensors")
+  # In a job of several processes (each calls this; each reads and writes
+  # its share of every leaf), what one process fails to read reaches the
+  # others here, before the save's own rounds.
+  key = multihost.call_key("import", os.fspath(directory), step)
+  state, metrics, error = None, None, None
+  try:
+    state, metrics = _read_source(src, kind, sep, source_storage_options,
+                                  skip, progress, report)
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  multihost.all_ok(
+      key, error, f"importing {src} as step {step}",
+      timeout_s=checkpointer_options.get("barrier_timeout_s",
+                                         multihost.DEFAULT_TIMEOUT_S),
+      same=f"{report.kind} {src}: {report.leaves} leaves, {report.bytes} bytes",
+      differ="Every process must import the same source.")
   with Checkpointer(directory, async_save=False,
                     storage_options=storage_options,
                     **checkpointer_options) as ckptr:
@@ -494,5 +490,34 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
       raise ConvertError(f"step {step} already exists in "
                          f"{os.fspath(directory)}; pick another --step")
     ckptr.save(step, state, metrics=metrics)
-    report.peak_bytes_in_flight = ckptr.last_save_stats.peak_bytes_in_flight
+    stats = ckptr.last_save_stats
+    report.peak_bytes_in_flight = stats.peak_bytes_in_flight
+    report.bytes_written = stats.bytes_written
   return report
+
+
+def _read_source(src: str, kind: str, sep: str, storage_options, skip,
+                 progress, report: ImportReport) -> tuple[Any, Any]:
+  """(state to save, metrics) of the source; fills in ``report``."""
+  kind = report.kind = detect(src) if kind == "auto" else kind
+  if kind == "orbax":
+    found = orbax_import.read_step(src, storage_options=storage_options,
+                                   skip=skip)
+    report.leaves, report.bytes = found.leaves, found.bytes
+    report.items, report.skipped = found.items, found.skipped
+    report.metrics = found.metrics
+    return found.tree, found.metrics
+  if kind != "safetensors":
+    raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
+                       "safetensors")
+  local = _local(src)
+  if local is None:
+    raise ConvertError(f"{src}: safetensors are read from local files only")
+  if skip:
+    raise ConvertError(f"skip={list(skip)} is for Orbax items; {src} is "
+                       "safetensors")
+  state = read_safetensors_tree(local, sep, progress)
+  flat = tree.flatten(state)
+  report.leaves = len(flat)
+  report.bytes = sum(getattr(x, "nbytes", 0) for _, x in flat)
+  return state, None

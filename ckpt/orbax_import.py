@@ -94,6 +94,13 @@ class OrbaxStep:
 def open_source(src, storage_options: dict | None = None
                 ) -> storage_lib.Storage:
   """The Storage of a source URL; a local one must be a directory."""
+  spec, posix = storage_lib.kvstore_for_url(os.fspath(src), storage_options)
+  if posix and "file_io_mode" not in (storage_options or {}):
+    # pread, not mmap: an import reads each byte once, and mapped pages of
+    # the source would count in its resident memory.
+    storage_options = {**(storage_options or {}),
+                       "file_io_mode": {"mode": "default"}}
+  del spec
   storage = storage_lib.Storage(src, storage_options)
   if storage.is_posix:
     local = storage.spec["path"].rstrip("/") or "/"
