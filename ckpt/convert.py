@@ -421,9 +421,9 @@ def detect(src) -> str:
         f"{src} is an Orbax CheckpointManager directory with steps "
         f"{steps[:10]}; pass one step's directory, e.g. "
         f"{os.path.join(src, steps[-1])}")
-  raise ConvertError(f"{src} is neither an Orbax checkpoint (no _METADATA "
-                     "or _CHECKPOINT_METADATA) nor a safetensors file or "
-                     "directory of them")
+  raise ConvertError(f"{src} is neither an Orbax PyTree checkpoint (no "
+                     "_METADATA, _CHECKPOINT_METADATA or manifest.ocdbt) nor "
+                     "a safetensors file or directory of them")
 
 
 @dataclasses.dataclass

@@ -18,7 +18,6 @@ import tensorstore as ts
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt import leafsource
 from ckpt import local_cluster
 from tests.cli.test_cli import (assert_one_line_error, flat, in_process,
                                 json_in_process, run_json, same)
@@ -101,11 +100,11 @@ def as_numpy(x):
 def test_every_item_of_a_composite_step(source, imported):
   _, restored = source
   dst, doc = imported
+  got = ckpt.load(dst, STEP)
+  assert got["extra"] == EXTRA  # the JSON item, as inline values
   assert doc["items"] == {"state": "pytree", "extra": "json",
                           "metrics": "metrics"}
   assert doc["skipped"] == []
-  got = ckpt.load(dst, STEP)
-  assert got["extra"] == EXTRA  # the JSON item, as inline values
   want = flat(restored)
   have = flat(got["state"])
   assert set(have) == set(want)
@@ -182,6 +181,7 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
 def test_a_leaf_cut_by_the_budget_is_decoded_once(tmp_path):
   """A box smaller than a source chunk cannot be read alone (TensorStore
   decodes the whole chunk): the chunk is read once for all its boxes."""
+  from ckpt import leafsource  # pylint: disable=g-import-not-at-top
   data = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)  # 1 MiB
   store = ts.open({"driver": "zarr", "kvstore": f"file://{tmp_path}/src/",
                    "metadata": {"chunks": [512, 512], "compressor": None,
@@ -254,6 +254,7 @@ def test_host_memory_stays_within_the_budget(tmp_path):
   assert p.returncode == 0, p.stderr
   got = json.loads(p.stdout.strip().splitlines()[-1])
   assert got["rc"] == 0, p.stderr
+  print(f"peak RSS growth {got['growth'] / 2**20:.1f} MiB")
   assert got["growth"] < budget + 2 * leaf + (8 << 20), got
   assert same(ckpt.load(tmp_path / "c")["state"]["host"], host)
 
@@ -266,8 +267,12 @@ def test_a_job_of_two_processes_imports_together(source, tmp_path):
       {"src": os.fspath(src), "dst": os.fspath(tmp_path / "c"),
        "step": STEP, "scenario": "ok", "timeout": 60},
       num_processes=2, devices_per_process=2, timeout_s=120, cwd=str(REPO)))
-  written = [r["report"]["bytes_written"] for r in results]
   assert all(r["msg"] is None for r in results), results
+  with ckpt.Checkpointer(tmp_path / "c") as ckptr:
+    saved = ckptr.metadata(STEP).shardings
+  for path, (_, spec) in SAVED.items():
+    assert saved[f"state/{path}"] == described(spec), path
+  written = [r["report"].get("bytes_written") for r in results]
   arrays = sum(np.prod(s) * 4 for s, _ in SAVED.values()) + 20 * 20 * 4
   assert sum(written) == arrays, written
   assert min(written) > arrays // 4, written
