@@ -28,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import urllib.parse
 import zipfile
 from typing import Any, Callable, Iterator
 
@@ -379,27 +378,11 @@ def read_safetensors_tree(src, sep: str = "/",
 
 # ---- import: Orbax and safetensors ---------------------------------------------
 
-def _local(src: str) -> str | None:
-  """The local path of ``src`` (a path or file:// URL); None for a bucket."""
-  parsed = urllib.parse.urlparse(src)
-  scheme = parsed.scheme if len(parsed.scheme) > 1 else ""  # C:\ on Windows
-  if scheme == "file":
-    return parsed.path
-  return None if scheme else src
-
-
-def _is_orbax_dir(path: str) -> bool:
-  return os.path.isdir(path) and any(
-      os.path.exists(os.path.join(path, f)) for f in (
-          orbax_import.TREE_METADATA, orbax_import.STEP_METADATA,
-          orbax_import.LEGACY_AGGREGATE, "manifest.ocdbt"))
-
-
 def detect(src) -> str:
   """"orbax" or "safetensors": what kind of checkpoint ``src`` is (a path,
   a file:// URL, or a bucket URL: Orbax)."""
   src = os.fspath(src)
-  local = _local(src)
+  local = orbax_import.local_path(src)
   if local is None:
     return "orbax"  # gs://, s3://: only Orbax checkpoints are read there
   if not os.path.exists(local):
@@ -410,12 +393,12 @@ def detect(src) -> str:
     if local.endswith(".safetensors") or head[8:9] == b"{":
       return "safetensors"
     raise ConvertError(f"{src} is a file but not a safetensors file")
-  if _is_orbax_dir(local):
+  if orbax_import.is_orbax_dir(local):
     return "orbax"
   if any(f.endswith(".safetensors") for f in os.listdir(local)):
     return "safetensors"
   steps = sorted((d for d in os.listdir(local) if d.isdigit() and
-                  _is_orbax_dir(os.path.join(local, d))), key=int)
+                  orbax_import.is_orbax_dir(os.path.join(local, d))), key=int)
   if steps:
     raise ConvertError(
         f"{src} is an Orbax CheckpointManager directory with steps "
@@ -510,7 +493,7 @@ def _read_source(src: str, kind: str, sep: str, storage_options, skip,
   if kind != "safetensors":
     raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
                        "safetensors")
-  local = _local(src)
+  local = orbax_import.local_path(src)
   if local is None:
     raise ConvertError(f"{src}: safetensors are read from local files only")
   if skip:
