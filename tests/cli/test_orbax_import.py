@@ -296,3 +296,23 @@ def test_a_source_one_process_cannot_read_fails_every_process(source,
     assert "does not exist" in r["msg"], r
   assert "process(es) [1]" in results[0]["msg"], results[0]["msg"]
   assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
+
+
+def test_a_checkpoint_saved_by_a_two_process_orbax_job(tmp_path, capsys):
+  from tests.cli import import_worker  # pylint: disable=g-import-not-at-top
+  local_cluster.check(local_cluster.run(
+      "tests.cli.import_worker",
+      {"dst": os.fspath(tmp_path / "orbax"), "step": 4,
+       "scenario": "orbax_save"},
+      num_processes=2, devices_per_process=2, timeout_s=120, cwd=str(REPO)))
+  assert (tmp_path / "orbax" / "4" / "state" / "ocdbt.process_1").is_dir()
+  doc = json_in_process(capsys, "import", tmp_path / "orbax" / "4",
+                        tmp_path / "c", "--step", 4)
+  got = ckpt.load(tmp_path / "c")
+  assert got["extra"] == {"data_pos": 7} and got["state"]["step"] == 4
+  assert doc["items"] == {"extra": "json", "state": "pytree"}
+  for k in ("w", "r"):
+    assert same(got["state"][k], import_worker.orbax_value(k)), k
+  with ckpt.Checkpointer(tmp_path / "c") as ckptr:
+    assert ckptr.metadata(4).shardings["state/w"] == (
+        "NamedSharding(mesh={'data': 2, 'model': 2}, spec=('data', 'model'))")
