@@ -50,7 +50,8 @@ class RegionCache:
 
   def read(self, source: "LeafSource", hull: plan_lib.Box) -> np.ndarray:
     with self._lock:
-      if self._key is None or self._key[0] is not source or self._key[1] != hull:
+      key = self._key
+      if key is None or key[0] is not source or key[1] != hull:
         self._key, self._data = None, None  # dropped before the next is read
         self._data = source.read_now(hull.slices())
         self._key = (source, hull)

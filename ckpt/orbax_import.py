@@ -200,9 +200,10 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
       out.items[name] = "pytree"
     else:
       raise OrbaxImportError(
-          f"{out.url}: item {name!r} was saved by {handler or 'an unknown handler'}"
-          ", which ckpt cannot import (it imports PyTree items: StandardSave, "
-          "PyTreeSave, ArraySave; and JSON items: JsonSave). A data loader's "
+          f"{out.url}: item {name!r} was saved by "
+          f"{handler or 'an unknown handler'}, which ckpt cannot import (it "
+          "imports PyTree items: StandardSave, PyTreeSave, ArraySave; and "
+          "JSON items: JsonSave). A data loader's "
           "position belongs in save(..., host_state=...). Pass --skip "
           f"{name} (skip=[{name!r}]) to import the rest without it")
     tree[name] = value
@@ -249,8 +250,8 @@ def _json_item(storage, name: str) -> Any:
   files = [f for f in list_files(storage, f"{name}/") if f not in _NOT_DATA]
   if len(files) != 1:
     raise OrbaxImportError(
-        f"{storage.url.rstrip('/')}/{name}: a JSON item should hold one file, found "
-        f"{files[:5]}")
+        f"{storage.url.rstrip('/')}/{name}: a JSON item should hold one "
+        f"file, found {files[:5]}")
   return read_json(storage, f"{name}/{files[0]}", f"JSON item {name!r}")
 
 

@@ -43,8 +43,9 @@ for i, spec in enumerate(specs):
   state[f"w{i}"] = jax.device_put(x, NamedSharding(mesh, spec))
 state["host"] = rng.standard_normal((n, n), np.float32)
 with ocp.CheckpointManager(root) as mgr:
-  mgr.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                      extra=ocp.args.JsonSave({"data_pos": 123})))
+  mgr.save(1, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      extra=ocp.args.JsonSave({"data_pos": 123})))
   mgr.wait_until_finished()
 print(json.dumps({"leaf_bytes": n * n * 4, "state_bytes": 8 * n * n * 4}))
 """
@@ -101,7 +102,8 @@ def main() -> None:
     dst = os.path.join(work, f"ckpt-{os.getpid()}-{r}")
     out = subprocess.run(
         [sys.executable, "-c", IMPORT, step, dst,
-         str(args.budget_mib << 20), "api" if args.api else "cli"], check=True, capture_output=True,
+         str(args.budget_mib << 20), "api" if args.api else "cli"],
+        check=True, capture_output=True,
         text=True, env=env).stdout
     got = json.loads(out.strip().splitlines()[-1])
     print(f"state {sizes['state_bytes'] / 2**20:.0f} MiB (largest leaf "

@@ -26,7 +26,8 @@ def orbax_save(config: dict) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
   specs = {"w": P("data", "model"), "r": P()}
   state = {k: jax.make_array_from_callback(
