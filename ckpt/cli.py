@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -498,18 +499,59 @@ def cmd_export(args) -> int:
   return EXIT_OK
 
 
+def _large_buffers_back_to_the_os() -> None:
+  """glibc serves a large allocation from its heap once a freed one raised
+  its mmap threshold, and keeps freed memory in per-thread arenas; the
+  chunks TensorStore's threads decode are such buffers, so an import with
+  a 16 MiB budget grew RSS by 130-170 MiB (200 MiB Orbax state). A fixed
+  threshold (mallopt M_MMAP_THRESHOLD) maps every buffer of 1 MiB or more
+  and unmaps it when freed: 55 MiB (scripts/import_memory.py). The same as
+  MALLOC_MMAP_THRESHOLD_=1048576 in the environment; glibc only."""
+  try:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+  except (OSError, AttributeError):
+    pass
+
+
 def cmd_import(args) -> int:
+  _large_buffers_back_to_the_os()
   options = {"format": args.format, "compression": args.compression}
+  if args.concurrent_bytes is not None:
+    options["concurrent_bytes"] = args.concurrent_bytes
   with Progress(args, "reading", unit="file") as bar:
     report = convert.import_checkpoint(
         args.src, args.dir, args.step, kind=args.source_kind, sep=args.sep,
-        storage_options=args.storage_options, progress=bar, **options)
+        storage_options=args.storage_options,
+        source_storage_options=args.source_storage_options,
+        skip=args.skip or (), progress=bar, **options)
   kind = {"orbax": "Orbax checkpoint", "safetensors": "safetensors"}
-  emit(args, report.to_json(),
-       f"imported {report.leaves} leaves ({human_bytes(report.bytes)}) from "
-       f"{kind[report.kind]} {report.source} as step {report.step} of "
-       f"{report.directory}")
+  lines = [f"imported {report.leaves} leaves ({human_bytes(report.bytes)}) "
+           f"from {kind[report.kind]} {report.source} as step {report.step} "
+           f"of {report.directory}"]
+  items = {k: v for k, v in report.items.items() if k}
+  if items:
+    lines.append("items: " + ", ".join(
+        f"{name} ({what}{' -> step metrics' if what == 'metrics' else ''})"
+        for name, what in items.items()))
+  if report.skipped:
+    lines.append(f"not imported (--skip): {', '.join(report.skipped)}")
+  emit(args, report.to_json(), "\n".join(lines))
   return EXIT_OK
+
+
+def _byte_size(text: str) -> int:
+  """``1073741824``, ``64M``, ``1G`` (powers of 1024)."""
+  units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+  t = text.strip().upper().removesuffix("IB").removesuffix("B")
+  num, unit = (t[:-1], t[-1]) if t and t[-1] in units else (t, "")
+  try:
+    value = int(float(num) * units[unit])
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a size such as 64M or 1G, "
+                                     f"got {text!r}") from None
+  if value <= 0:
+    raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+  return value
 
 
 # ---- the parser and main -------------------------------------------------------
@@ -616,8 +658,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=cmd_export)
 
   p = sub.add_parser("import", parents=[common],
-                     help="save an Orbax PyTree checkpoint or safetensors "
-                     "file(s) as a step of a ckpt root")
+                     help="save an Orbax checkpoint (every item) or "
+                     "safetensors file(s) as a step of a ckpt root")
   p.add_argument("src", metavar="SRC")
   p.add_argument("dir", metavar="DIR")
   p.add_argument("--step", type=_non_negative, required=True)
@@ -628,6 +670,15 @@ def build_parser() -> argparse.ArgumentParser:
                  "(default '/'; '' keeps them whole)")
   p.add_argument("--format", default="zarr", choices=("zarr", "zarr3", "ocdbt"))
   p.add_argument("--compression", choices=("zstd",))
+  p.add_argument("--concurrent-bytes", type=_byte_size, metavar="SIZE",
+                 help="host memory for data in flight (e.g. 256M; default "
+                 "1G): Orbax leaves are read box by box within it")
+  p.add_argument("--source-storage-options", type=_json_dict, default=None,
+                 metavar="JSON", help="like --storage-options, for SRC")
+  p.add_argument("--skip", action="append", metavar="NAME",
+                 help="leave out this Orbax item (or 'metrics', "
+                 "'custom_metadata'); repeatable. Without it, what ckpt "
+                 "cannot import is refused by name")
   p.set_defaults(func=cmd_import)
   return parser
 

@@ -15,9 +15,10 @@ Keys are leaf paths (``params/layers/0/kernel``).
   kept). Python values become 0-d arrays (strings as numpy unicode), so
   ``np.load(allow_pickle=False)`` reads every entry.
 
-Import reads an Orbax PyTree checkpoint (with orbax-checkpoint, an optional
-dependency: ``pip install 'ckpt[convert]'``) or safetensors files, whose keys
-``a/b/c`` become nested dicts, and writes an ordinary ckpt checkpoint.
+Import reads an Orbax checkpoint (ckpt/orbax_import.py: every item, leaf by
+leaf, with TensorStore; Orbax itself is not needed) or safetensors files,
+whose keys ``a/b/c`` become nested dicts, and writes an ordinary ckpt
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import dataclasses
 import json
 import math
 import os
-import warnings
 import zipfile
 from typing import Any, Callable, Iterator
 
@@ -37,6 +37,8 @@ import numpy as np
 
 from ckpt import index as index_lib
 from ckpt import lazy
+from ckpt import multihost
+from ckpt import orbax_import
 from ckpt import restore as restore_lib
 from ckpt import storage as storage_lib
 from ckpt import tree
@@ -374,91 +376,29 @@ def read_safetensors_tree(src, sep: str = "/",
   return nest_keys(flat, sep)
 
 
-# ---- import: Orbax ----------------------------------------------------------
-
-_ORBAX_ITEM_FILES = ("_METADATA", "manifest.ocdbt", "checkpoint")
-
-
-def is_orbax(src) -> bool:
-  src = os.fspath(src)
-  return os.path.isdir(src) and any(
-      os.path.exists(os.path.join(src, f))
-      for f in (*_ORBAX_ITEM_FILES, "_CHECKPOINT_METADATA"))
-
-
-def orbax_item_dir(src) -> str:
-  """The PyTree item directory inside ``src``: ``src`` itself, or the one
-  item of an Orbax step directory (``<step>/default``, ``<step>/state``)."""
-  src = os.fspath(src)
-  if any(os.path.exists(os.path.join(src, f)) for f in _ORBAX_ITEM_FILES):
-    return src
-  items = sorted(d for d in os.listdir(src)
-                 if os.path.isdir(os.path.join(src, d)) and any(
-                     os.path.exists(os.path.join(src, d, f))
-                     for f in _ORBAX_ITEM_FILES))
-  if len(items) == 1:
-    return os.path.join(src, items[0])
-  if not items:
-    raise ConvertError(f"{src} is an Orbax step directory with no PyTree "
-                       "item in it")
-  raise ConvertError(f"{src} holds several Orbax items {items}; pass the one "
-                     f"to import, e.g. {os.path.join(src, items[0])}")
-
-
-def read_orbax(src) -> Any:
-  """An Orbax PyTree checkpoint as host values (numpy arrays, scalars)."""
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-    from orbax.checkpoint import metadata as ocp_md  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    raise ConvertError(
-        f"reading an Orbax checkpoint needs orbax-checkpoint ({e}); install "
-        "it with: pip install 'ckpt[convert]'") from None
-  path = os.path.abspath(orbax_item_dir(src))
-
-  def args_for(m):
-    # Arrays come back as numpy whatever mesh saved them (this process has
-    # its own devices); scalars and strings as python values.
-    if (isinstance(m, ocp_md.ArrayMetadata) and
-        not isinstance(m, ocp_md.ScalarMetadata)):
-      return ocp.RestoreArgs(restore_type=np.ndarray)
-    return ocp.RestoreArgs()
-
-  is_meta = lambda x: isinstance(x, ocp_md.Metadata)  # noqa: E731
-  try:
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")
-      with ocp.PyTreeCheckpointer() as ckptr:
-        meta = ckptr.metadata(path)
-        item = getattr(meta, "item_metadata", meta)
-        meta_tree = getattr(item, "tree", item)
-        restore_args = jax.tree.map(args_for, meta_tree, is_leaf=is_meta)
-        restored = ckptr.restore(path, restore_args=restore_args)
-  except Exception as e:  # orbax raises many types; say what it said
-    raise ConvertError(f"cannot read the Orbax checkpoint at {path}: "
-                       f"{type(e).__name__}: {e}") from e
-  return jax.tree.map(
-      lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, restored)
-
+# ---- import: Orbax and safetensors ---------------------------------------------
 
 def detect(src) -> str:
-  """"orbax" or "safetensors": what kind of checkpoint ``src`` is."""
+  """"orbax" or "safetensors": what kind of checkpoint ``src`` is (a path,
+  a file:// URL, or a bucket URL: Orbax)."""
   src = os.fspath(src)
-  if not os.path.exists(src):
+  local = orbax_import.local_path(src)
+  if local is None:
+    return "orbax"  # gs://, s3://: only Orbax checkpoints are read there
+  if not os.path.exists(local):
     raise ConvertError(f"{src} does not exist")
-  if os.path.isfile(src):
-    with open(src, "rb") as f:
+  if os.path.isfile(local):
+    with open(local, "rb") as f:
       head = f.read(9)
-    if src.endswith(".safetensors") or head[8:9] == b"{":
+    if local.endswith(".safetensors") or head[8:9] == b"{":
       return "safetensors"
     raise ConvertError(f"{src} is a file but not a safetensors file")
-  if is_orbax(src):
+  if orbax_import.is_orbax_dir(local):
     return "orbax"
-  if any(f.endswith(".safetensors") for f in os.listdir(src)):
+  if any(f.endswith(".safetensors") for f in os.listdir(local)):
     return "safetensors"
-  steps = sorted(d for d in os.listdir(src) if d.isdigit() and
-                 is_orbax(os.path.join(src, d)))
+  steps = sorted((d for d in os.listdir(local) if d.isdigit() and
+                  orbax_import.is_orbax_dir(os.path.join(local, d))), key=int)
   if steps:
     raise ConvertError(
         f"{src} is an Orbax CheckpointManager directory with steps "
@@ -477,6 +417,15 @@ class ImportReport:
   step: int
   leaves: int = 0
   bytes: int = 0
+  # Orbax: each item imported ("" for a PyTree item directory) and its kind
+  # ("pytree", "array", "json", "metrics"); what ``skip`` left out.
+  items: dict[str, str] = dataclasses.field(default_factory=dict)
+  skipped: list[str] = dataclasses.field(default_factory=list)
+  metrics: dict[str, Any] | None = None
+  # This process's save: the most data bytes it held at once (within
+  # concurrent_bytes) and the bytes it wrote (its share in a job of several).
+  peak_bytes_in_flight: int = 0
+  bytes_written: int = 0
 
   def to_json(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -484,28 +433,74 @@ class ImportReport:
 
 def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
                       sep: str = "/", storage_options: dict | None = None,
-                      progress: Progress | None = None,
+                      source_storage_options: dict | None = None,
+                      skip=(), progress: Progress | None = None,
                       **checkpointer_options) -> ImportReport:
   """Reads ``src`` (Orbax or safetensors) and saves it as ``step`` of the
-  ckpt checkpoint root ``directory``."""
-  kind = detect(src) if kind == "auto" else kind
-  if kind == "orbax":
-    state = read_orbax(src)
-  elif kind == "safetensors":
-    state = read_safetensors_tree(src, sep, progress)
-  else:
-    raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
-                       "safetensors")
-  flat = tree.flatten(state)
-  report = ImportReport(source=os.fspath(src), kind=kind,
-                        directory=os.fspath(directory), step=step,
-                        leaves=len(flat),
-                        bytes=sum(getattr(x, "nbytes", 0) for _, x in flat))
+  ckpt checkpoint root ``directory``.
+
+  An Orbax source (a path or a file://, gs:// or s3:// URL, opened with
+  ``source_storage_options``) is read leaf by leaf while the save writes
+  it: host memory holds at most ``concurrent_bytes`` (a Checkpointer
+  option) of its data, plus one Orbax chunk when a chunk is larger than
+  that. Every item is imported or refused by name (see
+  ckpt/orbax_import.py); ``skip`` names items (or "metrics",
+  "custom_metadata") to leave out on purpose.
+  """
+  src = os.fspath(src)
+  report = ImportReport(source=src, kind=kind, directory=os.fspath(directory),
+                        step=step)
+  # In a job of several processes (each calls this; each reads and writes
+  # its share of every leaf), what one process fails to read reaches the
+  # others here, before the save's own rounds.
+  key = multihost.call_key("import", os.fspath(directory), step)
+  state, metrics, error = None, None, None
+  try:
+    state, metrics = _read_source(src, kind, sep, source_storage_options,
+                                  skip, progress, report)
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  multihost.all_ok(
+      key, error, f"importing {src} as step {step}",
+      timeout_s=checkpointer_options.get("barrier_timeout_s",
+                                         multihost.DEFAULT_TIMEOUT_S),
+      same=f"{report.kind} {src}: {report.leaves} leaves, {report.bytes} bytes",
+      differ="Every process must import the same source.")
   with Checkpointer(directory, async_save=False,
                     storage_options=storage_options,
                     **checkpointer_options) as ckptr:
     if step in ckptr.all_steps():
       raise ConvertError(f"step {step} already exists in "
                          f"{os.fspath(directory)}; pick another --step")
-    ckptr.save(step, state)
+    ckptr.save(step, state, metrics=metrics)
+    stats = ckptr.last_save_stats
+    report.peak_bytes_in_flight = stats.peak_bytes_in_flight
+    report.bytes_written = stats.bytes_written
   return report
+
+
+def _read_source(src: str, kind: str, sep: str, storage_options, skip,
+                 progress, report: ImportReport) -> tuple[Any, Any]:
+  """(state to save, metrics) of the source; fills in ``report``."""
+  kind = report.kind = detect(src) if kind == "auto" else kind
+  if kind == "orbax":
+    found = orbax_import.read_step(src, storage_options=storage_options,
+                                   skip=skip)
+    report.leaves, report.bytes = found.leaves, found.bytes
+    report.items, report.skipped = found.items, found.skipped
+    report.metrics = found.metrics
+    return found.tree, found.metrics
+  if kind != "safetensors":
+    raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
+                       "safetensors")
+  local = orbax_import.local_path(src)
+  if local is None:
+    raise ConvertError(f"{src}: safetensors are read from local files only")
+  if skip:
+    raise ConvertError(f"skip={list(skip)} is for Orbax items; {src} is "
+                       "safetensors")
+  state = read_safetensors_tree(local, sep, progress)
+  flat = tree.flatten(state)
+  report.leaves = len(flat)
+  report.bytes = sum(getattr(x, "nbytes", 0) for _, x in flat)
+  return state, None

@@ -33,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt import index as index_lib
+from ckpt import leafsource
 from ckpt import multihost
 from ckpt import ocdbt
 from ckpt import placement as placement_lib
@@ -135,7 +136,7 @@ def _describe_sharding(x: Any, sharding) -> str:
 @functools.lru_cache(maxsize=1024)
 def _describe(sharding) -> str:
   if isinstance(sharding, jax.sharding.NamedSharding):
-    axes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+    axes = dict(sharding.mesh.shape)  # a Mesh's or an AbstractMesh's
     return f"NamedSharding(mesh={axes}, spec={tuple(sharding.spec)})"
   return type(sharding).__name__
 
@@ -161,7 +162,9 @@ def _record(sharding, rank: int) -> index_lib.SavedSharding | None:
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     doc = {"mesh_axes": [], "mesh_shape": [], "spec": []}
   elif (isinstance(sharding, jax.sharding.NamedSharding) and
-        isinstance(sharding.mesh, jax.sharding.Mesh)):
+        isinstance(sharding.mesh, (jax.sharding.Mesh,
+                                   jax.sharding.AbstractMesh))):
+    # An AbstractMesh: an imported Orbax leaf's saved mesh (ckpt/leafsource.py)
     mesh, spec = sharding.mesh, sharding.spec
     if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None):
       return None
@@ -176,7 +179,8 @@ def _record(sharding, rank: int) -> index_lib.SavedSharding | None:
     types = [getattr(t, "name", str(t)).lower()
              for t in getattr(mesh, "axis_types", ())]
     doc = {"mesh_axes": list(mesh.axis_names),
-           "mesh_shape": list(mesh.devices.shape), "spec": parts,
+           "mesh_shape": [int(n) for n in dict(mesh.shape).values()],
+           "spec": parts,
            "axis_types": types}
   else:
     return None
@@ -231,6 +235,16 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         where = placement_lib.placement(sharding, x.shape, process)
       sharding_text = _describe_sharding(x, sharding)
       saved = _saved_sharding(sharding, x.ndim)
+    elif isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
+      impl = x.prng_impl
+      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      if x.inline_ok and x.nbytes <= options.inline_max_bytes:
+        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
+            parts, x.read_all().astype(stored), impl)))
+        continue
+      where = x.placement(process, process_count)
+      sharding_text = _describe_sharding(x, x.sharding)
+      saved = _saved_sharding(x.sharding, len(x.shape))
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       value = x
       if isinstance(x, np.generic):
@@ -335,6 +349,8 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   host numpy leaf is cut as a view.
   """
   src = leaf.source
+  if isinstance(src, leafsource.LeafSource):
+    return src.read(write.box)  # started now, waited for by _host_box
   if not isinstance(src, jax.Array):
     return src[write.box.slices()]
   shard = next(s for s in src.addressable_shards if s.device.id == write.device)
@@ -376,7 +392,9 @@ def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
   numpy leaf is mutable, so it is copied unless the caller waits for the
   whole save (``borrow``).
   """
-  if isinstance(piece, jax.Array):
+  if isinstance(piece, leafsource.PendingRead):
+    host, owned = piece.result(), True  # a new array, ckpt's own
+  elif isinstance(piece, jax.Array):
     host = np.asarray(piece)  # CPU: a view; accelerator: the host copy
     if host.shape != write.box.shape:  # a CPU device's whole buffer
       host = host[write.box.relative_to(write.shard)]  # a view of the box
@@ -549,6 +567,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                 if w.nbytes <= INLINE_WORK_BYTES or _is_view(leaf, piece)
                 else await asyncio.to_thread(
                     _host_box, leaf, w, piece, plan.borrow))
+      except CheckpointError as e:  # a LeafSource's read: it says what failed
+        raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
       except Exception as e:
         raise CheckpointError(
             f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."

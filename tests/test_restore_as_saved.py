@@ -586,10 +586,6 @@ def test_an_imported_orbax_checkpoint_restores_as_jax_arrays(orbax_imported):
       assert g.sharding == recorded.to_sharding(), name
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ckpt import reads Orbax leaves as host numpy and saves them without "
-    "their shardings (issue 25 item 4, another branch): then the imported "
-    "index records none. Remove this mark when it records them."))
 def test_an_imported_orbax_checkpoint_keeps_the_saved_shardings(
     orbax_imported):
   root, state = orbax_imported

@@ -471,15 +471,22 @@ def test_import_finds_the_item_of_an_orbax_step_directory(tmp_path, capsys):
   assert same(ckpt.load(tmp_path / "c")["x"], np.arange(100.0))
 
 
-def test_import_orbax_without_orbax_is_one_clear_error(tmp_path, capsys,
-                                                      monkeypatch):
-  (tmp_path / "o").mkdir()
-  (tmp_path / "o" / "_METADATA").write_text("{}")
-  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # not installed
-  rc, out, err = in_process(capsys, "import", tmp_path / "o", tmp_path / "c",
-                            "--step", 1)
-  assert_one_line_error(rc, out, err, "needs orbax-checkpoint",
-                        "pip install 'ckpt[convert]'")
+def test_import_orbax_needs_no_orbax(tmp_path, capsys, monkeypatch):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  with ocp.PyTreeCheckpointer() as c:
+    c.save(tmp_path / "o", {"x": np.arange(10.0), "n": 3})
+  (tmp_path / "bad").mkdir()
+  (tmp_path / "bad" / "_METADATA").write_text("{}")
+  monkeypatch.setitem(sys.modules, "orbax", None)  # not installed
+  monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)
+  rc, _, err = in_process(capsys, "import", tmp_path / "o", tmp_path / "c",
+                          "--step", 1)
+  assert rc == 0, err
+  assert ckpt.load(tmp_path / "c")["n"] == 3
+  rc, out, err = in_process(capsys, "import", tmp_path / "bad",
+                            tmp_path / "c", "--step", 2)
+  assert_one_line_error(rc, out, err, "_METADATA has no tree_metadata",
+                        "not an Orbax PyTree checkpoint")
 
 
 # ---- a checkpoint written by a real 2-process job ------------------------------

@@ -1,0 +1,69 @@
+"""One process of a job that imports an Orbax checkpoint (test_orbax_import).
+
+Run through ``ckpt.local_cluster``: every process calls
+``convert.import_checkpoint`` on the same source and destination, so each
+reads and writes its share of every leaf. Scenario "one_bad": process 1 is
+given a source that does not exist; every process records the error it
+raised and how long it took to raise it. Scenario "orbax_save": the job
+saves ``orbax_state()`` with Orbax instead (a source written by 2 processes:
+an OCDBT database per process, merged).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def orbax_value(name: str):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  shape = {"w": (64, 32), "r": (16,)}[name]
+  return np.arange(np.prod(shape), dtype=np.float32).reshape(shape) / 7
+
+
+def orbax_save(config: dict) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+  specs = {"w": P("data", "model"), "r": P()}
+  state = {k: jax.make_array_from_callback(
+      orbax_value(k).shape, NamedSharding(mesh, spec),
+      lambda i, k=k: orbax_value(k)[i]) for k, spec in specs.items()}
+  state["step"] = config["step"]
+  with ocp.CheckpointManager(config["dst"]) as mgr:
+    mgr.save(config["step"], args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        extra=ocp.args.JsonSave({"data_pos": 7})))
+    mgr.wait_until_finished()
+
+
+def main(argv: list[str]) -> None:
+  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  cfg = local_cluster.init_from_env()
+  config = json.loads(argv[1])
+  if config["scenario"] == "orbax_save":
+    orbax_save(config)
+    local_cluster.write_result({"saved": True})
+    return
+  from ckpt import convert  # pylint: disable=g-import-not-at-top
+  src = config["src"]
+  if config["scenario"] == "one_bad" and cfg["process_id"] == 1:
+    src += "-missing"
+  t0 = time.monotonic()
+  try:
+    report = convert.import_checkpoint(
+        src, config["dst"], config["step"], concurrent_bytes=1 << 20,
+        barrier_timeout_s=config["timeout"])
+    out = {"report": report.to_json(), "msg": None}
+  except Exception as e:  # pylint: disable=broad-except
+    out = {"report": None, "msg": f"{type(e).__name__}: {e}"}
+  out["elapsed"] = time.monotonic() - t0
+  local_cluster.write_result(out)
+
+
+if __name__ == "__main__":
+  main(sys.argv)
