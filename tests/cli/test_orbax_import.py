@@ -204,7 +204,7 @@ def test_a_leaf_cut_by_the_budget_is_decoded_once(tmp_path):
   # 8 boxes of 128 KiB each (4 shards of 256 KiB, each cut in 2): the one
   # chunk read once per leaf, not once per box (16 times).
   assert cache.decodes == 2
-  assert md.shardings["sharded"] == ("NamedSharding(mesh={'data': 2, "
+  assert str(md.shardings["sharded"]) == ("NamedSharding(mesh={'data': 2, "
                                      "'model': 4}, spec=(None, 'model'))")
 
 
@@ -271,7 +271,7 @@ def test_a_job_of_two_processes_imports_together(source, tmp_path):
   with ckpt.Checkpointer(tmp_path / "c") as ckptr:
     saved = ckptr.metadata(STEP).shardings
   for path, (_, spec) in SAVED.items():
-    assert saved[f"state/{path}"] == described(spec), path
+    assert str(saved[f"state/{path}"]) == described(spec), path
   written = [r["report"].get("bytes_written") for r in results]
   arrays = sum(np.prod(s) * 4 for s, _ in SAVED.values()) + 20 * 20 * 4
   assert sum(written) == arrays, written
@@ -314,5 +314,5 @@ def test_a_checkpoint_saved_by_a_two_process_orbax_job(tmp_path, capsys):
   for k in ("w", "r"):
     assert same(got["state"][k], import_worker.orbax_value(k)), k
   with ckpt.Checkpointer(tmp_path / "c") as ckptr:
-    assert ckptr.metadata(4).shardings["state/w"] == (
+    assert str(ckptr.metadata(4).shardings["state/w"]) == (
         "NamedSharding(mesh={'data': 2, 'model': 2}, spec=('data', 'model'))")

@@ -52,7 +52,7 @@ def test_import_from_a_bucket(scheme, request, tmp_path):
   for k, v in want.items():
     assert same(got["state"][k], v), k
   with ckpt.Checkpointer(tmp_path / "c") as ckptr:
-    assert ckptr.metadata(3).shardings["state/w"] == (
+    assert str(ckptr.metadata(3).shardings["state/w"]) == (
         "NamedSharding(mesh={'data': 2, 'model': 4}, spec=('data', 'model'))")
 
 
