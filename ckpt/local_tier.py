@@ -371,6 +371,7 @@ class LocalTier:
       for f in files.values():
         f.close()
       shutil.rmtree(work, ignore_errors=True)  # this save's own (token)
+      self._round_keys.append(key)  # deleted at the next round that passes
       raise
     self.settle_keys(key)
     # After the round, only what cannot fail on one process alone: the
@@ -460,7 +461,10 @@ class LocalTier:
           seen[idx] = len(entry["shards"])
           nb = int(np.prod(s.data.shape)) * itemsize
           entry["shards"].append([idx, own_off, nb, list(s.data.shape)])
-          own.append((own_off, nb, s.data))
+          data = s.data
+          if d.platform != "cpu":  # CPU: np.asarray is a view, no copy
+            data.copy_to_host_async()
+          own.append((own_off, nb, data))
           own_off += nb
         entry["slots"].append(seen[idx])
       manifest["own"][name] = entry

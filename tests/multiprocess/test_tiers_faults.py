@@ -63,7 +63,8 @@ def test_a_stopped_peer_holds_no_one_past_the_timeout(tmp_path, delay_s):
   round, in the partner exchange or at the commit barrier. Process 0 must
   raise a timeout within barrier_timeout_s + margin wherever that was (the
   old code: inside the ppermute, until the test gave up), and process 1,
-  once resumed, must end with an error within the same bound."""
+  once resumed, must end with an error within the same bound; then step 3
+  saves, or is refused everywhere if process 0 abandoned the exchange."""
   # 32 MiB per process: a save takes far longer than delay_s (the stop
   # lands before process 1 reaches the commit barrier).
   conf = _conf(tmp_path, "stop", rows=32768)
@@ -97,6 +98,16 @@ def test_a_stopped_peer_holds_no_one_past_the_timeout(tmp_path, delay_s):
   assert err and "Error: " in err, p1
   assert ended - resumed < TIMEOUT_S + MARGIN_S, (ended - resumed, p1)
   assert p0["p1_done"], p0
+  # Step 3: a process that abandoned the exchange (its device collectives
+  # may be out of step) refuses every later local save, on all processes
+  # at once; after a timeout at a barrier, the next save works.
+  if "partner exchange" in p0["2"][0]:
+    for r in results:
+      err, seconds, _ = r["3"]
+      assert err and "process 0 abandoned the partner exchange" in err, r
+      assert seconds < TIMEOUT_S, r
+  else:
+    assert p0["3"][0] is None and p1["3"][0] is None, results
 
 
 def test_local_saves_and_restores_leave_no_growing_keys(tmp_path):

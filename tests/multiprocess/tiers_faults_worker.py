@@ -8,9 +8,9 @@
   back and restores it.
 - "stop": saves step 1, then step 2 while the test SIGSTOPs process 1
   (once its step-2 directory appears); each process reports the error of
-  save 2, and when it came (``time.time()``). Process 1 writes
-  ``<flags>/before_2`` just before save 2; process 0 writes
-  ``<flags>/p0_done`` once its save 2 ended and exits only after process 1
+  save 2, and when it came (``time.time()``), then saves step 3. Process 1
+  writes ``<flags>/before_2`` just before save 2; process 0 writes
+  ``<flags>/p0_done`` once its save 2 ended and waits until process 1
   wrote ``<flags>/p1_done`` (the coordination service lives in process 0).
 - "keys": local saves (every 5th also persistent), ``latest_step`` and
   restores in two phases of different lengths; process 0 reports the keys
@@ -124,6 +124,7 @@ def main() -> None:
       out["p1_done"] = _wait_for(os.path.join(conf["flags"], "p1_done"), 90)
     else:
       _touch(os.path.join(conf["flags"], "p1_done"))
+    out["3"] = save(3)  # both start it within milliseconds
   elif conf["scenario"] == "keys":
     client = multihost._client()  # pylint: disable=protected-access
     step = 0
