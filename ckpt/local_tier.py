@@ -7,8 +7,13 @@ with a persistent ``Checkpointer``):
   each process writes the shards it holds to a directory on its own host
   (``<local>/process_<i>/``; no shared file system is assumed), plus a replica
   of the shards of one partner process, received with a jitted
-  ``jax.lax.ppermute`` over all devices issued on the caller's thread inside
-  ``save()``. Writing, the agreement and retention run on a background thread.
+  ``jax.lax.ppermute`` over all devices dispatched on the caller's thread
+  inside ``save()`` (not waited for there). Everything of a save that can
+  fail on one process alone (the plan, the step directory and its files,
+  the host values posted for the partner) comes before the start round, so
+  every process raises together or none does; the background thread waits
+  for the exchange (at most ``barrier_timeout_s``), writes, agrees,
+  commits and applies retention.
 
 Local tier on disk (one directory per process)::
 
@@ -28,7 +33,9 @@ Local tier on disk (one directory per process)::
 A step becomes ``step_<N>`` on a process only after a barrier that every
 process reaches once its own part and its partner replica are written and
 fsynced (a process that failed says so before the barrier, and then no one
-commits). So when any process holds ``step_<N>``, every process has committed
+commits; a process whose exchange did not complete within
+``barrier_timeout_s`` skips the barrier and refuses every later local save
+of the job: its device collectives may be out of step). So when any process holds ``step_<N>``, every process has committed
 ``N - 1`` (saves are serialized), which is why ``local_keep >= 2`` is
 required: retention can never delete the newest step the job can rebuild.
 
