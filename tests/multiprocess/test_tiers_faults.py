@@ -100,14 +100,16 @@ def test_a_stopped_peer_holds_no_one_past_the_timeout(tmp_path, delay_s):
   assert p0["p1_done"], p0
   # Step 3: a process that abandoned the exchange (its device collectives
   # may be out of step) refuses every later local save, on all processes
-  # at once; after a timeout at a barrier, the next save works.
-  if "partner exchange" in p0["2"][0]:
+  # at once; after a timeout at a barrier, the next save works. (Process
+  # 1, stopped in the exchange, may find its own deadline passed when it
+  # resumes: then it abandons it too.)
+  if "partner exchange" in p0["2"][0] or p0["3"][0] or p1["3"][0]:
     for r in results:
       err, seconds, _ = r["3"]
-      assert err and "process 0 abandoned the partner exchange" in err, r
+      assert err and "abandoned the partner exchange" in err, r
       assert seconds < TIMEOUT_S, r
-  else:
-    assert p0["3"][0] is None and p1["3"][0] is None, results
+    if "partner exchange" in p0["2"][0]:
+      assert "process 0 abandoned" in p0["3"][0], p0
 
 
 def test_local_saves_and_restores_leave_no_growing_keys(tmp_path):
