@@ -35,8 +35,9 @@ process reaches once its own part and its partner replica are written and
 fsynced (a process that failed says so before the barrier, and then no one
 commits; a process whose exchange did not complete within
 ``barrier_timeout_s`` skips the barrier and refuses every later local save
-of the job: its device collectives may be out of step). So when any process holds ``step_<N>``, every process has committed
-``N - 1`` (saves are serialized), which is why ``local_keep >= 2`` is
+of the job: its device collectives may be out of step). So when any process
+holds ``step_<N>``, every process has committed ``N - 1`` (saves are
+serialized), which is why ``local_keep >= 2`` is
 required: retention can never delete the newest step the job can rebuild.
 
 Restore: each process posts the local steps it can serve for the target
