@@ -7,8 +7,13 @@ with a persistent ``Checkpointer``):
   each process writes the shards it holds to a directory on its own host
   (``<local>/process_<i>/``; no shared file system is assumed), plus a replica
   of the shards of one partner process, received with a jitted
-  ``jax.lax.ppermute`` over all devices issued on the caller's thread inside
-  ``save()``. Writing, the agreement and retention run on a background thread.
+  ``jax.lax.ppermute`` over all devices dispatched on the caller's thread
+  inside ``save()`` (not waited for there). Everything of a save that can
+  fail on one process alone (the plan, the step directory and its files,
+  the host values posted for the partner) comes before the start round, so
+  every process raises together or none does; the background thread waits
+  for the exchange (at most ``barrier_timeout_s``), writes, agrees,
+  commits and applies retention.
 
 Local tier on disk (one directory per process)::
 
@@ -28,8 +33,11 @@ Local tier on disk (one directory per process)::
 A step becomes ``step_<N>`` on a process only after a barrier that every
 process reaches once its own part and its partner replica are written and
 fsynced (a process that failed says so before the barrier, and then no one
-commits). So when any process holds ``step_<N>``, every process has committed
-``N - 1`` (saves are serialized), which is why ``local_keep >= 2`` is
+commits; a process whose exchange did not complete within
+``barrier_timeout_s`` skips the barrier and refuses every later local save
+of the job: its device collectives may be out of step). So when any process
+holds ``step_<N>``, every process has committed ``N - 1`` (saves are
+serialized), which is why ``local_keep >= 2`` is
 required: retention can never delete the newest step the job can rebuild.
 
 Restore: each process posts the local steps it can serve for the target
@@ -85,9 +93,9 @@ from ckpt import save as save_lib
 from ckpt import storage as storage_lib
 from ckpt import tree as tree_lib
 from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import (CheckpointError, CorruptCheckpointError,
-                         InvalidStateError, MissingLeavesError,
-                         TreeMismatchError)
+from ckpt.errors import (BarrierTimeoutError, CheckpointError,
+                         CorruptCheckpointError, InvalidStateError,
+                         MissingLeavesError, TreeMismatchError)
 
 FORMAT = "ckpt-local-tier"
 VERSION = 3   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
@@ -132,6 +140,27 @@ class _Budget:
     with self._cv:
       self.used -= n
       self._cv.notify_all()
+
+
+def _wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
+  """Returns once every array is ready; BarrierTimeoutError at
+  ``deadline`` (time.monotonic()): a process did not join the collective
+  that makes them."""
+  pending, pause = list(arrays), 1e-4
+  while True:
+    pending = [a for a in pending if not a.is_ready()]
+    if not pending:
+      return
+    now = time.monotonic()
+    if now >= deadline:
+      raise BarrierTimeoutError(
+          f"{what} (a ppermute with every process) did not complete within "
+          f"barrier_timeout_s = {timeout_s:g} s of its dispatch on process "
+          f"{multihost.process_index()} of {multihost.process_count()}: a "
+          "process did not join it (stuck, stopped, dead, or still busy "
+          "with its previous work); look at the logs of the other processes")
+    time.sleep(min(pause, deadline - now))
+    pause = min(2 * pause, 0.01)
 
 
 # ---- leaves -----------------------------------------------------------------
@@ -251,6 +280,8 @@ class LocalTier:
         1, thread_name_prefix="ckpt-local")
     self._fut: concurrent.futures.Future | None = None
     self._layout: partner.Layout | None = None
+    self._round_keys: list[str] = []  # deleted at the next round
+    self._broken = ""  # why this process saves no more (an abandoned exchange)
     self.last_save_stats: dict = {}
     self.last_restore_stats: dict = {}
 
@@ -402,47 +433,44 @@ class LocalTier:
             "coordination service: make large leaves sharded jax arrays")
     except Exception as e:  # pylint: disable=broad-except
       error = e
+    files: dict[str, Any] = {}
+    plan: dict = {}
+    if error is None:
+      try:  # the rest of what can fail on this process alone
+        plan = self._prepare(step, key, arrays, work, manifest, own_host,
+                             files)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
     # Every process learns of a failure on any of them BEFORE the partner
     # exchange: a collective that one process never joins would hang.
-    multihost.all_ok(f"{key}/start", error, f"local save of step {step}",
-                     self.timeout_s)
-    multihost.post_bytes(f"{key}/host", own_host)  # read by our partner below
+    try:
+      multihost.all_ok(f"{key}/start", error, f"local save of step {step}",
+                       self.timeout_s)
+    except BaseException:
+      for f in files.values():
+        f.close()
+      shutil.rmtree(work, ignore_errors=True)  # this save's own (token)
+      self._round_keys.append(key)  # deleted at the next round that passes
+      raise
+    self.settle_keys(key)
+    # After the round, only what cannot fail on one process alone: the
+    # exchange is dispatched, never waited for on this thread (the writer
+    # waits for it, at most barrier_timeout_s), and staging waits only for
+    # this process's writer to give budget back.
     q: queue.Queue = queue.Queue()
     failed = threading.Event()
-    os.makedirs(work)
     self._fut = self._pool.submit(self._write, step, key, work, manifest, q,
-                                  failed, own_host, src, t0)
-    stats = {"step": step, "own_bytes": 0, "partner_bytes": 0}
+                                  failed, files, own_host, src, t0)
+    stats = {"step": step, "own_bytes": plan["own_bytes"],
+             "partner_bytes": plan["partner_bytes"]}
     try:
-      offset = 0
-      for name, arr in arrays:  # own shards, distinct indices only
-        shards = {s.device: s for s in arr.addressable_shards}
-        entry = {"shape": list(arr.shape), "dtype": arr.dtype.name,
-                 "slots": [], "shards": []}
-        seen: dict[tuple, int] = {}
-        for d in lay.local:
-          s = shards[d]
-          idx = _index(s.index, arr.shape)
-          if idx not in seen:
-            seen[idx] = len(entry["shards"])
-            nb = int(np.prod(s.data.shape)) * arr.dtype.itemsize
-            entry["shards"].append([idx, offset, nb, list(s.data.shape)])
-            if self.budget.acquire(nb, failed):
-              # CPU: a view that keeps the buffer alive and undonatable (see
-              # save._host_box); an accelerator: a fresh host copy.
-              q.put(("own.bin", offset, np.asarray(s.data), nb))
-            offset += nb
-            stats["own_bytes"] += nb
-          entry["slots"].append(seen[idx])
-        manifest["own"][name] = entry
       if lay.n > 1:
-        stats["partner_bytes"] = self._send_to_partner(arrays, manifest, q,
-                                                       failed)
-        their = multihost._wait_for_key(  # pylint: disable=protected-access
-            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
-            f"{key}/host/{src}", self.timeout_s,
-            f"the host values of process {src} for the local tier")
-        q.put(("partner-host", 0, their, 0))
+        self._exchange(plan["batches"], q, failed, step)
+      for offset, nb, data in plan["own"]:  # own shards, distinct boxes only
+        if self.budget.acquire(nb, failed):
+          # CPU: a view that keeps the buffer alive and undonatable (see
+          # save._host_box); an accelerator: a fresh host copy.
+          q.put(("own.bin", offset, np.asarray(data), nb))
     except BaseException as e:
       failed.set()
       q.put(("error", 0, e, 0))
@@ -452,66 +480,143 @@ class LocalTier:
     stats["blocking_s"] = time.perf_counter() - t0
     self.last_save_stats = stats
 
-  def _send_to_partner(self, arrays, manifest, q, failed) -> int:
-    """Each leaf's device shards go to the same local positions on the
-    partner: batched jitted ppermutes within the byte budget."""
+  def settle_keys(self, key: str) -> None:
+    """The round of the collective call ``key`` passed here, so every
+    process has entered that call and is done with the keys of the calls
+    before it (each waits for its writer before a round): process 0
+    deletes those. ``key``'s own go at the next call's round, so the
+    coordination service does not grow with every call."""
+    done, self._round_keys = self._round_keys, [key]
+    for k in done:
+      multihost.forget(k)
+
+  def _prepare(self, step, key, arrays, work, manifest, own_host,
+               files) -> dict:
+    """Before the round, the part of a save that can fail on this process
+    alone: the plan, the step directory and its files (opened into
+    ``files``), the host values posted for the partner."""
     lay = self.layout
-    src = lay.src[lay.pid]
-    src_devs = lay.devices_of(src)
-    offset, total = 0, 0
-    batch, batch_bytes = [], 0
+    if self._broken:
+      raise CheckpointError(self._broken)
+    plan = self._plan(arrays, manifest)
+    try:
+      os.makedirs(work)
+      for fname in _DATA_FILES.values():
+        files[fname] = open(os.path.join(work, fname), "wb")
+    except OSError as e:
+      raise CheckpointError(
+          f"local save of step {step}: process {lay.pid} cannot create its "
+          f"step directory {work}: {type(e).__name__}: {e}") from e
+    multihost.post_bytes(f"{key}/host", own_host)  # read by our partner
+    return plan
 
-    def flush():
-      nonlocal offset, total
-      if not batch:
-        return
-      stacked = []
-      for name, arr in batch:
-        shards = {s.device: s for s in arr.addressable_shards}
-        blocks = [shards[d].data[None] for d in lay.local]
-        stacked.append(lay.stack(blocks, blocks[0].shape[1:], arr.dtype))
-      outs = lay.permute(stacked)
-      del stacked
-      for (name, arr), out in zip(batch, outs):
-        imap = arr.sharding.devices_indices_map(arr.shape)
-        got = {s.device: s for s in out.addressable_shards}
-        entry = {"shape": list(arr.shape), "dtype": arr.dtype.name,
-                 "slots": [], "shards": []}
-        seen: dict[tuple, int] = {}
-        for j, d in enumerate(lay.local):
-          idx = _index(imap[src_devs[j]], arr.shape)
-          if idx not in seen:
-            seen[idx] = len(entry["shards"])
-            data = got[d].data
-            nb = int(np.prod(data.shape)) * arr.dtype.itemsize
-            entry["shards"].append([idx, offset, nb, list(data.shape[1:])])
-            if self.budget.acquire(nb, failed):
-              q.put(("partner.bin", offset, np.array(data)[0], nb))
-            offset += nb
-            total += nb
-          entry["slots"].append(seen[idx])
-        manifest["partner"][name] = entry
-      batch.clear()
-
+  def _plan(self, arrays, manifest) -> dict:
+    """Local, no I/O: each leaf's distinct own boxes (offsets in own.bin)
+    and the boxes of the replica it receives (offsets in partner.bin) into
+    ``manifest``; the exchange's inputs, made of the device buffers as
+    they are (no copy), in batches within the budget. Raises
+    CheckpointError naming the leaf for what the tier cannot save."""
+    lay = self.layout
+    src_devs = lay.devices_of(lay.src[lay.pid])
+    own, batches, batch, batch_bytes = [], [], [], 0
+    own_off = partner_off = 0
     for name, arr in arrays:
-      nb = arr.sharding.shard_shape(arr.shape)  # raises if shards are uneven
-      nb = int(np.prod(nb)) * arr.dtype.itemsize * lay.L
-      if batch and batch_bytes + nb > self.budget.budget:
-        flush()
-        batch_bytes = 0
-      batch.append((name, arr))
-      batch_bytes += nb
-    flush()
-    return total
+      shape, itemsize = tuple(arr.shape), arr.dtype.itemsize
+      shards = {s.device: s for s in arr.addressable_shards}
+      missing = [d for d in lay.local if d not in shards]
+      if missing:
+        raise CheckpointError(
+            f"leaf {name}: the local tier saves jax arrays with a shard on "
+            f"every device of their process; {missing} of process {lay.pid} "
+            f"hold none (sharding {arr.sharding}): put it on a sharding over "
+            "every device")
+      entry = {"shape": list(shape), "dtype": arr.dtype.name, "slots": [],
+               "shards": []}
+      seen: dict[tuple, int] = {}
+      for d in lay.local:
+        s = shards[d]
+        idx = _index(s.index, shape)
+        if idx not in seen:
+          seen[idx] = len(entry["shards"])
+          nb = int(np.prod(s.data.shape)) * itemsize
+          entry["shards"].append([idx, own_off, nb, list(s.data.shape)])
+          data = s.data
+          if d.platform != "cpu":  # CPU: np.asarray is a view, no copy
+            data.copy_to_host_async()
+          own.append((own_off, nb, data))
+          own_off += nb
+        entry["slots"].append(seen[idx])
+      manifest["own"][name] = entry
+      if lay.n == 1:
+        continue
+      try:
+        ss = tuple(arr.sharding.shard_shape(shape))
+        imap = arr.sharding.devices_indices_map(shape)
+        boxes = [_index(imap[d], shape) for d in src_devs]
+      except (ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"leaf {name}: the local tier sends each process's shards to its "
+            f"partner, which needs equal shards on every process's devices; "
+            f"shape {shape} over {arr.sharding} has none: "
+            f"{type(e).__name__}: {e}") from e
+      nb = int(np.prod(ss)) * itemsize
+      entry = {"shape": list(shape), "dtype": arr.dtype.name, "slots": [],
+               "shards": []}
+      items, seen = [], {}
+      for j, idx in enumerate(boxes):
+        if idx not in seen:
+          seen[idx] = len(entry["shards"])
+          entry["shards"].append([idx, partner_off, nb, list(ss)])
+          items.append((partner_off, nb, j, ss))
+          partner_off += nb
+        entry["slots"].append(seen[idx])
+      manifest["partner"][name] = entry
+      blocks = [shards[d].data for d in lay.local]
+      if not ss or not ss[0]:  # 0-d (or empty) blocks get a leading axis
+        blocks = [b[None] for b in blocks]
+      stacked = lay.join(blocks)
+      if batch and batch_bytes + nb * lay.L > self.budget.budget:
+        batches.append(batch)
+        batch, batch_bytes = [], 0
+      batch.append((stacked, items))
+      batch_bytes += nb * lay.L
+    if batch:
+      batches.append(batch)
+    return {"own": own, "batches": batches, "own_bytes": own_off,
+            "partner_bytes": partner_off}
 
-  def _write(self, step, key, work, manifest, q, failed, own_host, src,
-             t0) -> None:
+  def _exchange(self, batches, q, failed, step) -> None:
+    """Dispatches each batch's jitted ppermute (asynchronous: this thread
+    never waits for another process) and queues the boxes of the replica
+    it receives; the writer waits for them, at most barrier_timeout_s.
+    Every batch is dispatched, also once the save failed here (the others
+    wait for this process's part of the collective); the budget for what a
+    batch receives is taken before it is dispatched."""
+    lay = self.layout
+    for batch in batches:
+      nb = sum(it[1] for _, items in batch for it in items)
+      held = self.budget.acquire(nb, failed)
+      outs = lay.permute([stacked for stacked, _ in batch])
+      deadline = time.monotonic() + self.timeout_s
+      if not held:
+        continue
+      boxes = []
+      for out, (_, items) in zip(outs, batch):
+        got = {s.device: s.data for s in out.addressable_shards}
+        for offset, n, j, ss in items:
+          boxes.append((offset, n, got[lay.local[j]], ss))
+      q.put(("wait", 0, ([b[2] for b in boxes], deadline, self.timeout_s,
+                         f"the partner exchange of local step {step}"), 0))
+      for offset, n, data, ss in boxes:
+        q.put(("partner.bin", offset, (data, ss), n))
+
+  def _write(self, step, key, work, manifest, q, failed, files, own_host,
+             src, t0) -> None:
     """The background part: write what the caller stages, fsync, agree,
     commit (rename), clean up leftovers and apply retention."""
     error: BaseException | None = None
-    files: dict[str, Any] = {}
+    lost = None  # the exchange did not complete in time: no barrier
     crcs: dict[tuple[str, int], int] = {}  # (file, offset): crc32c
-    partner_host = b""
     drained = False
     try:
       self._remove_leftovers(keep=os.path.basename(work))
@@ -525,14 +630,19 @@ class LocalTier:
         if kind == "error":
           error = error or data
           continue
-        if kind == "partner-host":
-          partner_host = data
+        if kind == "wait":  # also after a failure: was it abandoned?
+          try:
+            _wait_ready(*data)
+          except BarrierTimeoutError as e:
+            lost = e
+            error = error or e
+            failed.set()
           continue
         try:
           if error is None:
-            f = files.get(kind)
-            if f is None:
-              f = files[kind] = open(os.path.join(work, kind), "wb")
+            if kind == "partner.bin":  # ready: a view on CPU, no copy
+              data = np.asarray(data[0]).reshape(data[1])
+            f = files[kind]
             f.seek(offset)
             # A byte view: memoryview rejects ml_dtypes (bfloat16 ...).
             mv = memoryview(
@@ -542,8 +652,15 @@ class LocalTier:
         except BaseException as e:  # pylint: disable=broad-except
           error, _ = e, failed.set()
         finally:
+          item = data = None  # nothing of it held past its budget
           self.budget.release(nb)
       if error is None:
+        partner_host = b""
+        if self.layout.n > 1:  # posted before the round: no wait
+          partner_host = multihost._wait_for_key(  # pylint: disable=protected-access
+              multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+              f"{key}/host/{src}", self.timeout_s,
+              f"the host values of process {src} for the local tier")
         for f in files.values():
           f.flush()
           os.fsync(f.fileno())
@@ -575,6 +692,21 @@ class LocalTier:
         drained = item is None
         if not drained:
           self.budget.release(item[3])
+    if lost is not None:
+      # A process did not join the exchange within barrier_timeout_s: the
+      # others are not waited for again at the barrier (that would double
+      # the bound); none commits, as this process never arrives there. Its
+      # device collectives may now be out of step with the others': it
+      # saves no more local steps in this job.
+      self._broken = (
+          f"process {self.layout.pid} abandoned the partner exchange of "
+          f"local step {step} after barrier_timeout_s = {self.timeout_s:g} s "
+          "(a process did not join it); its device collectives may be out "
+          "of step with the other processes', so the local tier saves no "
+          "more steps in this job: restart it")
+      shutil.rmtree(work, ignore_errors=True)
+      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+      raise error
     if error is not None:
       multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
     multihost.barrier(f"{key}/written", timeout_s=self.timeout_s,
@@ -592,12 +724,6 @@ class LocalTier:
     os.rename(work, final)
     commit_lib.fsync_dir(self.dir)
     self.last_save_stats["total_s"] = time.perf_counter() - t0
-    # Every process is past the barrier, so our host values were read.
-    try:
-      multihost._client() and multihost._client().key_value_delete(  # pylint: disable=protected-access
-          f"{key}/host/{self.pid}")
-    except Exception:  # pylint: disable=broad-except
-      pass
     self._retain()
 
   def _retain(self) -> None:
@@ -764,6 +890,7 @@ class LocalTier:
     # files changed since) makes every process raise, before the exchange.
     _all_ok(f"{key}/read", error, f"local restore of step {step}",
             self.timeout_s)
+    self.settle_keys(key)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])

@@ -230,10 +230,12 @@ class MultiTierCheckpointer:
       return json.dumps({"tier": "persistent", "step": step if step is not None
                          else p_latest, "reason": reason})
 
-    return json.loads(multihost.agree(
+    out = multihost.agree(
         key, json.dumps({"own": usable["own"], "partner": usable["partner"],
                          "why": usable["why"]}), decide,
-        timeout_s=self._timeout_s, what="the tier and step to restore"))
+        timeout_s=self._timeout_s, what="the tier and step to restore")
+    self.local.settle_keys(key)  # the keys of the calls before go
+    return json.loads(out)
 
   def latest_step(self, target: Any = None) -> int | None:
     """The newest step the job can restore from either tier (collective).
