@@ -68,13 +68,14 @@ def check(mt, step: int) -> None:
       key, json.dumps({**newer, "error": err}), _safe(decide),
       timeout_s=mt._timeout_s,
       what=f"whether step {step} can be saved (newer committed steps)"))
-  if error is not None:
-    raise error
-  if "failed" in out:
+  if "failed" in out:  # the same error on every process, the failed too
     raise CheckpointError(
         f"saving step {step} was refused before anything was written: it "
         f"failed on process(es) {sorted(int(p) for p in out['failed'])}: "
-        + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
+        + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items())
+    ) from error
+  if error is not None:
+    raise error
   if out["local"] or out["persistent"]:
     where = "; ".join(
         f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
