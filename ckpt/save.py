@@ -205,17 +205,17 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
     name = tree.path_str(parts)
     impl = ""
     if isinstance(x, jax.Array):
-      if x.is_deleted():  # jax's own error would name no leaf
-        raise InvalidStateError(
-            f"leaf {name!r}: expected a live jax.Array, found one that has "
-            "been deleted (donated to a jitted call, or .delete()d) before "
-            "save(); save the state before donating it")
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
         impl, x = _key_data(name, x)
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
       if x.is_fully_replicated and x.nbytes <= options.inline_max_bytes:
+        if x.is_deleted():  # jax's own error would name no leaf (staging's,
+          raise InvalidStateError(  # for the others, names it)
+              f"leaf {name!r}: expected a live jax.Array, found one that has "
+              "been deleted (donated to a jitted call, or .delete()d) before "
+              "save(); save the state before donating it")
         value = np.asarray(x).astype(stored)
         leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
             parts, value, impl, saved_sharding=saved)))

@@ -60,10 +60,12 @@ def test_saving_a_deleted_array_names_the_leaf(tmp_path, mesh, spec,
     x = jax.device_put(x, NamedSharding(mesh, spec))
   x.delete()
   with ckpt.Checkpointer(tmp_path / "run", async_save=async_save) as c:
-    with pytest.raises(ckpt.InvalidStateError,
-                       match=r"leaf 'opt/mu': expected a live jax.Array, "
-                       r"found one that has been deleted"):
+    # Replicated or one-device (read when the save is planned): refused
+    # before the round; sharded: when staging, naming the leaf too.
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"leaf 'opt/mu'.*(been deleted|array deleted)"):
       c.save(1, {"opt": {"mu": x}, "step": 1})
+      c.wait_until_finished()  # async: a staging failure is reported here
     assert c.all_steps() == []
     c.save(2, {"opt": {"mu": jnp.ones(3)}})  # the next save works
     c.wait_until_finished()
