@@ -922,6 +922,10 @@ class LocalTier:
           blocks.append(jax.device_put(data[None], d))
         stacked.append(lay.stack(blocks, p.block, p.stored))
       outs = lay.permute(stacked, inverse=True)
+      # Bounded as the save's exchange: a peer that passed the round and
+      # then never joins holds no one past barrier_timeout_s.
+      _wait_ready(outs, time.monotonic() + self.timeout_s, self.timeout_s,
+                  f"the partner exchange of local restore step {step}")
       for (name, _), o in zip(batch, outs):
         if not mine:
           got = {s.device: s.data for s in o.addressable_shards}
