@@ -1194,19 +1194,8 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
       # Shape and dtype only (a view of one element): what the checks read.
       src = lazy.LazyValue(np.broadcast_to(np.zeros((), dtype), stored_shape),
                            name, prng_impl=impl)
-    if impl:
-      out = restore_lib._check_keys(name, src, impl, shape, wanted)  # pylint: disable=protected-access
-    else:  # as restore._resolve, with its messages
-      if wanted is not None and prng.is_key_dtype(wanted):
-        raise TreeMismatchError(
-            f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
-            f"(not PRNG keys), the target wants {prng.describe(wanted)}")
-      if wants_array and tuple(src.shape) != shape:
-        raise TreeMismatchError(
-            f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
-            f"target wants {shape}")
-      out = restore_lib._out_dtype(name, np.dtype(src.dtype), wanted,  # pylint: disable=protected-access
-                                   restore_dtype)
+    out = restore_lib.out_dtype(name, src, shape, wanted, wants_array,
+                                restore_dtype)
     logical = lazy.logical_shape(src)
     if sharding is None and name in arrays:  # usable() sends these elsewhere
       raise CheckpointError(

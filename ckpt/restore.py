@@ -272,6 +272,27 @@ def _as_leaf(value: Any, name: str) -> Any:
   return value
 
 
+def out_dtype(name: str, src: Any, shape, wanted, wants_array: bool,
+              restore_dtype) -> np.dtype:
+  """A saved leaf (a LazyLeaf, or anything with its shape, dtype and
+  ``prng_impl``) against its target leaf (``_target_spec``): the dtype to
+  read it in, or TreeMismatchError naming the leaf (keys against non-keys,
+  another shape, a cast restore does not make). Also the local tier's
+  check (ckpt/local_tier.py), so both tiers refuse alike."""
+  impl = getattr(src, "prng_impl", None)
+  if impl:
+    return _check_keys(name, src, impl, shape, wanted)
+  if wanted is not None and prng.is_key_dtype(wanted):
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
+        f"(not PRNG keys), the target wants {prng.describe(wanted)}")
+  if wants_array and tuple(src.shape) != shape:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
+        f"target wants {shape}")
+  return _out_dtype(name, np.dtype(src.dtype), wanted, restore_dtype)
+
+
 async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
                    limiter: ByteLimiter, as_saved: AsSaved | None = None,
                    order: int = 0) -> Any:
@@ -312,18 +333,7 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
   if not isinstance(src, lazy.LazyLeaf):
     return src  # a python value (int, str, ...): as saved
   impl = getattr(src, "prng_impl", None)
-  if impl:
-    out = _check_keys(name, src, impl, shape, wanted)
-  else:
-    if wanted is not None and prng.is_key_dtype(wanted):
-      raise TreeMismatchError(
-          f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
-          f"(not PRNG keys), the target wants {prng.describe(wanted)}")
-    if wants_array and tuple(src.shape) != shape:
-      raise TreeMismatchError(
-          f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
-          f"target wants {shape}")
-    out = _out_dtype(name, np.dtype(src.dtype), wanted, args.restore_dtype)
+  out = out_dtype(name, src, shape, wanted, wants_array, args.restore_dtype)
   later = None
   # A lazy leaf reads once only with the rounds its later read needs.
   if (not impl and args.read_once_min is not None and
