@@ -17,9 +17,10 @@ shardings (global meshes), leaf shapes and dtypes (from the one index), the
 policy option (checked equal by the restore's agreement round) and the
 storage kind. The exchange runs on the caller's thread (never the
 Checkpointer's background thread), in batches whose host bytes (the parts
-read plus the gathered boxes) stay within ``concurrent_bytes``; a batch is
-read (background thread, under the byte limiter), exchanged, and its parts
-freed before the next one is read.
+read plus the gathered boxes) stay within half of ``concurrent_bytes``; a
+batch is read (background thread, under the byte limiter) while the one
+before it is exchanged, so the two together stay within
+``concurrent_bytes`` (``finish``).
 
 Not read once (the normal read, each process its own boxes): leaves with no
 NamedSharding target, no replica axis across processes, typed PRNG keys,
@@ -40,6 +41,7 @@ when reads overlap (``asyncio.gather`` of ``read_async``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextvars
 import dataclasses
 import math
@@ -276,6 +278,15 @@ def finish(result: Any,
   error)`` is a round in which every process says whether batch i was read
   (``multihost.all_ok``); the exchange runs here, on the caller's thread,
   one jit program per batch.
+
+  Overlap: batches are cut at half the budget, and batch i+1 is read (on a
+  reader thread) while batch i is checked and exchanged here, when their
+  costs fit the budget together (global costs: every process decides the
+  same), so the parts and gathered arrays of the batch being exchanged
+  plus the parts being read stay within ``budget``. Only reads overlap:
+  the collectives (round i, exchange i, round i+1, ...) keep one order on
+  every process, and a read that fails, prefetched or not, goes into its
+  own batch's round (never skips a collective on one process).
   """
   leaves, treedef = tree_util.tree_flatten(
       result, is_leaf=lambda x: isinstance(x, Deferred))
@@ -283,18 +294,35 @@ def finish(result: Any,
   if not pos:
     return result
   items = [leaves[i] for i in pos]
+  cut = batches(items, max(1, budget // 2))
+  costs = [sum(b.cost for b in batch) for batch in cut]
   done: dict[int, jax.Array] = {}
-  for i, batch in enumerate(batches(items, budget)):
-    parts, error = None, None
-    try:
-      parts = read(batch)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-    check(i, error)
-    outs = exchange(parts, [b.sharding for b in batch], stats)
-    for b, o in zip(batch, outs):
-      done[id(b)] = o
-    del parts, outs
+  pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="ckpt-readonce-read")
+  pending: concurrent.futures.Future | None = None
+  try:
+    pending = pool.submit(read, cut[0])
+    for i, batch in enumerate(cut):
+      parts, error = None, None
+      try:
+        parts = pending.result()
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+      pending = None
+      last = i + 1 == len(cut)
+      if not last and error is None and costs[i] + costs[i + 1] <= budget:
+        pending = pool.submit(read, cut[i + 1])  # overlaps round + exchange
+      check(i, error)
+      outs = exchange(parts, [b.sharding for b in batch], stats)
+      for b, o in zip(batch, outs):
+        done[id(b)] = o
+      del parts, outs
+      if not last and pending is None:
+        pending = pool.submit(read, cut[i + 1])  # after this batch's freed
+  finally:
+    if pending is not None:  # a round or exchange failed: no read outlives us
+      concurrent.futures.wait([pending])
+    pool.shutdown(wait=True)
   for i in pos:
     leaves[i] = done[id(leaves[i])]
   return tree_util.tree_unflatten(treedef, leaves)
