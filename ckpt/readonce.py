@@ -41,6 +41,7 @@ when reads overlap (``asyncio.gather`` of ``read_async``).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextvars
 import dataclasses
@@ -164,7 +165,9 @@ class RestoreStats:
   read_once_leaves: leaves read once and exchanged; exchanged_bytes: bytes
   this process's devices received from the exchange (gathered boxes minus
   the parts read here); exchange_s: time in the exchange programs;
-  batches: how many exchange programs (batches); peak_read_bytes: the most
+  batches: how many exchange programs (batches); overlapped_batches: how
+  many of them were read while the one before was exchanged;
+  peak_read_bytes: the most
   bytes the restore's byte limiters had granted at once (reads in flight,
   at most ``concurrent_bytes``); peak_batch_bytes: the largest exchange
   batch, measured: bytes of this process's device buffers of the batch's
@@ -185,6 +188,7 @@ class RestoreStats:
   exchanged_bytes: int = 0
   exchange_s: float = 0.0
   batches: int = 0
+  overlapped_batches: int = 0
   peak_read_bytes: int = 0
   peak_batch_bytes: int = 0
   total_s: float = 0.0
@@ -306,12 +310,14 @@ def finish(result: Any,
       parts, error = None, None
       try:
         parts = pending.result()
-      except Exception as e:  # pylint: disable=broad-except
-        error = e
+      except (Exception, asyncio.CancelledError,  # pylint: disable=broad-except
+              concurrent.futures.CancelledError) as e:
+        error = e  # into this batch's round: every process raises
       pending = None
       last = i + 1 == len(cut)
       if not last and error is None and costs[i] + costs[i + 1] <= budget:
         pending = pool.submit(read, cut[i + 1])  # overlaps round + exchange
+        stats.overlapped_batches += 1
       check(i, error)
       outs = exchange(parts, [b.sharding for b in batch], stats)
       for b, o in zip(batch, outs):

@@ -1037,6 +1037,7 @@ def run_read_once(args) -> dict[str, Any]:
                 "time_s": max(x["total_s"] for x in st),
                 "exchange_s": max(x["exchange_s"] for x in st),
                 "batches": max(x["batches"] for x in st),
+                "overlapped": min(x.get("overlapped_batches", 0) for x in st),
                 "bytes_read_per_process": [x["bytes_read"] for x in st],
                 "fetched_per_process": [x["ts_fetched"] for x in recs],
                 "fetched_total": fetched, "stored": stored,
@@ -1045,14 +1046,15 @@ def run_read_once(args) -> dict[str, Any]:
     px.close()
     moto.stop()
   lines = ["| state | store | processes | read once | restore s (slowest) | "
-           "exchange s | batches | MiB fetched per process | "
+           "exchange s | batches (read overlapped) | MiB fetched per process | "
            "MiB fetched, all | x stored |",
            "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     per = "/".join(f"{b / 2**20:.1f}" for b in r["fetched_per_process"])
     lines.append(f"| {r['state']} | {r['store']} | {r['processes']} | "
                  f"{'on' if r['read_once'] else 'off'} | {r['time_s']:.3f} | "
-                 f"{r['exchange_s']:.3f} | {r['batches']} | {per} | "
+                 f"{r['exchange_s']:.3f} | {r['batches']} ({r['overlapped']}) | "
+                 f"{per} | "
                  f"{r['fetched_total'] / 2**20:.1f} | "
                  f"{r['fetched_total'] / r['stored']:.2f} |")
   return {"rows": rows, "table": "\n".join(lines)}

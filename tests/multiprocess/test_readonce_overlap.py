@@ -41,6 +41,7 @@ def test_next_batch_is_read_while_the_current_one_is_exchanged(tmp_path):
     # Every exchange but the last overlapped the next batch's read.
     assert r["overlapped"] == [True] * (worker.N_LEAVES - 1), r["overlapped"]
     assert s["batches"] == worker.N_LEAVES, s
+    assert s["overlapped_batches"] == worker.N_LEAVES - 1, s
     assert s["read_once_leaves"] == worker.N_LEAVES, s
     # One batch (its parts + gathered boxes) within half the budget, so the
     # batch exchanged and the one read hold at most the budget together.
