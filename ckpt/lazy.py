@@ -339,7 +339,12 @@ class LazyValue(LazyLeaf):
 
 
 class LazyStack(LazyLeaf):
-  """Leaves of one shape and dtype stacked along a new ``axis``."""
+  """Leaves of one shape and dtype stacked along a new ``axis``.
+
+  A box is read straight into its output (``read_into``): each member
+  reads its part into its slice of the output, so a read holds the box
+  plus at most one member's box (``read_bytes``, counted in the byte
+  budget), never every member's box next to a stacked copy."""
 
   def __init__(self, members: Sequence[LazyLeaf], axis: int = 0,
                path: str = "<stack>"):
@@ -365,14 +370,48 @@ class LazyStack(LazyLeaf):
     self.dtype = np.dtype(first.dtype)
     self.path = path
 
-  async def read_box(self, box: Box) -> np.ndarray:
+  # Members that read straight into the output (stored arrays of the
+  # output's dtype, values) are read at once; any other one at a time, its
+  # box held until copied into place (read_bytes).
+  def _inner(self, box: Box) -> Box:
     a = self.axis
-    inner = Box(box.start[:a] + box.start[a + 1:], box.stop[:a] + box.stop[a + 1:])
-    parts = await asyncio.gather(*(self.members[i].read_box(inner)
-                                   for i in range(box.start[a], box.stop[a])))
-    if not parts:
-      return np.zeros(box.shape, self.dtype)
-    return np.stack(parts, axis=a)
+    return Box(box.start[:a] + box.start[a + 1:],
+               box.stop[:a] + box.stop[a + 1:])
+
+  def _direct(self, member: LazyLeaf, dtype) -> bool:
+    return isinstance(member, LazyValue) or (
+        isinstance(member, LazyArray) and
+        np.dtype(member.dtype) == np.dtype(dtype))
+
+  def read_bytes(self, box: Box) -> int:
+    """Host bytes one read of ``box`` holds beyond the box itself: one
+    member's box (read before it is copied into place, for a member that
+    cannot be read straight into the output, or one cast) and what that
+    member's own read holds. Members are read into the output one at a
+    time, so the parts are never all held next to a stacked copy."""
+    inner = self._inner(box)
+    members = self.members[box.start[self.axis]:box.stop[self.axis]]
+    if not members:
+      return 0
+    extra = max(int(getattr(m, "read_bytes", lambda b: 0)(inner))
+                for m in members)
+    return inner.size * np.dtype(self.dtype).itemsize + extra
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    out = np.empty(box.shape, self.dtype)
+    await self.read_into(box, out)
+    return out
+
+  async def read_into(self, box: Box, out: np.ndarray) -> None:
+    a, inner = self.axis, self._inner(box)
+    lo = box.start[a]
+    views = [(self.members[i], out[(slice(None),) * a + (i - lo,)])
+             for i in range(lo, box.stop[a])]
+    direct = [(m, v) for m, v in views if self._direct(m, out.dtype)]
+    await gather_or_cancel(*(m.read_into(inner, v) for m, v in direct))
+    for m, v in views:
+      if not self._direct(m, out.dtype):
+        await m.read_into(inner, v)
 
 
 class LazySlice(LazyLeaf):

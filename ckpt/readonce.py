@@ -17,9 +17,10 @@ shardings (global meshes), leaf shapes and dtypes (from the one index), the
 policy option (checked equal by the restore's agreement round) and the
 storage kind. The exchange runs on the caller's thread (never the
 Checkpointer's background thread), in batches whose host bytes (the parts
-read plus the gathered boxes) stay within ``concurrent_bytes``; a batch is
-read (background thread, under the byte limiter), exchanged, and its parts
-freed before the next one is read.
+read plus the gathered boxes) stay within half of ``concurrent_bytes``; a
+batch is read (background thread, under the byte limiter) while the one
+before it is exchanged, so the two together stay within
+``concurrent_bytes`` (``finish``).
 
 Not read once (the normal read, each process its own boxes): leaves with no
 NamedSharding target, no replica axis across processes, typed PRNG keys,
@@ -40,6 +41,8 @@ when reads overlap (``asyncio.gather`` of ``read_async``).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextvars
 import dataclasses
 import math
@@ -162,7 +165,9 @@ class RestoreStats:
   read_once_leaves: leaves read once and exchanged; exchanged_bytes: bytes
   this process's devices received from the exchange (gathered boxes minus
   the parts read here); exchange_s: time in the exchange programs;
-  batches: how many exchange programs (batches); peak_read_bytes: the most
+  batches: how many exchange programs (batches); overlapped_batches: how
+  many of them were read while the one before was exchanged;
+  peak_read_bytes: the most
   bytes the restore's byte limiters had granted at once (reads in flight,
   at most ``concurrent_bytes``); peak_batch_bytes: the largest exchange
   batch, measured: bytes of this process's device buffers of the batch's
@@ -183,6 +188,7 @@ class RestoreStats:
   exchanged_bytes: int = 0
   exchange_s: float = 0.0
   batches: int = 0
+  overlapped_batches: int = 0
   peak_read_bytes: int = 0
   peak_batch_bytes: int = 0
   total_s: float = 0.0
@@ -276,6 +282,15 @@ def finish(result: Any,
   error)`` is a round in which every process says whether batch i was read
   (``multihost.all_ok``); the exchange runs here, on the caller's thread,
   one jit program per batch.
+
+  Overlap: batches are cut at half the budget, and batch i+1 is read (on a
+  reader thread) while batch i is checked and exchanged here, when their
+  costs fit the budget together (global costs: every process decides the
+  same), so the parts and gathered arrays of the batch being exchanged
+  plus the parts being read stay within ``budget``. Only reads overlap:
+  the collectives (round i, exchange i, round i+1, ...) keep one order on
+  every process, and a read that fails, prefetched or not, goes into its
+  own batch's round (never skips a collective on one process).
   """
   leaves, treedef = tree_util.tree_flatten(
       result, is_leaf=lambda x: isinstance(x, Deferred))
@@ -283,18 +298,37 @@ def finish(result: Any,
   if not pos:
     return result
   items = [leaves[i] for i in pos]
+  cut = batches(items, max(1, budget // 2))
+  costs = [sum(b.cost for b in batch) for batch in cut]
   done: dict[int, jax.Array] = {}
-  for i, batch in enumerate(batches(items, budget)):
-    parts, error = None, None
-    try:
-      parts = read(batch)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-    check(i, error)
-    outs = exchange(parts, [b.sharding for b in batch], stats)
-    for b, o in zip(batch, outs):
-      done[id(b)] = o
-    del parts, outs
+  pool = concurrent.futures.ThreadPoolExecutor(
+      1, thread_name_prefix="ckpt-readonce-read")
+  pending: concurrent.futures.Future | None = None
+  try:
+    pending = pool.submit(read, cut[0])
+    for i, batch in enumerate(cut):
+      parts, error = None, None
+      try:
+        parts = pending.result()
+      except (Exception, asyncio.CancelledError,  # pylint: disable=broad-except
+              concurrent.futures.CancelledError) as e:
+        error = e  # into this batch's round: every process raises
+      pending = None
+      last = i + 1 == len(cut)
+      if not last and error is None and costs[i] + costs[i + 1] <= budget:
+        pending = pool.submit(read, cut[i + 1])  # overlaps round + exchange
+        stats.overlapped_batches += 1
+      check(i, error)
+      outs = exchange(parts, [b.sharding for b in batch], stats)
+      for b, o in zip(batch, outs):
+        done[id(b)] = o
+      del parts, outs
+      if not last and pending is None:
+        pending = pool.submit(read, cut[i + 1])  # after this batch's freed
+  finally:
+    if pending is not None:  # a round or exchange failed: no read outlives us
+      concurrent.futures.wait([pending])
+    pool.shutdown(wait=True)
   for i in pos:
     leaves[i] = done[id(leaves[i])]
   return tree_util.tree_unflatten(treedef, leaves)

@@ -976,7 +976,7 @@ def run_read_once(args) -> dict[str, Any]:
   ``--read-once-scale`` times their base size), store (the local disk;
   moto's S3 server, started here, behind a counting proxy) and process
   count (2, 4; 2 CPU devices each), one job saves the state, then restores
-  it with read_once True, False, True, False: times are the second (warm:
+  it (``--read-once-budget``: with that concurrent_bytes) with read_once True, False, True, False: times are the second (warm:
   jit compiled, TensorStore opened) restore of each policy, the slowest
   process's ``last_restore_stats.total_s``. Bytes fetched: on S3 the bodies
   of the GETs the proxy saw during that restore (counted at the store,
@@ -1014,6 +1014,8 @@ def run_read_once(args) -> dict[str, Any]:
           out = local_cluster.check(local_cluster.run(
               module, {**config, "dir": url, "op": "both",
                        "scale": args.read_once_scale, "policies": policies,
+                       **({"concurrent_bytes": args.read_once_budget}
+                          if args.read_once_budget else {}),
                        **({"count_url": px.endpoint} if store == "s3" else {})},
               num_processes=n, devices_per_process=2, timeout_s=900,
               extra_env=env, cwd=str(ROOT)))
@@ -1034,6 +1036,8 @@ def run_read_once(args) -> dict[str, Any]:
                 "read_once": policy == "True",
                 "time_s": max(x["total_s"] for x in st),
                 "exchange_s": max(x["exchange_s"] for x in st),
+                "batches": max(x["batches"] for x in st),
+                "overlapped": min(x.get("overlapped_batches", 0) for x in st),
                 "bytes_read_per_process": [x["bytes_read"] for x in st],
                 "fetched_per_process": [x["ts_fetched"] for x in recs],
                 "fetched_total": fetched, "stored": stored,
@@ -1042,13 +1046,15 @@ def run_read_once(args) -> dict[str, Any]:
     px.close()
     moto.stop()
   lines = ["| state | store | processes | read once | restore s (slowest) | "
-           "exchange s | MiB fetched per process | MiB fetched, all | "
-           "x stored |", "|---|---|---|---|---|---|---|---|---|"]
+           "exchange s | batches (read overlapped) | MiB fetched per process | "
+           "MiB fetched, all | x stored |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     per = "/".join(f"{b / 2**20:.1f}" for b in r["fetched_per_process"])
     lines.append(f"| {r['state']} | {r['store']} | {r['processes']} | "
                  f"{'on' if r['read_once'] else 'off'} | {r['time_s']:.3f} | "
-                 f"{r['exchange_s']:.3f} | {per} | "
+                 f"{r['exchange_s']:.3f} | {r['batches']} ({r['overlapped']}) | "
+                 f"{per} | "
                  f"{r['fetched_total'] / 2**20:.1f} | "
                  f"{r['fetched_total'] / r['stored']:.2f} |")
   return {"rows": rows, "table": "\n".join(lines)}
@@ -1079,6 +1085,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="--read-once: state sizes in units of their base "
                       "(aligned: 3.5 MiB; awkward: 3.2 MiB, an even scale "
                       "rounded up to odd)")
+  parser.add_argument("--read-once-budget", type=int, default=None,
+                      help="--read-once: the restores' concurrent_bytes "
+                      "(default: the workers' 1 GiB, one exchange batch); "
+                      "small: several batches, read while exchanging")
   parser.add_argument("--read-once-states", default="aligned,awkward",
                       help="--read-once: comma-separated, from "
                       f"{','.join(READ_ONCE_STATES)}")

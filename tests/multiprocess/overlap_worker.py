@@ -1,0 +1,136 @@
+"""One process of tests/multiprocess/test_readonce_overlap.py.
+
+SPMD, 2 processes x 2 devices: the mesh ("r", "c") has shape (2, 2), "r"
+across the processes. Six float32 leaves of 256 KiB, saved fully sharded,
+are restored read once replicated over "r" (R = 2) with a
+``concurrent_bytes`` (BUDGET) that cuts the exchange into one leaf per
+batch (each costs 512 KiB per process: the part read + the gathered box).
+
+The worker wraps ckpt's read of a batch (``restore.read_parts``) and the
+exchange program (``readsplit.exchange_program``) to see when each runs:
+before exchange k (but the last) starts, it waits up to WAIT_S for the read
+of batch k+1 to have started, and records whether it had (the overlap).
+
+- ``op: "restore"``: one restore; reports per process whether each exchange
+  overlapped the next batch's read, the stats, and the leaves' mismatches
+  (bit-exact, target sharding).
+- ``op: "fail"``: process ``fail_on``'s read of batch ``fail_batch`` raises
+  at once (while batch ``fail_batch - 1`` is exchanged, where reads
+  overlap); every process reports the error its restore raised and how
+  long it took, then restores again (must be exact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import threading
+import time
+
+from ckpt import local_cluster
+
+N_LEAVES = 6
+SHAPE = (256, 256)
+BUDGET = 1 << 20
+WAIT_S = 20.0
+
+
+def truth(i: int):
+  import numpy as np
+  return (np.arange(SHAPE[0] * SHAPE[1], dtype=np.float32).reshape(SHAPE)
+          * (i + 1) + i / 7)
+
+
+def main():
+  cfg = local_cluster.init_from_env()
+  conf = json.loads(sys.argv[1])
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  import ckpt
+  from ckpt import readsplit
+  from ckpt import restore as restore_lib
+
+  me = cfg["process_id"]
+  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))
+  full = NamedSharding(mesh, P(("r", "c")))
+  state = {f"l{i}": jax.make_array_from_callback(
+      SHAPE, full, lambda idx, i=i: truth(i)[idx]) for i in range(N_LEAVES)}
+  tgt_sharding = NamedSharding(mesh, P(None, "c"))
+  target = {k: jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=tgt_sharding)
+            for k in state}
+
+  lock = threading.Lock()
+  reads_started: list[threading.Event] = []
+  exchanges = [0]
+  overlapped: list[bool] = []
+  fail = [conf["fail_batch"] if conf.get("fail_on") == me else None]
+  real_read, real_exchange = restore_lib.read_parts, readsplit.exchange_program
+
+  def read_parts(batch, budget):
+    with lock:
+      k = len(reads_started)
+      reads_started.append(threading.Event())
+      reads_started[k].set()
+    if k == fail[0]:
+      async def boom():
+        raise ValueError(f"injected read failure on process {me}, batch {k}")
+      return boom()
+    return real_read(batch, budget)
+
+  def exchange_program(parts, shardings):
+    k = exchanges[0]
+    exchanges[0] += 1
+    if k + 1 < n_batches[0]:
+      t_end = time.monotonic() + WAIT_S
+      while time.monotonic() < t_end:
+        with lock:
+          started = len(reads_started) > k + 1
+        if started:
+          break
+        time.sleep(0.005)
+      overlapped.append(started)
+    return real_exchange(parts, shardings)
+
+  n_batches = [N_LEAVES]
+  restore_lib.read_parts = read_parts
+  readsplit.exchange_program = exchange_program
+
+  def check(got) -> list[str]:
+    bad = []
+    for k, a in got.items():
+      i = int(k[1:])
+      if a.sharding != tgt_sharding:
+        bad.append(f"{k}: sharding {a.sharding}")
+      for sh in a.addressable_shards:
+        if not np.array_equal(np.asarray(sh.data), truth(i)[sh.index]):
+          bad.append(f"{k}: shard {sh.index} differs")
+    return bad
+
+  out = {"process": me}
+  with ckpt.Checkpointer(conf["dir"], format="zarr3", async_save=False,
+                         chunk_bytes=32 << 10, concurrent_bytes=BUDGET,
+                         barrier_timeout_s=60) as ck:
+    ck.save(1, state)
+    t0 = time.monotonic()
+    try:
+      got = ck.restore(1, target=target, read_once=True)
+      out["error"] = None
+      out["bad"] = check(got)
+    except Exception as e:  # pylint: disable=broad-except
+      out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - t0
+    out["overlapped"] = overlapped
+    out["stats"] = dataclasses.asdict(ck.last_restore_stats)
+    if conf["op"] == "fail":
+      fail[0] = None
+      reads_started.clear()
+      exchanges[0] = 0
+      overlapped.clear()
+      out["again_bad"] = check(ck.restore(1, target=target, read_once=True))
+  local_cluster.write_result(out)
+
+
+if __name__ == "__main__":
+  main()
