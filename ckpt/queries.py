@@ -145,15 +145,7 @@ class Queries:
         or (on is not None and step in on)):
       return True
     if fn is not None:
-      if self._last_saved is UNKNOWN:
-        self._last_saved = self._agreed(
-            f"should_save({step})",
-            lambda: (lambda s: s[-1] if s else None)(
-                commit_lib.committed_steps(self.storage)),
-            f"the newest step in {self.storage.url!r}")
-        if self._last_saved is not None:
-          self._has_checkpoint = True
-      if fn(step, self._last_saved):
+      if fn(step, self._last_saved_step(step)):
         return True
       if n is None and on is None:  # as Orbax: no first-step rule with it
         return False
@@ -166,6 +158,19 @@ class Queries:
         self._has_checkpoint = True
       return bool(empty)
     return False
+
+  def _last_saved_step(self, step: int) -> int | None:
+    """should_save_fn's ``last_saved_step``: agreed (one round the first
+    time, then known from the saves)."""
+    if self._last_saved is UNKNOWN:
+      self._last_saved = self._agreed(
+          f"should_save({step})",
+          lambda: (lambda s: s[-1] if s else None)(
+              commit_lib.committed_steps(self.storage)),
+          f"the newest step in {self.storage.url!r}")
+      if self._last_saved is not None:
+        self._has_checkpoint = True
+    return self._last_saved
 
   def delete(self, step: int) -> None:
     """Deletes the committed ``step``, atomically (readers see it whole or

@@ -116,18 +116,20 @@ def test_cancel_then_save(tmp_path, monkeypatch):
   async def slow(plan, kv, context, limiter, stats, on_staged):
     out = await orig(plan, kv, context, limiter, stats, on_staged)
     import asyncio  # pylint: disable=g-import-not-at-top
-    if not gate.is_set():
-      await asyncio.sleep(600)
+    await asyncio.to_thread(gate.wait, 60)
     return out
 
   monkeypatch.setattr(save_lib, "write_owned", slow)
   with ckpt.Checkpointer(tmp_path) as c:
     assert c.save(1, STATE)
     t0 = time.monotonic()
-    assert c.cancel() is True
+    try:
+      cancelled = c.cancel()
+    finally:
+      gate.set()  # (the held thread; and a failure here ends at once)
+    assert cancelled is True
     assert time.monotonic() - t0 < 10
     assert _leftovers(tmp_path) == [] and c.all_steps() == []
-    gate.set()
     assert c.save(2, STATE)
     c.wait_until_finished()
     assert c.all_steps() == [2]

@@ -138,9 +138,18 @@ def main(argv: list[str]) -> None:
   from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
-  result = {"policy": _policy, "cancel": _cancel}[config["op"]](config)
   import jax  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result({"process": jax.process_index(), **result})
+  try:
+    result = {"policy": _policy, "cancel": _cancel}[config["op"]](config)
+  except Exception as e:  # pylint: disable=broad-except
+    # Reported, and no exit hook waits for a held save: a failure ends the
+    # job at once instead of at the launch timeout.
+    local_cluster.write_result({"process": jax.process_index(),
+                                "error": f"{type(e).__name__}: {e}"})
+    sys.stdout.flush()
+    os._exit(0)  # pylint: disable=protected-access
+  local_cluster.write_result({"process": jax.process_index(), "error": None,
+                              **result})
 
 
 if __name__ == "__main__":

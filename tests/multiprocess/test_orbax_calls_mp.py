@@ -29,6 +29,7 @@ def launch(config: dict):
       WORKER, config, num_processes=2, devices_per_process=2,
       timeout_s=LAUNCH_TIMEOUT_S, cwd=str(REPO)))
   assert [r["process"] for r in out] == [0, 1]
+  assert [r["error"] for r in out] == [None, None], out
   return out
 
 
