@@ -292,3 +292,40 @@ def test_should_save_with_save_on_steps_and_should_save_fn(tmp_path):
 def test_bad_save_policy_arguments(tmp_path, kwargs, words):
   with pytest.raises(ValueError, match=words):
     ckpt.Checkpointer(tmp_path, **kwargs)
+
+
+# ---- the same calls on MultiTierCheckpointer ------------------------------
+
+def test_multitier_has_the_same_calls(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  state = {"w": jax.numpy.arange(8.0), "n": 1}
+  seen = []
+
+  def fn(step, last):
+    seen.append((step, last))
+    return step == 5
+
+  mt = ckpt.MultiTierCheckpointer(
+      str(tmp_path / "p"), local=str(tmp_path / "l"), local_interval=1,
+      persistent_interval=4, best_metric="loss", save_on_steps={3},
+      should_save_fn=fn)
+  try:
+    assert mt.directory == epath.Path(tmp_path / "p")
+    assert [s for s in range(7) if mt.should_save_persistent(s)] == [0, 3, 4,
+                                                                     5]
+    assert mt.should_save(1) and not mt.should_save_persistent(1)
+    for s in range(7):
+      assert mt.save(s, state, metrics={"loss": abs(s - 3.2)},
+                     custom_metadata={"s": s})
+      mt.check_for_errors()
+    with pytest.raises(ckpt.InvalidStateError, match="finite"):
+      mt.save(7, state, custom_metadata={"x": float("nan")})  # local only too
+    mt.wait_until_finished(timeout=60)
+    assert not mt.is_saving_in_progress()
+    assert mt.persistent.all_steps() == [0, 3, 4, 5]
+    assert mt.best_step() == 3
+    assert mt.metadata(5).custom_metadata == {"s": 5}
+    assert mt.cancel() is False
+    assert (6, 5) in seen
+  finally:
+    mt.close()
