@@ -134,13 +134,65 @@ def _cancel(config: dict) -> dict:
   return out
 
 
+def _multitier(config: dict) -> dict:
+  """The same calls on a MultiTierCheckpointer: should_save_fn adds a
+  persistent save, custom_metadata and best_step come from the persistent
+  tier, and cancel() abandons a held persistent save on both processes."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  pid = jax.process_index()
+  held = threading.Event()
+  hold = {"on": False}
+  write_owned = save_lib.write_owned
+
+  async def slow_write_owned(*args, **kwargs):
+    on = hold["on"]
+    out = await write_owned(*args, **kwargs)
+    if on and pid == 1:
+      held.set()
+      await asyncio.sleep(HOLD_S)
+    return out
+
+  save_lib.write_owned = slow_write_owned
+  root = config["dir"]
+  out: dict = {}
+  mt = ckpt.MultiTierCheckpointer(
+      os.path.join(root, "p"), local=os.path.join(root, "l"),
+      local_interval=1, persistent_interval=4, best_metric="loss",
+      should_save_fn=lambda s, last: s == 3)
+  for s in range(6):
+    mt.save(s, _state(s), metrics={"loss": abs(s - 2.6)},
+            custom_metadata={"s": s})
+  mt.wait_until_finished(timeout=60)
+  out["persistent"] = mt.persistent.all_steps()
+  out["best"] = mt.best_step()
+  out["custom"] = mt.metadata(3).custom_metadata
+  hold["on"] = True
+  mt.save(8, _state(8), force=True)
+  hold["on"] = False
+  if pid == 1:
+    assert held.wait(60), "the held save never reached its hold"
+  t0 = time.monotonic()
+  out["cancelled"] = mt.cancel()
+  out["cancel_s"] = time.monotonic() - t0
+  out["persistent_after"] = mt.persistent.all_steps()
+  out["saving"] = mt.is_saving_in_progress()
+  mt.save(12, _state(12))
+  mt.wait_until_finished(timeout=60)
+  out["persistent_final"] = mt.persistent.all_steps()
+  mt.close()
+  return out
+
+
 def main(argv: list[str]) -> None:
   from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   import jax  # pylint: disable=g-import-not-at-top
   try:
-    result = {"policy": _policy, "cancel": _cancel}[config["op"]](config)
+    result = {"policy": _policy, "cancel": _cancel,
+              "multitier": _multitier}[config["op"]](config)
   except Exception as e:  # pylint: disable=broad-except
     # Reported, and no exit hook waits for a held save: a failure ends the
     # job at once instead of at the launch timeout.

@@ -11,6 +11,9 @@ gloo, real TensorStore arrays on the local disk):
   seconds, nothing is committed, no attempt or pending record is left, the
   next save commits and restores, and ``close`` returns at once (no thread
   left waiting at the cancelled save's barrier).
+- The same on a ``MultiTierCheckpointer``: ``should_save_fn`` adds a
+  persistent save, ``best_step``/``metadata`` read the persistent tier,
+  ``cancel()`` abandons a held persistent save on both processes.
 """
 
 from __future__ import annotations
@@ -62,3 +65,15 @@ def test_cancel_abandons_a_held_save_on_every_process(tmp_path):
     assert r["steps_final"] == [1, 3]
     assert r["restore_ok"]
     assert r["close_s"] < 10, r["close_s"]  # no barrier thread left behind
+
+
+def test_multitier_calls_and_cancel_on_every_process(tmp_path):
+  out = launch({"op": "multitier", "dir": str(tmp_path)})
+  for r in out:
+    assert r["persistent"] == [0, 3, 4]  # 0, 4: the interval; 3: the fn
+    assert r["best"] == 3  # loss |s - 2.6| among the persistent steps
+    assert r["custom"] == {"s": 3}
+    assert r["cancelled"] is True and r["cancel_s"] < 30
+    assert r["persistent_after"] == [0, 3, 4]
+    assert r["saving"] is False
+    assert r["persistent_final"] == [0, 3, 4, 12]
