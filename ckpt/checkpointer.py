@@ -84,6 +84,14 @@ class Checkpointer(queries.Queries):
     save_interval_steps: ``save`` writes only the steps ``should_save``
       accepts (every N-th, the first, the preemption step); None: every
       step it is given.
+    save_on_steps: a collection of steps ``should_save`` always accepts
+      (with or without ``save_interval_steps``).
+    should_save_fn: ``fn(step, last_saved_step) -> bool`` (Orbax's
+      signature; ``last_saved_step`` None before any), asked by
+      ``should_save`` besides the two above: a step is saved if any of
+      them accepts it. It runs on every process and must give the same
+      answer on each (a pure function of its arguments): see
+      ``should_save``.
     save_dtype / restore_dtype: cast floating leaves before writing / after
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
@@ -142,6 +150,8 @@ class Checkpointer(queries.Queries):
                keep_time_interval: Any = None, keep_time_window: Any = None,
                clock: Callable[[], Any] | None = None,
                save_interval_steps: int | None = None,
+               save_on_steps: Any = None,
+               should_save_fn: Callable[[int, int | None], bool] | None = None,
                save_dtype: Any = None, restore_dtype: Any = None,
                format: str = "zarr",  # noqa: A002 (the design's name)
                concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
@@ -166,6 +176,24 @@ class Checkpointer(queries.Queries):
       raise ValueError("save_interval_steps must be a positive int or None, "
                        f"got {save_interval_steps!r}")
     self.save_interval_steps = save_interval_steps
+    if save_on_steps is not None:
+      try:
+        save_on_steps = frozenset(queries.check_step(s) for s in save_on_steps)
+      except (TypeError, ValueError) as e:
+        raise ValueError("save_on_steps must be a collection of non-negative "
+                         f"int steps, got {save_on_steps!r}: {e}") from None
+    self.save_on_steps = save_on_steps
+    if should_save_fn is not None and not callable(should_save_fn):
+      raise ValueError("should_save_fn must be a callable (step, "
+                       f"last_saved_step) -> bool, got {should_save_fn!r}")
+    self.should_save_fn = should_save_fn
+    # The step of the last save of this Checkpointer (agreed: saves are
+    # collective), or the newest committed one before it; should_save_fn's
+    # second argument. _UNKNOWN until asked.
+    self._last_saved: Any = _UNKNOWN
+    # The attempt of the save in flight (cancel() removes it).
+    self._attempt: finalize.Attempt | None = None
+    self._task: asyncio.Task | None = None
     # Agreed facts the skip decision of save() rests on, the same on every
     # process: the step reached_preemption said True for, and whether the
     # directory holds a checkpoint (None: not asked yet).
@@ -235,9 +263,23 @@ class Checkpointer(queries.Queries):
 
   # ---- save -------------------------------------------------------------
 
+  @property
+  def directory(self) -> Any:
+    """The checkpoint root: an ``etils.epath.Path`` for a local directory
+    (a path or ``file://`` URL, made absolute), as Orbax's
+    ``CheckpointManager.directory``; the URL string for ``gs://``, ``s3://``
+    and ``memory://`` (ckpt reads those with TensorStore, not epath)."""
+    # pylint: disable=g-import-not-at-top
+    from etils import epath
+    url = self.storage.url
+    if self.storage.is_posix:
+      path = url[len("file://"):] if url.startswith("file://") else url
+      return epath.Path(os.path.abspath(path))
+    return url
+
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
-           force: bool = False) -> bool:
+           force: bool = False, custom_metadata: dict | None = None) -> bool:
     """Saves ``state`` as ``step``; returns False if the step is the newest
     committed one (with a warning) or (with ``save_interval_steps``)
     ``should_save(step)`` is False.
@@ -250,7 +292,10 @@ class Checkpointer(queries.Queries):
     ``delete(s)`` each newer step, then save.
 
     ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
-    nested dicts flattened to ``a/b`` names. ``force`` saves whatever
+    nested dicts flattened to ``a/b`` names. ``custom_metadata``: a dict
+    JSON holds exactly (str keys, finite numbers), at most 1 MiB as JSON,
+    kept in the step's index and returned by ``metadata(step)
+    .custom_metadata`` (process 0's value is the one written). ``force`` saves whatever
     ``save_interval_steps`` says (the last step of a run, say).
 
     In a multi-process job every process calls it with the same step. The
@@ -271,10 +316,12 @@ class Checkpointer(queries.Queries):
     coord0 = multihost.coordination_stats()
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
+    custom = None
     try:
       self._check_open()
       self._wait_for_save()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)
+      custom = save_extras.check_custom_metadata(custom_metadata)
       if transforms:  # they see and return nested dicts keyed by path parts
         state = tree.nest(dict(tree.flatten(state)))
         for fn in transforms:
@@ -292,6 +339,7 @@ class Checkpointer(queries.Queries):
         key, step, error, values, lambda: self._prepare_attempt(step, started),
         timeout_s=self.barrier_timeout_s)
     self._has_checkpoint = True  # agreed: committed already, or about to be
+    self._last_saved = step
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
@@ -306,10 +354,11 @@ class Checkpointer(queries.Queries):
     staged = threading.Event()
     fut = asyncio.run_coroutine_threadsafe(deadline_lib.bounded(
         self._save_async(attempt, plan, metrics, host_bytes, stats, staged, t0,
-                         coord0),
+                         coord0, custom),
         started[0] if started else self._save_deadline(step)), self._loop)
     with self._lock:
       self._inflight, self._inflight_step = fut, step
+      self._attempt = attempt
     if self.async_save:
       staged.wait()
       stats.blocking_s = time.perf_counter() - t0
@@ -399,8 +448,10 @@ class Checkpointer(queries.Queries):
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
                         host_bytes: bytes, stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
-                        coord0: multihost.CoordinationStats) -> None:
+                        coord0: multihost.CoordinationStats,
+                        custom: str | None = None) -> None:
     cleanup = None
+    self._task = asyncio.current_task()  # what cancel() cancels
     try:
       if multihost.process_index() == 0:
         # Abandoned work of crashed jobs and failed saves goes at every save
@@ -410,7 +461,8 @@ class Checkpointer(queries.Queries):
             asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
       await finalize.run_save(attempt, plan, self.storage, self._context,
                               self.concurrent_bytes, metrics, host_bytes,
-                              stats, staged.set, clock=self._clock)
+                              stats, staged.set, clock=self._clock,
+                              custom_metadata=custom)
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)
@@ -525,6 +577,108 @@ class Checkpointer(queries.Queries):
           f"wait_until_finished(timeout={timeout}): the save is committed, "
           f"but retention (deleting the steps the policy drops) was still "
           f"running after {timeout} s; it goes on in the background") from None
+
+  def check_for_errors(self) -> None:
+    """Raises the failure of the last background save now, if it has
+    failed; returns at once otherwise (a save still in flight, or none).
+    Never waits. The failure is raised once, by whichever of this,
+    ``wait_until_finished``, the next ``save`` or ``close`` comes first.
+    Not collective: each process checks its own save (all processes'
+    saves fail together: the failure travels with the save's barriers)."""
+    with self._lock:
+      fut = self._inflight
+    if fut is not None and fut.done():
+      self._wait_for_save()
+
+  def cancel(self) -> bool:
+    """Abandons the save in flight on every process and removes its
+    attempt; returns True once that is done everywhere, False if no save
+    was in flight (or it had committed: then it stays committed).
+
+    For a job that must exit now. Collective: every process calls it.
+    Each process stops its part of the save (requests already sent to the
+    store end first, ckpt/tsfuture.py); then one round, in which process 0
+    removes the attempt (its uncommitted work directory and pending record)
+    unless the step committed meanwhile; every process returns the same
+    answer. The save's failure is not raised (it was cancelled); the
+    Checkpointer takes the next save as usual. Retention of an earlier
+    save goes on (``wait_until_finished`` waits for it).
+    """
+    key = multihost.call_key(self._key_base, "cancel")
+    with self._lock:
+      fut, step, attempt = self._inflight, self._inflight_step, self._attempt
+    mine = {"step": None, "waiting": None}
+    if not self._closed and fut is not None and not fut.done():
+      mine["step"] = step
+      try:
+        asyncio.run_coroutine_threadsafe(self._cancel_task(),
+                                         self._loop).result()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: cancel(): stopping the save of step %s: %s",
+                        step, e)
+      if attempt is not None and attempt.waiting:
+        mine["waiting"] = attempt.waiting[0]
+
+    def decide(posts: dict[int, str]) -> str:
+      got = {p: json.loads(v) for p, v in posts.items()}
+      steps = sorted({g["step"] for g in got.values()
+                      if g["step"] is not None})
+      # At most one barrier has waiting threads (a process past a barrier
+      # means every process arrived there): the others arrive there too.
+      waiting = sorted({g["waiting"] for g in got.values() if g["waiting"]})
+      out = {"cancelled": False, "why": "", "release": waiting[:1],
+             "waiting": [p for p, g in got.items() if g["waiting"]]}
+      if not steps:
+        return json.dumps(out)
+      try:
+        if (attempt is None or attempt.step != steps[-1] or
+            commit_lib.is_committed(self.storage, attempt.step)):
+          out["why"] = f"step {steps[-1]} committed meanwhile"
+          return json.dumps(out)
+        out["cancelled"] = True
+        commit_lib.remove_attempt(self.storage, attempt.step, attempt.token)
+      except Exception as e:  # pylint: disable=broad-except
+        out["why"] = (
+            f"the attempt {attempt.token} of step {attempt.step} in "
+            f"{self.storage.url!r} could not be removed ({e}); the next "
+            "save's cleanup removes it once its lease is "
+            f"{self.lease_s:g} s old")[:1000]
+      return json.dumps(out)
+
+    decision = json.loads(multihost.agree(
+        key, json.dumps(mine), decide, timeout_s=self.barrier_timeout_s,
+        what="cancel(): every process stopped its save"))
+    pid = multihost.process_index()
+    for name in decision["release"]:
+      if pid not in decision["waiting"]:
+        # Releases the threads of the processes that were cancelled while
+        # waiting there (their result is dropped).
+        try:
+          multihost.barrier(name, timeout_s=self.barrier_timeout_s,
+                            what="cancel(): releasing the cancelled save's "
+                            "barrier")
+        except CheckpointError as e:
+          logging.warning("ckpt: cancel(): %s", e)
+    with self._lock:
+      if mine["step"] is not None and self._inflight is fut:
+        self._inflight = None  # its failure is the cancel, not raised
+      self._newest = self._after_commit = _UNKNOWN
+    if decision["why"]:
+      logging.warning("ckpt: cancel(): %s", decision["why"])
+    if decision["cancelled"]:
+      self._last_saved = _UNKNOWN  # the step was not saved
+      logging.info("ckpt: cancelled the save of step %s in %s", step,
+                   self.storage.url)
+    return bool(decision["cancelled"])
+
+  async def _cancel_task(self) -> None:
+    """On the loop: cancels the save's task and waits until it ended
+    (its TensorStore requests end first, ckpt/tsfuture.py)."""
+    task = self._task
+    if task is None or task.done():
+      return
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
   def is_saving_in_progress(self) -> bool:
     """True while the last save is not yet committed (or failed) on this

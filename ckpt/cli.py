@@ -283,7 +283,8 @@ def cmd_inspect(args) -> int:
   doc = {"path": where, "step": index.step, "time": index.time,
          "time_iso": iso_utc(index.time), "format": index.storage_format,
          "process_count": index.process_count, "metrics": index.metrics,
-         "array_bytes": sum(x["bytes"] for x in arrays), "leaves": leaves}
+         "array_bytes": sum(x["bytes"] for x in arrays), "leaves": leaves,
+         "custom_metadata": index_lib.custom_metadata_of(index)}
   rows = []
   for x in leaves:
     if x["kind"] == "array":
@@ -318,6 +319,11 @@ def cmd_inspect(args) -> int:
                 "stored as their key data")
   if index.metrics:
     head.append(f"metrics   {metrics_text(index.metrics)}")
+  if doc["custom_metadata"]:
+    custom = json.dumps(doc["custom_metadata"], sort_keys=True)
+    head.append("custom    " + (custom if len(custom) <= 400 else
+                                 f"{custom[:400]}... ({len(custom)} chars; "
+                                 "--json shows all)"))
   text = "\n".join(head)
   if rows:
     text += "\n\n" + table(

@@ -61,6 +61,10 @@ class Attempt:
   work_dir: str     # relative to the root
   timeout_s: float
   lease_s: float = commit_lib.DEFAULT_LEASE_S
+  # The barrier this process waits at now (one item, or none): a save
+  # cancelled there leaves the waiting thread behind, which
+  # Checkpointer.cancel releases by having the other processes arrive.
+  waiting: list = dataclasses.field(default_factory=list, compare=False)
 
 
 async def _barrier(attempt: Attempt, name: str, what: str,
@@ -76,8 +80,10 @@ async def _barrier(attempt: Attempt, name: str, what: str,
     shown = deadline_lib.timeout_in(error) or error
     multihost.report_failure(f"{key}/failed",
                              f"{type(shown).__name__}: {shown}")
+  attempt.waiting[:] = [key]
   await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
                           what=f"{what}, step {attempt.step}")
+  attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
   on_arrival()
   if error is not None:
     raise error
@@ -93,7 +99,8 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
                    storage: storage_lib.Storage, context, budget: int,
                    metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
                    on_staged: Callable[[], None],
-                   clock: Callable[[], float] = time.time) -> None:
+                   clock: Callable[[], float] = time.time,
+                   custom_metadata: str | None = None) -> None:
   """Stages 3-7 and 9 on every process; returns once the step is committed
   everywhere, or raises the agreed failure. ``clock`` gives the save time
   recorded in the index (the time retention rule reads it)."""
@@ -153,10 +160,18 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
         # refuse: the save then fails everywhere at "done", and nothing is
         # committed.
         index = save_lib.make_index(plan, step, metrics, n)
-        index = dataclasses.replace(index, time=retention_lib.now_s(clock))
+        index = dataclasses.replace(index, time=retention_lib.now_s(clock),
+                                    custom_metadata=custom_metadata)
         data = index_lib.encode(index)
-        await asyncio.to_thread(commit_lib.commit, storage, step,
-                                attempt.token, data)
+        # Not cut by a cancel (Checkpointer.cancel): the task ends once
+        # the commit has, so what cancel finds is committed or not.
+        committing = asyncio.ensure_future(asyncio.to_thread(
+            commit_lib.commit, storage, step, attempt.token, data))
+        try:
+          await asyncio.shield(committing)
+        except asyncio.CancelledError:
+          await asyncio.gather(committing, return_exceptions=True)
+          raise
       except Exception as e:  # pylint: disable=broad-except
         error = e
     # 9. the save is complete everywhere.
@@ -167,7 +182,8 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
     # deadline, leaving writes in flight (ckpt/deadline.py).
     if stopped_writing and pid == 0 and not deadline_lib.abandoned(e):
       await asyncio.to_thread(_remove_failed, storage, attempt)
-    elif pid == 0:
+    elif pid == 0 and not isinstance(e, asyncio.CancelledError):
+      # (cancel() removes a cancelled save's attempt itself)
       logging.warning(
           "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
           "every process said it stopped writing into it; its lease is no "

@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import functools
 import gc
+import json
 import math
 import re
 import reprlib
@@ -187,6 +188,48 @@ class Index:
   # Older indexes only: msgpack, one per process. Now each process writes
   # its own file (HOST_STATE_DIR) and this is None.
   host_state: tuple[bytes, ...] | None = None
+  # save(custom_metadata=...) as JSON text (a dict); None when not given
+  # (then the index has no such field: indexes written before it existed
+  # and those without it read the same).
+  custom_metadata: str | None = None
+
+
+# The largest custom_metadata (JSON text) written or read; see
+# save_extras.check_custom_metadata.
+MAX_CUSTOM_METADATA_BYTES = 1 << 20
+
+
+def custom_metadata_of(index: Index) -> dict:
+  """The step's custom_metadata as a dict ({} when none was saved)."""
+  return {} if index.custom_metadata is None else json.loads(
+      index.custom_metadata)
+
+
+def _decode_custom_metadata(v: Any, where: str) -> str | None:
+  """An index's custom_metadata, untrusted: JSON text of a dict, within
+  MAX_CUSTOM_METADATA_BYTES, finite numbers only."""
+  if v is None:
+    return None
+  if not isinstance(v, str) or len(v.encode()) > MAX_CUSTOM_METADATA_BYTES:
+    raise _bad(where, "custom_metadata as JSON text of at most "
+               f"{MAX_CUSTOM_METADATA_BYTES} bytes",
+               v if not isinstance(v, str) else f"{len(v.encode())} bytes")
+
+  def no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a finite number")
+  def finite(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+      raise ValueError(f"{text[:40]} is not a finite number")
+    return f
+  try:
+    doc = json.loads(v, parse_constant=no_constant, parse_float=finite)
+  except (ValueError, RecursionError) as e:
+    raise CorruptCheckpointError(
+        f"{where}: custom_metadata is not valid JSON: {e}") from None
+  if not isinstance(doc, dict):
+    raise _bad(where, "custom_metadata as a JSON object", v[:80])
+  return v
 
 
 # ---- per-process files of a step ------------------------------------------
@@ -274,6 +317,8 @@ def encode(index: Index) -> bytes:
       "leaves": [e.to_json() for e in index.leaves],
       "host_state": list(index.host_state) if index.host_state is not None else None,
   }
+  if index.custom_metadata is not None:  # an optional field (no version bump)
+    doc["custom_metadata"] = index.custom_metadata
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
@@ -490,7 +535,9 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
                host_state)
   return Index(step=step, time=float(t), storage_format=fmt, process_count=pc,
                structure=structure, leaves=leaves, metrics=dict(metrics),
-               host_state=tuple(host_state) if host_state is not None else None)
+               host_state=tuple(host_state) if host_state is not None else None,
+               custom_metadata=_decode_custom_metadata(
+                   doc.get("custom_metadata"), where))
 
 
 def _decode_entry(e: Any, where: str) -> Entry:

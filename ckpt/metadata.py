@@ -46,6 +46,8 @@ class Metadata:
   source_dtypes: dict[str, str]  # the dtype before save_dtype cast it
   process_count: int
   storage_format: str
+  # save(custom_metadata=...) of this step ({} if none was given).
+  custom_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _sds(shape, dtype, impl: str) -> jax.ShapeDtypeStruct:
@@ -80,7 +82,8 @@ def from_index(index: index_lib.Index) -> Metadata:
       step=index.step, time=index.time, metrics=dict(index.metrics),
       tree=tree.decode_structure(index.structure, leaves.__getitem__),
       shardings=shardings, source_dtypes=source,
-      process_count=index.process_count, storage_format=index.storage_format)
+      process_count=index.process_count, storage_format=index.storage_format,
+      custom_metadata=index_lib.custom_metadata_of(index))
 
 
 def abstract_target(metadata: Metadata | Any, mesh: Mesh,

@@ -5,7 +5,9 @@ retention; restore takes the newest step the job can rebuild from either
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import time
 from typing import Any
 
 from absl import logging
@@ -13,9 +15,11 @@ import jax
 
 from ckpt import local_tier
 from ckpt import multihost
+from ckpt import save_extras
 from ckpt import tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
+                         WaitTimeoutError)
 
 # Restore options the local tier honours: it verifies every shard's crc32c
 # on every restore (so ``verify=True`` holds), and ``read_once`` only
@@ -83,12 +87,30 @@ class MultiTierCheckpointer:
     return step % self.local_interval == 0 or step == self._preemption_step
 
   def should_save_persistent(self, step: int) -> bool:
-    return ((self.persistent_interval is not None and
-             step % self.persistent_interval == 0) or
-            step == self._preemption_step)
+    """``persistent_interval``, the preemption step, and the persistent
+    Checkpointer's ``save_on_steps`` and ``should_save_fn`` (given to this
+    class: they apply to the persistent tier; any of them saves)."""
+    p = self.persistent
+    if ((self.persistent_interval is not None and
+         step % self.persistent_interval == 0) or
+        step == self._preemption_step or
+        (p.save_on_steps is not None and step in p.save_on_steps)):
+      return True
+    return p.should_save_fn is not None and bool(p.should_save_fn(
+        step, p._last_saved_step(step)))  # pylint: disable=protected-access
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step)`` writes ``step`` to either tier."""
+    return self.should_save_local(step) or self.should_save_persistent(step)
+
+  @property
+  def directory(self) -> Any:
+    """The persistent tier's root (``Checkpointer.directory``)."""
+    return self.persistent.directory
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
-           host_state: Any = None, force: bool = False) -> bool:
+           host_state: Any = None, force: bool = False,
+           custom_metadata: dict | None = None) -> bool:
     """Saves ``step`` to the tiers whose interval it hits (both with
     ``force``); returns True if any tier saved it. Collective: every
     process calls it with the same step.
@@ -103,16 +125,23 @@ class MultiTierCheckpointer:
     then save. A step equal to the newest: the persistent tier skips it
     with a warning (as ``Checkpointer.save``), the local tier writes it
     again.
+
+    ``custom_metadata`` (checked as ``Checkpointer.save`` does, whichever
+    tier saves) is kept with the persistent tier's step only:
+    ``metadata(step)`` reads the persistent tier; a step saved to the
+    local tier only keeps none.
     """
     to_persistent = force or self.should_save_persistent(step)
     to_local = force or self.should_save_local(step)
     if not (to_persistent or to_local):
       return False
+    save_extras.check_custom_metadata(custom_metadata)  # same on all
     self._check_timeline(step)
     saved = False
     if to_persistent:
       saved |= bool(self.persistent.save(step, state, metrics=metrics,
-                                         host_state=host_state, force=True))
+                                         host_state=host_state, force=True,
+                                         custom_metadata=custom_metadata))
     if to_local:
       # Retention keeps this step, whatever its number (LocalTier._retain);
       # no local save is in flight (_check_timeline waited for it).
@@ -132,11 +161,65 @@ class MultiTierCheckpointer:
       return True
     return False
 
-  def wait_until_finished(self) -> None:
+  def wait_until_finished(self, timeout: float | None = None) -> None:
+    """Both tiers' saves (``Checkpointer.wait_until_finished``);
+    ``timeout``: ``WaitTimeoutError`` if they are not done by then (they go
+    on in the background)."""
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
     try:
-      self.persistent.wait_until_finished()
+      self.persistent.wait_until_finished(timeout)
     finally:
+      fut = self.local._fut  # pylint: disable=protected-access
+      if fut is not None and deadline is not None:
+        try:
+          fut.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+          if not fut.done():
+            raise WaitTimeoutError(  # pylint: disable=raise-missing-from
+                f"wait_until_finished(timeout={timeout}): the local tier's "
+                f"save was not finished after {timeout} s on process "
+                f"{multihost.process_index()}; it goes on in the background")
+        except Exception:  # pylint: disable=broad-except
+          pass  # raised (once) by wait() below
       self.local.wait()
+
+  def is_saving_in_progress(self) -> bool:
+    """True while either tier's last save is not finished (this process;
+    not collective)."""
+    fut = self.local._fut  # pylint: disable=protected-access
+    return self.persistent.is_saving_in_progress() or (
+        fut is not None and not fut.done())
+
+  def check_for_errors(self) -> None:
+    """Raises a failed background save of either tier now (once), without
+    waiting for a save in flight."""
+    self.persistent.check_for_errors()
+    fut = self.local._fut  # pylint: disable=protected-access
+    if fut is not None and fut.done():
+      self.local.wait()
+
+  def cancel(self) -> bool:
+    """Abandons the persistent tier's save in flight on every process
+    (``Checkpointer.cancel``: collective; its attempt is removed) and lets
+    the local tier's save end (a write to a local disk; a failure of it is
+    logged, not raised). True if a persistent save was cancelled."""
+    try:
+      return self.persistent.cancel()
+    finally:
+      try:
+        self.local.wait()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: cancel(): the local tier's save failed: %s", e)
+
+  def best_step(self) -> int | None:
+    """The persistent tier's best step (``best_metric``/``best_fn`` given
+    to this class; the local tier keeps no metrics). Collective."""
+    return self.persistent.best_step()
+
+  def metadata(self, step: int | None = None) -> Any:
+    """``Checkpointer.metadata`` of the persistent tier's ``step``
+    (default: its latest), custom_metadata included. Collective."""
+    return self.persistent.metadata(step)
 
   # -- delete --
 

@@ -45,6 +45,34 @@ class Queries:
       pass
     return self._committed_now()
 
+  def best_step(self) -> int | None:
+    """The committed step with the best ``best_metric`` (or ``best_fn``)
+    value under ``best_mode``, among the committed steps that have it; ties
+    go to the newest step; NaN never counts as best. None when no committed
+    step has the metric, and without ``best_metric``/``best_fn`` (Orbax
+    returns ``latest_step()`` then). Collective: process 0 reads each
+    step's metrics (cached, as retention's) and every process gets its
+    answer."""
+    return self._agreed("best_step()", self._best_step,
+                        f"the best step in {self.storage.url!r}",
+                        error=self._open_error())
+
+  def _best_step(self) -> int | None:
+    if not self.policy.ranks_by_metrics:
+      return None
+    scores = {}
+    for s in self._list_steps():
+      try:
+        score = self.policy.score(self._read_metrics(s))
+      except CheckpointError:  # deleted meanwhile, unreadable: no score
+        continue
+      if score is not None and score == score:  # not NaN
+        scores[s] = score
+    if not scores:
+      return None
+    sign = 1.0 if self.policy.best_mode == "min" else -1.0
+    return min(scores, key=lambda s: (sign * scores[s], -s))
+
   def metrics(self, step: int) -> dict[str, float | int]:
     """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints."""
     return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
@@ -81,6 +109,7 @@ class Queries:
     self._metrics_cache.clear()
     self._time_cache.clear()
     self._newest = self._after_commit = UNKNOWN
+    self._last_saved = UNKNOWN
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step, ...)`` writes ``step`` (``save_interval_steps``).
@@ -94,11 +123,32 @@ class Queries:
     directory: the first call that reaches it is a collective round (process
     0 lists the directory once, every process gets its answer); after that
     (or after any save) it is known and no call needs a round again.
+
+    ``save_on_steps``: those steps are accepted too. ``should_save_fn(step,
+    last_saved_step)``: a step it accepts is accepted too (Orbax ignores
+    ``save_interval_steps`` and ``save_on_steps`` when it is given; ckpt
+    takes any of them: give only ``should_save_fn`` for Orbax's behaviour,
+    then without the first-step rule, as Orbax). ``last_saved_step`` is the
+    step of this Checkpointer's last save, or before any the newest
+    committed step (None: none), agreed on every process (one round, the
+    first time it is needed). The function runs on every process, with no
+    round per step: it must be deterministic (a pure function of its two
+    arguments, not of the clock or of process-local state) and must not
+    raise, or processes that disagree wait for each other in ``save``
+    until ``barrier_timeout_s``.
     """
     step = check_step(step)
-    n = self.save_interval_steps
-    if n is None or step % n == 0 or step == self._preemption_step:
+    n, on, fn = self.save_interval_steps, self.save_on_steps, self.should_save_fn
+    if n is None and on is None and fn is None:
       return True
+    if ((n is not None and step % n == 0) or step == self._preemption_step
+        or (on is not None and step in on)):
+      return True
+    if fn is not None:
+      if fn(step, self._last_saved_step(step)):
+        return True
+      if n is None and on is None:  # as Orbax: no first-step rule with it
+        return False
     if self._has_checkpoint is None:
       empty = self._agreed(
           f"should_save({step})",
@@ -108,6 +158,19 @@ class Queries:
         self._has_checkpoint = True
       return bool(empty)
     return False
+
+  def _last_saved_step(self, step: int) -> int | None:
+    """should_save_fn's ``last_saved_step``: agreed (one round the first
+    time, then known from the saves)."""
+    if self._last_saved is UNKNOWN:
+      self._last_saved = self._agreed(
+          f"should_save({step})",
+          lambda: (lambda s: s[-1] if s else None)(
+              commit_lib.committed_steps(self.storage)),
+          f"the newest step in {self.storage.url!r}")
+      if self._last_saved is not None:
+        self._has_checkpoint = True
+    return self._last_saved
 
   def delete(self, step: int) -> None:
     """Deletes the committed ``step``, atomically (readers see it whole or
@@ -130,6 +193,7 @@ class Queries:
                  error=error)
     self._metrics_cache.pop(step, None)
     self._time_cache.pop(step, None)
+    self._last_saved = UNKNOWN  # (it may have been the step deleted)
 
   def _delete_step(self, step: int) -> bool:
     """Process 0, in the delete round: within ``save_timeout_s`` (a step

@@ -5,6 +5,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -98,3 +99,59 @@ def unpack_host_state(data: Any, where: str = "host_state") -> Any:
     raise index_lib.CorruptCheckpointError(
         f"{where} is not a valid msgpack value (truncated or corrupt?): {e}"
     ) from e
+
+
+# The largest custom_metadata of one step, as JSON text. It lives in the
+# step's index, which every query and restore reads (process 0, one GET on
+# a bucket, ``ckpt inspect``): a few notes and counters, not data (put
+# large things in the state, where they are sharded and read lazily).
+MAX_CUSTOM_METADATA_BYTES = index_lib.MAX_CUSTOM_METADATA_BYTES
+
+
+def check_custom_metadata(value: Any) -> str | None:
+  """``save(custom_metadata=...)``: a dict that JSON holds exactly (str
+  keys; dicts, lists, str, finite numbers, bool, None), at most
+  MAX_CUSTOM_METADATA_BYTES as JSON; returned as that JSON text (None for
+  None). Checked on the caller's thread, before anything is written."""
+  if value is None:
+    return None
+  if not isinstance(value, dict):
+    raise InvalidStateError(
+        "custom_metadata must be a dict (JSON-serialisable), got "
+        f"{type(value).__name__}")
+
+  def walk(path: str, node: Any, depth: int) -> None:
+    if depth > 64:
+      raise InvalidStateError(
+          f"custom_metadata{path}: nested more than 64 levels deep")
+    if isinstance(node, dict):
+      for k, v in node.items():
+        if not isinstance(k, str):
+          raise InvalidStateError(
+              f"custom_metadata{path}: key {k!r} is of type {type(k).__name__}; "
+              "expected str keys (JSON would turn it into a string)")
+        walk(f"{path}[{k!r}]", v, depth + 1)
+    elif isinstance(node, list):
+      for i, v in enumerate(node):
+        walk(f"{path}[{i}]", v, depth + 1)
+    elif isinstance(node, float):
+      if node != node or node in (float("inf"), float("-inf")):
+        raise InvalidStateError(
+            f"custom_metadata{path} is {node!r}; JSON holds finite numbers "
+            "only")
+    elif not (node is None or isinstance(node, (str, bool, int))):
+      raise InvalidStateError(
+          f"custom_metadata{path} is a {type(node).__name__} ({node!r:.80}); "
+          "expected dict, list, str, int, float, bool or None (convert numpy "
+          "and jax scalars with float()/int(), tuples to lists)")
+
+  walk("", value, 0)
+  text = json.dumps(value, allow_nan=False, sort_keys=True,
+                    separators=(",", ":"))
+  if len(text.encode()) > MAX_CUSTOM_METADATA_BYTES:
+    raise InvalidStateError(
+        f"custom_metadata is {len(text.encode())} bytes as JSON; at most "
+        f"{MAX_CUSTOM_METADATA_BYTES} (ckpt.save_extras."
+        "MAX_CUSTOM_METADATA_BYTES): it is kept in the step's index, which "
+        "every query reads. Save large values as arrays of the state")
+  return text
