@@ -43,12 +43,10 @@ def check(mt, step: int) -> None:
     dst, n = mt.local.layout.dst, mt.local.layout.n
   except Exception as e:  # pylint: disable=broad-except
     error = e
-  err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+  err = _describe(error)
 
   def decide(posts: dict[int, str]) -> str:
-    _forget_previous(key)
-    got = {p: json.loads(v) for p, v in sorted(posts.items())}
-    failed = {p: g["error"] for p, g in got.items() if g["error"]}
+    got, failed = _read_posts(key, posts)
     if failed:
       return json.dumps({"failed": failed})
     # The local steps a restore could use (as _choose counts them, from
@@ -140,12 +138,10 @@ def delete(mt, step: int) -> None:
     hidden = mt.local.hide_step(step)
   except Exception as e:  # pylint: disable=broad-except
     error = e
-  err = None if error is None else f"{type(error).__name__}: {error}"[:2000]
+  err = _describe(error)
 
   def decide(posts: dict[int, str]) -> str:
-    _forget_previous(key)
-    got = {p: json.loads(v) for p, v in sorted(posts.items())}
-    failed = {p: g["error"] for p, g in got.items() if g["error"]}
+    got, failed = _read_posts(key, posts)
     if failed:
       return json.dumps({"failed": failed})
     local = [p for p, g in got.items() if g["hidden"]]
@@ -232,3 +228,16 @@ def _forget_previous(key: str) -> None:
   base, _, n = key.rpartition("/")
   if n.isdigit() and int(n) > 0:
     multihost.forget(f"{base}/{int(n) - 1}")
+
+
+def _describe(error: BaseException | None) -> str | None:
+  """What a process posts of its own failure in a round."""
+  return None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+
+def _read_posts(key: str, posts: dict[int, str]) -> tuple[dict, dict]:
+  """Process 0, in a round's decide: the earlier calls' keys go; every
+  process's post, and the failures among them."""
+  _forget_previous(key)
+  got = {p: json.loads(v) for p, v in sorted(posts.items())}
+  return got, {p: g["error"] for p, g in got.items() if g["error"]}
