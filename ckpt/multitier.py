@@ -15,6 +15,7 @@ import jax
 
 from ckpt import local_tier
 from ckpt import multihost
+from ckpt import restore as restore_lib
 from ckpt import save_extras
 from ckpt import tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
@@ -332,7 +333,8 @@ class MultiTierCheckpointer:
     whose shardings differ from the save's, or restore options the local
     tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
     """
-    leaves = [] if target is None else local_tier.flatten(target)[0]
+    leaves = [] if target is None else local_tier.flatten(
+        restore_lib.concrete_target(target))[0]
     return self._choose(None, leaves)["step"]
 
   # -- restore --
@@ -360,6 +362,8 @@ class MultiTierCheckpointer:
     # The persistent tier's save in flight ends first (its failure stays for
     # the next save or wait), the local tier's in _choose.
     self.persistent._settle()  # pylint: disable=protected-access
+    if target is not None:  # jax.eval_shape's abstract meshes: on devices
+      target = restore_lib.concrete_target(target)
     leaves, treedef = (local_tier.flatten(target) if target is not None else
                        (None, None))
     if restore_kwargs.get("path") is not None:  # another checkpoint's root

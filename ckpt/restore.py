@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
+import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -120,8 +122,9 @@ def _target_spec(x: Any, name: str = "<target>"):
   """(shape, dtype, sharding, wants_array) of one target leaf; the dtype of
   a typed PRNG key target is its key dtype (numpy has none)."""
   if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+    sharding = concrete_sharding(name, x.sharding)
     if prng.is_key_dtype(x.dtype):
-      return tuple(x.shape), x.dtype, x.sharding, True
+      return tuple(x.shape), x.dtype, sharding, True
     try:
       dtype = np.dtype(x.dtype)
     except TypeError as e:
@@ -129,8 +132,8 @@ def _target_spec(x: Any, name: str = "<target>"):
           f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
           "restore into; expected a numpy dtype or a typed PRNG key dtype"
       ) from e
-    _check_divides(name, tuple(x.shape), x.sharding)
-    return tuple(x.shape), dtype, x.sharding, True
+    _check_divides(name, tuple(x.shape), sharding)
+    return tuple(x.shape), dtype, sharding, True
   if isinstance(x, np.ndarray):
     return tuple(x.shape), np.dtype(x.dtype), None, True
   return None, None, None, False
@@ -215,6 +218,49 @@ class AsSaved:
           if isinstance(built, jax.sharding.NamedSharding) else
           index_lib.REPLICATED_INLINE.to_sharding())
     return self._replicated
+
+
+def concrete_sharding(name: str, sharding: Any) -> Any:
+  """A target sharding on an ``AbstractMesh`` (what ``jax.eval_shape`` of
+  a function that places arrays on a ``jax.make_mesh`` mesh with Explicit
+  axes gives) on this job's devices: ``jax.make_mesh`` of the same axis
+  names, sizes and types, the mesh such a function builds. Other
+  shardings as they are; TreeMismatchError naming the leaf when this job
+  has another number of devices."""
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  try:
+    return jax.sharding.NamedSharding(_concrete_mesh(mesh), sharding.spec)
+  except ValueError as e:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the target's sharding is on an abstract mesh "
+        f"{dict(mesh.shape)}, which ckpt builds on this job's "
+        f"{jax.device_count()} devices with jax.make_mesh: {e}; pass a "
+        "target with a concrete sharding") from None
+
+
+def concrete_target(target: Any) -> Any:
+  """``target`` with every ShapeDtypeStruct on an abstract mesh put on this
+  job's devices (``concrete_sharding``), for code that reads target
+  shardings itself (the multi-tier checkpointer's local tier)."""
+  def leaf(path, x):
+    if (isinstance(x, jax.ShapeDtypeStruct) and
+        isinstance(getattr(x.sharding, "mesh", None),
+                   jax.sharding.AbstractMesh)):
+      name = tree.path_str(tuple(tree.key_name(k) for k in path))
+      return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  sharding=concrete_sharding(name, x.sharding))
+    return x
+  return tree_util.tree_map_with_path(leaf, target)
+
+
+@functools.lru_cache(maxsize=64)
+def _concrete_mesh(mesh: jax.sharding.AbstractMesh) -> jax.sharding.Mesh:
+  if math.prod(mesh.axis_sizes) != jax.device_count():
+    raise ValueError(f"it has {math.prod(mesh.axis_sizes)} devices")
+  return jax.make_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
+                       axis_types=tuple(mesh.axis_types))
 
 
 def _check_divides(name: str, shape: tuple, sharding: Any) -> None:

@@ -595,3 +595,33 @@ def test_an_imported_orbax_checkpoint_keeps_the_saved_shardings(
     got = c.restore(12, target=unsharded(state))
   for name, x in flat(state).items():
     assert flat(got)[name].sharding.spec == x.sharding.spec, name
+
+
+def test_a_jax_eval_shape_target_on_an_explicit_mesh_restores(tmp_path):
+  """``jax.eval_shape(create_state)`` where create_state places arrays on
+  a ``jax.make_mesh`` mesh gives shardings on an AbstractMesh: they are
+  built on this job's devices (jax's own error named no leaf)."""
+  m = jax.make_mesh((4, 2), ("data", "model"))
+
+  def create():
+    return {"w": jax.device_put(jnp.arange(32.0).reshape(8, 4),
+                                NamedSharding(m, P("data", "model"))),
+            "b": jnp.zeros(3)}
+
+  target = jax.eval_shape(create)
+  assert isinstance(target["w"].sharding.mesh, jax.sharding.AbstractMesh)
+  with ckpt.Checkpointer(tmp_path / "run") as c:
+    c.save(1, create())
+    c.wait_until_finished()
+    for kw in ({}, {"lazy": True}):
+      got = c.restore(target=target, **kw)
+      w = got["w"].read() if kw else got["w"]
+      assert isinstance(w, jax.Array) and w.sharding.spec == P("data", "model")
+      assert w.sharding.mesh.shape == m.shape
+      np.testing.assert_array_equal(np.asarray(w), np.arange(32.0).reshape(8, 4))
+  bad = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(
+      jax.sharding.AbstractMesh((3,), ("x",)), P("x")))
+  with ckpt.Checkpointer(tmp_path / "run") as c:
+    with pytest.raises(ckpt.TreeMismatchError, match=r"leaf 'w': the target's "
+                       r"sharding is on an abstract mesh \{'x': 3\}"):
+      c.restore(target={"w": bad, "b": target["b"]})
