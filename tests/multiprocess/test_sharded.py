@@ -23,10 +23,9 @@ import pathlib
 
 import pytest
 
-from ckpt import local_cluster
+from tests.multiprocess import launch as launch_lib
 from tests.multiprocess import sharded_worker as worker
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "tests.multiprocess.sharded_worker"
 # The checkpoints each job writes or reads: name -> Checkpointer options.
 # "zarr3" saves asynchronously (save returns once staged); "tight" has a
@@ -38,19 +37,12 @@ CKPTS = {
     "tight": {"format": "zarr3", "compression": "zstd",
               "concurrent_bytes": 256 << 10},
 }
-LAUNCH_TIMEOUT_S = 180
 # Every process writes within this factor of an equal share of the bytes.
 BALANCE = 1.5
 
 
 def launch(config: dict, num_processes: int, devices_per_process: int):
-  results = local_cluster.run(
-      WORKER, config, num_processes=num_processes,
-      devices_per_process=devices_per_process, timeout_s=LAUNCH_TIMEOUT_S,
-      cwd=str(REPO))
-  out = local_cluster.check(results)
-  assert [r["process"] for r in out] == list(range(num_processes))
-  return out
+  return launch_lib.launch(WORKER, config, num_processes, devices_per_process)
 
 
 def all_leaf_paths() -> set[str]:

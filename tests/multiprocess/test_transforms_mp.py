@@ -23,26 +23,18 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import local_cluster
+from tests.multiprocess import launch as launch_lib
 from ckpt import tree
 from tests.multiprocess import transforms_worker as worker
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "tests.multiprocess.transforms_worker"
-LAUNCH_TIMEOUT_S = 180
 STACKED = {"params/layers/attn/w", "params/layers/mlp/w",
            "params/layers/mlp/b", "params/embedding/table",
            "params/norm/scale", "step"}
 
 
 def launch(config: dict, num_processes: int, devices_per_process: int):
-  results = local_cluster.run(
-      WORKER, config, num_processes=num_processes,
-      devices_per_process=devices_per_process, timeout_s=LAUNCH_TIMEOUT_S,
-      cwd=str(REPO))
-  out = local_cluster.check(results)
-  assert [r["process"] for r in out] == list(range(num_processes))
-  return out
+  return launch_lib.launch(WORKER, config, num_processes, devices_per_process)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,22 @@
+"""One real multi-process job for a test: the worker module run on
+``num_processes`` processes (ckpt.local_cluster), its results checked and
+returned in process order."""
+
+from __future__ import annotations
+
+import pathlib
+
+from ckpt import local_cluster
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 180
+
+
+def launch(worker: str, config: dict, num_processes: int,
+           devices_per_process: int) -> list:
+  out = local_cluster.check(local_cluster.run(
+      worker, config, num_processes=num_processes,
+      devices_per_process=devices_per_process, timeout_s=TIMEOUT_S,
+      cwd=str(REPO)))
+  assert [r["process"] for r in out] == list(range(num_processes))
+  return out
