@@ -90,6 +90,7 @@ from ckpt import partner
 from ckpt import prng
 from ckpt import restore as restore_lib
 from ckpt import save as save_lib
+from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import storage as storage_lib
 from ckpt import tree as tree_lib
 from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
@@ -1217,11 +1218,9 @@ def _as_saved(one_device: bool) -> jax.sharding.Sharding:
   replicated over every device (on a 1-D mesh: the local tier does not
   record the checkpoint's mesh, the persistent tier uses it when there is
   one)."""
-  if one_device:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  return jax.sharding.NamedSharding(
-      jax.sharding.Mesh(np.array(jax.devices()), ("devices",)),
-      jax.sharding.PartitionSpec())
+  saved = (saved_sharding_lib.SavedSharding("device") if one_device else
+           saved_sharding_lib.REPLICATED_HOST)
+  return saved.to_sharding()
 
 
 def _wrap(x: jax.Array, p: _Leaf) -> jax.Array:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
-import math
 import re
 from typing import Any, Callable, Sequence
 
@@ -26,6 +24,7 @@ from ckpt import lazy
 from ckpt import prng
 from ckpt import readonce
 from ckpt import readsplit
+from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt.errors import (CheckpointNotFoundError,
@@ -230,14 +229,18 @@ def concrete_sharding(name: str, sharding: Any) -> Any:
   mesh = getattr(sharding, "mesh", None)
   if not isinstance(mesh, jax.sharding.AbstractMesh):
     return sharding
+  # The mesh make_mesh builds, as for a saved mesh of those axes.
+  as_saved = saved_sharding_lib.SavedSharding(
+      "mesh", tuple(mesh.axis_names), tuple(mesh.axis_sizes), sharding.spec,
+      tuple(t.name.lower() for t in mesh.axis_types))
   try:
-    return jax.sharding.NamedSharding(_concrete_mesh(mesh), sharding.spec)
+    return as_saved.to_sharding()
   except ValueError as e:
     raise TreeMismatchError(
         f"leaf {name!r}: the target's sharding is on an abstract mesh "
-        f"{dict(mesh.shape)}, which ckpt builds on this job's "
-        f"{jax.device_count()} devices with jax.make_mesh: {e}; pass a "
-        "target with a concrete sharding") from None
+        f"{dict(mesh.shape)}, which ckpt builds on this job's devices with "
+        f"jax.make_mesh: {e}; pass a target with a concrete sharding"
+    ) from None
 
 
 def concrete_target(target: Any) -> Any:
@@ -253,14 +256,6 @@ def concrete_target(target: Any) -> Any:
                                   sharding=concrete_sharding(name, x.sharding))
     return x
   return tree_util.tree_map_with_path(leaf, target)
-
-
-@functools.lru_cache(maxsize=64)
-def _concrete_mesh(mesh: jax.sharding.AbstractMesh) -> jax.sharding.Mesh:
-  if math.prod(mesh.axis_sizes) != jax.device_count():
-    raise ValueError(f"it has {math.prod(mesh.axis_sizes)} devices")
-  return jax.make_mesh(tuple(mesh.axis_sizes), tuple(mesh.axis_names),
-                       axis_types=tuple(mesh.axis_types))
 
 
 def _check_divides(name: str, shape: tuple, sharding: Any) -> None:

@@ -87,7 +87,8 @@ class SavedSharding:
     had. With ``devices=None`` the mesh is ``jax.make_mesh``'s (the device
     order it picks for the topology; on CPU and GPU ``jax.devices()`` in
     order), else ``devices`` in the order given. ``"device"``: the first
-    of them this process holds (each process its own, as saved). ``"replicated"``: replicated over all the devices. Raises
+    of them this process holds (each process its own, as saved).
+    ``"replicated"``: replicated over all the devices. Raises
     ValueError (saying why) when it cannot be built, and for ``"unknown"``.
     """
     given = devices is not None
