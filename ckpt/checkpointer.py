@@ -912,6 +912,15 @@ class Checkpointer(queries.Queries):
   # ---- lifecycle --------------------------------------------------------
 
   def close(self) -> None:
+    """Waits for the save in flight and its retention, then stops the
+    background thread. Idempotent; ``with Checkpointer(...)`` calls it.
+
+    Raises:
+      CheckpointError (or its subclasses): the last background save failed
+        and its error was not raised yet.
+
+    Collective when a save is in flight (it waits at that save's barriers).
+    """
     if self._closed:
       return
     try:

@@ -101,14 +101,17 @@ class LazyLeaf(abc.ABC):
 
   @property
   def ndim(self) -> int:
+    """The number of dimensions of ``shape``."""
     return len(self.shape)
 
   @property
   def size(self) -> int:
+    """The number of elements."""
     return math.prod(self.shape)
 
   @property
   def nbytes(self) -> int:
+    """The bytes of the stored data (``size`` times the stored dtype's)."""
     return self.size * np.dtype(self.dtype).itemsize
 
   def __repr__(self) -> str:
@@ -132,6 +135,11 @@ class LazyLeaf(abc.ABC):
                              plan.applies(sharding) else None)
 
   async def read_async(self, sharding=None, dtype=None):
+    """``read()`` for asyncio code: the same arguments, result and errors.
+
+    Reads that overlap (``asyncio.gather`` of several) issue their read-once
+    collectives in the order they were called.
+    """
     sharding, dtype, plan = self._args(sharding, dtype)
     if plan is None:
       return await self._guarded(dtype, sharding)
@@ -142,6 +150,28 @@ class LazyLeaf(abc.ABC):
                                    self.path, self.shape, dtype)
 
   def read(self, sharding=None, dtype=None):
+    """Reads the leaf now.
+
+    Args:
+      sharding: where the result goes: a ``jax.sharding.Sharding`` (this
+        process reads only the boxes its devices hold), or None for the
+        sharding the leaf was bound to (``restore(lazy=True)``: the
+        target's), else a host numpy array.
+      dtype: cast to this dtype (None: the bound target dtype, else the
+        stored one).
+
+    Returns:
+      A ``jax.Array`` with that sharding, or a numpy array.
+
+    Raises:
+      CheckpointError: the step was deleted or saved again since the leaf
+        was made (it never returns other data), or a read failed.
+      CorruptCheckpointError: the stored data does not match its index.
+
+    Collective only when the leaf reads once (a multi-process restore with
+    read once on, read with the sharding it was bound to): then every
+    process must read the same leaves in the same order. Otherwise local.
+    """
     sharding, dtype, plan = self._args(sharding, dtype)
     if plan is None:
       return run_sync(self.read_async(sharding, dtype))

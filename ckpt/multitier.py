@@ -85,6 +85,8 @@ class MultiTierCheckpointer:
   # -- save --
 
   def should_save_local(self, step: int) -> bool:
+    """Whether ``save(step)`` writes to the local tier: every
+    ``local_interval`` steps and the preemption step. Local, no I/O."""
     return step % self.local_interval == 0 or step == self._preemption_step
 
   def should_save_persistent(self, step: int) -> bool:
@@ -157,6 +159,9 @@ class MultiTierCheckpointer:
     tier_timeline.check(self, step)
 
   def reached_preemption(self, step: int) -> bool:
+    """As ``Checkpointer.reached_preemption``: True at the same step on every
+    process once any was told to stop; that step is then saved to both
+    tiers. Call it at every training step, before ``save``."""
     if self.persistent.reached_preemption(step):
       self._preemption_step = step
       return True
@@ -412,6 +417,8 @@ class MultiTierCheckpointer:
   # -- lifecycle --
 
   def close(self) -> None:
+    """Waits for both tiers' saves, then closes them (as
+    ``Checkpointer.close``, whose errors it raises)."""
     try:
       self.wait_until_finished()
     finally:

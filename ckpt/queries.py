@@ -31,10 +31,24 @@ class Queries:
   save."""
 
   def all_steps(self) -> list[int]:
+    """The committed steps of the directory, in increasing order.
+
+    Collective in a multi-process job: process 0 lists the directory once
+    and every process gets its answer.
+
+    Raises:
+      StoreTimeoutError: the store did not answer within ``query_timeout_s``.
+      CheckpointError: the directory cannot be listed.
+    """
     return self._agreed("all_steps()", self._list_steps,
                         f"the steps in {self.storage.url!r}")
 
   def latest_step(self) -> int | None:
+    """The newest committed step, or None when there is none.
+
+    Collective, like ``all_steps`` (one agreement round); raises what it
+    raises.
+    """
     steps = self.all_steps()
     return steps[-1] if steps else None
 

@@ -40,6 +40,8 @@ def _nested(flat: dict[str, Any]) -> dict:
 
 
 def unmatched(what: str, pattern: str, names) -> TreeMismatchError:
+  """The error a helper raises for a pattern that matches no leaf (it
+  lists the leaves), for transforms of your own to raise alike."""
   shown = sorted(names)[:20]
   return TreeMismatchError(
       f"{what} pattern {pattern!r} matches no checkpoint leaf; leaves are: "
