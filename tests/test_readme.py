@@ -59,3 +59,20 @@ def test_the_distribution_name_and_version_are_one():
   except metadata.PackageNotFoundError:
     pytest.skip("ckpt-jax is not pip-installed here (pip install -e .)")
   assert installed == ckpt.__version__
+
+
+def test_the_readme_is_short_and_opens_with_the_two_commands():
+  lines = README.splitlines()
+  assert len(lines) <= 150, len(lines)
+  first_block = README.split("```bash\n", 1)[1].split("```", 1)[0]
+  assert [l.split()[0] for l in first_block.splitlines()] == [
+      "./scripts/demo", "./scripts/test"]
+  assert README.index("```bash") < README.index("\n## ")
+  assert len(_quickstart().strip().splitlines()) <= 20
+
+
+def test_the_readme_links_to_pages_that_exist():
+  links = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", README)
+  assert len(links) >= 15
+  for link in links:
+    assert (ROOT / link).is_file(), link
