@@ -268,7 +268,10 @@ class Checkpointer(queries.Queries):
     """The checkpoint root: an ``etils.epath.Path`` for a local directory
     (a path or ``file://`` URL, made absolute), as Orbax's
     ``CheckpointManager.directory``; the URL string for ``gs://``, ``s3://``
-    and ``memory://`` (ckpt reads those with TensorStore, not epath)."""
+    and ``memory://`` (ckpt reads those with TensorStore, not epath).
+
+    Never raises. Not collective (no I/O).
+    """
     # pylint: disable=g-import-not-at-top
     from etils import epath
     url = self.storage.url
@@ -302,6 +305,29 @@ class Checkpointer(queries.Queries):
     processes agree before anything is written (ckpt/agreement.py): all
     save, or all skip a committed step, or all raise the same error naming
     the process that could not prepare its part and why.
+
+    Args:
+      step: the step number (an int >= 0), the same on every process.
+      state: the PyTree to save.
+      metrics: see above; kept with the step, ranked by ``best_metric``.
+      transforms: ``fn(state_dict) -> state_dict`` applied, in order, to the
+        state (nested dicts keyed by path parts) before it is planned.
+      host_state: one msgpack-able value per process, stored in this
+        process's own file; read back by ``host_state(step)``.
+      force: save even if ``should_save(step)`` is False.
+      custom_metadata: see above.
+
+    Raises:
+      CheckpointError: a lower step than the newest committed one, another
+        process failed to prepare, or the previous background save failed
+        (re-raised here); with ``async_save=False`` any failure of this save.
+      InvalidStateError: a leaf that cannot be saved, a per-host value saved
+        as a job-wide one, bad metrics or custom_metadata (naming where).
+      BarrierTimeoutError: a process did not arrive within
+        ``barrier_timeout_s``.
+
+    Collective: every process of the job calls it, in the same order as its
+    other collective calls.
     """
     step = queries.check_step(step)
     if not force and not self.should_save(step):
@@ -683,7 +709,10 @@ class Checkpointer(queries.Queries):
   def is_saving_in_progress(self) -> bool:
     """True while the last save is not yet committed (or failed) on this
     process; its retention does not count. Not collective (no I/O): each
-    process answers for itself."""
+    process answers for itself.
+
+    Never raises.
+    """
     with self._lock:
       fut = self._inflight
     return fut is not None and not fut.done()
@@ -903,6 +932,12 @@ class Checkpointer(queries.Queries):
         ckptr.save(step, state)
         ckptr.wait_until_finished()
         sys.exit(0)
+
+    Args:
+      step: the current training step, the same on every process.
+
+    Raises nothing of ckpt's own. Collective in a multi-process job (jax's
+    preemption sync point: call it at every step on every process).
     """
     if multihost.reached_preemption_sync_point(step):
       self._preemption_step = step  # should_save(step) is True for it

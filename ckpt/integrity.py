@@ -34,7 +34,11 @@ DEFAULT_BUDGET = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """One corrupt (or unverifiable) leaf."""
+  """One corrupt (or unverifiable) leaf.
+
+  Fields: ``path`` (the leaf path) and ``message`` (what is wrong). Built by
+  ``verify``; raises nothing.
+  """
   path: str
   message: str
 
@@ -72,6 +76,19 @@ def verify(path, *, step: int | None = None, storage_options: dict | None = None
 
   ``path`` is a checkpoint root (then ``step``, default latest) or one step
   directory. An unreadable index raises CorruptCheckpointError.
+
+  Args:
+    path: a checkpoint root or one step directory (path or URL).
+    step: a committed step of the root, or None for the latest.
+    storage_options: merged into the TensorStore kvstore spec.
+    progress: ``fn(bytes_done, bytes_total)`` called as it reads.
+    budget: the host-memory budget of the reads in flight.
+
+  Raises:
+    CorruptCheckpointError: an unreadable index.
+    CheckpointNotFoundError: no such committed step.
+
+  Not collective: one process reads everything (``ckpt verify`` runs it).
   """
   storage = storage_lib.Storage(path, storage_options)
   step_dir = restore_lib.locate_path(storage, step)

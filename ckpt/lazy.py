@@ -93,10 +93,24 @@ class LazyLeaf(abc.ABC):
 
   @abc.abstractmethod
   async def read_box(self, box: Box) -> np.ndarray:
-    """The data in ``box`` (in this leaf's dtype)."""
+    """The data in ``box`` (in this leaf's dtype).
+
+    Args:
+      box: the region to read (a ``Box`` of this leaf's shape).
+
+    Raises ``CorruptCheckpointError`` when the stored data cannot be read.
+    Not collective: the building block of transforms of your own.
+    """
 
   async def read_into(self, box: Box, out: np.ndarray) -> None:
-    """Reads ``box`` into ``out`` (of the box's shape), cast to its dtype."""
+    """Reads ``box`` into ``out`` (of the box's shape), cast to its dtype.
+
+    Args:
+      box: the region to read.
+      out: a numpy array of the box's shape.
+
+    Raises what ``read_box`` raises. Not collective.
+    """
     np.copyto(out, await self.read_box(box), casting="unsafe")
 
   @property
@@ -119,7 +133,14 @@ class LazyLeaf(abc.ABC):
             f"dtype={np.dtype(self.dtype).name})")
 
   def bind(self, sharding, dtype) -> "LazyLeaf":
-    """A shallow copy whose read() targets ``sharding`` and ``dtype``."""
+    """A shallow copy whose read() targets ``sharding`` and ``dtype``.
+
+    Args:
+      sharding: where ``read()`` puts the leaf.
+      dtype: what ``read()`` casts to (None: the stored dtype).
+
+    Never raises. Not collective (no I/O).
+    """
     out = _copy(self)
     out.sharding, out.target_dtype = sharding, (
         None if dtype is None or prng.is_key_dtype(dtype) else np.dtype(dtype))
@@ -139,6 +160,12 @@ class LazyLeaf(abc.ABC):
 
     Reads that overlap (``asyncio.gather`` of several) issue their read-once
     collectives in the order they were called.
+
+    Args:
+      sharding: as ``read``.
+      dtype: as ``read``.
+
+    Raises what ``read`` raises; collective when ``read`` is.
     """
     sharding, dtype, plan = self._args(sharding, dtype)
     if plan is None:

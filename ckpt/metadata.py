@@ -37,7 +37,16 @@ class Metadata:
   ``shardings[path]`` is a ``SavedSharding``: ``.kind`` ("mesh", "device",
   "replicated" or "unknown"), ``.mesh_shape`` (``{"data": 2, "model":
   4}``), ``.spec`` (a PartitionSpec), ``.to_sharding(devices=None)`` (a
-  NamedSharding on this job's devices) and a readable ``str()``."""
+  NamedSharding on this job's devices) and a readable ``str()``.
+
+  Fields: ``tree``, ``shardings``, ``step``, ``time`` (the save time, seconds
+  since the epoch), ``metrics``, ``source_dtypes`` (the dtype of each leaf
+  before ``save_dtype``), ``process_count`` (processes that saved it),
+  ``storage_format`` ("zarr", "zarr3" or "ocdbt") and ``custom_metadata``
+  (``save(..., custom_metadata=)``, ``{}`` when none). Returned by
+  ``Checkpointer.metadata``; not built by hand, so it raises nothing and
+  nothing about it is collective.
+  """
   step: int
   time: float
   metrics: dict[str, Any]
@@ -101,6 +110,19 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
   values are kept as they are. A rule that matches no array leaf raises
   TreeMismatchError naming it (usually a typo that would leave the leaves
   it meant replicated), unless ``strict=False``.
+
+  Args:
+    metadata: ``Checkpointer.metadata(step)`` (or its ``.tree``).
+    mesh: the mesh of the restore.
+    rules: ``[(regex, PartitionSpec)]``, first full match wins.
+    strict: refuse a rule that matches no array leaf.
+
+  Raises:
+    TreeMismatchError: a rule that matches no leaf (with ``strict``), or a
+      spec that does not fit its leaf (too many dimensions, a size the mesh
+      axes do not divide), naming the leaf.
+
+  Not collective (no I/O): every process builds the same target.
   """
   partition = MeshPartitioner(mesh, rules)
   used: set[int] = set()

@@ -46,6 +46,12 @@ class MultiTierCheckpointer:
       (``format``, ``keep_period``, ``storage_options`` ...), for the
       persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
       local tier too, as in the persistent one.
+    barrier_timeout_s: how long a process waits for the others in any
+      round, exchange or barrier of either tier.
+
+  Raises:
+    ValueError: an interval or ``local_keep`` that is not a positive int
+      (``local_keep`` must be >= 2), or a bad ``Checkpointer`` argument.
 
   After a restore, ``last_restore_step``, ``last_restore_tier`` ("local"
   or "persistent") and ``last_restore_reason`` say which step it returned,
@@ -86,13 +92,26 @@ class MultiTierCheckpointer:
 
   def should_save_local(self, step: int) -> bool:
     """Whether ``save(step)`` writes to the local tier: every
-    ``local_interval`` steps and the preemption step. Local, no I/O."""
+    ``local_interval`` steps and the preemption step. Local, no I/O.
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Never raises. Not collective (no I/O).
+    """
     return step % self.local_interval == 0 or step == self._preemption_step
 
   def should_save_persistent(self, step: int) -> bool:
     """``persistent_interval``, the preemption step, and the persistent
     Checkpointer's ``save_on_steps`` and ``should_save_fn`` (given to this
-    class: they apply to the persistent tier; any of them saves)."""
+    class: they apply to the persistent tier; any of them saves).
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Raises as ``Checkpointer.should_save``; collective only for its first-step
+    round.
+    """
     p = self.persistent
     if ((self.persistent_interval is not None and
          step % self.persistent_interval == 0) or
@@ -103,12 +122,22 @@ class MultiTierCheckpointer:
         step, p._last_saved_step(step)))  # pylint: disable=protected-access
 
   def should_save(self, step: int) -> bool:
-    """Whether ``save(step)`` writes ``step`` to either tier."""
+    """Whether ``save(step)`` writes ``step`` to either tier.
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Never raises; collective only as ``Checkpointer.should_save`` (its
+    first-step round).
+    """
     return self.should_save_local(step) or self.should_save_persistent(step)
 
   @property
   def directory(self) -> Any:
-    """The persistent tier's root (``Checkpointer.directory``)."""
+    """The persistent tier's root (``Checkpointer.directory``).
+
+    Never raises. Not collective.
+    """
     return self.persistent.directory
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
@@ -133,6 +162,20 @@ class MultiTierCheckpointer:
     tier saves) is kept with the persistent tier's step only:
     ``metadata(step)`` reads the persistent tier; a step saved to the
     local tier only keeps none.
+
+    Args:
+      step: the step number, the same on every process.
+      state: the PyTree to save.
+      metrics: kept with the persistent tier's step (``Checkpointer.save``).
+      host_state: one msgpack-able value per process, saved in both tiers.
+      force: save to both tiers whatever the intervals say.
+      custom_metadata: see above.
+
+    Raises:
+      CheckpointError: a lower step than the newest of either tier, another
+        process failed before the exchange, or an earlier save failed.
+      InvalidStateError: a leaf the local tier cannot store (naming it).
+      BarrierTimeoutError: a peer did not arrive within ``barrier_timeout_s``.
     """
     to_persistent = force or self.should_save_persistent(step)
     to_local = force or self.should_save_local(step)
@@ -161,7 +204,15 @@ class MultiTierCheckpointer:
   def reached_preemption(self, step: int) -> bool:
     """As ``Checkpointer.reached_preemption``: True at the same step on every
     process once any was told to stop; that step is then saved to both
-    tiers. Call it at every training step, before ``save``."""
+    tiers. Call it at every training step, before ``save``.
+
+    Args:
+      step: the current training step.
+
+    Collective (jax's preemption sync point).
+
+    Raises nothing of ckpt's own.
+    """
     if self.persistent.reached_preemption(step):
       self._preemption_step = step
       return True
@@ -170,7 +221,11 @@ class MultiTierCheckpointer:
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Both tiers' saves (``Checkpointer.wait_until_finished``);
     ``timeout``: ``WaitTimeoutError`` if they are not done by then (they go
-    on in the background)."""
+    on in the background).
+
+    Raises the failure of either tier's background save, and
+    ``WaitTimeoutError``. Not collective: each process waits for its part.
+    """
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     try:
       self.persistent.wait_until_finished(timeout)
@@ -191,14 +246,20 @@ class MultiTierCheckpointer:
 
   def is_saving_in_progress(self) -> bool:
     """True while either tier's last save is not finished (this process;
-    not collective)."""
+    not collective).
+
+    Never raises.
+    """
     fut = self.local._fut  # pylint: disable=protected-access
     return self.persistent.is_saving_in_progress() or (
         fut is not None and not fut.done())
 
   def check_for_errors(self) -> None:
     """Raises a failed background save of either tier now (once), without
-    waiting for a save in flight."""
+    waiting for a save in flight.
+
+    Not collective: never waits, each process raises its own tier's failure.
+    """
     self.persistent.check_for_errors()
     fut = self.local._fut  # pylint: disable=protected-access
     if fut is not None and fut.done():
@@ -219,12 +280,21 @@ class MultiTierCheckpointer:
 
   def best_step(self) -> int | None:
     """The persistent tier's best step (``best_metric``/``best_fn`` given
-    to this class; the local tier keeps no metrics). Collective."""
+    to this class; the local tier keeps no metrics). Collective.
+
+    Raises as ``Checkpointer.best_step``.
+    """
     return self.persistent.best_step()
 
   def metadata(self, step: int | None = None) -> Any:
     """``Checkpointer.metadata`` of the persistent tier's ``step``
-    (default: its latest), custom_metadata included. Collective."""
+    (default: its latest), custom_metadata included. Collective.
+
+    Args:
+      step: a persistent step, or None for its latest.
+
+    Raises as ``Checkpointer.metadata``.
+    """
     return self.persistent.metadata(step)
 
   # -- delete --
@@ -337,6 +407,9 @@ class MultiTierCheckpointer:
     from the persistent tier: for ``restore()`` with no target, a target
     whose shardings differ from the save's, or restore options the local
     tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+
+    Raises ``StoreTimeoutError`` / ``CheckpointError`` when the persistent
+    tier cannot be listed.
     """
     leaves = [] if target is None else local_tier.flatten(
         restore_lib.concrete_target(target))[0]
@@ -363,6 +436,21 @@ class MultiTierCheckpointer:
     local tier checks every shard's crc32c on every restore.
     ``restore(path=...)`` reads that checkpoint through the persistent
     tier's Checkpointer.
+
+    Args:
+      step: a step of either tier, or None for the newest the job can rebuild.
+      target: as ``Checkpointer.restore``'s (the local tier needs one).
+      **restore_kwargs: any other ``Checkpointer.restore`` option.
+
+    Raises:
+      CheckpointNotFoundError: neither tier holds the step (naming both).
+      TreeMismatchError: the target does not fit the saved leaves (the same
+        error and message a ``Checkpointer`` raises), on every process.
+      CheckpointError: another process failed (naming it), or what
+        ``Checkpointer.restore`` raises.
+
+    Collective: one agreement round picks the step and the tier on every
+    process.
     """
     # The persistent tier's save in flight ends first (its failure stays for
     # the next save or wait), the local tier's in _choose.
@@ -409,7 +497,14 @@ class MultiTierCheckpointer:
 
   def host_state(self, step: int | None = None) -> Any:
     """This process's host_state of the step restored last (or of ``step``
-    in the persistent tier)."""
+    in the persistent tier).
+
+    Args:
+      step: None (the step restored last), or a step of the persistent tier.
+
+    Raises ``CheckpointNotFoundError`` for a step the persistent tier does
+    not hold. Collective, as ``Checkpointer.host_state``.
+    """
     if self._restored is not None and step in (None, self._restored[0]):
       return self._restored[1]
     return self.persistent.host_state(step)
@@ -418,7 +513,10 @@ class MultiTierCheckpointer:
 
   def close(self) -> None:
     """Waits for both tiers' saves, then closes them (as
-    ``Checkpointer.close``, whose errors it raises)."""
+    ``Checkpointer.close``, whose errors it raises).
+
+    Collective when a save is in flight.
+    """
     try:
       self.wait_until_finished()
     finally:

@@ -24,6 +24,13 @@ class MeshPartitioner:
   The first rule whose regex fully matches the leaf path (``opt/mu/w``) wins;
   a leaf no rule matches is replicated (and its chunks are still spread over
   the processes).
+
+  Args:
+    mesh: the mesh the host numpy leaves are split over.
+    rules: ``[(regex, PartitionSpec)]``, e.g. ``[(r"data/.*", P("data"))]``.
+
+  Raises ``re.error`` for an invalid regex. Not collective: give every
+  process the same partitioner (``Checkpointer(partitioner=...)``).
   """
 
   def __init__(self, mesh: Mesh,

@@ -66,7 +66,10 @@ class Queries:
     step has the metric, and without ``best_metric``/``best_fn`` (Orbax
     returns ``latest_step()`` then). Collective: process 0 reads each
     step's metrics (cached, as retention's) and every process gets its
-    answer."""
+    answer.
+
+    Raises ``StoreTimeoutError`` / ``CheckpointError`` as ``all_steps``.
+    """
     return self._agreed("best_step()", self._best_step,
                         f"the best step in {self.storage.url!r}",
                         error=self._open_error())
@@ -88,7 +91,19 @@ class Queries:
     return min(scores, key=lambda s: (sign * scores[s], -s))
 
   def metrics(self, step: int) -> dict[str, float | int]:
-    """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints."""
+    """The metrics saved with ``step``: ``{"a/b": number}``, ints as ints.
+
+    Args:
+      step: a committed step.
+
+    Raises:
+      CheckpointNotFoundError: ``step`` is not committed (a save in flight is
+        not: ``wait_until_finished()`` first).
+      StoreTimeoutError: the store did not answer within ``query_timeout_s``.
+
+    Collective: process 0 reads the step's record or index (cached), every
+    process gets its answer.
+    """
     return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
                         f"the metrics of step {step}")
 
@@ -119,7 +134,10 @@ class Queries:
     """Forgets what this Checkpointer cached about saved steps (their
     metrics and save times), so the next query reads them from the
     directory again: after another job changed it. No I/O; safe to call on
-    any process."""
+    any process.
+
+    Never raises. Not collective.
+    """
     self._metrics_cache.clear()
     self._time_cache.clear()
     self._newest = self._after_commit = UNKNOWN
@@ -150,6 +168,12 @@ class Queries:
     arguments, not of the clock or of process-local state) and must not
     raise, or processes that disagree wait for each other in ``save``
     until ``barrier_timeout_s``.
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Raises:
+      StoreTimeoutError: the first-step rule's one listing did not answer.
     """
     step = check_step(step)
     n, on, fn = self.save_interval_steps, self.save_on_steps, self.should_save_fn
@@ -196,6 +220,13 @@ class Queries:
     if it is not committed. Unlike retention it may delete the newest step.
     Collective: process 0 decides and deletes, every process gets the same
     result or error.
+
+    Args:
+      step: the committed step to delete.
+
+    Raises:
+      CheckpointError: a save of ``step`` in flight, or the step being read.
+      CheckpointNotFoundError: ``step`` is not committed.
     """
     given, error = step, self._open_error()
     try:  # a failure on one process fails the round on all
@@ -236,6 +267,13 @@ class Queries:
     ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
     mesh, rules)`` turns it into a restore target for any mesh. Collective,
     like ``restore``: every process reads the index of the agreed step.
+
+    Args:
+      step: a committed step, or None for the latest.
+
+    Raises:
+      CheckpointNotFoundError: no such committed step (or none at all).
+      CorruptCheckpointError: its index is unreadable or invalid.
     """
     step, step_dir = self._agreed(
         f"metadata({step!r})",
@@ -253,6 +291,17 @@ class Queries:
     saved it; whether the index holds every process's host_state itself,
     as older indexes do); then each process reads only its own file,
     ``<step>/.host_state/<process>.msgpack`` (one GET per process).
+
+    Args:
+      step: a committed step, or None for the latest.
+
+    Raises:
+      CheckpointNotFoundError: no such committed step.
+      CheckpointError: the step was saved by another number of processes
+        (naming both counts).
+
+    Collective: one agreement round (process 0 picks the step), then each
+    process reads its own file.
     """
     # pylint: disable=g-import-not-at-top
     from ckpt import index as index_lib

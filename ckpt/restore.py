@@ -512,6 +512,20 @@ def load(path, step: int | None = None, *, storage_options: dict | None = None,
 
   ``path`` is a checkpoint root (then ``step``, default latest) or one step
   directory (a folder holding ``index.msgpack``).
+
+  Args:
+    path: a checkpoint root or one step directory (path or URL).
+    step: a committed step of the root, or None for the latest.
+    storage_options: merged into the TensorStore kvstore spec, as
+      ``Checkpointer(storage_options=...)``.
+    concurrent_bytes: the host-memory budget of the reads in flight.
+
+  Raises:
+    CheckpointNotFoundError: no such committed step (or none at all).
+    CorruptCheckpointError: an invalid index or stored array (naming it).
+
+  Not collective: one process reads everything (use it on one process, or
+  on each, independently).
   """
   storage = storage_lib.Storage(path, storage_options)
   step_dir = locate_path(storage, step)

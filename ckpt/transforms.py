@@ -41,7 +41,15 @@ def _nested(flat: dict[str, Any]) -> dict:
 
 def unmatched(what: str, pattern: str, names) -> TreeMismatchError:
   """The error a helper raises for a pattern that matches no leaf (it
-  lists the leaves), for transforms of your own to raise alike."""
+  lists the leaves), for transforms of your own to raise alike.
+
+  Args:
+    what: the helper's name, for the message.
+    pattern: the pattern that matched nothing.
+    names: the leaf paths there were.
+
+  Returns the error (does not raise it). Not collective.
+  """
   shown = sorted(names)[:20]
   return TreeMismatchError(
       f"{what} pattern {pattern!r} matches no checkpoint leaf; leaves are: "
@@ -52,6 +60,18 @@ def rename(pattern: str, replacement: str, *, strict: bool = True) -> Transform:
   """Leaves whose path matches ``pattern`` move to ``m.expand(replacement)``.
 
   ``rename(r"params/(.*)/w", r"params/\\1/kernel")``
+
+  Args:
+    pattern: a regex matched against the whole ``/``-joined leaf path.
+    replacement: ``re.Match.expand`` template of the new path.
+    strict: refuse a pattern that matches no leaf.
+
+  Raises (when the returned transform runs):
+    TreeMismatchError: a pattern that matches nothing (with ``strict``) or two
+      leaves renamed to one path, naming the paths.
+
+  The transform is pure (no I/O, nothing read): not collective, but give
+  every process the same transforms.
   """
   regex = re.compile(pattern)
 
@@ -78,7 +98,19 @@ def rename(pattern: str, replacement: str, *, strict: bool = True) -> Transform:
 
 
 def drop(pattern: str, *, strict: bool = True) -> Transform:
-  """Leaves whose path matches ``pattern`` are removed (never read)."""
+  """Leaves whose path matches ``pattern`` are removed (never read).
+
+  Args:
+    pattern: a regex matched against the whole leaf path.
+    strict: refuse a pattern that matches no leaf.
+
+  Raises (when the returned transform runs):
+    TreeMismatchError: a pattern that matches nothing (with ``strict``),
+      naming the paths.
+
+  The transform is pure (no I/O, nothing read): not collective, but give
+  every process the same transforms.
+  """
   regex = re.compile(pattern)
 
   def fn(ckpt_tree, target_tree=None, *, is_resuming=False):
@@ -98,6 +130,16 @@ def assignment_map(rules: Sequence[tuple[str, str | None]]) -> Transform:
   or, with ``None``, that it is not restored (the fallback state gives it).
   Target leaves no rule matches come from the same path. The result holds
   only target leaves, so nothing else is read. Every rule must be used.
+
+  Args:
+    rules: ``[(pattern, replacement or None), ...]`` over target paths.
+
+  Raises (when the returned transform runs):
+    TreeMismatchError: no restore target, a rule that matches no target leaf
+      or a source that does not exist (all listed), naming the paths.
+
+  The transform is pure (no I/O, nothing read): not collective, but give
+  every process the same transforms.
   """
   compiled = [(re.compile(p), p, r) for p, r in rules]
 
@@ -141,7 +183,22 @@ def stack_layers(layer_pattern: str = r"layers_(\d+)", stacked: str = "layers",
                  *, axis: int = 0, strict: bool = True) -> Transform:
   """Per-layer leaves ``…/layers_0/w … layers_N/w`` become one leaf
   ``…/layers/w`` with a new axis of size N+1 (scan-over-layers). Lazy: a
-  process reads only the layers and boxes its devices hold."""
+  process reads only the layers and boxes its devices hold.
+
+  Args:
+    layer_pattern: a regex for one path part, whose group 1 is the layer
+      number.
+    stacked: the name of the stacked part.
+    axis: where the new layer axis goes.
+    strict: refuse a pattern that matches no leaf.
+
+  Raises (when the returned transform runs):
+    TreeMismatchError: layers not numbered 0..N without gaps, of different
+      shapes or dtypes, or (with ``strict``) no layer found, naming the paths.
+
+  The transform is pure (no I/O, nothing read): not collective, but give
+  every process the same transforms.
+  """
   regex = re.compile(layer_pattern)
 
   def fn(ckpt_tree, target_tree=None, *, is_resuming=False):
@@ -185,7 +242,21 @@ def stack_layers(layer_pattern: str = r"layers_(\d+)", stacked: str = "layers",
 def unstack_layers(stacked: str = "layers", layer_format: str = "layers_{}",
                    *, axis: int = 0, strict: bool = True) -> Transform:
   """The inverse of stack_layers: ``…/layers/w`` with N entries on ``axis``
-  becomes ``…/layers_0/w … layers_{N-1}/w``, each read lazily."""
+  becomes ``…/layers_0/w … layers_{N-1}/w``, each read lazily.
+
+  Args:
+    stacked: the name of the stacked path part.
+    layer_format: the name of each layer's part (``"layers_{}"``).
+    axis: the layer axis.
+    strict: refuse when no path has a ``stacked`` part.
+
+  Raises (when the returned transform runs):
+    TreeMismatchError: no stacked leaf found (with ``strict``) or a layer that
+      already exists, naming the paths.
+
+  The transform is pure (no I/O, nothing read): not collective, but give
+  every process the same transforms.
+  """
 
   def fn(ckpt_tree, target_tree=None, *, is_resuming=False):
     del target_tree, is_resuming

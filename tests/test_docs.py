@@ -191,6 +191,9 @@ def test_the_reference_lists_exactly_the_public_names():
 
 
 def _public_callables():
+  """(name, object, kind) of every public name: ckpt.__all__, the public
+  functions and classes of its modules, the public methods of its classes
+  (properties as "property")."""
   for name in ckpt.__all__:
     obj = getattr(ckpt, name)
     if inspect.ismodule(obj):
@@ -199,22 +202,49 @@ def _public_callables():
         if (not sub.startswith("_") and
             (inspect.isfunction(member) or inspect.isclass(member)) and
             member.__module__ == obj.__name__):
-          yield f"ckpt.{name}.{sub}", member
+          yield (f"ckpt.{name}.{sub}", member,
+                 "class" if inspect.isclass(member) else "function")
+    elif inspect.isclass(obj) and issubclass(obj, Exception):
+      yield f"ckpt.{name}", obj, "error"
+    elif inspect.isclass(obj):
+      yield f"ckpt.{name}", obj, "class"
+      for attr, member in inspect.getmembers(obj):
+        if attr.startswith("_"):
+          continue
+        static = inspect.getattr_static(obj, attr)
+        if isinstance(static, property):
+          yield f"ckpt.{name}.{attr}", static.fget, "property"
+        elif inspect.isfunction(member):
+          yield f"ckpt.{name}.{attr}", member, "function"
     else:
-      yield f"ckpt.{name}", obj
-      if inspect.isclass(obj) and not issubclass(obj, Exception):
-        for attr, member in inspect.getmembers(obj):
-          if attr.startswith("_"):
-            continue
-          if isinstance(inspect.getattr_static(obj, attr), property):
-            member = inspect.getattr_static(obj, attr).fget
-          if inspect.isfunction(member):
-            yield f"ckpt.{name}.{attr}", member
+      yield f"ckpt.{name}", obj, "function"
 
 
-def test_every_public_name_has_a_docstring():
-  missing = [n for n, obj in _public_callables() if not inspect.getdoc(obj)]
-  assert not missing, f"public names without a docstring: {missing}"
+def _docstring_gaps(obj, kind: str) -> list[str]:
+  doc = inspect.getdoc(obj) or ""
+  if not doc:
+    return ["no docstring"]
+  if kind in ("error", "property"):
+    return []
+  target = obj.__init__ if kind == "class" else obj
+  if target is object.__init__:  # no constructor of its own
+    return [] if "rais" in doc.lower() else ["does not say what it raises"]
+  params = [p for p in inspect.signature(target).parameters
+            if p not in ("self", "cls")]
+  gaps = [f"argument {p!r} not described" for p in params
+          if not re.search(rf"\b{re.escape(p.lstrip('*'))}\b", doc)]
+  if "rais" not in doc.lower():
+    gaps.append("does not say what it raises (or that it never raises)")
+  if kind == "function" and "collective" not in doc.lower():
+    gaps.append("does not say whether it is collective")
+  return gaps
+
+
+def test_every_public_name_has_a_docstring_with_its_contract():
+  """Arguments, what it raises, and whether it is collective."""
+  gaps = {n: g for n, obj, kind in _public_callables()
+          if (g := _docstring_gaps(obj, kind))}
+  assert not gaps, "\n".join(f"{n}: {'; '.join(g)}" for n, g in gaps.items())
 
 
 def test_the_site_builds_in_strict_mode(tmp_path):
