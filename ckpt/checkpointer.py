@@ -138,7 +138,7 @@ class Checkpointer(queries.Queries):
       exchanges the parts with an all-gather (ckpt/readonce.py). True: on,
       False: off, None (default): automatic, on for object stores (s3://,
       gs://) when a leaf has 2 or more replica processes, off for a local
-      disk or memory:// (see README "Read once" for the measurements).
+      disk or memory:// (see docs/benchmarks.md, "Read once", for the measurements).
       ``restore(read_once=...)`` overrides it for one call.
   """
 

@@ -58,7 +58,7 @@ MAX_CONTAINER_LEN = 1 << 20
 # checksum file's record [leaf, [a], [b], crc] 3 in 11) and one map per 8
 # (a python-int leaf: entry, value and structure maps in 45 bytes); more is
 # refused while decoding, so a hostile index costs at most about 25 bytes of
-# python objects per byte (README: "Reading checkpoints you did not write").
+# python objects per byte (docs/untrusted.md).
 _LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
 # Array leaves: the elements a leaf may have (2**50, a PiB of bytes, far
 # above any real leaf), chunks per leaf (a 64 TiB leaf in 1 MiB chunks) and

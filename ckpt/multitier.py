@@ -1,7 +1,7 @@
 """The two-tier checkpointer: a fast local tier (ckpt/local_tier.py) in
 front of a persistent ``Checkpointer``, each with its own interval and
 retention; restore takes the newest step the job can rebuild from either
-(see README "Multi-tier checkpoints")."""
+(see docs/multi-tier.md)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ from ckpt import storemeter
 
 
 # The automatic policy (read_once=None), chosen from scripts/bench.py's
-# multi-process restore figures (see README "Read once"): on an object
+# multi-process restore figures (see docs/benchmarks.md "Read once"): on an object
 # store every byte read is a request to a remote server, and exchanging over
 # the job's interconnect is cheaper, from 2 replicas on. On a local disk
 # (file://, a path) reading is served by the page cache at memory speed, and

@@ -5,7 +5,7 @@ builds for a target leaf without a sharding (``restore.AsSaved``): a mesh's
 axis names, sizes and types and a PartitionSpec over it (kind "mesh"), one
 device ("device"), one value for the whole job ("replicated"), or nothing
 recorded ("unknown"). ``decode`` validates the index field
-``saved_sharding`` (README, "On-disk layout"); ``ckpt/index.py`` holds the
+``saved_sharding`` (docs/format.md, "On-disk layout"); ``ckpt/index.py`` holds the
 entries that carry it.
 """
 

@@ -1,5 +1,5 @@
-"""The rollback rules of multi-tier checkpoints (ckpt/multitier.py; README
-"Multi-tier checkpoints"): which step a save may write, and ``delete``.
+"""The rollback rules of multi-tier checkpoints (ckpt/multitier.py;
+docs/multi-tier.md): which step a save may write, and ``delete``.
 
 - A save of a step lower than the newest committed step of either tier (the
   persistent tier's, or a local step the job can rebuild) is refused on

@@ -1,4 +1,4 @@
-"""Figures for the multi-tier checkpointer (README "Multi-tier checkpoints").
+"""Figures for the multi-tier checkpointer (docs/multi-tier.md; the table is on docs/benchmarks.md).
 
   .venv/bin/python scripts/bench_tiers.py [--mib 256] [--processes 4] [--devices 2]
 

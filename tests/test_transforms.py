@@ -1115,18 +1115,16 @@ def test_save_transforms_run_in_order_and_helpers_work_at_save(
                    state["params"]["dense"]["w"])
 
 
-# ---- the README section runs ------------------------------------------------
+# ---- the docs page runs ------------------------------------------------------
 
-def test_readme_restoring_into_a_changed_model_runs(tmp_path, monkeypatch,
-                                                    capsys):
-  readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md"
-            ).read_text()
-  section = readme.split("## Restoring into a changed model", 1)[1]
-  section = section.split("\n## ", 1)[0]
+def test_docs_restoring_into_a_changed_model_runs(tmp_path, monkeypatch,
+                                                  capsys):
+  page = pathlib.Path(__file__).resolve().parents[1] / "docs" / "changed-model.md"
+  section = page.read_text()
   blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-  assert blocks, "no python block in the README section"
+  assert blocks, "no python block on docs/changed-model.md"
   monkeypatch.chdir(tmp_path)
-  code = compile("\n".join(blocks), "README.md", "exec")
+  code = compile("\n".join(blocks), "docs/changed-model.md", "exec")
   exec(code, {})  # pylint: disable=exec-used
   printed = capsys.readouterr().out
   assert "params/layers/w (4, 64, 64)" in printed, printed

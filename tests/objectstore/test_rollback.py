@@ -1,5 +1,5 @@
 """A save of a step lower than the newest committed one, on a bucket
-(README "What the processes agree on"): refused before anything is
+(docs/multi-host.md, "What the processes agree on"): refused before anything is
 written, by the Checkpointer that committed the newer step and by a new
 one (a restarted job that has not listed the root yet); a rollback
 deletes the newer steps first. The refusal costs no LIST request in a

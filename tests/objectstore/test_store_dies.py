@@ -168,7 +168,7 @@ def test_next_save_after_the_store_came_back(proxied):
   tests/objectstore/test_commit.py). Writes abandoned at the deadline may
   still land once the store is back: the test lets them settle first (a
   write landing after the cleanup would leave keys no record names: a
-  known limit, README "Object stores and OCDBT")."""
+  known limit, docs/object-stores.md)."""
   px, url = proxied
   ckptr = ckpt.Checkpointer(url, save_timeout_s=5.0, query_timeout_s=5.0)
   ckptr.save(1, SMALL)
