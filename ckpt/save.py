@@ -440,15 +440,25 @@ def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
 
 
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
-                       process: int) -> dict[int, ts.TensorStore]:
-  """Process 0 creates every array; the others open the ones they write.
+                       process: int,
+                       process_count: int = 1) -> dict[int, ts.TensorStore]:
+  """Each array is created (its metadata written) by one process, the
+  arrays dealt round-robin over the processes (``creates``), so no process
+  creates more than its share of them; the others open the ones they write
+  without reading anything (``assume_metadata``). Every array is created
+  before the "written" barrier, whether or not anybody writes a box of it.
 
   With format "ocdbt" each process writes into its own database, merged at
-  finalize (ckpt/ocdbt.py); process 0's holds the metadata of every array.
+  finalize (ckpt/ocdbt.py); process 0 creates every array, so its database
+  holds the metadata of every array.
   """
+  if plan.options.storage_format == "ocdbt":
+    process_count = 1
+  arrays_in = [i for i, lp in enumerate(plan.leaves) if lp.layout is not None]
+  creates = {i for k, i in enumerate(arrays_in)
+             if k % process_count == process}
   mine = {w.leaf for w in plan.writes}
-  wanted = [i for i, lp in enumerate(plan.leaves)
-            if lp.layout is not None and (process == 0 or i in mine)]
+  wanted = [i for i in arrays_in if i in creates or i in mine]
   # In OCDBT every commit adds files: the metadata goes in one transaction.
   txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
 
@@ -460,7 +470,7 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     spec = tsspec.array_spec(plan.options.storage_format, kvstore,
                              e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
                              plan.options.codec)
-    if process == 0:
+    if i in creates:
       return i, await tsfuture.wait(ts.open(spec, create=True,
                                             context=context, transaction=txn))
     return i, await tsfuture.wait(ts.open(spec, open=True, assume_metadata=True,
@@ -493,7 +503,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # The arrays are created (metadata written) while staging runs, not
   # before it: in async mode the caller waits for staging only.
   opening = asyncio.ensure_future(
-      _open_arrays(plan, step_kvstore, context, process))
+      _open_arrays(plan, step_kvstore, context, process,
+                   multihost.process_count()))
   arrays: dict[int, ts.TensorStore] = {}
   tasks: list[asyncio.Task] = []
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
