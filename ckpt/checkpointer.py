@@ -465,10 +465,16 @@ class Checkpointer(queries.Queries):
         # Checkpointer opens: a reader must not delete anything).
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
-      await finalize.run_save(attempt, plan, self.storage, self._context,
-                              self.concurrent_bytes, metrics, host_bytes,
-                              stats, staged.set, clock=self._clock,
-                              custom_metadata=custom)
+      try:
+        await finalize.run_save(attempt, plan, self.storage, self._context,
+                                self.concurrent_bytes, metrics, host_bytes,
+                                stats, staged.set, clock=self._clock,
+                                custom_metadata=custom)
+      except BaseException:
+        # A failed save (its tiling found wrong, say) is planned afresh
+        # next time, never from the plan it failed with.
+        self._plan_cache.clear()
+        raise
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)

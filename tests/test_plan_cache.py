@@ -212,3 +212,23 @@ def test_host_values_of_a_reused_plan_are_this_saves(make_ckptr):
   assert c.last_save_stats.planned_leaves == 0
   c.wait_until_finished()
   np.testing.assert_array_equal(c.restore(2)["host"], np.full((8, 8), 7.0))
+
+
+def test_a_failed_save_is_planned_afresh(make_ckptr, monkeypatch):
+  from ckpt import finalize  # pylint: disable=g-import-not-at-top
+  m = mesh()
+  c = make_ckptr(async_save=False)
+  c.save(1, _state(m))
+  plain = finalize.run_save
+
+  async def failing(*args, **kwargs):
+    raise OSError("disk on fire")
+
+  monkeypatch.setattr(finalize, "run_save", failing)
+  with pytest.raises(Exception, match="disk on fire"):
+    c.save(2, _state(m))
+  assert c.last_save_stats.planned_leaves == 0  # step 2 reused step 1's
+  monkeypatch.setattr(finalize, "run_save", plain)
+  c.save(3, _state(m, scale=3.0))
+  assert c.last_save_stats.planned_leaves > 0
+  _check(c.restore(3), _state(m, scale=3.0))
