@@ -36,6 +36,7 @@ from ckpt import commit as commit_lib
 from ckpt import deadline as deadline_lib
 from ckpt import finalize
 from ckpt import multihost
+from ckpt import plan_cache
 from ckpt import queries
 from ckpt import readonce
 from ckpt import records
@@ -213,6 +214,8 @@ class Checkpointer(queries.Queries):
     self.concurrent_bytes = int(concurrent_bytes)
     self.async_save = async_save
     self.partitioner = partitioner
+    # The last save's plan, reused while the state keeps its layout.
+    self._plan_cache = plan_cache.PlanCache()
     self.barrier_timeout_s = barrier_timeout_s
     self._readonce_key: str | None = None  # the last read-once restore's
     # The rounds of read-once lazy leaves' reads (made at the first
@@ -342,6 +345,7 @@ class Checkpointer(queries.Queries):
     coord0 = multihost.coordination_stats()
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
+    planned = 0
     custom = None
     try:
       self._check_open()
@@ -354,7 +358,8 @@ class Checkpointer(queries.Queries):
           state = fn(state)
       host_bytes = save_extras.pack_host_state(host_state)
       t_plan = time.perf_counter()
-      plan = save_lib.plan_save(state, self._options, self.partitioner)
+      plan, planned = self._plan_cache.plan(state, self._options,
+                                            self.partitioner)
       plan_s = time.perf_counter() - t_plan
       plan.borrow = not self.async_save
       values = agreement.host_values(plan.leaves)
@@ -375,7 +380,8 @@ class Checkpointer(queries.Queries):
         step=step, key=key, token=decision.token,
         work_dir=commit_lib.work_dir(self.storage, step, decision.token),
         timeout_s=self.barrier_timeout_s, lease_s=self.lease_s)
-    stats = save_lib.SaveStats(step=step, plan_s=plan_s)
+    stats = save_lib.SaveStats(step=step, plan_s=plan_s,
+                               planned_leaves=planned)
     self.last_save_stats = stats
     staged = threading.Event()
     fut = asyncio.run_coroutine_threadsafe(deadline_lib.bounded(
@@ -485,10 +491,16 @@ class Checkpointer(queries.Queries):
         # Checkpointer opens: a reader must not delete anything).
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
-      await finalize.run_save(attempt, plan, self.storage, self._context,
-                              self.concurrent_bytes, metrics, host_bytes,
-                              stats, staged.set, clock=self._clock,
-                              custom_metadata=custom)
+      try:
+        await finalize.run_save(attempt, plan, self.storage, self._context,
+                                self.concurrent_bytes, metrics, host_bytes,
+                                stats, staged.set, clock=self._clock,
+                                custom_metadata=custom)
+      except BaseException:
+        # A failed save (its tiling found wrong, say) is planned afresh
+        # next time, never from the plan it failed with.
+        self._plan_cache.clear()
+        raise
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)

@@ -85,6 +85,10 @@ class SaveStats:
   coordination_s: float = 0.0
   barriers: int = 0
   kv_calls: int = 0
+  # Leaves this save planned anew: 0 when it reused the plan of the
+  # previous save (the same tree, shapes, dtypes and shardings; see
+  # ckpt/plan_cache.py).
+  planned_leaves: int = 0
 
 
 HOST_REPLICATED = index_lib.HOST_REPLICATED
@@ -195,14 +199,26 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
               process: int | None = None) -> SavePlan:
   """Stages 1 and 2: flatten the state and decide what this process writes
   (from its own shards only: ckpt/placement.py, ckpt/plan.py)."""
+  return plan_leaves(tree.encode_structure(state), tree.flatten(state),
+                     options, partitioner, process_count=process_count,
+                     process=process)
+
+
+def plan_leaves(structure: Any, flat: list, options: SaveOptions,
+                partitioner=None, *, process_count: int | None = None,
+                process: int | None = None) -> SavePlan:
+  """``plan_save`` of an already flattened state: ``[(parts, leaf)]``."""
   process_count = process_count or multihost.process_count()
   process = multihost.process_index() if process is None else process
-  structure = tree.encode_structure(state)
   leaves: list[LeafPlan] = []
   layouts: list[plan_lib.LeafLayout] = []
   layout_leaf: list[int] = []
-  for parts, x in tree.flatten(state):
+  for parts, x in flat:
     name = tree.path_str(parts)
+    value = inline_leaf(parts, x, options)
+    if value is not None:
+      leaves.append(value)
+      continue
     impl = ""
     if isinstance(x, jax.Array):
       # Recorded over the keys' dimensions for a key leaf.
@@ -210,24 +226,10 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
         impl, x = _key_data(name, x)
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-      if x.is_fully_replicated and x.nbytes <= options.inline_max_bytes:
-        if x.is_deleted():  # jax's own error would name no leaf (staging's,
-          raise InvalidStateError(  # for the others, names it)
-              f"leaf {name!r}: expected a live jax.Array, found one that has "
-              "been deleted (donated to a jitted call, or .delete()d) before "
-              "save(); save the state before donating it")
-        value = np.asarray(x).astype(stored)
-        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
-            parts, value, impl, saved_sharding=saved)))
-        continue
       where = placement_lib.placement(x.sharding, x.shape, process)
       sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, np.ndarray):
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-      if x.nbytes <= options.inline_max_bytes:
-        leaves.append(LeafPlan(parts, None,
-                               index_lib.ValueEntry(parts, x.astype(stored))))
-        continue
       sharding = partitioner(name, x.shape) if partitioner else None
       if sharding is None:
         where = placement_lib.host_replicated(x.shape, process, process_count)
@@ -235,29 +237,12 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
         where = placement_lib.placement(sharding, x.shape, process)
       sharding_text = _describe_sharding(x, sharding)
       saved = _saved_sharding(sharding, x.ndim)
-    elif isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
+    else:  # a LeafSource (inline_leaf rejected anything else)
       impl = x.prng_impl
       stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-      if x.inline_ok and x.nbytes <= options.inline_max_bytes:
-        leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(
-            parts, x.read_all().astype(stored), impl)))
-        continue
       where = x.placement(process, process_count)
       sharding_text = _describe_sharding(x, x.sharding)
       saved = _saved_sharding(x.sharding, len(x.shape))
-    elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
-      value = x
-      if isinstance(x, np.generic):
-        stored = _leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
-        value = np.asarray(x).astype(stored)[()]
-      index_lib.encode_value(value, parts)  # rejects what cannot be stored, now
-      leaves.append(LeafPlan(parts, None, index_lib.ValueEntry(parts, value)))
-      continue
-    else:
-      raise InvalidStateError(
-          f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
-          "expected a jax.Array, numpy array, scalar, str, bytes or None. "
-          "Register custom containers as pytree nodes.")
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
     entry = index_lib.ArrayEntry(
@@ -274,6 +259,53 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
   if options.storage_format == "ocdbt":
     _assign_ocdbt_groups(leaves, process_count)
   return SavePlan(structure, leaves, writes, options)
+
+
+def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
+                ) -> LeafPlan | None:
+  """The plan of a leaf stored in the index itself (a scalar, str, bytes,
+  or an array of at most ``options.inline_max_bytes`` that every process
+  holds whole), its value read now; None for a leaf stored as an array.
+  InvalidStateError naming the leaf for what cannot be stored."""
+  name = tree.path_str(parts)
+  if isinstance(x, jax.Array):
+    if not (x.is_fully_replicated and x.nbytes <= options.inline_max_bytes):
+      return None
+    impl = ""
+    saved = _saved_sharding(x.sharding, x.ndim)
+    if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/prng.py)
+      impl, x = _key_data(name, x)
+    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+    if x.is_deleted():  # jax's own error would name no leaf (staging's,
+      raise InvalidStateError(  # for the others, names it)
+          f"leaf {name!r}: expected a live jax.Array, found one that has "
+          "been deleted (donated to a jitted call, or .delete()d) before "
+          "save(); save the state before donating it")
+    value = np.asarray(x).astype(stored)
+    return LeafPlan(parts, None, index_lib.ValueEntry(
+        parts, value, impl, saved_sharding=saved))
+  if isinstance(x, np.ndarray):
+    if x.nbytes > options.inline_max_bytes:
+      return None
+    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+    return LeafPlan(parts, None, index_lib.ValueEntry(parts, x.astype(stored)))
+  if isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
+    if not (x.inline_ok and x.nbytes <= options.inline_max_bytes):
+      return None
+    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+    return LeafPlan(parts, None, index_lib.ValueEntry(
+        parts, x.read_all().astype(stored), x.prng_impl))
+  if isinstance(x, (bool, int, float, str, bytes, np.generic)):
+    value = x
+    if isinstance(x, np.generic):
+      stored = _leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
+      value = np.asarray(x).astype(stored)[()]
+    index_lib.encode_value(value, parts)  # rejects what cannot be stored, now
+    return LeafPlan(parts, None, index_lib.ValueEntry(parts, value))
+  raise InvalidStateError(
+      f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
+      "expected a jax.Array, numpy array, scalar, str, bytes or None. "
+      "Register custom containers as pytree nodes.")
 
 
 def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
@@ -408,15 +440,25 @@ def _host_box(leaf: LeafPlan, write: plan_lib.Write, piece: Any,
 
 
 async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
-                       process: int) -> dict[int, ts.TensorStore]:
-  """Process 0 creates every array; the others open the ones they write.
+                       process: int,
+                       process_count: int = 1) -> dict[int, ts.TensorStore]:
+  """Each array is created (its metadata written) by one process, the
+  arrays dealt round-robin over the processes (``creates``), so no process
+  creates more than its share of them; the others open the ones they write
+  without reading anything (``assume_metadata``). Every array is created
+  before the "written" barrier, whether or not anybody writes a box of it.
 
   With format "ocdbt" each process writes into its own database, merged at
-  finalize (ckpt/ocdbt.py); process 0's holds the metadata of every array.
+  finalize (ckpt/ocdbt.py); process 0 creates every array, so its database
+  holds the metadata of every array.
   """
+  if plan.options.storage_format == "ocdbt":
+    process_count = 1
+  arrays_in = [i for i, lp in enumerate(plan.leaves) if lp.layout is not None]
+  creates = {i for k, i in enumerate(arrays_in)
+             if k % process_count == process}
   mine = {w.leaf for w in plan.writes}
-  wanted = [i for i, lp in enumerate(plan.leaves)
-            if lp.layout is not None and (process == 0 or i in mine)]
+  wanted = [i for i in arrays_in if i in creates or i in mine]
   # In OCDBT every commit adds files: the metadata goes in one transaction.
   txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
 
@@ -428,7 +470,7 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     spec = tsspec.array_spec(plan.options.storage_format, kvstore,
                              e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
                              plan.options.codec)
-    if process == 0:
+    if i in creates:
       return i, await tsfuture.wait(ts.open(spec, create=True,
                                             context=context, transaction=txn))
     return i, await tsfuture.wait(ts.open(spec, open=True, assume_metadata=True,
@@ -461,7 +503,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # The arrays are created (metadata written) while staging runs, not
   # before it: in async mode the caller waits for staging only.
   opening = asyncio.ensure_future(
-      _open_arrays(plan, step_kvstore, context, process))
+      _open_arrays(plan, step_kvstore, context, process,
+                   multihost.process_count()))
   arrays: dict[int, ts.TensorStore] = {}
   tasks: list[asyncio.Task] = []
   staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet

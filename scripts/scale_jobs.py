@@ -66,6 +66,12 @@ DEFAULTS: dict[str, Any] = {
     "format": "zarr",
     "async_save": True,
     "seed": 0,
+    # Rows of every leaf are a multiple of this (so any N dividing it
+    # splits them evenly); the default keeps the rows of earlier runs.
+    "row_multiple": 16,
+    # A mixed tree alongside the leaves: replicated and host numpy arrays,
+    # inline small arrays, scalars and strings (``mixed_tree``).
+    "mixed": False,
     "timeout_s": 900,
     "barrier_timeout_s": 300,
     "dir": None,  # where the jobs write (default: a temporary directory)
@@ -107,15 +113,42 @@ DETAIL_COLUMNS = [
 def leaf_shapes(conf: dict[str, Any]) -> list[tuple[tuple[int, int], bool]]:
   """(shape, sharded) of every leaf: the same for every N, so rows compare.
 
-  A shape is ``(16 * a, 64)`` float32 (rows divisible by any N up to 16):
-  ``a`` from ``min_kib`` / 4 to ``max_kib`` / 4.
+  A shape is ``(m * a, 64)`` float32, ``m`` = ``row_multiple`` (rows
+  divisible by any N dividing it): ``a`` from ``min_kib`` / 4 to
+  ``max_kib`` / 4 (times 16 / m, so the sizes stay what they were).
   """
   rng = np.random.default_rng([conf["seed"], 1])
+  m = conf["row_multiple"]
   lo = max(1, conf["min_kib"] // 4)
   hi = max(lo, conf["max_kib"] // 4)
   n_sharded = round(conf["leaves"] * conf["sharded_fraction"])
-  return [((16 * int(rng.integers(lo, hi + 1)), 64), i < n_sharded)
-          for i in range(conf["leaves"])]
+  return [((m * max(1, 16 * int(rng.integers(lo, hi + 1)) // m), 64),
+           i < n_sharded) for i in range(conf["leaves"])]
+
+
+def mixed_tree(conf: dict[str, Any], mesh) -> dict[str, Any]:
+  """What a training state holds besides its sharded weights: arrays
+  replicated on every device, a host numpy array, small (inline) arrays,
+  scalars and a string; the same on every process."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng([conf["seed"], 3])
+  replicated = NamedSharding(mesh, P())
+  m = conf["row_multiple"]
+  return {
+      "step": 1000, "lr": 3e-4, "name": "run-a",
+      "counts": np.arange(8, dtype=np.int32),
+      "host_table": rng.standard_normal((m * 8, 32)).astype(np.float32),
+      "ema": {f"r{i}": jax.device_put(
+          rng.standard_normal((m * 4, 64)).astype(np.float32), replicated)
+              for i in range(8)},
+      "small": {f"s{i}": jax.device_put(jnp.full((4,), i, jnp.float32),
+                                        replicated) for i in range(8)},
+      "bf16": jax.device_put(
+          rng.standard_normal((m * 2, 128)).astype(jnp.bfloat16),
+          NamedSharding(mesh, P("x"))),
+  }
 
 
 def build_state(conf: dict[str, Any]):
@@ -133,8 +166,24 @@ def build_state(conf: dict[str, Any]):
         shape, sharding, lambda idx, v=value: v[idx])
     target.setdefault(name, {})[f"w{i % 50}"] = jax.ShapeDtypeStruct(
         shape, np.float32, sharding=sharding)
+  if conf["mixed"]:
+    state["mixed"] = mixed_tree(conf, mesh)
+    target["mixed"] = jax.tree_util.tree_map(
+        lambda x: (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                   if isinstance(x, jax.Array) else x), state["mixed"])
   jax.block_until_ready(jax.tree_util.tree_leaves(state))
   return state, target
+
+PER_PROCESS_COLUMNS = [
+    ("leaves", "leaves", "{:d}"),
+    ("N", "processes", "{:d}"),
+    *[(f"{which} {name}", f"{prefix}{key}", "{:.3f}")
+      for which, prefix in (("1st", "first_"), ("2nd+", "later_"))
+      for name, key in (("save s", "save_s"), ("plan s", "plan_s"),
+                        ("coord s", "coordination_s"), ("write s", "data_s"),
+                        ("index s", "index_s"), ("tiling s", "tiling_s"))],
+    ("2nd+ planned leaves", "later_planned_leaves", "{:d}"),
+]
 
 
 # ---- the worker ---------------------------------------------------------------
@@ -180,12 +229,19 @@ def worker(conf: dict[str, Any]) -> None:
   from ckpt import multihost  # pylint: disable=g-import-not-at-top
   from ckpt import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt import finalize  # pylint: disable=g-import-not-at-top
+  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
 
   pid = jax.process_index()
   write_timer = _Timer(save_lib, "write_owned")
   index_timer = _Timer(restore_lib, "read_index")
   leaves_timer = _Timer(restore_lib, "checkpoint_leaves")
   read_timer = _Timer(restore_lib, "restore_tree")
+  make_index_timer = _Timer(save_lib, "make_index")      # process 0
+  encode_timer = _Timer(index_lib, "encode")             # process 0
+  tiling_timer = _Timer(finalize, "_check_tiling")       # process 0
+  commit_timer = _Timer(commit_lib, "commit")            # process 0
   state, target = build_state(conf)
   sync = iter(range(1 << 30))
 
@@ -195,21 +251,8 @@ def worker(conf: dict[str, Any]) -> None:
   ckptr = ckpt.Checkpointer(conf["dir"], format=conf["format"],
                             async_save=conf["async_save"],
                             barrier_timeout_s=conf["barrier_timeout_s"])
-  # Warm-up (first-use costs: TensorStore context, the first-step round).
-  together()
-  ckptr.save(0, state)
-  ckptr.wait_until_finished()
-  restored = ckptr.restore(0, target=target)
-  first = jax.tree_util.tree_leaves(restored)[0]
-  truth = jax.tree_util.tree_leaves(state)[0]
-  for a, b in zip(first.addressable_shards, truth.addressable_shards):
-    if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
-      raise AssertionError("the warm-up restore differs from the state")
-  del restored
-  write_timer.take(), index_timer.take(), leaves_timer.take(), read_timer.take()
 
-  saves = []
-  for step in range(1, conf["saves"] + 1):
+  def one_save(step: int) -> dict[str, Any]:
     together()
     multihost.trace_coordination(True)
     cpu, t = time.process_time(), time.perf_counter()
@@ -218,14 +261,31 @@ def worker(conf: dict[str, Any]) -> None:
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     trace = multihost.trace_coordination(False)
     s = ckptr.last_save_stats
-    saves.append({
+    return {
         "total_s": s.total_s, "wall_s": wall, "cpu_s": cpu,
         "plan_s": s.plan_s, "data_s": write_timer.take(),
+        "index_s": make_index_timer.take() + encode_timer.take(),
+        "tiling_s": tiling_timer.take(), "commit_s": commit_timer.take(),
+        "planned_leaves": getattr(s, "planned_leaves", -1),
         "coordination_s": s.coordination_s, "barriers": s.barriers,
         "kv_calls": s.kv_calls,
         "kv_s": sum(sec for m, _, _, sec in trace if m != "wait_at_barrier"),
         "barrier_waits": _barrier_waits(trace),
-        "bytes_written": s.bytes_written, "boxes_written": s.boxes_written})
+        "bytes_written": s.bytes_written, "boxes_written": s.boxes_written}
+
+  # The first save (first-use costs: TensorStore context, the first-step
+  # round, and planning the tree the first time), reported on its own.
+  first_save = one_save(0)
+  restored = ckptr.restore(0, target=target)
+  first = jax.tree_util.tree_leaves(restored)[0]
+  truth = jax.tree_util.tree_leaves(state)[0]
+  for a, b in zip(first.addressable_shards, truth.addressable_shards):
+    if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
+      raise AssertionError("the warm-up restore differs from the state")
+  del restored
+  index_timer.take(), leaves_timer.take(), read_timer.take()
+
+  saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
 
   restores = []
   for r in range(conf["restores"]):
@@ -262,7 +322,9 @@ def worker(conf: dict[str, Any]) -> None:
     kv.append(time.perf_counter() - t)
   together()
   local_cluster.write_result({
-      "process": pid, "saves": saves, "restores": restores,
+      "process": pid, "leaves": len(jax.tree_util.tree_leaves(state)),
+      "first_save": first_save, "saves": saves,
+      "restores": restores,
       "empty_barrier_s": statistics.median(empty),
       "kv_set_s": statistics.median(kv)})
 
@@ -324,6 +386,16 @@ def summarize(n: int, results: list[dict]) -> dict[str, Any]:
       "bytes_written": per_save(saves, "bytes_written", sum),
       "boxes_per_process": per_save(saves, "boxes_written"),
   }
+  firsts = [r["first_save"] for r in results]
+  row["leaves"] = results[0]["leaves"]
+  for prefix, ops in (("first_", [firsts]), ("later_", saves)):
+    row[prefix + "save_s"] = per_save(ops, "total_s", max)
+    for k in ("plan_s", "coordination_s", "data_s"):
+      row[prefix + k] = per_save(ops, k)
+    for k in ("index_s", "tiling_s", "commit_s"):  # process 0's
+      row[prefix + k] = med([op[0][k] for op in ops])
+    row[prefix + "planned_leaves"] = max(p["planned_leaves"] for op in ops
+                                         for p in op)
   row["cpu_per_process_s"] = row["save_cpu_s"] / n
   row["floor_over_empty"] = (row["barrier_floor_s"] / max(row["barriers"], 1)
                              / max(row["empty_barrier_ms"] / 1e3, 1e-9))
@@ -369,7 +441,18 @@ def table(rows: list[dict]) -> str:
     return "(no rows)"
   text = [markdown(COLUMNS, rows), "",
           "Coordination of a save, split (seconds per process, mean):", "",
-          markdown(DETAIL_COLUMNS, rows)]
+          markdown(DETAIL_COLUMNS, rows), "",
+          "Per-process cost of a save, the 1st and the 2nd and later "
+          "(seconds; plan, coord, write: mean over processes; index, "
+          "tiling: process 0's; save: the slowest process):", "",
+          markdown(PER_PROCESS_COLUMNS, rows)]
+  first, last = rows[0], rows[-1]
+  if last["processes"] != first["processes"]:
+    text += ["", "save at {} processes / at {}: 1st save {:.1f}x, 2nd and "
+             "later {:.1f}x".format(
+                 last["processes"], first["processes"],
+                 last["first_save_s"] / max(first["first_save_s"], 1e-9),
+                 last["later_save_s"] / max(first["later_save_s"], 1e-9))]
   first, last = rows[0], rows[-1]
   if last["processes"] != first["processes"]:
     ratio = last["coordination_s"] / max(first["coordination_s"], 1e-9)

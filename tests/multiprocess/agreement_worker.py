@@ -166,8 +166,12 @@ def scenario_planned_differently(conf: dict) -> dict:
         return writes
       return writes[1:] if fault == "drop" else [writes[0]] + writes[:-1]
     plan_lib.assign_writes = lying
+    # The planner must run (the plan cache would reuse the honest plan of
+    # the step before), and its lie must not be reused by the next step.
+    ck._plan_cache.clear()  # pylint: disable=protected-access
     out[f"s{step}"] = _timed_save(ck, step, _state(step, mesh))
     plan_lib.assign_writes = honest
+    ck._plan_cache.clear()  # pylint: disable=protected-access
   out["s4"] = _timed_save(ck, 4, _state(4, mesh))
   out["steps"] = ck.all_steps()
   out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)

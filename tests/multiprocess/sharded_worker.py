@@ -340,7 +340,16 @@ def _restore(config: dict, layout: str, mesh) -> dict:
         s = ckptr.last_save_stats
         r["resave"] = {"saved": saved, "bytes_written": s.bytes_written,
                        "peak_bytes_in_flight": s.peak_bytes_in_flight,
+                       "planned_leaves": s.planned_leaves,
                        "steps": ckptr.all_steps()}
+        if config.get("resave_again"):
+          # The same tree and shardings again: the plan cache's save.
+          again = ckptr.save(config["resave"] + 1, restored)
+          ckptr.wait_until_finished()
+          s = ckptr.last_save_stats
+          r["resave_again"] = {"saved": again,
+                               "planned_leaves": s.planned_leaves,
+                               "bytes_written": s.bytes_written}
     out[name] = r
   return out
 

@@ -11,7 +11,8 @@ each one pays jax's start-up once:
 2. 4 x 2 restore step 1 onto another mesh and other PartitionSpecs, check
    every addressable shard bit for bit, and save what they restored as
    step 2 (a checkpoint written by four processes).
-3. 1 x 8 restore steps 1 and 2 onto a third mesh, and also with
+3. 1 x 8 restore steps 1, 2 and 3 (step 2 saved again by 4 x 2, reusing
+   its plan) onto a third mesh, and also with
    ``target=None`` and ``ckpt.load``.
 """
 
@@ -65,13 +66,13 @@ def saved_2x4(ckpts):
 def restored_4x2(ckpts, saved_2x4):
   del saved_2x4
   return launch({"op": "restore", "ckpts": ckpts, "steps": [1],
-                 "resave": 2}, 4, 2)
+                 "resave": 2, "resave_again": True}, 4, 2)
 
 
 @pytest.fixture(scope="module")
 def restored_1x8(ckpts, restored_4x2):
   del restored_4x2
-  return launch({"op": "restore", "ckpts": ckpts, "steps": [1, 2]}, 1, 8)
+  return launch({"op": "restore", "ckpts": ckpts, "steps": [1, 2, 3]}, 1, 8)
 
 
 def assert_balanced(written: list[int], what: str) -> None:
@@ -151,13 +152,27 @@ def test_resave_from_4x2_balanced(restored_4x2, name):
 
 
 @pytest.mark.parametrize("name", CKPTS)
+def test_second_resave_from_4x2_reuses_the_plan(restored_4x2, name):
+  """Step 3 saves the same restored state as step 2: every process reuses
+  its plan (plans no leaf anew), still writes an equal share, and step 3
+  restores bit for bit on 1 x 8 (test_restore_1x8_bit_exact...)."""
+  leaves = len(all_leaf_paths())
+  for r in restored_4x2:
+    assert r[name]["resave"]["planned_leaves"] == leaves, r[name]
+    assert r[name]["resave_again"]["saved"] is True
+    assert r[name]["resave_again"]["planned_leaves"] == 0, r[name]
+  assert_balanced([r[name]["resave_again"]["bytes_written"]
+                   for r in restored_4x2], f"second re-save 4x2 {name}")
+
+
+@pytest.mark.parametrize("name", CKPTS)
 def test_restore_1x8_bit_exact_and_target_none(restored_1x8, name):
   (r,) = restored_1x8
   assert r["layout"] == "1x8"
   res = r[name]
-  assert res["steps"] == [1, 2]
+  assert res["steps"] == [1, 2, 3]
   assert res["mismatches"] == [], "\n".join(res["mismatches"])
-  for step in ("1", "2"):
+  for step in ("1", "2", "3"):
     assert set(res["checked"][step]) == all_leaf_paths()
 
 
