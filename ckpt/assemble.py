@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ckpt import hostmem
 from ckpt import prng
 from ckpt.lazy import (LazyLeaf, LazyValue, check_fits, gather_or_cancel,
                        logical_shape)
@@ -95,9 +96,11 @@ _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
 
 def _aligned_empty(shape: Sequence[int], dtype, *, zeros: bool = False
                    ) -> np.ndarray:
+  if not zeros:  # base pages where fresh huge pages are slow (ckpt.hostmem)
+    return hostmem.aligned_empty(shape, dtype, _ALIGNMENT)
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize
-  raw = (np.zeros if zeros else np.empty)(nbytes + _ALIGNMENT, np.uint8)
+  raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
   offset = -raw.ctypes.data % _ALIGNMENT
   return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
 

@@ -37,6 +37,7 @@ from ckpt import deadline as deadline_lib
 from ckpt import finalize
 from ckpt import multihost
 from ckpt import plan_cache
+from ckpt import polite
 from ckpt import queries
 from ckpt import readonce
 from ckpt import records
@@ -252,7 +253,7 @@ class Checkpointer(queries.Queries):
                                          timeout_s=self.save_timeout_s)
     self.last_save_stats = save_lib.SaveStats()
     self._loop = asyncio.new_event_loop()
-    self._thread = threading.Thread(target=self._loop.run_forever,
+    self._thread = threading.Thread(target=_run_loop, args=(self._loop,),
                                     name="ckpt-background", daemon=True)
     self._thread.start()
     self._closed = False
@@ -484,6 +485,8 @@ class Checkpointer(queries.Queries):
                         custom: str | None = None) -> None:
     cleanup = None
     self._task = asyncio.current_task()  # what cancel() cancels
+    if self.async_save:  # the training job's cores first (ckpt/polite.py)
+      polite.lower_tensorstore_threads()
     try:
       if multihost.process_index() == 0:
         # Abandoned work of crashed jobs and failed saves goes at every save
@@ -1012,6 +1015,13 @@ async def _drain() -> None:
     t.cancel()
   await asyncio.gather(*tasks, return_exceptions=True)
   await asyncio.get_running_loop().shutdown_default_executor()
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+  """The background thread: at a lower priority, as is every thread it
+  starts (ckpt/polite.py)."""
+  polite.lower_this_thread()
+  loop.run_forever()
 
 
 def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:

@@ -43,6 +43,7 @@ from ckpt import index as index_lib
 from ckpt import lease as lease_lib
 from ckpt import multihost
 from ckpt import ocdbt
+from ckpt import polite
 from ckpt import retention as retention_lib
 from ckpt import save as save_lib
 from ckpt import storage as storage_lib
@@ -121,6 +122,9 @@ async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
     try:
       sums = await save_lib.write_owned(plan, step_kvstore, context,
                                         ByteLimiter(budget), stats, on_staged)
+      if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
+        await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
+            os.fspath(storage.root), attempt.work_dir))
     except Exception as e:  # told to every process at the barrier below
       error = e
     # Awaited even after a failure: past the barrier this process writes

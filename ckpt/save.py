@@ -36,6 +36,7 @@ from ckpt import index as index_lib
 from ckpt import leafsource
 from ckpt import multihost
 from ckpt import ocdbt
+from ckpt import polite
 from ckpt import placement as placement_lib
 from ckpt import plan as plan_lib
 from ckpt import prng
@@ -657,6 +658,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       lp.source = None  # the caller's arrays are no longer needed
     on_staged()
   start_writes()
+  if not plan.borrow:  # the pool has grown for these writes (polite.py)
+    polite.lower_tensorstore_threads()
   try:
     arrays.update(await opening)  # every array exists, even with no box here
   except BaseException:

@@ -33,6 +33,11 @@ interleaved (round r runs every system, in a rotated order) so that drifts of
 the disk's speed hit every system alike. Each figure is the median of the
 runs with its spread (min-max).
 
+``--ops ...,train`` (not in the default ops) adds training while saving
+(scripts/bench_train.py): a jitted MLP step timed alone, then while an
+asynchronous save of the state runs; its step time during vs. without the
+save, the slowdown, and the save's own times.
+
 The page cache is not dropped (that needs root and is global to the machine):
 restores read files that were just written, so they usually come from memory.
 ``--evict`` asks the kernel to drop the checkpoint's own pages
@@ -61,6 +66,9 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_train  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -528,6 +536,7 @@ class Worker:
     self.topo = Topology(preset)
     self.state = build_state(preset, self.topo)
     self.build_s = time.perf_counter() - t0
+    self.train_loop = None  # built by the first train op
     self.targets = {
         "same": abstract_state(preset, self.topo, self.topo.save_mesh),
         "other": abstract_state(preset, self.topo, self.topo.other_mesh)}
@@ -567,6 +576,13 @@ class Worker:
     elif kind == "disk":
       out["bytes"], out["files"] = disk_usage(path)
       return out
+    elif kind == "train":
+      if self.train_loop is None:
+        self.train_loop = bench_train.TrainLoop(self.topo.save_mesh,
+                                                op["width"])
+      return bench_train.train_while_saving(
+          self.train_loop, op["steps"],
+          lambda: self.system.save_async(path, self.state))
     elif kind == "drift":
       _malloc_trim()
       rss = self.system.drift(path, self.state, op["saves"])
@@ -688,7 +704,8 @@ class WorkerProcess:
     self._log.close()
 
 
-OPS = ("save", "restore_same", "restore_other", "async")
+OPS = ("save", "restore_same", "restore_other", "async", "train")
+DEFAULT_OPS = ("save", "restore_same", "restore_other", "async")
 
 
 def round_ops(base: str, args) -> list[dict[str, Any]]:
@@ -703,6 +720,10 @@ def round_ops(base: str, args) -> list[dict[str, Any]]:
   if "async" in args.ops:
     ops += [{"op": "save_async", "dir": async_dir},
             {"op": "rmtree", "dir": async_dir}]
+  if "train" in args.ops:
+    ops += [{"op": "train", "dir": f"{base}-train", "steps": args.train_steps,
+             "width": args.train_width},
+            {"op": "rmtree", "dir": f"{base}-train"}]
   return ops
 
 
@@ -715,6 +736,10 @@ def _record(raw: dict[str, dict[str, list]], system: str, op: dict[str, Any],
     fig.setdefault("disk_files", []).append(r["files"])
     return
   if r.get("unsupported"):
+    return
+  if kind == "train":
+    for key in bench_train.FIGURES:
+      fig.setdefault(f"train_{key}", []).append(r[key])
     return
   if kind == "drift":
     rss, fifth = r["rss"], r["rss"][min(4, len(r["rss"]) - 1)]
@@ -879,6 +904,10 @@ def targets(figures: dict[str, dict], budget: int | None,
 
 
 def _fmt_value(key: str, v: float) -> str:
+  if key.startswith("train_step"):
+    return f"{v:.3f}"
+  if key == "train_slowdown":
+    return f"{v:.2f}"
   if key == "drift_ratio":
     return f"{100 * v:+.1f}%"
   if key.endswith("_s"):
@@ -903,6 +932,7 @@ ROWS = [
     ("drift_ratio", "RSS drift, save 5 -> last"),
     ("disk_bytes", "bytes on disk (MiB)"),
     ("disk_files", "files on disk"),
+    *bench_train.ROWS,
 ]
 
 
@@ -1104,8 +1134,13 @@ def main(argv: list[str] | None = None) -> int:
                       "temporary directory, removed at the end)")
   parser.add_argument("--ops", default=None,
                       help=f"comma-separated, from {','.join(OPS)} (default: "
-                      "the preset's \"ops\", else all); the sync save always "
-                      "runs")
+                      "the preset's \"ops\", else all but train); the sync "
+                      "save always runs")
+  parser.add_argument("--train-steps", type=int, default=30,
+                      help="train op: steps timed without a save, before "
+                      "the steps during one (scripts/bench_train.py)")
+  parser.add_argument("--train-width", type=int, default=512,
+                      help="train op: the MLP's width (hidden: 4x)")
   parser.add_argument("--evict", action="store_true",
                       help="drop the checkpoint's pages from the page cache "
                       "(posix_fadvise) before each restore")
@@ -1148,7 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
   runs = args.runs or preset.get("runs", 3)
   args.runs = runs
   args.ops = (args.ops.split(",") if args.ops else
-              preset.get("ops", list(OPS)))
+              preset.get("ops", list(DEFAULT_OPS)))
   for op in args.ops:
     if op not in OPS:
       parser.error(f"unknown op {op!r}; expected some of {OPS}")

@@ -72,3 +72,29 @@ def test_bench_smoke(tmp_path):
   assert drift["drift_rss_last"]["median"] > 0 and drift["drift_rss_5"][
       "median"] > 0
   assert "drift_ratio" not in report["systems"]["raw"]  # ckpt only
+
+
+@pytest.mark.timeout(240)
+def test_bench_train_while_saving(tmp_path):
+  """The train op: step times without and during an async save, for ckpt;
+  raw (no async mode) has none."""
+  out = tmp_path / "train.json"
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "smoke",
+       "--runs", "1", "--systems", "ckpt,raw", "--out", str(out),
+       "--dir", str(tmp_path / "ckpts"), "--drift-saves", "0",
+       "--ops", "train", "--train-steps", "4", "--train-width", "64"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert "train slowdown during save (x)" in proc.stdout
+  fig = json.loads(out.read_text())["systems"]
+  for key in ("train_step_idle_s", "train_step_idle_p90_s",
+              "train_step_during_p90_s", "train_slowdown",
+              "train_save_total_s"):
+    assert fig["ckpt"][key]["median"] > 0, (key, fig["ckpt"][key])
+  assert (fig["ckpt"]["train_save_total_s"]["median"] >=
+          fig["ckpt"]["train_save_blocked_s"]["median"])
+  assert fig["ckpt"]["train_steps_during"]["median"] >= 0
+  assert not any(k.startswith("train_") for k in fig["raw"])
