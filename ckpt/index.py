@@ -22,13 +22,17 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import msgpack
 import numpy as np
 
+from ckpt import index_codec
 from ckpt import prng
 from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
-VERSION = 1
+# 2: the leaves as columns, repeated specs and path parts stored once
+# (ckpt/index_codec.py). 1: one map per leaf. Both are read.
+VERSION = 2
+READ_VERSIONS = (1, 2)
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -314,7 +318,7 @@ def encode(index: Index) -> bytes:
       "time": index.time, "storage_format": index.storage_format,
       "process_count": index.process_count, "metrics": index.metrics,
       "structure": index.structure,
-      "leaves": [e.to_json() for e in index.leaves],
+      "leaves": index_codec.encode(index.leaves, _KINDS_BY_CLASS),
       "host_state": list(index.host_state) if index.host_state is not None else None,
   }
   if index.custom_metadata is not None:  # an optional field (no version bump)
@@ -485,8 +489,10 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     raise _bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
     raise _bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
-  if doc.get("version") != VERSION:
-    raise _bad(where, f"version {VERSION}", doc.get("version"))
+  version = doc.get("version")
+  if type(version) is not int or version not in READ_VERSIONS:
+    raise _bad(where, f"version {' or '.join(map(str, READ_VERSIONS))}",
+               version)
   step = _int(doc.get("step"), f"{where}: step")
   pc = _int(doc.get("process_count"), f"{where}: process_count")
   t = doc.get("time")
@@ -500,10 +506,13 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
       isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()):
     raise _bad(where, "metrics as a map of str to number", metrics)
   raw_leaves = doc.get("leaves")
-  if not isinstance(raw_leaves, list):
+  if version >= 2:
+    leaves = index_codec.decode(raw_leaves, where, KINDS, _bad, _Where)
+  elif not isinstance(raw_leaves, list):
     raise _bad(where, "a list of leaves", raw_leaves)
-  leaves = tuple(_decode_entry(e, _Where(where, i))
-                 for i, e in enumerate(raw_leaves))
+  else:
+    leaves = tuple(_decode_entry(e, _Where(where, i))
+                   for i, e in enumerate(raw_leaves))
   if fmt == "zarr":
     for i, e in enumerate(leaves):
       if isinstance(e, ArrayEntry) and e.codec.get("checksum") == "crc32c":
@@ -548,6 +557,12 @@ def _decode_entry(e: Any, where: str) -> Entry:
     raise _bad(where, "path as a list of strings", path)
   path = tuple(path)
   where.path = path
+  return _entry_of(e, path, where)
+
+
+def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
+  """The entry of a version-1 map ``e`` (a version-2 spec with its leaf's
+  fields), validated, at ``path``."""
   if e.get("kind") == "value":
     value = decode_value(e.get("value"), where)
     impl = "" if e.get("prng_impl", "") == "" else _prng_impl(
@@ -606,6 +621,62 @@ def _decode_entry(e: Any, where: str) -> Entry:
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
                     tuple(checksums), prng_impl=impl, ocdbt_group=group,
                     saved_sharding=saved)
+
+
+# ---- the kinds of entry in a version-2 index (ckpt/index_codec.py) --------
+
+def _with_path(template: Entry, **fields: Any) -> Entry:
+  """``template`` (validated) with its per-leaf fields: the frozen
+  dataclass's fields copied, not re-checked by __init__ per leaf."""
+  out = object.__new__(type(template))
+  out.__dict__.update(template.__dict__, **fields)
+  return out
+
+
+def _array_decoder(spec: dict, where: Any) -> index_codec.Builder:
+  template = _entry_of({**spec, "relpath": "_"}, (), where)
+
+  def build(path: tuple[str, ...], leaf: tuple, where: Any) -> Entry:
+    relpath = tree.storage_relpath(path) if leaf[0] is None else leaf[0]
+    return _with_path(template, path=path,
+                      relpath=check_relpath(relpath, where))
+  return build
+
+
+def _value_decoder(spec: dict, where: Any) -> index_codec.Builder:
+  if spec.keys() <= {"kind"}:  # a plain value: no key, no sharding
+    return lambda path, leaf, where: ValueEntry(
+        path, decode_value(leaf[0], where))
+  return lambda path, leaf, where: _entry_of({**spec, "value": leaf[0]},
+                                             path, where)
+
+
+def _spec_of(e: Entry, *leaf_fields: str) -> dict:
+  out = e.to_json()
+  for name in ("path", "kind", *leaf_fields):
+    out.pop(name, None)
+  return out
+
+
+KINDS = {k.name: k for k in (
+    index_codec.Kind(
+        "array", ArrayEntry, ("relpath",),
+        key=lambda e: (e.shape, e.dtype, e.chunks, tuple(e.codec.items()),
+                       e.source_dtype, e.sharding, e.checksums, e.prng_impl,
+                       e.ocdbt_group, e.saved_sharding),
+        spec=lambda e: _spec_of(e, "relpath"),
+        # the relpath of nearly every leaf is the one its path gives
+        leaf=lambda e: (None if e.relpath == tree.storage_relpath(e.path)
+                        else e.relpath,),
+        decoder=_array_decoder),
+    index_codec.Kind(
+        "value", ValueEntry, ("value",),
+        key=lambda e: (e.prng_impl, e.saved_sharding),
+        spec=lambda e: _spec_of(e, "value"),
+        leaf=lambda e: (encode_value(e.value, e.path),),
+        decoder=_value_decoder),
+)}
+_KINDS_BY_CLASS = {k.cls: k for k in KINDS.values()}
 
 
 def _keys_rank(shape: tuple[int, ...], impl: str) -> int:
