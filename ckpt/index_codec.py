@@ -118,18 +118,22 @@ def decode(doc: Any, where: str, kinds: dict[str, Kind],
               path_col)
   _numbers(list(itertools.chain.from_iterable(path_col)), len(names), where,
            "path", bad)
-  columns = {}
-  for name in known.difference(_TABLES):
+  per_leaf = sorted(known.difference(_TABLES))
+  columns = []
+  for name in per_leaf:
     col = doc.get(name)
     if col is not None and (not isinstance(col, list) or len(col) != n):
       raise bad(where, f"leaves column {name} as a list of {n} values",
                 col)
-    columns[name] = col if col is not None else [None] * n
+    columns.append(col if col is not None else [None] * n)
   builders: list = [None] * len(specs)
   out = [None] * n
   get = names.__getitem__
-  for i, s, ids in zip(range(n), spec_col, path_col):
-    w = leaf_where(where, i)
+  # One ``where`` for every leaf (an error is formatted when raised).
+  w = leaf_where(where, 0)
+  rows = zip(*columns) if columns else itertools.repeat(())
+  for i, (s, ids, row) in enumerate(zip(spec_col, path_col, rows)):
+    w.i = i
     path = w.path = tuple(map(get, ids))
     built = builders[s]
     if built is None:
@@ -138,14 +142,21 @@ def decode(doc: Any, where: str, kinds: dict[str, Kind],
       if kind is None:
         raise bad(w, f"a spec map of kind {' or '.join(map(repr, kinds))}",
                   spec)
-      cols = [columns[c] for c in kind.columns]
-      built = builders[s] = (kind.decoder(spec, w), cols)
-    build, cols = built
-    out[i] = build(path, tuple(c[i] for c in cols), w)
+      built = builders[s] = (kind.decoder(spec, w), _getter(
+          [per_leaf.index(c) for c in kind.columns]))
+    build, values = built
+    out[i] = build(path, values(row), w)
   if None in builders:
     raise bad(where, "every spec used by a leaf",
               f"spec {builders.index(None)} used by none")
   return tuple(out)
+
+
+def _getter(positions: list[int]) -> Callable[[tuple], tuple]:
+  """The values at ``positions`` of a row, as a tuple."""
+  if len(positions) == 1:
+    return lambda row, p=positions[0]: (row[p],)
+  return lambda row: tuple([row[p] for p in positions])
 
 
 def _numbers(v: Any, size: int, where: str, what: str,
