@@ -399,7 +399,11 @@ def _structure_depth(structure: Any) -> int:
     if isinstance(node, dict) and "leaf" not in node:
       children = node.get("children", [])
       if isinstance(children, list):
-        stack.extend((c, depth + 1) for c in children)
+        for c in children:  # a leaf is only as deep as itself
+          if isinstance(c, dict) and "leaf" in c:
+            deepest = max(deepest, depth + 1)
+          else:
+            stack.append((c, depth + 1))
   return deepest
 
 
@@ -795,13 +799,9 @@ def _check_structure(structure: Any, where: str) -> list[str]:
   loop over the nodes, no recursion: 100,000 leaves are 200,000 nodes)."""
   leaves: list[str] = []
   stack = [(structure, 0)]
-  pop, push, add = stack.pop, stack.extend, leaves.append
+  pop, push, add = stack.pop, stack.append, leaves.append
   while stack:
     node, depth = pop()
-    if (depth <= MAX_DEPTH and type(node) is dict and len(node) == 1 and
-        type(node.get("leaf")) is str):
-      add(node["leaf"])  # the common case first: a leaf
-      continue
     if depth > MAX_DEPTH:
       raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
     if not isinstance(node, dict):
@@ -825,7 +825,12 @@ def _check_structure(structure: Any, where: str) -> list[str]:
       if not set(map(type, keys)) <= set(key_types):
         raise _bad(where, f"{kind} keys of type "
                    f"{' or '.join(t.__name__ for t in key_types)}", keys)
-    push(zip(children, itertools.repeat(depth + 1)))
+    for c in children:  # the common case here: a leaf
+      if (depth < MAX_DEPTH and type(c) is dict and len(c) == 1 and
+          type(c.get("leaf")) is str):
+        add(c["leaf"])
+      else:
+        push((c, depth + 1))
   return leaves
 
 

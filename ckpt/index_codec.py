@@ -109,15 +109,24 @@ def decode(doc: Any, where: str, kinds: dict[str, Kind],
   if not isinstance(specs, list):
     raise bad(where, "leaves specs as a list of maps", specs)
   spec_col = doc.get("spec")
-  _numbers(spec_col, len(specs), where, "spec", bad)
+  if not isinstance(spec_col, list):
+    raise bad(where, "leaves spec as a list of numbers into specs", spec_col)
   n = len(spec_col)
   path_col = doc.get("path")
-  if (not isinstance(path_col, list) or len(path_col) != n or
-      not all(type(p) is list for p in path_col)):
+  if not isinstance(path_col, list) or len(path_col) != n:
     raise bad(where, f"leaves path as {n} lists of numbers into names",
               path_col)
-  _numbers(list(itertools.chain.from_iterable(path_col)), len(names), where,
-           "path", bad)
+  # Checked in C over all leaves; the first leaf at fault is named.
+  if not _numbers(spec_col, len(specs)):
+    i = next(i for i, s in enumerate(spec_col) if not _numbers([s], len(specs)))
+    raise bad(leaf_where(where, i), f"a spec number in [0, {len(specs)})",
+              spec_col[i])
+  if (not all(type(p) is list for p in path_col) or not _numbers(
+      list(itertools.chain.from_iterable(path_col)), len(names))):
+    i = next(i for i, p in enumerate(path_col)
+             if type(p) is not list or not _numbers(p, len(names)))
+    raise bad(leaf_where(where, i), "path as a list of numbers into the "
+              f"{len(names)} names", path_col[i])
   per_leaf = sorted(known.difference(_TABLES))
   columns = []
   for name in per_leaf:
@@ -159,9 +168,57 @@ def _getter(positions: list[int]) -> Callable[[tuple], tuple]:
   return lambda row: tuple([row[p] for p in positions])
 
 
-def _numbers(v: Any, size: int, where: str, what: str,
-             bad: Callable[[Any, str, Any], Exception]) -> None:
-  """``v`` is a list of ints in [0, size): checked in C over the list."""
-  if (not isinstance(v, list) or not set(map(type, v)) <= {int} or
-      v and not 0 <= min(v) <= max(v) < size):
-    raise bad(where, f"leaves {what} as numbers in [0, {size})", v)
+def _numbers(v: list, size: int) -> bool:
+  """``v`` is a list of ints in [0, size) (checked in C over the list)."""
+  return set(map(type, v)) <= {int} and (
+      not v or 0 <= min(v) and max(v) < size)
+
+
+# ---- the same leaves as version 1's maps (tools and tests) -----------------
+
+def rows(doc: dict) -> list:
+  """A well-formed ``leaves`` map as version 1's list of entry maps (each
+  leaf's spec, per-leaf fields and path as a list of strings). Unvalidated:
+  for tools and tests that read or edit an index's leaves."""
+  names, specs = doc["names"], doc["specs"]
+  per_leaf = [k for k in doc if k not in _TABLES]
+  out = []
+  for i, (s, ids) in enumerate(zip(doc["spec"], doc["path"])):
+    row = {"path": [names[j] for j in ids], **specs[s]}
+    row.update((k, doc[k][i]) for k in per_leaf if doc[k][i] is not None)
+    out.append(row)
+  return out
+
+
+def columns(maps: list, kinds: dict[str, Kind]) -> dict[str, Any]:
+  """Version 1's list of entry maps as a ``leaves`` map (the inverse of
+  ``rows``), whatever the maps hold: a field a leaf of its kind keeps per
+  leaf goes to that column, the rest to its spec; a path that is not a list
+  of strings and a leaf that is not a map are written as they are, for a
+  reader to refuse. Unvalidated: for tools and tests."""
+  import msgpack  # pylint: disable=g-import-not-at-top
+  per_leaf = sorted(set().union(*(k.columns for k in kinds.values())))
+  names: dict[str, int] = {}
+  specs: dict[bytes, int] = {}
+  out: dict[str, Any] = {"names": [], "specs": [], "spec": [], "path": []}
+  for c in per_leaf:
+    out[c] = [None] * len(maps)
+  for i, m in enumerate(maps):
+    spec, path = m, None
+    if isinstance(m, dict):
+      kind = kinds.get(m.get("kind"))
+      own = kind.columns if kind else ()
+      spec = {k: v for k, v in m.items() if k != "path" and k not in own}
+      for c in own:
+        out[c][i] = m.get(c)
+      path = m.get("path")
+    if isinstance(path, list) and all(isinstance(p, str) for p in path):
+      path = [names.setdefault(p, len(names)) for p in path]
+    key = msgpack.packb(spec, use_bin_type=True)
+    out["spec"].append(specs.setdefault(key, len(specs)))
+    if specs[key] == len(out["specs"]):
+      out["specs"].append(spec)
+    out["path"].append(path)
+  out["names"] = list(names)
+  return {k: v for k, v in out.items()
+          if k in _TABLES or any(x is not None for x in v)}
