@@ -147,7 +147,8 @@ def decode(doc: Any, where: str, kinds: dict[str, Kind],
     built = builders[s]
     if built is None:
       spec = specs[s]
-      kind = kinds.get(spec.get("kind")) if isinstance(spec, dict) else None
+      name = spec.get("kind") if isinstance(spec, dict) else None
+      kind = kinds.get(name) if isinstance(name, str) else None
       if kind is None:
         raise bad(w, f"a spec map of kind {' or '.join(map(repr, kinds))}",
                   spec)
@@ -206,7 +207,7 @@ def columns(maps: list, kinds: dict[str, Kind]) -> dict[str, Any]:
   for i, m in enumerate(maps):
     spec, path = m, None
     if isinstance(m, dict):
-      kind = kinds.get(m.get("kind"))
+      kind = kinds.get(m["kind"]) if isinstance(m.get("kind"), str) else None
       own = kind.columns if kind else ()
       spec = {k: v for k, v in m.items() if k != "path" and k not in own}
       for c in own:
