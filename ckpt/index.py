@@ -352,7 +352,11 @@ def _encode(index: Index) -> bytes:
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
-  depth = _structure_depth(index.structure)
+  try:
+    depth, counts = _structure_walk(index.structure)
+  except ValueError as e:
+    raise InvalidStateError(
+        f"the index of step {index.step} would not decode: {e}") from e
   if depth > MAX_DEPTH:
     raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
                       "Nest the state less deeply")
@@ -368,7 +372,7 @@ def _encode(index: Index) -> bytes:
     raise InvalidStateError(
         f"the index of step {index.step} cannot be encoded: {e} (msgpack "
         f"nests at most {_PACK_DEPTH} containers)") from e
-  check_encoded(data, index)
+  check_encoded(data, {**doc, "structure": None}, index, counts)
   return data
 
 
@@ -390,72 +394,118 @@ def _over_limit(index: "Index", what: str, found: int, limit: int,
       + (hint or "Save fewer, larger leaves (or fewer inline values)"))
 
 
-def _structure_depth(structure: Any) -> int:
-  """How deep a tree structure nests (as _check_structure counts it)."""
-  deepest, stack = 0, [(structure, 0)]
+def _structure_walk(structure: Any) -> tuple[int, list[int]]:
+  """How deep a tree structure nests (as _check_structure counts it), and
+  [lists, maps, longest] as _containers counts them, in one loop over its
+  nodes (a leaf's node is a one-entry map)."""
+  deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
+  stack = [(structure, 0)]
   while stack:
     node, depth = stack.pop()
     deepest = max(deepest, depth)
-    if isinstance(node, dict) and "leaf" not in node:
-      children = node.get("children", [])
-      if isinstance(children, list):
-        for c in children:  # a leaf is only as deep as itself
-          if isinstance(c, dict) and "leaf" in c:
-            deepest = max(deepest, depth + 1)
-          else:
-            stack.append((c, depth + 1))
-  return deepest
+    if not isinstance(node, dict) or "leaf" in node:
+      _add(counts, _containers([node]), -1)  # (less the list given it)
+      continue
+    counts[1] += 1
+    longest = len(node)
+    for k, v in node.items():
+      if type(k) is not str:
+        raise ValueError(f"a map key that is not a string: {k!r}")
+      if type(v) is list:
+        counts[0] += 1
+        longest = max(longest, len(v))
+        if k == "children":
+          for c in v:  # a leaf is only as deep as itself
+            if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
+              deepest = max(deepest, depth + 1)
+              counts[1] += 1
+            else:
+              stack.append((c, depth + 1))
+          continue
+        if set(map(type, v)) <= _SCALARS:  # keys
+          continue
+        _add(counts, _containers(v), -1)
+      elif isinstance(v, _NESTED_TUPLE):
+        _add(counts, _containers(v))
+    counts[2] = max(counts[2], longest)
+  return deepest, counts
 
 
-class _ContainerCount:
-  """msgpack list/object hooks that count what _ContainerBudget limits."""
-
-  def __init__(self):
-    self.lists = self.maps = self.longest = 0
-
-  def list_hook(self, x: list) -> list:
-    self.lists += 1
-    self.longest = max(self.longest, len(x))
-    return x
-
-  def object_hook(self, x: dict) -> dict:
-    self.maps += 1
-    self.longest = max(self.longest, len(x))
-    return x
+def _add(counts: list[int], more: tuple[int, int, int], lists: int = 0):
+  counts[0] += more[0] + lists
+  counts[1] += more[1]
+  counts[2] = max(counts[2], more[2])
 
 
-def check_encoded(data: bytes, index: "Index") -> None:
+def _containers(doc: Any) -> tuple[int, int, int]:
+  """(lists, maps, the longest's length) of the msgpack document ``doc``
+  packs to, counted on the python objects (no re-parsing); raises
+  ValueError for a map key that decode would refuse (not a str)."""
+  lists = maps = longest = 0
+  stack = [doc]
+  pop, push = stack.pop, stack.extend
+  while stack:
+    x = pop()
+    if type(x) is dict and len(x) == 1 and type(x.get("leaf")) is str:
+      maps += 1  # a leaf of the tree structure
+      longest = max(longest, 1)
+      continue
+    longest = max(longest, len(x))
+    if isinstance(x, dict):
+      maps += 1
+      if not set(map(type, x)) <= {str}:
+        raise ValueError(f"a map key that is not a string in {list(x)[:8]}")
+      x = x.values()
+    else:
+      lists += 1
+    types = set(map(type, x))
+    if types <= _SCALARS:  # the common cases: no containers in x,
+      continue
+    if types == {list} and set(map(type, itertools.chain.from_iterable(
+        x))) <= _SCALARS:  # lists of scalars only (a column of paths)
+      lists += len(x)
+      longest = max(longest, max(map(len, x), default=0))
+    elif types <= _NESTED:  # or only containers
+      push(x)
+    else:
+      push([v for v in x if isinstance(v, _NESTED_TUPLE)])
+  return lists, maps, longest
+
+
+_SCALARS = {str, int, float, bool, bytes, type(None)}
+_NESTED = {dict, list, tuple}
+_NESTED_TUPLE = (dict, list, tuple)
+
+
+def check_encoded(data: bytes, doc: Any, index: "Index",
+                  more: tuple[int, int, int] = (0, 0, 0)) -> None:
   """Raises InvalidStateError (naming the limit, what was found and the
-  limit) if ``decode`` would refuse ``data`` for its size or the number,
-  length or nesting of its containers."""
+  limit) if ``decode`` would refuse ``data``, packed from ``doc``, for its
+  size or the number, length or nesting of its containers (``more``: the
+  (lists, maps, longest) of a part left out of ``doc``)."""
   if len(data) > MAX_INDEX_BYTES:
     raise _over_limit(index, "the encoded size in bytes", len(data),
                       MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
-  count = _ContainerCount()
-  was_enabled = gc.isenabled()
-  gc.disable()
   try:
-    msgpack.unpackb(data, raw=False, strict_map_key=True,
-                    list_hook=count.list_hook, object_hook=count.object_hook)
-  except ValueError as e:  # a map key that is not a string, say
+    lists, maps, longest_found = _containers(doc)
+    lists, maps = lists + more[0], maps + more[1]
+    longest_found = max(longest_found, more[2])
+  except ValueError as e:
     raise InvalidStateError(
         f"the index of step {index.step} would not decode: {e}") from e
-  finally:
-    if was_enabled:
-      gc.enable()
   budget = _ContainerBudget(len(data))
   longest = min(MAX_CONTAINER_LEN, len(data))
-  if count.longest > longest:
+  if longest_found > longest:
     raise _over_limit(index, "the longest list or map (e.g. the leaves)",
-                      count.longest, longest, "MAX_CONTAINER_LEN")
-  if count.lists > budget.lists:
+                      longest_found, longest, "MAX_CONTAINER_LEN")
+  if lists > budget.lists:
     raise _over_limit(index, f"the number of lists in {len(data)} bytes "
                       f"(at most one per {_LISTS_PER_BYTE} bytes)",
-                      count.lists, budget.lists, "_LISTS_PER_BYTE")
-  if count.maps > budget.maps:
+                      lists, budget.lists, "_LISTS_PER_BYTE")
+  if maps > budget.maps:
     raise _over_limit(index, f"the number of maps in {len(data)} bytes "
                       f"(at most one per {_MAPS_PER_BYTE} bytes)",
-                      count.maps, budget.maps, "_MAPS_PER_BYTE")
+                      maps, budget.maps, "_MAPS_PER_BYTE")
 
 
 class _ContainerBudget:

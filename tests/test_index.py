@@ -524,3 +524,52 @@ def test_ocdbt_group_is_an_int_and_only_in_format_ocdbt(rng):
   out = index.decode(pack(doc), WHERE)
   assert out.leaves[0].ocdbt_group == 3
   assert doc_of(out)["leaves"][0]["ocdbt_group"] == 3
+
+
+class _HookCount:
+  """What decode's container budget counts, by msgpack's own hooks."""
+
+  def __init__(self):
+    self.lists = self.maps = self.longest = 0
+
+  def list_hook(self, x):
+    self.lists += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+  def object_hook(self, x):
+    self.maps += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+
+@pytest.mark.parametrize("structure", [
+    tree.encode_structure({"a": [1, (2, {"b": 3})], "c": None, "d": {}}),
+    {"leaf": "x"},
+    {"node": "object", "type": "T", "keys": ["a"], "children": [{"leaf": "a"}],
+     "extra": [[1], {"z": [2, [3]]}]},
+    {"node": "dict", "keys": [[1, 2]], "children": [{"leaf": "a", "x": [1]}]},
+    {"node": "list", "children": {"not": ["a list"]}},
+])
+def test_encode_counts_containers_as_msgpack_does(rng, structure):
+  """encode counts the containers decode's budget limits on the python
+  objects (no re-parsing): the same lists, maps and longest length as
+  msgpack's hooks find in the bytes."""
+  idx = make_index(rng)
+  doc = {"structure": structure, "leaves": index_codec.encode(
+      idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
+  count = _HookCount()
+  msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
+                  list_hook=count.list_hook, object_hook=count.object_hook)
+  _, counts = index._structure_walk(structure)
+  lists, maps, longest = index._containers({**doc, "structure": None})
+  assert (lists + counts[0], maps + counts[1], max(longest, counts[2])) == (
+      count.lists, count.maps, count.longest)
+
+
+def test_encode_refuses_map_keys_decode_refuses(rng):
+  idx = dataclasses.replace(make_index(rng), metrics={1: 2.0})
+  _refused(idx, "would not decode", "not a string")
+  idx = dataclasses.replace(make_index(rng), structure={
+      "node": "dict", "keys": [], "children": [], 5: "x"})
+  _refused(idx, "would not decode", "not a string")
