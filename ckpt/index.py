@@ -711,7 +711,9 @@ def _with_path(template: Entry, **fields: Any) -> Entry:
   """``template`` (validated) with its per-leaf fields: the frozen
   dataclass's fields copied, not re-checked by __init__ per leaf."""
   out = object.__new__(type(template))
-  out.__dict__.update(template.__dict__, **fields)
+  state = template.__dict__.copy()
+  state.update(fields)
+  object.__setattr__(out, "__dict__", state)
   return out
 
 
