@@ -294,12 +294,15 @@ def encode_value(v: Any, path: tuple[str, ...]) -> dict[str, Any]:
           "data": np.ascontiguousarray(arr).tobytes()}
 
 
+_PY_KINDS = {"bool": bool, "int": int, "float": float, "str": str,
+             "bytes": bytes}
+
+
 def decode_value(d: Any, where: str) -> Any:
   if not isinstance(d, dict):
     raise _bad(where, "an inline value map", d)
   if "py" in d:
-    kinds = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}
-    kind = kinds.get(d["py"]) if isinstance(d["py"], str) else None
+    kind = _PY_KINDS.get(d["py"]) if isinstance(d["py"], str) else None
     v = d.get("v")
     if kind is None or type(v) is not kind and not (kind is float and type(v) is int):
       raise _bad(where, "a bool, int, float, str or bytes value", d)
