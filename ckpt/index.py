@@ -403,6 +403,7 @@ def _structure_walk(structure: Any) -> tuple[int, list[int]]:
   nodes (a leaf's node is a one-entry map)."""
   deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
   stack = [(structure, 0)]
+  push = stack.append
   while stack:
     node, depth = stack.pop()
     deepest = max(deepest, depth)
@@ -418,12 +419,15 @@ def _structure_walk(structure: Any) -> tuple[int, list[int]]:
         counts[0] += 1
         longest = max(longest, len(v))
         if k == "children":
+          leaves = 0
           for c in v:  # a leaf is only as deep as itself
             if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
-              deepest = max(deepest, depth + 1)
-              counts[1] += 1
+              leaves += 1
             else:
-              stack.append((c, depth + 1))
+              push((c, depth + 1))
+          if leaves:
+            deepest = max(deepest, depth + 1)
+            counts[1] += leaves
           continue
         if set(map(type, v)) <= _SCALARS:  # keys
           continue
