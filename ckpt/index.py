@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import itertools
 import json
 import math
 import re
@@ -356,7 +355,7 @@ def _encode(index: Index) -> bytes:
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
   try:
-    depth, counts = _structure_walk(index.structure)
+    depth, counts = index_codec.structure_walk(index.structure)
   except ValueError as e:
     raise InvalidStateError(
         f"the index of step {index.step} would not decode: {e}") from e
@@ -397,93 +396,6 @@ def _over_limit(index: "Index", what: str, found: int, limit: int,
       + (hint or "Save fewer, larger leaves (or fewer inline values)"))
 
 
-def _structure_walk(structure: Any) -> tuple[int, list[int]]:
-  """How deep a tree structure nests (as _check_structure counts it), and
-  [lists, maps, longest] as _containers counts them, in one loop over its
-  nodes (a leaf's node is a one-entry map)."""
-  deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
-  stack = [(structure, 0)]
-  push = stack.append
-  while stack:
-    node, depth = stack.pop()
-    deepest = max(deepest, depth)
-    if not isinstance(node, dict) or "leaf" in node:
-      _add(counts, _containers([node]), -1)  # (less the list given it)
-      continue
-    counts[1] += 1
-    longest = len(node)
-    for k, v in node.items():
-      if type(k) is not str:
-        raise ValueError(f"a map key that is not a string: {k!r}")
-      if type(v) is list:
-        counts[0] += 1
-        longest = max(longest, len(v))
-        if k == "children":
-          leaves = 0
-          for c in v:  # a leaf is only as deep as itself
-            if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
-              leaves += 1
-            else:
-              push((c, depth + 1))
-          if leaves:
-            deepest = max(deepest, depth + 1)
-            counts[1] += leaves
-          continue
-        if set(map(type, v)) <= _SCALARS:  # keys
-          continue
-        _add(counts, _containers(v), -1)
-      elif isinstance(v, _NESTED_TUPLE):
-        _add(counts, _containers(v))
-    counts[2] = max(counts[2], longest)
-  return deepest, counts
-
-
-def _add(counts: list[int], more: tuple[int, int, int], lists: int = 0):
-  counts[0] += more[0] + lists
-  counts[1] += more[1]
-  counts[2] = max(counts[2], more[2])
-
-
-def _containers(doc: Any) -> tuple[int, int, int]:
-  """(lists, maps, the longest's length) of the msgpack document ``doc``
-  packs to, counted on the python objects (no re-parsing); raises
-  ValueError for a map key that decode would refuse (not a str)."""
-  lists = maps = longest = 0
-  stack = [doc]
-  pop, push = stack.pop, stack.extend
-  while stack:
-    x = pop()
-    if type(x) is dict and len(x) == 1 and type(x.get("leaf")) is str:
-      maps += 1  # a leaf of the tree structure
-      longest = max(longest, 1)
-      continue
-    longest = max(longest, len(x))
-    if isinstance(x, dict):
-      maps += 1
-      if not set(map(type, x)) <= {str}:
-        raise ValueError(f"a map key that is not a string in {list(x)[:8]}")
-      x = x.values()
-    else:
-      lists += 1
-    types = set(map(type, x))
-    if types <= _SCALARS:  # the common cases: no containers in x,
-      continue
-    if types == {list} and set(map(type, itertools.chain.from_iterable(
-        x))) <= _SCALARS:  # lists of scalars only (a column of paths)
-      lists += len(x)
-      longest = max(longest, max(map(len, x), default=0))
-    elif types <= _NESTED:  # or only containers
-      push(x)
-    else:
-      push([v for v in x if isinstance(v, _NESTED_TUPLE)])
-  return lists, maps, longest
-
-
-_SCALARS = {str, int, float, bool, bytes, type(None)}
-_NESTED = {dict, list, tuple}
-_NESTED_TUPLE = (dict, list, tuple)
-
-
 def check_encoded(data: bytes, doc: Any, index: "Index",
                   more: tuple[int, int, int] = (0, 0, 0)) -> None:
   """Raises InvalidStateError (naming the limit, what was found and the
@@ -494,7 +406,7 @@ def check_encoded(data: bytes, doc: Any, index: "Index",
     raise _over_limit(index, "the encoded size in bytes", len(data),
                       MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
   try:
-    lists, maps, longest_found = _containers(doc)
+    lists, maps, longest_found = index_codec.containers(doc)
     lists, maps = lists + more[0], maps + more[1]
     longest_found = max(longest_found, more[2])
   except ValueError as e:

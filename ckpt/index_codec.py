@@ -175,6 +175,95 @@ def _numbers(v: list, size: int) -> bool:
       not v or 0 <= min(v) and max(v) < size)
 
 
+# ---- what a document packs to: decode's container budget (index.py) ------
+
+def structure_walk(structure: Any) -> tuple[int, list[int]]:
+  """How deep a tree structure nests (as index._check_structure counts it), and
+  [lists, maps, longest] as containers counts them, in one loop over its
+  nodes (a leaf's node is a one-entry map)."""
+  deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
+  stack = [(structure, 0)]
+  push = stack.append
+  while stack:
+    node, depth = stack.pop()
+    deepest = max(deepest, depth)
+    if not isinstance(node, dict) or "leaf" in node:
+      _add(counts, containers([node]), -1)  # (less the list given it)
+      continue
+    counts[1] += 1
+    longest = len(node)
+    for k, v in node.items():
+      if type(k) is not str:
+        raise ValueError(f"a map key that is not a string: {k!r}")
+      if type(v) is list:
+        counts[0] += 1
+        longest = max(longest, len(v))
+        if k == "children":
+          leaves = 0
+          for c in v:  # a leaf is only as deep as itself
+            if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
+              leaves += 1
+            else:
+              push((c, depth + 1))
+          if leaves:
+            deepest = max(deepest, depth + 1)
+            counts[1] += leaves
+          continue
+        if set(map(type, v)) <= _SCALARS:  # keys
+          continue
+        _add(counts, containers(v), -1)
+      elif isinstance(v, _NESTED_TUPLE):
+        _add(counts, containers(v))
+    counts[2] = max(counts[2], longest)
+  return deepest, counts
+
+
+def _add(counts: list[int], more: tuple[int, int, int], lists: int = 0):
+  counts[0] += more[0] + lists
+  counts[1] += more[1]
+  counts[2] = max(counts[2], more[2])
+
+
+def containers(doc: Any) -> tuple[int, int, int]:
+  """(lists, maps, the longest's length) of the msgpack document ``doc``
+  packs to, counted on the python objects (no re-parsing); raises
+  ValueError for a map key that decode would refuse (not a str)."""
+  lists = maps = longest = 0
+  stack = [doc]
+  pop, push = stack.pop, stack.extend
+  while stack:
+    x = pop()
+    if type(x) is dict and len(x) == 1 and type(x.get("leaf")) is str:
+      maps += 1  # a leaf of the tree structure
+      longest = max(longest, 1)
+      continue
+    longest = max(longest, len(x))
+    if isinstance(x, dict):
+      maps += 1
+      if not set(map(type, x)) <= {str}:
+        raise ValueError(f"a map key that is not a string in {list(x)[:8]}")
+      x = x.values()
+    else:
+      lists += 1
+    types = set(map(type, x))
+    if types <= _SCALARS:  # the common cases: no containers in x,
+      continue
+    if types == {list} and set(map(type, itertools.chain.from_iterable(
+        x))) <= _SCALARS:  # lists of scalars only (a column of paths)
+      lists += len(x)
+      longest = max(longest, max(map(len, x), default=0))
+    elif types <= _NESTED:  # or only containers
+      push(x)
+    else:
+      push([v for v in x if isinstance(v, _NESTED_TUPLE)])
+  return lists, maps, longest
+
+
+_SCALARS = {str, int, float, bool, bytes, type(None)}
+_NESTED = {dict, list, tuple}
+_NESTED_TUPLE = (dict, list, tuple)
+
+
 # ---- the same leaves as version 1's maps (tools and tests) -----------------
 
 def rows(doc: dict) -> list:

@@ -561,8 +561,8 @@ def test_encode_counts_containers_as_msgpack_does(rng, structure):
   count = _HookCount()
   msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
-  _, counts = index._structure_walk(structure)
-  lists, maps, longest = index._containers({**doc, "structure": None})
+  _, counts = index_codec.structure_walk(structure)
+  lists, maps, longest = index_codec.containers({**doc, "structure": None})
   assert (lists + counts[0], maps + counts[1], max(longest, counts[2])) == (
       count.lists, count.maps, count.longest)
 
