@@ -9,6 +9,7 @@ inside the step directory. Anything else raises CorruptCheckpointError.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -22,13 +23,17 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import msgpack
 import numpy as np
 
+from ckpt import index_codec
 from ckpt import prng
 from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
-VERSION = 1
+# 2: the leaves as columns, repeated specs and path parts stored once
+# (ckpt/index_codec.py). 1: one map per leaf. Both are read.
+VERSION = 2
+READ_VERSIONS = (1, 2)
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -80,6 +85,7 @@ ALLOWED_DTYPES = frozenset({
 MAX_OCDBT_GROUPS = 4096
 # Each allowed name's dtype, looked up once (not np.dtype() per leaf).
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+_DTYPE_NAMES = {d: name for name, d in _DTYPES.items()}  # (dtype.name is slow)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,23 +281,27 @@ def encode_value(v: Any, path: tuple[str, ...]) -> dict[str, Any]:
           f"leaf {tree.path_str(path)!r}: int {v} does not fit in 64 bits")
     return {"py": kind.__name__, "v": v}
   arr = np.asarray(v)
-  if arr.dtype.name not in ALLOWED_DTYPES:
+  name = _DTYPE_NAMES.get(arr.dtype) or arr.dtype.name
+  if name not in ALLOWED_DTYPES:
     raise InvalidStateError(
         f"leaf {tree.path_str(path)!r}: dtype {arr.dtype} cannot be stored; "
         f"expected one of {sorted(ALLOWED_DTYPES)}")
   if not arr.dtype.isnative:  # the bytes are read back as native (little) endian
     arr = arr.astype(arr.dtype.newbyteorder("="))
-  return {"np": arr.dtype.name, "shape": list(arr.shape),
+  return {"np": name, "shape": list(arr.shape),
           "scalar": isinstance(v, np.generic),
           "data": np.ascontiguousarray(arr).tobytes()}
+
+
+_PY_KINDS = {"bool": bool, "int": int, "float": float, "str": str,
+             "bytes": bytes}
 
 
 def decode_value(d: Any, where: str) -> Any:
   if not isinstance(d, dict):
     raise _bad(where, "an inline value map", d)
   if "py" in d:
-    kinds = {"bool": bool, "int": int, "float": float, "str": str, "bytes": bytes}
-    kind = kinds.get(d["py"]) if isinstance(d["py"], str) else None
+    kind = _PY_KINDS.get(d["py"]) if isinstance(d["py"], str) else None
     v = d.get("v")
     if kind is None or type(v) is not kind and not (kind is float and type(v) is int):
       raise _bad(where, "a bool, int, float, str or bytes value", d)
@@ -308,13 +318,35 @@ def decode_value(d: Any, where: str) -> Any:
 
 # ---- encode / decode the whole index ---------------------------------------
 
+@contextlib.contextmanager
+def _gc_paused():
+  """The cyclic GC paused (as msgpack advises while unpacking): building
+  an index's hundreds of thousands of objects would otherwise trigger
+  collections that rescan them again and again (half the CPU time of
+  decoding 100,000 leaves). Nothing built here is cyclic."""
+  was_enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if was_enabled:
+      gc.enable()
+
+
 def encode(index: Index) -> bytes:
+  """The bytes of ``index.msgpack`` (version VERSION); raises
+  InvalidStateError for an index that readers would refuse."""
+  with _gc_paused():
+    return _encode(index)
+
+
+def _encode(index: Index) -> bytes:
   doc = {
       "format": FORMAT_NAME, "version": VERSION, "step": index.step,
       "time": index.time, "storage_format": index.storage_format,
       "process_count": index.process_count, "metrics": index.metrics,
       "structure": index.structure,
-      "leaves": [e.to_json() for e in index.leaves],
+      "leaves": None,
       "host_state": list(index.host_state) if index.host_state is not None else None,
   }
   if index.custom_metadata is not None:  # an optional field (no version bump)
@@ -322,26 +354,27 @@ def encode(index: Index) -> bytes:
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
-  depth = _structure_depth(index.structure)
+  try:
+    depth, counts = index_codec.structure_walk(index.structure)
+  except ValueError as e:
+    raise InvalidStateError(
+        f"the index of step {index.step} would not decode: {e}") from e
   if depth > MAX_DEPTH:
     raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
                       "Nest the state less deeply")
-  for e in index.leaves:
-    if isinstance(e, ArrayEntry):
-      try:
-        check_extent(e.shape, e.chunks, np.dtype(e.dtype).itemsize,
-                     f"leaf {tree.path_str(e.path)!r}")
-      except CorruptCheckpointError as err:
-        raise InvalidStateError(
-            f"the index of step {index.step} would be refused by readers: "
-            f"{err}") from err
+  try:  # checks each array spec's extent (once per distinct spec)
+    doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
+  except CorruptCheckpointError as err:
+    raise InvalidStateError(
+        f"the index of step {index.step} would be refused by readers: "
+        f"{err}") from err
   try:
     data = msgpack.packb(doc, use_bin_type=True)
   except ValueError as e:  # msgpack's own nesting limit
     raise InvalidStateError(
         f"the index of step {index.step} cannot be encoded: {e} (msgpack "
         f"nests at most {_PACK_DEPTH} containers)") from e
-  check_encoded(data, index)
+  check_encoded(data, {**doc, "structure": None}, index, counts)
   return data
 
 
@@ -363,68 +396,35 @@ def _over_limit(index: "Index", what: str, found: int, limit: int,
       + (hint or "Save fewer, larger leaves (or fewer inline values)"))
 
 
-def _structure_depth(structure: Any) -> int:
-  """How deep a tree structure nests (as _check_structure counts it)."""
-  deepest, stack = 0, [(structure, 0)]
-  while stack:
-    node, depth = stack.pop()
-    deepest = max(deepest, depth)
-    if isinstance(node, dict) and "leaf" not in node:
-      children = node.get("children", [])
-      if isinstance(children, list):
-        stack.extend((c, depth + 1) for c in children)
-  return deepest
-
-
-class _ContainerCount:
-  """msgpack list/object hooks that count what _ContainerBudget limits."""
-
-  def __init__(self):
-    self.lists = self.maps = self.longest = 0
-
-  def list_hook(self, x: list) -> list:
-    self.lists += 1
-    self.longest = max(self.longest, len(x))
-    return x
-
-  def object_hook(self, x: dict) -> dict:
-    self.maps += 1
-    self.longest = max(self.longest, len(x))
-    return x
-
-
-def check_encoded(data: bytes, index: "Index") -> None:
+def check_encoded(data: bytes, doc: Any, index: "Index",
+                  more: tuple[int, int, int] = (0, 0, 0)) -> None:
   """Raises InvalidStateError (naming the limit, what was found and the
-  limit) if ``decode`` would refuse ``data`` for its size or the number,
-  length or nesting of its containers."""
+  limit) if ``decode`` would refuse ``data``, packed from ``doc``, for its
+  size or the number, length or nesting of its containers (``more``: the
+  (lists, maps, longest) of a part left out of ``doc``)."""
   if len(data) > MAX_INDEX_BYTES:
     raise _over_limit(index, "the encoded size in bytes", len(data),
                       MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
-  count = _ContainerCount()
-  was_enabled = gc.isenabled()
-  gc.disable()
   try:
-    msgpack.unpackb(data, raw=False, strict_map_key=True,
-                    list_hook=count.list_hook, object_hook=count.object_hook)
-  except ValueError as e:  # a map key that is not a string, say
+    lists, maps, longest_found = index_codec.containers(doc)
+    lists, maps = lists + more[0], maps + more[1]
+    longest_found = max(longest_found, more[2])
+  except ValueError as e:
     raise InvalidStateError(
         f"the index of step {index.step} would not decode: {e}") from e
-  finally:
-    if was_enabled:
-      gc.enable()
   budget = _ContainerBudget(len(data))
   longest = min(MAX_CONTAINER_LEN, len(data))
-  if count.longest > longest:
+  if longest_found > longest:
     raise _over_limit(index, "the longest list or map (e.g. the leaves)",
-                      count.longest, longest, "MAX_CONTAINER_LEN")
-  if count.lists > budget.lists:
+                      longest_found, longest, "MAX_CONTAINER_LEN")
+  if lists > budget.lists:
     raise _over_limit(index, f"the number of lists in {len(data)} bytes "
                       f"(at most one per {_LISTS_PER_BYTE} bytes)",
-                      count.lists, budget.lists, "_LISTS_PER_BYTE")
-  if count.maps > budget.maps:
+                      lists, budget.lists, "_LISTS_PER_BYTE")
+  if maps > budget.maps:
     raise _over_limit(index, f"the number of maps in {len(data)} bytes "
                       f"(at most one per {_MAPS_PER_BYTE} bytes)",
-                      count.maps, budget.maps, "_MAPS_PER_BYTE")
+                      maps, budget.maps, "_MAPS_PER_BYTE")
 
 
 class _ContainerBudget:
@@ -472,6 +472,11 @@ def unpack(data: bytes) -> Any:
 
 def decode(data: bytes, where: str = "index.msgpack") -> Index:
   """Parses and validates an index; raises CorruptCheckpointError."""
+  with _gc_paused():
+    return _decode(data, where)
+
+
+def _decode(data: bytes, where: str) -> Index:
   if len(data) > MAX_INDEX_BYTES:
     raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
                                  f"{MAX_INDEX_BYTES} byte limit")
@@ -485,8 +490,10 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     raise _bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
     raise _bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
-  if doc.get("version") != VERSION:
-    raise _bad(where, f"version {VERSION}", doc.get("version"))
+  version = doc.get("version")
+  if type(version) is not int or version not in READ_VERSIONS:
+    raise _bad(where, f"version {' or '.join(map(str, READ_VERSIONS))}",
+               version)
   step = _int(doc.get("step"), f"{where}: step")
   pc = _int(doc.get("process_count"), f"{where}: process_count")
   t = doc.get("time")
@@ -500,10 +507,13 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
       isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()):
     raise _bad(where, "metrics as a map of str to number", metrics)
   raw_leaves = doc.get("leaves")
-  if not isinstance(raw_leaves, list):
+  if version >= 2:
+    leaves = index_codec.decode(raw_leaves, where, KINDS, _bad, _Where)
+  elif not isinstance(raw_leaves, list):
     raise _bad(where, "a list of leaves", raw_leaves)
-  leaves = tuple(_decode_entry(e, _Where(where, i))
-                 for i, e in enumerate(raw_leaves))
+  else:
+    leaves = tuple(_decode_entry(e, _Where(where, i))
+                   for i, e in enumerate(raw_leaves))
   if fmt == "zarr":
     for i, e in enumerate(leaves):
       if isinstance(e, ArrayEntry) and e.codec.get("checksum") == "crc32c":
@@ -515,15 +525,15 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
         raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                    f"no ocdbt_group (format {fmt})", e.ocdbt_group)
   names = [tree.path_str(e.path) for e in leaves]
-  if len(set(names)) != len(names):
+  if len(unique := set(names)) != len(names):
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
-  _check_structure(structure, where)
-  referenced = list(tree.iter_structure_leaves(structure))
-  if sorted(referenced) != sorted(names):
-    missing = sorted(set(referenced) - set(names))
-    extra = sorted(set(names) - set(referenced))
+  referenced = _check_structure(structure, where)
+  # names are distinct (above): as many and the same set is the same leaves
+  if len(referenced) != len(names) or set(referenced) != unique:
+    missing = sorted(set(referenced) - unique)
+    extra = sorted(unique - set(referenced))
     raise CorruptCheckpointError(
         f"{where}: tree structure and leaves disagree; structure leaves "
         f"without an entry: {missing[:10]}, entries not in the structure: "
@@ -548,6 +558,12 @@ def _decode_entry(e: Any, where: str) -> Entry:
     raise _bad(where, "path as a list of strings", path)
   path = tuple(path)
   where.path = path
+  return _entry_of(e, path, where)
+
+
+def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
+  """The entry of a version-1 map ``e`` (a version-2 spec with its leaf's
+  fields), validated, at ``path``."""
   if e.get("kind") == "value":
     value = decode_value(e.get("value"), where)
     impl = "" if e.get("prng_impl", "") == "" else _prng_impl(
@@ -608,6 +624,89 @@ def _decode_entry(e: Any, where: str) -> Entry:
                     saved_sharding=saved)
 
 
+# ---- the kinds of entry in a version-2 index (ckpt/index_codec.py) --------
+
+def _with_path(template: Entry, **fields: Any) -> Entry:
+  """``template`` (validated) with its per-leaf fields: the frozen
+  dataclass's fields copied, not re-checked by __init__ per leaf."""
+  out = object.__new__(type(template))
+  state = template.__dict__.copy()
+  state.update(fields)
+  object.__setattr__(out, "__dict__", state)
+  return out
+
+
+def _array_decoder(spec: dict, where: Any) -> index_codec.Builder:
+  template = _entry_of({**spec, "relpath": "_"}, (), where)
+
+  def build(path: tuple[str, ...], leaf: tuple, where: Any) -> Entry:
+    relpath = leaf[0]
+    if relpath is None:  # the one its path gives, each part checked once
+      relpath = "/".join(map(_stored_part, path)) if path else "_root"
+      if len(relpath) > 4096:
+        raise _bad(where, "a relative path of at most 4096 characters",
+                   relpath)
+    else:
+      check_relpath(relpath, where)
+    return _with_path(template, path=path, relpath=relpath)
+  return build
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _stored_part(p: str) -> str:
+  """The directory of path part ``p`` (tree.storage_relpath's), checked as
+  check_relpath checks a part read from an index."""
+  part = tree.storage_relpath((p,))
+  if not _plain_part(part):
+    raise CorruptCheckpointError(f"path part {p!r} stored as {part!r} is "
+                                 "not a plain relative path part")
+  return part
+
+
+def _value_decoder(spec: dict, where: Any) -> index_codec.Builder:
+  if spec.keys() <= {"kind"}:  # a plain value: no key, no sharding
+    return lambda path, leaf, where: ValueEntry(
+        path, decode_value(leaf[0], where))
+  return lambda path, leaf, where: _entry_of({**spec, "value": leaf[0]},
+                                             path, where)
+
+
+def _array_spec(e: ArrayEntry) -> dict:
+  """An array's spec; refuses (CorruptCheckpointError) an extent that
+  readers would refuse."""
+  check_extent(e.shape, e.chunks, np.dtype(e.dtype).itemsize,
+               f"leaf {tree.path_str(e.path)!r}")
+  return _spec_of(e, "relpath")
+
+
+def _spec_of(e: Entry, *leaf_fields: str) -> dict:
+  out = e.to_json()
+  for name in ("path", "kind", *leaf_fields):
+    out.pop(name, None)
+  return out
+
+
+KINDS = {k.name: k for k in (
+    index_codec.Kind(
+        "array", ArrayEntry, ("relpath",),
+        key=lambda e: (e.shape, e.dtype, e.chunks, tuple(e.codec.items()),
+                       e.source_dtype, e.sharding, e.checksums, e.prng_impl,
+                       e.ocdbt_group, e.saved_sharding),
+        spec=_array_spec,
+        # the relpath of nearly every leaf is the one its path gives
+        leaf=lambda e: (None if e.relpath == tree.storage_relpath(e.path)
+                        else e.relpath,),
+        decoder=_array_decoder),
+    index_codec.Kind(
+        "value", ValueEntry, ("value",),
+        key=lambda e: (e.prng_impl, e.saved_sharding),
+        spec=lambda e: _spec_of(e, "value"),
+        leaf=lambda e: (encode_value(e.value, e.path),),
+        decoder=_value_decoder),
+)}
+_KINDS_BY_CLASS = {k.cls: k for k in KINDS.values()}
+
+
 def _keys_rank(shape: tuple[int, ...], impl: str) -> int:
   """The rank a saved sharding is over: the keys' for key data."""
   return len(shape) - (len(prng.info(impl).key_shape) if impl else 0)
@@ -666,31 +765,44 @@ def check_extent(shape: tuple[int, ...], chunks: tuple[int, ...],
                f"{count} chunks of {list(chunks)} in shape {list(shape)}")
 
 
-def _check_structure(node: Any, where: str, depth: int = 0) -> None:
-  if depth > MAX_DEPTH:
-    raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
-  if not isinstance(node, dict):
-    raise _bad(where, "a structure node map", node)
-  if "leaf" in node:
-    if not isinstance(node["leaf"], str):
-      raise _bad(where, "a leaf name", node["leaf"])
-    return
-  kind = node.get("node")
-  if kind not in ("none", "dict", "list", "tuple", "object"):
-    raise _bad(where, "a node kind", kind)
-  children = node.get("children", [])
-  if not isinstance(children, list):
-    raise _bad(where, "a list of children", children)
-  if kind in ("dict", "object"):
-    keys = node.get("keys")
-    if not isinstance(keys, list) or len(keys) != len(children):
-      raise _bad(where, f"{len(children)} keys", keys)
-    key_types = (str, int) if kind == "dict" else (str,)
-    if not all(type(k) in key_types for k in keys):
-      raise _bad(where, f"{kind} keys of type "
-                 f"{' or '.join(t.__name__ for t in key_types)}", keys)
-  for c in children:
-    _check_structure(c, where, depth + 1)
+def _check_structure(structure: Any, where: str) -> list[str]:
+  """Validates a tree structure; returns the names of its leaves (one
+  loop over the nodes, no recursion: 100,000 leaves are 200,000 nodes)."""
+  leaves: list[str] = []
+  stack = [(structure, 0)]
+  pop, push, add = stack.pop, stack.append, leaves.append
+  while stack:
+    node, depth = pop()
+    if depth > MAX_DEPTH:
+      raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
+    if not isinstance(node, dict):
+      raise _bad(where, "a structure node map", node)
+    if "leaf" in node:
+      if not isinstance(node["leaf"], str):
+        raise _bad(where, "a leaf name", node["leaf"])
+      add(node["leaf"])
+      continue
+    kind = node.get("node")
+    if kind not in ("none", "dict", "list", "tuple", "object"):
+      raise _bad(where, "a node kind", kind)
+    children = node.get("children", [])
+    if not isinstance(children, list):
+      raise _bad(where, "a list of children", children)
+    if kind in ("dict", "object"):
+      keys = node.get("keys")
+      if not isinstance(keys, list) or len(keys) != len(children):
+        raise _bad(where, f"{len(children)} keys", keys)
+      key_types = (str, int) if kind == "dict" else (str,)
+      if not set(map(type, keys)) <= set(key_types):
+        raise _bad(where, f"{kind} keys of type "
+                   f"{' or '.join(t.__name__ for t in key_types)}", keys)
+    for c in children:  # the common case here: a leaf
+      if (depth < MAX_DEPTH and type(c) is dict and len(c) == 1 and
+          type(c.get("leaf")) is str):
+        add(c["leaf"])
+      else:
+        push((c, depth + 1))
+  return leaves
 
 
 def _int(v: Any, where: str) -> int:

@@ -98,3 +98,19 @@ def test_bench_train_while_saving(tmp_path):
           fig["ckpt"]["train_save_blocked_s"]["median"])
   assert fig["ckpt"]["train_steps_during"]["median"] >= 0
   assert not any(k.startswith("train_") for k in fig["raw"])
+
+
+@pytest.mark.timeout(120)
+def test_bench_index_smoke():
+  """scripts/bench_index.py on 500 leaves: it runs, its round trip check
+  passes (decode(encode(index)) equals the index) and it reports every
+  figure."""
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "bench_index.py"),
+       "--leaves", "500", "--repeat", "1"],
+      capture_output=True, text=True, timeout=110, check=False,
+      env={**os.environ, "PYTHONPATH": str(ROOT)})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert out["leaves"] == 500 and out["bytes"] > 500
+  assert out["encode_cpu_s"] >= 0 and out["decode_cpu_s"] >= 0

@@ -19,6 +19,7 @@ from jax.sharding import SingleDeviceSharding
 
 import ckpt
 from ckpt import index as index_lib
+from ckpt import index_codec
 from tests.conftest import (AdamState, TrainState, mesh, named,
                             random_array, sharded)
 
@@ -800,7 +801,9 @@ def test_corrupt_index(make_ckptr, ckpt_dir, rng, damage):
     data = b""
   else:
     doc = msgpack.unpackb(data, raw=False)
-    doc["leaves"][0]["relpath"] = "../../../etc"
+    leaves = index_codec.rows(doc["leaves"])
+    leaves[0]["relpath"] = "../../../etc"
+    doc["leaves"] = index_codec.columns(leaves, index_lib.KINDS)
     data = msgpack.packb(doc, use_bin_type=True)
   path.write_bytes(data)
   with pytest.raises(ckpt.CorruptCheckpointError) as e:

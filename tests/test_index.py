@@ -14,6 +14,7 @@ import pytest
 
 import ckpt
 from ckpt import index
+from ckpt import index_codec
 from ckpt import tsspec
 from ckpt import tree
 
@@ -44,10 +45,17 @@ def make_index(rng):
 
 
 def doc_of(idx):
-  return msgpack.unpackb(index.encode(idx), raw=False, strict_map_key=False)
+  """The index's document, its leaves as version 1's maps (to edit)."""
+  doc = msgpack.unpackb(index.encode(idx), raw=False, strict_map_key=False)
+  doc["leaves"] = index_codec.rows(doc["leaves"])
+  return doc
 
 
 def pack(doc):
+  """The document as the index of today's version (edited leaf maps as
+  columns, so the version-2 decoder meets them)."""
+  if isinstance(doc, dict) and isinstance(doc.get("leaves"), list):
+    doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index.KINDS)}
   return msgpack.packb(doc, use_bin_type=True)
 
 
@@ -125,8 +133,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 2, ["version 1", "2"]),
-    ("version", "1", ["version 1", "'1'"]),
+    ("version", 3, ["version 1 or 2", "3"]),
+    ("version", "1", ["version 1 or 2", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -136,7 +144,7 @@ def test_rejects_non_map_document():
     ("storage_format", ["zarr"], ["storage_format", "['zarr']"]),
     ("metrics", {"loss": "low"}, ["metrics", "'low'"]),
     ("metrics", [1.0], ["metrics"]),
-    ("leaves", {"a": 1}, ["list of leaves"]),
+    ("leaves", {"a": 1}, ["leaves columns among", "'a'"]),
     ("host_state", [b"ok", "not bytes"], ["host_state", "'not bytes'"]),
     ("host_state", b"\x90", ["host_state"]),
 ])
@@ -161,7 +169,7 @@ def with_leaf(rng, i, **changes):
 
 @pytest.mark.parametrize("relpath", [
     "/etc/passwd", "../outside", "params/../../x", "params/..", "./params",
-    "params//w", "params/w/", "", ".hidden", "a\\..\\b", "..", 5, None,
+    "params//w", "params/w/", "", ".hidden", "a\\..\\b", "..", 5,
     ["params", "w"],
 ])
 def test_rejects_relpaths_outside_the_checkpoint(rng, relpath):
@@ -211,8 +219,8 @@ def test_rejects_bad_chunks(rng, chunks, fragment):
     ({"codec": {"compression": "gzip"}}, "compression"),
     ({"codec": "zstd"}, "compression"),
     ({"sharding": 3}, "sharding as a string"),
-    ({"path": "params/w"}, "path as a list of strings"),
-    ({"path": ["params", 3]}, "path as a list of strings"),
+    ({"path": "params/w"}, "path as a list"),
+    ({"path": ["params", 3]}, "path as a list"),
 ])
 def test_rejects_bad_entry_fields(rng, changes, fragment):
   rejected(with_leaf(rng, 1, **changes), "leaf 1", fragment)
@@ -230,7 +238,86 @@ def test_rejects_bad_inline_value(rng):
 def test_rejects_non_map_leaf(rng):
   doc = doc_of(make_index(rng))
   doc["leaves"][0] = ["params", "b"]
-  rejected(pack(doc), "leaf 0", "expected a map")
+  rejected(pack(doc), "leaf 0", "expected path as a list")
+  doc = msgpack.unpackb(index.encode(make_index(rng)), raw=False)
+  doc["leaves"]["specs"][0] = ["params", "b"]
+  rejected(pack(doc), "leaf 0 (params/b)", "a spec map of kind",
+           "['params', 'b']")
+
+
+# ---- version 2: the leaves' columns and tables (ckpt/index_codec.py) -----
+
+def columns_of(rng):
+  return msgpack.unpackb(index.encode(make_index(rng)), raw=False)
+
+
+@pytest.mark.parametrize("edit,fragments", [
+    (lambda c: c["spec"].__setitem__(1, 9), ["leaf 1:", "spec number in [0, "]),
+    (lambda c: c["spec"].__setitem__(1, -1), ["leaf 1:", "spec number"]),
+    (lambda c: c["spec"].__setitem__(1, True), ["leaf 1:", "spec number"]),
+    (lambda c: c["spec"].__setitem__(1, 0), ["every spec used by a leaf"]),
+    (lambda c: c["spec"].append(0), ["leaves path as 5 lists"]),
+    (lambda c: c["path"][2].append(99), ["leaf 2:", "numbers into the"]),
+    (lambda c: c["path"].__setitem__(3, [-1]), ["leaf 3:", "path as a list"]),
+    (lambda c: c["path"].__setitem__(3, "name"), ["leaf 3:", "path as a list"]),
+    (lambda c: c["names"].__setitem__(0, 7), ["names as a list of strings"]),
+    (lambda c: c.__setitem__("specs", {}), ["specs as a list of maps"]),
+    (lambda c: c.__setitem__("relpath", [None]), ["column relpath as a list of 4"]),
+    (lambda c: c.__setitem__("pack", [None] * 4), ["columns among", "'pack'"]),
+    (lambda c: c.__setitem__("spec", "0"), ["spec as a list of numbers"]),
+])
+def test_rejects_bad_columns(rng, edit, fragments):
+  doc = columns_of(rng)
+  edit(doc["leaves"])
+  rejected(pack(doc), *fragments)
+
+
+def test_specs_and_path_parts_are_stored_once(rng):
+  """Leaves that differ only in their path share a spec; a relpath that
+  the path gives is not stored; each path part is stored once."""
+  entries = tuple(index.ArrayEntry(
+      path=("params", f"layer_{i}", "w"), relpath=f"params/layer_{i}/w",
+      shape=(8, 4), dtype="float32", chunks=(8, 4), codec={"compression": None},
+      source_dtype="float32") for i in range(50))
+  idx = index.Index(step=1, time=0.0, storage_format="zarr", process_count=1,
+                    structure=tree.encode_structure(
+                        {"params": {f"layer_{i}": {"w": 0} for i in range(50)}}),
+                    leaves=entries)
+  cols = msgpack.unpackb(index.encode(idx), raw=False)["leaves"]
+  assert len(cols["specs"]) == 1 and cols["spec"] == [0] * 50
+  assert len(cols["names"]) == 52 and "relpath" not in cols
+  assert index.decode(index.encode(idx)).leaves == entries
+  # A relpath other than the path's is kept, and checked.
+  odd = dataclasses.replace(entries[0], relpath="elsewhere/w0")
+  idx = dataclasses.replace(idx, leaves=(odd, *entries[1:]))
+  assert index.decode(index.encode(idx)).leaves[0].relpath == "elsewhere/w0"
+
+
+def test_a_relpath_derived_from_hostile_path_parts_stays_inside(rng):
+  """A leaf without a stored relpath gets the one its path gives, escaped
+  (tree.storage_relpath): no path part can make it leave the step."""
+  doc = doc_of(make_index(rng))
+  assert "relpath" not in doc["leaves"][1]  # params/w: the path's own
+  doc["leaves"][1]["path"] = ["..", "/etc", ".hidden", ""]
+  params = doc["structure"]["children"][doc["structure"]["keys"].index("params")]
+  params["children"][params["keys"].index("w")] = {
+      "leaf": tree.path_str(("..", "/etc", ".hidden", ""))}
+  e = index.decode(pack(doc), WHERE).leaves[1]
+  assert e.relpath == "%2E%2E/%2Fetc/%2Ehidden/%"
+  index.check_relpath(e.relpath, "here")
+
+
+def test_version_1_leaf_maps_still_decode(rng):
+  idx = make_index(rng)
+  doc = doc_of(idx)
+  doc["version"] = 1
+  for leaf in doc["leaves"][:2]:  # version 1 spells out every relpath
+    leaf["relpath"] = "/".join(leaf["path"])
+  out = index.decode(msgpack.packb(doc, use_bin_type=True), WHERE)
+  assert out.leaves[:2] == idx.leaves[:2] and out.structure == idx.structure
+  doc["leaves"][1]["relpath"] = None  # version 1 has no derived relpaths
+  with pytest.raises(ckpt.CorruptCheckpointError, match="leaf 1"):
+    index.decode(msgpack.packb(doc, use_bin_type=True), WHERE)
 
 
 def test_rejects_duplicate_leaf_paths(rng):
@@ -437,3 +524,52 @@ def test_ocdbt_group_is_an_int_and_only_in_format_ocdbt(rng):
   out = index.decode(pack(doc), WHERE)
   assert out.leaves[0].ocdbt_group == 3
   assert doc_of(out)["leaves"][0]["ocdbt_group"] == 3
+
+
+class _HookCount:
+  """What decode's container budget counts, by msgpack's own hooks."""
+
+  def __init__(self):
+    self.lists = self.maps = self.longest = 0
+
+  def list_hook(self, x):
+    self.lists += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+  def object_hook(self, x):
+    self.maps += 1
+    self.longest = max(self.longest, len(x))
+    return x
+
+
+@pytest.mark.parametrize("structure", [
+    tree.encode_structure({"a": [1, (2, {"b": 3})], "c": None, "d": {}}),
+    {"leaf": "x"},
+    {"node": "object", "type": "T", "keys": ["a"], "children": [{"leaf": "a"}],
+     "extra": [[1], {"z": [2, [3]]}]},
+    {"node": "dict", "keys": [[1, 2]], "children": [{"leaf": "a", "x": [1]}]},
+    {"node": "list", "children": {"not": ["a list"]}},
+])
+def test_encode_counts_containers_as_msgpack_does(rng, structure):
+  """encode counts the containers decode's budget limits on the python
+  objects (no re-parsing): the same lists, maps and longest length as
+  msgpack's hooks find in the bytes."""
+  idx = make_index(rng)
+  doc = {"structure": structure, "leaves": index_codec.encode(
+      idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
+  count = _HookCount()
+  msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
+                  list_hook=count.list_hook, object_hook=count.object_hook)
+  _, counts = index_codec.structure_walk(structure)
+  lists, maps, longest = index_codec.containers({**doc, "structure": None})
+  assert (lists + counts[0], maps + counts[1], max(longest, counts[2])) == (
+      count.lists, count.maps, count.longest)
+
+
+def test_encode_refuses_map_keys_decode_refuses(rng):
+  idx = dataclasses.replace(make_index(rng), metrics={1: 2.0})
+  _refused(idx, "would not decode", "not a string")
+  idx = dataclasses.replace(make_index(rng), structure={
+      "node": "dict", "keys": [], "children": [], 5: "x"})
+  _refused(idx, "would not decode", "not a string")

@@ -18,6 +18,7 @@ import pytest
 
 import ckpt
 from ckpt import index as index_lib
+from ckpt import index_codec
 
 SETTINGS = dict(max_examples=200, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -104,14 +105,36 @@ def test_structural_mutations(saved, data):
   _decode(packed)
 
 
+@settings(**SETTINGS)
+@given(st.data())
+def test_structural_mutations_of_leaf_maps(saved, data):
+  """Hostile values in any field of any leaf, as version 1's maps written
+  back as today's columns: each lands in a spec (checked once) or in a
+  per-leaf column (checked per leaf)."""
+  _, good = saved
+  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  doc["leaves"] = index_codec.rows(doc["leaves"])
+  for _ in range(data.draw(st.integers(1, 4))):
+    spots = list(_paths(doc["leaves"]))
+    container, key = spots[data.draw(st.integers(0, len(spots) - 1))]
+    container[key] = data.draw(HOSTILE)
+  try:
+    doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
+    packed = msgpack.packb(doc, use_bin_type=True)
+  except (OverflowError, ValueError, TypeError):
+    assume(False)
+  _decode(packed)
+
+
 @settings(**{**SETTINGS, "max_examples": 40})
 @given(st.data())
 def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
   root, good = saved
   doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  doc["leaves"] = index_codec.rows(doc["leaves"])  # edited as leaf maps
   array = next(e for e in doc["leaves"] if e["kind"] == "array")
   field = data.draw(st.sampled_from(["relpath", "shape", "dtype", "chunks",
-                                     "checksums", "codec"]))
+                                     "checksums", "codec", "path"]))
   array[field] = data.draw(HOSTILE)
   victim = root.parent / "outside.bin"
   victim.write_bytes(b"do not touch")
@@ -120,6 +143,7 @@ def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
   original = (step / "index.msgpack").read_bytes()
   try:
     try:
+      doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
       packed = msgpack.packb(doc, use_bin_type=True)
     except (OverflowError, ValueError, TypeError):
       assume(False)

@@ -22,8 +22,10 @@ import tensorstore as ts
 
 from ckpt import checksums
 from ckpt import index as index_lib
+from ckpt import index_codec
 from ckpt import ocdbt
 from ckpt import storage as storage_lib
+from ckpt import tree
 from ckpt import tsspec
 from tests.conftest import mesh, named, random_array, sharded
 
@@ -307,8 +309,11 @@ def _to_old_layout(step_dir, per_box_sums, host_states):
   """Rewrites a step as an older ckpt wrote it: checksums in the entries,
   every process's host_state in the index, no per-process files."""
   doc = msgpack.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
+  doc["version"] = 1  # one map per leaf, every relpath spelled out
+  doc["leaves"] = index_codec.rows(doc["leaves"])
   for i, e in enumerate(doc["leaves"]):
     if e["kind"] == "array":
+      e.setdefault("relpath", tree.storage_relpath(tuple(e["path"])))
       e["codec"].pop("checksum", None)
       e["checksums"] = [list(map(list, (a, b))) + [crc]
                         for a, b, crc in per_box_sums[i]]

@@ -17,6 +17,7 @@ import pytest
 import ckpt
 from ckpt import cli
 from ckpt import index as index_lib
+from ckpt import index_codec
 from ckpt import restore as restore_lib
 from ckpt import storage as storage_lib
 from ckpt import transforms
@@ -306,7 +307,8 @@ def test_leaves_ckpt_cannot_store_name_the_path(make_ckptr, leaf):
 def _index_doc(leaf: dict) -> bytes:
   doc = {"format": index_lib.FORMAT_NAME, "version": index_lib.VERSION,
          "step": 1, "time": 0.0, "storage_format": "zarr", "process_count": 1,
-         "metrics": {}, "structure": {"leaf": "rng"}, "leaves": [leaf],
+         "metrics": {}, "structure": {"leaf": "rng"},
+         "leaves": index_codec.columns([leaf], index_lib.KINDS),
          "host_state": None}
   return msgpack.packb(doc, use_bin_type=True)
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import ckpt
 from ckpt import convert
 from ckpt import index as index_lib
+from ckpt import index_codec
 from ckpt import transforms as T
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.metadata import SavedSharding
@@ -367,7 +368,8 @@ def _index(entry: dict) -> bytes:
       "storage_format": "zarr", "process_count": 1, "metrics": {},
       "structure": {"node": "dict", "keys": ["w"],
                     "children": [{"leaf": "w"}]},
-      "leaves": [entry], "host_state": None}, use_bin_type=True)
+      "leaves": index_codec.columns([entry], index_lib.KINDS),
+      "host_state": None}, use_bin_type=True)
 
 
 GOOD = {"mesh_axes": ["data", "model"], "mesh_shape": [2, 4],

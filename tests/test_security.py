@@ -25,6 +25,7 @@ import tensorstore as ts
 import ckpt
 from ckpt import cli
 from ckpt import index as index_lib
+from ckpt import index_codec
 from ckpt import lazy
 from ckpt import ocdbt
 from ckpt import storage as storage_lib
@@ -67,10 +68,15 @@ def save(root, fmt="zarr", **state):
 
 
 def index_doc(step):
-  return msgpack.unpackb((step / "index.msgpack").read_bytes(), raw=False)
+  """The step's index document, its leaves as version 1's maps (to edit)."""
+  doc = msgpack.unpackb((step / "index.msgpack").read_bytes(), raw=False)
+  doc["leaves"] = index_codec.rows(doc["leaves"])
+  return doc
 
 
 def write_index(step, doc):
+  """Writes an edited document back as today's version (leaf columns)."""
+  doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index_lib.KINDS)}
   (step / "index.msgpack").write_bytes(msgpack.packb(doc, use_bin_type=True))
 
 

@@ -25,7 +25,9 @@ open(f"{C}/dups.msgpack", "wb").write(msgpack.packb(doc, use_bin_type=True))
 root, step = save("huge")
 path = f"{step}/index.msgpack"
 d = msgpack.unpackb(open(path, "rb").read(), raw=False)
-e = d["leaves"][0]; e.update(shape=[2**40, 2**21], chunks=[1, 2**21], checksums=[])
+from ckpt import index as index_lib, index_codec
+rows = index_codec.rows(d["leaves"]); e = rows[0]; e.update(shape=[2**40, 2**21], chunks=[1, 2**21], checksums=[])
+d["leaves"] = index_codec.columns(rows, index_lib.KINDS)
 open(path, "wb").write(msgpack.packb(d, use_bin_type=True))
 meta = json.load(open(f"{step}/w/.zarray")); meta.update(shape=[2**40, 2**21], chunks=[1, 2**21])
 json.dump(meta, open(f"{step}/w/.zarray", "w"))
