@@ -22,13 +22,17 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
 import msgpack
 import numpy as np
 
+from ckpt import pack_index
 from ckpt import prng
 from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
-VERSION = 1
+# Version 2: the index has "packed" leaves (ckpt/pack_index.py). An index
+# without any is still written as version 1, which older readers read.
+VERSION = 2
+VERSIONS = (1, 2)
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -147,7 +151,8 @@ class ValueEntry:
     return out
 
 
-Entry = ArrayEntry | ValueEntry
+PackedEntry = pack_index.PackedEntry
+Entry = ArrayEntry | ValueEntry | PackedEntry
 
 
 # ---- the sharding a leaf was saved in (ckpt/saved_sharding.py) ------------
@@ -309,8 +314,10 @@ def decode_value(d: Any, where: str) -> Any:
 # ---- encode / decode the whole index ---------------------------------------
 
 def encode(index: Index) -> bytes:
+  packed = any(isinstance(e, PackedEntry) for e in index.leaves)
   doc = {
-      "format": FORMAT_NAME, "version": VERSION, "step": index.step,
+      "format": FORMAT_NAME, "version": VERSION if packed else 1,
+      "step": index.step,
       "time": index.time, "storage_format": index.storage_format,
       "process_count": index.process_count, "metrics": index.metrics,
       "structure": index.structure,
@@ -485,8 +492,9 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     raise _bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
     raise _bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
-  if doc.get("version") != VERSION:
-    raise _bad(where, f"version {VERSION}", doc.get("version"))
+  version = doc.get("version")
+  if type(version) is not int or version not in VERSIONS:
+    raise _bad(where, f"version {' or '.join(map(str, VERSIONS))}", version)
   step = _int(doc.get("step"), f"{where}: step")
   pc = _int(doc.get("process_count"), f"{where}: process_count")
   t = doc.get("time")
@@ -502,7 +510,7 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
   raw_leaves = doc.get("leaves")
   if not isinstance(raw_leaves, list):
     raise _bad(where, "a list of leaves", raw_leaves)
-  leaves = tuple(_decode_entry(e, _Where(where, i))
+  leaves = tuple(_decode_entry(e, _Where(where, i), version)
                  for i, e in enumerate(raw_leaves))
   if fmt == "zarr":
     for i, e in enumerate(leaves):
@@ -540,7 +548,7 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
                    doc.get("custom_metadata"), where))
 
 
-def _decode_entry(e: Any, where: str) -> Entry:
+def _decode_entry(e: Any, where: str, version: int = VERSION) -> Entry:
   if not isinstance(e, dict):
     raise _bad(where, "a map", e)
   path = e.get("path")
@@ -561,8 +569,11 @@ def _decode_entry(e: Any, where: str) -> Entry:
       saved = decode_saved_sharding(saved, where, _keys_rank(
           np.shape(value), impl))
     return ValueEntry(path, value, impl, saved)
+  if e.get("kind") == pack_index.KIND and version >= 2:
+    return pack_index.decode_entry(e, where, path)
   if e.get("kind") != "array":
-    raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
+    raise _bad(where, "kind 'array' or 'value'" + (
+        " or 'packed'" if version >= 2 else ""), e.get("kind"))
   relpath = e.get("relpath")
   check_relpath(relpath, where)
   shape = _shape(e.get("shape"), where)

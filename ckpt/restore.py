@@ -21,6 +21,7 @@ from ckpt import checksums
 from ckpt import commit as commit_lib
 from ckpt import index as index_lib
 from ckpt import lazy
+from ckpt import pack_read
 from ckpt import prng
 from ckpt import readonce
 from ckpt import readsplit
@@ -62,8 +63,11 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
                       context, budget: int) -> dict[tree.PathParts, Any]:
   """path parts -> a LazyLeaf (arrays, stored or inline) or a python value."""
   out: dict[tree.PathParts, Any] = {}
-  for e in index.leaves:
-    if isinstance(e, index_lib.ArrayEntry):
+  packed = pack_read.lazy_leaves(index, step_kvstore, context)
+  for i, e in enumerate(index.leaves):
+    if i in packed:
+      leaf = packed[i]
+    elif isinstance(e, index_lib.ArrayEntry):
       leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
     elif isinstance(e.value, (np.ndarray, np.generic)):
       leaf = lazy.LazyValue(e.value, tree.path_str(e.path),

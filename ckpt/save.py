@@ -36,6 +36,7 @@ from ckpt import index as index_lib
 from ckpt import leafsource
 from ckpt import multihost
 from ckpt import ocdbt
+from ckpt import pack as pack_lib
 from ckpt import placement as placement_lib
 from ckpt import plan as plan_lib
 from ckpt import prng
@@ -98,12 +99,18 @@ class LeafPlan:
   layout: plan_lib.LeafLayout | None = None
 
   @property
+  def packed(self) -> bool:
+    """Stored in this step's packs (ckpt/pack.py), not as an array."""
+    return isinstance(self.entry, index_lib.PackedEntry)
+
+  @property
   def host_replicated(self) -> bool:
     """A host numpy leaf saved with no partitioner sharding: one value for
     the whole job, whose chunks each process writes from its own copy (so
     every process must hold the same value; ckpt/agreement.py checks)."""
     return (isinstance(self.source, np.ndarray)
-            and isinstance(self.entry, index_lib.ArrayEntry)
+            and isinstance(self.entry, (index_lib.ArrayEntry,
+                                        index_lib.PackedEntry))
             and self.entry.sharding == HOST_REPLICATED)
 
 
@@ -260,11 +267,17 @@ def plan_save(state: Any, options: SaveOptions, partitioner=None, *,
           "Register custom containers as pytree nodes.")
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
-    entry = index_lib.ArrayEntry(
-        path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
-        dtype=stored.name, chunks=layout.chunks,
-        codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
-        sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
+    if pack_lib.packable(math.prod(layout.shape) * stored.itemsize):
+      entry = index_lib.PackedEntry(
+          path=parts, shape=layout.shape, dtype=stored.name,
+          source_dtype=np.dtype(x.dtype).name, sharding=sharding_text,
+          prng_impl=impl, saved_sharding=saved)
+    else:
+      entry = index_lib.ArrayEntry(
+          path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
+          dtype=stored.name, chunks=layout.chunks,
+          codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
+          sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
@@ -280,7 +293,7 @@ def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
   """Format "ocdbt": the merge group of each array (ckpt/ocdbt.py), from
   its chunk count, the same on every process; none for a step that one
   merge handles."""
-  arrays = [lp for lp in leaves if lp.layout is not None]
+  arrays = [lp for lp in leaves if lp.layout is not None and not lp.packed]
   keys = [1 + math.prod(-(-n // c) for n, c in zip(lp.entry.shape,
                                                     lp.entry.chunks))
           for lp in arrays]
@@ -361,6 +374,51 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   return piece
 
 
+def _host_boxes(plan: SavePlan, writes: list[plan_lib.Write]
+                ) -> list[np.ndarray]:
+  """Stage 3 for a pack's boxes (ckpt/pack.py): every device-to-host copy
+  started, then each box on the host (copied into the pack at once, so
+  borrowed)."""
+  shards: dict[int, dict] = {}  # leaf -> device id -> shard (once per leaf)
+  pieces = []
+  for w in writes:
+    leaf = plan.leaves[w.leaf]
+    try:
+      src = leaf.source
+      if isinstance(src, jax.Array):
+        by_id = shards.get(w.leaf)
+        if by_id is None:
+          by_id = shards[w.leaf] = {s.device.id: s
+                                    for s in src.addressable_shards}
+        shard = by_id[w.device]
+        piece = shard.data
+        if w.box != w.shard and _cut_on_device(shard.device):
+          piece = piece[w.box.relative_to(w.shard)]
+        if not _is_view(leaf, piece):
+          piece.copy_to_host_async()
+      else:
+        piece = _device_piece(leaf, w)
+      pieces.append(piece)
+    except Exception as e:
+      raise CheckpointError(
+          f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
+          f"{w.box.start}..{w.box.stop} to the host failed (was the array "
+          f"deleted or donated before save() returned?): {e}") from e
+  out = []
+  for w, piece in zip(writes, pieces):
+    leaf = plan.leaves[w.leaf]
+    try:
+      out.append(_host_box(leaf, w, piece, borrow=True))
+    except CheckpointError as e:
+      raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
+    except Exception as e:
+      raise CheckpointError(
+          f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
+          f"{w.box.stop} to the host failed (was the array deleted or "
+          f"donated before save() returned?): {e}") from e
+  return out
+
+
 def _cut_on_device(device) -> bool:
   """Whether a box that is part of a shard is sliced on the device before
   its transfer (accelerators), not on the host (CPU: a view, no copy)."""
@@ -416,7 +474,8 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   """
   mine = {w.leaf for w in plan.writes}
   wanted = [i for i, lp in enumerate(plan.leaves)
-            if lp.layout is not None and (process == 0 or i in mine)]
+            if lp.layout is not None and not lp.packed
+            and (process == 0 or i in mine)]
   # In OCDBT every commit adds files: the metadata goes in one transaction.
   txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
 
@@ -458,6 +517,9 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   process = multihost.process_index()
   stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
   stats.inline_leaves = len(plan.leaves) - stats.array_leaves
+  packed = [w for w in plan.writes if plan.leaves[w.leaf].packed]
+  array_writes = (plan.writes if not packed else
+                  [w for w in plan.writes if not plan.leaves[w.leaf].packed])
   # The arrays are created (metadata written) while staging runs, not
   # before it: in async mode the caller waits for staging only.
   opening = asyncio.ensure_future(
@@ -577,8 +639,19 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       started.popleft()
       staged.append((w, data, grant))
 
+  def counted(boxes: int, nbytes: int) -> None:
+    stats.boxes_written += boxes
+    stats.bytes_written += nbytes
+
   try:
-    for w in plan.writes:
+    if packed:  # small leaves: staged into a few packs (ckpt/pack.py)
+      pack_tasks = await pack_lib.write_packs(
+          packed, plan.leaves, functools.partial(_host_boxes, plan),
+          step_kvstore, context, limiter, process, counted)
+      for t in pack_tasks:
+        t.add_done_callback(on_done)
+      tasks.extend(pack_tasks)
+    for w in array_writes:
       if w.box.size == 0:
         continue  # a zero-size shard: nothing to store
       if write_failed:
