@@ -235,6 +235,11 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
             "sharding": e.sharding, "relpath": e.relpath,
             "checksums": len(getattr(e, "checksums", ())),
             **_prng_info(e, e.shape)}
+  if isinstance(e, index_lib.PackedEntry):  # in the step's packs
+    return {"path": name, "kind": "packed", "shape": list(e.shape),
+            "dtype": e.dtype, "source_dtype": e.source_dtype,
+            "bytes": convert.leaf_nbytes(e), "sharding": e.sharding,
+            **_prng_info(e, e.shape)}
   v = e.value
   is_np = isinstance(v, (np.ndarray, np.generic))
   return {"path": name, "kind": "value",
@@ -340,7 +345,7 @@ def _verify_one(args, step: int | None) -> dict[str, Any]:
   storage, step_dir, index = convert.open_checkpoint(
       args.path, step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
-  arrays = [e for e in index.leaves if isinstance(e, index_lib.ArrayEntry)]
+  arrays = [e for e in index.leaves if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry))]
   t0 = time.perf_counter()
   with Progress(args, f"verify step {index.step}", unit="leaf") as bar:
     problems = integrity.verify(args.path, step=step,
