@@ -29,8 +29,8 @@ from ckpt import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
-# Version 2: the index has "packed" leaves (ckpt/pack_index.py). An index
-# without any is still written as version 1, which older readers read.
+# Version 2: leaves may be "packed" (ckpt/pack_index.py). Version 1 indexes
+# (no packed leaves) are still read.
 VERSION = 2
 VERSIONS = (1, 2)
 # The index grows with the leaves only, never with the number of processes:
@@ -314,10 +314,8 @@ def decode_value(d: Any, where: str) -> Any:
 # ---- encode / decode the whole index ---------------------------------------
 
 def encode(index: Index) -> bytes:
-  packed = any(isinstance(e, PackedEntry) for e in index.leaves)
   doc = {
-      "format": FORMAT_NAME, "version": VERSION if packed else 1,
-      "step": index.step,
+      "format": FORMAT_NAME, "version": VERSION, "step": index.step,
       "time": index.time, "storage_format": index.storage_format,
       "process_count": index.process_count, "metrics": index.metrics,
       "structure": index.structure,

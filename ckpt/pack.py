@@ -24,7 +24,6 @@ aggregate small tensors; ckpt does too:
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any, Callable, Sequence
 
 import msgpack
@@ -32,7 +31,6 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt import pack_index
-from ckpt import tree
 from ckpt import tsfuture
 from ckpt.checksums import checksum
 from ckpt.errors import CheckpointError
@@ -77,7 +75,7 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   """Stages this process's packed ``writes`` (``host_boxes``: their host
   copies, in order) into packs and starts writing each; returns the tasks
   (the last writes the table). ``on_pack(boxes, bytes)`` counts each pack
-  written. Staging is done when this returns: the caller's arrays are no
+  written (the bytes of its boxes). Staging is done when this returns: the caller's arrays are no
   longer needed."""
   kv = await tsfuture.wait(ts.KvStore.open(step_kvstore, context=context))
   limit = max(ALIGN, min(MAX_PACK_OBJECT_BYTES, limiter.budget))
@@ -85,11 +83,12 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   pieces: list[list] = []
   tasks: list[asyncio.Task] = []
 
-  async def put(k: int, buf: bytearray, grant: int, count: int) -> None:
+  async def put(k: int, buf: bytearray, grant: int, count: int,
+                data_bytes: int) -> None:
     try:
       await tsfuture.wait(kv.write(pack_index.pack_name(process, k),
                                    bytes(buf)))
-      on_pack(count, len(buf))
+      on_pack(count, data_bytes)  # the boxes' bytes (not the alignment)
     except Exception as e:
       raise CheckpointError(
           f"writing pack {pack_index.pack_name(process, k)!r} ({count} boxes "
@@ -118,7 +117,8 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
         limiter.release(grant)
         raise
       sizes.append(total)
-      tasks.append(asyncio.ensure_future(put(k, buf, grant, len(batch))))
+      tasks.append(asyncio.ensure_future(put(
+          k, buf, grant, len(batch), sum(w.nbytes for w in batch))))
   except BaseException:
     await asyncio.gather(*tasks, return_exceptions=True)
     raise
@@ -144,10 +144,3 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   tasks.append(asyncio.ensure_future(put_table()))
   return tasks
 
-
-def leaf_names(leaves: Sequence[Any], writes: Sequence[Any]) -> list[str]:
-  return sorted({tree.path_str(leaves[w.leaf].parts) for w in writes})
-
-
-def describe(nbytes: int) -> str:
-  return f"{nbytes} bytes ({math.ceil(nbytes / 1024)} KiB)"

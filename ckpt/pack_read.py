@@ -329,3 +329,20 @@ def packset_of(leaves: Iterable[Any]) -> PackSet | None:
     if isinstance(leaf, LazyPacked):
       return leaf.packs
   return None
+
+
+def positions(leaves: Iterable[Any]) -> list[int]:
+  """The index positions of the packed leaves among ``leaves`` (the ones
+  a transform derived from them included)."""
+  out = []
+  stack = list(leaves)
+  while stack:
+    leaf = stack.pop()
+    if isinstance(leaf, LazyPacked):
+      out.append(leaf.position)
+    elif isinstance(leaf, LazyLeaf):
+      stack.extend(getattr(leaf, "members", ()))
+      parent = getattr(leaf, "parent", None)
+      if parent is not None:
+        stack.append(parent)
+  return out

@@ -429,6 +429,21 @@ async def restore_tree(index: index_lib.Index,
   if args.transforms:
     leaves = _apply_transforms(leaves, args)
   by_name = {tree.path_str(p): v for p, v in leaves.items()}
+  packs = None if args.lazy else pack_read.packset_of(leaves.values())
+  if packs is not None:  # each pack this restore needs, read once
+    try:
+      return await _restore_tree(index, leaves, by_name, args, limiter, packs)
+    finally:
+      packs.drop_cache()
+  return await _restore_tree(index, leaves, by_name, args, limiter, None)
+
+
+async def _restore_tree(index: index_lib.Index,
+                        leaves: dict[tree.PathParts, Any], by_name: dict,
+                        args: RestoreArgs, limiter: ByteLimiter,
+                        packs: pack_read.PackSet | None) -> Any:
+  if packs is not None and args.target is None:
+    await packs.prefetch(pack_read.positions(leaves.values()))
 
   if args.target is None:
     names = list(by_name)
@@ -454,6 +469,8 @@ async def restore_tree(index: index_lib.Index,
       missing.append(name)
   if missing:
     raise MissingLeavesError(missing, list(by_name))
+  if packs is not None:
+    await packs.prefetch(pack_read.positions(sources))
   as_saved = AsSaved(index)
   results = await lazy.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)
