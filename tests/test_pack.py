@@ -373,3 +373,33 @@ def test_pack_threshold_zero_stores_arrays(tmp_path, monkeypatch):
   assert not (_step(root) / ".packs").exists()
   assert (_step(root) / "w" / ".zarray").is_file()
   assert _equal(ckpt.load(root)["w"], state["w"])
+
+
+def test_packs_are_durable_before_the_commit_rename(tmp_path, monkeypatch):
+  """The pack objects are written by TensorStore's file driver (which
+  fsyncs them); their directory is fsynced with the step's before the
+  rename that commits it (ckpt/commit.py)."""
+  import os  # pylint: disable=g-import-not-at-top
+  calls = []
+  real_fsync, real_rename = os.fsync, os.rename
+
+  def fsync(fd):
+    calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    return real_fsync(fd)
+
+  def rename(src, dst, *a, **k):
+    calls.append(("rename", os.fspath(src), os.fspath(dst)))
+    return real_rename(src, dst, *a, **k)
+
+  root = os.path.realpath(tmp_path / "dur")
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "rename", rename)
+  with ckpt.Checkpointer(root, async_save=False) as c:
+    c.save(1, {"w": np.arange(1000, dtype=np.float32)})
+  monkeypatch.undo()
+  [commit] = [i for i, x in enumerate(calls) if x[0] == "rename"
+              and x[2] == os.path.join(root, "checkpoint_1")]
+  work = calls[commit][1]
+  before = {x[1] for x in calls[:commit] if x[0] == "fsync"}
+  assert os.path.join(work, ".packs") in before, calls
+  assert os.path.isfile(os.path.join(root, "checkpoint_1", ".packs", "0.0.bin"))
