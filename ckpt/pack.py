@@ -45,7 +45,7 @@ ALIGN = 64
 
 
 def packable(nbytes: int) -> bool:
-  return nbytes <= MAX_LEAF_BYTES
+  return nbytes <= min(MAX_LEAF_BYTES, pack_index.MAX_PACKED_LEAF_BYTES)
 
 
 def _aligned(n: int) -> int:

@@ -30,6 +30,9 @@ KIND = "packed"
 MAX_PACKS = 1 << 16
 MAX_PACK_BYTES = 1 << 32
 MAX_TABLE_BYTES = 64 << 20
+# A packed leaf's bytes (ckpt writes at most pack.MAX_LEAF_BYTES): bounds
+# what checking that its pieces tile it costs a reader.
+MAX_PACKED_LEAF_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +90,12 @@ def decode_entry(e: dict, where: Any, path: tuple[str, ...]) -> PackedEntry:
   shape = ix._shape(e.get("shape"), where)  # pylint: disable=protected-access
   dtype = e.get("dtype")
   itemsize = ix._dtype(dtype, where).itemsize  # pylint: disable=protected-access
-  ix.check_extent(shape, shape if all(shape) else tuple(
-      max(d, 1) for d in shape), itemsize, where)
+  nbytes = 1
+  for d in shape:
+    nbytes *= d
+  if nbytes * itemsize > MAX_PACKED_LEAF_BYTES:
+    raise ix._bad(where, f"a packed leaf of at most {MAX_PACKED_LEAF_BYTES} "  # pylint: disable=protected-access
+                  "bytes", f"shape {list(shape)} of {nbytes * itemsize} bytes")
   source = e.get("source_dtype", dtype)
   ix._dtype(source, where)  # pylint: disable=protected-access
   sharding = e.get("sharding", "")

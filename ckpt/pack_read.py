@@ -63,9 +63,14 @@ class PackSet:
     self._pieces: dict[int, list[Piece]] | None = None
     self._checked: set[int] = set()
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+    self._store: ts.KvStore | None = None
 
   def _kv(self) -> ts.KvStore:
-    return ts.KvStore.open(self._spec, context=self._context).result()
+    kv = self._store
+    if kv is None:
+      kv = self._store = ts.KvStore.open(
+          self._spec, context=self._context).result()
+    return kv
 
   # ---- the tables -------------------------------------------------------
 
@@ -188,7 +193,8 @@ class PackSet:
       for pc in tables.get(leaf, ()):
         sizes.setdefault((pc.process, pc.pack), []).append(
             (pc.offset, pc.offset + pc.nbytes))
-    kv = await asyncio.to_thread(self._kv)
+    kv = (self._store if self._store is not None
+          else await asyncio.to_thread(self._kv))
     reads = []
     for (p, k), ranges in sizes.items():
       if (p, k) in self._cache:
@@ -238,7 +244,8 @@ class PackSet:
         data = memoryview(blob)[pc.offset - a:pc.offset - a + pc.nbytes]
         break
     if data is None:
-      kv = await asyncio.to_thread(self._kv)
+      kv = (self._store if self._store is not None
+            else await asyncio.to_thread(self._kv))
       data = memoryview(await self._value(
           self._range(kv, pc.process, pc.pack, pc.offset,
                       pc.offset + pc.nbytes), (pc.process, pc.pack),

@@ -311,7 +311,8 @@ def test_packed_entry_round_trips_and_hostile_entries_are_refused():
   got = index_lib.decode(msgpack.packb(_index_doc(doc), use_bin_type=True))
   assert got.leaves == (e,)
   for bad in (_entry(shape=[-1]), _entry(dtype="object"),
-              _entry(shape=[1 << 40, 1 << 20]), _entry(sharding=3),
+              _entry(shape=[1 << 40, 1 << 20]), _entry(shape=[4096, 4097]),
+              _entry(sharding=3),
               _entry(prng_impl="nope")):
     with pytest.raises(CorruptCheckpointError, match=r"leaf 0 \(x\)"):
       index_lib.decode(msgpack.packb(_index_doc(bad), use_bin_type=True))
