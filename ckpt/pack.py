@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Sequence
 
+import jax
 import msgpack
 import numpy as np
 import tensorstore as ts
 
 from ckpt import pack_index
+from ckpt import tree
 from ckpt import tsfuture
 from ckpt.checksums import checksum
 from ckpt.errors import CheckpointError
@@ -144,3 +146,47 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   tasks.append(asyncio.ensure_future(put_table()))
   return tasks
 
+
+def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
+  """Stage 3 for a pack's boxes: every device-to-host copy started, then
+  each box on the host (ckpt/save.py's staging; copied into the pack at
+  once, so borrowed). ``plan``: a save.SavePlan."""
+  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  shards: dict[int, dict] = {}  # leaf -> device id -> shard (once per leaf)
+  pieces = []
+  for w in writes:
+    leaf = plan.leaves[w.leaf]
+    try:
+      src = leaf.source
+      if isinstance(src, jax.Array):
+        by_id = shards.get(w.leaf)
+        if by_id is None:
+          by_id = shards[w.leaf] = {sh.device.id: sh
+                                    for sh in src.addressable_shards}
+        shard = by_id[w.device]
+        piece = shard.data
+        if w.box != w.shard and save_lib._cut_on_device(shard.device):
+          piece = piece[w.box.relative_to(w.shard)]
+        if not save_lib._is_view(leaf, piece):
+          piece.copy_to_host_async()
+      else:
+        piece = save_lib._device_piece(leaf, w)
+      pieces.append(piece)
+    except Exception as e:
+      raise CheckpointError(
+          f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
+          f"{w.box.start}..{w.box.stop} to the host failed (was the array "
+          f"deleted or donated before save() returned?): {e}") from e
+  out = []
+  for w, piece in zip(writes, pieces):
+    leaf = plan.leaves[w.leaf]
+    try:
+      out.append(save_lib._host_box(leaf, w, piece, borrow=True))
+    except CheckpointError as e:
+      raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
+    except Exception as e:
+      raise CheckpointError(
+          f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
+          f"{w.box.stop} to the host failed (was the array deleted or "
+          f"donated before save() returned?): {e}") from e
+  return out

@@ -374,51 +374,6 @@ def _device_piece(leaf: LeafPlan, write: plan_lib.Write) -> Any:
   return piece
 
 
-def _host_boxes(plan: SavePlan, writes: list[plan_lib.Write]
-                ) -> list[np.ndarray]:
-  """Stage 3 for a pack's boxes (ckpt/pack.py): every device-to-host copy
-  started, then each box on the host (copied into the pack at once, so
-  borrowed)."""
-  shards: dict[int, dict] = {}  # leaf -> device id -> shard (once per leaf)
-  pieces = []
-  for w in writes:
-    leaf = plan.leaves[w.leaf]
-    try:
-      src = leaf.source
-      if isinstance(src, jax.Array):
-        by_id = shards.get(w.leaf)
-        if by_id is None:
-          by_id = shards[w.leaf] = {s.device.id: s
-                                    for s in src.addressable_shards}
-        shard = by_id[w.device]
-        piece = shard.data
-        if w.box != w.shard and _cut_on_device(shard.device):
-          piece = piece[w.box.relative_to(w.shard)]
-        if not _is_view(leaf, piece):
-          piece.copy_to_host_async()
-      else:
-        piece = _device_piece(leaf, w)
-      pieces.append(piece)
-    except Exception as e:
-      raise CheckpointError(
-          f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
-          f"{w.box.start}..{w.box.stop} to the host failed (was the array "
-          f"deleted or donated before save() returned?): {e}") from e
-  out = []
-  for w, piece in zip(writes, pieces):
-    leaf = plan.leaves[w.leaf]
-    try:
-      out.append(_host_box(leaf, w, piece, borrow=True))
-    except CheckpointError as e:
-      raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
-    except Exception as e:
-      raise CheckpointError(
-          f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
-          f"{w.box.stop} to the host failed (was the array deleted or "
-          f"donated before save() returned?): {e}") from e
-  return out
-
-
 def _cut_on_device(device) -> bool:
   """Whether a box that is part of a shard is sliced on the device before
   its transfer (accelerators), not on the host (CPU: a view, no copy)."""
@@ -646,7 +601,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   try:
     if packed:  # small leaves: staged into a few packs (ckpt/pack.py)
       pack_tasks = await pack_lib.write_packs(
-          packed, plan.leaves, functools.partial(_host_boxes, plan),
+          packed, plan.leaves, functools.partial(pack_lib.host_boxes, plan),
           step_kvstore, context, limiter, process, counted)
       for t in pack_tasks:
         t.add_done_callback(on_done)
