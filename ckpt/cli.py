@@ -284,7 +284,7 @@ def cmd_inspect(args) -> int:
       args.path, args.step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
   leaves = [leaf_info(e) for e in index.leaves]
-  arrays = [x for x in leaves if x["kind"] == "array"]
+  arrays = [x for x in leaves if x["kind"] in ("array", "packed")]
   doc = {"path": where, "step": index.step, "time": index.time,
          "time_iso": iso_utc(index.time), "format": index.storage_format,
          "process_count": index.process_count, "metrics": index.metrics,
@@ -292,16 +292,19 @@ def cmd_inspect(args) -> int:
          "custom_metadata": index_lib.custom_metadata_of(index)}
   rows = []
   for x in leaves:
-    if x["kind"] == "array":
+    if x["kind"] in ("array", "packed"):
       dtype = x["dtype"] if x["source_dtype"] == x["dtype"] else \
           f"{x['source_dtype']}->{x['dtype']}"
       shape = _shape_text(x["shape"])
       if x["prng_impl"]:  # keys: their shape, not their key data's
         shape, dtype = _shape_text(x["keys_shape"]), _key_text(x)
+      packed = x["kind"] == "packed"  # in the step's packs: no chunks
       rows.append([x["path"], shape, dtype,
                    human_bytes(x["bytes"]),
+                   "packed" if packed else
                    f"{_shape_text(x['chunks'])} x{x['chunk_count']}",
-                   _codec_text(x["codec"]), x["sharding"] or "-"])
+                   "crc32c" if packed else _codec_text(x["codec"]),
+                   x["sharding"] or "-"])
     else:
       shape = "-" if x["shape"] is None else _shape_text(x["shape"])
       kind, value = x["type"], f"= {x['repr']}"

@@ -217,3 +217,10 @@ def arrays_only():
   kept, pack.MAX_LEAF_BYTES = pack.MAX_LEAF_BYTES, 0
   yield
   pack.MAX_LEAF_BYTES = kept
+
+
+@pytest.fixture
+def no_packing(monkeypatch):
+  """arrays_only for one test (its checkpoints made in the test)."""
+  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pack, "MAX_LEAF_BYTES", 0)

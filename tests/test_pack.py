@@ -404,3 +404,28 @@ def test_packs_are_durable_before_the_commit_rename(tmp_path, monkeypatch):
   before = {x[1] for x in calls[:commit] if x[0] == "fsync"}
   assert os.path.join(work, ".packs") in before, calls
   assert os.path.isfile(os.path.join(root, "checkpoint_1", ".packs", "0.0.bin"))
+
+
+def test_cli_inspect_verify_and_export_packed_leaves(saved, capsys, tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  from ckpt import cli  # pylint: disable=g-import-not-at-top
+  root, state = saved
+  assert cli.main(["inspect", root, "--json"]) == 0
+  doc = json.loads(capsys.readouterr().out)
+  leaves = {x["path"]: x for x in doc["leaves"]}
+  assert leaves["w"]["kind"] == "packed" and leaves["w"]["shape"] == [64, 16]
+  assert leaves["w"]["bytes"] == 64 * 16 * 4 and leaves["big"]["kind"] == "array"
+  assert doc["array_bytes"] == sum(np.asarray(state[k]).nbytes
+                                   for k in ARRAYS) + 16 * 2 * 4  # + keys
+  assert cli.main(["inspect", root]) == 0
+  row = next(line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("w "))
+  assert "packed" in row and "crc32c" in row
+  assert cli.main(["verify", root, "--json"]) == 0
+  doc = json.loads(capsys.readouterr().out)
+  assert doc["ok"] and doc["arrays"] == len(ARRAYS) + 1  # + the keys
+  out = tmp_path / "x.npz"
+  assert cli.main(["export", root, str(out), "--to", "npz", "-q"]) == 0
+  capsys.readouterr()
+  with np.load(out) as z:
+    assert np.array_equal(z["w"], np.asarray(state["w"]))

@@ -69,6 +69,13 @@ def save_orbax(root, state, step=STEP, **items):
   return pathlib.Path(root) / str(step)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
   """An Orbax step: Composite(state=StandardSave, extra=JsonSave) with
