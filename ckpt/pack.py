@@ -39,7 +39,8 @@ from ckpt.errors import CheckpointError
 from ckpt.limiter import ByteLimiter
 
 # Leaves of at most this many stored bytes are packed (0: none).
-MAX_LEAF_BYTES = 64 << 10
+DEFAULT_MAX_LEAF_BYTES = 64 << 10
+MAX_LEAF_BYTES = DEFAULT_MAX_LEAF_BYTES
 # One pack object holds at most this many bytes (and at most the budget).
 MAX_PACK_OBJECT_BYTES = 64 << 20
 # Each box starts at a multiple of this in its pack (aligned reads, views).
