@@ -49,6 +49,9 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
     if isinstance(leaf, LazyValue) and leaf.scalar:
       return data[()]
     return data
+  place = getattr(leaf, "place", None)
+  if place is not None and not impl:  # a packed leaf: one call places it
+    return await place(out_dtype, sharding, limiter)
   logical = logical_shape(leaf)
   tail = (slice(None),) * (len(shape) - len(logical))
   index_map = sharding.addressable_devices_indices_map(logical)
@@ -103,6 +106,11 @@ def _aligned_empty(shape: Sequence[int], dtype, *, zeros: bool = False
   raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
   offset = -raw.ctypes.data % _ALIGNMENT
   return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+  """Uninitialised 64-byte-aligned memory (see aligned_zeros)."""
+  return _aligned_empty(shape, dtype)
 
 
 def aligned_zeros(shape: Sequence[int], dtype) -> np.ndarray:

@@ -49,7 +49,10 @@ def _overlaps(a: Box, b: Box) -> bool:
 
 
 def codec_checked(leaf: lazy.LazyArray) -> bool:
-  """Whether TensorStore checks every chunk of ``leaf`` as it reads it."""
+  """Whether TensorStore checks every chunk of ``leaf`` as it reads it (a
+  packed leaf's reads check each piece's crc32c: ckpt/pack_read.py)."""
+  if getattr(leaf, "packed", False):
+    return True
   return (not leaf.entry.checksums and
           leaf.entry.codec.get("checksum") == "crc32c")
 
@@ -61,6 +64,9 @@ async def check_boxes(leaf: lazy.LazyArray, wanted: list[Box] | None,
 
   A leaf whose chunks carry a crc32c is read (those chunks of it) and
   its codec checks each one."""
+  if getattr(leaf, "packed", False):  # every piece read is checked
+    await leaf.verify(wanted)
+    return
   if codec_checked(leaf):
     await read_through(leaf, wanted, limiter)
     return

@@ -235,6 +235,11 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
             "sharding": e.sharding, "relpath": e.relpath,
             "checksums": len(getattr(e, "checksums", ())),
             **_prng_info(e, e.shape)}
+  if isinstance(e, index_lib.PackedEntry):  # in the step's packs
+    return {"path": name, "kind": "packed", "shape": list(e.shape),
+            "dtype": e.dtype, "source_dtype": e.source_dtype,
+            "bytes": convert.leaf_nbytes(e), "sharding": e.sharding,
+            **_prng_info(e, e.shape)}
   v = e.value
   is_np = isinstance(v, (np.ndarray, np.generic))
   return {"path": name, "kind": "value",
@@ -279,7 +284,7 @@ def cmd_inspect(args) -> int:
       args.path, args.step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
   leaves = [leaf_info(e) for e in index.leaves]
-  arrays = [x for x in leaves if x["kind"] == "array"]
+  arrays = [x for x in leaves if x["kind"] in ("array", "packed")]
   doc = {"path": where, "step": index.step, "time": index.time,
          "time_iso": iso_utc(index.time), "format": index.storage_format,
          "process_count": index.process_count, "metrics": index.metrics,
@@ -287,16 +292,19 @@ def cmd_inspect(args) -> int:
          "custom_metadata": index_lib.custom_metadata_of(index)}
   rows = []
   for x in leaves:
-    if x["kind"] == "array":
+    if x["kind"] in ("array", "packed"):
       dtype = x["dtype"] if x["source_dtype"] == x["dtype"] else \
           f"{x['source_dtype']}->{x['dtype']}"
       shape = _shape_text(x["shape"])
       if x["prng_impl"]:  # keys: their shape, not their key data's
         shape, dtype = _shape_text(x["keys_shape"]), _key_text(x)
+      packed = x["kind"] == "packed"  # in the step's packs: no chunks
       rows.append([x["path"], shape, dtype,
                    human_bytes(x["bytes"]),
+                   "packed" if packed else
                    f"{_shape_text(x['chunks'])} x{x['chunk_count']}",
-                   _codec_text(x["codec"]), x["sharding"] or "-"])
+                   "crc32c" if packed else _codec_text(x["codec"]),
+                   x["sharding"] or "-"])
     else:
       shape = "-" if x["shape"] is None else _shape_text(x["shape"])
       kind, value = x["type"], f"= {x['repr']}"
@@ -340,7 +348,7 @@ def _verify_one(args, step: int | None) -> dict[str, Any]:
   storage, step_dir, index = convert.open_checkpoint(
       args.path, step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
-  arrays = [e for e in index.leaves if isinstance(e, index_lib.ArrayEntry)]
+  arrays = [e for e in index.leaves if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry))]
   t0 = time.perf_counter()
   with Progress(args, f"verify step {index.step}", unit="leaf") as bar:
     problems = integrity.verify(args.path, step=step,

@@ -92,7 +92,7 @@ def open_checkpoint(path, step: int | None = None,
 
 
 def leaf_nbytes(entry: index_lib.Entry) -> int:
-  if isinstance(entry, index_lib.ArrayEntry):
+  if isinstance(entry, (index_lib.ArrayEntry, index_lib.PackedEntry)):
     return math.prod(entry.shape) * np.dtype(entry.dtype).itemsize
   return getattr(entry.value, "nbytes", 0)
 
@@ -193,7 +193,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
     if _is_py_value(e):
       values[name] = _encode_py(name, e.value)
       continue
-    if isinstance(e, index_lib.ArrayEntry):
+    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
       shape, dtype = e.shape, np.dtype(e.dtype)
     else:
       shape, dtype = e.value.shape, e.value.dtype

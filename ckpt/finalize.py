@@ -241,7 +241,8 @@ def _ocdbt_groups(plan: save_lib.SavePlan) -> int:
   the step's root); 0 for the other formats."""
   if plan.options.storage_format != "ocdbt":
     return 0
-  groups = {lp.entry.ocdbt_group for lp in plan.leaves if lp.layout is not None}
+  groups = {getattr(lp.entry, "ocdbt_group", None) for lp in plan.leaves
+            if lp.layout is not None}
   groups.discard(None)
   return max(groups) + 1 if groups else 1
 

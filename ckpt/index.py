@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from ckpt import index_codec
+from ckpt import pack_index
 from ckpt import prng
 from ckpt import saved_sharding as saved_sharding_lib
 from ckpt import tree
@@ -31,7 +32,8 @@ from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
 # 2: the leaves as columns, repeated specs and path parts stored once
-# (ckpt/index_codec.py). 1: one map per leaf. Both are read.
+# (ckpt/index_codec.py); leaves may be "packed" (ckpt/pack_index.py).
+# 1: one map per leaf, arrays and values only. Both are read.
 VERSION = 2
 READ_VERSIONS = (1, 2)
 # The index grows with the leaves only, never with the number of processes:
@@ -153,7 +155,8 @@ class ValueEntry:
     return out
 
 
-Entry = ArrayEntry | ValueEntry
+PackedEntry = pack_index.PackedEntry
+Entry = ArrayEntry | ValueEntry | PackedEntry
 
 
 # ---- the sharding a leaf was saved in (ckpt/saved_sharding.py) ------------
@@ -671,6 +674,11 @@ def _value_decoder(spec: dict, where: Any) -> index_codec.Builder:
                                              path, where)
 
 
+def _packed_decoder(spec: dict, where: Any) -> index_codec.Builder:
+  template = pack_index.decode_entry(spec, where, ())
+  return lambda path, leaf, where: dataclasses.replace(template, path=path)
+
+
 def _array_spec(e: ArrayEntry) -> dict:
   """An array's spec; refuses (CorruptCheckpointError) an extent that
   readers would refuse."""
@@ -703,6 +711,11 @@ KINDS = {k.name: k for k in (
         spec=lambda e: _spec_of(e, "value"),
         leaf=lambda e: (encode_value(e.value, e.path),),
         decoder=_value_decoder),
+    index_codec.Kind(
+        pack_index.KIND, PackedEntry, (),
+        key=lambda e: (e.shape, e.dtype, e.source_dtype, e.sharding,
+                       e.prng_impl, e.saved_sharding),
+        spec=_spec_of, leaf=lambda e: (), decoder=_packed_decoder),
 )}
 _KINDS_BY_CLASS = {k.cls: k for k in KINDS.values()}
 

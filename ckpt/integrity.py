@@ -23,6 +23,7 @@ from typing import Callable
 
 from ckpt import checksums
 from ckpt import lazy
+from ckpt import pack_read
 from ckpt import restore as restore_lib
 from ckpt import storage as storage_lib
 from ckpt.checksums import check_boxes
@@ -49,7 +50,8 @@ async def _verify(storage: storage_lib.Storage, step_dir: str, budget: int,
   leaves = restore_lib.checkpoint_leaves(
       index, storage.step_spec(step_dir), storage.context(), budget)
   checksums.attach(leaves, storage, step_dir, index)
-  arrays = [v for v in leaves.values() if isinstance(v, lazy.LazyArray)]
+  arrays = [v for v in leaves.values()
+            if isinstance(v, (lazy.LazyArray, pack_read.LazyPacked))]
   limiter = ByteLimiter(budget)
   problems: list[Problem] = []
   done = 0

@@ -76,7 +76,7 @@ def from_index(index: index_lib.Index) -> Metadata:
   source: dict[str, str] = {}
   for e in index.leaves:
     name = tree.path_str(e.path)
-    if isinstance(e, index_lib.ArrayEntry):
+    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
       leaves[name] = _sds(e.shape, e.dtype, e.prng_impl)
       shardings[name] = index_lib.saved_sharding_of(e)
       source[name] = e.source_dtype

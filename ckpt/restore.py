@@ -21,6 +21,7 @@ from ckpt import checksums
 from ckpt import commit as commit_lib
 from ckpt import index as index_lib
 from ckpt import lazy
+from ckpt import pack_read
 from ckpt import prng
 from ckpt import readonce
 from ckpt import readsplit
@@ -62,8 +63,11 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
                       context, budget: int) -> dict[tree.PathParts, Any]:
   """path parts -> a LazyLeaf (arrays, stored or inline) or a python value."""
   out: dict[tree.PathParts, Any] = {}
-  for e in index.leaves:
-    if isinstance(e, index_lib.ArrayEntry):
+  packed = pack_read.lazy_leaves(index, step_kvstore, context)
+  for i, e in enumerate(index.leaves):
+    if i in packed:
+      leaf = packed[i]
+    elif isinstance(e, index_lib.ArrayEntry):
       leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
     elif isinstance(e.value, (np.ndarray, np.generic)):
       leaf = lazy.LazyValue(e.value, tree.path_str(e.path),
@@ -425,6 +429,21 @@ async def restore_tree(index: index_lib.Index,
   if args.transforms:
     leaves = _apply_transforms(leaves, args)
   by_name = {tree.path_str(p): v for p, v in leaves.items()}
+  packs = None if args.lazy else pack_read.packset_of(leaves.values())
+  if packs is not None:  # each pack this restore needs, read once
+    try:
+      return await _restore_tree(index, leaves, by_name, args, limiter, packs)
+    finally:
+      packs.drop_cache()
+  return await _restore_tree(index, leaves, by_name, args, limiter, None)
+
+
+async def _restore_tree(index: index_lib.Index,
+                        leaves: dict[tree.PathParts, Any], by_name: dict,
+                        args: RestoreArgs, limiter: ByteLimiter,
+                        packs: pack_read.PackSet | None) -> Any:
+  if packs is not None and args.target is None:
+    await packs.prefetch(pack_read.positions(leaves.values()))
 
   if args.target is None:
     names = list(by_name)
@@ -450,6 +469,8 @@ async def restore_tree(index: index_lib.Index,
       missing.append(name)
   if missing:
     raise MissingLeavesError(missing, list(by_name))
+  if packs is not None:
+    await packs.prefetch(pack_read.positions(sources))
   as_saved = AsSaved(index)
   results = await lazy.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)

@@ -37,6 +37,7 @@ from ckpt import leafsource
 from ckpt import multihost
 from ckpt import ocdbt
 from ckpt import polite
+from ckpt import pack as pack_lib
 from ckpt import placement as placement_lib
 from ckpt import plan as plan_lib
 from ckpt import prng
@@ -103,12 +104,18 @@ class LeafPlan:
   layout: plan_lib.LeafLayout | None = None
 
   @property
+  def packed(self) -> bool:
+    """Stored in this step's packs (ckpt/pack.py), not as an array."""
+    return isinstance(self.entry, index_lib.PackedEntry)
+
+  @property
   def host_replicated(self) -> bool:
     """A host numpy leaf saved with no partitioner sharding: one value for
     the whole job, whose chunks each process writes from its own copy (so
     every process must hold the same value; ckpt/agreement.py checks)."""
     return (isinstance(self.source, np.ndarray)
-            and isinstance(self.entry, index_lib.ArrayEntry)
+            and isinstance(self.entry, (index_lib.ArrayEntry,
+                                        index_lib.PackedEntry))
             and self.entry.sharding == HOST_REPLICATED)
 
 
@@ -246,11 +253,17 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       saved = _saved_sharding(x.sharding, len(x.shape))
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
-    entry = index_lib.ArrayEntry(
-        path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
-        dtype=stored.name, chunks=layout.chunks,
-        codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
-        sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
+    if pack_lib.packable(math.prod(layout.shape) * stored.itemsize):
+      entry = index_lib.PackedEntry(
+          path=parts, shape=layout.shape, dtype=stored.name,
+          source_dtype=np.dtype(x.dtype).name, sharding=sharding_text,
+          prng_impl=impl, saved_sharding=saved)
+    else:
+      entry = index_lib.ArrayEntry(
+          path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
+          dtype=stored.name, chunks=layout.chunks,
+          codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
+          sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
@@ -313,7 +326,7 @@ def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
   """Format "ocdbt": the merge group of each array (ckpt/ocdbt.py), from
   its chunk count, the same on every process; none for a step that one
   merge handles."""
-  arrays = [lp for lp in leaves if lp.layout is not None]
+  arrays = [lp for lp in leaves if lp.layout is not None and not lp.packed]
   keys = [1 + math.prod(-(-n // c) for n, c in zip(lp.entry.shape,
                                                     lp.entry.chunks))
           for lp in arrays]
@@ -455,10 +468,11 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   """
   if plan.options.storage_format == "ocdbt":
     process_count = 1
-  arrays_in = [i for i, lp in enumerate(plan.leaves) if lp.layout is not None]
+  arrays_in = [i for i, lp in enumerate(plan.leaves)
+               if lp.layout is not None and not lp.packed]
+  mine = {w.leaf for w in plan.writes}
   creates = {i for k, i in enumerate(arrays_in)
              if k % process_count == process}
-  mine = {w.leaf for w in plan.writes}
   wanted = [i for i in arrays_in if i in creates or i in mine]
   # In OCDBT every commit adds files: the metadata goes in one transaction.
   txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
@@ -501,6 +515,9 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   process = multihost.process_index()
   stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
   stats.inline_leaves = len(plan.leaves) - stats.array_leaves
+  packed = [w for w in plan.writes if plan.leaves[w.leaf].packed]
+  array_writes = (plan.writes if not packed else
+                  [w for w in plan.writes if not plan.leaves[w.leaf].packed])
   # The arrays are created (metadata written) while staging runs, not
   # before it: in async mode the caller waits for staging only.
   opening = asyncio.ensure_future(
@@ -621,8 +638,19 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       started.popleft()
       staged.append((w, data, grant))
 
+  def counted(boxes: int, nbytes: int) -> None:
+    stats.boxes_written += boxes
+    stats.bytes_written += nbytes
+
   try:
-    for w in plan.writes:
+    if packed:  # small leaves: staged into a few packs (ckpt/pack.py)
+      pack_tasks = await pack_lib.write_packs(
+          packed, plan.leaves, functools.partial(pack_lib.host_boxes, plan),
+          step_kvstore, context, limiter, process, counted)
+      for t in pack_tasks:
+        t.add_done_callback(on_done)
+      tasks.extend(pack_tasks)
+    for w in array_writes:
       if w.box.size == 0:
         continue  # a zero-size shard: nothing to store
       if write_failed:

@@ -205,3 +205,22 @@ class TrainState:  # flax.struct-style
   opt_state: typing.Any
   step: typing.Any
   tag: str = dataclasses.field(default="run", metadata=dict(static=True))
+
+
+@pytest.fixture(scope="module")
+def arrays_only():
+  """Every array leaf stored as a TensorStore array, none packed
+  (ckpt/pack.py): for the tests of the array path that use small arrays.
+  Module-scoped, so module-scoped checkpoints are saved under it too (use
+  it from an autouse fixture of the module)."""
+  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  kept, pack.MAX_LEAF_BYTES = pack.MAX_LEAF_BYTES, 0
+  yield
+  pack.MAX_LEAF_BYTES = kept
+
+
+@pytest.fixture
+def no_packing(monkeypatch):
+  """arrays_only for one test (its checkpoints made in the test)."""
+  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(pack, "MAX_LEAF_BYTES", 0)

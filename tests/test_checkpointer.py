@@ -296,6 +296,7 @@ def test_unusual_host_values(make_ckptr, rng):
     assert out["phase"] == 2 and type(out["phase"]) is int
 
 
+@pytest.mark.usefixtures("no_packing")
 def test_odd_leaf_names_round_trip(make_ckptr, ckpt_dir, rng):
   names = ["we ird/name", ".hidden", "\u20ac", " AC", "..", "-x", "%41"]
   state = {n: random_array(rng, (100,)) for n in names}  # stored arrays
@@ -394,6 +395,7 @@ def test_non_array_target_leaf_gets_host_value(make_ckptr, rng):
 
 # ---- formats, compression, dtypes ------------------------------------------
 
+@pytest.mark.usefixtures("no_packing")
 @pytest.mark.parametrize("fmt", ["zarr", "zarr3"])
 @pytest.mark.parametrize("compression", [None, "zstd"])
 def test_formats_and_compression(make_ckptr, ckpt_dir, rng, mesh8, fmt,
@@ -430,6 +432,7 @@ def test_formats_and_compression(make_ckptr, ckpt_dir, rng, mesh8, fmt,
     assert data_bytes < w.nbytes / 2
 
 
+@pytest.mark.usefixtures("no_packing")
 def test_ocdbt_single_process(make_ckptr, ckpt_dir, rng, mesh8):
   state = {"w": sharded(random_array(rng, (64, 32)), named(mesh8, "model")),
            "h": random_array(rng, (100,))}
@@ -530,6 +533,7 @@ def test_target_dtype_casts_between_floats_only(make_ckptr, rng, mesh8):
 
 # ---- partitioner for host numpy leaves -------------------------------------
 
+@pytest.mark.usefixtures("no_packing")
 def test_mesh_partitioner_for_host_numpy_leaves(make_ckptr, ckpt_dir, rng,
                                                 mesh8):
   big = random_array(rng, (64, 32))
@@ -786,6 +790,7 @@ def test_missing_leaves_are_all_listed(make_ckptr, rng, mesh8):
   assert "a, b" in msg  # what the checkpoint has
 
 
+@pytest.mark.usefixtures("no_packing")
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty",
                                     "bad_relpath"])
 def test_corrupt_index(make_ckptr, ckpt_dir, rng, damage):
@@ -813,6 +818,7 @@ def test_corrupt_index(make_ckptr, ckpt_dir, rng, damage):
     ckpt.load(ckpt_dir)
 
 
+@pytest.mark.usefixtures("no_packing")
 def test_missing_array_data_is_corrupt(make_ckptr, ckpt_dir, rng):
   ckptr = make_ckptr(async_save=False)
   ckptr.save(1, {"w": random_array(rng, (100,))})
@@ -821,6 +827,7 @@ def test_missing_array_data_is_corrupt(make_ckptr, ckpt_dir, rng):
     ckptr.restore(1)
 
 
+@pytest.mark.usefixtures("no_packing")
 @pytest.mark.parametrize("fmt", ["zarr", "zarr3"])
 def test_missing_chunk_file_is_corrupt_not_zeros(make_ckptr, ckpt_dir, rng,
                                                  fmt):

@@ -30,6 +30,13 @@ from ckpt import storage as storage_lib
 from tests.conftest import random_array
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 @contextlib.contextmanager
 def hold(ckptr):
   """Blocks the Checkpointer's background loop until the block exits."""

@@ -388,6 +388,8 @@ def _plan(n_leaves=200):
   state = {f"layer_{i}": {"w": rng.standard_normal((64, 32)).astype(np.float32),
                           "step": i}
            for i in range(n_leaves)}
+  # Over ckpt.pack.MAX_LEAF_BYTES: a TensorStore array (the others packed).
+  state["embed"] = rng.standard_normal((256, 128)).astype(np.float32)
   return save_lib, save_lib.plan_save(
       state, save_lib.SaveOptions(
           storage_format="zarr3", codec=tsspec.Codec(checksum="crc32c")),
@@ -412,11 +414,12 @@ def test_index_size_does_not_grow_with_process_count():
   assert out.process_count == 1024 and out.host_state is None
   arrays = [e for e in out.leaves if isinstance(e, index.ArrayEntry)]
   assert arrays and all(e.codec["checksum"] == "crc32c" for e in arrays)
+  assert sum(isinstance(e, index.PackedEntry) for e in out.leaves) == 200
 
 
 def test_zarr_v2_entries_have_no_checksum_codec():
   save_lib, _ = _plan(1)
-  plan = save_lib.plan_save({"w": np.zeros((64, 32), np.float32)},
+  plan = save_lib.plan_save({"w": np.zeros((256, 128), np.float32)},
                             save_lib.SaveOptions(storage_format="zarr"),
                             process_count=1)
   e = save_lib.make_index(plan, 1, None, 2).leaves[0]

@@ -20,6 +20,14 @@ import ckpt
 from ckpt import index as index_lib
 from ckpt import index_codec
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 SETTINGS = dict(max_examples=200, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 

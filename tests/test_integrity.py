@@ -30,6 +30,13 @@ from ckpt import tsspec
 from tests.conftest import mesh, named, random_array, sharded
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 @pytest.fixture(params=["zarr", "zarr3", "zarr3+crc32c"])
 def saved(request, make_ckptr, ckpt_dir, rng):
   m = mesh()

@@ -32,6 +32,14 @@ from ckpt import storage as storage_lib
 from ckpt import tree
 from ckpt import tsspec
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 MiB = 1 << 20
 
 

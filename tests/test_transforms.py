@@ -27,6 +27,14 @@ from ckpt import tree
 from tests.conftest import (AdamState, TrainState, mesh, named, random_array,
                             sharded)
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
 LAYERS = 4

@@ -128,6 +128,13 @@ def make_state(m, step: int):
   }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _arrays_only(arrays_only):
+  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  packed leaves)."""
+  del arrays_only
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, mesh8):
   """Steps 1-4 (metrics loss and acc), an old abandoned save (2 h) and a

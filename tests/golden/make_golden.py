@@ -111,6 +111,9 @@ def make_state(step: int) -> dict[str, Any]:
           "dense": {"kernel": kernel,                      # 2 chunks
                     "bias": put(normal((8,)), None)},      # inline
           "embed": put(normal((8, 16)), "y", None),        # 4 chunks
+          # Index version 2: the arrays above are packed (_save packs
+          # leaves of at most PACK_MAX_BYTES); this one is a zarr array.
+          "wide": put(normal((16, 32)), "x", "y"),         # 8 chunks
           "norm_bf16": put(normal((16, 16), ml_dtypes.bfloat16),
                            None, "x"),                     # 2 chunks
           "layers": [put(normal((4, 4)), None, None),      # inline
@@ -254,7 +257,21 @@ def to_json(v: Any, indent: int = 0) -> str:
 
 # ---- writing ---------------------------------------------------------------
 
+# Leaves of at most this many bytes are packed (ckpt/pack.py) in the
+# goldens: every array leaf but params/wide (the goldens hold both kinds).
+PACK_MAX_BYTES = 512
+
+
 def _save(url: str, options: dict[str, Any]) -> None:
+  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  kept, pack.MAX_LEAF_BYTES = pack.MAX_LEAF_BYTES, PACK_MAX_BYTES
+  try:
+    _save_steps(url, options)
+  finally:
+    pack.MAX_LEAF_BYTES = kept
+
+
+def _save_steps(url: str, options: dict[str, Any]) -> None:
   with ckpt.Checkpointer(url, async_save=False, chunk_bytes=CHUNK_BYTES,
                          clock=lambda: SAVE_TIME, **options) as c:
     for s in STEPS:

@@ -110,12 +110,20 @@ def test_save_2x4_on_disk(saved_2x4, ckpts, name):
   step = root / "checkpoint_1"
   assert (step / "index.msgpack").is_file()
   meta = ".zarray" if ckpts[name]["format"] == "zarr" else "zarr.json"
-  for leaf in ("params/embed/table", "opt/mu/head/kernel", "ema/table",
+  for leaf in ("params/embed/table", "opt/mu/layers/0/kernel", "ema/table",
                "data/buffer", "data/tokens"):
     assert (step / leaf / meta).is_file(), f"{leaf}/{meta} missing"
   # Small leaves go inline in the index, not into arrays.
   assert not (step / "opt" / "count").exists()
   assert not (step / "data" / "tiny").exists()
+  # Leaves of at most 64 KiB (biases, the 64 KiB bf16 head kernels, the
+  # mask) are packed (ckpt/pack.py): no array of their own; both processes
+  # wrote boxes of them into their own pack, with its table.
+  for leaf in ("params/layers/0/bias", "opt/nu/head/kernel", "data/mask"):
+    assert not (step / leaf).exists(), leaf
+  for p in (0, 1):
+    assert (step / ".packs" / f"{p}.msgpack").is_file()
+    assert (step / ".packs" / f"{p}.0.bin").stat().st_size > 0
 
 
 @pytest.mark.parametrize("name", CKPTS)
