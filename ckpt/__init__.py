@@ -6,13 +6,13 @@ from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          InvalidStateError, MissingLeavesError,
                          StoreTimeoutError, TreeMismatchError,
                          WaitTimeoutError)
-from ckpt import integrity
-from ckpt import transforms
-from ckpt.lazy import LazyLeaf
+from ckpt.cli import integrity
+from ckpt.restore import transforms
+from ckpt.restore.lazy import LazyLeaf
 from ckpt.metadata import Metadata, abstract_target
-from ckpt.partition import MeshPartitioner
-from ckpt.restore import load
-from ckpt.multitier import MultiTierCheckpointer
+from ckpt.shards.partition import MeshPartitioner
+from ckpt.restore.read import load
+from ckpt.tiers.multitier import MultiTierCheckpointer
 
 __all__ = [
     "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",

@@ -1,8 +1,8 @@
-"""``python -m ckpt``: the ckpt command (see ckpt/cli.py)."""
+"""``python -m ckpt``: the ckpt command (see ckpt/cli/main.py)."""
 
 import sys
 
-from ckpt.cli import main
+from ckpt.cli.main import main
 
 if __name__ == "__main__":
   sys.exit(main())

@@ -11,9 +11,9 @@ re-raised by the next ``save``, ``wait_until_finished`` or ``close``.
 
 Every collective call (save, restore and the queries) starts, on the
 caller's thread, with one agreement round through the coordination service
-(ckpt/agreement.py), so that all processes take the same decision; the
-stages after it are in ckpt/finalize.py and the commit protocol in
-ckpt/commit.py.
+(ckpt/multihost/agreement.py), so that all processes take the same decision; the
+stages after it are in ckpt/save/runner.py and the commit protocol in
+ckpt/commit/protocol.py.
 """
 
 from __future__ import annotations
@@ -31,31 +31,31 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
-from ckpt import agreement
-from ckpt import commit as commit_lib
-from ckpt import deadline as deadline_lib
-from ckpt import finalize
-from ckpt import multihost
-from ckpt import plan_cache
-from ckpt import polite
+from ckpt.multihost import agreement
+from ckpt.commit import protocol as commit_lib
+from ckpt.store import deadline as deadline_lib
+from ckpt.save import runner as finalize
+from ckpt.multihost import process as multihost
+from ckpt.save import plan_cache
+from ckpt.save import polite
 from ckpt import queries
-from ckpt import readonce
-from ckpt import records
-from ckpt import storemeter
-from ckpt import restore as restore_lib
-from ckpt import save as save_lib
-from ckpt import save_extras
-from ckpt import storage as storage_lib
-from ckpt import tree
-from ckpt import tsspec
+from ckpt.restore import readonce
+from ckpt.commit import records
+from ckpt.store import storemeter
+from ckpt.restore import read as restore_lib
+from ckpt.save import write as save_lib
+from ckpt.format import extras as save_extras
+from ckpt.store import storage as storage_lib
+from ckpt.format import tree
+from ckpt.format import tsspec
 from ckpt.errors import CheckpointError, WaitTimeoutError
-from ckpt.plan import DEFAULT_CHUNK_BYTES
-from ckpt.retention import RetentionPolicy
+from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
+from ckpt.commit.retention import RetentionPolicy
 
 DEFAULT_CONCURRENT_BYTES = 1 << 30
 _UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 # Bounds of whole operations against a store that stops answering
-# (ckpt/deadline.py): a save (and its retention pass), and a query.
+# (ckpt/store/deadline.py): a save (and its retention pass), and a query.
 DEFAULT_SAVE_TIMEOUT_S = 120.0
 DEFAULT_QUERY_TIMEOUT_S = 60.0
 
@@ -98,14 +98,14 @@ class Checkpointer(queries.Queries):
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
       few files per step; each process writes its own database and process 0
-      merges them at finalize, see ckpt/ocdbt.py).
+      merges them at finalize, see ckpt/store/ocdbt.py).
     concurrent_bytes: one host-memory budget for data in flight (staged and
       being written, or being read) in a save or restore.
     async_save: ``save`` returns once device data is staged on the host.
     partitioner: for host numpy leaves, ``fn(path, shape) -> Sharding|None``
       (see ``ckpt.MeshPartitioner``); None means replicated.
     storage_options: merged into the TensorStore kvstore spec (endpoint,
-      region, request concurrency and retries...; see ckpt/storage.py for the
+      region, request concurrency and retries...; see ckpt/store/storage.py for the
       environment variables read without it).
     compression: None (raw chunks) or ``"zstd"``.
     chunk_checksums: formats "zarr3"/"ocdbt": every chunk carries zarr3's
@@ -123,9 +123,9 @@ class Checkpointer(queries.Queries):
       bound covers the whole save: every request, the commit and the
       removal of the failed attempt (cut short at the deadline; its
       ``pending/`` record then stays for cleanup). Requests in flight at the
-      deadline are abandoned, not cancelled (ckpt/tsfuture.py). Also bounds
+      deadline are abandoned, not cancelled (ckpt/store/tsfuture.py). Also bounds
       each retention pass and ``delete``. None: no bound but TensorStore's
-      retries of each request (ckpt/storage.py).
+      retries of each request (ckpt/store/storage.py).
     query_timeout_s: the same bound for the directory queries:
       ``latest_step``, ``all_steps``, ``metrics``, ``metadata``,
       ``host_state``'s choice of step, ``should_save``'s first round,
@@ -134,10 +134,10 @@ class Checkpointer(queries.Queries):
     lease_s: a save renews its lease every ``lease_s / 6`` seconds (at
       most once a second on an object store); cleanup (process 0, at every
       save) removes an uncommitted attempt once its lease is older than this,
-      or at once when its holder is provably dead (see ckpt/lease.py).
+      or at once when its holder is provably dead (see ckpt/commit/lease.py).
     read_once: restore onto a mesh with data-parallel replicas reads each
       box from storage once, spread over the replica processes, and
-      exchanges the parts with an all-gather (ckpt/readonce.py). True: on,
+      exchanges the parts with an all-gather (ckpt/restore/readonce.py). True: on,
       False: off, None (default): automatic, on for object stores (s3://,
       gs://) when a leaf has 2 or more replica processes, off for a local
       disk or memory:// (see docs/benchmarks.md, "Read once", for the measurements).
@@ -306,7 +306,7 @@ class Checkpointer(queries.Queries):
     ``save_interval_steps`` says (the last step of a run, say).
 
     In a multi-process job every process calls it with the same step. The
-    processes agree before anything is written (ckpt/agreement.py): all
+    processes agree before anything is written (ckpt/multihost/agreement.py): all
     save, or all skip a committed step, or all raise the same error naming
     the process that could not prepare its part and why.
 
@@ -485,7 +485,7 @@ class Checkpointer(queries.Queries):
                         custom: str | None = None) -> None:
     cleanup = None
     self._task = asyncio.current_task()  # what cancel() cancels
-    if self.async_save:  # the training job's cores first (ckpt/polite.py)
+    if self.async_save:  # the training job's cores first (ckpt/save/polite.py)
       polite.lower_tensorstore_threads()
     try:
       if multihost.process_index() == 0:
@@ -638,7 +638,7 @@ class Checkpointer(queries.Queries):
 
     For a job that must exit now. Collective: every process calls it.
     Each process stops its part of the save (requests already sent to the
-    store end first, ckpt/tsfuture.py); then one round, in which process 0
+    store end first, ckpt/store/tsfuture.py); then one round, in which process 0
     removes the attempt (its uncommitted work directory and pending record)
     unless the step committed meanwhile; every process returns the same
     answer. The save's failure is not raised (it was cancelled); the
@@ -714,7 +714,7 @@ class Checkpointer(queries.Queries):
 
   async def _cancel_task(self) -> None:
     """On the loop: cancels the save's task and waits until it ended
-    (its TensorStore requests end first, ckpt/tsfuture.py)."""
+    (its TensorStore requests end first, ckpt/store/tsfuture.py)."""
     task = self._task
     if task is None or task.done():
       return
@@ -1019,7 +1019,7 @@ async def _drain() -> None:
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
   """The background thread: at a lower priority, as is every thread it
-  starts (ckpt/polite.py)."""
+  starts (ckpt/save/polite.py)."""
   polite.lower_this_thread()
   loop.run_forever()
 

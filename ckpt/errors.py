@@ -47,9 +47,9 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
 
 class StoreTimeoutError(CheckpointError, TimeoutError):
   """An operation on a store did not finish within its bound
-  (``save_timeout_s``, ``query_timeout_s``; see ckpt/deadline.py). The
+  (``save_timeout_s``, ``query_timeout_s``; see ckpt/store/deadline.py). The
   message names the operation, the URL, the bound and the option."""
-  deadline = None  # the ckpt.deadline.Deadline it ran past
+  deadline = None  # the ckpt.store.deadline.Deadline it ran past
   doing = None     # the store call it was waiting for, when known
 
 

@@ -18,14 +18,14 @@ import numpy as np
 from jax import tree_util
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ckpt import index as index_lib
-from ckpt import prng
-from ckpt import transforms
-from ckpt import tree
+from ckpt.format import index as index_lib
+from ckpt.format import prng
+from ckpt.restore import transforms
+from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
-from ckpt.index import INLINE  # noqa: F401  (as before: Metadata's text)
-from ckpt.partition import MeshPartitioner
-from ckpt.saved_sharding import HOST_REPLICATED, SavedSharding
+from ckpt.format.index import INLINE  # noqa: F401  (as before: Metadata's text)
+from ckpt.shards.partition import MeshPartitioner
+from ckpt.format.saved_sharding import HOST_REPLICATED, SavedSharding
 
 
 @dataclasses.dataclass(frozen=True)

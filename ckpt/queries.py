@@ -2,7 +2,7 @@
 
 In a multi-process job these are collective, like save and restore: every
 process calls them, process 0 reads the directory once (``_agreed``, an
-agreement round of ckpt/agreement.py), and every process gets its answer,
+agreement round of ckpt/multihost/agreement.py), and every process gets its answer,
 so all of them act on the same steps.
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from ckpt import commit as commit_lib
-from ckpt import deadline as deadline_lib
+from ckpt.commit import protocol as commit_lib
+from ckpt.store import deadline as deadline_lib
 from ckpt import metadata as metadata_lib
-from ckpt import multihost
-from ckpt import records
-from ckpt import restore as restore_lib
-from ckpt import save_extras
+from ckpt.multihost import process as multihost
+from ckpt.commit import records
+from ckpt.restore import read as restore_lib
+from ckpt.format import extras as save_extras
 from ckpt.errors import CheckpointError, WaitTimeoutError
 
 
@@ -304,7 +304,7 @@ class Queries:
     process reads its own file.
     """
     # pylint: disable=g-import-not-at-top
-    from ckpt import index as index_lib
+    from ckpt.format import index as index_lib
     from ckpt.errors import CorruptCheckpointError
 
     def answer() -> list:

@@ -10,7 +10,7 @@ with a shape, a dtype and a PartitionSpec over a save mesh, plus the mesh a
 second restore goes to. Every worker builds the same state from the preset's
 seed (``np.random.default_rng``, never constant data: constant arrays compress
 to nothing), sharded over 8 CPU devices in one process (or over N real
-``jax.distributed`` processes started by ``ckpt.local_cluster``).
+``jax.distributed`` processes started by ``ckpt.multihost.local_cluster``).
 
 Systems, each in its own fresh worker process (so host memory is attributed
 to one system only):
@@ -137,7 +137,7 @@ def leaf_value(preset: dict[str, Any], i: int, spec: dict[str, Any]) -> np.ndarr
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
   """{"a/b": x} -> {"a": {"b": x}}."""
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   return tree.nest({tuple(path.split("/")): v for path, v in flat.items()})
 
 
@@ -643,7 +643,7 @@ class Worker:
         "other": abstract_state(preset, self.topo, self.topo.other_mesh)}
 
   def _barrier(self, name: str) -> None:
-    from ckpt import multihost  # pylint: disable=g-import-not-at-top
+    from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
     multihost.barrier(f"bench/{name}", what=f"benchmark step {name}")
 
   def run(self, op: dict[str, Any]) -> dict[str, Any]:
@@ -727,7 +727,7 @@ def worker_main(system: str, preset_path: str, rss_interval_s: float) -> int:
 
 def cluster_worker_main(config: dict[str, Any]) -> int:
   """One process of a local jax.distributed job: runs a fixed list of ops."""
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   preset = load_preset(config["preset"])
   w = Worker(config["system"], preset, config["rss_interval_s"])
@@ -909,7 +909,7 @@ def run_single_process(preset_path: str, systems: list[str], args,
 
 def run_multi_process(preset_path: str, systems: list[str], args,
                       workdir: str) -> tuple[dict, dict]:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   raw: dict[str, dict[str, list]] = {}
   info: dict[str, Any] = {}
   for s in systems:
@@ -1110,7 +1110,7 @@ READ_ONCE_STATES = {
 
 
 def run_read_once(args) -> dict[str, Any]:
-  """The multi-process restore figure of read once (ckpt/readonce.py).
+  """The multi-process restore figure of read once (ckpt/restore/readonce.py).
 
   For each state (``--read-once-states``: READ_ONCE_STATES, both
   ``--read-once-scale`` times their base size), store (the local disk;
@@ -1127,7 +1127,7 @@ def run_read_once(args) -> dict[str, Any]:
   of every object of the step.
   """
   import tempfile  # pylint: disable=g-import-not-at-top
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   sys.path.insert(0, str(ROOT))
   from tests.objectstore import proxy as proxy_lib  # pylint: disable=g-import-not-at-top
   from tests.objectstore import servers  # pylint: disable=g-import-not-at-top

@@ -32,8 +32,8 @@ sys.path.insert(0, REPO)
 
 import numpy as np  # noqa: E402
 
-from ckpt import index as index_lib  # noqa: E402
-from ckpt import tree  # noqa: E402
+from ckpt.format import index as index_lib  # noqa: E402
+from ckpt.format import tree  # noqa: E402
 
 MESH = {"mesh_axes": ["data", "fsdp", "tensor"], "mesh_shape": [4, 64, 4]}
 # (path under the layer, shape, spec or None for an inline value): one layer.

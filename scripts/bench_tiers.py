@@ -2,7 +2,7 @@
 
   .venv/bin/python scripts/bench_tiers.py [--mib 256] [--processes 4] [--devices 2]
 
-Starts N real jax.distributed processes (ckpt.local_cluster, gloo CPU
+Starts N real jax.distributed processes (ckpt.multihost.local_cluster, gloo CPU
 collectives), builds random float32 state (np.random, sharded over all
 devices), and measures, per process (the table shows the slowest):
 the caller's blocking time and the total time of a local-tier save and of a
@@ -25,13 +25,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def worker(conf: dict) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   mesh = Mesh(np.array(jax.devices()), ("x",))
   sh = NamedSharding(mesh, P("x"))
@@ -99,7 +99,7 @@ def main() -> None:
   ap.add_argument("--devices", type=int, default=2)
   ap.add_argument("--dir", default=None)
   a = ap.parse_args()
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   root = a.dir or tempfile.mkdtemp(prefix="bench-tiers-")
   local = "/dev/shm" if os.path.isdir("/dev/shm") else root
   local = tempfile.mkdtemp(prefix="bench-tiers-local-", dir=local)

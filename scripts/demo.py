@@ -2,7 +2,7 @@
 
 ``./scripts/demo`` runs this file. With no ``CKPT_CLUSTER`` in the
 environment it is the driver: it starts real ``jax.distributed`` jobs on this
-machine through ``ckpt.local_cluster`` (each process is this same file, run
+machine through ``ckpt.multihost.local_cluster`` (each process is this same file, run
 as a worker) and prints a summary:
 
 1. 2 processes x 4 CPU devices build a random, sharded, training-state-like
@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 MB = 1e6
@@ -83,7 +83,7 @@ def global_value(path: str, shape: tuple[int, ...]) -> np.ndarray:
 
 def _nest(flat: dict[str, Any]) -> dict[str, Any]:
   """{"a/b": x} -> {"a": {"b": x}}."""
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   return tree.nest({tuple(path.split("/")): v for path, v in flat.items()})
 
 
@@ -108,7 +108,7 @@ def worker(config: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
 
   specs = param_specs(config["layers"], config["width"])
   layout = f"{jax.process_count()}x{jax.local_device_count()}"

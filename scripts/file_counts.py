@@ -2,7 +2,7 @@
 
 Saves ``--leaves`` float32 leaves of 1 to 4 KiB each (host numpy arrays, so
 their chunks are spread over the processes) as one step, with 1 and with 2
-real ``jax.distributed`` processes (``ckpt.local_cluster``; this file is the
+real ``jax.distributed`` processes (``ckpt.multihost.local_cluster``; this file is the
 worker too), in zarr, zarr3 and ocdbt, and prints the files and bytes of the
 step directory and the save time.
 
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 SCRIPTS = pathlib.Path(__file__).resolve().parent
 

@@ -9,7 +9,7 @@ restores it onto the save mesh twice and onto the other mesh, timing each:
 wall, user and system CPU seconds and minor page faults of this process
 (getrusage). System time is where fresh host memory shows: a restore's
 buffers are faulted in (and zeroed by the kernel) on first touch
-(ckpt/hostmem.py).
+(ckpt/restore/hostmem.py).
 """
 
 from __future__ import annotations

@@ -11,9 +11,9 @@ resident memory (VmHWM after the import minus VmRSS just before it, from
 /proc/self/status: every byte the import touched, whatever allocated it),
 with the largest leaf and the budget for scale. ``--item state`` imports the
 ``state`` item directory instead of the step (what an importer that reads
-one item needs); ``--api`` calls ``ckpt.convert.import_checkpoint`` instead
+one item needs); ``--api`` calls ``ckpt.cli.convert.import_checkpoint`` instead
 of the command (whose process also returns large buffers to the OS: see
-``ckpt/cli.py``), so older versions of ckpt can be measured the same way.
+``ckpt/cli/main.py``), so older versions of ckpt can be measured the same way.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ IMPORT = r"""
 import os, sys, json, time
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, numpy as np, tensorstore
-from ckpt import convert
+from ckpt.cli import convert
 jax.devices()
 def status(key):
   with open("/proc/self/status") as f:
@@ -67,7 +67,7 @@ t = time.perf_counter()
 if api == "api":  # the Python API (also in ckpt versions without the flag)
   convert.import_checkpoint(src, dst, 1, concurrent_bytes=budget)
 else:  # what `ckpt import SRC DST --step 1 --concurrent-bytes B` runs
-  from ckpt import cli
+  from ckpt.cli import main as cli
   assert cli.main(["import", src, dst, "--step", "1", "--quiet",
                    "--concurrent-bytes", str(budget)]) == 0
 print(json.dumps({"growth": status("VmHWM") - before,
@@ -83,7 +83,7 @@ def main() -> None:
   ap.add_argument("--item", default="", help="import this item directory")
   ap.add_argument("--repeat", type=int, default=1)
   ap.add_argument("--api", action="store_true",
-                  help="call ckpt.convert.import_checkpoint, not the command")
+                  help="call ckpt.cli.convert.import_checkpoint, not the command")
   args = ap.parse_args()
   work = args.dir or tempfile.mkdtemp(prefix="import-memory-")
   src = os.path.join(work, "orbax")

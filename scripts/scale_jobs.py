@@ -1,7 +1,7 @@
 """Scale harness, part "jobs": real multi-process saves and restores.
 
 For each N in ``processes`` it starts N local ``jax.distributed`` processes
-(``ckpt.local_cluster``, one CPU device each, gloo collectives; this file is
+(``ckpt.multihost.local_cluster``, one CPU device each, gloo collectives; this file is
 also the worker) that hold the same state: ``leaves`` float32 leaves of
 ``min_kib``..``max_kib`` of random data, a ``sharded_fraction`` of them split
 over the N devices, the rest replicated on every device. Each job makes one
@@ -16,7 +16,7 @@ two wrappers this worker puts around library functions):
 - plan: ``plan_save`` (``SaveStats.plan_s``);
 - data: ``save.write_owned`` (stage and write this process's boxes);
 - coordination: every call into the coordination service during the save
-  (``SaveStats.coordination_s``; ckpt/multihost.py times them), split into
+  (``SaveStats.coordination_s``; ckpt/multihost/process.py times them), split into
   the barriers' floor (for each barrier, the wait of the process that came
   last: the service's own cost), the wait for other processes at barriers
   (skew: the others' data, process 0's index and commit), and key-value
@@ -222,16 +222,16 @@ def _barrier_waits(trace: list) -> list[list]:
 
 
 def worker(conf: dict[str, Any]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
-  from ckpt import restore as restore_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import finalize  # pylint: disable=g-import-not-at-top
-  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import read as restore_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import runner as finalize  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
 
   pid = jax.process_index()
   write_timer = _Timer(save_lib, "write_owned")
@@ -404,7 +404,7 @@ def summarize(n: int, results: list[dict]) -> dict[str, Any]:
 
 def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
   """One row per process count (see the module docstring)."""
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   conf = {**DEFAULTS, **conf}
   own = conf["dir"] is None
   base = tempfile.mkdtemp(prefix="ckpt-scale-jobs-") if own else conf["dir"]
@@ -475,7 +475,7 @@ def table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-  from ckpt import local_cluster as _lc  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster as _lc  # pylint: disable=g-import-not-at-top
   if os.environ.get(_lc.ENV_CONFIG) and len(sys.argv) == 2:
     worker(json.loads(sys.argv[1]))
     sys.exit(0)

@@ -1,4 +1,4 @@
-"""Scale harness, part "merge": the cost of the OCDBT merge (ckpt/ocdbt.py).
+"""Scale harness, part "merge": the cost of the OCDBT merge (ckpt/store/ocdbt.py).
 
 With ``format="ocdbt"`` every process writes its own database and process 0
 merges them, after the "written" barrier, into the step's database
@@ -104,7 +104,8 @@ def chunk_values(seed: int, p: int, k: int, n: int) -> np.ndarray:
 
 
 def _array_spec(step: dict, p: int, i: int, P: int, n: int) -> dict:
-  from ckpt import ocdbt, tsspec  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tsspec  # pylint: disable=g-import-not-at-top
   return tsspec.array_spec("ocdbt", ocdbt.process_database(step, p),
                            leaf_path(i), (P * n,), np.dtype("float32"), (n,),
                            tsspec.Codec(None))
@@ -141,8 +142,9 @@ async def _reference(P: int, n: int) -> tuple[bytes, bytes, np.ndarray]:
   """(zarr.json, chunk 1's stored bytes, its values) as the zarr3 driver
   writes them into an OCDBT database (in memory)."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt, tsspec  # pylint: disable=g-import-not-at-top
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tsspec  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   ctx = ts.Context({storage_lib.OCDBT_CACHE_POOL: {}})  # a fresh memory store
   db = ocdbt.database({"driver": "memory", "path": "ref/"})
   spec = tsspec.array_spec("ocdbt", db, "a", (P * n,), np.dtype("float32"),
@@ -176,7 +178,7 @@ async def _write_kv(step: dict, context, P: int, K: int, n: int,
                     seed: int) -> None:
   """The same keys and bytes, straight into each OCDBT kvstore."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
   meta, chunk, ref_values = await _reference(P, n)
   encode = _encoder(chunk, ref_values)
 
@@ -205,7 +207,7 @@ async def _write_kv(step: dict, context, P: int, K: int, n: int,
 
 
 def generate(path: str, P: int, K: int, conf: dict) -> float:
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   storage = storage_lib.Storage(path)
   step = storage.step_spec("step")
   write = _write_kv if conf["writer"] == "kv" else _write_zarr
@@ -218,7 +220,7 @@ def generate(path: str, P: int, K: int, conf: dict) -> float:
 # ---- measuring one merge ------------------------------------------------------
 
 def _step(path: str) -> tuple[dict, Any]:
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   storage = storage_lib.Storage(path)
   return storage.step_spec("step"), storage.context()
 
@@ -252,7 +254,7 @@ def merge_once(path: str, P: int) -> dict[str, float]:
   """``ocdbt.merge`` as finalize runs it: seconds, /proc/self/io, and the
   peak of RSS above what it was before (the transaction's memory)."""
   import gc  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
   step, context = _step(path)
   gc.collect()
   rss0, peak_ok = _rss_and_reset_peak()
@@ -269,7 +271,7 @@ def merge_once(path: str, P: int) -> dict[str, float]:
 def merge_phased(path: str, P: int) -> dict[str, float]:
   """The stages of ``ocdbt.merge`` (the same calls), timed one by one."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
   step, context = _step(path)
 
   async def go():
@@ -292,7 +294,7 @@ def merge_phased(path: str, P: int) -> dict[str, float]:
 
 def merged_files(step_dir: str) -> tuple[int, int]:
   """(files, bytes) the merge added: everything outside ocdbt.process_*."""
-  from ckpt import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
   files = size = 0
   for root, dirs, names in os.walk(step_dir):
     if root == step_dir:
@@ -307,7 +309,8 @@ def verify(path: str, P: int, K: int, conf: dict) -> int:
   """Reads a sample of leaves from the merged database through the zarr3
   driver and compares them; returns the number of merged keys."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt, tsspec  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tsspec  # pylint: disable=g-import-not-at-top
   step, context = _step(path)
   n = conf["chunk_floats"]
   db = ocdbt.database(step)

@@ -74,11 +74,11 @@ def _max_rss() -> int:
 def one(devices: int, leaves: int, per_process: int) -> dict:
   """In this process: plan process P/2+1's share; returns the figures."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import placement  # pylint: disable=g-import-not-at-top
-  from ckpt import plan  # pylint: disable=g-import-not-at-top
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
-  from ckpt import tsspec  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.shards import placement  # pylint: disable=g-import-not-at-top
+  from ckpt.shards import plan  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tsspec  # pylint: disable=g-import-not-at-top
 
   sizes = mesh_shape(devices, per_process)
   names = tuple(sizes)

@@ -210,10 +210,10 @@ class TrainState:  # flax.struct-style
 @pytest.fixture(scope="module")
 def arrays_only():
   """Every array leaf stored as a TensorStore array, none packed
-  (ckpt/pack.py): for the tests of the array path that use small arrays.
+  (ckpt/save/pack.py): for the tests of the array path that use small arrays.
   Module-scoped, so module-scoped checkpoints are saved under it too (use
   it from an autouse fixture of the module)."""
-  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   kept, pack.MAX_LEAF_BYTES = pack.MAX_LEAF_BYTES, 0
   yield
   pack.MAX_LEAF_BYTES = kept
@@ -222,5 +222,5 @@ def arrays_only():
 @pytest.fixture
 def no_packing(monkeypatch):
   """arrays_only for one test (its checkpoints made in the test)."""
-  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(pack, "MAX_LEAF_BYTES", 0)

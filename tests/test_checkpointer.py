@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import SingleDeviceSharding
 
 import ckpt
-from ckpt import index as index_lib
-from ckpt import index_codec
+from ckpt.format import index as index_lib
+from ckpt.format import index_codec
 from tests.conftest import (AdamState, TrainState, mesh, named,
                             random_array, sharded)
 
@@ -669,8 +669,8 @@ def test_a_bucket_step_without_its_index_fails_loudly(make_ckptr, memory_url,
   step): a step whose index was deleted behind ckpt's back stays listed,
   and restoring it fails naming the step and the missing index, never
   another step silently."""
-  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   c = make_ckptr(memory_url, async_save=False)
   s42 = {"w": random_array(rng, (64, 32))}
   c.save(42, s42)
@@ -1013,7 +1013,7 @@ def test_memory_url(make_ckptr, memory_url, rng, mesh8):
 
 
 def test_memory_url_needs_the_commit_marker(make_ckptr, memory_url, rng):
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   ckptr = make_ckptr(memory_url, async_save=False)
   ckptr.save(1, {"w": random_array(rng, (100,))})
   # Copy step 1 as step 2 without its commit marker: an interrupted save.
@@ -1053,7 +1053,7 @@ def test_local_files_are_read_mapped(make_ckptr, ckpt_dir, rng, mesh8):
   # the restore's buffer, see storage.FILE_IO_MODE); storage_options can ask
   # for pread back. Both restore the same bytes, onto another mesh too
   # (boxes that need part of a chunk) and as host numpy values.
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   mode = lambda opts: storage_lib.Storage(str(ckpt_dir), opts).context()[
       "file_io_mode"].to_json()
   pread = {"file_io_mode": {"mode": "default"}}

@@ -136,7 +136,7 @@ def test_quoted_outputs_match_what_the_blocks_print(tmp_path, monkeypatch,
 
 
 def _ckpt_parser():
-  from ckpt import cli  # pylint: disable=g-import-not-at-top
+  from ckpt.cli import main as cli  # pylint: disable=g-import-not-at-top
   return cli.build_parser()
 
 

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt import cli
+from ckpt.cli import main as cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

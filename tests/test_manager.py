@@ -20,10 +20,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ckpt
-from ckpt import agreement
-from ckpt import commit as commit_lib
-from ckpt import finalize
-from ckpt import multihost
+from ckpt.multihost import agreement
+from ckpt.commit import protocol as commit_lib
+from ckpt.save import runner as finalize
+from ckpt.multihost import process as multihost
 from tests.conftest import mesh, named, random_array, sharded
 
 
@@ -165,7 +165,7 @@ def test_one_per_hour_for_the_last_day(make_ckptr, ckpt_dir):
 
 
 def test_time_rule_is_stable_and_pure():
-  policy = ckpt.retention.RetentionPolicy(keep=1, keep_time_interval=10,
+  policy = ckpt.commit.retention.RetentionPolicy(keep=1, keep_time_interval=10,
                                           clock=lambda: 100.0)
   times = {1: 1.0, 2: 5.0, 3: 12.0, 4: 19.0, 5: 25.0}
   kept = set(times) - set(policy.to_delete(list(times), {}, times=times))
@@ -174,15 +174,15 @@ def test_time_rule_is_stable_and_pure():
   times2 = {1: 1.0, 3: 12.0, 5: 25.0, 6: 27.0, 7: 31.0}
   kept2 = set(times2) - set(policy.to_delete(list(times2), {}, times=times2))
   assert kept2 == {1, 3, 5, 7}
-  windowed = ckpt.retention.RetentionPolicy(
+  windowed = ckpt.commit.retention.RetentionPolicy(
       keep=1, keep_time_interval=10, keep_time_window=90,
       clock=lambda: 100.0)
   assert set(times) - set(windowed.to_delete(list(times), {},
                                              times=times)) == {3, 5}
   with pytest.raises(ValueError, match="keep_time_window needs"):
-    ckpt.retention.RetentionPolicy(keep=1, keep_time_window=10)
+    ckpt.commit.retention.RetentionPolicy(keep=1, keep_time_window=10)
   with pytest.raises(ValueError, match="keep_time_interval"):
-    ckpt.retention.RetentionPolicy(keep=1, keep_time_interval=-1)
+    ckpt.commit.retention.RetentionPolicy(keep=1, keep_time_interval=-1)
 
 
 def test_best_fn(make_ckptr):

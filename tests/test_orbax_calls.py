@@ -19,10 +19,10 @@ import pytest
 from etils import epath
 
 import ckpt
-from ckpt import cli
-from ckpt import index as index_lib
-from ckpt import save as save_lib
-from ckpt import storage as storage_lib
+from ckpt.cli import main as cli
+from ckpt.format import index as index_lib
+from ckpt.save import write as save_lib
+from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 
 STATE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": 5}

@@ -4,8 +4,11 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 case, path = sys.argv[1], sys.argv[2]
 import numpy as np, msgpack
 import ckpt; print("using", ckpt.__file__)  # which checkout PYTHONPATH picked
-from ckpt import index as index_lib, restore as restore_lib, storage as storage_lib, lazy
-from ckpt.plan import Box
+from ckpt.format import index as index_lib
+from ckpt.restore import read as restore_lib
+from ckpt.store import storage as storage_lib
+from ckpt.restore import lazy
+from ckpt.shards.plan import Box
 def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 data = open(path, "rb").read() if case == "dups" else None
 base = rss(); t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Decode of a 32 MiB (the cap) hostile index of one item repeated; fresh process."""
 import sys, time, resource, struct
-from ckpt import index as index_lib
+from ckpt.format import index as index_lib
 item = bytes.fromhex(sys.argv[1])
 cap = index_lib.MAX_INDEX_BYTES - 64
 per = (1 << 20) - 1

@@ -3,7 +3,7 @@ import json, os, shutil, struct, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 import numpy as np, msgpack, tensorstore as ts
 import ckpt
-from ckpt import tsspec
+from ckpt.format import tsspec
 C = "/tmp/m17/cases"; shutil.rmtree(C, ignore_errors=True)
 def save(name, fmt="zarr", state=None):
   root = f"{C}/{name}"
@@ -25,7 +25,8 @@ open(f"{C}/dups.msgpack", "wb").write(msgpack.packb(doc, use_bin_type=True))
 root, step = save("huge")
 path = f"{step}/index.msgpack"
 d = msgpack.unpackb(open(path, "rb").read(), raw=False)
-from ckpt import index as index_lib, index_codec
+from ckpt.format import index as index_lib
+from ckpt.format import index_codec
 rows = index_codec.rows(d["leaves"]); e = rows[0]; e.update(shape=[2**40, 2**21], chunks=[1, 2**21], checksums=[])
 d["leaves"] = index_codec.columns(rows, index_lib.KINDS)
 open(path, "wb").write(msgpack.packb(d, use_bin_type=True))

@@ -1,6 +1,6 @@
 """One process of a job that imports an Orbax checkpoint (test_orbax_import).
 
-Run through ``ckpt.local_cluster``: every process calls
+Run through ``ckpt.multihost.local_cluster``: every process calls
 ``convert.import_checkpoint`` on the same source and destination, so each
 reads and writes its share of every leaf. Scenario "one_bad": process 1 is
 given a source that does not exist; every process records the error it
@@ -42,14 +42,14 @@ def orbax_save(config: dict) -> None:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   config = json.loads(argv[1])
   if config["scenario"] == "orbax_save":
     orbax_save(config)
     local_cluster.write_result({"saved": True})
     return
-  from ckpt import convert  # pylint: disable=g-import-not-at-top
+  from ckpt.cli import convert  # pylint: disable=g-import-not-at-top
   src = config["src"]
   if config["scenario"] == "one_bad" and cfg["process_id"] == 1:
     src += "-missing"

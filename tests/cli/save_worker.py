@@ -1,6 +1,6 @@
 """One process of the 2-process save that ``test_cli.py`` inspects.
 
-Run through ``ckpt.local_cluster`` as ``python -m tests.cli.save_worker
+Run through ``ckpt.multihost.local_cluster`` as ``python -m tests.cli.save_worker
 <json config>``: 2 processes x 2 CPU devices save ``state()`` on a
 (data=2, model=2) mesh as ``config["step"]`` of ``config["dir"]``. Every
 leaf's global value comes from ``value(path)``, so the test can check what
@@ -44,7 +44,7 @@ def nested(leaf) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   import jax  # pylint: disable=g-import-not-at-top

@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import cli
-from ckpt import local_cluster
-from ckpt import tree
+from ckpt.cli import main as cli
+from ckpt.multihost import local_cluster
+from ckpt.format import tree
 from tests.cli import save_worker
 from tests.conftest import named, sharded
 
@@ -130,7 +130,7 @@ def make_state(m, step: int):
 
 @pytest.fixture(scope="module", autouse=True)
 def _arrays_only(arrays_only):
-  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  """Small test arrays stay TensorStore arrays (tests/save/test_pack.py covers
   packed leaves)."""
   del arrays_only
 
@@ -617,4 +617,4 @@ def test_console_script_entry_point():
              metadata.entry_points(group="console_scripts")}
   if "ckpt" not in scripts:
     pytest.skip("ckpt is not pip-installed here (pip install -e .)")
-  assert scripts["ckpt"] == "ckpt.cli:main"
+  assert scripts["ckpt"] == "ckpt.cli.main:main"

@@ -1,4 +1,4 @@
-"""ckpt.convert without the command: key nesting and hostile safetensors."""
+"""ckpt.cli.convert without the command: key nesting and hostile safetensors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ckpt import convert
+from ckpt.cli import convert
 
 
 def write_safetensors(path, header: dict, body: bytes) -> None:

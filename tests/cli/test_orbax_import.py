@@ -18,8 +18,8 @@ import tensorstore as ts
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt import pack
-from ckpt import local_cluster
+from ckpt.save import pack
+from ckpt.multihost import local_cluster
 from tests.cli.test_cli import (assert_one_line_error, flat, in_process,
                                 json_in_process, run_json, same)
 from tests.conftest import mesh, named, sharded
@@ -72,7 +72,7 @@ def save_orbax(root, state, step=STEP, **items):
 
 @pytest.fixture(scope="module", autouse=True)
 def _arrays_only(arrays_only):
-  """Small test arrays stay TensorStore arrays (tests/test_pack.py covers
+  """Small test arrays stay TensorStore arrays (tests/save/test_pack.py covers
   packed leaves)."""
   del arrays_only
 
@@ -138,7 +138,7 @@ def test_saved_shardings_are_the_imported_leaves_saved_shardings(imported,
     assert leaves[f"state/{path}"]["sharding"] == described(spec), path
   # Each chunk is one saved shard (one Orbax chunk): read whole, written
   # whole. (The command runs in its own process, where leaves of at most
-  # ckpt.pack.MAX_LEAF_BYTES are packed: no chunks.)
+  # ckpt.save.pack.MAX_LEAF_BYTES are packed: no chunks.)
   for path, chunks in (("state/params/w", [32, 8]),
                        ("state/layers/0/k", [4, 32])):
     x = leaves[path]
@@ -195,7 +195,7 @@ def test_what_cannot_be_imported_is_refused_by_name(tmp_path, capsys):
 def test_a_leaf_cut_by_the_budget_is_decoded_once(tmp_path):
   """A box smaller than a source chunk cannot be read alone (TensorStore
   decodes the whole chunk): the chunk is read once for all its boxes."""
-  from ckpt import leafsource  # pylint: disable=g-import-not-at-top
+  from ckpt.save import leafsource  # pylint: disable=g-import-not-at-top
   data = np.arange(512 * 512, dtype=np.float32).reshape(512, 512)  # 1 MiB
   store = ts.open({"driver": "zarr", "kvstore": f"file://{tmp_path}/src/",
                    "metadata": {"chunks": [512, 512], "compressor": None,
@@ -226,7 +226,7 @@ MEMORY_CHILD = r"""
 import json, os, sys
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax
-from ckpt import cli
+from ckpt.cli import main as cli
 jax.devices()
 def status(key):
   with open("/proc/self/status") as f:

@@ -24,12 +24,12 @@ Next to the checkpoint, ``expected.json`` (JSON, never pickle) holds what a
 restore must give back, bit for bit: the tree, each array's dtype, shape,
 raw bytes (base64, little-endian) and their sha256, the PRNG
 implementations, the shardings the arrays were saved with, the metrics,
-host_state and steps, and which index format VERSION (ckpt/index.py) wrote
-it. tests/test_golden.py restores every golden of every version with
+host_state and steps, and which index format VERSION (ckpt/format/index.py) wrote
+it. tests/format/test_golden.py restores every golden of every version with
 today's code and compares against it.
 
 Goldens of a version are written once and then kept unchanged: bump
-ckpt.index.VERSION whenever the on-disk contract changes, then run this
+ckpt.format.index.VERSION whenever the on-disk contract changes, then run this
 script, which writes the new version's folder beside the old ones (it
 refuses to replace an existing folder unless given --overwrite).
 """
@@ -59,8 +59,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import ckpt  # noqa: E402
-from ckpt import index as index_lib  # noqa: E402
-from ckpt import storage as storage_lib  # noqa: E402
+from ckpt.format import index as index_lib  # noqa: E402
+from ckpt.store import storage as storage_lib  # noqa: E402
 
 GOLDEN_DIR = pathlib.Path(__file__).resolve().parent
 EXPECTED = "expected.json"
@@ -257,13 +257,13 @@ def to_json(v: Any, indent: int = 0) -> str:
 
 # ---- writing ---------------------------------------------------------------
 
-# Leaves of at most this many bytes are packed (ckpt/pack.py) in the
+# Leaves of at most this many bytes are packed (ckpt/save/pack.py) in the
 # goldens: every array leaf but params/wide (the goldens hold both kinds).
 PACK_MAX_BYTES = 512
 
 
 def _save(url: str, options: dict[str, Any]) -> None:
-  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   kept, pack.MAX_LEAF_BYTES = pack.MAX_LEAF_BYTES, PACK_MAX_BYTES
   try:
     _save_steps(url, options)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
   final = version_dir(args.out)
   if final.exists() and not args.overwrite:
     parser.error(f"{final} exists: goldens of a released version are never "
-                 "rewritten. Bump ckpt.index.VERSION if the on-disk contract "
+                 "rewritten. Bump ckpt.format.index.VERSION if the on-disk contract "
                  "changed, or pass --overwrite")
   args.out.mkdir(parents=True, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=args.out, prefix=".tmp-golden-") as tmp:

@@ -1,7 +1,7 @@
 """One process of a job for tests/multiprocess/test_agreement.py.
 
 Run as ``python -m tests.multiprocess.agreement_worker <json config>`` by
-``ckpt.local_cluster``; ``config["scenario"]`` picks what to do. Each
+``ckpt.multihost.local_cluster``; ``config["scenario"]`` picks what to do. Each
 scenario makes one process behave differently from the others (fail, lag,
 hold other data) and reports what every process saw.
 """
@@ -85,7 +85,7 @@ def scenario_restore_race(conf: dict) -> dict:
   """Another job commits step 2 between two processes' restore calls."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   mesh = _mesh()
   root, other = conf["dir"], conf["other"]
@@ -151,7 +151,7 @@ def scenario_planned_differently(conf: dict) -> dict:
   for step 3 it writes one box twice instead of another."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.shards import plan as plan_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   mesh = _mesh()
   out: dict[str, Any] = {"pid": pid}
@@ -185,8 +185,8 @@ def scenario_ocdbt_groups(conf: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import ocdbt  # pylint: disable=g-import-not-at-top
-  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   pack.MAX_LEAF_BYTES = 0  # small arrays stand in for large ones: no packs
   pid = jax.process_index()
   mesh = _mesh()
@@ -247,7 +247,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   kind works everywhere (no key drifted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   mesh = _mesh()
   out: dict[str, Any] = {"pid": pid}
@@ -326,7 +326,7 @@ SCENARIOS = {"planned_differently": scenario_planned_differently,
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   conf = json.loads(sys.argv[1])
   local_cluster.init_from_env()
   local_cluster.write_result(SCENARIOS[conf["scenario"]](conf))

@@ -5,7 +5,7 @@ import json
 import sys
 import time
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 
 def main():

@@ -39,7 +39,7 @@ import os
 import shutil
 import sys
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 # name: (shape, dtype, save spec, restore spec). With chunk_bytes 64 KiB:
 LEAVES = {
@@ -120,7 +120,7 @@ def main():
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import ckpt
-  from ckpt import multihost
+  from ckpt.multihost import process as multihost
   from tests.objectstore import proxy
 
   scale = int(conf.get("scale", 1))

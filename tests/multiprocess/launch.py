@@ -1,12 +1,12 @@
 """One real multi-process job for a test: the worker module run on
-``num_processes`` processes (ckpt.local_cluster), its results checked and
+``num_processes`` processes (ckpt.multihost.local_cluster), its results checked and
 returned in process order."""
 
 from __future__ import annotations
 
 import pathlib
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180

@@ -1,7 +1,7 @@
 """One process of a job for tests/multiprocess/test_manager_mp.py.
 
 Run as ``python -m tests.multiprocess.manager_worker <json config>`` by
-``ckpt.local_cluster`` (2 processes x 2 CPU devices). One launch does both
+``ckpt.multihost.local_cluster`` (2 processes x 2 CPU devices). One launch does both
 parts, in order, and reports what every process saw:
 
 1. ``delete`` and the calls around it in a real job: a committed step,
@@ -56,7 +56,7 @@ def part_delete(conf: dict, mesh) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   out: dict[str, Any] = {}
   ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=60)
@@ -106,7 +106,7 @@ def part_delete(conf: dict, mesh) -> dict:
 def part_interval(conf: dict, mesh) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   rounds = [0]
   agree = multihost.agree
@@ -143,7 +143,7 @@ def part_interval(conf: dict, mesh) -> dict:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   conf = json.loads(sys.argv[1])
   local_cluster.init_from_env()
   import jax  # pylint: disable=g-import-not-at-top

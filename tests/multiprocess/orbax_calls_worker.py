@@ -2,7 +2,7 @@
 item 2): ``should_save_fn``/``save_on_steps``, ``best_step``,
 ``custom_metadata`` and ``cancel`` on real ``jax.distributed`` processes.
 
-Run by ``test_orbax_calls_mp.py`` through ``ckpt.local_cluster`` as
+Run by ``test_orbax_calls_mp.py`` through ``ckpt.multihost.local_cluster`` as
 ``python -m tests.multiprocess.orbax_calls_worker <json config>``.
 
 Operations (``config["op"]``):
@@ -73,7 +73,7 @@ def _policy(config: dict) -> dict:
 def _cancel(config: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   root = config["dir"]
   held = threading.Event()
@@ -140,7 +140,7 @@ def _multitier(config: dict) -> dict:
   tier, and cancel() abandons a held persistent save on both processes."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   held = threading.Event()
   hold = {"on": False}
@@ -186,7 +186,7 @@ def _multitier(config: dict) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   import jax  # pylint: disable=g-import-not-at-top

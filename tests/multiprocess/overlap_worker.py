@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 N_LEAVES = 6
 SHAPE = (256, 256)
@@ -49,8 +49,8 @@ def main():
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import ckpt
-  from ckpt import readsplit
-  from ckpt import restore as restore_lib
+  from ckpt.restore import readsplit
+  from ckpt.restore import read as restore_lib
 
   me = cfg["process_id"]
   mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))

@@ -47,7 +47,7 @@ import sys
 import json
 import time
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 SHAPES = {
     # name: (shape, dtype, restore spec)
@@ -109,7 +109,7 @@ def main():
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   import ckpt
-  from ckpt import multihost
+  from ckpt.multihost import process as multihost
 
   scale = int(conf.get("scale", 1))  # scripts/bench.py: bigger leaves
   for n, (shape, d, spec) in list(SHAPES.items()):
@@ -296,8 +296,8 @@ def run_case(case, conf, opts, ck, mesh, target) -> dict:
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
   import ckpt
-  from ckpt import multihost
-  from ckpt import transforms
+  from ckpt.multihost import process as multihost
+  from ckpt.restore import transforms
 
   def record(ckptr, got, dtype=None, names=None):
     names = names or {n: n for n in SHAPES}

@@ -1,6 +1,6 @@
 """One process of the multi-process restore-as-saved test (issue 25, item 1).
 
-Run by ``test_restore_as_saved_mp.py`` through ``ckpt.local_cluster`` as
+Run by ``test_restore_as_saved_mp.py`` through ``ckpt.multihost.local_cluster`` as
 ``python -m tests.multiprocess.restore_as_saved_worker <json config>``;
 every process runs this same program. The global arrays come from fixed
 seeds, so each process checks every shard it holds against the truth, bit
@@ -216,7 +216,7 @@ def _restore_small(config: dict) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   ops = {"save": _save, "restore": _restore, "restore_small": _restore_small}

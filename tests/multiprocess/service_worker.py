@@ -1,7 +1,7 @@
 """One process of a multi-process job for tests/multiprocess/test_service.py.
 
 Run as ``python -m tests.multiprocess.service_worker <json config>`` by
-``ckpt.local_cluster``; ``config["scenario"]`` picks what to do. Every
+``ckpt.multihost.local_cluster``; ``config["scenario"]`` picks what to do. Every
 scenario checks what it can inside the job and returns a JSON-able dict that
 the test asserts on. The state helpers at the top (``kill_state`` and
 friends) are pure numpy so the test process can rebuild the expected values.
@@ -151,7 +151,7 @@ def _capture_warnings() -> _Warnings:
 
 
 def _sync(name: str, timeout_s: float = 120.0) -> None:
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   multihost.barrier(f"test/{name}", timeout_s=timeout_s, what="test sync")
 
 
@@ -654,7 +654,7 @@ def scenario_killloop(conf: dict) -> dict:
       os.path.isdir(root)) else []
   # The default lease (30 s): a killed job's attempts go at the next job's
   # first save because their holder (process 0, on this host) is provably
-  # dead, not because the lease expired (ckpt/lease.py).
+  # dead, not because the lease expired (ckpt/commit/lease.py).
   ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60)
 
   def report_cleanup():
@@ -746,7 +746,7 @@ def scenario_restore_race(conf: dict) -> dict:
     ck.save(2, second)
     t0 = time.monotonic()
     if variant == "all" or pid == 1:
-      from ckpt import commit as commit_lib  # pylint: disable=g-import-not-at-top
+      from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
       res["committed_before"] = commit_lib.is_committed(ck.storage, 1)
       try:
         got = ck.restore(1)
@@ -774,7 +774,7 @@ def scenario_process_files(conf: dict) -> dict:
   earlier step."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
 
   pid, n = jax.process_index(), jax.process_count()
   host = _base("w", (128, 64), "float32", 7)
@@ -843,7 +843,7 @@ def jsonable(x: Any) -> Any:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   result = SCENARIOS[conf["scenario"]](conf)

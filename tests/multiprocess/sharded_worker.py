@@ -1,6 +1,6 @@
 """One process of the multi-process sharded save/restore tests.
 
-Run by ``test_sharded.py`` through ``ckpt.local_cluster`` as
+Run by ``test_sharded.py`` through ``ckpt.multihost.local_cluster`` as
 ``python -m tests.multiprocess.sharded_worker <json config>``; every process
 of the job runs this same program (SPMD). Each process regenerates the same
 global arrays from fixed seeds, so any process can check any slice it holds
@@ -83,7 +83,7 @@ VALUES: dict[str, Any] = {
 }
 MESH_AXES = {"2x4": ("data", "model"), "1x8": ("a", "b"), "4x2": ("r", "c")}
 MESH_SHAPE = {"2x4": (2, 4), "1x8": (4, 2), "4x2": (2, 4)}
-INLINE_MAX_BYTES = 256  # ckpt.save.INLINE_MAX_BYTES: smaller leaves go inline
+INLINE_MAX_BYTES = 256  # ckpt.save.write.INLINE_MAX_BYTES: smaller leaves go inline
 
 AdamState = collections.namedtuple("AdamState", ["count", "mu", "nu"])
 
@@ -241,7 +241,7 @@ def make_target(layout: str, mesh) -> Any:
 def check_restored(restored: Any, target: Any) -> tuple[list[str], list[str]]:
   """(mismatches, leaves checked): each addressable shard against the truth."""
   import jax  # pylint: disable=g-import-not-at-top
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   bad: list[str] = []
   checked: list[str] = []
   if jax.tree_util.tree_structure(restored) != jax.tree_util.tree_structure(target):
@@ -355,7 +355,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   layout = _layout()

@@ -1,7 +1,7 @@
 """Processes that cannot disagree, whatever one of them does (real jobs).
 
 Each test runs 2 real ``jax.distributed`` processes x 2 CPU devices
-(``ckpt.local_cluster``) in which one process behaves differently: its
+(``ckpt.multihost.local_cluster``) in which one process behaves differently: its
 save fails before writing, it lags behind while another job commits, or it
 holds other host values. Every process must take the same decision, and
 the job must go on checkpointing afterwards.
@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.agreement_worker"
@@ -116,7 +116,7 @@ def test_host_leaves_that_differ_are_refused(host_mismatch):
 def test_processes_that_planned_differently_never_commit(tmp_path):
   """One host's plan leaves a box unwritten (step 2) or writes one box
   twice and another never (step 3): process 0 finds the tiling wrong before
-  the commit (ckpt/tiling.py), the save fails on both processes, nothing is
+  the commit (ckpt/shards/tiling.py), the save fails on both processes, nothing is
   committed, and the next honest save works."""
   runs = _run("planned_differently", {"dir": str(tmp_path),
                                       "timeout_s": TIMEOUT_S})
@@ -133,11 +133,11 @@ def test_processes_that_planned_differently_never_commit(tmp_path):
 
 def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
   """A step with more keys than one merge should take is split into merge
-  groups, each merged by another process at once (ckpt/ocdbt.py); the
+  groups, each merged by another process at once (ckpt/store/ocdbt.py); the
   arrays restore bit-exact on the job and in one process with no job."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
   runs = _run("ocdbt_groups", {"dir": str(tmp_path), "timeout_s": TIMEOUT_S,
                                "keys_per_merge": 8})
   for r in runs:

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT_S = 60

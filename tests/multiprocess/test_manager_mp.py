@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from ckpt import commit as commit_lib
-from ckpt import local_cluster
-from ckpt import storage as storage_lib
+from ckpt.commit import protocol as commit_lib
+from ckpt.multihost import local_cluster
+from ckpt.store import storage as storage_lib
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.manager_worker"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pathlib
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "tests.multiprocess.orbax_calls_worker"

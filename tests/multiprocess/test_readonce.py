@@ -1,4 +1,4 @@
-"""Read once (ckpt/readonce.py) across real processes, on the local disk.
+"""Read once (ckpt/restore/readonce.py) across real processes, on the local disk.
 
 4 processes x 2 devices save a state fully sharded, then restore it onto
 leaves replicated over 4 processes, over 2, and fully sharded, with
@@ -27,7 +27,7 @@ import pathlib
 
 import numpy as np
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.multiprocess import readonce_worker as worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

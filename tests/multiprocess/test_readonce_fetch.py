@@ -31,7 +31,7 @@ import pathlib
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.multiprocess import fetch_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

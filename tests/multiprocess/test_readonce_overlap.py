@@ -1,5 +1,5 @@
 """Read once overlaps the next batch's reads with the current exchange
-(ckpt/readonce.py ``finish``), across real processes (2 x 2 devices,
+(ckpt/restore/readonce.py ``finish``), across real processes (2 x 2 devices,
 tests/multiprocess/overlap_worker.py): six leaves, one per exchange batch
 under a small ``concurrent_bytes``.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pathlib
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.multiprocess import overlap_worker as worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Multi-process tests of the asynchronous checkpointing service.
 
 Every test runs real ``jax.distributed`` jobs (2 processes x 2-4 CPU devices
-on 127.0.0.1, see ``ckpt.local_cluster``) writing real TensorStore arrays to a
+on 127.0.0.1, see ``ckpt.multihost.local_cluster``) writing real TensorStore arrays to a
 temporary disk. The processes run ``tests/multiprocess/service_worker.py``,
 which checks what it can inside the job and reports JSON; a launch costs a
 few seconds of jax start-up, so each module-scoped fixture below is one
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import commit as commit_lib
-from ckpt import local_cluster
-from ckpt import storage as storage_lib
-from ckpt.retention import RetentionPolicy
+from ckpt.commit import protocol as commit_lib
+from ckpt.multihost import local_cluster
+from ckpt.store import storage as storage_lib
+from ckpt.commit.retention import RetentionPolicy
 from tests.multiprocess import service_worker as worker
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])

@@ -117,7 +117,7 @@ def test_save_2x4_on_disk(saved_2x4, ckpts, name):
   assert not (step / "opt" / "count").exists()
   assert not (step / "data" / "tiny").exists()
   # Leaves of at most 64 KiB (biases, the 64 KiB bf16 head kernels, the
-  # mask) are packed (ckpt/pack.py): no array of their own; both processes
+  # mask) are packed (ckpt/save/pack.py): no array of their own; both processes
   # wrote boxes of them into their own pack, with its table.
   for leaf in ("params/layers/0/bias", "opt/nu/head/kernel", "data/mask"):
     assert not (step / leaf).exists(), leaf

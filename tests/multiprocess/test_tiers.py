@@ -1,4 +1,4 @@
-"""Multi-tier checkpoints (ckpt/multitier.py, ckpt/local_tier.py) in real 4-process jobs.
+"""Multi-tier checkpoints (ckpt/tiers/multitier.py, ckpt/tiers/local_tier.py) in real 4-process jobs.
 
 One job (4 processes x 2 CPU devices) saves every step to the local tier
 and every 5th to the persistent tier and is SIGKILLed (every process) while
@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_worker"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_faults_worker"

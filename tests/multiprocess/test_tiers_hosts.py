@@ -17,7 +17,7 @@ persistent step 4. A last restart with the processes on other hosts (a
 different partner map) must not use replicas saved under the old map.
 
 Where namespaces cannot be made (not root and no user namespaces), the
-tests skip, saying why; tests/test_partner.py checks the map itself always.
+tests skip, saying why; tests/tiers/test_partner.py checks the map itself always.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_hosts_worker"

@@ -18,7 +18,7 @@ import re
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_rollback_worker"

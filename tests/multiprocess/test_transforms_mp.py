@@ -24,7 +24,7 @@ import pytest
 
 import ckpt
 from tests.multiprocess import launch as launch_lib
-from ckpt import tree
+from ckpt.format import tree
 from tests.multiprocess import transforms_worker as worker
 
 WORKER = "tests.multiprocess.transforms_worker"

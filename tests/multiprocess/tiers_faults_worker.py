@@ -45,13 +45,13 @@ def _touch(path: str) -> None:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = cfg["process_id"]
   rows = conf.get("rows", 256)
   mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("x", "y"))

@@ -34,7 +34,7 @@ def state_np(step: int) -> dict:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   from absl import logging  # pylint: disable=g-import-not-at-top

@@ -56,7 +56,7 @@ def _entries(path: str) -> list[str]:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   import faulthandler  # pylint: disable=g-import-not-at-top

@@ -21,7 +21,7 @@ import numpy as np
 def describe(x) -> dict:
   """What a restored leaf is, down to its bits (keys: their key data's)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from ckpt import prng  # pylint: disable=g-import-not-at-top
+  from ckpt.format import prng  # pylint: disable=g-import-not-at-top
   if isinstance(x, jax.Array):
     data = jax.random.key_data(x) if prng.is_key_dtype(x.dtype) else x
     return {"type": "jax.Array", "dtype": str(x.dtype),
@@ -47,14 +47,14 @@ def outcome(fn) -> dict:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = cfg["process_id"]
   root = conf["root"]
   mesh = Mesh(np.array(jax.devices()), ("x",))   # 2 processes x 2 devices

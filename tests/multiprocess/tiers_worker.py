@@ -41,7 +41,7 @@ def state_np(step: int) -> dict:
 
 
 def main() -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   from absl import logging  # pylint: disable=g-import-not-at-top
@@ -50,7 +50,7 @@ def main() -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   pid = cfg["process_id"]
   mesh = Mesh(np.array(jax.devices()).reshape(conf["mesh"]), ("x", "y"))
   shard = {n: NamedSharding(mesh, P(*SPECS[n])) for n in SHAPES}
@@ -170,7 +170,7 @@ def integrity(conf, pid, ckptr, make, target, check) -> None:
   restoring; last, a checkpointer of another persistent root (empty) over
   the same local directory restores, saves step 1 and lists what is left."""
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
   for step in range(1, 6):
     ckptr.save(step, make(step), host_state={"pos": step * 100 + pid})
   ckptr.wait_until_finished()
@@ -219,7 +219,7 @@ def integrity(conf, pid, ckptr, make, target, check) -> None:
   r["restored_after_save"] = check(other.restore(target=target))
   other.close()
   out.append(r)
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.write_result(out)
 
 

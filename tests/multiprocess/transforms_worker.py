@@ -1,6 +1,6 @@
 """One process of the multi-process restore-transform tests.
 
-Run by ``test_transforms_mp.py`` through ``ckpt.local_cluster`` as
+Run by ``test_transforms_mp.py`` through ``ckpt.multihost.local_cluster`` as
 ``python -m tests.multiprocess.transforms_worker <json config>``; every
 process of the job runs this same program (SPMD). Each regenerates the same
 global arrays from fixed seeds, so it can check every shard it holds against
@@ -208,7 +208,7 @@ def fallback_state(layout: str, mesh) -> dict:
 def check(restored: Any, target: Any) -> tuple[list[str], list[str]]:
   """(mismatches, leaves checked): every addressable shard vs the truth."""
   import jax  # pylint: disable=g-import-not-at-top
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   if jax.tree.structure(restored) != jax.tree.structure(target):
     return [f"structure {jax.tree.structure(restored)} != "
             f"{jax.tree.structure(target)}"], []
@@ -258,7 +258,7 @@ def _recorder(flags: list):
 
 def _transforms(layout: str, flags: list) -> list:
   """4 x 2: rename + stack_layers; 1 x 8: stack_layers + assignment_map."""
-  from ckpt import transforms as T  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import transforms as T  # pylint: disable=g-import-not-at-top
   if layout == "4x2":
     return [_recorder(flags),
             T.rename(r"params/embed/(.*)", r"params/embedding/\1"),
@@ -270,7 +270,7 @@ def _transforms(layout: str, flags: list) -> list:
 
 def _save(config: dict) -> dict:
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import transforms as T  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import transforms as T  # pylint: disable=g-import-not-at-top
   state = saved_state(_mesh("2x4"))
   with ckpt.Checkpointer(config["dir"], async_save=False) as ckptr:
     ckptr.save(1, state)
@@ -286,8 +286,8 @@ def _restore(config: dict, layout: str, mesh) -> dict:
   import asyncio  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import transforms as T  # pylint: disable=g-import-not-at-top
-  from ckpt import tree  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import transforms as T  # pylint: disable=g-import-not-at-top
+  from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   target = stacked_target(layout, mesh)
   fallback = fallback_state(layout, mesh)
@@ -389,11 +389,11 @@ def tree_get(t, parts):
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   # These tests delete leaves' array directories (to show they are never
-  # read): every leaf is an array, none packed (tests/test_pack.py).
-  from ckpt import pack  # pylint: disable=g-import-not-at-top
+  # read): every leaf is an array, none packed (tests/save/test_pack.py).
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   pack.MAX_LEAF_BYTES = 0
   config = json.loads(argv[1])
   layout = _layout()

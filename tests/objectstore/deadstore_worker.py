@@ -1,6 +1,6 @@
 """One process of a job whose store dies for process 1 only, mid-save.
 
-Run by ``test_store_dies.py`` through ``ckpt.local_cluster``. Process 1
+Run by ``test_store_dies.py`` through ``ckpt.multihost.local_cluster``. Process 1
 reaches the S3 server (moto) through the test's proxy (``http_proxy``: curl
 sends every request there), process 0 directly, so both name the same
 endpoint in their kvstore spec (the coordination keys derive from it).
@@ -19,7 +19,7 @@ import time
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   config = json.loads(argv[1])
   local_cluster.init_from_env()
   if local_cluster.config_from_env()["process_id"] == 1:

@@ -1,6 +1,6 @@
 """One process of a job whose save is killed (SIGKILL) part way.
 
-Run by ``test_commit.py`` through ``ckpt.local_cluster``. Every process saves
+Run by ``test_commit.py`` through ``ckpt.multihost.local_cluster``. Every process saves
 step 1 (committed), then starts saving step 2 and one process kills itself
 with SIGKILL at ``config["kill"]``:
 
@@ -42,14 +42,14 @@ def _die() -> None:
 
 
 def main(argv: list[str]) -> None:
-  from ckpt import local_cluster  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
   config = json.loads(argv[1])
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt import save as save_lib  # pylint: disable=g-import-not-at-top
-  from ckpt import storage as storage_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
 
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 

@@ -36,7 +36,7 @@ import struct
 import threading
 import urllib.parse
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 MAX_CONNECTIONS = 256
 POLL_S = 0.1

@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.request
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tensorstore as ts
 
-from ckpt import storage as storage_lib
+from ckpt.store import storage as storage_lib
 
 
 def kvstore(url: str) -> ts.KvStore:

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import commit as commit_lib
-from ckpt import local_cluster
-from ckpt import storage as storage_lib
+from ckpt.commit import protocol as commit_lib
+from ckpt.multihost import local_cluster
+from ckpt.store import storage as storage_lib
 from tests.objectstore import kill_worker
 from tests.objectstore import servers
-from tests import test_durability as durability
+from tests.commit import test_durability as durability
 from tests.objectstore import storeutil
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -203,7 +203,7 @@ def test_a_failed_save_removes_its_keys_from_the_bucket(s3_bucket):
 @pytest.mark.parametrize("after", ["record", "marker"])
 def test_a_late_cleaner_spares_a_newer_commit_on_s3(s3_bucket, make_ckptr,
                                                     rng, after):
-  """tests/test_durability.py's race against moto: the cleaner's removals
+  """tests/commit/test_durability.py's race against moto: the cleaner's removals
   after its pause are conditional requests to a real S3 server."""
   url = f"{s3_bucket}/late-cleaner"
   durability.check_late_cleaner(

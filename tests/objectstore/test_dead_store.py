@@ -4,7 +4,7 @@ Real parts only: an endpoint on 127.0.0.1 where nothing listens, a moto
 server stopped after a save, and moto behind a proxy that stops answering.
 Most tests retry briefly through storage_options (their point is the
 error); one keeps ckpt's defaults and checks their bounds: 120 s for a
-save, 60 s for a query (ckpt/deadline.py), and about 80 s per request
+save, 60 s for a query (ckpt/store/deadline.py), and about 80 s per request
 with the bounds off, against TensorStore's 15 minutes. The bounds with a
 store that dies mid-save, both ways, are in test_store_dies.py.
 """
@@ -21,8 +21,8 @@ import pytest
 import tensorstore as ts
 
 import ckpt
-from ckpt import local_cluster
-from ckpt import storage as storage_lib
+from ckpt.multihost import local_cluster
+from ckpt.store import storage as storage_lib
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 
@@ -32,7 +32,7 @@ QUICK = {"max_retries": 2, "initial_delay": "10ms", "max_delay": "50ms"}
 QUICK_BOUND_S = 30.0
 # ckpt's defaults give up after about 80 s (1+2+4+8+16+16+16+16 s of backoff).
 DEFAULT_BOUND_S = 150.0
-# Operations named in the errors (ckpt/storage.py).
+# Operations named in the errors (ckpt/store/storage.py).
 OPERATION = r"(listing|reading|writing|deleting|checking) [^']*"
 _OFFLINE = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
@@ -145,7 +145,7 @@ def test_defaults_give_up_in_bounded_time(dead_endpoint, s3_server):
   - A save whose store dies right after save() returned (moto behind a
     proxy that black-holes: no request of it would ever end) fails within
     save_timeout_s=120 s, and a new Checkpointer's latest_step() within
-    query_timeout_s=60 s (ckpt/deadline.py).
+    query_timeout_s=60 s (ckpt/store/deadline.py).
   - Nothing listening: latest_step() on s3 fails at the query bound; with
     the bound off (query_timeout_s=None), TensorStore's retries as ckpt
     sets them end a listing on gcs, and a data write through the context

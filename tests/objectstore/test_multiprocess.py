@@ -27,7 +27,7 @@ import re
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.multiprocess import sharded_worker as worker
 from tests.multiprocess.test_sharded import all_leaf_paths, assert_balanced
 from tests.objectstore import servers
@@ -155,7 +155,7 @@ def test_what_the_store_holds(restored_here, ckpts, name):
   if name.startswith("disk"):
     assert heads == {"checkpoint_1", "checkpoint_2"}, sorted(heads)
   else:
-    # A bucket also holds one commit record per step (ckpt/commit.py), and
+    # A bucket also holds one commit record per step (ckpt/commit/protocol.py), and
     # nothing is left pending.
     assert heads == {"checkpoint_1", "checkpoint_2", "commits"}, sorted(heads)
     assert sorted(k for k in keys if k.startswith("commits/")) == [

@@ -10,8 +10,8 @@ import pytest
 import tensorstore as ts
 
 import ckpt
-from ckpt import ocdbt
-from ckpt import storage as storage_lib
+from ckpt.store import ocdbt
+from ckpt.store import storage as storage_lib
 
 N_LEAVES = 10_000
 MAX_FILES = 48  # "a few dozen"

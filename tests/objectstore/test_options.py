@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import storage as storage_lib
+from ckpt.store import storage as storage_lib
 from tests.objectstore import servers
 from tests.objectstore import storeutil
 

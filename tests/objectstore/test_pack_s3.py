@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt import integrity
-from ckpt import pack_read
+from ckpt.cli import integrity
+from ckpt.restore import pack_read
 from tests.objectstore import storeutil
 
 

@@ -26,7 +26,7 @@ import pathlib
 
 import pytest
 
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import storeutil
 from tests.multiprocess import fetch_worker

@@ -24,11 +24,11 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import cli
-from ckpt import commit as commit_lib
-from ckpt import finalize
-from ckpt import records
-from ckpt import storage as storage_lib
+from ckpt.cli import main as cli
+from ckpt.commit import protocol as commit_lib
+from ckpt.save import runner as finalize
+from ckpt.commit import records
+from ckpt.store import storage as storage_lib
 from tests.objectstore import storeutil
 
 _LINE_RE = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" (\d{3})')

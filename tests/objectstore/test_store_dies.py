@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt import local_cluster
+from ckpt.multihost import local_cluster
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 from tests.objectstore import storeutil

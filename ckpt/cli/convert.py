@@ -1,0 +1,506 @@
+"""Moving checkpoints in and out of ckpt: safetensors, npz and Orbax.
+
+Export streams a checkpoint one leaf at a time through the same lazy leaves
+that restore uses, so it holds one leaf in memory, not the whole checkpoint.
+Keys are leaf paths (``params/layers/0/kernel``).
+
+- safetensors has BF16 and the float8 types, so those leaves keep their
+  dtype; int4 is widened to int8 and float8_e4m3b11fnuz to float32 (both
+  exact); complex128 has no safetensors type and is refused. Leaves that are
+  not arrays (python ints, floats, bools, strings, bytes) go into the header's
+  ``__metadata__`` as JSON under ``ckpt.values``, and ``import`` puts them
+  back.
+- npz is read by plain numpy, which has no bfloat16 or float8: those leaves
+  are widened to float32 and int4 to int8 (exact; the saved bits are not
+  kept). Python values become 0-d arrays (strings as numpy unicode), so
+  ``np.load(allow_pickle=False)`` reads every entry.
+
+Import reads an Orbax checkpoint (ckpt/cli/orbax_import.py: every item, leaf by
+leaf, with TensorStore; Orbax itself is not needed) or safetensors files,
+whose keys ``a/b/c`` become nested dicts, and writes an ordinary ckpt
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import os
+import zipfile
+from typing import Any, Callable, Iterator
+
+import jax
+import ml_dtypes  # noqa: F401  (registers bfloat16, float8, int4)
+import numpy as np
+
+from ckpt.format import index as index_lib
+from ckpt.restore import lazy
+from ckpt.multihost import process as multihost
+from ckpt.cli import orbax_import
+from ckpt.restore import read as restore_lib
+from ckpt.store import storage as storage_lib
+from ckpt.format import tree
+from ckpt.checkpointer import Checkpointer
+from ckpt.errors import CheckpointError
+
+Progress = Callable[[int, int], None]  # (done, total), cumulative
+
+FORMATS = ("safetensors", "npz")
+VALUES_KEY = "ckpt.values"  # safetensors __metadata__: the non-array leaves
+MAX_HEADER_BYTES = 100 << 20
+
+# numpy dtype name <-> safetensors dtype code.
+_ST_CODES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16",
+    "int16": "I16", "uint32": "U32", "int32": "I32", "uint64": "U64",
+    "int64": "I64", "float16": "F16", "bfloat16": "BF16", "float32": "F32",
+    "float64": "F64", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+}
+_ST_DTYPES = {code: np.dtype(name) for name, code in _ST_CODES.items()}
+# Exact widenings for dtypes a format cannot hold.
+_ST_WIDEN = {"int4": "int8", "float8_e4m3b11fnuz": "float32"}
+_NPZ_WIDEN = {"int4": "int8", "bfloat16": "float32",
+              **{n: "float32" for n in index_lib.ALLOWED_DTYPES
+                 if n.startswith("float8")}}
+
+
+class ConvertError(CheckpointError):
+  """An export or import that cannot be done as asked."""
+
+
+# ---- reading a ckpt checkpoint ---------------------------------------------
+
+def open_checkpoint(path, step: int | None = None,
+                    storage_options: dict | None = None
+                    ) -> tuple[storage_lib.Storage, str, index_lib.Index]:
+  """(storage, step directory, index) of a root (+ step) or a step directory.
+
+  Like ``ckpt.load``: ``path`` holding ``index.msgpack`` is one checkpoint;
+  otherwise it is a root and ``step`` (default: latest committed) picks one.
+  """
+  storage = storage_lib.Storage(path, storage_options)
+  local = storage.spec["path"].rstrip("/") or "/"
+  if storage.is_posix and not os.path.isdir(local):
+    what = "is not a directory" if os.path.exists(local) else "does not exist"
+    raise CheckpointError(f"{os.fspath(path)} {what}")
+  step_dir = restore_lib.locate_path(storage, step)
+  return storage, step_dir, restore_lib.read_index(storage, step_dir)
+
+
+def leaf_nbytes(entry: index_lib.Entry) -> int:
+  if isinstance(entry, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+    return math.prod(entry.shape) * np.dtype(entry.dtype).itemsize
+  return getattr(entry.value, "nbytes", 0)
+
+
+def iter_leaves(storage: storage_lib.Storage, step_dir: str,
+                index: index_lib.Index, progress: Progress | None = None,
+                budget: int = lazy.DEFAULT_READ_BUDGET
+                ) -> Iterator[tuple[str, Any]]:
+  """(leaf path, value) in index order, each read when the caller asks:
+  arrays as numpy, inline leaves as saved (python or numpy values); typed
+  PRNG keys as their key data (uint32), which is what other formats hold."""
+  leaves = restore_lib.checkpoint_leaves(
+      index, storage.step_spec(step_dir), storage.context(), budget)
+  total = sum(leaf_nbytes(e) for e in index.leaves)
+  done = 0
+  for e in index.leaves:
+    value = leaves[e.path]
+    if isinstance(value, lazy.LazyLeaf):
+      value = value.read()
+      if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        value = np.asarray(jax.random.key_data(value))
+    done += leaf_nbytes(e)
+    if progress:
+      progress(done, total)
+    yield tree.path_str(e.path), value
+
+
+# ---- export ----------------------------------------------------------------
+
+@dataclasses.dataclass
+class ExportReport:
+  out: str
+  format: str
+  step: int
+  tensors: int = 0
+  bytes: int = 0
+  widened: dict[str, str] = dataclasses.field(default_factory=dict)
+  values: list[str] = dataclasses.field(default_factory=list)
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def export(path, out, fmt: str, *, step: int | None = None,
+           storage_options: dict | None = None,
+           progress: Progress | None = None) -> ExportReport:
+  """Writes one checkpoint as one ``fmt`` file at ``out`` (atomically)."""
+  if fmt not in FORMATS:
+    raise ConvertError(f"export format must be one of {FORMATS}, got {fmt!r}")
+  storage, step_dir, index = open_checkpoint(path, step, storage_options)
+  out = os.fspath(out)
+  report = ExportReport(out=out, format=fmt, step=index.step)
+  partial = out + ".partial"
+  leaves = iter_leaves(storage, step_dir, index, progress)
+  try:
+    if fmt == "safetensors":
+      _export_safetensors(index, leaves, partial, report)
+    else:
+      _export_npz(leaves, partial, report)
+    os.replace(partial, out)
+  finally:
+    if os.path.exists(partial):
+      os.remove(partial)
+  report.bytes = os.path.getsize(out)
+  return report
+
+
+def _widened(name: str, dtype: np.dtype, table: dict[str, str],
+             report: ExportReport) -> np.dtype:
+  if dtype.name in table:
+    report.widened[name] = f"{dtype.name}->{table[dtype.name]}"
+    return np.dtype(table[dtype.name])
+  return dtype
+
+
+def _is_py_value(entry: index_lib.Entry) -> bool:
+  return isinstance(entry, index_lib.ValueEntry) and not isinstance(
+      entry.value, (np.ndarray, np.generic))
+
+
+def _le_bytes(arr: np.ndarray) -> np.ndarray:
+  """The array's bytes, little-endian and C-ordered, as a flat uint8 view."""
+  if arr.dtype.byteorder == ">":
+    arr = arr.astype(arr.dtype.newbyteorder("<"))
+  return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _export_safetensors(index: index_lib.Index, leaves, out: str,
+                        report: ExportReport) -> None:
+  # Everything the header says (shapes, dtypes, offsets, inline values) is
+  # in the index, so the header is written first and the data then streams
+  # leaf by leaf.
+  header: dict[str, Any] = {}
+  values: dict[str, Any] = {}
+  offset = 0
+  for e in index.leaves:
+    name = tree.path_str(e.path)
+    if _is_py_value(e):
+      values[name] = _encode_py(name, e.value)
+      continue
+    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+      shape, dtype = e.shape, np.dtype(e.dtype)
+    else:
+      shape, dtype = e.value.shape, e.value.dtype
+    dtype = _widened(name, dtype, _ST_WIDEN, report)
+    if dtype.name not in _ST_CODES:
+      raise ConvertError(
+          f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot "
+          "hold; export it to npz instead")
+    n = math.prod(shape) * dtype.itemsize
+    header[name] = {"dtype": _ST_CODES[dtype.name], "shape": list(shape),
+                    "data_offsets": [offset, offset + n]}
+    offset += n
+  meta = {"ckpt.step": str(index.step)}
+  if values:
+    meta[VALUES_KEY] = json.dumps(values, sort_keys=True)
+  report.values = sorted(values)
+  with open(out, "wb") as f:
+    f.write(_header_bytes(header, meta))
+    for name, value in leaves:
+      spec = header.get(name)
+      if spec is None:
+        continue
+      arr = np.asarray(value).astype(_ST_DTYPES[spec["dtype"]], copy=False)
+      begin, end = spec["data_offsets"]
+      if arr.nbytes != end - begin:
+        raise ConvertError(f"leaf {name!r}: read {arr.nbytes} bytes, the "
+                           f"index says {end - begin}")
+      f.write(_le_bytes(arr))
+      report.tensors += 1
+
+
+def _header_bytes(header: dict[str, Any], meta: dict[str, str]) -> bytes:
+  doc = json.dumps({"__metadata__": meta, **header},
+                   separators=(",", ":")).encode()
+  doc += b" " * (-len(doc) % 8)  # the data starts 8-byte aligned
+  return len(doc).to_bytes(8, "little") + doc
+
+
+def _export_npz(leaves, out: str, report: ExportReport) -> None:
+  with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+    for name, value in leaves:
+      if not isinstance(value, (np.ndarray, np.generic)):
+        report.values.append(name)
+      arr = np.asarray(value)
+      arr = arr.astype(_widened(name, arr.dtype, _NPZ_WIDEN, report),
+                       copy=False)
+      if arr.dtype.hasobject:
+        raise ConvertError(f"leaf {name!r}: {type(value).__name__} cannot "
+                           "be stored in npz without pickle")
+      with zf.open(name + ".npy", "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, arr, allow_pickle=False)
+      report.tensors += 1
+
+
+# ---- inline python values in safetensors metadata ---------------------------
+
+def _encode_py(name: str, v: Any) -> dict[str, Any]:
+  if isinstance(v, bytes):
+    return {"py": "bytes", "v": base64.b64encode(v).decode()}
+  if isinstance(v, (bool, int, float, str)):
+    return {"py": type(v).__name__, "v": v}
+  raise ConvertError(f"leaf {name!r}: cannot export a {type(v).__name__}")
+
+
+def _decode_py(name: str, d: Any) -> Any:
+  kinds = {"bool": bool, "int": int, "float": float, "str": str}
+  if not isinstance(d, dict) or d.get("py") not in (*kinds, "bytes"):
+    raise ConvertError(f"{VALUES_KEY}: leaf {name!r} is not a value record: "
+                       f"{str(d)[:100]}")
+  if d["py"] == "bytes":
+    return base64.b64decode(d["v"])
+  return kinds[d["py"]](d["v"])
+
+
+# ---- import: safetensors ------------------------------------------------------
+
+def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """(tensors by key, header metadata) of one file; arrays are read-only
+  views of a memory map (read when used)."""
+  path = os.fspath(path)
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
+      raise ConvertError(f"{path} is not a safetensors file (header size "
+                         f"{n} in a file of {size} bytes)")
+    try:
+      doc = json.loads(f.read(n))
+    except ValueError as e:
+      raise ConvertError(f"{path}: the safetensors header is not JSON: {e}"
+                         ) from None
+  if not isinstance(doc, dict):
+    raise ConvertError(f"{path}: the safetensors header is not a JSON object")
+  meta = doc.pop("__metadata__", None) or {}
+  body = size - 8 - n
+  data = (np.memmap(path, np.uint8, "r", offset=8 + n, shape=(body,))
+          if body else np.zeros(0, np.uint8))
+  out = {}
+  for key, spec in doc.items():
+    try:
+      dtype = _ST_DTYPES[spec["dtype"]]
+      shape, offsets = spec["shape"], spec["data_offsets"]
+    except (KeyError, TypeError):
+      dtype = shape = offsets = None
+    if (dtype is None or not _int_list(shape) or not _int_list(offsets) or
+        len(offsets) != 2):
+      raise ConvertError(f"{path}: tensor {key!r} has an unreadable or "
+                         f"unsupported header entry {str(spec)[:200]}")
+    shape, (begin, end) = tuple(shape), offsets
+    if (any(d < 0 for d in shape) or not 0 <= begin <= end <= body or
+        end - begin != math.prod(shape) * dtype.itemsize):
+      raise ConvertError(f"{path}: tensor {key!r}: offsets {begin}..{end} do "
+                         f"not hold {shape} {dtype.name} inside {body} bytes")
+    out[key] = data[begin:end].view(dtype.newbyteorder("<")).reshape(shape)
+  return out, meta
+
+
+def _int_list(v: Any) -> bool:
+  return isinstance(v, list) and all(type(x) is int for x in v)
+
+
+def safetensors_files(src) -> list[str]:
+  """A .safetensors file, or every one in a directory (sharded models)."""
+  src = os.fspath(src)
+  if os.path.isdir(src):
+    files = sorted(os.path.join(src, f) for f in os.listdir(src)
+                   if f.endswith(".safetensors"))
+    if not files:
+      raise ConvertError(f"{src} holds no .safetensors files")
+    return files
+  return [src]
+
+
+def nest_keys(flat: dict[str, Any], sep: str = "/") -> dict[str, Any]:
+  """{"a/b/c": x} -> {"a": {"b": {"c": x}}}; a key that is also a prefix of
+  another (``a/b`` and ``a/b/c``) is an error."""
+  out: dict[str, Any] = {}
+  for key, value in flat.items():
+    parts = key.split(sep) if sep else [key]
+    if not all(parts):
+      raise ConvertError(f"key {key!r} has an empty part (split on {sep!r})")
+    node = out
+    for i, p in enumerate(parts[:-1]):
+      node = node.setdefault(p, {})
+      if not isinstance(node, dict):
+        raise ConvertError(f"key {key!r}: {sep.join(parts[:i + 1])!r} is "
+                           "both a tensor and a prefix of other keys")
+    if parts[-1] in node:
+      raise ConvertError(f"key {key!r} is both a tensor and a prefix of "
+                         "other keys (or appears twice)")
+    node[parts[-1]] = value
+  return out
+
+
+def read_safetensors_tree(src, sep: str = "/",
+                          progress: Progress | None = None) -> dict[str, Any]:
+  """Every tensor (and ckpt.values) of the file(s) at ``src``, nested."""
+  flat: dict[str, Any] = {}
+  files = safetensors_files(src)
+  for i, path in enumerate(files):
+    tensors, meta = read_safetensors(path)
+    raw = meta.get(VALUES_KEY)
+    if raw is not None:
+      try:
+        values = json.loads(raw)
+      except ValueError:
+        raise ConvertError(f"{path}: {VALUES_KEY} metadata is not JSON"
+                           ) from None
+      if not isinstance(values, dict):
+        raise ConvertError(f"{path}: {VALUES_KEY} metadata is not an object")
+      tensors.update({k: _decode_py(k, v) for k, v in values.items()})
+    for key, value in tensors.items():
+      if key in flat:
+        raise ConvertError(f"key {key!r} is in more than one file "
+                           f"({os.path.basename(path)} and an earlier one)")
+      flat[key] = value
+    if progress:
+      progress(i + 1, len(files))
+  return nest_keys(flat, sep)
+
+
+# ---- import: Orbax and safetensors ---------------------------------------------
+
+def detect(src) -> str:
+  """"orbax" or "safetensors": what kind of checkpoint ``src`` is (a path,
+  a file:// URL, or a bucket URL: Orbax)."""
+  src = os.fspath(src)
+  local = orbax_import.local_path(src)
+  if local is None:
+    return "orbax"  # gs://, s3://: only Orbax checkpoints are read there
+  if not os.path.exists(local):
+    raise ConvertError(f"{src} does not exist")
+  if os.path.isfile(local):
+    with open(local, "rb") as f:
+      head = f.read(9)
+    if local.endswith(".safetensors") or head[8:9] == b"{":
+      return "safetensors"
+    raise ConvertError(f"{src} is a file but not a safetensors file")
+  if orbax_import.is_orbax_dir(local):
+    return "orbax"
+  if any(f.endswith(".safetensors") for f in os.listdir(local)):
+    return "safetensors"
+  steps = sorted((d for d in os.listdir(local) if d.isdigit() and
+                  orbax_import.is_orbax_dir(os.path.join(local, d))), key=int)
+  if steps:
+    raise ConvertError(
+        f"{src} is an Orbax CheckpointManager directory with steps "
+        f"{steps[:10]}; pass one step's directory, e.g. "
+        f"{os.path.join(src, steps[-1])}")
+  raise ConvertError(f"{src} is neither an Orbax PyTree checkpoint (no "
+                     "_METADATA, _CHECKPOINT_METADATA or manifest.ocdbt) nor "
+                     "a safetensors file or directory of them")
+
+
+@dataclasses.dataclass
+class ImportReport:
+  source: str
+  kind: str
+  directory: str
+  step: int
+  leaves: int = 0
+  bytes: int = 0
+  # Orbax: each item imported ("" for a PyTree item directory) and its kind
+  # ("pytree", "array", "json", "metrics"); what ``skip`` left out.
+  items: dict[str, str] = dataclasses.field(default_factory=dict)
+  skipped: list[str] = dataclasses.field(default_factory=list)
+  metrics: dict[str, Any] | None = None
+  # This process's save: the most data bytes it held at once (within
+  # concurrent_bytes) and the bytes it wrote (its share in a job of several).
+  peak_bytes_in_flight: int = 0
+  bytes_written: int = 0
+
+  def to_json(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
+                      sep: str = "/", storage_options: dict | None = None,
+                      source_storage_options: dict | None = None,
+                      skip=(), progress: Progress | None = None,
+                      **checkpointer_options) -> ImportReport:
+  """Reads ``src`` (Orbax or safetensors) and saves it as ``step`` of the
+  ckpt checkpoint root ``directory``.
+
+  An Orbax source (a path or a file://, gs:// or s3:// URL, opened with
+  ``source_storage_options``) is read leaf by leaf while the save writes
+  it: host memory holds at most ``concurrent_bytes`` (a Checkpointer
+  option) of its data, plus one Orbax chunk when a chunk is larger than
+  that. Every item is imported or refused by name (see
+  ckpt/cli/orbax_import.py); ``skip`` names items (or "metrics",
+  "custom_metadata") to leave out on purpose.
+  """
+  src = os.fspath(src)
+  report = ImportReport(source=src, kind=kind, directory=os.fspath(directory),
+                        step=step)
+  # In a job of several processes (each calls this; each reads and writes
+  # its share of every leaf), what one process fails to read reaches the
+  # others here, before the save's own rounds.
+  key = multihost.call_key("import", os.fspath(directory), step)
+  state, metrics, error = None, None, None
+  try:
+    state, metrics = _read_source(src, kind, sep, source_storage_options,
+                                  skip, progress, report)
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  multihost.all_ok(
+      key, error, f"importing {src} as step {step}",
+      timeout_s=checkpointer_options.get("barrier_timeout_s",
+                                         multihost.DEFAULT_TIMEOUT_S),
+      same=f"{report.kind} {src}: {report.leaves} leaves, {report.bytes} bytes",
+      differ="Every process must import the same source.")
+  with Checkpointer(directory, async_save=False,
+                    storage_options=storage_options,
+                    **checkpointer_options) as ckptr:
+    if step in ckptr.all_steps():
+      raise ConvertError(f"step {step} already exists in "
+                         f"{os.fspath(directory)}; pick another --step")
+    ckptr.save(step, state, metrics=metrics)
+    stats = ckptr.last_save_stats
+    report.peak_bytes_in_flight = stats.peak_bytes_in_flight
+    report.bytes_written = stats.bytes_written
+  return report
+
+
+def _read_source(src: str, kind: str, sep: str, storage_options, skip,
+                 progress, report: ImportReport) -> tuple[Any, Any]:
+  """(state to save, metrics) of the source; fills in ``report``."""
+  kind = report.kind = detect(src) if kind == "auto" else kind
+  if kind == "orbax":
+    found = orbax_import.read_step(src, storage_options=storage_options,
+                                   skip=skip)
+    report.leaves, report.bytes = found.leaves, found.bytes
+    report.items, report.skipped = found.items, found.skipped
+    report.metrics = found.metrics
+    return found.tree, found.metrics
+  if kind != "safetensors":
+    raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
+                       "safetensors")
+  local = orbax_import.local_path(src)
+  if local is None:
+    raise ConvertError(f"{src}: safetensors are read from local files only")
+  if skip:
+    raise ConvertError(f"skip={list(skip)} is for Orbax items; {src} is "
+                       "safetensors")
+  state = read_safetensors_tree(local, sep, progress)
+  flat = tree.flatten(state)
+  report.leaves = len(flat)
+  report.bytes = sum(getattr(x, "nbytes", 0) for _, x in flat)
+  return state, None

@@ -1,0 +1,259 @@
+"""Decisions a multi-process job makes once, on process 0, and every process follows.
+
+Every collective call of a Checkpointer starts with one round
+(``multihost.agree``): each process posts what it knows, process 0 decides,
+every process gets the same decision. Nothing else a process sees on its own
+(its listing of the directory, its own failure) can steer it away from the
+others.
+
+- save: all processes save into the work directory process 0 prepared, or
+  all skip (the step is committed), or all raise the same error naming the
+  processes that failed before writing anything and why. Values that must be
+  equal on every process (host numpy leaves saved without a partitioner,
+  inline values) are compared here by digest, before anything is written.
+- reads (restore, latest_step, all_steps, metrics, host_state): process 0
+  lists the directory once and every process gets its answer; processes
+  that ask different things (step 5 on one, step 6 on another) all raise.
+
+Keys come from ``multihost.call_key`` (directory, operation, step, and the
+number of that call), never from a counter that a failure could shift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+import msgpack
+
+from ckpt import errors
+from ckpt.format import index as index_lib
+from ckpt.multihost import process as multihost
+from ckpt.format import tree
+from ckpt.restore.checksums import checksum
+
+# Digests one process posts about its host values: at most this many, each
+# over a group of consecutive leaves, so a post stays small at any leaf count.
+MAX_DIGESTS = 256
+# Errors are re-raised on every process as the class the failing process
+# raised, when it is one of ckpt's (MissingLeavesError takes no message).
+_ERRORS = {c.__name__: c for c in (
+    errors.CheckpointError, errors.CheckpointNotFoundError,
+    errors.CorruptCheckpointError, errors.TreeMismatchError,
+    errors.InvalidStateError, errors.BarrierTimeoutError,
+    errors.StoreTimeoutError)}
+_ERRORS["MissingLeavesError"] = errors.TreeMismatchError
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """What every process does: ``action`` is "save", "skip", "value",
+  "local" (each process answers for itself) or "error"."""
+  action: str
+  token: str = ""            # "save": the attempt process 0 prepared
+  value: Any = None          # "value": the answer of a read round
+  error_type: str = ""       # "error": the class to raise ...
+  message: str = ""          # ... and its message
+
+  def encode(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def decode(cls, text: str) -> "Decision":
+    return cls(**json.loads(text))
+
+  def raise_error(self, local: BaseException | None = None) -> None:
+    """Raises the agreed error (chained to this process's own, if any)."""
+    cls = _ERRORS.get(self.error_type, errors.CheckpointError)
+    raise cls(self.message) from local
+
+
+def _error_decision(e: BaseException, message: str) -> Decision:
+  name = type(e).__name__ if type(e).__name__ in _ERRORS else "CheckpointError"
+  return Decision("error", error_type=name, message=message)
+
+
+# ---- host values that every process must agree on --------------------------
+
+def host_values(leaves) -> list[tuple[str, int]]:
+  """(leaf path, crc32c) of each value saved once for the whole job from
+  each process's own copy: inline values, and host numpy arrays with no
+  partitioner sharding (``host_replicated``)."""
+  out = []
+  for lp in leaves:
+    if isinstance(lp.entry, index_lib.ValueEntry):
+      data = msgpack.packb(index_lib.encode_value(lp.entry.value, lp.parts),
+                           use_bin_type=True)
+    elif lp.host_replicated:
+      data = lp.source
+    else:
+      continue
+    out.append((tree.path_str(lp.parts), checksum(data)))
+  return out
+
+
+def _groups(values: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+  size = max(1, -(-len(values) // MAX_DIGESTS))
+  return [values[i:i + size] for i in range(0, len(values), size)]
+
+
+def digests(values: list[tuple[str, int]]) -> list[int]:
+  return [checksum(json.dumps(g).encode()) for g in _groups(values)]
+
+
+def _host_mismatch(mine: list[tuple[str, int]], theirs: dict[int, list[int]]
+                   ) -> str | None:
+  """Process 0: which leaves differ on which processes, or None."""
+  groups, own = _groups(mine), digests(mine)
+  differs: dict[int, list[int]] = {}   # group -> processes
+  for p, d in sorted(theirs.items()):
+    if len(d) != len(own):
+      differs.setdefault(0, []).append(p)
+      continue
+    for g, (a, b) in enumerate(zip(own, d)):
+      if a != b:
+        differs.setdefault(g, []).append(p)
+  if not differs:
+    return None
+  parts = []
+  for g, procs in sorted(differs.items())[:5]:
+    names = [n for n, _ in groups[g]] if groups else []
+    what = (f"leaf {names[0]!r}" if len(names) == 1 else
+            f"one of the leaves {names[:8]}{' ...' if len(names) > 8 else ''}")
+    parts.append(f"{what} differs between process 0 and process(es) {procs}")
+  return ("; ".join(parts) + ". Host numpy leaves saved without a "
+          "partitioner, and inline values (scalars, strings, small arrays), "
+          "are saved once for the whole job, so every process must hold the "
+          "same value. Pass per-process values (data-loader positions, RNG "
+          "state) as save(..., host_state=...), or give a partitioner that "
+          "says which slice each process owns")
+
+
+# ---- the save round ---------------------------------------------------------
+
+class SaveRefused(errors.CheckpointError):
+  """Raised by a save round's ``prepare`` (process 0) to refuse the save
+  from agreed facts (a newer committed step): every process raises a
+  ``CheckpointError`` with exactly this message, before anything is
+  written."""
+
+
+def save_round(key: str, step: int, local_error: BaseException | None,
+               values: list[tuple[str, int]], prepare: Callable[[], str | None],
+               *, timeout_s: float) -> Decision:
+  """Every process: save (token), skip, or raise together.
+
+  ``prepare`` runs on process 0 only, once every process is ready: it
+  returns the attempt token of a prepared work directory, or None when the
+  step is already committed.
+  """
+  err = None
+  if local_error is not None:
+    err = [type(local_error).__name__, f"{type(local_error).__name__}: {local_error}"]
+  post = json.dumps({"error": err, "host": digests(values)})
+
+  def decide(posts: dict[int, str]) -> str:
+    try:
+      got = {p: json.loads(v) for p, v in posts.items()}
+      failed = {p: g["error"] for p, g in sorted(got.items()) if g["error"]}
+      if failed:
+        first = next(iter(failed.values()))[0]
+        name = first if first in _ERRORS else "CheckpointError"
+        shown = "; ".join(f"process {p}: {m[1]}" for p, m in list(failed.items())[:8])
+        more = f" (and {len(failed) - 8} more)" if len(failed) > 8 else ""
+        return Decision("error", error_type=name, message=(
+            f"saving step {step} was refused before anything was written: "
+            f"{len(failed)} of {len(got)} process(es) failed to prepare it: "
+            f"{shown}{more}")).encode()
+      mismatch = _host_mismatch(values, {p: g["host"] for p, g in got.items()
+                                         if p != 0})
+      if mismatch:
+        return Decision("error", error_type="InvalidStateError", message=(
+            f"saving step {step}: {mismatch}")).encode()
+      token = prepare()
+      return (Decision("skip") if token is None else
+              Decision("save", token=token)).encode()
+    except SaveRefused as e:
+      return Decision("error", error_type="CheckpointError",
+                      message=str(e)).encode()
+    except Exception as e:  # pylint: disable=broad-except
+      return _error_decision(e, (
+          f"saving step {step}: process 0 could not prepare it: "
+          f"{type(e).__name__}: {e}")).encode()
+
+  if not multihost.is_multiprocess() and local_error is not None:
+    raise local_error  # one process: its own error, as it is
+  decision = Decision.decode(multihost.agree(
+      f"{key}/start", post, decide, timeout_s=timeout_s,
+      what=f"the start of the save of step {step}"))
+  if decision.action == "error":
+    if not multihost.is_multiprocess():
+      # Process 0's own failure to prepare: raise it with its own type.
+      raise _ERRORS.get(decision.error_type, errors.CheckpointError)(
+          decision.message)
+    decision.raise_error(local_error)
+  return decision
+
+
+# ---- read rounds ------------------------------------------------------------
+
+def read_round(key: str, request: str, answer: Callable[[], Any], *,
+               timeout_s: float, what: str, where: str = "",
+               local_error: BaseException | None = None) -> Any:
+  """Process 0 computes ``answer()`` (JSON-able) once; every process gets it.
+
+  ``request`` says what this process asked for; if processes ask different
+  things, all raise, naming them. ``where`` is a location that may differ
+  between processes (``restore(path=...)`` of per-host copies): if it does,
+  every process computes ``answer()`` itself. ``local_error``: this process
+  failed before the round (a bad argument, a path it cannot open); it still
+  takes part, so that every process raises (the failing one its own error,
+  the others one naming it) and no key of a later call drifts.
+  """
+  if not multihost.is_multiprocess():
+    if local_error is not None:
+      raise local_error
+    return answer()
+  err = (None if local_error is None else
+         f"{type(local_error).__name__}: {local_error}"[:2000])
+
+  def decide(raw: dict[int, str]) -> str:
+    # Every process has passed this round's barrier, so all have read the
+    # previous round's decision: its keys can go.
+    base, _, n = key.rpartition("/")
+    if n.isdigit() and int(n) > 0:
+      multihost.forget(f"{base}/{int(n) - 1}")
+    got = {p: json.loads(v) for p, v in raw.items()}
+    failed = {p: g[2] for p, g in sorted(got.items()) if g[2]}
+    if failed:
+      shown = "; ".join(f"process {p}: {m}" for p, m in
+                        list(failed.items())[:8])
+      return Decision("error", error_type="CheckpointError", message=(
+          f"{what} failed on process(es) {sorted(failed)} before the "
+          f"processes agreed: {shown}")).encode()
+    posts = {p: g[0] for p, g in got.items()}
+    if len({json.dumps(g[1]) for g in got.values()}) > 1:
+      return Decision("local").encode()
+    differ = {p: r for p, r in posts.items() if r != posts.get(0)}
+    if differ:
+      shown = ", ".join(f"process {p}: {r}" for p, r in sorted(differ.items())[:8])
+      return Decision("error", error_type="CheckpointError", message=(
+          f"processes asked for different things in {what}: process 0: "
+          f"{posts.get(0)}; {shown}. Every process must make the same "
+          "Checkpointer calls with the same arguments")).encode()
+    try:
+      return Decision("value", value=answer()).encode()
+    except Exception as e:  # pylint: disable=broad-except
+      return _error_decision(e, str(e)).encode()
+
+  decision = Decision.decode(multihost.agree(
+      key, json.dumps([request, where, err]), decide, timeout_s=timeout_s,
+      what=what))
+  if local_error is not None:
+    raise local_error
+  if decision.action == "error":
+    decision.raise_error()
+  if decision.action == "local":
+    return answer()
+  return decision.value

@@ -1,0 +1,133 @@
+"""Restore's last stage: read what this process needs of a lazy leaf under
+the byte budget, cast it, and assemble the ``jax.Array`` (or host value).
+
+``materialize`` reads each distinct box this process's devices hold once,
+into 64-byte-aligned host memory that jax's CPU client adopts without a
+copy, and places it on those devices with one batched ``device_put``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ckpt.restore import hostmem
+from ckpt.format import prng
+from ckpt.restore.lazy import (LazyLeaf, LazyValue, check_fits, gather_or_cancel,
+                       logical_shape)
+from ckpt.store.limiter import ByteLimiter
+from ckpt.shards.plan import Box
+
+
+def is_floating(dtype) -> bool:
+  return jnp.issubdtype(np.dtype(dtype), jnp.floating)
+
+
+async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
+                      sharding: jax.sharding.Sharding | None,
+                      limiter: ByteLimiter):
+  """Reads what this process needs of ``leaf`` and places it.
+
+  With no sharding the whole value comes back as numpy; with a sharding each
+  distinct box this process's devices hold is read once, cast and put on
+  those devices.
+
+  A key leaf (``leaf.prng_impl``) comes back as typed keys: with no
+  sharding on jax's default device, else placed by ``sharding`` (a sharding
+  of the keys' shape; each device's box spans the whole key data).
+  """
+  shape = tuple(leaf.shape)
+  impl = leaf.prng_impl
+  if sharding is None:
+    data = await _read(leaf, Box((0,) * len(shape), shape), limiter, out_dtype)
+    if impl:
+      return prng.wrap(data, impl)
+    if isinstance(leaf, LazyValue) and leaf.scalar:
+      return data[()]
+    return data
+  place = getattr(leaf, "place", None)
+  if place is not None and not impl:  # a packed leaf: one call places it
+    return await place(out_dtype, sharding, limiter)
+  logical = logical_shape(leaf)
+  tail = (slice(None),) * (len(shape) - len(logical))
+  index_map = sharding.addressable_devices_indices_map(logical)
+  by_box: dict[Box, list] = {}
+  for device, index in index_map.items():
+    by_box.setdefault(Box.from_index(tuple(index) + tail, shape),
+                      []).append(device)
+  placed: dict[Any, jax.Array] = {}
+
+  async def one(box: Box, devices: list):
+    grant = await limiter.acquire(box.size * np.dtype(out_dtype).itemsize
+                                  + _extra_bytes(leaf, box))
+    try:
+      # Read into 64-byte-aligned memory: jax.device_put onto a CPU device
+      # then adopts the buffer instead of copying it (jax's CPU client
+      # aliases aligned host arrays); one batched call for all the devices.
+      check_fits(leaf.path, box.shape, out_dtype)
+      data = _aligned_empty(box.shape, out_dtype)
+      await leaf.read_into(box, data)
+      arrays = jax.device_put([data] * len(devices), list(devices))
+      jax.block_until_ready(arrays)
+      if impl:  # a wrapper around each device's buffer: no copy, no program
+        arrays = [prng.wrap(a, impl) for a in arrays]
+      placed.update(zip(devices, arrays))
+    finally:
+      limiter.release(grant)
+
+  await gather_or_cancel(*(one(b, ds) for b, ds in by_box.items()))
+  # dtype: a process that holds no part of the target (a mesh of other
+  # processes' devices) gets an array with no local shards.
+  return jax.make_array_from_single_device_arrays(
+      logical, sharding, [placed[d] for d in index_map],
+      dtype=prng.info(impl).dtype if impl else out_dtype)
+
+
+def _extra_bytes(leaf: LazyLeaf, box: Box) -> int:
+  """Host bytes a read of ``box`` holds besides the box (a reshape's
+  parent pieces); counted in the byte budget with it."""
+  fn = getattr(leaf, "read_bytes", None)
+  return int(fn(box)) if fn is not None else 0
+
+
+_ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
+
+
+def _aligned_empty(shape: Sequence[int], dtype, *, zeros: bool = False
+                   ) -> np.ndarray:
+  if not zeros:  # base pages where fresh huge pages are slow (ckpt.restore.hostmem)
+    return hostmem.aligned_empty(shape, dtype, _ALIGNMENT)
+  dtype = np.dtype(dtype)
+  nbytes = math.prod(shape) * dtype.itemsize
+  raw = np.zeros(nbytes + _ALIGNMENT, np.uint8)
+  offset = -raw.ctypes.data % _ALIGNMENT
+  return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+  """Uninitialised 64-byte-aligned memory (see aligned_zeros)."""
+  return _aligned_empty(shape, dtype)
+
+
+def aligned_zeros(shape: Sequence[int], dtype) -> np.ndarray:
+  """Zeros in 64-byte-aligned memory (a device_put onto a CPU device adopts
+  it); the pages are the kernel's zero pages until written."""
+  return _aligned_empty(shape, dtype, zeros=True)
+
+
+async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,
+                out_dtype) -> np.ndarray:
+  if limiter is None:
+    data = await leaf.read_box(box)
+  else:
+    grant = await limiter.acquire(box.size * np.dtype(leaf.dtype).itemsize
+                                  + _extra_bytes(leaf, box))
+    try:
+      data = await leaf.read_box(box)
+    finally:
+      limiter.release(grant)
+  return np.asarray(data).astype(out_dtype, copy=False)

@@ -1,0 +1,396 @@
+"""Reading packed leaves (ckpt/save/pack.py): the step's pack tables, the packs'
+bytes, and ``LazyPacked``, the lazy leaf of a packed entry.
+
+Everything read is untrusted: a table is decoded with the index's bounded
+msgpack reader, each piece is checked against its leaf (rank, a non-empty
+box inside the shape) and its pack (inside the size the table declares,
+which a read past the object's end also catches), a leaf's pieces must tile
+it exactly, and every piece's crc32c is checked whenever it is read. Any
+failure is a CorruptCheckpointError naming the leaf (or the table).
+
+Reads: a restore first ``prefetch``es the pieces of every packed leaf it
+places, reading each pack it needs once (whole, or the ranges it needs when
+that is less than half of it); a lazy leaf read later reads its own pieces'
+byte ranges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import threading
+from typing import Any, Iterable, Sequence
+
+import crc32c
+import jax
+import numpy as np
+import tensorstore as ts
+
+from ckpt.format import index as index_lib
+from ckpt.format import pack_index
+from ckpt.format import tree
+from ckpt.store import tsfuture
+from ckpt.errors import CorruptCheckpointError
+from ckpt.restore.lazy import LazyLeaf, check_fits
+from ckpt.shards.plan import Box
+
+# Tables read at once.
+_TABLE_READS = 32
+# Ranges of one pack closer than this are read as one.
+_MERGE_GAP = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  process: int
+  pack: int
+  offset: int
+  box: Box
+  nbytes: int
+  crc: int
+
+
+class PackSet:
+  """The packs of one step, read as needed (tables once, on first use)."""
+
+  def __init__(self, index: index_lib.Index, step_kvstore: dict, context,
+               where: str = "checkpoint"):
+    self.index = index
+    self._spec, self._context = step_kvstore, context
+    self._where = where
+    self._lock = threading.Lock()
+    self._pieces: dict[int, list[Piece]] | None = None
+    self._checked: set[int] = set()
+    self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+    self._store: ts.KvStore | None = None
+
+  def _kv(self) -> ts.KvStore:
+    kv = self._store
+    if kv is None:
+      kv = self._store = ts.KvStore.open(
+          self._spec, context=self._context).result()
+    return kv
+
+  # ---- the tables -------------------------------------------------------
+
+  def _tables(self) -> dict[int, list[Piece]]:
+    with self._lock:
+      if self._pieces is None:
+        self._pieces = self._load()
+      return self._pieces
+
+  def _load(self) -> dict[int, list[Piece]]:
+    kv = self._kv()
+    n = self.index.process_count
+    names = [pack_index.table_name(p) for p in range(n)]
+    out: dict[int, list[Piece]] = {}
+    for lo in range(0, n, _TABLE_READS):
+      futures = [kv.read(name) for name in names[lo:lo + _TABLE_READS]]
+      for p, f in zip(range(lo, lo + _TABLE_READS), futures):
+        try:
+          got = f.result()
+        except Exception as e:
+          raise CorruptCheckpointError(
+              f"{self._where}: reading the pack table {names[p]!r} failed: "
+              f"{e}") from e
+        if got.state != "value":
+          continue  # a process with no packed box
+        self._add(out, p, names[p], got.value)
+    return out
+
+  def _add(self, out: dict[int, list[Piece]], p: int, name: str,
+           data: bytes) -> None:
+    where = f"{self._where}: pack table {name!r}"
+    if len(data) > pack_index.MAX_TABLE_BYTES:
+      raise CorruptCheckpointError(
+          f"{where}: {len(data)} bytes, over the limit "
+          f"{pack_index.MAX_TABLE_BYTES}")
+    try:
+      doc = index_lib.unpack(data)
+    except Exception as e:
+      raise CorruptCheckpointError(f"{where} is not valid msgpack: {e}") from e
+    bad = index_lib._bad  # pylint: disable=protected-access
+    if not isinstance(doc, dict) or doc.get("process") != p:
+      raise bad(where, f"a map with process {p}", doc)
+    sizes = doc.get("packs")
+    if (not isinstance(sizes, list) or len(sizes) > pack_index.MAX_PACKS or
+        not all(type(s) is int and 0 <= s <= pack_index.MAX_PACK_BYTES
+                for s in sizes)):
+      raise bad(where, f"packs as a list of at most {pack_index.MAX_PACKS} "
+                f"sizes in [0, {pack_index.MAX_PACK_BYTES}]", sizes)
+    pieces = doc.get("pieces")
+    if not isinstance(pieces, list):
+      raise bad(where, "pieces as a list", pieces)
+    leaves = self.index.leaves
+    for item in pieces:
+      if not isinstance(item, list) or len(item) != 6:
+        raise bad(where, "a piece [leaf, pack, offset, start, stop, crc32c]",
+                  item)
+      leaf, k, offset, start, stop, crc = item
+      if (type(leaf) is not int or not 0 <= leaf < len(leaves) or
+          not isinstance(leaves[leaf], pack_index.PackedEntry)):
+        raise bad(where, "a piece of a packed leaf of the index", item)
+      e = leaves[leaf]
+      lw = f"{where}: leaf {tree.path_str(e.path)!r}"
+      if type(k) is not int or not 0 <= k < len(sizes):
+        raise bad(lw, f"a pack number in [0, {len(sizes)})", k)
+      if type(crc) is not int or not 0 <= crc < 2**32:
+        raise bad(lw, "a crc32c", crc)
+      shape = e.shape
+      try:
+        box = Box(tuple(start), tuple(stop))
+        ok = (len(box.start) == len(shape) and
+              all(type(a) is int and type(b) is int and a < b <= d
+                  for a, b, d in zip(box.start, box.stop, shape)))
+      except (TypeError, ValueError):
+        ok = False
+      if not ok:
+        raise bad(lw, f"a non-empty box inside the shape {list(shape)}",
+                  [start, stop])
+      nbytes = box.size * np.dtype(e.dtype).itemsize
+      if type(offset) is not int or not 0 <= offset <= sizes[k] - nbytes:
+        raise bad(lw, f"an offset of its {nbytes} bytes inside pack {k} of "
+                  f"{sizes[k]} bytes", offset)
+      out.setdefault(leaf, []).append(Piece(p, k, offset, box, nbytes, crc))
+
+  async def pieces_async(self, leaf: int) -> list[Piece]:
+    if self._pieces is None:  # read the tables off the event loop, once
+      await asyncio.to_thread(self._tables)
+    return self.pieces(leaf)
+
+  def pieces(self, leaf: int) -> list[Piece]:
+    """The pieces of the ``leaf``-th entry, checked to tile it exactly."""
+    got = self._tables().get(leaf, [])
+    if leaf in self._checked:
+      return got
+    e = self.index.leaves[leaf]
+    size = math.prod(e.shape)
+    covered = sum(pc.box.size for pc in got)
+    exact = covered == size
+    if exact and len(got) > 1:  # no overlap: every element once
+      mask = np.zeros(e.shape, np.uint8)
+      for pc in got:
+        mask[pc.box.slices()] += 1
+      exact = bool((mask == 1).all())
+    if not exact:
+      raise CorruptCheckpointError(
+          f"{self._where}: leaf {tree.path_str(e.path)!r}: the pack tables' "
+          f"pieces ({len(got)} boxes, {covered} of its {size} elements) do "
+          "not cover it exactly once (a process's table or pack missing, "
+          "or edited)")
+    self._checked.add(leaf)
+    return got
+
+  # ---- the bytes ----------------------------------------------------------
+
+  async def prefetch(self, leaves: Iterable[int]) -> None:
+    """Reads the packs holding ``leaves``' pieces, each once: whole, or the
+    ranges needed (merged) when those are under half of it."""
+    tables = await asyncio.to_thread(self._tables)
+    sizes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for leaf in leaves:
+      for pc in tables.get(leaf, ()):
+        sizes.setdefault((pc.process, pc.pack), []).append(
+            (pc.offset, pc.offset + pc.nbytes))
+    kv = (self._store if self._store is not None
+          else await asyncio.to_thread(self._kv))
+    reads = []
+    for (p, k), ranges in sizes.items():
+      if (p, k) in self._cache:
+        continue
+      ranges.sort()
+      merged = [list(ranges[0])]
+      for a, b in ranges[1:]:
+        if a - merged[-1][1] <= _MERGE_GAP:
+          merged[-1][1] = max(merged[-1][1], b)
+        else:
+          merged.append([a, b])
+      needed = sum(b - a for a, b in merged)
+      if needed * 2 >= merged[-1][1] - merged[0][0] or len(merged) == 1:
+        merged = [[merged[0][0], merged[-1][1]]]
+      reads.append(((p, k), [(a, self._range(kv, p, k, a, b))
+                             for a, b in merged]))
+    for key, parts in reads:
+      got = []
+      for a, f in parts:
+        got.append((a, await self._value(f, key)))
+      self._cache[key] = got
+
+  def drop_cache(self) -> None:
+    self._cache.clear()
+
+  def _range(self, kv, p: int, k: int, a: int, b: int):
+    return kv.read(pack_index.pack_name(p, k), byte_range=slice(a, b))
+
+  async def _value(self, future, key: tuple[int, int], leaf: str = "") -> bytes:
+    name = pack_index.pack_name(*key)
+    try:
+      got = await tsfuture.wait(future)
+    except Exception as e:
+      raise CorruptCheckpointError(
+          f"{self._where}: reading pack {name!r}{leaf} failed (truncated "
+          f"or missing?): {e}") from e
+    if got.state != "value":
+      raise CorruptCheckpointError(
+          f"{self._where}: pack {name!r}{leaf} is missing")
+    return got.value
+
+  async def piece_bytes(self, pc: Piece, path: str) -> memoryview:
+    """The bytes of ``pc``, checked against its crc32c."""
+    data = None
+    for a, blob in self._cache.get((pc.process, pc.pack), ()):
+      if a <= pc.offset and pc.offset + pc.nbytes <= a + len(blob):
+        data = memoryview(blob)[pc.offset - a:pc.offset - a + pc.nbytes]
+        break
+    if data is None:
+      kv = (self._store if self._store is not None
+            else await asyncio.to_thread(self._kv))
+      data = memoryview(await self._value(
+          self._range(kv, pc.process, pc.pack, pc.offset,
+                      pc.offset + pc.nbytes), (pc.process, pc.pack),
+          f" for leaf {path!r}"))
+    if len(data) != pc.nbytes:
+      raise CorruptCheckpointError(
+          f"leaf {path!r}: pack {pack_index.pack_name(pc.process, pc.pack)!r}"
+          f" holds {len(data)} of the {pc.nbytes} bytes of box "
+          f"{pc.box.start}..{pc.box.stop} (truncated)")
+    if crc32c.crc32c(data) != pc.crc:
+      raise CorruptCheckpointError(
+          f"leaf {path!r}: box {pc.box.start}..{pc.box.stop} in pack "
+          f"{pack_index.pack_name(pc.process, pc.pack)!r} does not match its "
+          "crc32c checksum (corrupt data)")
+    return data
+
+
+class LazyPacked(LazyLeaf):
+  """A packed leaf of a checkpoint (pack_index.PackedEntry)."""
+
+  packed = True
+
+  def __init__(self, entry: pack_index.PackedEntry, position: int,
+               packs: PackSet):
+    self.entry = entry
+    self.position = position
+    self.packs = packs
+    self.path = tree.path_str(entry.path)
+    self.shape = tuple(entry.shape)
+    self.dtype = np.dtype(entry.dtype)
+    self.prng_impl = entry.prng_impl or None
+
+  async def _pieces(self) -> list[Piece]:
+    return await self.packs.pieces_async(self.position)
+
+  async def _piece(self, pc: Piece) -> np.ndarray:
+    data = await self.packs.piece_bytes(pc, self.path)
+    return np.frombuffer(data, self.dtype).reshape(pc.box.shape)
+
+  async def read_box(self, box: Box) -> np.ndarray:
+    check_fits(self.path, box.shape, self.dtype)
+    pieces = await self._pieces()
+    if not box.size:
+      return np.empty(box.shape, self.dtype)
+    for pc in pieces:
+      if pc.box == box:
+        return await self._piece(pc)  # a read-only view, no copy
+    out = np.empty(box.shape, self.dtype)
+    await self.read_into(box, out)
+    return out
+
+  async def read_into(self, box: Box, out: np.ndarray) -> None:
+    pieces = await self._pieces()
+    for pc in pieces:
+      lo = tuple(max(a, b) for a, b in zip(box.start, pc.box.start))
+      hi = tuple(min(a, b) for a, b in zip(box.stop, pc.box.stop))
+      if any(a >= b for a, b in zip(lo, hi)):
+        continue
+      part = Box(lo, hi)
+      src = await self._piece(pc)
+      np.copyto(out[part.relative_to(box)], src[part.relative_to(pc.box)],
+                casting="unsafe")
+
+  async def place(self, out_dtype, sharding, limiter) -> jax.Array:
+    """The leaf on ``sharding``'s devices (assemble.materialize, not for
+    keys): each distinct box read once (from the prefetched packs) into
+    64-byte-aligned memory, cast, and every device's buffer made by ONE
+    ``jax.make_array_from_callback`` (one batched transfer per leaf, not
+    one ``device_put`` per box)."""
+    from ckpt.restore import assemble  # pylint: disable=g-import-not-at-top
+    shape = self.shape
+    out_dtype = np.dtype(out_dtype)
+    index_map = sharding.addressable_devices_indices_map(shape)
+    by_key: dict[tuple, Box] = {}
+    for index in index_map.values():
+      key = _key(index)
+      if key not in by_key:
+        by_key[key] = Box.from_index(index, shape)
+    boxes = set(by_key.values())
+    grant = await limiter.acquire(
+        sum(b.size for b in boxes) * out_dtype.itemsize)
+    try:
+      data: dict[Box, np.ndarray] = {}
+      for box in boxes:
+        check_fits(self.path, box.shape, out_dtype)
+        out = assemble.aligned_empty(box.shape, out_dtype)
+        await self.read_into(box, out)
+        data[box] = out
+
+      def get(index):
+        box = by_key.get(_key(index))
+        return data[box if box is not None else Box.from_index(index, shape)]
+
+      return jax.make_array_from_callback(shape, sharding, get,
+                                          dtype=out_dtype)
+    finally:
+      limiter.release(grant)
+
+  async def verify(self, wanted: Sequence[Box] | None = None) -> None:
+    """Reads the pieces overlapping ``wanted`` (all if None) and checks
+    each one's crc32c."""
+    for pc in await self._pieces():
+      if wanted is None or any(
+          all(a0 < b1 and b0 < a1 for a0, a1, b0, b1 in
+              zip(pc.box.start, pc.box.stop, w.start, w.stop))
+          for w in wanted):
+        await self.packs.piece_bytes(pc, self.path)
+
+
+def _key(index) -> tuple:
+  return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s
+               for s in index)
+
+
+def lazy_leaves(index: index_lib.Index, step_kvstore: dict, context
+                ) -> dict[int, LazyPacked]:
+  """Position in the index -> LazyPacked, for every packed entry (one
+  PackSet for them all); empty if there are none."""
+  positions = [i for i, e in enumerate(index.leaves)
+               if isinstance(e, pack_index.PackedEntry)]
+  if not positions:
+    return {}
+  packs = PackSet(index, step_kvstore, context)
+  return {i: LazyPacked(index.leaves[i], i, packs) for i in positions}
+
+
+def packset_of(leaves: Iterable[Any]) -> PackSet | None:
+  for leaf in leaves:
+    if isinstance(leaf, LazyPacked):
+      return leaf.packs
+  return None
+
+
+def positions(leaves: Iterable[Any]) -> list[int]:
+  """The index positions of the packed leaves among ``leaves`` (the ones
+  a transform derived from them included)."""
+  out = []
+  stack = list(leaves)
+  while stack:
+    leaf = stack.pop()
+    if isinstance(leaf, LazyPacked):
+      out.append(leaf.position)
+    elif isinstance(leaf, LazyLeaf):
+      stack.extend(getattr(leaf, "members", ()))
+      parent = getattr(leaf, "parent", None)
+      if parent is not None:
+        stack.append(parent)
+  return out

@@ -1,0 +1,554 @@
+"""The restore data path:
+
+discover -> read and validate the index -> match the target -> plan each
+process's boxes from the target shardings -> read only those boxes under the
+byte budget, cast, assemble ``jax.Array``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from ckpt.restore import assemble
+from ckpt.restore import checksums
+from ckpt.commit import protocol as commit_lib
+from ckpt.format import index as index_lib
+from ckpt.restore import lazy
+from ckpt.restore import pack_read
+from ckpt.format import prng
+from ckpt.restore import readonce
+from ckpt.restore import readsplit
+from ckpt.format import saved_sharding as saved_sharding_lib
+from ckpt.store import storage as storage_lib
+from ckpt.format import tree
+from ckpt.errors import (CheckpointNotFoundError,
+                         MissingLeavesError, TreeMismatchError)
+from ckpt.store.limiter import ByteLimiter
+
+
+def resolve_step(storage: storage_lib.Storage, step: int | None,
+                 steps: list[int] | None = None) -> int:
+  """``step`` (default: the latest) after checking it is committed."""
+  if steps is None:
+    steps = commit_lib.committed_steps(storage)
+  if not steps:
+    raise CheckpointNotFoundError(
+        f"{storage.url!r} holds no committed checkpoint (no "
+        f"checkpoint_<step>/ with an index; uncommitted *.tmp-* directories "
+        "are ignored)")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise commit_lib.not_committed(storage, step)
+  return step
+
+
+def read_index(storage: storage_lib.Storage, step_dir: str) -> index_lib.Index:
+  key = storage.index_key(step_dir)
+  where = f"{storage.url.rstrip('/')}/{key}"
+  data = storage.read_bytes(key, limit=index_lib.MAX_INDEX_BYTES)
+  if data is None:
+    raise CheckpointNotFoundError(f"{where} does not exist")
+  return index_lib.decode(data, where)
+
+
+def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
+                      context, budget: int) -> dict[tree.PathParts, Any]:
+  """path parts -> a LazyLeaf (arrays, stored or inline) or a python value."""
+  out: dict[tree.PathParts, Any] = {}
+  packed = pack_read.lazy_leaves(index, step_kvstore, context)
+  for i, e in enumerate(index.leaves):
+    if i in packed:
+      leaf = packed[i]
+    elif isinstance(e, index_lib.ArrayEntry):
+      leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
+    elif isinstance(e.value, (np.ndarray, np.generic)):
+      leaf = lazy.LazyValue(e.value, tree.path_str(e.path),
+                            prng_impl=e.prng_impl or None)
+    else:
+      out[e.path] = e.value
+      continue
+    leaf.budget = budget
+    # For a target leaf without a sharding (AsSaved); a leaf a transform
+    # derives has none.
+    leaf.saved_sharding = index_lib.saved_sharding_of(e)
+    out[e.path] = leaf
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreArgs:
+  """What the caller asked of one restore (see Checkpointer.restore)."""
+  target: Any = None
+  restore_dtype: Any = None
+  transforms: Sequence[Callable] = ()
+  fallback_state: Any = None
+  lazy: bool = False
+  is_resuming: bool = False
+  verify: bool = False
+  # lazy: given to every leaf returned (see LazyLeaf.guard / keepalive).
+  guard: Callable[[], None] | None = None
+  keepalive: Any = None
+  # Read once (ckpt/restore/readonce.py): the replica count from which a leaf is
+  # read spread over its replicas and exchanged; None: never. The leaves it
+  # picks come back from restore_tree as readonce.Deferred placeholders for
+  # the caller's thread to read and exchange (readonce.finish).
+  read_once_min: int | None = None
+  # lazy, from a Checkpointer: given to every leaf returned (their reads
+  # count in the restore's stats); with ``rounds``, the leaves read once
+  # get a readonce.LazyPlan (read once when read later, a collective).
+  lazy_reads: readonce.LazyReads | None = None
+
+
+def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
+               restore_dtype) -> np.dtype:
+  if restore_dtype is not None and assemble.is_floating(saved):
+    return np.dtype(restore_dtype)
+  if wanted is None or wanted == saved:
+    return saved
+  if assemble.is_floating(saved) and assemble.is_floating(wanted):
+    return wanted
+  raise TreeMismatchError(
+      f"leaf {name!r}: the checkpoint has dtype {saved}, the target wants "
+      f"{wanted}; only floating dtypes are cast on restore (pass a target "
+      "with the saved dtype, or convert afterwards)")
+
+
+def _target_spec(x: Any, name: str = "<target>"):
+  """(shape, dtype, sharding, wants_array) of one target leaf; the dtype of
+  a typed PRNG key target is its key dtype (numpy has none)."""
+  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
+    sharding = concrete_sharding(name, x.sharding)
+    if prng.is_key_dtype(x.dtype):
+      return tuple(x.shape), x.dtype, sharding, True
+    try:
+      dtype = np.dtype(x.dtype)
+    except TypeError as e:
+      raise TreeMismatchError(
+          f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
+          "restore into; expected a numpy dtype or a typed PRNG key dtype"
+      ) from e
+    _check_divides(name, tuple(x.shape), sharding)
+    return tuple(x.shape), dtype, sharding, True
+  if isinstance(x, np.ndarray):
+    return tuple(x.shape), np.dtype(x.dtype), None, True
+  return None, None, None, False
+
+
+_HOW = ("pass a target leaf with a sharding (jax.ShapeDtypeStruct(shape, "
+        "dtype, sharding=...)), e.g. a target from ckpt.abstract_target("
+        "ckptr.metadata(step), mesh, rules); or a numpy array target leaf "
+        "for host numpy")
+
+
+class AsSaved:
+  """The shardings of target leaves that are ``jax.ShapeDtypeStruct``s
+  without one (what ``jax.eval_shape`` gives): each leaf is restored in the
+  sharding it was saved in, built on this job's devices (``jax.devices()``,
+  the same on every process, so every process decides alike, from the
+  index), once per distinct saved sharding of a restore.
+
+  Saved on a mesh (a stored leaf, or a small replicated jax.Array kept
+  inline): that mesh (the same axis names, sizes and types; as many devices
+  as it had) and its PartitionSpec. Saved on one device: this process's
+  first device.
+  No mesh (a host numpy leaf saved without a partitioner, a numpy value
+  kept inline, a value given in memory by fallback_state or a transform):
+  replicated over all devices, on the checkpoint's mesh when its leaves
+  were saved on one mesh (so a jitted step can take it with them: jax
+  refuses arguments on different meshes of Explicit axes), else on a 1-D
+  mesh of all devices; a fallback ``jax.Array`` keeps its own sharding.
+  Anything else (no mesh recorded, a mesh this job cannot build, a leaf a
+  transform derived) raises TreeMismatchError naming the leaf: never
+  silent numpy."""
+
+  def __init__(self, index: index_lib.Index):
+    self._index = index
+    self._built: dict[index_lib.SavedSharding, Any] = {}
+    self._replicated = None
+
+  def sharding(self, name: str, src: Any) -> Any:
+    if isinstance(src, jax.Array):  # a fallback array: where it is
+      return src.sharding
+    saved = getattr(src, "saved_sharding", None)
+    if saved is None:
+      if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
+        raise TreeMismatchError(
+            f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
+            "sharding, so it would come back in its saved sharding, but a "
+            f"restore transform made this leaf ({src!r}), which has none; "
+            f"{_HOW}")
+      saved = index_lib.REPLICATED_INLINE  # a value given in memory
+    if saved.kind == "replicated":
+      return self._replicated_sharding()
+    built = self._build(saved)
+    if isinstance(built, Exception):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
+          f"sharding, so it would come back in its saved sharding "
+          f"({saved}), which cannot be built here: {built}; {_HOW}"
+      ) from None
+    return built
+
+  def _build(self, saved: index_lib.SavedSharding) -> Any:
+    built = self._built.get(saved)
+    if built is None:
+      try:
+        built = saved.to_sharding()
+      except Exception as e:  # pylint: disable=broad-except
+        built = e  # raised, naming the leaf, by every leaf that needs it
+      self._built[saved] = built
+    return built
+
+  def _replicated_sharding(self) -> Any:
+    if self._replicated is None:
+      meshes = {}
+      for e in self._index.leaves:
+        s = e.saved_sharding
+        if s is not None and s.kind == "mesh":
+          meshes.setdefault((s.axis_names, s.axis_sizes, s.axis_types), s)
+      one = next(iter(meshes.values())) if len(meshes) == 1 else None
+      built = self._build(one) if one is not None else None
+      self._replicated = (
+          jax.sharding.NamedSharding(built.mesh, jax.sharding.PartitionSpec())
+          if isinstance(built, jax.sharding.NamedSharding) else
+          index_lib.REPLICATED_INLINE.to_sharding())
+    return self._replicated
+
+
+def concrete_sharding(name: str, sharding: Any) -> Any:
+  """A target sharding on an ``AbstractMesh`` (what ``jax.eval_shape`` of
+  a function that places arrays on a ``jax.make_mesh`` mesh with Explicit
+  axes gives) on this job's devices: ``jax.make_mesh`` of the same axis
+  names, sizes and types, the mesh such a function builds. Other
+  shardings as they are; TreeMismatchError naming the leaf when this job
+  has another number of devices."""
+  mesh = getattr(sharding, "mesh", None)
+  if not isinstance(mesh, jax.sharding.AbstractMesh):
+    return sharding
+  # The mesh make_mesh builds, as for a saved mesh of those axes.
+  as_saved = saved_sharding_lib.SavedSharding(
+      "mesh", tuple(mesh.axis_names), tuple(mesh.axis_sizes), sharding.spec,
+      tuple(t.name.lower() for t in mesh.axis_types))
+  try:
+    return as_saved.to_sharding()
+  except ValueError as e:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the target's sharding is on an abstract mesh "
+        f"{dict(mesh.shape)}, which ckpt builds on this job's devices with "
+        f"jax.make_mesh: {e}; pass a target with a concrete sharding"
+    ) from None
+
+
+def concrete_target(target: Any) -> Any:
+  """``target`` with every ShapeDtypeStruct on an abstract mesh put on this
+  job's devices (``concrete_sharding``), for code that reads target
+  shardings itself (the multi-tier checkpointer's local tier)."""
+  def leaf(path, x):
+    if (isinstance(x, jax.ShapeDtypeStruct) and
+        isinstance(getattr(x.sharding, "mesh", None),
+                   jax.sharding.AbstractMesh)):
+      name = tree.path_str(tuple(tree.key_name(k) for k in path))
+      return jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                  sharding=concrete_sharding(name, x.sharding))
+    return x
+  return tree_util.tree_map_with_path(leaf, target)
+
+
+def _check_divides(name: str, shape: tuple, sharding: Any) -> None:
+  """A target sharding must split each dimension evenly (jax's own error,
+  IndivisibleError, names no leaf)."""
+  if sharding is None:
+    return
+  try:
+    sharding.shard_shape(shape)
+  except ValueError as e:
+    spec = getattr(sharding, "spec", sharding)
+    mesh = getattr(getattr(sharding, "mesh", None), "shape", None)
+    m = re.search(r"axis (\d+) is partitioned (\d+) times", str(e))
+    found = (f"dimension {m[1]} has size {shape[int(m[1])]}, split over "
+             f"{m[2]} devices" if m else str(e)[:300])
+    raise TreeMismatchError(
+        f"leaf {name!r}: the target's sharding {spec}"
+        f"{f' over the mesh {dict(mesh)}' if mesh else ''} does not divide "
+        f"its shape {shape}: expected each sharded dimension to be a multiple "
+        f"of the devices it is split over, found {found}; give this leaf "
+        "another PartitionSpec") from None
+
+
+def _check_keys(name: str, src: lazy.LazyLeaf, impl: str, shape, wanted
+                ) -> np.dtype:
+  """A saved PRNG key leaf against its target leaf; the dtype to read its
+  key data in (as stored: key data is never cast)."""
+  key = prng.info(impl)
+  if key is None:
+    raise TreeMismatchError(
+        f"leaf {name!r}: holds PRNG keys of implementation {impl!r}, which "
+        "this jax does not know")
+  logical = lazy.logical_shape(src)
+  if wanted is not None and wanted != key.dtype:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has {prng.describe(key.dtype)}, the "
+        f"target wants {prng.describe(wanted)}; restore keys into a target "
+        "of the same implementation (or drop the leaf and give it in "
+        "fallback_state)")
+  if shape is not None and logical != shape:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has {impl} keys of shape {logical}, "
+        f"the target wants {shape}")
+  return np.dtype(src.dtype)
+
+
+def _as_leaf(value: Any, name: str) -> Any:
+  """Arrays become LazyLeafs (so every array source reads alike)."""
+  if isinstance(value, lazy.LazyLeaf):
+    return value
+  if isinstance(value, (np.ndarray, np.generic)):
+    return lazy.LazyValue(value, name)
+  if isinstance(value, jax.Array) and value.is_fully_addressable:
+    return lazy.LazyValue(np.asarray(value), name)
+  return value
+
+
+def out_dtype(name: str, src: Any, shape, wanted, wants_array: bool,
+              restore_dtype) -> np.dtype:
+  """A saved leaf (a LazyLeaf, or anything with its shape, dtype and
+  ``prng_impl``) against its target leaf (``_target_spec``): the dtype to
+  read it in, or TreeMismatchError naming the leaf (keys against non-keys,
+  another shape, a cast restore does not make). Also the local tier's
+  check (ckpt/tiers/local_tier.py), so both tiers refuse alike."""
+  impl = getattr(src, "prng_impl", None)
+  if impl:
+    return _check_keys(name, src, impl, shape, wanted)
+  if wanted is not None and prng.is_key_dtype(wanted):
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
+        f"(not PRNG keys), the target wants {prng.describe(wanted)}")
+  if wants_array and tuple(src.shape) != shape:
+    raise TreeMismatchError(
+        f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
+        f"target wants {shape}")
+  return _out_dtype(name, np.dtype(src.dtype), wanted, restore_dtype)
+
+
+async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
+                   limiter: ByteLimiter, as_saved: AsSaved | None = None,
+                   order: int = 0) -> Any:
+  """One leaf (the ``order``-th of the target): check it against its
+  target leaf, then read it (or bind it).
+
+  A target ShapeDtypeStruct without a sharding restores the leaf in its
+  saved sharding (``as_saved``). A typed PRNG key leaf (``src.prng_impl``)
+  comes back as a typed key array of its implementation, placed by the
+  target's sharding; with no target (``target=None``, ``ckpt.load``) on
+  jax's default device.
+  """
+  shape, wanted, sharding, wants_array = _target_spec(tgt, name)
+  if (sharding is None and isinstance(tgt, jax.ShapeDtypeStruct) and
+      as_saved is not None and isinstance(
+          src, (lazy.LazyLeaf, jax.Array, np.ndarray, np.generic))):
+    sharding = as_saved.sharding(name, src)
+    _check_divides(name, shape, sharding)
+  if isinstance(src, jax.Array) and (not src.is_fully_addressable or
+                                     prng.is_key_dtype(src.dtype)):
+    # A fallback array spread over processes: place it, never gather it.
+    # Fallback keys too (numpy cannot hold them).
+    if shape is not None and tuple(src.shape) != shape:
+      raise TreeMismatchError(
+          f"leaf {name!r}: the fallback has shape {tuple(src.shape)}, the "
+          f"target wants {shape}")
+    if wanted is not None and (prng.is_key_dtype(wanted) or
+                               prng.is_key_dtype(src.dtype)) and (
+                                   src.dtype != wanted):
+      raise TreeMismatchError(
+          f"leaf {name!r}: the fallback has dtype "
+          f"{prng.describe(src.dtype)}, the target wants "
+          f"{prng.describe(wanted)}")
+    if args.lazy:
+      return lazy.LazyPlaced(src, name).bind(sharding, wanted)
+    return jax.device_put(src, sharding) if sharding is not None else src
+  src = _as_leaf(src, name)
+  if not isinstance(src, lazy.LazyLeaf):
+    return src  # a python value (int, str, ...): as saved
+  impl = getattr(src, "prng_impl", None)
+  out = out_dtype(name, src, shape, wanted, wants_array, args.restore_dtype)
+  later = None
+  # A lazy leaf reads once only with the rounds its later read needs.
+  if (not impl and args.read_once_min is not None and
+      sharding is not None and not isinstance(src, lazy.LazyValue) and
+      (not args.lazy or (args.lazy_reads is not None and
+                         args.lazy_reads.rounds is not None)) and
+      checksums.stored_bases(src)):
+    later = readonce.deferred(name, src, out, sharding, args.read_once_min,
+                              order)
+  if args.verify:  # keys are small: their whole data is checked
+    # Read once: this process checks the part it reads (lazy: will read).
+    await checksums.verify_leaf(
+        src, None if impl else (later.split if later else sharding),
+        limiter)
+  if args.lazy:
+    leaf = src.bind(sharding, out)
+    leaf.guard, leaf.keepalive = args.guard, args.keepalive
+    leaf.reads, leaf.read_once = args.lazy_reads, None
+    if later is not None:
+      leaf.read_once = readonce.LazyPlan(
+          later.sharding, later.split, args.lazy_reads,
+          args.lazy_reads.rounds)
+    return leaf
+  if later is not None:
+    return later
+  return await assemble.materialize(src, out, sharding, limiter)
+
+
+def _apply_transforms(leaves: dict[tree.PathParts, Any], args: RestoreArgs
+                      ) -> dict[tree.PathParts, Any]:
+  ckpt_tree = tree.nest(leaves)
+  target_tree = (None if args.target is None else
+                 tree.nest(dict(tree.flatten(args.target))))
+  for fn in args.transforms:
+    ckpt_tree = fn(ckpt_tree, target_tree, is_resuming=args.is_resuming)
+    if not isinstance(ckpt_tree, dict):
+      raise TypeError(
+          f"restore transform {getattr(fn, '__name__', fn)!r} returned a "
+          f"{type(ckpt_tree).__name__}; it must return the (nested dict) "
+          "checkpoint tree")
+  return tree.unnest(ckpt_tree)
+
+
+async def restore_tree(index: index_lib.Index,
+                       leaves: dict[tree.PathParts, Any], args: RestoreArgs,
+                       limiter: ByteLimiter) -> Any:
+  """Transforms, fallback, then each wanted leaf read and placed."""
+  if args.transforms:
+    leaves = _apply_transforms(leaves, args)
+  by_name = {tree.path_str(p): v for p, v in leaves.items()}
+  packs = None if args.lazy else pack_read.packset_of(leaves.values())
+  if packs is not None:  # each pack this restore needs, read once
+    try:
+      return await _restore_tree(index, leaves, by_name, args, limiter, packs)
+    finally:
+      packs.drop_cache()
+  return await _restore_tree(index, leaves, by_name, args, limiter, None)
+
+
+async def _restore_tree(index: index_lib.Index,
+                        leaves: dict[tree.PathParts, Any], by_name: dict,
+                        args: RestoreArgs, limiter: ByteLimiter,
+                        packs: pack_read.PackSet | None) -> Any:
+  if packs is not None and args.target is None:
+    await packs.prefetch(pack_read.positions(leaves.values()))
+
+  if args.target is None:
+    names = list(by_name)
+    values = await lazy.gather_or_cancel(
+        *(_resolve(n, by_name[n], None, args, limiter) for n in names))
+    values = dict(zip(names, values))
+    if args.transforms:  # the saved structure no longer applies
+      return tree.nest({p: values[tree.path_str(p)] for p in leaves})
+    return tree.decode_structure(index.structure, values.__getitem__)
+
+  named = tree.flatten(args.target)
+  _, treedef = tree_util.tree_flatten(args.target)
+  fallback = ({tree.path_str(p): v for p, v in tree.flatten(args.fallback_state)}
+              if args.fallback_state is not None else {})
+  sources, missing = [], []
+  for parts, _ in named:
+    name = tree.path_str(parts)
+    if name in by_name:
+      sources.append(by_name[name])
+    elif name in fallback:
+      sources.append(fallback[name])
+    else:
+      missing.append(name)
+  if missing:
+    raise MissingLeavesError(missing, list(by_name))
+  if packs is not None:
+    await packs.prefetch(pack_read.positions(sources))
+  as_saved = AsSaved(index)
+  results = await lazy.gather_or_cancel(
+      *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)
+        for i, ((p, tgt), src) in enumerate(zip(named, sources))))
+  return tree_util.tree_unflatten(treedef, results)
+
+
+async def read_parts(batch: Sequence[readonce.Deferred], budget: int
+                     ) -> list[readsplit.Part]:
+  """Read once: this process's part of each leaf of ``batch`` (its share
+  of the leaf's split over the replicas, ckpt/restore/readsplit.py), under one
+  byte limiter."""
+  limiter = ByteLimiter(budget)
+  try:
+    return await lazy.gather_or_cancel(
+        *(d.split.read(d.src, d.out_dtype, limiter) for d in batch))
+  finally:
+    readonce.note_limiter(limiter)
+
+
+def locate(storage: storage_lib.Storage, step: int | None
+           ) -> tuple[int, str]:
+  """(step, the relative directory that holds its index and data)."""
+  step = resolve_step(storage, step)
+  return step, commit_lib.step_dir(storage, step)
+
+
+def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
+  """The data directory (relative) of a path given by a user: the path
+  itself if it is one step's directory and no step is asked for, else the
+  committed ``step`` (default: latest) under it as a root."""
+  if step is None:
+    here = commit_lib.own_step_dir(storage)
+    if here is not None:
+      return here
+  return locate(storage, step)[1]
+
+
+async def restore(storage: storage_lib.Storage, step_dir: str,
+                  args: RestoreArgs, budget: int, context) -> Any:
+  """Reads the index in ``step_dir`` and restores it as ``args`` say."""
+  index = await asyncio.to_thread(read_index, storage, step_dir)
+  leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
+                             budget)
+  if args.verify:  # format "zarr": the per-process checksum files
+    checksums.attach(leaves, storage, step_dir, index)
+  limiter = ByteLimiter(budget)
+  try:
+    return await restore_tree(index, leaves, args, limiter)
+  finally:
+    readonce.note_limiter(limiter)
+
+
+def load(path, step: int | None = None, *, storage_options: dict | None = None,
+         concurrent_bytes: int = 1 << 30) -> Any:
+  """The whole checkpoint as nested numpy values, with no target.
+
+  Typed PRNG key leaves are the exception (numpy has no key dtype): they
+  come back as ``jax.Array``s of their key dtype on jax's default device.
+
+  ``path`` is a checkpoint root (then ``step``, default latest) or one step
+  directory (a folder holding ``index.msgpack``).
+
+  Args:
+    path: a checkpoint root or one step directory (path or URL).
+    step: a committed step of the root, or None for the latest.
+    storage_options: merged into the TensorStore kvstore spec, as
+      ``Checkpointer(storage_options=...)``.
+    concurrent_bytes: the host-memory budget of the reads in flight.
+
+  Raises:
+    CheckpointNotFoundError: no such committed step (or none at all).
+    CorruptCheckpointError: an invalid index or stored array (naming it).
+
+  Not collective: one process reads everything (use it on one process, or
+  on each, independently).
+  """
+  storage = storage_lib.Storage(path, storage_options)
+  step_dir = locate_path(storage, step)
+  return lazy.run_sync(restore(storage, step_dir, RestoreArgs(),
+                               concurrent_bytes, storage.context()))

@@ -1,0 +1,434 @@
+"""Stages 3 to 9 of a save, on the Checkpointer's background thread.
+
+The save was agreed already (ckpt/multihost/agreement.py): every process knows the
+step, the attempt token and the work directory process 0 prepared. Then:
+
+3-4. stage and write this process's boxes under one byte budget (save.py)
+5.   barrier "written": every process has stopped writing; failures travel
+     with it, so one failed process fails the save on all of them at once
+     Before it, each process writes its own small files into the attempt
+     (index.process_file): its host_state and, for format "zarr", the
+     crc32c of each box it wrote; nothing per process goes through the
+     coordinator or into the index
+6.   process 0 merges OCDBT databases, writes the index
+7.   process 0 commits (storage.py knows how)
+9.   barrier "done": the save is complete everywhere
+8.   retention, on process 0, after the save is complete everywhere (see
+     ``Retention``): a failure there is logged, never a failed save
+
+A save that fails after the "written" barrier is removed by process 0 (every
+process has said it stopped writing into it), so a job that ran out of space
+gets it back; but not one that ran past its deadline (``save_timeout_s``,
+ckpt/store/deadline.py): writes abandoned then may still land, so that attempt
+stays, recorded under ``pending/``, for cleanup. Its coordination keys are
+deleted once no process needs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import threading
+import time
+import weakref
+from typing import Any, Callable
+
+from absl import logging
+import msgpack
+
+from ckpt.commit import protocol as commit_lib
+from ckpt.store import deadline as deadline_lib
+from ckpt.format import index as index_lib
+from ckpt.commit import lease as lease_lib
+from ckpt.multihost import process as multihost
+from ckpt.store import ocdbt
+from ckpt.save import polite
+from ckpt.commit import retention as retention_lib
+from ckpt.save import write as save_lib
+from ckpt.store import storage as storage_lib
+from ckpt.shards import tiling
+from ckpt.errors import CheckpointError
+from ckpt.store.limiter import ByteLimiter
+from ckpt.commit.retention import RetentionPolicy
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+  """One agreed attempt at saving ``step``."""
+  step: int
+  key: str          # coordination-key prefix (multihost.call_key)
+  token: str        # chosen by process 0
+  work_dir: str     # relative to the root
+  timeout_s: float
+  lease_s: float = commit_lib.DEFAULT_LEASE_S
+  # The barrier this process waits at now (one item, or none): a save
+  # cancelled there leaves the waiting thread behind, which
+  # Checkpointer.cancel releases by having the other processes arrive.
+  waiting: list = dataclasses.field(default_factory=list, compare=False)
+
+
+async def _barrier(attempt: Attempt, name: str, what: str,
+                   error: BaseException | None = None,
+                   on_arrival: Callable[[], None] = lambda: None) -> None:
+  """A barrier that also carries failures: a process that failed still
+  arrives (after saying so), so the others stop now, not at a timeout.
+  ``on_arrival`` runs once every process has arrived, before any failure
+  is raised."""
+  key = f"{attempt.key}/{name}"
+  if error is not None:
+    # A deadline's own error names the operation, the bound and its option.
+    shown = deadline_lib.timeout_in(error) or error
+    multihost.report_failure(f"{key}/failed",
+                             f"{type(shown).__name__}: {shown}")
+  attempt.waiting[:] = [key]
+  await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
+                          what=f"{what}, step {attempt.step}")
+  attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
+  on_arrival()
+  if error is not None:
+    raise error
+  failed = multihost.reported_failures(f"{key}/failed")
+  if failed:
+    raise CheckpointError(
+        f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
+        f"before '{what}'; nothing was committed. "
+        + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+
+
+async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
+                   storage: storage_lib.Storage, context, budget: int,
+                   metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
+                   on_staged: Callable[[], None],
+                   clock: Callable[[], float] = time.time,
+                   custom_metadata: str | None = None) -> None:
+  """Stages 3-7 and 9 on every process; returns once the step is committed
+  everywhere, or raises the agreed failure. ``clock`` gives the save time
+  recorded in the index (the time retention rule reads it)."""
+  pid, n = multihost.process_index(), multihost.process_count()
+  step, key = attempt.step, attempt.key
+  step_kvstore = storage.step_spec(attempt.work_dir)
+  stopped_writing = []  # non-empty once every process stopped writing
+  lease = (asyncio.ensure_future(_renew_lease(storage, attempt))
+           if pid == 0 else None)
+  try:
+    # 3-4. stage and write this process's boxes under one byte budget; its
+    # host_state file alongside.
+    error = None
+    sums: list = []
+    mine = b""
+    host_file = asyncio.ensure_future(_write_process_file(
+        storage, attempt, index_lib.HOST_STATE_DIR, pid, host_bytes))
+    try:
+      sums = await save_lib.write_owned(plan, step_kvstore, context,
+                                        ByteLimiter(budget), stats, on_staged)
+      if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
+        await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
+            os.fspath(storage.root), attempt.work_dir))
+    except Exception as e:  # told to every process at the barrier below
+      error = e
+    # Awaited even after a failure: past the barrier this process writes
+    # nothing into the attempt.
+    try:
+      await host_file
+      if error is None and plan.options.codec.resolved_checksum(
+          plan.options.storage_format) == "none":  # zarr v2: its checksums
+        await _write_process_file(
+            storage, attempt, index_lib.CHECKSUMS_DIR, pid,
+            msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
+      if error is None:  # what it wrote, for process 0's tiling check
+        mine = await asyncio.to_thread(_tiling_digest, plan)
+        await asyncio.to_thread(multihost.post_bytes, f"{key}/tiling", mine)
+    except Exception as e:  # pylint: disable=broad-except
+      error = error or e
+    # 5. every process has written (or stopped writing, having failed).
+    await _barrier(attempt, "written", "all processes wrote their data", error,
+                   on_arrival=lambda: stopped_writing.append(True))
+    error = None
+    groups = _ocdbt_groups(plan)
+    if groups > 1:  # a large OCDBT step: its merge groups, all at once
+      try:
+        for g in ocdbt.merges_of(pid, n, groups):
+          await ocdbt.merge(step_kvstore, n, context, g)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+      await _barrier(attempt, "merged", "every OCDBT merge group was merged",
+                     error)
+    if pid == 0:
+      try:
+        await asyncio.to_thread(_check_tiling, plan, key, mine, step)
+        if groups == 1:
+          # One database from the per-process ones (ckpt/store/ocdbt.py).
+          await ocdbt.merge(step_kvstore, n, context)
+        # 6-7. index, then commit. encode() refuses an index readers would
+        # refuse: the save then fails everywhere at "done", and nothing is
+        # committed.
+        index = save_lib.make_index(plan, step, metrics, n)
+        index = dataclasses.replace(index, time=retention_lib.now_s(clock),
+                                    custom_metadata=custom_metadata)
+        data = index_lib.encode(index)
+        # Not cut by a cancel (Checkpointer.cancel): the task ends once
+        # the commit has, so what cancel finds is committed or not.
+        committing = asyncio.ensure_future(asyncio.to_thread(
+            commit_lib.commit, storage, step, attempt.token, data))
+        try:
+          await asyncio.shield(committing)
+        except asyncio.CancelledError:
+          await asyncio.gather(committing, return_exceptions=True)
+          raise
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    # 9. the save is complete everywhere.
+    await _barrier(attempt, "done", "the commit finished", error)
+  except BaseException as e:
+    # Every process has said (at "written") that it stopped writing: the
+    # attempt can go now, not at the next save; unless one gave up at the
+    # deadline, leaving writes in flight (ckpt/store/deadline.py).
+    if stopped_writing and pid == 0 and not deadline_lib.abandoned(e):
+      await asyncio.to_thread(_remove_failed, storage, attempt)
+    elif pid == 0 and not isinstance(e, asyncio.CancelledError):
+      # (cancel() removes a cancelled save's attempt itself)
+      logging.warning(
+          "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
+          "every process said it stopped writing into it; its lease is no "
+          "longer renewed, and the cleanup of the next save removes it once "
+          "the lease is %g s old", step, attempt.work_dir, storage.url,
+          attempt.lease_s)
+    raise
+  finally:
+    if lease is not None:
+      lease.cancel()
+    if stopped_writing:
+      multihost.forget(key)
+
+
+async def _write_process_file(storage: storage_lib.Storage, attempt: Attempt,
+                              kind: str, pid: int, data: bytes) -> None:
+  """One of this process's files in the attempt's directory
+  (index.process_file): its host_state, or (format "zarr") the crc32c of
+  every box it wrote. Written before the "written" barrier, so the commit
+  (rename or marker) covers it and a failed attempt is removed with it;
+  nothing of it passes through the coordinator or grows the index."""
+  rel = index_lib.process_file(kind, pid)
+  what = f"the {kind.lstrip('.')} file of process {pid}, step {attempt.step},"
+  await asyncio.to_thread(_write_file, storage, attempt.work_dir, rel, data,
+                          what)
+
+
+def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
+                data: bytes, what: str) -> None:
+  if len(data) > index_lib.MAX_PROCESS_FILE_BYTES:
+    raise CheckpointError(
+        f"{what} is {len(data)} bytes; readers accept at most "
+        f"{index_lib.MAX_PROCESS_FILE_BYTES}")
+  if not storage.is_posix:
+    storage.write_bytes(f"{work_dir}/{rel}", data)
+    return
+  # Never recreates the attempt's directory (if it was removed, the commit
+  # fails on its missing attempt.json): only the per-process subdirectory.
+  sub, name = rel.rsplit("/", 1)
+  folder = os.path.join(os.fspath(storage.root), work_dir, sub)
+  with storage.store_errors(f"writing {what} to"):
+    try:
+      os.mkdir(folder)
+    except FileExistsError:
+      pass
+    storage_lib.write_file(os.path.join(folder, name), data)
+
+
+def _ocdbt_groups(plan: save_lib.SavePlan) -> int:
+  """Format "ocdbt": how many merge groups the step has (1: one database at
+  the step's root); 0 for the other formats."""
+  if plan.options.storage_format != "ocdbt":
+    return 0
+  groups = {getattr(lp.entry, "ocdbt_group", None) for lp in plan.leaves
+            if lp.layout is not None}
+  groups.discard(None)
+  return max(groups) + 1 if groups else 1
+
+
+def _tiling_digest(plan: save_lib.SavePlan) -> bytes:
+  entries = [lp.entry for lp in plan.leaves]
+  return msgpack.packb(tiling.digest(
+      (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start, w.box.stop)
+      for w in plan.writes))
+
+
+def _check_tiling(plan: save_lib.SavePlan, key: str, mine: bytes,
+                  step: int) -> None:
+  """Process 0, before the commit: every array was written exactly once
+  (ckpt/shards/tiling.py), or the save fails on every process."""
+  posts = multihost.collect_bytes(f"{key}/tiling", mine,
+                                  f"the written boxes of step {step}")
+  got = tiling.combine(msgpack.unpackb(p) for p in posts)
+  want = tiling.whole((lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
+                      if lp.layout is not None)
+  if got != want:
+    raise CheckpointError(
+        f"saving step {step}: the boxes the {len(posts)} processes wrote do "
+        "not cover every array exactly once (a part written by no process, "
+        "or twice): the processes planned differently (hosts running "
+        "different ckpt versions, or a different view of the mesh?); "
+        f"nothing was committed (digest {list(got)}, expected {list(want)})")
+
+
+async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
+  """Process 0: keeps the attempt alive for other writers' cleanup."""
+  while True:
+    await asyncio.sleep(lease_lib.renew_interval(attempt.lease_s,
+                                                 storage.is_posix))
+    try:
+      await asyncio.to_thread(commit_lib.heartbeat, storage, attempt.step,
+                              attempt.token)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("ckpt: renewing the lease of step %d (%s) failed: %s",
+                      attempt.step, attempt.work_dir, e)
+
+
+def _remove_failed(storage: storage_lib.Storage, attempt: Attempt) -> None:
+  try:
+    commit_lib.remove_attempt(storage, attempt.step, attempt.token)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("ckpt: could not remove the failed attempt %s of step %d "
+                    "in %s: %s", attempt.token, attempt.step, storage.url, e)
+
+
+class Retention:
+  """Stage 8, on process 0 only, after a save is complete everywhere.
+
+  Deleting old steps can take long on a bucket (one DELETE per key), so it
+  runs in the background: the next ``save()`` does not wait for it (and so
+  no other process's barrier does), while ``wait_until_finished``, ``close``
+  and the queries do. A failure is logged with the step and its cause; the
+  save it followed stays committed. A step whose metrics cannot be read
+  counts as a step without metrics.
+
+  What a pass reads: the committed steps (on a bucket one listing of the
+  flat ``commits/`` prefix, never the steps' keys) and, for a policy that
+  ranks by metrics or keeps by time, each step's metrics or save time once
+  per Checkpointer (``read_metrics``/``read_time`` cache them: one GET of
+  the step's commit record on a bucket, its index on a disk).
+
+  Steps being restored (``protect``) are never deleted: each deletion
+  checks them under a lock at the moment it happens.
+
+  Each pass has its own bound, ``timeout_s`` from its start (the
+  Checkpointer's ``save_timeout_s``; ckpt/store/deadline.py), not what is left of
+  the save's: a store that dies after a commit holds ``wait_until_finished``
+  at most that long more. A pass cut short is logged like any failure; a
+  deletion it began is finished by cleanup (its ``pending/`` record).
+  """
+
+  def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
+               read_metrics: Callable[[int], dict],
+               read_time: Callable[[int], float] | None = None,
+               timeout_s: float | None = None):
+    self.storage = storage
+    self.timeout_s = timeout_s
+    self.policy = policy
+    self.read_metrics = read_metrics
+    self.read_time = read_time  # the save time of a step (the time rule)
+    self._lock = threading.Lock()
+    self._protected: dict[int, int] = {}
+    self._task: asyncio.Task | None = None
+
+  def protect(self, step: int) -> None:
+    with self._lock:
+      self._protected[step] = self._protected.get(step, 0) + 1
+
+  def keepalive(self, step: int) -> "_Keepalive":
+    """An object that protects ``step`` until it is garbage collected (held
+    by every lazy leaf of one restore)."""
+    return _Keepalive(self, step)
+
+  def release(self, step: int) -> None:
+    with self._lock:
+      self._protected[step] -= 1
+      if not self._protected[step]:
+        del self._protected[step]
+
+  def start(self, newest: int) -> None:
+    """On the event loop: queue a pass after the one in flight."""
+    previous = self._task
+
+    async def run():
+      if previous is not None:
+        await asyncio.gather(previous, return_exceptions=True)
+      deadline = deadline_lib.Deadline.start(self.timeout_s, "save_timeout_s")
+      await asyncio.to_thread(deadline_lib.call, deadline, self.apply, newest)
+    self._task = asyncio.ensure_future(run())
+
+  async def wait(self) -> None:
+    if self._task is not None:
+      await asyncio.gather(self._task, return_exceptions=True)
+
+  def apply(self, newest: int) -> list[int]:
+    """Deletes what the policy drops; returns the deleted steps."""
+    if self.policy.keep is None:
+      return []
+    try:
+      steps = commit_lib.committed_steps(self.storage)
+      metrics, times = {}, {}
+      if self.policy.ranks_by_metrics:
+        metrics = self._read_each(steps, self.read_metrics, "metrics",
+                                  "it counts as a step without metrics")
+      if self.policy.uses_times and self.read_time is not None:
+        times = self._read_each(steps, self.read_time, "save time",
+                                "the time rule does not keep it")
+      with self._lock:
+        protected = frozenset(self._protected) | {newest}
+      doomed = self.policy.to_delete(steps, metrics, protected, times)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.error("ckpt: retention after step %d in %s failed: %s",
+                    newest, self.storage.url, e)
+      return []
+    deleted = []
+    for s in doomed:
+      with self._lock:
+        if s in self._protected:
+          continue
+        try:
+          logging.info("ckpt: retention deletes step %d", s)
+          commit_lib.remove(self.storage, storage_lib.step_dirname(s))
+          deleted.append(s)
+        except Exception as e:  # pylint: disable=broad-except
+          logging.error("ckpt: retention could not delete step %d in %s: %s",
+                        s, self.storage.url, e)
+    return deleted
+
+  def _read_each(self, steps: list[int], read: Callable[[int], Any],
+                 what: str, then: str) -> dict[int, Any]:
+    """``{step: read(step)}``; a step that cannot be read is left out (and
+    logged): one unreadable index never stops retention."""
+    out = {}
+    for s in steps:
+      try:
+        out[s] = read(s)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: retention: the %s of step %d in %s are "
+                        "unreadable (%s); %s", what, s, self.storage.url, e,
+                        then)
+    return out
+
+  def delete(self, step: int) -> None:
+    """Deletes the committed ``step`` now (``Checkpointer.delete``, process
+    0), under the lock retention deletes under: never a protected step."""
+    with self._lock:
+      if step in self._protected:
+        raise CheckpointError(
+            f"cannot delete step {step} in {self.storage.url!r}: it is being "
+            "read (a restore in progress, or live leaves of "
+            "restore(lazy=True)); delete it once they are done")
+      if not commit_lib.is_committed(self.storage, step):
+        raise commit_lib.not_committed(self.storage, step,
+                                       f"cannot delete step {step}")
+      logging.info("ckpt: deleting step %d (delete())", step)
+      commit_lib.remove(self.storage, storage_lib.step_dirname(step))
+
+
+class _Keepalive:
+  """While it lives, its Retention does not delete its step."""
+
+  def __init__(self, retention: Retention, step: int):
+    retention.protect(step)
+    weakref.finalize(self, retention.release, step)

@@ -1,0 +1,568 @@
+"""The two-tier checkpointer: a fast local tier (ckpt/tiers/local_tier.py) in
+front of a persistent ``Checkpointer``, each with its own interval and
+retention; restore takes the newest step the job can rebuild from either
+(see docs/multi-tier.md)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from typing import Any
+
+from absl import logging
+import jax
+
+from ckpt.tiers import local_tier
+from ckpt.multihost import process as multihost
+from ckpt.restore import read as restore_lib
+from ckpt.format import extras as save_extras
+from ckpt.tiers import timeline as tier_timeline
+from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
+                         WaitTimeoutError)
+
+# Restore options the local tier honours: it verifies every shard's crc32c
+# on every restore (so ``verify=True`` holds), and ``read_once`` only
+# concerns reads from the persistent tier. Any other option (``transforms``,
+# ``fallback_state``, ``lazy=True``, ``path``) is the persistent tier's only.
+_LOCAL_OPTIONS = ("verify", "read_once")
+
+
+class MultiTierCheckpointer:
+  """A ``Checkpointer`` with a fast local tier in front of it.
+
+  Args:
+    persistent: the persistent tier's directory (any URL ckpt supports).
+    local: a directory on each host (``/dev/shm/ckpt``, a local SSD); each
+      process uses ``<local>/process_<i>/``.
+    local_interval: save to the local tier every N steps.
+    local_keep: local steps kept per process (>= 2).
+    persistent_interval: save to the persistent tier every N steps (None:
+      only forced and preemption saves).
+    persistent_keep: ``keep`` of the persistent Checkpointer.
+    concurrent_bytes: the host-memory budget of each tier's save.
+    **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
+      (``format``, ``keep_period``, ``storage_options`` ...), for the
+      persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
+      local tier too, as in the persistent one.
+    barrier_timeout_s: how long a process waits for the others in any
+      round, exchange or barrier of either tier.
+
+  Raises:
+    ValueError: an interval or ``local_keep`` that is not a positive int
+      (``local_keep`` must be >= 2), or a bad ``Checkpointer`` argument.
+
+  After a restore, ``last_restore_step``, ``last_restore_tier`` ("local"
+  or "persistent") and ``last_restore_reason`` say which step it returned,
+  from which tier, and why.
+  """
+
+  def __init__(self, persistent, *, local, local_interval: int = 1,
+               local_keep: int = 2, persistent_interval: int | None = None,
+               persistent_keep: int | None = None,
+               concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
+               barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
+               **checkpointer_kwargs):
+    for name, v in (("local_interval", local_interval),
+                    ("persistent_interval", persistent_interval)):
+      if v is not None and (type(v) is not int or v < 1):
+        raise ValueError(f"{name} must be a positive int, got {v!r}")
+    self.local_interval = local_interval
+    self.persistent_interval = persistent_interval
+    self.persistent = Checkpointer(
+        persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
+        barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
+    self.local = local_tier.LocalTier(local, keep=local_keep,
+                           concurrent_bytes=concurrent_bytes,
+                           barrier_timeout_s=barrier_timeout_s,
+                           owner=_owner(self.persistent.storage.spec),
+                           save_dtype=checkpointer_kwargs.get("save_dtype"),
+                           restore_dtype=checkpointer_kwargs.get(
+                               "restore_dtype"))
+    self._timeout_s = barrier_timeout_s
+    self._preemption_step: int | None = None
+    self._restored: tuple[int, Any] | None = None  # (step, host_state)
+    self.last_restore_tier: str | None = None
+    self.last_restore_reason: str = ""
+    # The step the last restore returned (with last_restore_tier).
+    self.last_restore_step: int | None = None
+
+  # -- save --
+
+  def should_save_local(self, step: int) -> bool:
+    """Whether ``save(step)`` writes to the local tier: every
+    ``local_interval`` steps and the preemption step. Local, no I/O.
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Never raises. Not collective (no I/O).
+    """
+    return step % self.local_interval == 0 or step == self._preemption_step
+
+  def should_save_persistent(self, step: int) -> bool:
+    """``persistent_interval``, the preemption step, and the persistent
+    Checkpointer's ``save_on_steps`` and ``should_save_fn`` (given to this
+    class: they apply to the persistent tier; any of them saves).
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Raises as ``Checkpointer.should_save``; collective only for its first-step
+    round.
+    """
+    p = self.persistent
+    if ((self.persistent_interval is not None and
+         step % self.persistent_interval == 0) or
+        step == self._preemption_step or
+        (p.save_on_steps is not None and step in p.save_on_steps)):
+      return True
+    return p.should_save_fn is not None and bool(p.should_save_fn(
+        step, p._last_saved_step(step)))  # pylint: disable=protected-access
+
+  def should_save(self, step: int) -> bool:
+    """Whether ``save(step)`` writes ``step`` to either tier.
+
+    Args:
+      step: the step a ``save`` would get.
+
+    Never raises; collective only as ``Checkpointer.should_save`` (its
+    first-step round).
+    """
+    return self.should_save_local(step) or self.should_save_persistent(step)
+
+  @property
+  def directory(self) -> Any:
+    """The persistent tier's root (``Checkpointer.directory``).
+
+    Never raises. Not collective.
+    """
+    return self.persistent.directory
+
+  def save(self, step: int, state: Any, *, metrics: dict | None = None,
+           host_state: Any = None, force: bool = False,
+           custom_metadata: dict | None = None) -> bool:
+    """Saves ``step`` to the tiers whose interval it hits (both with
+    ``force``); returns True if any tier saved it. Collective: every
+    process calls it with the same step.
+
+    A save (of a step some tier's interval hits) of a step lower than the
+    newest committed step of either tier (the persistent tier's, or a
+    local step of this run the job can rebuild) is refused before anything
+    is written: ``CheckpointError`` on every
+    process, naming the newer steps (agreed in one round). Saving it would
+    start a new timeline while the newer steps stay, and a restart would
+    resume them. To roll back deliberately, ``delete(s)`` each newer step,
+    then save. A step equal to the newest: the persistent tier skips it
+    with a warning (as ``Checkpointer.save``), the local tier writes it
+    again.
+
+    ``custom_metadata`` (checked as ``Checkpointer.save`` does, whichever
+    tier saves) is kept with the persistent tier's step only:
+    ``metadata(step)`` reads the persistent tier; a step saved to the
+    local tier only keeps none.
+
+    Args:
+      step: the step number, the same on every process.
+      state: the PyTree to save.
+      metrics: kept with the persistent tier's step (``Checkpointer.save``).
+      host_state: one msgpack-able value per process, saved in both tiers.
+      force: save to both tiers whatever the intervals say.
+      custom_metadata: see above.
+
+    Raises:
+      CheckpointError: a lower step than the newest of either tier, another
+        process failed before the exchange, or an earlier save failed.
+      InvalidStateError: a leaf the local tier cannot store (naming it).
+      BarrierTimeoutError: a peer did not arrive within ``barrier_timeout_s``.
+    """
+    to_persistent = force or self.should_save_persistent(step)
+    to_local = force or self.should_save_local(step)
+    if not (to_persistent or to_local):
+      return False
+    save_extras.check_custom_metadata(custom_metadata)  # same on all
+    self._check_timeline(step)
+    saved = False
+    if to_persistent:
+      saved |= bool(self.persistent.save(step, state, metrics=metrics,
+                                         host_state=host_state, force=True,
+                                         custom_metadata=custom_metadata))
+    if to_local:
+      # Retention keeps this step, whatever its number (LocalTier._retain);
+      # no local save is in flight (_check_timeline waited for it).
+      self.local._newest_saved = step  # pylint: disable=protected-access
+      self.local.save(step, state, host_state)
+      saved = True
+    return saved
+
+  def _check_timeline(self, step: int) -> None:
+    """Collective, before a save writes anything: refuses a step lower
+    than the newest committed step of either tier (ckpt/tiers/timeline.py)."""
+    tier_timeline.check(self, step)
+
+  def reached_preemption(self, step: int) -> bool:
+    """As ``Checkpointer.reached_preemption``: True at the same step on every
+    process once any was told to stop; that step is then saved to both
+    tiers. Call it at every training step, before ``save``.
+
+    Args:
+      step: the current training step.
+
+    Collective (jax's preemption sync point).
+
+    Raises nothing of ckpt's own.
+    """
+    if self.persistent.reached_preemption(step):
+      self._preemption_step = step
+      return True
+    return False
+
+  def wait_until_finished(self, timeout: float | None = None) -> None:
+    """Both tiers' saves (``Checkpointer.wait_until_finished``);
+    ``timeout``: ``WaitTimeoutError`` if they are not done by then (they go
+    on in the background).
+
+    Raises the failure of either tier's background save, and
+    ``WaitTimeoutError``. Not collective: each process waits for its part.
+    """
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    try:
+      self.persistent.wait_until_finished(timeout)
+    finally:
+      fut = self.local._fut  # pylint: disable=protected-access
+      if fut is not None and deadline is not None:
+        try:
+          fut.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+          if not fut.done():
+            raise WaitTimeoutError(  # pylint: disable=raise-missing-from
+                f"wait_until_finished(timeout={timeout}): the local tier's "
+                f"save was not finished after {timeout} s on process "
+                f"{multihost.process_index()}; it goes on in the background")
+        except Exception:  # pylint: disable=broad-except
+          pass  # raised (once) by wait() below
+      self.local.wait()
+
+  def is_saving_in_progress(self) -> bool:
+    """True while either tier's last save is not finished (this process;
+    not collective).
+
+    Never raises.
+    """
+    fut = self.local._fut  # pylint: disable=protected-access
+    return self.persistent.is_saving_in_progress() or (
+        fut is not None and not fut.done())
+
+  def check_for_errors(self) -> None:
+    """Raises a failed background save of either tier now (once), without
+    waiting for a save in flight.
+
+    Not collective: never waits, each process raises its own tier's failure.
+    """
+    self.persistent.check_for_errors()
+    fut = self.local._fut  # pylint: disable=protected-access
+    if fut is not None and fut.done():
+      self.local.wait()
+
+  def cancel(self) -> bool:
+    """Abandons the persistent tier's save in flight on every process
+    (``Checkpointer.cancel``: collective; its attempt is removed) and lets
+    the local tier's save end (a write to a local disk; a failure of it is
+    logged, not raised). True if a persistent save was cancelled."""
+    try:
+      return self.persistent.cancel()
+    finally:
+      try:
+        self.local.wait()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: cancel(): the local tier's save failed: %s", e)
+
+  def best_step(self) -> int | None:
+    """The persistent tier's best step (``best_metric``/``best_fn`` given
+    to this class; the local tier keeps no metrics). Collective.
+
+    Raises as ``Checkpointer.best_step``.
+    """
+    return self.persistent.best_step()
+
+  def metadata(self, step: int | None = None) -> Any:
+    """``Checkpointer.metadata`` of the persistent tier's ``step``
+    (default: its latest), custom_metadata included. Collective.
+
+    Args:
+      step: a persistent step, or None for its latest.
+
+    Raises as ``Checkpointer.metadata``.
+    """
+    return self.persistent.metadata(step)
+
+  # -- delete --
+
+  def delete(self, step: int) -> None:
+    """Deletes ``step`` from both tiers: the persistent tier's committed
+    step and every process's local ``step_<step>`` (its own part and the
+    partner replica it holds). Collective; ``CheckpointNotFoundError`` if
+    neither tier holds it. After it, ``latest_step()`` and a restart no
+    longer see the step (a rollback: delete each newer step, then save).
+
+    Atomic against failures: every process first renames its local step
+    away, then one round, in which process 0 deletes the persistent step
+    (refused for a save in flight or a step being read, as
+    ``Checkpointer.delete``); if anything failed anywhere, every process
+    puts its local step back and all raise the same error. If the round
+    itself times out (a process died), the renamed steps stay renamed and
+    go at the next save: call ``delete`` again.
+    """
+    tier_timeline.delete(self, step)
+
+  # -- which step, which tier --
+
+  def _choose(self, step: int | None, target_leaves,
+              persistent_only: str = "") -> dict:
+    """Collective: process 0 picks the tier and the step; all get it.
+
+    The key is taken first, and a process whose local checks fail (its
+    last local save failed, an unreadable manifest) says so in the round:
+    it holds no local step, so every process takes the same decision.
+    ``persistent_only``: the restore options the local tier does not take
+    (then only the persistent tier's steps can be chosen)."""
+    key = multihost.call_key(self.local._key_base, "choose")  # pylint: disable=protected-access
+    try:  # a collective round of the persistent tier, on every process
+      p_steps = self.persistent.all_steps()
+    except CheckpointError:
+      p_steps = []
+    p_latest = p_steps[-1] if p_steps else None
+
+    def verify(s: int) -> bool:
+      """The steps that can be chosen have their checksums verified here,
+      before the round, so a bad file changes every process's decision."""
+      if persistent_only:
+        return False  # none can be chosen
+      if step is not None:
+        return s == step
+      return p_latest is None or s >= p_latest
+
+    try:
+      self.local.wait()
+      if target_leaves is None:
+        usable = {"own": [], "partner": [], "why": "no target was given "
+                  "(the local tier restores onto the target's shardings)"}
+      else:
+        usable = self.local.usable(target_leaves, verify)
+    except Exception as e:  # pylint: disable=broad-except
+      usable = {"own": [], "partner": [], "why": (
+          f"the local tier failed on process {multihost.process_index()}: "
+          f"{type(e).__name__}: {e}")[:1000]}
+    dst = self.local.layout.dst
+    n = self.local.layout.n
+
+    def decide(posts: dict[int, str]) -> str:
+      got = {p: json.loads(v) for p, v in posts.items()}
+      complete = tier_timeline.complete(got, dst, n)
+      if persistent_only:
+        return _persistent_only(step, complete, p_steps, persistent_only,
+                                self.persistent.storage.url)
+      if step is not None:
+        complete = [s for s in complete if s == step]
+      why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
+                              got.items() if g["why"]}))[:2000]
+      if complete and (step is not None or p_latest is None or
+                       complete[0] >= p_latest):
+        s = complete[0]
+        need = [p for p in range(n) if s not in got[p]["own"]]
+        reason = (f"process(es) {need} restore step {s} from their partners' "
+                  "replicas" if need else "")
+        if why and need:
+          reason += f" ({why})"
+        return json.dumps({"tier": "local", "step": s, "need": need,
+                           "reason": reason})
+      if complete:
+        reason = (f"the newest persistent step {p_latest} is newer than the "
+                  f"newest step the local tier can rebuild ({complete[0]})")
+      elif step is not None:
+        reason = f"the local tier cannot rebuild step {step}"
+      else:
+        reason = "the local tier holds no step every process can rebuild"
+      if why:
+        reason += f" ({why})"
+      return json.dumps({"tier": "persistent", "step": step if step is not None
+                         else p_latest, "reason": reason})
+
+    out = multihost.agree(
+        key, json.dumps({"own": usable["own"], "partner": usable["partner"],
+                         "why": usable["why"]}), decide,
+        timeout_s=self._timeout_s, what="the tier and step to restore")
+    self.local.settle_keys(key)  # the keys of the calls before go
+    return json.loads(out)
+
+  def latest_step(self, target: Any = None) -> int | None:
+    """The newest step the job can restore from either tier (collective).
+
+    ``target``: the step ``restore(target=target)`` returns (the local
+    step only if every process can serve it on the target's shardings; it
+    checks what that restore checks, the local steps' checksums included).
+    Without it, the local tier's newest step counts whatever the target's
+    shardings will be; it may then be newer than what ``restore`` returns
+    from the persistent tier: for ``restore()`` with no target, a target
+    whose shardings differ from the save's, or restore options the local
+    tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+
+    Raises ``StoreTimeoutError`` / ``CheckpointError`` when the persistent
+    tier cannot be listed.
+    """
+    leaves = [] if target is None else local_tier.flatten(
+        restore_lib.concrete_target(target))[0]
+    return self._choose(None, leaves)["step"]
+
+  # -- restore --
+
+  def restore(self, step: int | None = None, *, target: Any = None,
+              **restore_kwargs) -> Any:
+    """Restores ``step`` (default: the newest the job can rebuild).
+
+    From the local tier when every process has its own part of that step
+    or its partner holds a replica of it, and the process count, devices
+    and the target's shardings are those of the save; else from the
+    persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
+    with an info log saying why. ``last_restore_step``,
+    ``last_restore_tier`` and ``last_restore_reason`` say what it did.
+
+    Restore options the local tier does not take (``transforms``,
+    ``fallback_state``, ``lazy=True``) choose among the persistent tier's
+    steps only: its newest, or ``step`` if it holds it (a step only the
+    local tier holds raises ``CheckpointNotFoundError`` naming both).
+    ``verify=True`` and ``read_once`` do not restrict the choice: the
+    local tier checks every shard's crc32c on every restore.
+    ``restore(path=...)`` reads that checkpoint through the persistent
+    tier's Checkpointer.
+
+    Args:
+      step: a step of either tier, or None for the newest the job can rebuild.
+      target: as ``Checkpointer.restore``'s (the local tier needs one).
+      **restore_kwargs: any other ``Checkpointer.restore`` option.
+
+    Raises:
+      CheckpointNotFoundError: neither tier holds the step (naming both).
+      TreeMismatchError: the target does not fit the saved leaves (the same
+        error and message a ``Checkpointer`` raises), on every process.
+      CheckpointError: another process failed (naming it), or what
+        ``Checkpointer.restore`` raises.
+
+    Collective: one agreement round picks the step and the tier on every
+    process.
+    """
+    # The persistent tier's save in flight ends first (its failure stays for
+    # the next save or wait), the local tier's in _choose.
+    self.persistent._settle()  # pylint: disable=protected-access
+    if target is not None:  # jax.eval_shape's abstract meshes: on devices
+      target = restore_lib.concrete_target(target)
+    leaves, treedef = (local_tier.flatten(target) if target is not None else
+                       (None, None))
+    if restore_kwargs.get("path") is not None:  # another checkpoint's root
+      self.last_restore_tier, self.last_restore_step = "persistent", step
+      self.last_restore_reason = "restore(path=...) reads that checkpoint"
+      self._restored = None
+      return self.persistent.restore(step, target=target, **restore_kwargs)
+    options = ", ".join(
+        f"{k}={v!r}"[:80] for k, v in sorted(restore_kwargs.items())
+        if k not in _LOCAL_OPTIONS and not _is_default(k, v))
+    d = self._choose(step, leaves, options)  # waits for the local tier's save
+    if d["tier"] == "error":
+      raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
+          d["reason"])
+    if d["tier"] == "local":
+      out, hs = self.local.restore(d["step"], leaves, d["need"])
+      logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
+                   self.local.root, f": {d['reason']}" if d["reason"] else "")
+      self.last_restore_tier = "local"
+      self.last_restore_reason = d.get("reason", "")
+      self.last_restore_step = d["step"]
+      self._restored = (d["step"], hs)
+      return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
+    reason = d.get("reason") or "restore options the local tier does not take"
+    logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
+                 d["step"], self.persistent.storage.url, reason)
+    self.last_restore_tier, self.last_restore_reason = "persistent", reason
+    self.last_restore_step = None  # until it is restored
+    state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
+    s = self.last_restore_step = d["step"]
+    try:
+      hs = self.persistent.host_state(s)
+    except CheckpointError as e:
+      logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
+      hs = None
+    self._restored = (s, hs)
+    return state
+
+  def host_state(self, step: int | None = None) -> Any:
+    """This process's host_state of the step restored last (or of ``step``
+    in the persistent tier).
+
+    Args:
+      step: None (the step restored last), or a step of the persistent tier.
+
+    Raises ``CheckpointNotFoundError`` for a step the persistent tier does
+    not hold. Collective, as ``Checkpointer.host_state``.
+    """
+    if self._restored is not None and step in (None, self._restored[0]):
+      return self._restored[1]
+    return self.persistent.host_state(step)
+
+  # -- lifecycle --
+
+  def close(self) -> None:
+    """Waits for both tiers' saves, then closes them (as
+    ``Checkpointer.close``, whose errors it raises).
+
+    Collective when a save is in flight.
+    """
+    try:
+      self.wait_until_finished()
+    finally:
+      self.persistent.close()
+      self.local._pool.shutdown(wait=True)  # pylint: disable=protected-access
+
+  def __enter__(self) -> "MultiTierCheckpointer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _is_default(option: str, value: Any) -> bool:
+  """Whether a restore option has its Checkpointer.restore default (then
+  the local tier can honour it); an option not known here never does."""
+  if option in ("transforms", "lazy"):
+    return not value
+  return option in ("fallback_state", "path") and value is None
+
+
+def _persistent_only(step: int | None, complete: list[int],
+                     p_steps: list[int], options: str, url: str) -> str:
+  """Process 0, in _choose's round, for restore options the local tier
+  does not take: the persistent tier's newest step, or the given one if
+  it has it; an error naming both tiers for a step only the local tier
+  can rebuild."""
+  why = f"restore options the local tier does not take ({options})"
+  if step is None:
+    reason = why
+    if complete and (not p_steps or complete[0] > p_steps[-1]):
+      reason += (f"; the local tier's newer step {complete[0]} is not used "
+                 "(restore it without these options)")
+    return json.dumps({"tier": "persistent", "reason": reason,
+                       "step": p_steps[-1] if p_steps else None})
+  if step in p_steps or step not in complete:
+    return json.dumps({"tier": "persistent", "step": step, "reason": why})
+  return json.dumps({"tier": "error", "not_found": True, "reason": (
+      f"step {step} is in the local tier only, which does not take the "
+      f"restore options {options}; the persistent tier {url!r} holds steps "
+      f"{p_steps}. Restore step {step} without these options, or one of the "
+      "persistent tier's steps with them")})
+
+
+def _owner(spec: dict) -> str:
+  """The persistent tier's root, normalised (an absolute path for a local
+  one): what ties a local step to the run that saved it."""
+  driver, path = spec.get("driver", ""), spec.get("path", "")
+  return f"{driver}://{spec.get('bucket', '')}/{path.strip('/')}"

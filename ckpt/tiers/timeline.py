@@ -1,0 +1,243 @@
+"""The rollback rules of multi-tier checkpoints (ckpt/tiers/multitier.py;
+docs/multi-tier.md): which step a save may write, and ``delete``.
+
+- A save of a step lower than the newest committed step of either tier (the
+  persistent tier's, or a local step the job can rebuild) is refused on
+  every process before anything is written (``check``, one agreement
+  round per save). Saving it would start a new timeline while the newer
+  steps stay, and a restart would resume them; ``delete`` each newer step
+  first (a deliberate rollback).
+- ``delete``: every process renames its local step away (atomic, and
+  reversible), then one round in which process 0 deletes the persistent
+  step; if anything failed anywhere, every process puts its local step
+  back and all raise the same error.
+"""
+# pylint: disable=protected-access
+
+from __future__ import annotations
+
+import json
+
+from absl import logging
+
+from ckpt.store import deadline as deadline_lib
+from ckpt.multihost import process as multihost
+from ckpt import queries
+from ckpt.checkpointer import refusal
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
+                         CorruptCheckpointError)
+
+
+def check(mt, step: int) -> None:
+  """Collective, before a save writes anything: refuses a step lower
+  than the newest committed step of either tier, with the same
+  CheckpointError on every process. Each process posts its local steps
+  above ``step`` (of this run) or its own failure (the previous local
+  save's, say); process 0 adds the persistent tier's and decides."""
+  key = multihost.call_key(mt.local._key_base, "timeline")
+  newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
+  try:  # what can fail on one process alone goes into the round
+    step = queries.check_step(step)
+    mt.local.wait()  # the previous local save: its failure, its commit
+    newer = _local_newer(mt, step)
+    dst, n = mt.local.layout.dst, mt.local.layout.n
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  err = _describe(error)
+
+  def decide(posts: dict[int, str]) -> str:
+    got, failed = _read_posts(key, posts)
+    if failed:
+      return json.dumps({"failed": failed})
+    # The local steps a restore could use (as _choose counts them, from
+    # the manifests): a step that some process holds but the job cannot
+    # rebuild (a host and its partner lost) is never resumed, and goes
+    # at this save's retention.
+    local = sorted(complete(got, dst, n))
+    try:
+      persistent = _persistent_newer(mt, step, fresh=bool(local))
+    except Exception as e:  # pylint: disable=broad-except
+      return json.dumps({"failed": {0: (
+          f"listing the persistent tier {mt.persistent.storage.url!r}: "
+          f"{type(e).__name__}: {e}")[:2000]}})
+    return json.dumps({"local": local, "persistent": persistent})
+
+  out = json.loads(multihost.agree(
+      key, json.dumps({**newer, "error": err}), _safe(decide),
+      timeout_s=mt._timeout_s,
+      what=f"whether step {step} can be saved (newer committed steps)"))
+  if "failed" in out:  # the same error on every process, the failed too
+    raise CheckpointError(
+        f"saving step {step} was refused before anything was written: it "
+        f"failed on process(es) {sorted(int(p) for p in out['failed'])}: "
+        + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items())
+    ) from error
+  if error is not None:
+    raise error
+  if out["local"] or out["persistent"]:
+    where = "; ".join(
+        f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
+            ("persistent", mt.persistent.storage.url, out["persistent"]),
+            ("local", mt.local.root, out["local"])) if steps)
+    raise CheckpointError(refusal(
+        step, sorted(set(out["local"]) | set(out["persistent"])), where))
+
+
+def _local_newer(mt, step: int) -> dict[str, list[int]]:
+  """This process's committed local steps above ``step`` with a valid
+  manifest of this run: the own parts and partner replicas it holds (as
+  ``LocalTier.usable`` counts them, checksums aside); local, no
+  collective."""
+  lay = mt.local.layout
+  out = {"own": [], "partner": []}
+  for s in mt.local.committed_steps():
+    if s <= step:
+      continue
+    try:
+      m = mt.local._manifest(s)
+      why = mt.local._foreign(m)
+    except CorruptCheckpointError as e:
+      why = str(e)
+    if why:  # never restored, removed by the next save
+      logging.info("ckpt: local step %d does not count as committed: %s", s,
+                   why)
+      continue
+    out["own"].append(s)
+    if lay.n > 1 and m["partner_src"] == lay.src[lay.pid]:
+      out["partner"].append(s)
+  return out
+
+
+def _persistent_newer(mt, step: int, fresh: bool) -> list[int]:
+  """Process 0: the persistent tier's committed steps above ``step``, and
+  the step of its save in flight if above. No I/O when its Checkpointer
+  knows that none is (``_newest_bound``: the saves it committed since its
+  last listing); listed when one may be, or ``fresh`` (the local tier has
+  one: the message names them all), so a refusal rests on a listing."""
+  p = mt.persistent
+  deadline = p._query_deadline()
+  if not fresh and deadline_lib.call(deadline, p._newest_bound) <= step:
+    return []
+  with p._lock:
+    fut, flying = p._inflight, p._inflight_step
+  newer = [s for s in deadline_lib.call(deadline, p._committed_now)
+           if s > step]
+  if fut is not None and not fut.done() and flying is not None and (
+      flying > step):
+    newer = sorted({*newer, flying})
+  return newer
+
+
+def delete(mt, step: int) -> None:
+  """MultiTierCheckpointer.delete (see its docstring)."""
+  key = multihost.call_key(mt.local._key_base, "delete")
+  given, hidden, error = step, None, None
+  try:  # what can fail on one process alone goes into the round
+    step = queries.check_step(step)
+    mt.local.wait()  # a local save in flight commits first
+    hidden = mt.local.hide_step(step)
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  err = _describe(error)
+
+  def decide(posts: dict[int, str]) -> str:
+    got, failed = _read_posts(key, posts)
+    if failed:
+      return json.dumps({"failed": failed})
+    local = [p for p, g in got.items() if g["hidden"]]
+    p = mt.persistent
+    try:
+      deadline_lib.call(p._query_deadline(), p._delete_step, step)
+      persistent = True
+    except CheckpointNotFoundError as e:
+      persistent, why = False, str(e)
+    except Exception as e:  # pylint: disable=broad-except
+      return json.dumps({"error": [
+          type(e).__name__, f"deleting step {step}: {e}"[:4000]]})
+    if not (persistent or local):
+      return json.dumps({"error": ["CheckpointNotFoundError", (
+          f"cannot delete step {step}: neither tier holds it ({why}; no "
+          f"process holds step_{step} in the local tier "
+          f"{mt.local.root!r})")[:4000]]})
+    return json.dumps({"persistent": persistent, "local": local})
+
+  try:
+    out = json.loads(multihost.agree(
+        key, json.dumps({"hidden": hidden is not None, "error": err}),
+        _safe(decide), timeout_s=mt._timeout_s,
+        what=f"deleting step {given!r}"))
+  except BaseException:
+    if hidden is not None:
+      logging.error("ckpt: delete(%s) did not complete: the local step on "
+                    "this process stays renamed away (%s) and is removed "
+                    "at the next save", given, hidden)
+    raise
+  if "persistent" not in out:  # refused: every local step goes back
+    if hidden is not None:
+      try:
+        mt.local.unhide_step(step, hidden)
+      except OSError as e:
+        logging.error("ckpt: could not put local step %d back (%s): %s",
+                      step, hidden, e)
+    if error is not None:
+      raise error
+    if "failed" in out:
+      raise CheckpointError(
+          f"delete({given!r}) failed on process(es) "
+          f"{sorted(int(p) for p in out['failed'])}; no tier was changed: "
+          + "; ".join(f"process {p}: {m}" for p, m in out["failed"].items()))
+    cls = (CheckpointNotFoundError if out["error"][0] ==
+           "CheckpointNotFoundError" else CheckpointError)
+    raise cls(out["error"][1])
+  if hidden is not None:
+    mt.local.drop_hidden(hidden)
+  logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
+               "process(es) %s)", step, out["persistent"], out["local"])
+  mt.persistent._metrics_cache.pop(step, None)
+  mt.persistent._time_cache.pop(step, None)
+
+
+def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
+  """The steps the job can rebuild, newest first: every process ``p`` has
+  its own part (``got[p]["own"]``) or its partner ``dst[p]`` holds its
+  replica (``got[dst[p]]["partner"]``)."""
+  candidates = set()
+  for g in got.values():
+    candidates |= set(g["own"]) | set(g["partner"])
+  return [s for s in sorted(candidates, reverse=True)
+          if len(got) == n and all(
+              s in got[p]["own"] or (n > 1 and s in got[dst[p]]["partner"])
+              for p in range(n))]
+
+
+def _safe(decide):
+  """``decide`` of a round that never raises (process 0 would then leave
+  the others waiting): its failure is a decision naming process 0."""
+  def safe(posts: dict[int, str]) -> str:
+    try:
+      return decide(posts)
+    except Exception as e:  # pylint: disable=broad-except
+      return json.dumps({"failed": {0: (
+          f"process 0 could not decide: {type(e).__name__}: {e}")[:2000]}})
+  return safe
+
+
+def _forget_previous(key: str) -> None:
+  """In round ``n``'s decision (every process is past its barrier, so all
+  read round ``n - 1``'s decision): round ``n - 1``'s keys go."""
+  base, _, n = key.rpartition("/")
+  if n.isdigit() and int(n) > 0:
+    multihost.forget(f"{base}/{int(n) - 1}")
+
+
+def _describe(error: BaseException | None) -> str | None:
+  """What a process posts of its own failure in a round."""
+  return None if error is None else f"{type(error).__name__}: {error}"[:2000]
+
+
+def _read_posts(key: str, posts: dict[int, str]) -> tuple[dict, dict]:
+  """Process 0, in a round's decide: the earlier calls' keys go; every
+  process's post, and the failures among them."""
+  _forget_previous(key)
+  got = {p: json.loads(v) for p, v in sorted(posts.items())}
+  return got, {p: g["error"] for p, g in got.items() if g["error"]}
