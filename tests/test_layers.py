@@ -1,0 +1,122 @@
+"""The package's wings import only downwards, and no module imports itself in a circle.
+
+ckpt/ is a handful of wings, one per stage of the data path (see each wing's
+__init__.py). A wing may import the wings below it and never those above, so
+that a newcomer can read the package bottom-up and a change to the CLI or the
+tiers can never break a save. This reads every import statement of the
+package (at the top of a module or inside a function) with ``ast``; nothing is
+imported or run.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "ckpt"
+
+# Lowest first. save and restore share a floor and never import each other.
+FLOORS = [("errors",), ("store",), ("format",), ("shards",), ("multihost",),
+          ("commit",), ("save", "restore"), ("top",), ("tiers",), ("cli",)]
+FLOOR = {wing: i for i, wings in enumerate(FLOORS) for wing in wings}
+FACE = {"ckpt", "ckpt.__main__"}  # the public face may gather every wing
+MAX_LINES = 500
+
+
+def module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(PKG.parent).with_suffix("").parts
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def wing(module: str) -> str:
+  parts = module.split(".")
+  if module == "ckpt.errors":
+    return "errors"
+  if len(parts) == 2 or module in FACE:
+    return "top"
+  return parts[1]
+
+
+def imports(path: pathlib.Path, module: str) -> set[str]:
+  """Every ckpt module that ``path`` imports (resolving ``from ckpt.x import y``
+  to ckpt.x.y when y is a module)."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.split(".")[0] == "ckpt"}
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        pkg = module.split(".")
+        if path.name != "__init__.py":
+          pkg = pkg[:-1]
+        pkg = pkg[:len(pkg) - node.level + 1]
+        base = ".".join(pkg + ([base] if base else []))
+      if base.split(".")[0] != "ckpt":
+        continue
+      for a in node.names:
+        sub = f"{base}.{a.name}"
+        found.add(sub if sub in MODULES else base)
+  return found - {module}
+
+
+PATHS = sorted(PKG.rglob("*.py"))
+MODULES = {module_name(p) for p in PATHS}
+GRAPH = {module_name(p): imports(p, module_name(p)) for p in PATHS}
+
+
+def test_every_module_is_in_a_known_wing():
+  unknown = sorted(m for m in MODULES if wing(m) not in FLOOR)
+  assert not unknown, f"modules outside the wings {sorted(FLOOR)}: {unknown}"
+
+
+def test_wings_import_only_downwards():
+  bad = []
+  for module, targets in GRAPH.items():
+    if module in FACE:
+      continue
+    for target in targets:
+      a, b = wing(module), wing(target)
+      if a != b and FLOOR[b] >= FLOOR[a]:
+        bad.append(f"{module} ({a}) imports {target} ({b})")
+  assert not bad, "a lower wing imports a higher one:\n" + "\n".join(sorted(bad))
+
+
+def test_no_import_cycle():
+  # Package __init__ files import their wing's modules only for the face;
+  # a cycle through them would show here too.
+  state, stack, cycles = {}, [], []
+
+  def visit(m):
+    state[m] = 1
+    stack.append(m)
+    for t in sorted(GRAPH.get(m, ())):
+      if t not in GRAPH or t in FACE:
+        continue
+      if state.get(t) == 1:
+        cycles.append(stack[stack.index(t):] + [t])
+      elif t not in state:
+        visit(t)
+    stack.pop()
+    state[m] = 2
+
+  for m in sorted(GRAPH):
+    if m not in state:
+      visit(m)
+  assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_module_over_the_limit():
+  long = {module_name(p): n for p in PATHS
+          if (n := len(p.read_text().splitlines())) > MAX_LINES}
+  assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("wing_dir", sorted(p.parent.name for p in PKG.glob("*/__init__.py")))
+def test_each_wing_says_what_it_does_and_may_import(wing_dir):
+  doc = ast.get_docstring(ast.parse((PKG / wing_dir / "__init__.py").read_text()))
+  assert doc and "May import" in doc, f"ckpt/{wing_dir}/__init__.py needs a docstring with 'May import'"
