@@ -1,8 +1,8 @@
 """The first restore after a save in one process, against the next ones.
 
 Usage (A/B: run it alternately with PYTHONPATH at each tree, best of 3):
-  XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
-    PYTHONPATH=. python scripts/first_restore.py [--preset large_f32_1g]
+  PYTHONPATH=. python scripts/first_restore.py [--preset large_f32_1g]
+(8 CPU devices unless XLA_FLAGS / JAX_PLATFORMS say otherwise)
 
 Builds the preset's random state (scripts/bench.py), saves it (sync), then
 restores it onto the save mesh twice and onto the other mesh, timing each:
@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import shutil
 import sys
 import tempfile
