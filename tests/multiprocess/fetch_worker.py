@@ -115,6 +115,10 @@ def evict(root: str) -> int:
 def main():
   cfg = local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
+  # Read once is about arrays: every leaf here is one, none packed (packed
+  # leaves of <= 64 KiB are read by each process that needs them).
+  from ckpt.save import pack  # pylint: disable=g-import-not-at-top
+  pack.MAX_LEAF_BYTES = 0
   import jax
   import jax.numpy as jnp
   import numpy as np

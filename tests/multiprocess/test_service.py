@@ -428,8 +428,10 @@ def test_per_process_files_and_index_limit(tmp_path):
       res = r[fmt]
       # Box checksums are per-process files in every format by default
       # (zarr3's crc32c chunk codec is opt-in: Checkpointer(chunk_checksums=True)).
+      # Each process's table of its packed small leaves ("h") too.
       expected = [".checksums/0.msgpack", ".checksums/1.msgpack",
-                  ".host_state/0.msgpack", ".host_state/1.msgpack"]
+                  ".host_state/0.msgpack", ".host_state/1.msgpack",
+                  ".packs/0.msgpack", ".packs/1.msgpack"]
       assert res["files"] == expected, res
       assert res["hs"] == {"pid": pid}, res
       assert res["exact"] is True and res["verify"] == [], res

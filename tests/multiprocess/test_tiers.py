@@ -66,6 +66,12 @@ def killed(tmp_path_factory):
                                 devices_per_process=2, cwd=REPO_ROOT)
   try:
     cluster.wait_for_files([root / f"saved_{p}_12" for p in range(N)], 150)
+    # The persistent tier's step 10 is saved in the background: under load
+    # it may commit after local step 12 (the test restores from both).
+    deadline = time.monotonic() + 150
+    while not (_persistent(root / "persistent") or [0])[-1] >= 10:
+      assert time.monotonic() < deadline, "persistent step 10 never committed"
+      time.sleep(0.05)
   except BaseException:
     for p in range(N):
       cluster.kill(p, signal.SIGKILL)
