@@ -13,7 +13,7 @@ with the largest leaf and the budget for scale. ``--item state`` imports the
 ``state`` item directory instead of the step (what an importer that reads
 one item needs); ``--api`` calls ``ckpt.cli.convert.import_checkpoint`` instead
 of the command (whose process also returns large buffers to the OS: see
-``ckpt/cli/main.py``), so older versions of ckpt can be measured the same way.
+``ckpt/cli/transfer.py``), so older versions of ckpt can be measured the same way.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import tensorstore as ts
 
 from ckpt.format import pack_index
 from ckpt.format import tree
+from ckpt.save import staging
 from ckpt.store import tsfuture
 from ckpt.restore.checksums import checksum
 from ckpt.errors import CheckpointError
@@ -150,9 +151,8 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
 
 def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
   """Stage 3 for a pack's boxes: every device-to-host copy started, then
-  each box on the host (ckpt/save/write.py's staging; copied into the pack at
-  once, so borrowed). ``plan``: a save.SavePlan."""
-  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
+  each box on the host (ckpt/save/staging.py; copied into the pack at
+  once, so borrowed). ``plan``: a leaves.SavePlan."""
   shards: dict[int, dict] = {}  # leaf -> device id -> shard (once per leaf)
   pieces = []
   for w in writes:
@@ -166,12 +166,12 @@ def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
                                     for sh in src.addressable_shards}
         shard = by_id[w.device]
         piece = shard.data
-        if w.box != w.shard and save_lib._cut_on_device(shard.device):
+        if w.box != w.shard and staging._cut_on_device(shard.device):
           piece = piece[w.box.relative_to(w.shard)]
-        if not save_lib._is_view(leaf, piece):
+        if not staging._is_view(leaf, piece):
           piece.copy_to_host_async()
       else:
-        piece = save_lib._device_piece(leaf, w)
+        piece = staging._device_piece(leaf, w)
       pieces.append(piece)
     except Exception as e:
       raise CheckpointError(
@@ -182,7 +182,7 @@ def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
   for w, piece in zip(writes, pieces):
     leaf = plan.leaves[w.leaf]
     try:
-      out.append(save_lib._host_box(leaf, w, piece, borrow=True))
+      out.append(staging._host_box(leaf, w, piece, borrow=True))
     except CheckpointError as e:
       raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
     except Exception as e:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ckpt.multihost import process as multihost
 from ckpt.format import prng
-from ckpt.save import write as save_lib
+from ckpt.save import leaves as leaves_lib
 from ckpt.format import tree
 
 _SCALARS = (bool, int, float, str, bytes)
@@ -58,7 +58,7 @@ def _signature(x: Any):
 @dataclasses.dataclass(eq=False)
 class _Template:
   key: tuple
-  plan: save_lib.SavePlan
+  plan: leaves_lib.SavePlan
   # Per leaf: True for a leaf stored in the index (its value read again at
   # every save), False for an array leaf; and whether it is a PRNG key array.
   inline: list[bool]
@@ -81,9 +81,9 @@ class PlanCache:
     with self._lock:
       self._template = None
 
-  def plan(self, state: Any, options: save_lib.SaveOptions, partitioner=None,
+  def plan(self, state: Any, options: leaves_lib.SaveOptions, partitioner=None,
            *, process_count: int | None = None, process: int | None = None
-           ) -> tuple[save_lib.SavePlan, int]:
+           ) -> tuple[leaves_lib.SavePlan, int]:
     """(the plan of ``state``, how many leaves were planned anew: 0 when
     the cached plan was reused)."""
     process_count = process_count or multihost.process_count()
@@ -99,7 +99,7 @@ class PlanCache:
     if key is not None and template is not None and _same(template.key, key):
       self.hits += 1
       return _replay(template, leaves, options), 0
-    plan = save_lib.plan_save(state, options, partitioner,
+    plan = leaves_lib.plan_save(state, options, partitioner,
                               process_count=process_count, process=process)
     self.misses += 1
     if key is not None and len(plan.leaves) == len(leaves):
@@ -124,8 +124,8 @@ def _same(a: tuple, b: tuple) -> bool:
           and a[5:] == b[5:])
 
 
-def _replay(template: _Template, leaves: list, options: save_lib.SaveOptions
-            ) -> save_lib.SavePlan:
+def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
+            ) -> leaves_lib.SavePlan:
   """The cached plan with this save's arrays as sources and its inline
   values read again."""
   old = template.plan
@@ -133,13 +133,13 @@ def _replay(template: _Template, leaves: list, options: save_lib.SaveOptions
   for lp, x, inline, key in zip(old.leaves, leaves, template.inline,
                                 template.keys):
     if inline:
-      got = save_lib.inline_leaf(lp.parts, x, options)
+      got = leaves_lib.inline_leaf(lp.parts, x, options)
       if got is None:  # the signature decides this: a bug if it differs
         raise AssertionError(f"leaf {tree.path_str(lp.parts)!r}: the cached "
                              "plan stored it inline, the new one would not")
       out.append(got)
       continue
     if key:  # stored as its key data, as plan_save does
-      _, x = save_lib._key_data(tree.path_str(lp.parts), x)  # pylint: disable=protected-access
-    out.append(save_lib.LeafPlan(lp.parts, x, lp.entry, lp.layout))
-  return save_lib.SavePlan(old.structure, out, old.writes, old.options)
+      _, x = leaves_lib._key_data(tree.path_str(lp.parts), x)  # pylint: disable=protected-access
+    out.append(leaves_lib.LeafPlan(lp.parts, x, lp.entry, lp.layout))
+  return leaves_lib.SavePlan(old.structure, out, old.writes, old.options)

@@ -45,6 +45,7 @@ from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
+from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
 from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
@@ -96,7 +97,7 @@ async def _barrier(attempt: Attempt, name: str, what: str,
         + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
 
 
-async def run_save(attempt: Attempt, plan: save_lib.SavePlan,
+async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
                    storage: storage_lib.Storage, context, budget: int,
                    metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
                    on_staged: Callable[[], None],
@@ -236,7 +237,7 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     storage_lib.write_file(os.path.join(folder, name), data)
 
 
-def _ocdbt_groups(plan: save_lib.SavePlan) -> int:
+def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:
   """Format "ocdbt": how many merge groups the step has (1: one database at
   the step's root); 0 for the other formats."""
   if plan.options.storage_format != "ocdbt":
@@ -247,14 +248,14 @@ def _ocdbt_groups(plan: save_lib.SavePlan) -> int:
   return max(groups) + 1 if groups else 1
 
 
-def _tiling_digest(plan: save_lib.SavePlan) -> bytes:
+def _tiling_digest(plan: leaves_lib.SavePlan) -> bytes:
   entries = [lp.entry for lp in plan.leaves]
   return msgpack.packb(tiling.digest(
       (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start, w.box.stop)
       for w in plan.writes))
 
 
-def _check_tiling(plan: save_lib.SavePlan, key: str, mine: bytes,
+def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
                   step: int) -> None:
   """Process 0, before the commit: every array was written exactly once
   (ckpt/shards/tiling.py), or the save fails on every process."""

@@ -1,14 +1,17 @@
-"""Where checkpoints live: URL to TensorStore kvstore, small objects, listing.
+"""Where checkpoints live: a root's TensorStore context, small objects, listing.
+
+The names of keys are ckpt/store/names.py's, a URL's kvstore spec ckpt/store/urls.py's
+(both still importable from here).
 
 The storage driver comes from the URL the Checkpointer (or ``load``) is
 given, never from a checkpoint's index, so a checkpoint copied between disks
 and buckets restores unchanged. ``storage_options`` are merged into the
 kvstore spec as they are (endpoint, region, ``s3_request_concurrency``,
 ``gcs_request_retries``, ...); the standard environment variables are read
-here, so they work without code: ``AWS_ENDPOINT_URL`` (TensorStore's s3
-driver ignores it), ``AWS_REGION`` and the AWS credential variables for
-``s3://``, ``STORAGE_EMULATOR_HOST`` or ``TENSORSTORE_GCS_HTTP_URL`` for
-``gs://``.
+(ckpt/store/urls.py), so they work without code: ``AWS_ENDPOINT_URL``
+(TensorStore's s3 driver ignores it), ``AWS_REGION`` and the AWS credential
+variables for ``s3://``, ``STORAGE_EMULATOR_HOST`` or
+``TENSORSTORE_GCS_HTTP_URL`` for ``gs://``.
 
 The commit protocol (attempts, markers, what cleanup may delete) lives in
 ckpt/commit/protocol.py; this module gives it small objects, listings and deletions.
@@ -55,37 +58,29 @@ the URL, the operation and the step; a deadline's as ``StoreTimeoutError``
 "writing step 5 to 's3://b/run' did not finish within 120 s: ... The bound
 is the Checkpointer argument save_timeout_s=120; ...".
 """
-
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import secrets
 import stat
-import urllib.parse
 from typing import Any
 
 from etils import epath
 import tensorstore as ts
 
 from ckpt.store import deadline as deadline_lib
+# The names and URL parsing of ckpt/store/names.py and ckpt/store/urls.py,
+# importable from here as before.
+from ckpt.store.names import (COMMIT_MARKER, INDEX_NAME, PENDING_DIR,  # pylint: disable=unused-import
+                              RECORDS_DIR, STEP_PREFIX, _describe,
+                              _describe_listing, broken_name, is_deletable,
+                              is_tmp_name, parse_broken, parse_step,
+                              step_dirname)
+from ckpt.store.urls import join, kvstore_for_url  # pylint: disable=unused-import
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.errors import StoreTimeoutError
 
-STEP_PREFIX = "checkpoint_"
-INDEX_NAME = "index.msgpack"
-COMMIT_MARKER = "commit_success"
-_STEP_RE = re.compile(r"^checkpoint_(\d+)$")
-_TMP_RE = re.compile(r"^checkpoint_(\d+)\.tmp-[0-9a-z\-]+$")
-_ATTEMPT_REL_RE = re.compile(r"^checkpoint_(\d+)/attempt-[0-9a-f]{1,64}$")
-# POSIX: a step directory that lost its index, set aside by a save of that
-# step (ckpt/commit/protocol.py); only ``ckpt gc --incomplete`` deletes it.
-_BROKEN_RE = re.compile(r"^checkpoint_(\d+)\.broken-[0-9a-f]+$")
-# Members of the kvstore spec that the URL decides; storage_options may not.
-_FROM_URL = ("driver", "bucket", "path")
-# TensorStore reads its GCS endpoint from this variable (no spec member).
-_GCS_HTTP_URL = "TENSORSTORE_GCS_HTTP_URL"
 # B+tree nodes of OCDBT databases (see ckpt/store/ocdbt.py), so a restore does not
 # fetch the same nodes once per leaf. Array data is never cached.
 OCDBT_CACHE_POOL = "cache_pool#ocdbt"
@@ -118,15 +113,6 @@ MAX_OBJECT_BYTES = 32 << 20
 _MEMORY_CONTEXT: ts.Context | None = None
 
 
-def step_dirname(step: int) -> str:
-  return f"{STEP_PREFIX}{step}"
-
-
-def parse_step(name: str) -> int | None:
-  m = _STEP_RE.match(name)
-  return int(m.group(1)) if m else None
-
-
 def write_file(path: str, data: bytes) -> None:
   """Writes ``path`` durably (a fresh temporary file, fsynced, renamed
   over it) inside an EXISTING directory: it never creates one."""
@@ -146,112 +132,6 @@ def write_file(path: str, data: bytes) -> None:
     raise
 
 
-def is_tmp_name(name: str) -> bool:
-  """``checkpoint_<step>.tmp-<id>``: an attempt (POSIX) or a deletion."""
-  return bool(_TMP_RE.match(name))
-
-
-def is_deletable(rel: str) -> bool:
-  """The only relative directories ckpt ever deletes."""
-  return bool(_STEP_RE.match(rel) or _TMP_RE.match(rel)
-              or _ATTEMPT_REL_RE.match(rel) or _BROKEN_RE.match(rel))
-
-
-def broken_name(step: int, tag: str) -> str:
-  """Where a save of ``step`` sets aside a ``checkpoint_<step>/`` that lost
-  its index (POSIX)."""
-  return f"{step_dirname(step)}.broken-{tag}"
-
-
-def parse_broken(name: str) -> int | None:
-  """The step of a set-aside ``checkpoint_<step>.broken-<id>`` (else None)."""
-  m = _BROKEN_RE.match(name)
-  return int(m.group(1)) if m else None
-
-
-def _env_s3_options() -> dict[str, Any]:
-  """The endpoint and region the AWS environment variables ask for."""
-  out: dict[str, Any] = {}
-  endpoint = (os.environ.get("AWS_ENDPOINT_URL_S3")
-              or os.environ.get("AWS_ENDPOINT_URL"))
-  if endpoint:
-    out["endpoint"] = endpoint
-  region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-  if region:
-    out["aws_region"] = region
-  return out
-
-
-def _apply_gcs_emulator_env() -> None:
-  """Points TensorStore at ``STORAGE_EMULATOR_HOST`` (the Google client
-  libraries' variable) unless ``TENSORSTORE_GCS_HTTP_URL`` is set already.
-
-  TensorStore reads its variable when a gcs kvstore opens, so setting it in
-  this process's environment is how the endpoint gets there.
-  """
-  host = os.environ.get("STORAGE_EMULATOR_HOST")
-  if host and not os.environ.get(_GCS_HTTP_URL):
-    os.environ[_GCS_HTTP_URL] = host if "://" in host else f"http://{host}"
-
-
-def kvstore_for_url(url: str, storage_options: dict | None = None
-                    ) -> tuple[dict[str, Any], bool]:
-  """(kvstore spec of the directory, whether it is a local file system)."""
-  url = os.fspath(url)
-  if storage_options is not None and not isinstance(storage_options, dict):
-    raise CheckpointError(
-        f"storage_options for {url!r} must be a dict merged into the "
-        f"TensorStore kvstore spec, got {type(storage_options).__name__}")
-  opts = dict(storage_options or {})
-  taken = sorted(k for k in opts if k in _FROM_URL)
-  if taken:
-    raise CheckpointError(
-        f"storage_options for {url!r} set {taken}, which come from the URL; "
-        f"put them in the URL instead (storage_options has {sorted(opts)})")
-  parsed = urllib.parse.urlparse(url)
-  scheme = parsed.scheme if len(parsed.scheme) > 1 else ""  # C:\ on Windows
-  if scheme in ("", "file"):
-    path = parsed.path if scheme == "file" else url
-    spec = {"driver": "file", "path": os.path.abspath(path).rstrip("/") + "/"}
-    return _checked({**spec, **opts}, url, opts), True
-  path = parsed.path.strip("/")
-  path = path + "/" if path else ""
-  if scheme in ("gs", "s3") and not parsed.netloc:
-    raise CheckpointError(
-        f"checkpoint URL {url!r} names no bucket; expected {scheme}://BUCKET/DIR")
-  if scheme == "gs":
-    _apply_gcs_emulator_env()
-    spec = {"driver": "gcs", "bucket": parsed.netloc, "path": path}
-  elif scheme == "s3":
-    spec = {"driver": "s3", "bucket": parsed.netloc, "path": path,
-            **_env_s3_options()}
-  elif scheme == "memory":
-    spec = {"driver": "memory", "path": (parsed.netloc + "/" + path).strip("/") + "/"}
-  else:
-    raise CheckpointError(
-        f"unsupported checkpoint URL {url!r}: expected a path, file://, "
-        "gs://, s3:// or memory://")
-  return _checked({**spec, **opts}, url, opts), False
-
-
-def _checked(spec: dict[str, Any], url: str, opts: dict) -> dict[str, Any]:
-  """The spec, after TensorStore has parsed it (unknown options fail here)."""
-  try:
-    ts.KvStore.Spec(spec)
-  except Exception as e:  # ValueError from TensorStore's JSON binding
-    raise CheckpointError(
-        f"the kvstore spec for {url!r} is invalid: {e}. storage_options was "
-        f"{opts}; see TensorStore's documentation of the {spec['driver']!r} "
-        "kvstore driver for the members it accepts") from e
-  return spec
-
-
-def join(spec: dict[str, Any], rel: str) -> dict[str, Any]:
-  """The kvstore spec of ``rel`` (a relative directory) under ``spec``."""
-  rel = rel.strip("/")
-  return {**spec, "path": spec["path"] + (rel + "/" if rel else "")}
-
-
 def _prefix_range(prefix: str) -> tuple[str, str]:
   """[lo, hi): every key that starts with ``prefix`` (non-empty)."""
   return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
@@ -269,50 +149,6 @@ def _split_resources(spec: dict[str, Any]) -> tuple[dict, dict]:
   for k in [k for k, v in spec.items() if isinstance(v, dict)]:
     resources[k] = spec.pop(k)
   return spec, resources
-
-
-_KEY_NAMES = {INDEX_NAME: "the index", COMMIT_MARKER: "the commit marker",
-              "attempt.json": "the lease"}
-# The flat prefixes of ckpt/commit/protocol.py (object stores): one key per committed
-# step, one per save or deletion in progress.
-RECORDS_DIR = "commits"
-PENDING_DIR = "pending"
-
-
-def _describe(rel: str) -> str:
-  """How an error names the key ``rel``: "the index of step 5", ..."""
-  head, _, tail = rel.partition("/")
-  if head == RECORDS_DIR and tail:
-    return (f"the commit record of step {tail}" if tail.isdigit() else
-            f"{rel} (the commit records)")
-  if head == PENDING_DIR and tail:
-    return f"{rel} (a save or deletion in progress)"
-  if tail.startswith("attempt-") and "/" in tail:  # an attempt on a bucket
-    attempt, _, tail = tail.partition("/")
-    head = f"{head}/{attempt}"
-    m = _STEP_RE.match(rel.partition("/")[0])
-    return (f"{_KEY_NAMES.get(tail, repr(tail))} of step {m.group(1)} (in "
-            f"{head}/)") if m else repr(rel)
-  m = _STEP_RE.match(head) or _TMP_RE.match(head)
-  if not m or not tail:
-    return _KEY_NAMES.get(rel, repr(rel))
-  where = f" (in {head}/)" if _TMP_RE.match(head) else ""
-  return f"{_KEY_NAMES.get(tail, repr(tail))} of step {m.group(1)}{where}"
-
-
-def _describe_listing(prefix: str) -> str:
-  """How an error names a listing of ``prefix``: "listing the steps of"."""
-  if prefix == STEP_PREFIX:
-    return "listing the steps of"
-  if prefix == RECORDS_DIR + "/":
-    return "listing the steps of"  # their commit records
-  if prefix == PENDING_DIR + "/":
-    return "listing the saves and deletions in progress in"
-  head, _, tail = prefix.partition("/")
-  m = _STEP_RE.match(head) or _TMP_RE.match(head)
-  if m and not tail:
-    return f"listing the keys of step {m.group(1)} ({head}/) in"
-  return f"listing the keys under {prefix!r} in"
 
 
 class Storage:
@@ -589,4 +425,3 @@ class Storage:
 
   def index_key(self, rel_dir: str) -> str:
     return f"{rel_dir}/{INDEX_NAME}" if rel_dir else INDEX_NAME
-

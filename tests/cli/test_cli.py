@@ -28,6 +28,7 @@ import pytest
 
 import ckpt
 from ckpt.cli import main as cli
+from ckpt.cli.output import human_bytes
 from ckpt.multihost import local_cluster
 from ckpt.format import tree
 from tests.cli import save_worker
@@ -307,7 +308,7 @@ def test_gc_best_metric_and_period(root, tmp_path, capsys):
                           "--tmp-min-age", 0)
   assert rc == 0
   lines = out.splitlines()
-  size1 = cli.human_bytes(run_size(d / "checkpoint_1"))
+  size1 = human_bytes(run_size(d / "checkpoint_1"))
   assert lines[:4] == [
       f"would delete checkpoint_1 (step 1, {size1})",
       "would delete checkpoint_9.tmp-old1 (abandoned save, 100 B)",

@@ -383,6 +383,7 @@ def test_structure_with_int_keys_decodes(rng):
 # ---- size: leaves only, never processes ----------------------------------
 
 def _plan(n_leaves=200):
+  from ckpt.save import leaves as leaves_lib  # pylint: disable=g-import-not-at-top
   from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   state = {f"layer_{i}": {"w": rng.standard_normal((64, 32)).astype(np.float32),
@@ -390,8 +391,8 @@ def _plan(n_leaves=200):
            for i in range(n_leaves)}
   # Over ckpt.save.pack.MAX_LEAF_BYTES: a TensorStore array (the others packed).
   state["embed"] = rng.standard_normal((256, 128)).astype(np.float32)
-  return save_lib, save_lib.plan_save(
-      state, save_lib.SaveOptions(
+  return save_lib, leaves_lib.plan_save(
+      state, leaves_lib.SaveOptions(
           storage_format="zarr3", codec=tsspec.Codec(checksum="crc32c")),
       process_count=1)
 
@@ -418,10 +419,11 @@ def test_index_size_does_not_grow_with_process_count():
 
 
 def test_zarr_v2_entries_have_no_checksum_codec():
+  from ckpt.save import leaves as leaves_lib  # pylint: disable=g-import-not-at-top
   save_lib, _ = _plan(1)
-  plan = save_lib.plan_save({"w": np.zeros((256, 128), np.float32)},
-                            save_lib.SaveOptions(storage_format="zarr"),
-                            process_count=1)
+  plan = leaves_lib.plan_save({"w": np.zeros((256, 128), np.float32)},
+                              leaves_lib.SaveOptions(storage_format="zarr"),
+                              process_count=1)
   e = save_lib.make_index(plan, 1, None, 2).leaves[0]
   assert "checksum" not in e.codec
 

@@ -83,7 +83,7 @@ VALUES: dict[str, Any] = {
 }
 MESH_AXES = {"2x4": ("data", "model"), "1x8": ("a", "b"), "4x2": ("r", "c")}
 MESH_SHAPE = {"2x4": (2, 4), "1x8": (4, 2), "4x2": (2, 4)}
-INLINE_MAX_BYTES = 256  # ckpt.save.write.INLINE_MAX_BYTES: smaller leaves go inline
+INLINE_MAX_BYTES = 256  # ckpt.save.leaves.INLINE_MAX_BYTES: smaller leaves go inline
 
 AdamState = collections.namedtuple("AdamState", ["count", "mu", "nu"])
 

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import staging  # pylint: disable=g-import-not-at-top
   from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
 
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
 
   if config["kill"] == "mid_write" and me == config["victim"]:
     staged = []
-    plain_stage = save_lib._host_box  # pylint: disable=protected-access
+    plain_stage = staging._host_box  # pylint: disable=protected-access
 
     def stage_then_die(leaf, write, *args):
       staged.append(write)  # each box lands on the host here
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
         _die()
       return plain_stage(leaf, write, *args)
 
-    save_lib._host_box = stage_then_die  # pylint: disable=protected-access
+    staging._host_box = stage_then_die  # pylint: disable=protected-access
   elif config["kill"] == "after_index" and me == 0:
     plain_write = storage_lib.Storage.write_bytes
 

@@ -11,7 +11,7 @@ import pytest
 
 from ckpt.format import index as index_lib
 from ckpt.save import plan_cache
-from ckpt.save import write as save_lib
+from ckpt.save import leaves as leaves_lib
 from ckpt.errors import InvalidStateError
 from tests.conftest import mesh, named, sharded
 
@@ -88,12 +88,12 @@ def _plans_equal(a, b):
 def test_reused_plan_equals_a_fresh_one(process, count):
   m = mesh()
   cache = plan_cache.PlanCache()
-  opts = save_lib.SaveOptions()
+  opts = leaves_lib.SaveOptions()
   cache.plan(_state(m), opts, process=process, process_count=count)
   new = _state(m, scale=5.0)
   got, planned = cache.plan(new, opts, process=process, process_count=count)
   assert planned == 0 and cache.hits == 1
-  _plans_equal(got, save_lib.plan_save(new, opts, process=process,
+  _plans_equal(got, leaves_lib.plan_save(new, opts, process=process,
                                        process_count=count))
 
 
@@ -143,31 +143,31 @@ def test_every_change_replans_and_restores(make_ckptr, i):
 def test_changed_options_replan(field, value):
   m = mesh()
   cache = plan_cache.PlanCache()
-  opts = save_lib.SaveOptions()
+  opts = leaves_lib.SaveOptions()
   cache.plan(_state(m), opts)
   new = dataclasses.replace(opts, **{field: value})
   got, planned = cache.plan(_state(m), new)
   assert planned > 0 and cache.misses == 2
-  _plans_equal(got, save_lib.plan_save(_state(m), new))
+  _plans_equal(got, leaves_lib.plan_save(_state(m), new))
 
 
 @pytest.mark.parametrize("process,count", [(1, 1), (0, 2), (3, 4)])
 def test_changed_process_layout_replans(process, count):
   m = mesh()
   cache = plan_cache.PlanCache()
-  opts = save_lib.SaveOptions()
+  opts = leaves_lib.SaveOptions()
   cache.plan(_state(m), opts, process=0, process_count=1)
   got, planned = cache.plan(_state(m), opts, process=process,
                             process_count=count)
   assert planned > 0
-  _plans_equal(got, save_lib.plan_save(_state(m), opts, process=process,
+  _plans_equal(got, leaves_lib.plan_save(_state(m), opts, process=process,
                                        process_count=count))
 
 
 def test_changed_partitioner_replans():
   m = mesh()
   cache = plan_cache.PlanCache()
-  opts = save_lib.SaveOptions()
+  opts = leaves_lib.SaveOptions()
 
   def rows(name, shape):
     return named(m, "data") if name == "host" else None
@@ -175,13 +175,13 @@ def test_changed_partitioner_replans():
   cache.plan(_state(m), opts)
   got, planned = cache.plan(_state(m), opts, rows)
   assert planned > 0
-  _plans_equal(got, save_lib.plan_save(_state(m), opts, rows))
+  _plans_equal(got, leaves_lib.plan_save(_state(m), opts, rows))
   assert cache.plan(_state(m), opts, rows)[1] == 0
 
 
 def test_an_uncacheable_leaf_plans_every_time():
   cache = plan_cache.PlanCache()
-  opts = save_lib.SaveOptions()
+  opts = leaves_lib.SaveOptions()
   state = {"a": np.ones((4, 4), np.float32), "none": None}
   cache.plan(state, opts)
   assert cache.plan(state, opts)[1] == 0  # None is a node, not a leaf

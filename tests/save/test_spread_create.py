@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
 from ckpt.store import storage as storage_lib
 
@@ -31,8 +32,8 @@ def _metadata(root, fmt):
 
 
 def _open(root, fmt, process, count):
-  opts = save_lib.SaveOptions(storage_format=fmt, inline_max_bytes=0)
-  plan = save_lib.plan_save(_state(), opts, process=process,
+  opts = leaves_lib.SaveOptions(storage_format=fmt, inline_max_bytes=0)
+  plan = leaves_lib.plan_save(_state(), opts, process=process,
                             process_count=count)
   kv = {"driver": "file", "path": str(root) + "/"}
   arrays = asyncio.run(save_lib._open_arrays(  # pylint: disable=protected-access

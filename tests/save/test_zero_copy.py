@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import ckpt
+from ckpt.save import staging
 from ckpt.save import write as save_lib
 from tests.conftest import mesh, named, random_array, sharded
 
@@ -147,8 +148,8 @@ def test_copies_to_the_host_start_together_within_the_budget(
   before the first one is waited for (transfers of all local devices
   overlap); started and not yet landed never exceeds the budget."""
   events = []
-  plain_start = save_lib._device_piece  # pylint: disable=protected-access
-  plain_land = save_lib._host_box  # pylint: disable=protected-access
+  plain_start = staging._device_piece  # pylint: disable=protected-access
+  plain_land = staging._host_box  # pylint: disable=protected-access
 
   def start(leaf, write):
     events.append(("start", write.nbytes))
@@ -158,8 +159,8 @@ def test_copies_to_the_host_start_together_within_the_budget(
     events.append(("land", write.nbytes))
     return plain_land(leaf, write, piece, borrow)
 
-  monkeypatch.setattr(save_lib, "_device_piece", start)
-  monkeypatch.setattr(save_lib, "_host_box", land)
+  monkeypatch.setattr(staging, "_device_piece", start)
+  monkeypatch.setattr(staging, "_host_box", land)
   m = mesh()
   # 8 devices x 2 leaves: 16 boxes of 1 MiB; a 4 MiB budget.
   state = {f"w{i}": sharded(random_array(rng, (2048, 1024)),
@@ -192,7 +193,7 @@ def test_boxes_cut_on_the_device_as_on_an_accelerator(rng, tmp_path,
     cuts.append(device.id)
     return True
 
-  monkeypatch.setattr(save_lib, "_cut_on_device", cut)
+  monkeypatch.setattr(staging, "_cut_on_device", cut)
   m = mesh()
   state = {"w": sharded(random_array(rng, (512, 256)), named(m, "data")),
            "rep": sharded(random_array(rng, (256, 64)), named(m)),

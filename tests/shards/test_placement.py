@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from ckpt.shards import placement
 from ckpt.shards import plan
-from ckpt.save import write as save_lib
+from ckpt.save import leaves as leaves_lib
 
 MESHES = [
     ((8,), ("x",)),
@@ -111,8 +111,8 @@ def test_plan_save_holds_only_local_writes(tmp_path):
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
   x = jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
                      NamedSharding(mesh, P("data")))
-  sp = save_lib.plan_save({"x": x, "h": np.ones((300, 300), np.float32)},
-                          save_lib.SaveOptions())
+  sp = leaves_lib.plan_save({"x": x, "h": np.ones((300, 300), np.float32)},
+                            leaves_lib.SaveOptions())
   assert {w.process for w in sp.writes} == {0}
   assert sum(w.nbytes for w in sp.writes) == x.nbytes + 300 * 300 * 4
   # Two devices hold each row block; each block is written once.

@@ -1,0 +1,87 @@
+"""``ckpt export`` and ``ckpt import``: the commands over ckpt/cli/export.py (one checkpoint to
+a safetensors or npz file) and ckpt/cli/convert.py (an Orbax checkpoint or safetensors files to
+a step of a ckpt root), with what they report: widened dtypes, kept values, imported items.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from ckpt.cli import convert
+from ckpt.cli import export as export_lib
+from ckpt.cli.output import Progress, emit, human_bytes
+from ckpt.cli.usage import EXIT_OK, UsageError
+
+
+def _some(names: list[str], n: int = 4) -> str:
+  shown = ", ".join(names[:n])
+  return shown + (f", ... ({len(names)} in all)" if len(names) > n else "")
+
+
+def cmd_export(args) -> int:
+  fmt = args.to
+  if fmt is None:
+    ext = os.path.splitext(args.out)[1].lstrip(".")
+    if ext not in export_lib.FORMATS:
+      raise UsageError(f"cannot tell the format from {args.out!r}; pass "
+                       "--to safetensors or --to npz")
+    fmt = ext
+  with Progress(args, "export") as bar:
+    report = export_lib.export(args.path, args.out, fmt, step=args.step,
+                            storage_options=args.storage_options,
+                            progress=bar)
+  lines = [f"wrote {report.out}: step {report.step}, {report.tensors} "
+           f"{'tensors' if fmt == 'safetensors' else 'arrays'}, "
+           f"{human_bytes(report.bytes)}"]
+  by_cast: dict[str, list[str]] = {}
+  for path, cast in sorted(report.widened.items()):
+    by_cast.setdefault(cast, []).append(path)
+  for cast, paths in by_cast.items():
+    lines.append(f"widened {len(paths)} leaves {cast} ({fmt} has no "
+                 f"{cast.split('->')[0]}; exact): {_some(paths)}")
+  if report.values and fmt == "safetensors":
+    lines.append(f"{len(report.values)} non-array leaves kept in the header "
+                 f"metadata ({convert.VALUES_KEY}): {_some(report.values)}")
+  emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK
+
+
+def _large_buffers_back_to_the_os() -> None:
+  """glibc serves a large allocation from its heap once a freed one raised
+  its mmap threshold, and keeps freed memory in per-thread arenas; the
+  chunks TensorStore's threads decode are such buffers, so an import with
+  a 16 MiB budget grew RSS by 130-170 MiB (200 MiB Orbax state). A fixed
+  threshold (mallopt M_MMAP_THRESHOLD) maps every buffer of 1 MiB or more
+  and unmaps it when freed: 55 MiB (scripts/import_memory.py). The same as
+  MALLOC_MMAP_THRESHOLD_=1048576 in the environment; glibc only."""
+  try:
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+  except (OSError, AttributeError):
+    pass
+
+
+def cmd_import(args) -> int:
+  _large_buffers_back_to_the_os()
+  options = {"format": args.format, "compression": args.compression}
+  if args.concurrent_bytes is not None:
+    options["concurrent_bytes"] = args.concurrent_bytes
+  with Progress(args, "reading", unit="file") as bar:
+    report = convert.import_checkpoint(
+        args.src, args.dir, args.step, kind=args.source_kind, sep=args.sep,
+        storage_options=args.storage_options,
+        source_storage_options=args.source_storage_options,
+        skip=args.skip or (), progress=bar, **options)
+  kind = {"orbax": "Orbax checkpoint", "safetensors": "safetensors"}
+  lines = [f"imported {report.leaves} leaves ({human_bytes(report.bytes)}) "
+           f"from {kind[report.kind]} {report.source} as step {report.step} "
+           f"of {report.directory}"]
+  items = {k: v for k, v in report.items.items() if k}
+  if items:
+    lines.append("items: " + ", ".join(
+        f"{name} ({what}{' -> step metrics' if what == 'metrics' else ''})"
+        for name, what in items.items()))
+  if report.skipped:
+    lines.append(f"not imported (--skip): {', '.join(report.skipped)}")
+  emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK

@@ -1,0 +1,85 @@
+"""Stage 3 of a save, staging off the devices: where one owned box comes from (its
+device-to-host copy started, or a host leaf's view, or a LeafSource's read), and the box on the
+host in its stored dtype, safe to write after save() returns. Used by the writing of array
+boxes (ckpt/save/write.py) and of packs (ckpt/save/pack.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from ckpt.save import leafsource
+from ckpt.shards import plan as plan_lib
+
+def _device_piece(leaf: Any, write: plan_lib.Write) -> Any:
+  """Stage 3a: where one owned box comes from, its device-to-host copy
+  started.
+
+  A jax.Array's box is its device buffer, or on an accelerator a slice of
+  it cut on the device (so only the box moves); ``copy_to_host_async``
+  starts the transfer without waiting, so the transfers of every box that
+  fits in the budget (of all local devices) overlap and ``_host_box`` only
+  waits for them. The same calls run on CPU devices, where nothing is
+  copied (``_host_box`` takes a view of the buffer, cut on the host). A
+  host numpy leaf is cut as a view.
+  """
+  src = leaf.source
+  if isinstance(src, leafsource.LeafSource):
+    return src.read(write.box)  # started now, waited for by _host_box
+  if not isinstance(src, jax.Array):
+    return src[write.box.slices()]
+  shard = next(s for s in src.addressable_shards if s.device.id == write.device)
+  piece = shard.data
+  if write.box != write.shard and _cut_on_device(shard.device):
+    piece = piece[write.box.relative_to(write.shard)]  # only the box moves
+  piece.copy_to_host_async()  # CPU: nothing to copy (np.asarray is a view)
+  return piece
+
+
+def _cut_on_device(device) -> bool:
+  """Whether a box that is part of a shard is sliced on the device before
+  its transfer (accelerators), not on the host (CPU: a view, no copy)."""
+  return device.platform != "cpu"
+
+
+def _is_view(leaf: Any, piece: Any) -> bool:
+  """Whether ``_host_box`` of ``piece`` only takes a view (a CPU device
+  buffer in the stored dtype): work too small for a worker thread."""
+  return (isinstance(piece, jax.Array)
+          and piece.dtype == np.dtype(leaf.entry.dtype)
+          and all(d.platform == "cpu" for d in piece.devices()))
+
+
+def _host_box(leaf: Any, write: plan_lib.Write, piece: Any,
+              borrow: bool = False) -> np.ndarray:
+  """Stage 3b: one owned box on the host, in the stored dtype, safe to
+  write after save() returns (the caller may then delete, donate or
+  overwrite its arrays).
+
+  From a CPU device the box is a read-only view of the device buffer, not
+  a copy, in async mode too: the view keeps the buffer alive when the
+  caller deletes its array or drops the last reference, and XLA does not
+  donate a buffer that has outside references (a jitted step that donates
+  it allocates its output instead, with no error), so the data cannot
+  change under the write; tests/save/test_zero_copy.py shows each case. From an
+  accelerator ``np.asarray`` waits for the transfer ``_device_piece``
+  started and is ckpt's own copy; a cast makes a new array anyway. A host
+  numpy leaf is mutable, so it is copied unless the caller waits for the
+  whole save (``borrow``).
+  """
+  if isinstance(piece, leafsource.PendingRead):
+    host, owned = piece.result(), True  # a new array, ckpt's own
+  elif isinstance(piece, jax.Array):
+    host = np.asarray(piece)  # CPU: a view; accelerator: the host copy
+    if host.shape != write.box.shape:  # a CPU device's whole buffer
+      host = host[write.box.relative_to(write.shard)]  # a view of the box
+    owned = True
+  else:
+    host, owned = piece, borrow
+  dtype = np.dtype(leaf.entry.dtype)
+  if host.dtype != dtype:
+    return host.astype(dtype, order="C")
+  return host if owned else np.array(host, order="C", copy=True)
