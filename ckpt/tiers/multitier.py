@@ -13,6 +13,7 @@ from typing import Any
 from absl import logging
 import jax
 
+from ckpt.tiers import local_leaves
 from ckpt.tiers import local_tier
 from ckpt.multihost import process as multihost
 from ckpt.restore import read as restore_lib
@@ -411,7 +412,7 @@ class MultiTierCheckpointer:
     Raises ``StoreTimeoutError`` / ``CheckpointError`` when the persistent
     tier cannot be listed.
     """
-    leaves = [] if target is None else local_tier.flatten(
+    leaves = [] if target is None else local_leaves.flatten(
         restore_lib.concrete_target(target))[0]
     return self._choose(None, leaves)["step"]
 
@@ -457,7 +458,7 @@ class MultiTierCheckpointer:
     self.persistent._settle()  # pylint: disable=protected-access
     if target is not None:  # jax.eval_shape's abstract meshes: on devices
       target = restore_lib.concrete_target(target)
-    leaves, treedef = (local_tier.flatten(target) if target is not None else
+    leaves, treedef = (local_leaves.flatten(target) if target is not None else
                        (None, None))
     if restore_kwargs.get("path") is not None:  # another checkpoint's root
       self.last_restore_tier, self.last_restore_step = "persistent", step
