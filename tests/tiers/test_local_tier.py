@@ -1,4 +1,5 @@
-"""Unit tests of the local tier (ckpt/tiers/local_tier.py, ckpt/tiers/partner.py) that
+"""Unit tests of the local tier (ckpt/tiers/local_tier.py, ckpt/tiers/local_manifest.py,
+ckpt/tiers/partner.py) that
 need no multi-process job."""
 
 import pytest
@@ -58,8 +59,8 @@ def test_a_failed_local_save_drains_within_the_budget(tmpfs, tmp_path):
 def test_check_manifest_rejects_what_is_not_a_manifest():
   """Every field is checked before use (issue 23 item 8): a clean
   CorruptCheckpointError naming the file and field, never a KeyError."""
-  from ckpt.tiers import local_tier  # pylint: disable=g-import-not-at-top
-  good = {"format": local_tier.FORMAT, "version": local_tier.VERSION,
+  from ckpt.tiers import local_manifest  # pylint: disable=g-import-not-at-top
+  good = {"format": local_manifest.FORMAT, "version": local_manifest.VERSION,
           "step": 3, "process": 0, "process_count": 2, "local_devices": 1,
           "partner_src": 1, "owner": "file:///p", "host_names": [],
           "files": {"own.bin": 16, "partner.bin": 0, "host.msgpack": 9},
@@ -67,7 +68,7 @@ def test_check_manifest_rejects_what_is_not_a_manifest():
           "own": {"w": {"shape": [4], "dtype": "<f4", "slots": [0],
                         "shards": [[[[0, 4]], 0, 16, [4], 123]]}},
           "partner": {}}
-  local_tier.check_manifest(good, 3, 0, "m.json")
+  local_manifest.check_manifest(good, 3, 0, "m.json")
   bad = [[], {}, {**good, "step": 4}, {**good, "process_count": "2"},
          {**good, "files": {"own.bin": 8, "partner.bin": 0,
                             "host.msgpack": 9}},     # shard past the file end
@@ -75,4 +76,4 @@ def test_check_manifest_rejects_what_is_not_a_manifest():
          {**good, "own": {"w": {**good["own"]["w"], "slots": [1]}}}]
   for m in bad:
     with pytest.raises(ckpt.CheckpointError, match="m.json"):
-      local_tier.check_manifest(m, 3, 0, "m.json")
+      local_manifest.check_manifest(m, 3, 0, "m.json")

@@ -1,0 +1,118 @@
+"""Which tier and which step a multi-tier restore takes
+(ckpt/tiers/multitier.py ``MultiTierCheckpointer._choose``): every process
+posts the local steps it can serve for the target, process 0 compares the
+newest step the job can rebuild from the local tier with the persistent
+tier's newest (or the step asked for), and every process gets the same
+decision; restore options the local tier does not take choose among the
+persistent tier's steps only (``_persistent_only``).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ckpt.multihost import process as multihost
+from ckpt.tiers import timeline as tier_timeline
+from ckpt.errors import CheckpointError
+
+
+def choose(mt, step: int | None, target_leaves,
+           persistent_only: str = "") -> dict:
+  """Collective: process 0 picks the tier and the step; all get it.
+
+  The key is taken first, and a process whose local checks fail (its
+  last local save failed, an unreadable manifest) says so in the round:
+  it holds no local step, so every process takes the same decision.
+  ``persistent_only``: the restore options the local tier does not take
+  (then only the persistent tier's steps can be chosen)."""
+  key = multihost.call_key(mt.local._key_base, "choose")  # pylint: disable=protected-access
+  try:  # a collective round of the persistent tier, on every process
+    p_steps = mt.persistent.all_steps()
+  except CheckpointError:
+    p_steps = []
+  p_latest = p_steps[-1] if p_steps else None
+
+  def verify(s: int) -> bool:
+    """The steps that can be chosen have their checksums verified here,
+    before the round, so a bad file changes every process's decision."""
+    if persistent_only:
+      return False  # none can be chosen
+    if step is not None:
+      return s == step
+    return p_latest is None or s >= p_latest
+
+  try:
+    mt.local.wait()
+    if target_leaves is None:
+      usable = {"own": [], "partner": [], "why": "no target was given "
+                "(the local tier restores onto the target's shardings)"}
+    else:
+      usable = mt.local.usable(target_leaves, verify)
+  except Exception as e:  # pylint: disable=broad-except
+    usable = {"own": [], "partner": [], "why": (
+        f"the local tier failed on process {multihost.process_index()}: "
+        f"{type(e).__name__}: {e}")[:1000]}
+  dst = mt.local.layout.dst
+  n = mt.local.layout.n
+
+  def decide(posts: dict[int, str]) -> str:
+    got = {p: json.loads(v) for p, v in posts.items()}
+    complete = tier_timeline.complete(got, dst, n)
+    if persistent_only:
+      return _persistent_only(step, complete, p_steps, persistent_only,
+                              mt.persistent.storage.url)
+    if step is not None:
+      complete = [s for s in complete if s == step]
+    why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
+                            got.items() if g["why"]}))[:2000]
+    if complete and (step is not None or p_latest is None or
+                     complete[0] >= p_latest):
+      s = complete[0]
+      need = [p for p in range(n) if s not in got[p]["own"]]
+      reason = (f"process(es) {need} restore step {s} from their partners' "
+                "replicas" if need else "")
+      if why and need:
+        reason += f" ({why})"
+      return json.dumps({"tier": "local", "step": s, "need": need,
+                         "reason": reason})
+    if complete:
+      reason = (f"the newest persistent step {p_latest} is newer than the "
+                f"newest step the local tier can rebuild ({complete[0]})")
+    elif step is not None:
+      reason = f"the local tier cannot rebuild step {step}"
+    else:
+      reason = "the local tier holds no step every process can rebuild"
+    if why:
+      reason += f" ({why})"
+    return json.dumps({"tier": "persistent", "step": step if step is not None
+                       else p_latest, "reason": reason})
+
+  out = multihost.agree(
+      key, json.dumps({"own": usable["own"], "partner": usable["partner"],
+                       "why": usable["why"]}), decide,
+      timeout_s=mt._timeout_s, what="the tier and step to restore")
+  mt.local.settle_keys(key)  # the keys of the calls before go
+  return json.loads(out)
+
+
+def _persistent_only(step: int | None, complete: list[int],
+                     p_steps: list[int], options: str, url: str) -> str:
+  """Process 0, in _choose's round, for restore options the local tier
+  does not take: the persistent tier's newest step, or the given one if
+  it has it; an error naming both tiers for a step only the local tier
+  can rebuild."""
+  why = f"restore options the local tier does not take ({options})"
+  if step is None:
+    reason = why
+    if complete and (not p_steps or complete[0] > p_steps[-1]):
+      reason += (f"; the local tier's newer step {complete[0]} is not used "
+                 "(restore it without these options)")
+    return json.dumps({"tier": "persistent", "reason": reason,
+                       "step": p_steps[-1] if p_steps else None})
+  if step in p_steps or step not in complete:
+    return json.dumps({"tier": "persistent", "step": step, "reason": why})
+  return json.dumps({"tier": "error", "not_found": True, "reason": (
+      f"step {step} is in the local tier only, which does not take the "
+      f"restore options {options}; the persistent tier {url!r} holds steps "
+      f"{p_steps}. Restore step {step} without these options, or one of the "
+      "persistent tier's steps with them")})

@@ -1,0 +1,65 @@
+"""The bounds of the local tier's partner exchange (ckpt/tiers/local_tier.py):
+``_Budget``, the bytes a save stages on the host for its writer thread, and
+``_wait_ready``, which waits for the arrays a ``ppermute`` with every process
+makes at most ``barrier_timeout_s`` (BarrierTimeoutError past it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from ckpt.multihost import process as multihost
+from ckpt.errors import BarrierTimeoutError
+
+# ---- a byte budget for the caller and the writer thread ------------------------
+
+class _Budget:
+  """Bytes staged on the host and not yet written. An item larger than the
+  budget waits until nothing else is held, then proceeds alone."""
+
+  def __init__(self, budget: int):
+    self.budget, self.used, self.peak = int(budget), 0, 0
+    self._cv = threading.Condition()
+
+  def acquire(self, n: int, failed: threading.Event) -> bool:
+    """Takes ``n`` bytes once they fit; False, taking nothing, once the save
+    has failed: the caller then stages nothing more (it still joins the
+    partner exchange, a collective), so a failed save drains within the
+    budget too, and never waits for a writer that stopped."""
+    with self._cv:
+      while self.used and self.used + n > self.budget:
+        if failed.is_set():
+          return False
+        self._cv.wait(0.1)
+      if failed.is_set():
+        return False
+      self.used += n
+      self.peak = max(self.peak, self.used)
+      return True
+
+  def release(self, n: int) -> None:
+    with self._cv:
+      self.used -= n
+      self._cv.notify_all()
+
+
+def _wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
+  """Returns once every array is ready; BarrierTimeoutError at
+  ``deadline`` (time.monotonic()): a process did not join the collective
+  that makes them."""
+  pending, pause = list(arrays), 1e-4
+  while True:
+    pending = [a for a in pending if not a.is_ready()]
+    if not pending:
+      return
+    now = time.monotonic()
+    if now >= deadline:
+      raise BarrierTimeoutError(
+          f"{what} (a ppermute with every process) did not complete within "
+          f"barrier_timeout_s = {timeout_s:g} s of its dispatch on process "
+          f"{multihost.process_index()} of {multihost.process_count()}: a "
+          "process did not join it (stuck, stopped, dead, or still busy "
+          "with its previous work); look at the logs of the other processes")
+    time.sleep(min(pause, deadline - now))
+    pause = min(2 * pause, 0.01)

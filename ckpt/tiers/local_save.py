@@ -1,0 +1,355 @@
+"""The save path of the local tier (ckpt/tiers/local_tier.py): ``SaveMixin``
+prepares everything of a save that can fail on one process alone before the
+start round (the leaves, the plan, the step directory, the host values posted
+for the partner), dispatches the partner exchange and stages its own shards
+on the caller's thread, and writes, fsyncs, agrees and commits on the writer
+thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from typing import Any
+
+import crc32c
+import msgpack
+import numpy as np
+
+from ckpt.commit import protocol as commit_lib
+from ckpt.multihost import process as multihost
+from ckpt.store import storage as storage_lib
+from ckpt.tiers.local_exchange import _wait_ready
+from ckpt.tiers.local_leaves import _prepare_leaves, flatten
+from ckpt.tiers.local_manifest import _DATA_FILES, FORMAT, VERSION, _index
+from ckpt.tiers.local_steps import _remove
+from ckpt.errors import BarrierTimeoutError, CheckpointError
+
+MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
+
+
+class SaveMixin:
+  """LocalTier's save: the caller's part and the writer thread's."""
+
+  # -- save --
+
+  def wait(self) -> None:
+    fut, self._fut = self._fut, None
+    if fut is not None:
+      fut.result()
+
+  def save(self, step: int, state: Any, host_state: Any = None) -> None:
+    # The key first: a failure below on one process (the previous save's
+    # too) goes into the round, so no later key drifts.
+    key = multihost.call_key(self._key_base, "save", step)
+    t0 = time.perf_counter()
+    lay = self.layout
+    token = multihost.unique_token()
+    work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
+    src = lay.src[lay.pid]
+    manifest = {"format": FORMAT, "version": VERSION, "step": step,
+                "process_count": lay.n, "process": lay.pid,
+                "local_devices": lay.L, "partner_src": src, "own": {},
+                "partner": {}, "host_names": [], "owner": self.owner}
+    host_vals, arrays, error = {}, [], None
+    try:
+      self.wait()
+      arrays, host_vals, info = _prepare_leaves(flatten(state)[0],
+                                                self.save_dtype, lay.devs)
+      manifest["host_names"] = sorted(host_vals)
+      own_host = msgpack.packb({"host_state": host_state, "values": host_vals,
+                                **info}, use_bin_type=True)
+      if len(own_host) > MAX_HOST_BYTES:
+        raise CheckpointError(
+            f"host_state and host values (non-jax leaves, jax arrays one "
+            f"process holds whole) take {len(own_host)} bytes; the local tier "
+            f"sends at most {MAX_HOST_BYTES} to the partner through the "
+            "coordination service: make large leaves sharded jax arrays")
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+    files: dict[str, Any] = {}
+    plan: dict = {}
+    if error is None:
+      try:  # the rest of what can fail on this process alone
+        plan = self._prepare(step, key, arrays, work, manifest, own_host,
+                             files)
+      except Exception as e:  # pylint: disable=broad-except
+        error = e
+    # Every process learns of a failure on any of them BEFORE the partner
+    # exchange: a collective that one process never joins would hang.
+    try:
+      multihost.all_ok(f"{key}/start", error, f"local save of step {step}",
+                       self.timeout_s)
+    except BaseException:
+      for f in files.values():
+        f.close()
+      shutil.rmtree(work, ignore_errors=True)  # this save's own (token)
+      self._round_keys.append(key)  # deleted at the next round that passes
+      raise
+    self.settle_keys(key)
+    # After the round, only what cannot fail on one process alone: the
+    # exchange is dispatched, never waited for on this thread (the writer
+    # waits for it, at most barrier_timeout_s), and staging waits only for
+    # this process's writer to give budget back.
+    q: queue.Queue = queue.Queue()
+    failed = threading.Event()
+    self._fut = self._pool.submit(self._write, step, key, work, manifest, q,
+                                  failed, files, own_host, src, t0)
+    stats = {"step": step, "own_bytes": plan["own_bytes"],
+             "partner_bytes": plan["partner_bytes"]}
+    try:
+      if lay.n > 1:
+        self._exchange(plan["batches"], q, failed, step)
+      for offset, nb, data in plan["own"]:  # own shards, distinct boxes only
+        if self.budget.acquire(nb, failed):
+          # CPU: a view that keeps the buffer alive and undonatable (see
+          # save._host_box); an accelerator: a fresh host copy.
+          q.put(("own.bin", offset, np.asarray(data), nb))
+    except BaseException as e:
+      failed.set()
+      q.put(("error", 0, e, 0))
+      raise
+    finally:
+      q.put(None)
+    stats["blocking_s"] = time.perf_counter() - t0
+    self.last_save_stats = stats
+
+  def _prepare(self, step, key, arrays, work, manifest, own_host,
+               files) -> dict:
+    """Before the round, the part of a save that can fail on this process
+    alone: the plan, the step directory and its files (opened into
+    ``files``), the host values posted for the partner."""
+    lay = self.layout
+    if self._broken:
+      raise CheckpointError(self._broken)
+    plan = self._plan(arrays, manifest)
+    try:
+      os.makedirs(work)
+      for fname in _DATA_FILES.values():
+        files[fname] = open(os.path.join(work, fname), "wb")
+    except OSError as e:
+      raise CheckpointError(
+          f"local save of step {step}: process {lay.pid} cannot create its "
+          f"step directory {work}: {type(e).__name__}: {e}") from e
+    multihost.post_bytes(f"{key}/host", own_host)  # read by our partner
+    return plan
+
+  def _plan(self, arrays, manifest) -> dict:
+    """Local, no I/O: each leaf's distinct own boxes (offsets in own.bin)
+    and the boxes of the replica it receives (offsets in partner.bin) into
+    ``manifest``; the exchange's inputs, made of the device buffers as
+    they are (no copy), in batches within the budget. Raises
+    CheckpointError naming the leaf for what the tier cannot save."""
+    lay = self.layout
+    src_devs = lay.devices_of(lay.src[lay.pid])
+    own, batches, batch, batch_bytes = [], [], [], 0
+    own_off = partner_off = 0
+    for name, arr in arrays:
+      shape, itemsize = tuple(arr.shape), arr.dtype.itemsize
+      shards = {s.device: s for s in arr.addressable_shards}
+      missing = [d for d in lay.local if d not in shards]
+      if missing:
+        raise CheckpointError(
+            f"leaf {name}: the local tier saves jax arrays with a shard on "
+            f"every device of their process; {missing} of process {lay.pid} "
+            f"hold none (sharding {arr.sharding}): put it on a sharding over "
+            "every device")
+      entry = {"shape": list(shape), "dtype": arr.dtype.name, "slots": [],
+               "shards": []}
+      seen: dict[tuple, int] = {}
+      for d in lay.local:
+        s = shards[d]
+        idx = _index(s.index, shape)
+        if idx not in seen:
+          seen[idx] = len(entry["shards"])
+          nb = int(np.prod(s.data.shape)) * itemsize
+          entry["shards"].append([idx, own_off, nb, list(s.data.shape)])
+          data = s.data
+          if d.platform != "cpu":  # CPU: np.asarray is a view, no copy
+            data.copy_to_host_async()
+          own.append((own_off, nb, data))
+          own_off += nb
+        entry["slots"].append(seen[idx])
+      manifest["own"][name] = entry
+      if lay.n == 1:
+        continue
+      try:
+        ss = tuple(arr.sharding.shard_shape(shape))
+        imap = arr.sharding.devices_indices_map(shape)
+        boxes = [_index(imap[d], shape) for d in src_devs]
+      except (ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"leaf {name}: the local tier sends each process's shards to its "
+            f"partner, which needs equal shards on every process's devices; "
+            f"shape {shape} over {arr.sharding} has none: "
+            f"{type(e).__name__}: {e}") from e
+      nb = int(np.prod(ss)) * itemsize
+      entry = {"shape": list(shape), "dtype": arr.dtype.name, "slots": [],
+               "shards": []}
+      items, seen = [], {}
+      for j, idx in enumerate(boxes):
+        if idx not in seen:
+          seen[idx] = len(entry["shards"])
+          entry["shards"].append([idx, partner_off, nb, list(ss)])
+          items.append((partner_off, nb, j, ss))
+          partner_off += nb
+        entry["slots"].append(seen[idx])
+      manifest["partner"][name] = entry
+      blocks = [shards[d].data for d in lay.local]
+      if not ss or not ss[0]:  # 0-d (or empty) blocks get a leading axis
+        blocks = [b[None] for b in blocks]
+      stacked = lay.join(blocks)
+      if batch and batch_bytes + nb * lay.L > self.budget.budget:
+        batches.append(batch)
+        batch, batch_bytes = [], 0
+      batch.append((stacked, items))
+      batch_bytes += nb * lay.L
+    if batch:
+      batches.append(batch)
+    return {"own": own, "batches": batches, "own_bytes": own_off,
+            "partner_bytes": partner_off}
+
+  def _exchange(self, batches, q, failed, step) -> None:
+    """Dispatches each batch's jitted ppermute (asynchronous: this thread
+    never waits for another process) and queues the boxes of the replica
+    it receives; the writer waits for them, at most barrier_timeout_s.
+    Every batch is dispatched, also once the save failed here (the others
+    wait for this process's part of the collective); the budget for what a
+    batch receives is taken before it is dispatched."""
+    lay = self.layout
+    for batch in batches:
+      nb = sum(it[1] for _, items in batch for it in items)
+      held = self.budget.acquire(nb, failed)
+      outs = lay.permute([stacked for stacked, _ in batch])
+      deadline = time.monotonic() + self.timeout_s
+      if not held:
+        continue
+      boxes = []
+      for out, (_, items) in zip(outs, batch):
+        got = {s.device: s.data for s in out.addressable_shards}
+        for offset, n, j, ss in items:
+          boxes.append((offset, n, got[lay.local[j]], ss))
+      q.put(("wait", 0, ([b[2] for b in boxes], deadline, self.timeout_s,
+                         f"the partner exchange of local step {step}"), 0))
+      for offset, n, data, ss in boxes:
+        q.put(("partner.bin", offset, (data, ss), n))
+
+  def _write(self, step, key, work, manifest, q, failed, files, own_host,
+             src, t0) -> None:
+    """The background part: write what the caller stages, fsync, agree,
+    commit (rename), clean up leftovers and apply retention."""
+    error: BaseException | None = None
+    lost = None  # the exchange did not complete in time: no barrier
+    crcs: dict[tuple[str, int], int] = {}  # (file, offset): crc32c
+    drained = False
+    try:
+      self._remove_leftovers(keep=os.path.basename(work))
+      self._remove_unusable()
+      while True:
+        item = q.get()
+        if item is None:
+          drained = True
+          break
+        kind, offset, data, nb = item
+        if kind == "error":
+          error = error or data
+          continue
+        if kind == "wait":  # also after a failure: was it abandoned?
+          try:
+            _wait_ready(*data)
+          except BarrierTimeoutError as e:
+            lost = e
+            error = error or e
+            failed.set()
+          continue
+        try:
+          if error is None:
+            if kind == "partner.bin":  # ready: a view on CPU, no copy
+              data = np.asarray(data[0]).reshape(data[1])
+            f = files[kind]
+            f.seek(offset)
+            # A byte view: memoryview rejects ml_dtypes (bfloat16 ...).
+            mv = memoryview(
+                np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+            crcs[(kind, offset)] = crc32c.crc32c(mv)  # of the staged bytes
+            f.write(mv)
+        except BaseException as e:  # pylint: disable=broad-except
+          error, _ = e, failed.set()
+        finally:
+          item = data = None  # nothing of it held past its budget
+          self.budget.release(nb)
+      if error is None:
+        partner_host = b""
+        if self.layout.n > 1:  # posted before the round: no wait
+          partner_host = multihost._wait_for_key(  # pylint: disable=protected-access
+              multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+              f"{key}/host/{src}", self.timeout_s,
+              f"the host values of process {src} for the local tier")
+        for f in files.values():
+          f.flush()
+          os.fsync(f.fileno())
+        host = msgpack.packb(
+            {"own": own_host, "partner": partner_host, "partner_src": src},
+            use_bin_type=True)
+        storage_lib.write_file(os.path.join(work, "host.msgpack"), host)
+        manifest["files"] = {"host.msgpack": len(host)}
+        manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
+        for part, fname in _DATA_FILES.items():
+          size = 0
+          for e in manifest[part].values():
+            for sh in e["shards"]:
+              sh.append(crcs[(fname, sh[1])])
+              size = max(size, sh[1] + sh[2])
+          manifest["files"][fname] = size
+        storage_lib.write_file(os.path.join(work, "manifest.json"),
+                    json.dumps(manifest).encode())
+        commit_lib.fsync_dir(work)
+    except BaseException as e:  # pylint: disable=broad-except
+      error = error or e
+    finally:
+      for f in files.values():
+        f.close()
+      if error is not None:
+        failed.set()  # the caller stages nothing more
+      while not drained:  # whatever it staged before it heard, given back
+        item = q.get()
+        drained = item is None
+        if not drained:
+          self.budget.release(item[3])
+    if lost is not None:
+      # A process did not join the exchange within barrier_timeout_s: the
+      # others are not waited for again at the barrier (that would double
+      # the bound); none commits, as this process never arrives there. Its
+      # device collectives may now be out of step with the others': it
+      # saves no more local steps in this job.
+      self._broken = (
+          f"process {self.layout.pid} abandoned the partner exchange of "
+          f"local step {step} after barrier_timeout_s = {self.timeout_s:g} s "
+          "(a process did not join it); its device collectives may be out "
+          "of step with the other processes', so the local tier saves no "
+          "more steps in this job: restart it")
+      shutil.rmtree(work, ignore_errors=True)
+      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+      raise error
+    if error is not None:
+      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
+    multihost.barrier(f"{key}/written", timeout_s=self.timeout_s,
+                      what=f"the local tier's save of step {step}")
+    failures = multihost.reported_failures(f"{key}/failed")
+    if error is not None or failures:
+      shutil.rmtree(work, ignore_errors=True)
+      if error is not None:
+        raise error
+      raise CheckpointError(f"local save of step {step} failed on process(es) "
+                            f"{sorted(failures)}: {failures}")
+    final = os.path.join(self.dir, f"step_{step}")
+    if os.path.exists(final):  # saved again: the old one goes first
+      _remove(final, self.dir, step)
+    os.rename(work, final)
+    commit_lib.fsync_dir(self.dir)
+    self.last_save_stats["total_s"] = time.perf_counter() - t0
+    self._retain()
