@@ -28,6 +28,7 @@ from ckpt.format import pack_index
 from ckpt.format import prng
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree
+from ckpt.store import ocdbt
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 
 FORMAT_NAME = "ckpt"
@@ -83,8 +84,8 @@ ALLOWED_DTYPES = frozenset({
     "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
     "float8_e5m2fnuz", "float8_e4m3b11fnuz", "int4",
 })
-# The most OCDBT merge groups a step may have (ckpt/store/ocdbt.py uses it).
-MAX_OCDBT_GROUPS = 4096
+# The most OCDBT merge groups a step may have (defined in ckpt/store/ocdbt.py).
+MAX_OCDBT_GROUPS = ocdbt.MAX_GROUPS
 # Each allowed name's dtype, looked up once (not np.dtype() per leaf).
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 _DTYPE_NAMES = {d: name for name, d in _DTYPES.items()}  # (dtype.name is slow)

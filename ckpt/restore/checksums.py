@@ -21,10 +21,10 @@ import asyncio
 import math
 from typing import Any
 
-import crc32c
 import numpy as np
 
 from ckpt.format import index as index_lib
+from ckpt.format.crc import checksum
 from ckpt.restore import lazy
 from ckpt.format import tree
 from ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -35,12 +35,6 @@ from ckpt.shards.plan import Box
 READ_BOX_BYTES = 64 << 20
 # Per-process checksum files read at once.
 _FILE_READS = 32
-
-
-def checksum(data: np.ndarray) -> int:
-  """crc32c of an array's bytes in C order (hardware-accelerated)."""
-  data = np.ascontiguousarray(data)
-  return crc32c.crc32c(data.reshape(-1).view(np.uint8))
 
 
 def _overlaps(a: Box, b: Box) -> bool:

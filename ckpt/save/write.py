@@ -38,13 +38,14 @@ from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import polite
 from ckpt.save import pack as pack_lib
+from ckpt.shards import merge_groups
 from ckpt.shards import placement as placement_lib
 from ckpt.shards import plan as plan_lib
 from ckpt.format import prng
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.format import tsspec
-from ckpt.restore.checksums import checksum
+from ckpt.format.crc import checksum
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          InvalidStateError)
 from ckpt.store.limiter import ByteLimiter
@@ -330,7 +331,7 @@ def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
   keys = [1 + math.prod(-(-n // c) for n, c in zip(lp.entry.shape,
                                                     lp.entry.chunks))
           for lp in arrays]
-  for lp, g in zip(arrays, ocdbt.assign_groups(keys, process_count)):
+  for lp, g in zip(arrays, merge_groups.assign_groups(keys, process_count)):
     if g is not None:
       lp.entry = dataclasses.replace(lp.entry, ocdbt_group=g)
 
