@@ -59,7 +59,7 @@ GROUP_DIR_PREFIX = "ocdbt.group_"
 # Keys one process merges (about 1 s at 4.6 us per key); more make groups.
 KEYS_PER_MERGE = 250_000
 # The most merge groups a step may have: what an index may name
-# (ckpt/format/index.py checks it as MAX_OCDBT_GROUPS).
+# (ckpt/format/entries.py checks it as MAX_OCDBT_GROUPS).
 MAX_GROUPS = 4096
 
 
