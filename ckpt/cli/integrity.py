@@ -23,6 +23,7 @@ from typing import Callable
 
 from ckpt.restore import checksums
 from ckpt.restore import lazy
+from ckpt.restore import tasks
 from ckpt.restore import pack_read
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
@@ -94,4 +95,4 @@ def verify(path, *, step: int | None = None, storage_options: dict | None = None
   """
   storage = storage_lib.Storage(path, storage_options)
   step_dir = restore_lib.locate_path(storage, step)
-  return lazy.run_sync(_verify(storage, step_dir, budget, progress))
+  return tasks.run_sync(_verify(storage, step_dir, budget, progress))

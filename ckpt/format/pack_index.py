@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ckpt.format import checks
 from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError
 
@@ -86,23 +87,22 @@ def decode_entry(e: dict, where: Any, path: tuple[str, ...]) -> PackedEntry:
   """A "packed" entry of an index, validated like an array's (shape,
   dtype, PRNG implementation, saved sharding); CorruptCheckpointError
   naming ``where``."""
-  from ckpt.format import index as ix  # pylint: disable=g-import-not-at-top
-  shape = ix._shape(e.get("shape"), where)  # pylint: disable=protected-access
+  shape = checks._shape(e.get("shape"), where)  # pylint: disable=protected-access
   dtype = e.get("dtype")
-  itemsize = ix._dtype(dtype, where).itemsize  # pylint: disable=protected-access
+  itemsize = checks._dtype(dtype, where).itemsize  # pylint: disable=protected-access
   nbytes = 1
   for d in shape:
     nbytes *= d
   if nbytes * itemsize > MAX_PACKED_LEAF_BYTES:
-    raise ix._bad(where, f"a packed leaf of at most {MAX_PACKED_LEAF_BYTES} "  # pylint: disable=protected-access
-                  "bytes", f"shape {list(shape)} of {nbytes * itemsize} bytes")
+    raise checks._bad(where, f"a packed leaf of at most {MAX_PACKED_LEAF_BYTES} "  # pylint: disable=protected-access
+                      "bytes", f"shape {list(shape)} of {nbytes * itemsize} bytes")
   source = e.get("source_dtype", dtype)
-  ix._dtype(source, where)  # pylint: disable=protected-access
+  checks._dtype(source, where)  # pylint: disable=protected-access
   sharding = e.get("sharding", "")
   if not isinstance(sharding, str):
-    raise ix._bad(where, "sharding as a string", sharding)  # pylint: disable=protected-access
-  impl = ix._prng_impl(e, where, shape, dtype, True)  # pylint: disable=protected-access
+    raise checks._bad(where, "sharding as a string", sharding)  # pylint: disable=protected-access
+  impl = checks._prng_impl(e, where, shape, dtype, True)  # pylint: disable=protected-access
   saved = e.get("saved_sharding")
   if saved is not None:
-    saved = ix.decode_saved_sharding(saved, where, ix._keys_rank(shape, impl))  # pylint: disable=protected-access
+    saved = checks.decode_saved_sharding(saved, where, checks._keys_rank(shape, impl))  # pylint: disable=protected-access
   return PackedEntry(path, shape, dtype, source, sharding, impl, saved)

@@ -31,7 +31,7 @@ from ckpt import errors
 from ckpt.format import index as index_lib
 from ckpt.multihost import process as multihost
 from ckpt.format import tree
-from ckpt.restore.checksums import checksum
+from ckpt.format.crc import checksum
 
 # Digests one process posts about its host values: at most this many, each
 # over a group of consecutive leaves, so a post stays small at any leaf count.

@@ -4,6 +4,9 @@ the byte budget, cast it, and assemble the ``jax.Array`` (or host value).
 ``materialize`` reads each distinct box this process's devices hold once,
 into 64-byte-aligned host memory that jax's CPU client adopts without a
 copy, and places it on those devices with one batched ``device_put``.
+It works on any lazy leaf by what it has (``read_box``, ``read_into``,
+``place``, ``read_bytes``, ``scalar``), not by its type, so it imports none
+of the leaf types (ckpt/restore/lazy.py imports it).
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import numpy as np
 
 from ckpt.restore import hostmem
 from ckpt.format import prng
-from ckpt.restore.lazy import (LazyLeaf, LazyValue, check_fits, gather_or_cancel,
-                       logical_shape)
+from ckpt.restore.hostmem import check_fits
+from ckpt.restore.keyshape import logical_shape
+from ckpt.restore.tasks import gather_or_cancel
 from ckpt.store.limiter import ByteLimiter
 from ckpt.shards.plan import Box
 
@@ -27,7 +31,7 @@ def is_floating(dtype) -> bool:
   return jnp.issubdtype(np.dtype(dtype), jnp.floating)
 
 
-async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
+async def materialize(leaf, out_dtype: np.dtype,
                       sharding: jax.sharding.Sharding | None,
                       limiter: ByteLimiter):
   """Reads what this process needs of ``leaf`` and places it.
@@ -46,7 +50,7 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
     data = await _read(leaf, Box((0,) * len(shape), shape), limiter, out_dtype)
     if impl:
       return prng.wrap(data, impl)
-    if isinstance(leaf, LazyValue) and leaf.scalar:
+    if getattr(leaf, "scalar", False):  # a LazyValue of a numpy scalar
       return data[()]
     return data
   place = getattr(leaf, "place", None)
@@ -87,7 +91,7 @@ async def materialize(leaf: LazyLeaf, out_dtype: np.dtype,
       dtype=prng.info(impl).dtype if impl else out_dtype)
 
 
-def _extra_bytes(leaf: LazyLeaf, box: Box) -> int:
+def _extra_bytes(leaf, box: Box) -> int:
   """Host bytes a read of ``box`` holds besides the box (a reshape's
   parent pieces); counted in the byte budget with it."""
   fn = getattr(leaf, "read_bytes", None)
@@ -119,7 +123,7 @@ def aligned_zeros(shape: Sequence[int], dtype) -> np.ndarray:
   return _aligned_empty(shape, dtype, zeros=True)
 
 
-async def _read(leaf: LazyLeaf, box: Box, limiter: ByteLimiter | None,
+async def _read(leaf, box: Box, limiter: ByteLimiter | None,
                 out_dtype) -> np.ndarray:
   if limiter is None:
     data = await leaf.read_box(box)

@@ -21,11 +21,11 @@ import asyncio
 import math
 from typing import Any
 
-import crc32c
-import numpy as np
-
 from ckpt.format import index as index_lib
+from ckpt.format.crc import checksum
 from ckpt.restore import lazy
+from ckpt.restore import lazy_derived
+from ckpt.restore.tasks import gather_or_cancel
 from ckpt.format import tree
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.store.limiter import ByteLimiter
@@ -35,12 +35,6 @@ from ckpt.shards.plan import Box
 READ_BOX_BYTES = 64 << 20
 # Per-process checksum files read at once.
 _FILE_READS = 32
-
-
-def checksum(data: np.ndarray) -> int:
-  """crc32c of an array's bytes in C order (hardware-accelerated)."""
-  data = np.ascontiguousarray(data)
-  return crc32c.crc32c(data.reshape(-1).view(np.uint8))
 
 
 def _overlaps(a: Box, b: Box) -> bool:
@@ -103,14 +97,14 @@ async def check_boxes(leaf: lazy.LazyArray, wanted: list[Box] | None,
   boxes = [(Box(a, b), c) for a, b, c in sums]
   if wanted is not None:
     boxes = [(b, c) for b, c in boxes if any(_overlaps(b, w) for w in wanted)]
-  await lazy.gather_or_cancel(*(one(b, c) for b, c in boxes))
+  await gather_or_cancel(*(one(b, c) for b, c in boxes))
 
 
 def stored_bases(leaf: lazy.LazyLeaf) -> list[lazy.LazyArray]:
   """The stored arrays a (possibly derived) lazy leaf reads from."""
   if isinstance(leaf, lazy.LazyArray):
     return [leaf]
-  if isinstance(leaf, lazy.LazyStack):
+  if isinstance(leaf, lazy_derived.LazyStack):
     return [b for m in leaf.members for b in stored_bases(m)]
   parent = getattr(leaf, "parent", None)
   return stored_bases(parent) if parent is not None else []
@@ -188,7 +182,7 @@ async def read_through(leaf: lazy.LazyArray, wanted: list[Box] | None,
     finally:
       limiter.release(grant)
 
-  await lazy.gather_or_cancel(*(one(b) for b in boxes))
+  await gather_or_cancel(*(one(b) for b in boxes))
 
 
 # ---- zarr v2: the per-process checksum files ------------------------------
@@ -253,7 +247,7 @@ class ProcessChecksums:
             "boxes that process wrote cannot be verified")
       self._add(out, chunk_counts, p, data, where)
 
-    await lazy.gather_or_cancel(*(one(p) for p in range(n)))
+    await gather_or_cancel(*(one(p) for p in range(n)))
     return out
 
   def _add(self, out: dict[str, array.array], chunk_counts: dict[str, int],

@@ -21,6 +21,9 @@ huge page is the cheaper fault).
 
 ``HUGE_PAGES``: None (default) decides from the machine as above; True or
 False forces the choice (set it before restoring).
+
+``check_fits`` refuses, before allocating, a read of one box larger than
+this host's memory (``host_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import os
 from typing import Sequence
 
 import numpy as np
+
+from ckpt.errors import CheckpointError
 
 HUGE_PAGES: bool | None = None
 
@@ -103,3 +108,25 @@ def aligned_empty(shape: Sequence[int], dtype, alignment: int) -> np.ndarray:
   raw = empty(nbytes + alignment)
   offset = -raw.ctypes.data % alignment
   return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+
+
+def host_memory_bytes() -> int:
+  """This host's physical memory (a large number where unknown)."""
+  try:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    return 1 << 62
+
+
+def check_fits(path: str, shape: Sequence[int], dtype) -> None:
+  """Refuses, before allocating, a read of more bytes than this host has:
+  shapes come from an index (index.check_extent bounds them far above any
+  real leaf), and one box is allocated whole."""
+  nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+  if nbytes > host_memory_bytes():
+    raise CheckpointError(
+        f"leaf {path!r}: reading a box of shape {tuple(shape)} needs "
+        f"{nbytes} bytes at once, more than this host's "
+        f"{host_memory_bytes()} bytes of memory; restore it with a target "
+        "sharding so that each process reads only its part (or the index "
+        "is not what was saved)")

@@ -32,7 +32,9 @@ from ckpt.format import pack_index
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.errors import CorruptCheckpointError
-from ckpt.restore.lazy import LazyLeaf, check_fits
+from ckpt.restore import assemble
+from ckpt.restore.hostmem import check_fits
+from ckpt.restore.lazy import LazyLeaf
 from ckpt.shards.plan import Box
 
 # Tables read at once.
@@ -315,7 +317,6 @@ class LazyPacked(LazyLeaf):
     64-byte-aligned memory, cast, and every device's buffer made by ONE
     ``jax.make_array_from_callback`` (one batched transfer per leaf, not
     one ``device_put`` per box)."""
-    from ckpt.restore import assemble  # pylint: disable=g-import-not-at-top
     shape = self.shape
     out_dtype = np.dtype(out_dtype)
     index_map = sharding.addressable_devices_indices_map(shape)

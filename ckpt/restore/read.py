@@ -3,13 +3,15 @@
 discover -> read and validate the index -> match the target -> plan each
 process's boxes from the target shardings -> read only those boxes under the
 byte budget, cast, assemble ``jax.Array``s.
+
+Matching the target (its shapes, dtypes and shardings) is in
+ckpt/restore/targets.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 from typing import Any, Callable, Sequence
 
 import jax
@@ -23,9 +25,14 @@ from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.restore import pack_read
 from ckpt.format import prng
+from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore import readsplit
-from ckpt.format import saved_sharding as saved_sharding_lib
+from ckpt.restore import tasks
+# What the local tier calls as restore_lib.X (ckpt/tiers/local_tier.py,
+# multitier.py), defined in ckpt/restore/targets.py.
+from ckpt.restore.targets import (  # noqa: F401
+    AsSaved, _check_divides, _target_spec, concrete_target, out_dtype)
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.errors import (CheckpointNotFoundError,
@@ -107,205 +114,6 @@ class RestoreArgs:
   lazy_reads: readonce.LazyReads | None = None
 
 
-def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
-               restore_dtype) -> np.dtype:
-  if restore_dtype is not None and assemble.is_floating(saved):
-    return np.dtype(restore_dtype)
-  if wanted is None or wanted == saved:
-    return saved
-  if assemble.is_floating(saved) and assemble.is_floating(wanted):
-    return wanted
-  raise TreeMismatchError(
-      f"leaf {name!r}: the checkpoint has dtype {saved}, the target wants "
-      f"{wanted}; only floating dtypes are cast on restore (pass a target "
-      "with the saved dtype, or convert afterwards)")
-
-
-def _target_spec(x: Any, name: str = "<target>"):
-  """(shape, dtype, sharding, wants_array) of one target leaf; the dtype of
-  a typed PRNG key target is its key dtype (numpy has none)."""
-  if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
-    sharding = concrete_sharding(name, x.sharding)
-    if prng.is_key_dtype(x.dtype):
-      return tuple(x.shape), x.dtype, sharding, True
-    try:
-      dtype = np.dtype(x.dtype)
-    except TypeError as e:
-      raise TreeMismatchError(
-          f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
-          "restore into; expected a numpy dtype or a typed PRNG key dtype"
-      ) from e
-    _check_divides(name, tuple(x.shape), sharding)
-    return tuple(x.shape), dtype, sharding, True
-  if isinstance(x, np.ndarray):
-    return tuple(x.shape), np.dtype(x.dtype), None, True
-  return None, None, None, False
-
-
-_HOW = ("pass a target leaf with a sharding (jax.ShapeDtypeStruct(shape, "
-        "dtype, sharding=...)), e.g. a target from ckpt.abstract_target("
-        "ckptr.metadata(step), mesh, rules); or a numpy array target leaf "
-        "for host numpy")
-
-
-class AsSaved:
-  """The shardings of target leaves that are ``jax.ShapeDtypeStruct``s
-  without one (what ``jax.eval_shape`` gives): each leaf is restored in the
-  sharding it was saved in, built on this job's devices (``jax.devices()``,
-  the same on every process, so every process decides alike, from the
-  index), once per distinct saved sharding of a restore.
-
-  Saved on a mesh (a stored leaf, or a small replicated jax.Array kept
-  inline): that mesh (the same axis names, sizes and types; as many devices
-  as it had) and its PartitionSpec. Saved on one device: this process's
-  first device.
-  No mesh (a host numpy leaf saved without a partitioner, a numpy value
-  kept inline, a value given in memory by fallback_state or a transform):
-  replicated over all devices, on the checkpoint's mesh when its leaves
-  were saved on one mesh (so a jitted step can take it with them: jax
-  refuses arguments on different meshes of Explicit axes), else on a 1-D
-  mesh of all devices; a fallback ``jax.Array`` keeps its own sharding.
-  Anything else (no mesh recorded, a mesh this job cannot build, a leaf a
-  transform derived) raises TreeMismatchError naming the leaf: never
-  silent numpy."""
-
-  def __init__(self, index: index_lib.Index):
-    self._index = index
-    self._built: dict[index_lib.SavedSharding, Any] = {}
-    self._replicated = None
-
-  def sharding(self, name: str, src: Any) -> Any:
-    if isinstance(src, jax.Array):  # a fallback array: where it is
-      return src.sharding
-    saved = getattr(src, "saved_sharding", None)
-    if saved is None:
-      if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
-        raise TreeMismatchError(
-            f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
-            "sharding, so it would come back in its saved sharding, but a "
-            f"restore transform made this leaf ({src!r}), which has none; "
-            f"{_HOW}")
-      saved = index_lib.REPLICATED_INLINE  # a value given in memory
-    if saved.kind == "replicated":
-      return self._replicated_sharding()
-    built = self._build(saved)
-    if isinstance(built, Exception):
-      raise TreeMismatchError(
-          f"leaf {name!r}: the target is a jax.ShapeDtypeStruct without a "
-          f"sharding, so it would come back in its saved sharding "
-          f"({saved}), which cannot be built here: {built}; {_HOW}"
-      ) from None
-    return built
-
-  def _build(self, saved: index_lib.SavedSharding) -> Any:
-    built = self._built.get(saved)
-    if built is None:
-      try:
-        built = saved.to_sharding()
-      except Exception as e:  # pylint: disable=broad-except
-        built = e  # raised, naming the leaf, by every leaf that needs it
-      self._built[saved] = built
-    return built
-
-  def _replicated_sharding(self) -> Any:
-    if self._replicated is None:
-      meshes = {}
-      for e in self._index.leaves:
-        s = e.saved_sharding
-        if s is not None and s.kind == "mesh":
-          meshes.setdefault((s.axis_names, s.axis_sizes, s.axis_types), s)
-      one = next(iter(meshes.values())) if len(meshes) == 1 else None
-      built = self._build(one) if one is not None else None
-      self._replicated = (
-          jax.sharding.NamedSharding(built.mesh, jax.sharding.PartitionSpec())
-          if isinstance(built, jax.sharding.NamedSharding) else
-          index_lib.REPLICATED_INLINE.to_sharding())
-    return self._replicated
-
-
-def concrete_sharding(name: str, sharding: Any) -> Any:
-  """A target sharding on an ``AbstractMesh`` (what ``jax.eval_shape`` of
-  a function that places arrays on a ``jax.make_mesh`` mesh with Explicit
-  axes gives) on this job's devices: ``jax.make_mesh`` of the same axis
-  names, sizes and types, the mesh such a function builds. Other
-  shardings as they are; TreeMismatchError naming the leaf when this job
-  has another number of devices."""
-  mesh = getattr(sharding, "mesh", None)
-  if not isinstance(mesh, jax.sharding.AbstractMesh):
-    return sharding
-  # The mesh make_mesh builds, as for a saved mesh of those axes.
-  as_saved = saved_sharding_lib.SavedSharding(
-      "mesh", tuple(mesh.axis_names), tuple(mesh.axis_sizes), sharding.spec,
-      tuple(t.name.lower() for t in mesh.axis_types))
-  try:
-    return as_saved.to_sharding()
-  except ValueError as e:
-    raise TreeMismatchError(
-        f"leaf {name!r}: the target's sharding is on an abstract mesh "
-        f"{dict(mesh.shape)}, which ckpt builds on this job's devices with "
-        f"jax.make_mesh: {e}; pass a target with a concrete sharding"
-    ) from None
-
-
-def concrete_target(target: Any) -> Any:
-  """``target`` with every ShapeDtypeStruct on an abstract mesh put on this
-  job's devices (``concrete_sharding``), for code that reads target
-  shardings itself (the multi-tier checkpointer's local tier)."""
-  def leaf(path, x):
-    if (isinstance(x, jax.ShapeDtypeStruct) and
-        isinstance(getattr(x.sharding, "mesh", None),
-                   jax.sharding.AbstractMesh)):
-      name = tree.path_str(tuple(tree.key_name(k) for k in path))
-      return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                  sharding=concrete_sharding(name, x.sharding))
-    return x
-  return tree_util.tree_map_with_path(leaf, target)
-
-
-def _check_divides(name: str, shape: tuple, sharding: Any) -> None:
-  """A target sharding must split each dimension evenly (jax's own error,
-  IndivisibleError, names no leaf)."""
-  if sharding is None:
-    return
-  try:
-    sharding.shard_shape(shape)
-  except ValueError as e:
-    spec = getattr(sharding, "spec", sharding)
-    mesh = getattr(getattr(sharding, "mesh", None), "shape", None)
-    m = re.search(r"axis (\d+) is partitioned (\d+) times", str(e))
-    found = (f"dimension {m[1]} has size {shape[int(m[1])]}, split over "
-             f"{m[2]} devices" if m else str(e)[:300])
-    raise TreeMismatchError(
-        f"leaf {name!r}: the target's sharding {spec}"
-        f"{f' over the mesh {dict(mesh)}' if mesh else ''} does not divide "
-        f"its shape {shape}: expected each sharded dimension to be a multiple "
-        f"of the devices it is split over, found {found}; give this leaf "
-        "another PartitionSpec") from None
-
-
-def _check_keys(name: str, src: lazy.LazyLeaf, impl: str, shape, wanted
-                ) -> np.dtype:
-  """A saved PRNG key leaf against its target leaf; the dtype to read its
-  key data in (as stored: key data is never cast)."""
-  key = prng.info(impl)
-  if key is None:
-    raise TreeMismatchError(
-        f"leaf {name!r}: holds PRNG keys of implementation {impl!r}, which "
-        "this jax does not know")
-  logical = lazy.logical_shape(src)
-  if wanted is not None and wanted != key.dtype:
-    raise TreeMismatchError(
-        f"leaf {name!r}: the checkpoint has {prng.describe(key.dtype)}, the "
-        f"target wants {prng.describe(wanted)}; restore keys into a target "
-        "of the same implementation (or drop the leaf and give it in "
-        "fallback_state)")
-  if shape is not None and logical != shape:
-    raise TreeMismatchError(
-        f"leaf {name!r}: the checkpoint has {impl} keys of shape {logical}, "
-        f"the target wants {shape}")
-  return np.dtype(src.dtype)
-
-
 def _as_leaf(value: Any, name: str) -> Any:
   """Arrays become LazyLeafs (so every array source reads alike)."""
   if isinstance(value, lazy.LazyLeaf):
@@ -315,27 +123,6 @@ def _as_leaf(value: Any, name: str) -> Any:
   if isinstance(value, jax.Array) and value.is_fully_addressable:
     return lazy.LazyValue(np.asarray(value), name)
   return value
-
-
-def out_dtype(name: str, src: Any, shape, wanted, wants_array: bool,
-              restore_dtype) -> np.dtype:
-  """A saved leaf (a LazyLeaf, or anything with its shape, dtype and
-  ``prng_impl``) against its target leaf (``_target_spec``): the dtype to
-  read it in, or TreeMismatchError naming the leaf (keys against non-keys,
-  another shape, a cast restore does not make). Also the local tier's
-  check (ckpt/tiers/local_tier.py), so both tiers refuse alike."""
-  impl = getattr(src, "prng_impl", None)
-  if impl:
-    return _check_keys(name, src, impl, shape, wanted)
-  if wanted is not None and prng.is_key_dtype(wanted):
-    raise TreeMismatchError(
-        f"leaf {name!r}: the checkpoint has dtype {np.dtype(src.dtype)} "
-        f"(not PRNG keys), the target wants {prng.describe(wanted)}")
-  if wants_array and tuple(src.shape) != shape:
-    raise TreeMismatchError(
-        f"leaf {name!r}: the checkpoint has shape {tuple(src.shape)}, the "
-        f"target wants {shape}")
-  return _out_dtype(name, np.dtype(src.dtype), wanted, restore_dtype)
 
 
 async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
@@ -447,7 +234,7 @@ async def _restore_tree(index: index_lib.Index,
 
   if args.target is None:
     names = list(by_name)
-    values = await lazy.gather_or_cancel(
+    values = await tasks.gather_or_cancel(
         *(_resolve(n, by_name[n], None, args, limiter) for n in names))
     values = dict(zip(names, values))
     if args.transforms:  # the saved structure no longer applies
@@ -472,7 +259,7 @@ async def _restore_tree(index: index_lib.Index,
   if packs is not None:
     await packs.prefetch(pack_read.positions(sources))
   as_saved = AsSaved(index)
-  results = await lazy.gather_or_cancel(
+  results = await tasks.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)
         for i, ((p, tgt), src) in enumerate(zip(named, sources))))
   return tree_util.tree_unflatten(treedef, results)
@@ -485,10 +272,10 @@ async def read_parts(batch: Sequence[readonce.Deferred], budget: int
   byte limiter."""
   limiter = ByteLimiter(budget)
   try:
-    return await lazy.gather_or_cancel(
+    return await tasks.gather_or_cancel(
         *(d.split.read(d.src, d.out_dtype, limiter) for d in batch))
   finally:
-    readonce.note_limiter(limiter)
+    readcount.note_limiter(limiter)
 
 
 def locate(storage: storage_lib.Storage, step: int | None
@@ -521,7 +308,7 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
   try:
     return await restore_tree(index, leaves, args, limiter)
   finally:
-    readonce.note_limiter(limiter)
+    readcount.note_limiter(limiter)
 
 
 def load(path, step: int | None = None, *, storage_options: dict | None = None,
@@ -550,5 +337,5 @@ def load(path, step: int | None = None, *, storage_options: dict | None = None,
   """
   storage = storage_lib.Storage(path, storage_options)
   step_dir = locate_path(storage, step)
-  return lazy.run_sync(restore(storage, step_dir, RestoreArgs(),
+  return tasks.run_sync(restore(storage, step_dir, RestoreArgs(),
                                concurrent_bytes, storage.context()))

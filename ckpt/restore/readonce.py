@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextvars
 import dataclasses
-import math
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -56,6 +54,8 @@ from jax import tree_util
 
 from ckpt.multihost import process as multihost
 from ckpt.restore import readsplit
+# ReadCounter and counted: what the Checkpointer's restore counts with.
+from ckpt.restore.readcount import ReadCounter, counted  # noqa: F401
 from ckpt.store import storemeter
 
 
@@ -90,63 +90,6 @@ def min_replicas(read_once: bool | None, url: str) -> int | None:
 
 
 # ---- what a restore read -----------------------------------------------------
-
-class ReadCounter:
-  """Bytes this process read from stored arrays in one restore: the boxes
-  asked of TensorStore (in the stored dtype) and the whole stored chunks
-  those boxes touch (what an uncompressed store must fetch)."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self.bytes_read = 0
-    self.chunk_bytes_read = 0
-    self.reads = 0
-    self.peak_in_use = 0  # the most a byte limiter of the restore granted
-
-  def add(self, nbytes: int, chunk_bytes: int) -> None:
-    with self._lock:
-      self.bytes_read += int(nbytes)
-      self.chunk_bytes_read += int(chunk_bytes)
-      self.reads += 1
-
-  def note(self, limiter) -> None:
-    """Records the peak of a ByteLimiter the restore used."""
-    with self._lock:
-      self.peak_in_use = max(self.peak_in_use, int(limiter.peak_in_use))
-
-
-def note_limiter(limiter) -> None:
-  """Records ``limiter``'s peak in the restore's counter (if counting)."""
-  c = COUNTER.get()
-  if c is not None:
-    c.note(limiter)
-
-
-# Set for the duration of a restore; asyncio tasks and to_thread inherit it.
-COUNTER: contextvars.ContextVar[ReadCounter | None] = contextvars.ContextVar(
-    "ckpt_read_counter", default=None)
-
-
-async def counted(coro, counter: ReadCounter | None):
-  """Runs ``coro`` with ``counter`` counting its storage reads."""
-  COUNTER.set(counter)
-  return await coro
-
-
-def count(box_start: Sequence[int], box_stop: Sequence[int],
-          chunks: Sequence[int], itemsize: int) -> None:
-  c = COUNTER.get()
-  if c is None:
-    return
-  n = math.prod(b - a for a, b in zip(box_start, box_stop)) * itemsize
-  touched = 1
-  for a, b, k in zip(box_start, box_stop, chunks):
-    if b <= a:
-      touched = 0
-      break
-    touched *= ((b - 1) // k - a // k + 1) * k
-  c.add(n, touched * itemsize)
-
 
 @dataclasses.dataclass
 class RestoreStats:

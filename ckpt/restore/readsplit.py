@@ -52,6 +52,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ckpt.restore.assemble import aligned_zeros, materialize
+from ckpt.restore.hostmem import check_fits
+from ckpt.restore.tasks import gather_or_cancel
 from ckpt.store.limiter import ByteLimiter
 from ckpt.shards.plan import Box
 
@@ -198,7 +201,6 @@ class EvenSplit:
   read_sharding: Any   # the target spec, one dimension split over R more
 
   async def read(self, leaf, dtype, limiter: ByteLimiter) -> Part:
-    from ckpt.restore.assemble import materialize  # pylint: disable=g-import-not-at-top
     arr = await materialize(leaf, dtype, self.read_sharding, limiter)
     return Part(arr, sum(s.data.nbytes for s in arr.addressable_shards),
                 ("even",))
@@ -276,12 +278,9 @@ class ChunkSplit:
     return [_hull([b for _, b in got]) for got in pieces.values()]
 
   async def read(self, leaf, dtype, limiter: ByteLimiter) -> Part:
-    from ckpt.restore.assemble import aligned_zeros  # pylint: disable=g-import-not-at-top
-    from ckpt.restore.lazy import check_fits, gather_or_cancel  # pylint: disable=g-import-not-at-top
     dtype = np.dtype(dtype)
     as_int = sum_dtype(dtype)
     if as_int is None:  # asked for a dtype it cannot sum: read everything
-      from ckpt.restore.assemble import materialize  # pylint: disable=g-import-not-at-top
       arr = await materialize(leaf, dtype, self.sharding, limiter)
       return Part(arr, sum(s.data.nbytes for s in arr.addressable_shards),
                   ("even",))

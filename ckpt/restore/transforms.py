@@ -18,6 +18,7 @@ import re
 from typing import Any, Callable, Sequence
 
 from ckpt.restore import lazy
+from ckpt.restore import lazy_derived
 from ckpt.format import tree
 from ckpt.errors import TreeMismatchError
 
@@ -233,7 +234,7 @@ def stack_layers(layer_pattern: str = r"layers_(\d+)", stacked: str = "layers",
         name, leaf = members[i]
         leaf = _lazy(leaf, name, "stack_layers")
         leaves.append(leaf)
-      out[key] = lazy.LazyStack(leaves, axis, path=key)
+      out[key] = lazy_derived.LazyStack(leaves, axis, path=key)
     return _nested(out)
 
   return fn
@@ -285,7 +286,7 @@ def unstack_layers(stacked: str = "layers", layer_format: str = "layers_{}",
           raise TreeMismatchError(
               f"unstack_layers: {new!r} from {name!r} exists already "
               f"(from {origin[new]!r})")
-        out[new], origin[new] = lazy.LazySlice(leaf, axis, k, path=new), name
+        out[new], origin[new] = lazy_derived.LazySlice(leaf, axis, k, path=new), name
     if strict and not hits:
       raise unmatched("unstack_layers", stacked, flat)
     return _nested(out)

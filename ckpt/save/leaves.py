@@ -18,7 +18,7 @@ import numpy as np
 from ckpt.format import index as index_lib
 from ckpt.save import leafsource
 from ckpt.multihost import process as multihost
-from ckpt.store import ocdbt
+from ckpt.shards import merge_groups
 from ckpt.save import pack as pack_lib
 from ckpt.shards import placement as placement_lib
 from ckpt.shards import plan as plan_lib
@@ -278,7 +278,7 @@ def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
   keys = [1 + math.prod(-(-n // c) for n, c in zip(lp.entry.shape,
                                                     lp.entry.chunks))
           for lp in arrays]
-  for lp, g in zip(arrays, ocdbt.assign_groups(keys, process_count)):
+  for lp, g in zip(arrays, merge_groups.assign_groups(keys, process_count)):
     if g is not None:
       lp.entry = dataclasses.replace(lp.entry, ocdbt_group=g)
 

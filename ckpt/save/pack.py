@@ -35,7 +35,7 @@ from ckpt.format import pack_index
 from ckpt.format import tree
 from ckpt.save import staging
 from ckpt.store import tsfuture
-from ckpt.restore.checksums import checksum
+from ckpt.format.crc import checksum
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
 

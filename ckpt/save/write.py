@@ -44,7 +44,7 @@ from ckpt.shards import plan as plan_lib
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.format import tsspec
-from ckpt.restore.checksums import checksum
+from ckpt.format.crc import checksum
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
 

@@ -28,11 +28,11 @@ What the merge costs: reading every per-process B+tree (not the data) and
 inserting each key into the merged tree, about 4.6 us per key on one core
 (scripts/scale_merge.py): 46 s and several GB for 1,000 processes x 10,000
 leaves (10 million keys) if one process did it. So a step with more than
-``KEYS_PER_MERGE`` keys is split into merge groups (``assign_groups``,
-computed by every process from the plan): the arrays of group g live under
-``<step>/ocdbt.group_<g>/``, where each process writes its own database
-``ocdbt.process_<i>/`` for that group, and process g (mod the process
-count) merges them into the group's database, all groups at once. A copy
+``KEYS_PER_MERGE`` keys is split into merge groups (``assign_groups`` in
+ckpt/shards/merge_groups.py, computed by every process from the plan): the
+arrays of group g live under ``<step>/ocdbt.group_<g>/``, where each
+process writes its own database ``ocdbt.process_<i>/`` for that group, and
+process g (mod the process count) merges them into the group's database, all groups at once. A copy
 only works into a database whose directory holds the source's data files
 (TensorStore answers "CopyRange not supported" for a sibling directory),
 which is why groups are directories and not key ranges of one database.
@@ -46,14 +46,10 @@ files, so a state of 10,000 small leaves becomes a few dozen files, not
 from __future__ import annotations
 
 import asyncio
-import math
-from typing import Any, Sequence
+from typing import Any
 
-import numpy as np
 import tensorstore as ts
 
-from ckpt.format import index as index_lib
-from ckpt.shards import plan as plan_lib
 from ckpt.store import storage as storage_lib
 from ckpt.store import tsfuture
 from ckpt.errors import CheckpointError
@@ -62,7 +58,9 @@ PROCESS_DIR_PREFIX = "ocdbt.process_"
 GROUP_DIR_PREFIX = "ocdbt.group_"
 # Keys one process merges (about 1 s at 4.6 us per key); more make groups.
 KEYS_PER_MERGE = 250_000
-MAX_GROUPS = index_lib.MAX_OCDBT_GROUPS  # what an index may name
+# The most merge groups a step may have: what an index may name
+# (ckpt/format/entries.py checks it as MAX_OCDBT_GROUPS).
+MAX_GROUPS = 4096
 
 
 def database(base: dict[str, Any]) -> dict[str, Any]:
@@ -109,20 +107,6 @@ def process_database(step_kvstore: dict[str, Any], process: int,
   """Where ``process`` writes its arrays of ``group`` into ``step_kvstore``."""
   return database(storage_lib.join(group_base(step_kvstore, group),
                                    process_dir(process)))
-
-
-def assign_groups(keys: Sequence[int], process_count: int,
-                  keys_per_merge: int | None = None) -> list[int | None]:
-  """The merge group of each array, given how many keys (chunks plus its
-  metadata) each has, in index order; all None when one merge suffices.
-  Every process computes the same from the same plan: contiguous runs of
-  arrays with about equal keys (plan.spread)."""
-  per = keys_per_merge or KEYS_PER_MERGE
-  groups = min(process_count, MAX_GROUPS, math.ceil(sum(keys) / per))
-  if groups <= 1:
-    return [None] * len(keys)
-  owner = plan_lib.spread(np.asarray(keys, dtype=np.int64), groups)
-  return [int(g) for g in owner]
 
 
 def merges_of(process: int, process_count: int, groups: int) -> list[int]:

@@ -12,7 +12,7 @@ while they complete froze a process within a few hundred rounds; py-spy
 showed the event loop thread in ``PythonFutureObject::Cancel`` ->
 ``CallbackBase::Unregister`` and TensorStore's workers in
 ``ExitSafeGilScopedAcquire``. ckpt cancels the reads still running when one
-fails (``lazy.gather_or_cancel``), so a failed restore could freeze the job.
+fails (``tasks.gather_or_cancel``), so a failed restore could freeze the job.
 
 ``wait`` bridges a TensorStore future into an asyncio future through a done
 callback only, so nothing ever cancels the TensorStore one. A caller

@@ -21,6 +21,7 @@ import ckpt
 import tensorstore as ts
 
 from ckpt.restore import checksums
+from ckpt.format import crc as crc_lib
 from ckpt.format import index as index_lib
 from ckpt.format import index_codec
 from ckpt.store import ocdbt
@@ -91,7 +92,7 @@ def test_checksums_cover_every_leaf(saved):
     whole = np.asarray(state[e.path[0]])
     for a, b, crc in boxes[e.path]:
       box = tuple(slice(x, y) for x, y in zip(a, b))
-      assert checksums.checksum(whole[box]) == crc, (e.path, a, b)
+      assert crc_lib.checksum(whole[box]) == crc, (e.path, a, b)
 
 
 def test_clean_checkpoint_verifies(saved, ckpt_dir):
@@ -339,7 +340,7 @@ def _boxes_of(state, idx):
       # one box per row block of 16
       out[i] = [((a,) + (0,) * (whole.ndim - 1),
                  (min(a + 16, whole.shape[0]),) + whole.shape[1:],
-                 checksums.checksum(whole[a:a + 16]))
+                 crc_lib.checksum(whole[a:a + 16]))
                 for a in range(0, whole.shape[0], 16)]
   return out
 

@@ -26,7 +26,7 @@ import ckpt
 from ckpt.cli import main as cli
 from ckpt.format import index as index_lib
 from ckpt.format import index_codec
-from ckpt.restore import lazy
+from ckpt.restore import hostmem
 from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
@@ -225,7 +225,7 @@ def test_huge_shapes_are_refused_when_the_index_is_read(tmp_path, shape,
 def test_box_larger_than_the_host_is_refused_before_allocating(
     tmp_path, monkeypatch):
   save(tmp_path)
-  monkeypatch.setattr(lazy, "host_memory_bytes", lambda: 1000)
+  monkeypatch.setattr(hostmem, "host_memory_bytes", lambda: 1000)
   with pytest.raises(ckpt.CheckpointError, match="more than this host's"):
     ckpt.load(tmp_path)
 

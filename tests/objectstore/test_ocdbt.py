@@ -10,6 +10,7 @@ import pytest
 import tensorstore as ts
 
 import ckpt
+from ckpt.shards import merge_groups
 from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
 
@@ -68,14 +69,14 @@ def test_merge_references_the_data_without_copying(tmp_path):
 
 def test_merge_groups_split_large_steps_only():
   # One merge is enough: no groups (the step's root database, as before).
-  assert ocdbt.assign_groups([10] * 100, 64, keys_per_merge=5000) == [None] * 100
+  assert merge_groups.assign_groups([10] * 100, 64, keys_per_merge=5000) == [None] * 100
   # 100 arrays of 10 keys, at most 250 keys per merge, 64 processes: 4
   # groups of contiguous arrays with 250 keys each.
-  groups = ocdbt.assign_groups([10] * 100, 64, keys_per_merge=250)
+  groups = merge_groups.assign_groups([10] * 100, 64, keys_per_merge=250)
   assert groups == sorted(groups) and set(groups) == {0, 1, 2, 3}
   assert [groups.count(g) for g in range(4)] == [25] * 4
   # Never more groups than processes (each merges at most its share).
-  assert set(ocdbt.assign_groups([10] * 100, 2, keys_per_merge=10)) == {0, 1}
+  assert set(merge_groups.assign_groups([10] * 100, 2, keys_per_merge=10)) == {0, 1}
   assert ocdbt.merges_of(1, 2, 5) == [1, 3]
   # A group's directory name comes from a checked int only.
   with pytest.raises(ckpt.CheckpointError):

@@ -1,4 +1,4 @@
-"""A stacked leaf (ckpt/restore/lazy.py LazyStack, made by transforms.stack_layers)
+"""A stacked leaf (ckpt/restore/lazy_derived.py LazyStack, made by transforms.stack_layers)
 restores within ``concurrent_bytes``: its members are read straight into
 the output box (or one at a time, counted in the budget), never all held
 next to a stacked copy.

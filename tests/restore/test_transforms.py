@@ -22,6 +22,7 @@ import pytest
 
 import ckpt
 from ckpt.restore import lazy
+from ckpt.restore import lazy_derived
 from ckpt.restore import transforms as T
 from ckpt.format import tree
 from tests.conftest import (AdamState, TrainState, mesh, named, random_array,
@@ -685,7 +686,7 @@ def test_a_user_transform_can_add_reshape_and_chain(pretrained, make_ckptr,
     t = dict(ckpt_tree)
     t["extra"] = added                                # a plain numpy array
     table = ckpt_tree["params"]["embed"]["table"]
-    t["flat_table"] = lazy.LazyReshape(table, (64 * 32,), path="flat_table")
+    t["flat_table"] = lazy_derived.LazyReshape(table, (64 * 32,), path="flat_table")
     return t
 
   def second(ckpt_tree, target_tree, *, is_resuming):
