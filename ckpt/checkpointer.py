@@ -33,6 +33,8 @@ from absl import logging
 
 from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
@@ -379,7 +381,7 @@ class Checkpointer(queries.Queries):
       return False
     attempt = finalize.Attempt(
         step=step, key=key, token=decision.token,
-        work_dir=commit_lib.work_dir(self.storage, step, decision.token),
+        work_dir=steps_lib.work_dir(self.storage, step, decision.token),
         timeout_s=self.barrier_timeout_s, lease_s=self.lease_s)
     stats = save_lib.SaveStats(step=step, plan_s=plan_s,
                                planned_leaves=planned)
@@ -421,7 +423,7 @@ class Checkpointer(queries.Queries):
           raise agreement.SaveRefused(refusal(step, newer,
                                               f"in {self.storage.url!r}"))
         newest = steps[-1] if steps else -1
-      if commit_lib.is_committed(self.storage, step):
+      if steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.lease_s)
@@ -445,7 +447,7 @@ class Checkpointer(queries.Queries):
     if not self.storage.is_posix and not records.records_complete(
         self.storage):
       try:
-        commit_lib._ensure_records(self.storage)  # pylint: disable=protected-access
+        steps_lib._ensure_records(self.storage)  # pylint: disable=protected-access
       except CheckpointError as e:
         logging.warning("ckpt: could not make the commit records of %s "
                         "complete: %s", self.storage.url, e)
@@ -458,7 +460,7 @@ class Checkpointer(queries.Queries):
     thread, and notes its step then)."""
     with self._lock:
       idle = self._inflight is None or self._inflight.done()
-    steps = commit_lib.committed_steps(self.storage)
+    steps = steps_lib.committed_steps(self.storage)
     if idle:
       with self._lock:
         idle = self._inflight is None or self._inflight.done()
@@ -523,7 +525,7 @@ class Checkpointer(queries.Queries):
   def _remove_abandoned(self, own: str) -> None:
     reasons: dict[str, str] = {}
     try:
-      names = commit_lib.abandoned(self.storage, self.lease_s, reasons)
+      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)
@@ -534,7 +536,7 @@ class Checkpointer(queries.Queries):
       logging.info("ckpt: removing abandoned %s in %s: %s", name,
                    self.storage.url, reasons.get(name, "an unfinished deletion"))
       try:
-        commit_lib.remove_abandoned(self.storage, name)
+        cleanup_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 
@@ -673,11 +675,11 @@ class Checkpointer(queries.Queries):
         return json.dumps(out)
       try:
         if (attempt is None or attempt.step != steps[-1] or
-            commit_lib.is_committed(self.storage, attempt.step)):
+            steps_lib.is_committed(self.storage, attempt.step)):
           out["why"] = f"step {steps[-1]} committed meanwhile"
           return json.dumps(out)
         out["cancelled"] = True
-        commit_lib.remove_attempt(self.storage, attempt.step, attempt.token)
+        cleanup_lib.remove_attempt(self.storage, attempt.step, attempt.token)
       except Exception as e:  # pylint: disable=broad-except
         out["why"] = (
             f"the attempt {attempt.token} of step {attempt.step} in "
@@ -854,7 +856,7 @@ class Checkpointer(queries.Queries):
       try:  # everything that can fail on this process alone, before "read"
         guard = keepalive = None
         if lazy and path is None:
-          guard = commit_lib.guard(storage, step)
+          guard = steps_lib.guard(storage, step)
           if protected is not None:  # the step outlives this call
             keepalive = self._retention.keepalive(step)
         args = restore_lib.RestoreArgs(
@@ -900,7 +902,7 @@ class Checkpointer(queries.Queries):
     step = restore_lib.resolve_step(self.storage, step, steps)
     self._retention.protect(step)
     try:
-      step_dir = commit_lib.step_dir(self.storage, step)  # gone if deleted meanwhile
+      step_dir = steps_lib.step_dir(self.storage, step)  # gone if deleted meanwhile
     except BaseException:
       self._retention.release(step)
       raise
