@@ -14,41 +14,40 @@ caller's thread, with one agreement round through the coordination service
 (ckpt/multihost/agreement.py), so that all processes take the same decision; the
 stages after it are in ckpt/save/runner.py and the commit protocol in
 ckpt/commit/protocol.py.
+
+This module keeps the public class, its options and its documented methods;
+the bodies of the larger calls are its mixins: ckpt/calls_save.py (save),
+ckpt/calls_inflight.py (waiting for and cancelling the save in flight),
+ckpt/calls_restore.py (restore and the read rounds) and
+ckpt/calls_lifecycle.py (the background loop and close).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import hashlib
 import json
 import os
 import threading
 import time
-import weakref
 from typing import Any, Callable, Sequence
 
-from absl import logging
-
-from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.save import plan_cache
-from ckpt.save import polite
+from ckpt import calls_inflight
+from ckpt import calls_lifecycle
+from ckpt import calls_restore
+from ckpt import calls_save
 from ckpt import queries
 from ckpt.restore import readonce
-from ckpt.commit import records
 from ckpt.store import storemeter
-from ckpt.restore import read as restore_lib
 from ckpt.save import write as save_lib
-from ckpt.format import extras as save_extras
 from ckpt.store import storage as storage_lib
-from ckpt.format import tree
 from ckpt.format import tsspec
-from ckpt.errors import CheckpointError, WaitTimeoutError
 from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
 from ckpt.commit.retention import RetentionPolicy
 
@@ -69,7 +68,9 @@ def _chunk_checksum(fmt: str, on: bool) -> str | None:
   return "crc32c"
 
 
-class Checkpointer(queries.Queries):
+class Checkpointer(queries.Queries, calls_save.SaveCalls,
+                   calls_inflight.InFlight, calls_restore.RestoreCalls,
+                   calls_lifecycle.Lifecycle):
   """Saves and restores sharded JAX PyTrees under one directory.
 
   Args:
@@ -252,18 +253,7 @@ class Checkpointer(queries.Queries):
                                          self._read_metrics, self._read_time,
                                          timeout_s=self.save_timeout_s)
     self.last_save_stats = save_lib.SaveStats()
-    self._loop = asyncio.new_event_loop()
-    self._thread = threading.Thread(target=_run_loop, args=(self._loop,),
-                                    name="ckpt-background", daemon=True)
-    self._thread.start()
-    self._closed = False
-    # A job that ends without close() still finishes (commits) its last save.
-    # It must run before the interpreter stops thread pools (asyncio.to_thread
-    # refuses work after that), which plain atexit handlers do not.
-    concurrent.futures.ThreadPoolExecutor  # pylint: disable=pointless-statement
-    # (imports the pool module now, so its exit hook is older and runs after)
-    getattr(threading, "_register_atexit", atexit.register)(
-        _close_at_exit, weakref.ref(self))
+    self._start_loop()
 
   # ---- save -------------------------------------------------------------
 
@@ -333,259 +323,9 @@ class Checkpointer(queries.Queries):
     Collective: every process of the job calls it, in the same order as its
     other collective calls.
     """
-    step = queries.check_step(step)
-    if not force and not self.should_save(step):
-      # should_save decided from agreed facts only (no I/O and no round,
-      # but for its one first-step round). A skip does not wait for the
-      # save in flight either, so its failure comes from the next save that
-      # writes (the same one on every process).
-      return False
-    # The key first: whatever fails below on one process goes into the
-    # round, so every process raises and no later key drifts.
-    key = multihost.call_key(self._key_base, "save", step)
-    coord0 = multihost.coordination_stats()
-    t0 = time.perf_counter()
-    plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
-    planned = 0
-    custom = None
-    try:
-      self._check_open()
-      self._wait_for_save()  # the previous save's failure, if any
-      metrics = save_extras.check_metrics(metrics)
-      custom = save_extras.check_custom_metadata(custom_metadata)
-      if transforms:  # they see and return nested dicts keyed by path parts
-        state = tree.nest(dict(tree.flatten(state)))
-        for fn in transforms:
-          state = fn(state)
-      host_bytes = save_extras.pack_host_state(host_state)
-      t_plan = time.perf_counter()
-      plan, planned = self._plan_cache.plan(state, self._options,
-                                            self.partitioner)
-      plan_s = time.perf_counter() - t_plan
-      plan.borrow = not self.async_save
-      values = agreement.host_values(plan.leaves)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e  # every process hears of it in the round below
-    started: list = []  # process 0: the save's deadline, set at prepare
-    decision = agreement.save_round(
-        key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self.barrier_timeout_s)
-    self._has_checkpoint = True  # agreed: committed already, or about to be
-    self._last_saved = step
-    if decision.action == "skip":
-      logging.warning("ckpt: step %d is already committed in %s; not saving "
-                      "it again", step, self.storage.url)
-      self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
-      return False
-    attempt = finalize.Attempt(
-        step=step, key=key, token=decision.token,
-        work_dir=commit_lib.work_dir(self.storage, step, decision.token),
-        timeout_s=self.barrier_timeout_s, lease_s=self.lease_s)
-    stats = save_lib.SaveStats(step=step, plan_s=plan_s,
-                               planned_leaves=planned)
-    self.last_save_stats = stats
-    staged = threading.Event()
-    fut = asyncio.run_coroutine_threadsafe(deadline_lib.bounded(
-        self._save_async(attempt, plan, metrics, host_bytes, stats, staged, t0,
-                         coord0, custom),
-        started[0] if started else self._save_deadline(step)), self._loop)
-    with self._lock:
-      self._inflight, self._inflight_step = fut, step
-      self._attempt = attempt
-    if self.async_save:
-      staged.wait()
-      stats.blocking_s = time.perf_counter() - t0
-      if fut.done():
-        self._wait_for_save()
-    else:
-      self._wait_for_save()
-      stats.blocking_s = stats.total_s
-    return True
-
-  def _prepare_attempt(self, step: int, started: list) -> str | None:
-    """Process 0, in the save round: None if ``step`` is committed, else the
-    token of a fresh, empty attempt directory. The save's deadline starts
-    here (appended to ``started``): its first request.
-
-    A step lower than the newest committed one is refused here
-    (``agreement.SaveRefused``, raised on every process), before anything
-    is written: see ``save``."""
-    deadline = self._save_deadline(step)
-    started.append(deadline)
-    with deadline_lib.scope(deadline):
-      newest = self._newest_bound()
-      if newest > step:  # confirmed by a fresh listing (then refused)
-        steps = self._committed_now()
-        newer = [s for s in steps if s > step]
-        if newer:  # committed or not, it would not be the step resumed
-          raise agreement.SaveRefused(refusal(step, newer,
-                                              f"in {self.storage.url!r}"))
-        newest = steps[-1] if steps else -1
-      if commit_lib.is_committed(self.storage, step):
-        return None
-      token = multihost.unique_token()
-      commit_lib.prepare(self.storage, step, token, self.lease_s)
-      self._newest, self._after_commit = _UNKNOWN, max(newest, step)
-      return token
-
-  def _newest_bound(self) -> int:
-    """Process 0: a step that no committed step is above, the save in
-    flight counted (-1: none). No I/O once known: from the last listing
-    and the saves committed since; listed when unknown (a fresh
-    Checkpointer, a failed save, ``delete``, ``reload``). On an object
-    store whose commit records are not complete yet, the migration that
-    the save's prepare makes anyway comes first, so the one listing of the
-    whole root is not made twice."""
-    with self._lock:
-      flying = self._inflight is not None and not self._inflight.done()
-      flying_step = self._inflight_step if flying else -1
-    known = self._after_commit if flying else self._newest
-    if known is not _UNKNOWN:
-      return known
-    if not self.storage.is_posix and not records.records_complete(
-        self.storage):
-      try:
-        commit_lib._ensure_records(self.storage)  # pylint: disable=protected-access
-      except CheckpointError as e:
-        logging.warning("ckpt: could not make the commit records of %s "
-                        "complete: %s", self.storage.url, e)
-    steps = self._committed_now()
-    return max(steps[-1] if steps else -1, flying_step)
-
-  def _committed_now(self) -> list[int]:
-    """Process 0: the committed steps, listed now; their newest is noted
-    when no save is in flight (one in flight commits on the background
-    thread, and notes its step then)."""
-    with self._lock:
-      idle = self._inflight is None or self._inflight.done()
-    steps = commit_lib.committed_steps(self.storage)
-    if idle:
-      with self._lock:
-        idle = self._inflight is None or self._inflight.done()
-        if idle:
-          self._newest = steps[-1] if steps else -1
-    return steps
-
-  def _save_deadline(self, step: int, doing: str = "writing step {} to"
-                     ) -> deadline_lib.Deadline | None:
-    """The deadline of saving (or deleting) ``step``, from now."""
-    return deadline_lib.Deadline.start(
-        self.save_timeout_s, "save_timeout_s",
-        f"{doing.format(step)} {self.storage.url!r}")
-
-  def _query_deadline(self) -> deadline_lib.Deadline | None:
-    """The deadline of a query, from now; the store call in flight names
-    the operation ("listing the steps of 's3://...'")."""
-    return deadline_lib.Deadline.start(self.query_timeout_s, "query_timeout_s")
-
-  async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
-                        host_bytes: bytes, stats: save_lib.SaveStats,
-                        staged: threading.Event, t0: float,
-                        coord0: multihost.CoordinationStats,
-                        custom: str | None = None) -> None:
-    cleanup = None
-    self._task = asyncio.current_task()  # what cancel() cancels
-    if self.async_save:  # the training job's cores first (ckpt/save/polite.py)
-      polite.lower_tensorstore_threads()
-    try:
-      if multihost.process_index() == 0:
-        # Abandoned work of crashed jobs and failed saves goes at every save
-        # (one listing of the root, or of pending/ on a bucket; never when a
-        # Checkpointer opens: a reader must not delete anything).
-        cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
-            asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
-      try:
-        await finalize.run_save(attempt, plan, self.storage, self._context,
-                                self.concurrent_bytes, metrics, host_bytes,
-                                stats, staged.set, clock=self._clock,
-                                custom_metadata=custom)
-      except BaseException:
-        # A failed save (its tiling found wrong, say) is planned afresh
-        # next time, never from the plan it failed with.
-        self._plan_cache.clear()
-        raise
-      if multihost.process_index() == 0:
-        self._newest = self._after_commit  # committed: the newest known
-        self._metrics_cache[attempt.step] = dict(metrics)
-        self._time_cache.pop(attempt.step, None)  # read from the new index
-        self._retention.start(attempt.step)
-    finally:
-      if cleanup is not None:
-        await asyncio.gather(cleanup, return_exceptions=True)
-      staged.set()
-      stats.total_s = time.perf_counter() - t0
-      # Every call of this process in the meantime (the caller's other
-      # collective calls during an async save would count too).
-      coord = multihost.coordination_stats() - coord0
-      stats.coordination_s = coord.seconds
-      stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
-
-  def _remove_abandoned(self, own: str) -> None:
-    reasons: dict[str, str] = {}
-    try:
-      names = commit_lib.abandoned(self.storage, self.lease_s, reasons)
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("ckpt: could not look for abandoned saves in %s: %s",
-                      self.storage.url, e)
-      return
-    for name in names:
-      if name == own:
-        continue
-      logging.info("ckpt: removing abandoned %s in %s: %s", name,
-                   self.storage.url, reasons.get(name, "an unfinished deletion"))
-      try:
-        commit_lib.remove_abandoned(self.storage, name)
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
-
-  def _wait_for_save(self, timeout: float | None = None) -> None:
-    """Blocks until the in-flight save is committed; re-raises its failure.
-
-    Every thread that waits, waits for the commit (the save stays tracked
-    until it is done, whoever waits and however a wait ends, Ctrl-C or a
-    ``timeout`` included); each of them sees its failure.
-    """
-    with self._lock:
-      fut, step = self._inflight, self._inflight_step
-    if fut is None:
-      return
-    try:
-      try:
-        fut.result(timeout)
-      except concurrent.futures.TimeoutError:
-        if fut.done():
-          raise  # the save itself raised a TimeoutError: its failure
-        raise WaitTimeoutError(
-            f"wait_until_finished(timeout={timeout}): the save of step "
-            f"{step} was not committed after {timeout} s on process "
-            f"{multihost.process_index()}; it goes on in the background and "
-            "stays tracked (wait again, or the next save or close waits for "
-            "it)") from None
-    except WaitTimeoutError:
-      raise
-    except CheckpointError as e:
-      if f"step {step}" in str(e):
-        raise  # it names the step already (barrier timeouts do)
-      raise CheckpointError(
-          f"saving step {step} failed on process "
-          f"{multihost.process_index()}: {e}") from e
-    except Exception as e:
-      raise CheckpointError(
-          f"saving step {step} failed on process "
-          f"{multihost.process_index()}: {type(e).__name__}: {e}") from e
-    finally:
-      if fut.done():
-        with self._lock:
-          if self._inflight is fut:
-            self._inflight = None
-
-  def _settle(self) -> None:
-    """Lets the in-flight save end (a restore of the latest step wants its
-    commit); its failure stays for the next save or wait."""
-    with self._lock:
-      fut = self._inflight
-    if fut is not None:
-      concurrent.futures.wait([fut])
+    return self._save(step, state, metrics=metrics, transforms=transforms,
+                      host_state=host_state, force=force,
+                      custom_metadata=custom_metadata)
 
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the
@@ -603,21 +343,6 @@ class Checkpointer(queries.Queries):
     self._wait_for_retention(
         None if deadline is None else max(0.0, deadline - time.monotonic()),
         timeout)
-
-  def _wait_for_retention(self, left: float | None = None,
-                          timeout: float | None = None) -> None:
-    if self._closed:
-      return
-    fut = asyncio.run_coroutine_threadsafe(self._retention.wait(), self._loop)
-    try:
-      fut.result(left)
-    except concurrent.futures.TimeoutError:
-      if fut.done():
-        raise
-      raise WaitTimeoutError(
-          f"wait_until_finished(timeout={timeout}): the save is committed, "
-          f"but retention (deleting the steps the policy drops) was still "
-          f"running after {timeout} s; it goes on in the background") from None
 
   def check_for_errors(self) -> None:
     """Raises the failure of the last background save now, if it has
@@ -645,81 +370,7 @@ class Checkpointer(queries.Queries):
     Checkpointer takes the next save as usual. Retention of an earlier
     save goes on (``wait_until_finished`` waits for it).
     """
-    key = multihost.call_key(self._key_base, "cancel")
-    with self._lock:
-      fut, step, attempt = self._inflight, self._inflight_step, self._attempt
-    mine = {"step": None, "waiting": None}
-    if not self._closed and fut is not None and not fut.done():
-      mine["step"] = step
-      try:
-        asyncio.run_coroutine_threadsafe(self._cancel_task(),
-                                         self._loop).result()
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("ckpt: cancel(): stopping the save of step %s: %s",
-                        step, e)
-      if attempt is not None and attempt.waiting:
-        mine["waiting"] = attempt.waiting[0]
-
-    def decide(posts: dict[int, str]) -> str:
-      got = {p: json.loads(v) for p, v in posts.items()}
-      steps = sorted({g["step"] for g in got.values()
-                      if g["step"] is not None})
-      # At most one barrier has waiting threads (a process past a barrier
-      # means every process arrived there): the others arrive there too.
-      waiting = sorted({g["waiting"] for g in got.values() if g["waiting"]})
-      out = {"cancelled": False, "why": "", "release": waiting[:1],
-             "waiting": [p for p, g in got.items() if g["waiting"]]}
-      if not steps:
-        return json.dumps(out)
-      try:
-        if (attempt is None or attempt.step != steps[-1] or
-            commit_lib.is_committed(self.storage, attempt.step)):
-          out["why"] = f"step {steps[-1]} committed meanwhile"
-          return json.dumps(out)
-        out["cancelled"] = True
-        commit_lib.remove_attempt(self.storage, attempt.step, attempt.token)
-      except Exception as e:  # pylint: disable=broad-except
-        out["why"] = (
-            f"the attempt {attempt.token} of step {attempt.step} in "
-            f"{self.storage.url!r} could not be removed ({e}); the next "
-            "save's cleanup removes it once its lease is "
-            f"{self.lease_s:g} s old")[:1000]
-      return json.dumps(out)
-
-    decision = json.loads(multihost.agree(
-        key, json.dumps(mine), decide, timeout_s=self.barrier_timeout_s,
-        what="cancel(): every process stopped its save"))
-    pid = multihost.process_index()
-    for name in decision["release"]:
-      if pid not in decision["waiting"]:
-        # Releases the threads of the processes that were cancelled while
-        # waiting there (their result is dropped).
-        try:
-          multihost.barrier(name, timeout_s=self.barrier_timeout_s,
-                            what="cancel(): releasing the cancelled save's "
-                            "barrier")
-        except CheckpointError as e:
-          logging.warning("ckpt: cancel(): %s", e)
-    with self._lock:
-      if mine["step"] is not None and self._inflight is fut:
-        self._inflight = None  # its failure is the cancel, not raised
-      self._newest = self._after_commit = _UNKNOWN
-    if decision["why"]:
-      logging.warning("ckpt: cancel(): %s", decision["why"])
-    if decision["cancelled"]:
-      self._last_saved = _UNKNOWN  # the step was not saved
-      logging.info("ckpt: cancelled the save of step %s in %s", step,
-                   self.storage.url)
-    return bool(decision["cancelled"])
-
-  async def _cancel_task(self) -> None:
-    """On the loop: cancels the save's task and waits until it ended
-    (its TensorStore requests end first, ckpt/store/tsfuture.py)."""
-    task = self._task
-    if task is None or task.done():
-      return
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    return self._cancel()
 
   def is_saving_in_progress(self) -> bool:
     """True while the last save is not yet committed (or failed) on this
@@ -794,146 +445,6 @@ class Checkpointer(queries.Queries):
                            lazy, verify, read_once, read_key, key, t_start,
                            meter)
 
-  def _restore(self, step, target, path, transforms, fallback_state, lazy,
-               verify, read_once, read_key, key, t_start, meter):
-    if isinstance(read_once, str) and read_once == "default":
-      read_once = self.read_once
-    storage, error = self.storage, None
-    try:  # this process's own checks; a failure joins the round below
-      self._check_open()
-      readonce.min_replicas(read_once, "")  # validates it
-      if path is not None:
-        storage = storage_lib.Storage(path, self._storage_options)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
-    self._settle()
-    if path is not None:
-      # Processes may each read their own copy (a path on a local disk):
-      # then each finds its own step directory.
-      step_dir = self._agreed(
-          f"restore(path=..., step={step!r}, read_once={read_once!r}, "
-          f"store={readonce.storage_kind(storage.url)})",
-          lambda: restore_lib.locate_path(storage, step),
-          f"the step directory under {os.fspath(path)!r}",
-          where=storage.url, key=read_key, error=error)
-      is_resuming, protected = False, None
-    else:
-      step, step_dir, is_resuming = self._agreed(
-          f"restore(step={step!r}, read_once={read_once!r})",
-          lambda: self._choose_step(step),
-          f"the step to restore from {self.storage.url!r}", key=read_key,
-          error=error)
-      protected = step if multihost.process_index() == 0 else None
-    read_once_min = readonce.min_replicas(read_once, storage.url)
-    stats = readonce.RestoreStats(read_once=read_once)
-    counter = readonce.ReadCounter()
-    self.last_restore_stats = stats
-    # With read-once on (agreed: the same on every process), a process that
-    # fails must say so before the others start an exchange it never joins.
-    rounds = read_once_min is not None and multihost.is_multiprocess()
-    lazy_reads = None
-    if lazy:  # the leaves' later reads count here; read once: collectives
-      if rounds and self._lazy_rounds is None:
-        self._lazy_rounds = readonce.LazyRounds(f"{key}-lazy",
-                                                self.barrier_timeout_s)
-      lazy_reads = readonce.LazyReads(
-          counter, stats, self._lazy_rounds if rounds else None,
-          name=f"restore {key}", meter=meter)
-
-    def check(i, e):
-      """The round before exchange i: every process's outcome, and what
-      it fetched so far (the last round's sum is fetched_bytes_all)."""
-      if rounds:
-        sums = multihost.all_ok(
-            f"{key}/{i}", e, f"restore from {step_dir!r}",
-            self.barrier_timeout_s, tally=meter.value)
-        if sums:
-          stats.fetched_bytes_all = sum(sums.values())
-    try:
-      result, error = None, None
-      try:  # everything that can fail on this process alone, before "read"
-        guard = keepalive = None
-        if lazy and path is None:
-          guard = commit_lib.guard(storage, step)
-          if protected is not None:  # the step outlives this call
-            keepalive = self._retention.keepalive(step)
-        args = restore_lib.RestoreArgs(
-            target=target, restore_dtype=self.restore_dtype,
-            transforms=tuple(transforms), fallback_state=fallback_state,
-            lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
-            keepalive=keepalive, read_once_min=read_once_min,
-            lazy_reads=lazy_reads)
-        result = self._run(readonce.counted(restore_lib.restore(
-            storage, step_dir, args, self.concurrent_bytes, self._context),
-            counter))
-      except Exception as e:  # pylint: disable=broad-except
-        if not rounds:
-          raise
-        error = e
-      check("read", error)
-      if rounds:
-        # Every process reached this restore's first round, so each is done
-        # with the previous restore's rounds: their keys can go.
-        if self._readonce_key is not None:
-          multihost.forget(self._readonce_key)
-        self._readonce_key = key
-      # The exchange: collectives on this (the caller's) thread; the reads
-      # of each batch on the background thread.
-      result = readonce.finish(
-          result, lambda batch: self._run(readonce.counted(
-              restore_lib.read_parts(batch, self.concurrent_bytes), counter)),
-          self.concurrent_bytes, stats, check)
-      return result
-    finally:
-      stats.add_reads(counter)
-      stats.fetched_bytes = meter.value
-      if not multihost.is_multiprocess():
-        stats.fetched_bytes_all = stats.fetched_bytes
-      stats.total_s = time.perf_counter() - t_start
-      if protected is not None:
-        self._retention.release(protected)
-
-  def _choose_step(self, step: int | None) -> list:
-    """Process 0: [step, its directory, whether it is the latest], with the
-    step protected from retention until the restore ends."""
-    steps = self._committed_now()
-    step = restore_lib.resolve_step(self.storage, step, steps)
-    self._retention.protect(step)
-    try:
-      step_dir = commit_lib.step_dir(self.storage, step)  # gone if deleted meanwhile
-    except BaseException:
-      self._retention.release(step)
-      raise
-    return [step, step_dir, step == steps[-1]]
-
-  def _agreed(self, request: str, answer: Callable[[], Any], what: str,
-              where: str = "", *, key: str | None = None,
-              error: BaseException | None = None) -> Any:
-    """``answer()`` computed once by process 0, within the query bound
-    (``query_timeout_s``); every process gets it.
-
-    The call's key is taken before anything of the call can fail (``key``:
-    taken by the caller already). ``error``: this process's own checks
-    failed (a closed Checkpointer, a bad argument or path); the failure
-    joins the round, so every process raises and later calls keep their
-    keys (agreement.read_round)."""
-    if key is None:
-      key = self._read_key()
-
-    def bounded() -> Any:
-      return deadline_lib.call(self._query_deadline(), answer)
-    return agreement.read_round(
-        key, request, bounded, timeout_s=self.barrier_timeout_s, what=what,
-        where=where, local_error=error)
-
-  def _read_key(self) -> str:
-    """The key of the next read round (restore, the queries); taken before
-    anything of the call can fail (multihost.call_key)."""
-    return multihost.call_key(self._key_base, "read")
-
-  def _run(self, coro):
-    return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
   # ---- preemption -------------------------------------------------------
 
   def reached_preemption(self, step: int) -> bool:
@@ -971,78 +482,10 @@ class Checkpointer(queries.Queries):
 
     Collective when a save is in flight (it waits at that save's barriers).
     """
-    if self._closed:
-      return
-    try:
-      self.wait_until_finished()
-    finally:
-      self._closed = True
-      try:  # nothing may call back into the loop once it is closed
-        asyncio.run_coroutine_threadsafe(_drain(), self._loop).result(60)
-      except Exception as e:  # pylint: disable=broad-except
-        logging.warning("ckpt: background work still running at close: %s", e)
-      self._loop.call_soon_threadsafe(self._loop.stop)
-      self._thread.join(timeout=60)
-      if not self._thread.is_alive():
-        self._loop.close()
+    return self._close()
 
   def __enter__(self) -> "Checkpointer":
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-  def _open_error(self) -> Exception | None:
-    """``_check_open``'s error, returned, for a collective call to post in
-    its round instead of raising on this process alone."""
-    try:
-      self._check_open()
-    except Exception as e:  # pylint: disable=broad-except
-      return e
-    return None
-
-  def _check_open(self) -> None:
-    if self._closed:
-      raise CheckpointError("this Checkpointer is closed")
-
-
-async def _drain() -> None:
-  """Cancels what is left on the loop (a lazy read given up, say) and waits
-  for it and for the loop's worker threads, so that no TensorStore or
-  thread callback reaches the loop after it is closed."""
-  tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-  for t in tasks:
-    t.cancel()
-  await asyncio.gather(*tasks, return_exceptions=True)
-  await asyncio.get_running_loop().shutdown_default_executor()
-
-
-def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
-  """The background thread: at a lower priority, as is every thread it
-  starts (ckpt/save/polite.py)."""
-  polite.lower_this_thread()
-  loop.run_forever()
-
-
-def _close_at_exit(ref: "weakref.ref[Checkpointer]") -> None:
-  ckptr = ref()
-  if ckptr is None or ckptr._closed:  # pylint: disable=protected-access
-    return
-  try:
-    ckptr.close()
-  except Exception as e:  # pylint: disable=broad-except
-    logging.error("ckpt: the last save did not finish at exit: %s", e)
-
-
-def refusal(step: int, newer: list[int], where: str) -> str:
-  """The message of a refused save of ``step``, lower than the committed
-  ``newer`` steps (``where``: in which directory or tier); the same for a
-  Checkpointer and both tiers of a MultiTierCheckpointer."""
-  shown = newer if len(newer) <= 20 else [*newer[:10], "...", *newer[-10:]]
-  return (
-      f"cannot save step {step}: newer committed step(s) {shown} exist "
-      f"({where}). A save of an older step would start a new timeline while "
-      "the newer steps stay, and latest_step()/restore() (a restarted job) "
-      "would resume them. To roll back deliberately, call delete(s) for each "
-      f"of {shown} (collective), then save step {step} again. Nothing was "
-      "written.")

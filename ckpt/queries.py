@@ -11,7 +11,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt import metadata as metadata_lib
 from ckpt.multihost import process as multihost
@@ -126,7 +126,7 @@ class Queries:
       self._metrics_cache[step], self._time_cache[step] = info
       return
     index = restore_lib.read_index(self.storage,
-                                   commit_lib.step_dir(self.storage, step))
+                                   steps_lib.step_dir(self.storage, step))
     self._metrics_cache[step] = dict(index.metrics)
     self._time_cache[step] = index.time
 
@@ -190,7 +190,7 @@ class Queries:
     if self._has_checkpoint is None:
       empty = self._agreed(
           f"should_save({step})",
-          lambda: not commit_lib.committed_steps(self.storage),
+          lambda: not steps_lib.committed_steps(self.storage),
           f"whether {self.storage.url!r} holds a checkpoint yet")
       if not empty:
         self._has_checkpoint = True
@@ -204,7 +204,7 @@ class Queries:
       self._last_saved = self._agreed(
           f"should_save({step})",
           lambda: (lambda s: s[-1] if s else None)(
-              commit_lib.committed_steps(self.storage)),
+              steps_lib.committed_steps(self.storage)),
           f"the newest step in {self.storage.url!r}")
       if self._last_saved is not None:
         self._has_checkpoint = True
@@ -278,7 +278,7 @@ class Queries:
     step, step_dir = self._agreed(
         f"metadata({step!r})",
         lambda: [(s := restore_lib.resolve_step(self.storage, step)),
-                 commit_lib.step_dir(self.storage, s)],
+                 steps_lib.step_dir(self.storage, s)],
         f"the step of metadata() in {self.storage.url!r}",
         error=self._open_error())
     return metadata_lib.from_index(
@@ -309,7 +309,7 @@ class Queries:
 
     def answer() -> list:
       s = restore_lib.resolve_step(self.storage, step)
-      d = commit_lib.step_dir(self.storage, s)
+      d = steps_lib.step_dir(self.storage, s)
       index = restore_lib.read_index(self.storage, d)
       return [s, d, index.process_count, index.host_state is not None]
 

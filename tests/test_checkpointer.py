@@ -669,14 +669,14 @@ def test_a_bucket_step_without_its_index_fails_loudly(make_ckptr, memory_url,
   step): a step whose index was deleted behind ckpt's back stays listed,
   and restoring it fails naming the step and the missing index, never
   another step silently."""
-  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import steps as steps_lib  # pylint: disable=g-import-not-at-top
   from ckpt.store import storage as storage_lib  # pylint: disable=g-import-not-at-top
   c = make_ckptr(memory_url, async_save=False)
   s42 = {"w": random_array(rng, (64, 32))}
   c.save(42, s42)
   c.save(100, {"w": random_array(rng, (64, 32))})
   store = storage_lib.Storage(memory_url)
-  index = store.index_key(commit_lib.step_dir(store, 100))
+  index = store.index_key(steps_lib.step_dir(store, 100))
   store.delete_key(index)
   assert c.all_steps() == [42, 100]
   with pytest.raises(ckpt.CheckpointNotFoundError) as e:

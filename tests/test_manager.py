@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 import ckpt
 from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from tests.conftest import mesh, named, random_array, sharded
@@ -40,8 +41,8 @@ class Counter:
     self.listings = 0
     for mod, name, attr in ((agreement, "read_round", "rounds"),
                             (agreement, "save_round", "rounds"),
-                            (commit_lib, "committed_steps", "listings"),
-                            (commit_lib, "is_committed", "listings")):
+                            (steps_lib, "committed_steps", "listings"),
+                            (steps_lib, "is_committed", "listings")):
       monkeypatch.setattr(mod, name, self._wrap(getattr(mod, name), attr))
 
   def _wrap(self, fn, attr):

@@ -5,7 +5,7 @@ the same removal a writer uses.
 
 from __future__ import annotations
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli.listing import list_entries, open_root
 from ckpt.cli.output import Progress, emit, human_age, human_bytes
 from ckpt.cli.usage import EXIT_OK, UsageError
@@ -66,9 +66,9 @@ def cmd_gc(args) -> int:
     with Progress(args, "deleting", unit="dir") as bar:
       for i, item in enumerate(plan):
         if item["kind"] == "uncommitted":  # as it is now: never a new commit
-          commit_lib.remove_abandoned(storage, item["name"])
+          cleanup_lib.remove_abandoned(storage, item["name"])
         else:
-          commit_lib.remove(storage, item["name"])
+          cleanup_lib.remove(storage, item["name"])
         deleted.append(item["name"])
         bar(i + 1, len(plan))
   kept = sorted(set(steps) - set(doomed))

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.cli import convert
 from ckpt.cli.listing import open_root
 from ckpt.cli.output import (Progress, brief, emit, human_bytes, iso_utc,
@@ -167,7 +167,7 @@ def cmd_verify(args) -> int:
   if args.all:
     if args.step is not None:
       raise UsageError("pass --step or --all, not both")
-    steps = commit_lib.committed_steps(open_root(args, args.path))
+    steps = steps_lib.committed_steps(open_root(args, args.path))
     if not steps:
       raise CheckpointError(f"{args.path} holds no committed checkpoint")
     results = [_verify_one(args, s) for s in steps]

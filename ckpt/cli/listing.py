@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 import time
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli import convert
 from ckpt.cli.usage import EXIT_OK, UsageError
 from ckpt.commit import deletion
@@ -65,7 +66,7 @@ def _object_counts(storage: storage_lib.Storage) -> dict[str, int]:
 
 
 def _step_of(name: str) -> int:
-  return commit_lib.step_of(name)
+  return steps_lib.step_of(name)
 
 
 def list_entries(storage: storage_lib.Storage, progress=None,
@@ -82,13 +83,13 @@ def list_entries(storage: storage_lib.Storage, progress=None,
   number of chunks; ``count_objects`` adds the objects of each step, from
   one listing of every key under ``checkpoint_*`` (a LIST page per 1,000
   keys: millions of chunks are thousands of pages), else ``files`` is None."""
-  committed = commit_lib.committed_steps(storage)
+  committed = steps_lib.committed_steps(storage)
   rows: dict[str, dict] = {}
   for s in committed:
     name = storage_lib.step_dirname(s)
     row = {"step": s, "name": name, "status": "committed"}
     try:
-      index = restore_lib.read_index(storage, commit_lib.step_dir(storage, s))
+      index = restore_lib.read_index(storage, steps_lib.step_dir(storage, s))
       row.update(time=index.time, metrics=index.metrics,
                  format=index.storage_format,
                  process_count=index.process_count, leaves=len(index.leaves),
@@ -96,7 +97,7 @@ def list_entries(storage: storage_lib.Storage, progress=None,
     except CheckpointError as e:
       row.update(status="corrupt", error=str(e))
     rows[name] = row
-  for name in commit_lib.abandoned(storage, 0.0):  # every uncommitted attempt
+  for name in cleanup_lib.abandoned(storage, 0.0):  # every uncommitted attempt
     rows[name] = {"step": _step_of(name), "name": name,
                   "status": "uncommitted"}
   if storage.is_posix:
@@ -107,9 +108,9 @@ def list_entries(storage: storage_lib.Storage, progress=None,
       aside = storage_lib.parse_broken(p)
       if s is not None and p not in rows:
         rows[p] = {"step": s, "name": p, "status": "incomplete",
-                   "problem": commit_lib.posix_problem(storage, p)}
+                   "problem": steps_lib.posix_problem(storage, p)}
       elif aside is not None:
-        problem = commit_lib.posix_problem(storage, p)
+        problem = steps_lib.posix_problem(storage, p)
         rows[p] = {"step": aside, "name": p, "status": "incomplete",
                    "problem": f"set aside by a later save of step {aside}"
                    + (f"; it {problem}" if problem else "")}

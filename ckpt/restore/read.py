@@ -20,7 +20,7 @@ from jax import tree_util
 
 from ckpt.restore import assemble
 from ckpt.restore import checksums
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.restore import pack_read
@@ -44,7 +44,7 @@ def resolve_step(storage: storage_lib.Storage, step: int | None,
                  steps: list[int] | None = None) -> int:
   """``step`` (default: the latest) after checking it is committed."""
   if steps is None:
-    steps = commit_lib.committed_steps(storage)
+    steps = steps_lib.committed_steps(storage)
   if not steps:
     raise CheckpointNotFoundError(
         f"{storage.url!r} holds no committed checkpoint (no "
@@ -53,7 +53,7 @@ def resolve_step(storage: storage_lib.Storage, step: int | None,
   if step is None:
     return steps[-1]
   if step not in steps:
-    raise commit_lib.not_committed(storage, step)
+    raise steps_lib.not_committed(storage, step)
   return step
 
 
@@ -282,7 +282,7 @@ def locate(storage: storage_lib.Storage, step: int | None
            ) -> tuple[int, str]:
   """(step, the relative directory that holds its index and data)."""
   step = resolve_step(storage, step)
-  return step, commit_lib.step_dir(storage, step)
+  return step, steps_lib.step_dir(storage, step)
 
 
 def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
@@ -290,7 +290,7 @@ def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
   itself if it is one step's directory and no step is asked for, else the
   committed ``step`` (default: latest) under it as a root."""
   if step is None:
-    here = commit_lib.own_step_dir(storage)
+    here = steps_lib.own_step_dir(storage)
     if here is not None:
       return here
   return locate(storage, step)[1]

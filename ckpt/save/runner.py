@@ -38,6 +38,8 @@ from absl import logging
 import msgpack
 
 from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.format import index as index_lib
 from ckpt.commit import lease as lease_lib
@@ -288,7 +290,7 @@ async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
 
 def _remove_failed(storage: storage_lib.Storage, attempt: Attempt) -> None:
   try:
-    commit_lib.remove_attempt(storage, attempt.step, attempt.token)
+    cleanup_lib.remove_attempt(storage, attempt.step, attempt.token)
   except Exception as e:  # pylint: disable=broad-except
     logging.warning("ckpt: could not remove the failed attempt %s of step %d "
                     "in %s: %s", attempt.token, attempt.step, storage.url, e)
@@ -368,7 +370,7 @@ class Retention:
     if self.policy.keep is None:
       return []
     try:
-      steps = commit_lib.committed_steps(self.storage)
+      steps = steps_lib.committed_steps(self.storage)
       metrics, times = {}, {}
       if self.policy.ranks_by_metrics:
         metrics = self._read_each(steps, self.read_metrics, "metrics",
@@ -390,7 +392,7 @@ class Retention:
           continue
         try:
           logging.info("ckpt: retention deletes step %d", s)
-          commit_lib.remove(self.storage, storage_lib.step_dirname(s))
+          cleanup_lib.remove(self.storage, storage_lib.step_dirname(s))
           deleted.append(s)
         except Exception as e:  # pylint: disable=broad-except
           logging.error("ckpt: retention could not delete step %d in %s: %s",
@@ -420,11 +422,11 @@ class Retention:
             f"cannot delete step {step} in {self.storage.url!r}: it is being "
             "read (a restore in progress, or live leaves of "
             "restore(lazy=True)); delete it once they are done")
-      if not commit_lib.is_committed(self.storage, step):
-        raise commit_lib.not_committed(self.storage, step,
+      if not steps_lib.is_committed(self.storage, step):
+        raise steps_lib.not_committed(self.storage, step,
                                        f"cannot delete step {step}")
       logging.info("ckpt: deleting step %d (delete())", step)
-      commit_lib.remove(self.storage, storage_lib.step_dirname(step))
+      cleanup_lib.remove(self.storage, storage_lib.step_dirname(step))
 
 
 class _Keepalive:

@@ -23,7 +23,7 @@ from absl import logging
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
 from ckpt import queries
-from ckpt.checkpointer import refusal
+from ckpt.calls_save import refusal
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 

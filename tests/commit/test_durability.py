@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from tests.conftest import random_array
@@ -163,7 +163,7 @@ def die_deleting(url: str, step: int, after: str) -> None:
     m.setattr(storage_lib.Storage, "delete_prefix", delete_prefix)
     m.setattr(storage_lib.Storage, "delete_keys", delete_prefix, raising=False)
     with pytest.raises(Killed):
-      commit_lib.remove(storage, storage_lib.step_dirname(step))
+      cleanup_lib.remove(storage, storage_lib.step_dirname(step))
 
 
 def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
@@ -175,7 +175,7 @@ def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
   cleaner = make_ckptr(url)
   checked, resume = threading.Event(), threading.Event()
   found = []
-  real = commit_lib.abandoned
+  real = cleanup_lib.abandoned
 
   def abandoned_then_pause(storage, *args, **kwargs):
     out = real(storage, *args, **kwargs)
@@ -185,7 +185,7 @@ def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
       assert resume.wait(60)
     return out
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(commit_lib, "abandoned", abandoned_then_pause)
+    m.setattr(cleanup_lib, "abandoned", abandoned_then_pause)
     # What a writer's first save runs alongside its writes.
     t = threading.Thread(target=cleaner._remove_abandoned, args=("",))  # pylint: disable=protected-access
     t.start()

@@ -19,7 +19,8 @@ import time
 import numpy as np
 import pytest
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import storage as storage_lib
 from tests.conftest import random_array
@@ -77,7 +78,7 @@ def test_every_save_removes_attempts_of_dead_holders(make_ckptr, ckpt_dir, rng):
   t_dead = time.monotonic()
   assert (ckpt_dir / rel / "data").exists()
   reasons = {}
-  assert commit_lib.abandoned(ckptr.storage, ckptr.lease_s, reasons) == [rel]
+  assert cleanup_lib.abandoned(ckptr.storage, ckptr.lease_s, reasons) == [rel]
   assert "has exited" in reasons[rel], reasons
   assert ckptr.save(2, _state(rng))  # the same Checkpointer's second save
   cleaned_s = time.monotonic() - t_dead
@@ -108,7 +109,7 @@ def test_a_live_holders_attempt_stays(make_ckptr, ckpt_dir, rng):
     assert ckptr.save(1, _state(rng))
     assert ckptr.save(2, _state(rng))
     assert (ckpt_dir / rel / "data").exists(), "a live save was removed"
-    assert commit_lib.abandoned(ckptr.storage) == []
+    assert cleanup_lib.abandoned(ckptr.storage) == []
     # The lease is older than a writer's lease_s: removed (the age rule).
     time.sleep(0.05)
     assert make_ckptr(async_save=False, lease_s=0.01).save(4, _state(rng))
@@ -119,7 +120,7 @@ def test_a_live_holders_attempt_stays(make_ckptr, ckpt_dir, rng):
 
 
 def _rewrite_lease(ckpt_dir, rel: str, **changes) -> None:
-  path = ckpt_dir / rel / commit_lib.ATTEMPT_FILE
+  path = ckpt_dir / rel / steps_lib.ATTEMPT_FILE
   lease = json.loads(path.read_bytes())
   lease.update(changes)
   storage_lib.write_file(os.fspath(path), json.dumps(lease).encode())
@@ -133,7 +134,7 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
   waits for its age."""
   proc, rel = _child(ckpt_dir, "04", "live")
   try:
-    lease = json.loads((ckpt_dir / rel / commit_lib.ATTEMPT_FILE).read_bytes())
+    lease = json.loads((ckpt_dir / rel / steps_lib.ATTEMPT_FILE).read_bytes())
     assert lease["pid"] == proc.pid and lease["host"] and lease["pid_start"]
     if what == "pid reused":
       _rewrite_lease(ckpt_dir, rel, pid_start=lease["pid_start"] - 1)
@@ -176,14 +177,14 @@ def test_an_attempt_that_never_got_its_lease(make_ckptr, ckpt_dir, rng):
   ckpt_dir.mkdir()
   empty = ckpt_dir / "checkpoint_3.tmp-0badc0de"
   empty.mkdir()
-  (empty / f"{commit_lib.ATTEMPT_FILE}.partial-1234").write_bytes(b"{")
+  (empty / f"{steps_lib.ATTEMPT_FILE}.partial-1234").write_bytes(b"{")
   data = ckpt_dir / "checkpoint_4.tmp-0badf00d"
   data.mkdir()
   (data / "w").write_bytes(b"x")
   ckptr = make_ckptr(async_save=False)
   assert ckptr.save(1, _state(rng))
   assert empty.exists() and data.exists()  # younger than 2 s
-  old = time.time() - commit_lib.UNFINISHED_PREPARE_S - 1
+  old = time.time() - cleanup_lib.UNFINISHED_PREPARE_S - 1
   for d in (empty, data):
     os.utime(d, (old, old))
   assert ckptr.save(2, _state(rng))

@@ -247,7 +247,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   kind works everywhere (no key drifted)."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.commit import steps as steps_lib  # pylint: disable=g-import-not-at-top
   pid = jax.process_index()
   mesh = _mesh()
   out: dict[str, Any] = {"pid": pid}
@@ -290,7 +290,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
                     _timed(lambda: ck.restore(target=target)["step"])]
   # latest_step: process 0's listing fails once (it answers for all).
   if pid == 0:
-    _fail_once(commit_lib, "committed_steps", "latest_step")
+    _fail_once(steps_lib, "committed_steps", "latest_step")
   out["latest_step"] = [_timed(ck.latest_step), _timed(ck.latest_step)]
   out["steps"] = ck.all_steps()
   ck.close()

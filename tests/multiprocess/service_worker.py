@@ -746,8 +746,8 @@ def scenario_restore_race(conf: dict) -> dict:
     ck.save(2, second)
     t0 = time.monotonic()
     if variant == "all" or pid == 1:
-      from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
-      res["committed_before"] = commit_lib.is_committed(ck.storage, 1)
+      from ckpt.commit import steps as steps_lib  # pylint: disable=g-import-not-at-top
+      res["committed_before"] = steps_lib.is_committed(ck.storage, 1)
       try:
         got = ck.restore(1)
         res["restore"] = "ok"

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.multihost import local_cluster
 from ckpt.store import storage as storage_lib
 
@@ -79,7 +79,7 @@ def test_interval_and_preemption_are_agreed(job):
   assert saved == want
   assert i0["steps"] == want
   storage = storage_lib.Storage(str(root / "interval"))
-  assert commit_lib.committed_steps(storage) == want
+  assert steps_lib.committed_steps(storage) == want
   for step, ok, rounds in i0["log"]:
     if step == 1:
       assert rounds == 2, (step, rounds)  # "holds a checkpoint?" + the save

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
 from ckpt.multihost import local_cluster
 from ckpt.store import storage as storage_lib
 from ckpt.commit.retention import RetentionPolicy
@@ -464,7 +464,7 @@ def test_preemption_saves_agreed_step(tmp_path, victim):
   assert len(steps) == 1 and None not in steps, out
   step = steps.pop()
   assert all(r["t_notice"] >= t_signal for r in out), "stopped before SIGTERM"
-  assert commit_lib.committed_steps(storage_lib.Storage(str(root))) == [step]
+  assert steps_lib.committed_steps(storage_lib.Storage(str(root))) == [step]
   saved = ckpt.load(str(root), step)
   assert saved["step"] == step
   for name, base in worker.preempt_base().items():
@@ -520,7 +520,7 @@ def _verify_root(root: pathlib.Path, prev_latest: int | None,
   for s in step_dirs:
     assert (root / f"checkpoint_{s}" / "index.msgpack").exists(), (
         f"checkpoint_{s} is visible without index.msgpack: {names}")
-  steps = commit_lib.committed_steps(storage_lib.Storage(str(root)))
+  steps = steps_lib.committed_steps(storage_lib.Storage(str(root)))
   assert steps == step_dirs, (steps, names)
   assert len(steps) <= max(KEEP, prev_count) + 1, (prev_count, steps)
   if prev_latest is not None:

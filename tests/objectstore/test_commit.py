@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.multihost import local_cluster
 from ckpt.store import storage as storage_lib
 from tests.objectstore import kill_worker
@@ -119,13 +119,13 @@ def test_next_save_removes_the_abandoned_step(killed, store_env):
   with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
     # Within its lease, but its holder (the killed process 0) is gone.
     reasons = {}
-    [attempt] = commit_lib.abandoned(ckptr.storage, ckptr.lease_s, reasons)
+    [attempt] = cleanup_lib.abandoned(ckptr.storage, ckptr.lease_s, reasons)
     assert attempt.startswith("checkpoint_2/attempt-"), attempt
     assert "has exited" in reasons[attempt], reasons
   with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
     assert ckptr.save(3, kill_worker.state_values(3))
     assert ckptr.all_steps() == [1, 3]
-    assert commit_lib.abandoned(ckptr.storage, lease_s=0.0) == []
+    assert cleanup_lib.abandoned(ckptr.storage, lease_s=0.0) == []
   assert not [k for k in storeutil.keys(url) if k.startswith("checkpoint_2/")]
   assert_same(ckpt.load(url, step=3), kill_worker.state_values(3))
 
@@ -169,7 +169,7 @@ def test_delete_removes_the_record_first(s3_bucket):
     assert ckptr.all_steps() == [2]
     # Named by its pending record: finishing it removes only what that
     # deletion deletes (see test_a_late_cleaner_spares_a_newer_commit).
-    assert commit_lib.abandoned(ckptr.storage) == ["pending/1.delete"]
+    assert cleanup_lib.abandoned(ckptr.storage) == ["pending/1.delete"]
     with pytest.raises(ckpt.CheckpointNotFoundError):
       ckptr.restore(1)
   with ckpt.Checkpointer(url, async_save=False) as ckptr:

@@ -25,7 +25,8 @@ import pytest
 
 import ckpt
 from ckpt.cli import main as cli
-from ckpt.commit import protocol as commit_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
 from ckpt.save import runner as finalize
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
@@ -202,7 +203,7 @@ def test_a_deleted_step_is_unlisted_before_its_data_goes(
       # Whoever lists the steps right now (another process, another job)
       # no longer sees the step whose data is about to go.
       # (Checked below: retention logs the errors of its deletions.)
-      seen.append((step, commit_lib.committed_steps(storage_lib.Storage(url))))
+      seen.append((step, steps_lib.committed_steps(storage_lib.Storage(url))))
     return real(self, prefix, what)
   monkeypatch.setattr(storage_lib.Storage, "delete_prefix", check_first)
   with ckpt.Checkpointer(url, keep=2, format="zarr3", **KW) as ckptr:
@@ -320,7 +321,7 @@ def test_a_root_without_records_is_discovered_and_migrated(
     assert ckptr.all_steps() == [1, 2, 3]
     assert ckptr.metrics(2) == {"loss": 1.0}
     assert int(ckptr.restore()["n"]) == 3
-    assert commit_lib.abandoned(ckptr.storage) == ["checkpoint_4/attempt-abc"]
+    assert cleanup_lib.abandoned(ckptr.storage) == ["checkpoint_4/attempt-abc"]
   assert "checkpoint_" in listed  # the full listing, while not migrated
   assert not [k for k in storeutil.keys(url) if k.startswith("commits/")]
   with ckpt.Checkpointer(url, **KW) as ckptr:  # a writer: migrates first

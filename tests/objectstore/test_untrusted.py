@@ -20,7 +20,7 @@ def test_oversized_index_is_refused_before_reading(store, s3_bucket,
     c.save(1, state)
   assert ckpt.load(url)["w"].tolist() == state["w"].tolist()
   storage = storage_lib.Storage(url)
-  step = ckpt.commit.protocol.step_dir(storage, 1)
+  step = ckpt.commit.steps.step_dir(storage, 1)
   size = len(storeutil.read_key(url, f"{step}/index.msgpack"))
   # Exactly at the limit: read; one byte over: refused, without reading.
   assert storage.read_bytes(f"{step}/index.msgpack", limit=size)
