@@ -45,6 +45,7 @@ from ckpt import calls_save
 from ckpt import queries
 from ckpt.restore import readonce
 from ckpt.store import storemeter
+from ckpt.save import leaves as save_leaves
 from ckpt.save import write as save_lib
 from ckpt.store import storage as storage_lib
 from ckpt.format import tsspec
@@ -204,7 +205,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     self._has_checkpoint: bool | None = None
     if int(concurrent_bytes) <= 0:
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
-    self._options = save_lib.SaveOptions(
+    self._options = save_leaves.SaveOptions(
         storage_format=tsspec.check_format(format),
         codec=tsspec.Codec(compression, checksum=_chunk_checksum(
             format, chunk_checksums)), chunk_bytes=int(chunk_bytes),

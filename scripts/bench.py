@@ -395,6 +395,20 @@ class OrbaxSystem(System):
       return c.restore(os.path.join(path, "1"), target)
 
 
+def _write_meta(path: str, pid: int, meta: dict, fsync: bool) -> None:
+  """A raw baseline's table of this process's files (meta.<pid>.json), then
+  the directory fsynced, as a checkpointer must before it commits."""
+  with open(os.path.join(path, f"meta.{pid}.json"), "w") as f:
+    json.dump(meta, f)
+    f.flush()
+    if fsync:
+      os.fsync(f.fileno())
+  if fsync:
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+
+
 class RawSystem(System):
   """The same bytes as plain files: one per distinct shard, then fsync."""
 
@@ -436,15 +450,7 @@ class RawSystem(System):
 
     with self._pool() as pool:
       list(pool.map(write, jobs))
-    with open(os.path.join(path, f"meta.{pid}.json"), "w") as f:
-      json.dump(meta, f)
-      f.flush()
-      if self.fsync:
-        os.fsync(f.fileno())
-    if self.fsync:
-      fd = os.open(path, os.O_RDONLY)
-      os.fsync(fd)
-      os.close(fd)
+    _write_meta(path, pid, meta, self.fsync)
 
   def restore(self, path, target):
     import jax  # pylint: disable=g-import-not-at-top
@@ -538,15 +544,7 @@ class RawPackSystem(System):
       f.flush()
       if self.fsync:
         os.fsync(f.fileno())
-    with open(os.path.join(path, f"meta.{pid}.json"), "w") as f:
-      json.dump(meta, f)
-      f.flush()
-      if self.fsync:
-        os.fsync(f.fileno())
-    if self.fsync:
-      fd = os.open(path, os.O_RDONLY)
-      os.fsync(fd)
-      os.close(fd)
+    _write_meta(path, pid, meta, self.fsync)
 
   def restore(self, path, target):
     import jax  # pylint: disable=g-import-not-at-top

@@ -224,3 +224,22 @@ def no_packing(monkeypatch):
   """arrays_only for one test (its checkpoints made in the test)."""
   from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(pack, "MAX_LEAF_BYTES", 0)
+
+
+def record_fsync_and_rename(monkeypatch) -> list[tuple]:
+  """From now on, every os.fsync (("fsync", the file's path)) and os.rename
+  (("rename", src, dst)) of this process, in order, in the returned list."""
+  import os  # pylint: disable=g-import-not-at-top,redefined-outer-name,reimported
+  calls = []
+  real_fsync, real_rename = os.fsync, os.rename
+
+  def fsync(fd):
+    calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    return real_fsync(fd)
+
+  def rename(src, dst, *a, **k):
+    calls.append(("rename", os.fspath(src), os.fspath(dst)))
+    return real_rename(src, dst, *a, **k)
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "rename", rename)
+  return calls

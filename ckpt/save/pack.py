@@ -180,14 +180,5 @@ def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
           f"deleted or donated before save() returned?): {e}") from e
   out = []
   for w, piece in zip(writes, pieces):
-    leaf = plan.leaves[w.leaf]
-    try:
-      out.append(staging._host_box(leaf, w, piece, borrow=True))
-    except CheckpointError as e:
-      raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
-    except Exception as e:
-      raise CheckpointError(
-          f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
-          f"{w.box.stop} to the host failed (was the array deleted or "
-          f"donated before save() returned?): {e}") from e
+    out.append(staging.host_box(plan.leaves[w.leaf], w, piece, borrow=True))
   return out

@@ -11,6 +11,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ckpt.errors import CheckpointError
+from ckpt.format import tree
 from ckpt.save import leafsource
 from ckpt.shards import plan as plan_lib
 
@@ -83,3 +85,18 @@ def _host_box(leaf: Any, write: plan_lib.Write, piece: Any,
   if host.dtype != dtype:
     return host.astype(dtype, order="C")
   return host if owned else np.array(host, order="C", copy=True)
+
+
+def host_box(leaf: Any, write: plan_lib.Write, piece: Any,
+             borrow: bool) -> np.ndarray:
+  """``_host_box``, a failure raised as a CheckpointError naming the leaf and
+  the box (a deleted or donated array is the usual cause)."""
+  try:
+    return _host_box(leaf, write, piece, borrow)
+  except CheckpointError as e:  # a LeafSource's read: it says what failed
+    raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
+  except Exception as e:
+    raise CheckpointError(
+        f"leaf {tree.path_str(leaf.parts)!r}: copying {write.box.start}.."
+        f"{write.box.stop} to the host failed (was the array deleted or "
+        f"donated before save() returned?): {e}") from e

@@ -36,10 +36,6 @@ from ckpt.save import polite
 from ckpt.save import pack as pack_lib
 from ckpt.save import staging
 from ckpt.save.leaves import SavePlan
-# Still importable from here for ckpt/checkpointer.py and ckpt/tiers/local_tier.py
-# (the plan itself is ckpt/save/leaves.py).
-from ckpt.save.leaves import SaveOptions  # pylint: disable=unused-import
-from ckpt.save.leaves import _key_data, _leaf_dtype  # pylint: disable=unused-import
 from ckpt.shards import plan as plan_lib
 from ckpt.format import tree
 from ckpt.store import tsfuture
@@ -249,19 +245,11 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     while started:
       w, piece, grant = started[0]
       leaf = plan.leaves[w.leaf]
-      try:
-        data = (staging._host_box(leaf, w, piece, plan.borrow)
-                if (w.nbytes <= INLINE_WORK_BYTES
-                    or staging._is_view(leaf, piece))
-                else await asyncio.to_thread(
-                    staging._host_box, leaf, w, piece, plan.borrow))
-      except CheckpointError as e:  # a LeafSource's read: it says what failed
-        raise CheckpointError(f"leaf {tree.path_str(leaf.parts)!r}: {e}") from e
-      except Exception as e:
-        raise CheckpointError(
-            f"leaf {tree.path_str(leaf.parts)!r}: copying {w.box.start}.."
-            f"{w.box.stop} to the host failed (was the array deleted or "
-            f"donated before save() returned?): {e}") from e
+      data = (staging.host_box(leaf, w, piece, plan.borrow)
+              if (w.nbytes <= INLINE_WORK_BYTES
+                  or staging._is_view(leaf, piece))
+              else await asyncio.to_thread(
+                  staging.host_box, leaf, w, piece, plan.borrow))
       started.popleft()
       staged.append((w, data, grant))
 

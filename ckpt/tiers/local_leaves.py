@@ -19,7 +19,7 @@ from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.format import prng
 from ckpt.restore import read as restore_lib
-from ckpt.save import write as save_lib
+from ckpt.save import leaves as save_lib
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree as tree_lib
 from ckpt.tiers.local_manifest import _index

@@ -27,7 +27,7 @@ import ckpt
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
-from tests.conftest import random_array
+from tests.conftest import random_array, record_fsync_and_rename
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -408,20 +408,9 @@ def test_unreadable_old_index_does_not_fail_later_saves(make_ckptr, ckpt_dir, rn
 
 def test_commit_fsyncs_what_it_depends_on_before_the_rename(
     make_ckptr, ckpt_dir, rng, monkeypatch):
-  calls = []
-  real_fsync, real_rename = os.fsync, os.rename
-
-  def fsync(fd):
-    calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-    return real_fsync(fd)
-
-  def rename(src, dst, *a, **k):
-    calls.append(("rename", os.fspath(src), os.fspath(dst)))
-    return real_rename(src, dst, *a, **k)
   c = make_ckptr(async_save=False)
   c.save(1, {"w": random_array(rng, (64, 64)), "x": {"y": random_array(rng, (99,))}})
-  monkeypatch.setattr(os, "fsync", fsync)
-  monkeypatch.setattr(os, "rename", rename)
+  calls = record_fsync_and_rename(monkeypatch)
   c.save(2, {"w": random_array(rng, (64, 64)), "x": {"y": random_array(rng, (99,))}})
   monkeypatch.undo()
   root = os.path.realpath(ckpt_dir)

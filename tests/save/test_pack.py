@@ -384,20 +384,9 @@ def test_packs_are_durable_before_the_commit_rename(tmp_path, monkeypatch):
   fsyncs them); their directory is fsynced with the step's before the
   rename that commits it (ckpt/commit/protocol.py)."""
   import os  # pylint: disable=g-import-not-at-top
-  calls = []
-  real_fsync, real_rename = os.fsync, os.rename
-
-  def fsync(fd):
-    calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-    return real_fsync(fd)
-
-  def rename(src, dst, *a, **k):
-    calls.append(("rename", os.fspath(src), os.fspath(dst)))
-    return real_rename(src, dst, *a, **k)
-
+  from tests.conftest import record_fsync_and_rename  # pylint: disable=g-import-not-at-top
   root = os.path.realpath(tmp_path / "dur")
-  monkeypatch.setattr(os, "fsync", fsync)
-  monkeypatch.setattr(os, "rename", rename)
+  calls = record_fsync_and_rename(monkeypatch)
   with ckpt.Checkpointer(root, async_save=False) as c:
     c.save(1, {"w": np.arange(1000, dtype=np.float32)})
   monkeypatch.undo()
