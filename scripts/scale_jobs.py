@@ -41,11 +41,14 @@ process's time (the job's), and the call counts, the largest per process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +78,9 @@ DEFAULTS: dict[str, Any] = {
     "timeout_s": 900,
     "barrier_timeout_s": 300,
     "dir": None,  # where the jobs write (default: a temporary directory)
+    # A path prefix: process 0 writes py-spy samples (collapsed stacks) of
+    # its later saves and its restores to <prefix>.<N>.save.txt / .restore.txt.
+    "profile": None,
 }
 COLUMNS = [
     ("N", "processes", "{:d}"),
@@ -221,6 +227,32 @@ def _barrier_waits(trace: list) -> list[list]:
           if method == "wait_at_barrier"]
 
 
+class _Profile:
+  """py-spy samples of some operations of one process, every thread
+  (``conf["profile"]``: needs ``py-spy``, in the ``bench`` extra)."""
+
+  def __init__(self, prefix: str | None, n: int):
+    self.prefix, self.n = prefix, n
+
+  @contextlib.contextmanager
+  def of(self, what: str):
+    if self.prefix is None:
+      yield
+      return
+    out = f"{self.prefix}.{self.n}.{what}.txt"
+    spy = subprocess.Popen(
+        [shutil.which("py-spy") or "py-spy", "record", "--pid",
+         str(os.getpid()), "--rate", "250", "--format", "raw", "--threads",
+         "--output", out, "--nonblocking"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+      yield
+    finally:
+      spy.send_signal(signal.SIGINT)
+      spy.wait(timeout=60)
+
+
 def worker(conf: dict[str, Any]) -> None:
   from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   local_cluster.init_from_env()
@@ -285,7 +317,10 @@ def worker(conf: dict[str, Any]) -> None:
   del restored
   index_timer.take(), leaves_timer.take(), read_timer.take()
 
-  saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
+  profile = _Profile(conf["profile"] if pid == 0 else None,
+                     jax.process_count())
+  with profile.of("save"):
+    saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
 
   restores = []
   for r in range(conf["restores"]):
@@ -294,8 +329,9 @@ def worker(conf: dict[str, Any]) -> None:
     multihost.trace_coordination(True)
     c0 = multihost.coordination_stats()
     t = time.perf_counter()
-    restored = ckptr.restore(step, target=target)
-    jax.block_until_ready(jax.tree_util.tree_leaves(restored))
+    with profile.of("restore"):
+      restored = ckptr.restore(step, target=target)
+      jax.block_until_ready(jax.tree_util.tree_leaves(restored))
     wall = time.perf_counter() - t
     c = multihost.coordination_stats() - c0
     trace = multihost.trace_coordination(False)

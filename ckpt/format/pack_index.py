@@ -4,12 +4,10 @@ say where its bytes are.
 A small array leaf (ckpt/save/pack.py) is not a TensorStore array: each process
 writes the boxes it owns of every small leaf, back to back, into a few
 objects of its own, ``<step dir>/.packs/<process>.<k>.bin``, and records
-where each box went in its table, ``<step dir>/.packs/<process>.msgpack``:
-
-  {"process": p, "packs": [size of pack 0, size of pack 1, ...],
-   "pieces": [[leaf, k, offset, [start...], [stop...], crc32c], ...]}
-
-``leaf`` is the entry's position in the index's leaves. The index entry
+where each box went in its table, ``<step dir>/.packs/<process>.msgpack``
+(ckpt/format/pack_table.py: the leaf, the pack ``k``, the offset, the box and
+its crc32c of each piece, as columns). ``leaf`` is the entry's position in
+the index's leaves. The index entry
 (kind "packed") records what a leaf is (shape, dtype, sharding), never where
 it is: like the zarr v2 checksum files, nothing about it grows with the
 number of processes, and no process waits for another's offsets. Every

@@ -29,6 +29,7 @@ import tensorstore as ts
 
 from ckpt.format import index as index_lib
 from ckpt.format import pack_index
+from ckpt.format import pack_table
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.errors import CorruptCheckpointError
@@ -62,8 +63,10 @@ class PackSet:
     self._spec, self._context = step_kvstore, context
     self._where = where
     self._lock = threading.Lock()
-    self._pieces: dict[int, list[Piece]] | None = None
+    self._table: pack_table.Table | None = None
+    self._bounds: tuple[np.ndarray, np.ndarray] | None = None
     self._checked: set[int] = set()
+    self._covers: dict[tuple[int, Box], list[Piece]] = {}
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     self._store: ts.KvStore | None = None
 
@@ -76,17 +79,20 @@ class PackSet:
 
   # ---- the tables -------------------------------------------------------
 
-  def _tables(self) -> dict[int, list[Piece]]:
+  def _tables(self) -> pack_table.Table:
     with self._lock:
-      if self._pieces is None:
-        self._pieces = self._load()
-      return self._pieces
+      if self._table is None:
+        self._table, self._bounds = self._load()
+      return self._table
 
-  def _load(self) -> dict[int, list[Piece]]:
+  def _load(self):
+    """Every process's table, validated, as one table sorted by leaf, and
+    each leaf's [lo, hi) rows in it."""
     kv = self._kv()
     n = self.index.process_count
+    leaves = pack_table.Leaves.of(self.index.leaves)
     names = [pack_index.table_name(p) for p in range(n)]
-    out: dict[int, list[Piece]] = {}
+    tables = []
     for lo in range(0, n, _TABLE_READS):
       futures = [kv.read(name) for name in names[lo:lo + _TABLE_READS]]
       for p, f in zip(range(lo, lo + _TABLE_READS), futures):
@@ -98,11 +104,14 @@ class PackSet:
               f"{e}") from e
         if got.state != "value":
           continue  # a process with no packed box
-        self._add(out, p, names[p], got.value)
-    return out
+        tables.append(self._decode(p, names[p], got.value, leaves))
+    table = pack_table.concat(tables, leaves.shape.shape[1])
+    every = np.arange(len(self.index.leaves))
+    return table, (np.searchsorted(table.leaf, every, "left"),
+                   np.searchsorted(table.leaf, every, "right"))
 
-  def _add(self, out: dict[int, list[Piece]], p: int, name: str,
-           data: bytes) -> None:
+  def _decode(self, p: int, name: str, data: bytes,
+              leaves: pack_table.Leaves) -> pack_table.Table:
     where = f"{self._where}: pack table {name!r}"
     if len(data) > pack_index.MAX_TABLE_BYTES:
       raise CorruptCheckpointError(
@@ -112,87 +121,104 @@ class PackSet:
       doc = index_lib.unpack(data)
     except Exception as e:
       raise CorruptCheckpointError(f"{where} is not valid msgpack: {e}") from e
-    bad = index_lib._bad  # pylint: disable=protected-access
-    if not isinstance(doc, dict) or doc.get("process") != p:
-      raise bad(where, f"a map with process {p}", doc)
-    sizes = doc.get("packs")
-    if (not isinstance(sizes, list) or len(sizes) > pack_index.MAX_PACKS or
-        not all(type(s) is int and 0 <= s <= pack_index.MAX_PACK_BYTES
-                for s in sizes)):
-      raise bad(where, f"packs as a list of at most {pack_index.MAX_PACKS} "
-                f"sizes in [0, {pack_index.MAX_PACK_BYTES}]", sizes)
-    pieces = doc.get("pieces")
-    if not isinstance(pieces, list):
-      raise bad(where, "pieces as a list", pieces)
-    leaves = self.index.leaves
-    for item in pieces:
-      if not isinstance(item, list) or len(item) != 6:
-        raise bad(where, "a piece [leaf, pack, offset, start, stop, crc32c]",
-                  item)
-      leaf, k, offset, start, stop, crc = item
-      if (type(leaf) is not int or not 0 <= leaf < len(leaves) or
-          not isinstance(leaves[leaf], pack_index.PackedEntry)):
-        raise bad(where, "a piece of a packed leaf of the index", item)
-      e = leaves[leaf]
-      lw = f"{where}: leaf {tree.path_str(e.path)!r}"
-      if type(k) is not int or not 0 <= k < len(sizes):
-        raise bad(lw, f"a pack number in [0, {len(sizes)})", k)
-      if type(crc) is not int or not 0 <= crc < 2**32:
-        raise bad(lw, "a crc32c", crc)
-      shape = e.shape
-      try:
-        box = Box(tuple(start), tuple(stop))
-        ok = (len(box.start) == len(shape) and
-              all(type(a) is int and type(b) is int and a < b <= d
-                  for a, b, d in zip(box.start, box.stop, shape)))
-      except (TypeError, ValueError):
-        ok = False
-      if not ok:
-        raise bad(lw, f"a non-empty box inside the shape {list(shape)}",
-                  [start, stop])
-      nbytes = box.size * np.dtype(e.dtype).itemsize
-      if type(offset) is not int or not 0 <= offset <= sizes[k] - nbytes:
-        raise bad(lw, f"an offset of its {nbytes} bytes inside pack {k} of "
-                  f"{sizes[k]} bytes", offset)
-      out.setdefault(leaf, []).append(Piece(p, k, offset, box, nbytes, crc))
+    return pack_table.decode(doc, p, leaves, where)
+
+  def _rows(self, leaf: int) -> np.ndarray:
+    """The rows of the ``leaf``-th entry's pieces in the tables."""
+    table = self._tables()
+    lo, hi = self._bounds
+    return np.arange(lo[leaf], hi[leaf]) if len(table) else np.arange(0)
+
+  def _pieces_of(self, rows: np.ndarray, rank: int) -> list[Piece]:
+    t = self._table
+    return [Piece(p, k, off, Box(tuple(a[:rank]), tuple(b[:rank])), nb, crc)
+            for p, k, off, a, b, nb, crc in zip(
+                t.process[rows].tolist(), t.pack[rows].tolist(),
+                t.offset[rows].tolist(), t.start[rows].tolist(),
+                t.stop[rows].tolist(), t.nbytes[rows].tolist(),
+                t.crc[rows].tolist())]
 
   async def pieces_async(self, leaf: int) -> list[Piece]:
-    if self._pieces is None:  # read the tables off the event loop, once
+    if self._table is None:  # read the tables off the event loop, once
       await asyncio.to_thread(self._tables)
     return self.pieces(leaf)
 
+  async def cover_async(self, leaf: int, box: Box) -> list[Piece]:
+    if self._table is None:
+      await asyncio.to_thread(self._tables)
+    return self.cover(leaf, box)
+
   def pieces(self, leaf: int) -> list[Piece]:
-    """The pieces of the ``leaf``-th entry, checked to tile it exactly."""
-    got = self._tables().get(leaf, [])
-    if leaf in self._checked:
-      return got
+    """All pieces of the ``leaf``-th entry, checked to tile it exactly
+    (verify; a restore checks only the boxes it reads: ``cover``)."""
     e = self.index.leaves[leaf]
-    size = math.prod(e.shape)
-    covered = sum(pc.box.size for pc in got)
-    exact = covered == size
+    got = self._pieces_of(self._rows(leaf), len(e.shape))
+    if leaf not in self._checked:
+      self._check_cover(leaf, Box((0,) * len(e.shape), tuple(e.shape)), got)
+      self._checked.add(leaf)
+    return got
+
+  def cover(self, leaf: int, box: Box) -> list[Piece]:
+    """The pieces of the ``leaf``-th entry that overlap ``box``, checked to
+    cover it exactly once (every element of it from one piece)."""
+    key = (leaf, box)
+    got = self._covers.get(key)
+    if got is not None:
+      return got
+    rows = self._rows(leaf)
+    rank = len(box.start)
+    if rank and len(rows):
+      t = self._table
+      near = ((t.start[rows, :rank] < box.stop) &
+              (t.stop[rows, :rank] > box.start)).all(axis=1)
+      rows = rows[near]
+    got = self._pieces_of(rows, rank)
+    if box.size:
+      self._check_cover(leaf, box, got)
+    self._covers[key] = got
+    return got
+
+  def _check_cover(self, leaf: int, box: Box, got: list[Piece]) -> None:
+    def part(pc: Piece) -> Box:
+      return Box(tuple(map(max, pc.box.start, box.start)),
+                 tuple(map(min, pc.box.stop, box.stop)))
+
+    covered = sum(part(pc).size for pc in got)
+    exact = covered == box.size
     if exact and len(got) > 1:  # no overlap: every element once
-      mask = np.zeros(e.shape, np.uint8)
+      mask = np.zeros(box.shape, np.uint8)
       for pc in got:
-        mask[pc.box.slices()] += 1
+        mask[part(pc).relative_to(box)] += 1
       exact = bool((mask == 1).all())
     if not exact:
+      e = self.index.leaves[leaf]
+      whole = box.start == (0,) * len(box.start) and box.stop == tuple(e.shape)
+      what = "it" if whole else f"its box {box.start}..{box.stop}"
       raise CorruptCheckpointError(
           f"{self._where}: leaf {tree.path_str(e.path)!r}: the pack tables' "
-          f"pieces ({len(got)} boxes, {covered} of its {size} elements) do "
-          "not cover it exactly once (a process's table or pack missing, "
-          "or edited)")
-    self._checked.add(leaf)
-    return got
+          f"pieces ({len(got)} boxes, {covered} of the {box.size} elements "
+          f"of {what}) do not cover it exactly once (a process's table or "
+          "pack missing, or edited)")
 
   # ---- the bytes ----------------------------------------------------------
 
-  async def prefetch(self, leaves: Iterable[int]) -> None:
-    """Reads the packs holding ``leaves``' pieces, each once: whole, or the
-    ranges needed (merged) when those are under half of it."""
-    tables = await asyncio.to_thread(self._tables)
+  async def prefetch(self, leaves: Iterable[int],
+                     boxes: dict[int, Sequence[Box]] | None = None) -> None:
+    """Reads the packs holding ``leaves``' pieces (only those overlapping
+    ``boxes[leaf]`` where given: the boxes this process places), each pack
+    once: whole, or the ranges needed (merged) when those are under half
+    of it."""
+    await asyncio.to_thread(self._tables)
+    boxes = boxes or {}
     sizes: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for leaf in leaves:
-      for pc in tables.get(leaf, ()):
+      wanted = boxes.get(leaf)
+      if wanted is None:
+        got = self._pieces_of(self._rows(leaf),
+                              len(self.index.leaves[leaf].shape))
+      else:
+        got = {pc for box in wanted for pc in self.cover(leaf, box)}
+      for pc in got:
         sizes.setdefault((pc.process, pc.pack), []).append(
             (pc.offset, pc.offset + pc.nbytes))
     kv = (self._store if self._store is not None
@@ -289,9 +315,9 @@ class LazyPacked(LazyLeaf):
 
   async def read_box(self, box: Box) -> np.ndarray:
     check_fits(self.path, box.shape, self.dtype)
-    pieces = await self._pieces()
     if not box.size:
       return np.empty(box.shape, self.dtype)
+    pieces = await self.packs.cover_async(self.position, box)
     for pc in pieces:
       if pc.box == box:
         return await self._piece(pc)  # a read-only view, no copy
@@ -300,7 +326,9 @@ class LazyPacked(LazyLeaf):
     return out
 
   async def read_into(self, box: Box, out: np.ndarray) -> None:
-    pieces = await self._pieces()
+    if not box.size:
+      return
+    pieces = await self.packs.cover_async(self.position, box)
     for pc in pieces:
       lo = tuple(max(a, b) for a, b in zip(box.start, pc.box.start))
       hi = tuple(min(a, b) for a, b in zip(box.stop, pc.box.stop))
@@ -371,6 +399,28 @@ def lazy_leaves(index: index_lib.Index, step_kvstore: dict, context
     return {}
   packs = PackSet(index, step_kvstore, context)
   return {i: LazyPacked(index.leaves[i], i, packs) for i in positions}
+
+
+def boxes_placed(sources: Sequence[Any], targets: Sequence[Any]
+                 ) -> dict[int, list[Box]]:
+  """Packed leaf position -> the boxes this process places, for each packed
+  source restored as it is onto a target with a sharding of the same shape
+  (so a restore reads only the pieces it places; other leaves: all)."""
+  out: dict[int, list[Box]] = {}
+  for src, tgt in zip(sources, targets):
+    sharding = getattr(tgt, "sharding", None)
+    if (not isinstance(src, LazyPacked) or
+        not isinstance(sharding, jax.sharding.Sharding) or
+        tuple(getattr(tgt, "shape", ())) != src.shape):
+      continue
+    try:  # (a sharding on an abstract mesh is resolved later, by _resolve)
+      index_map = sharding.addressable_devices_indices_map(src.shape)
+    except Exception:  # pylint: disable=broad-except
+      continue
+    boxes = {_key(i): i for i in index_map.values()}
+    out.setdefault(src.position, []).extend(
+        Box.from_index(i, src.shape) for i in boxes.values())
+  return out
 
 
 def packset_of(leaves: Iterable[Any]) -> PackSet | None:

@@ -257,7 +257,8 @@ async def _restore_tree(index: index_lib.Index,
   if missing:
     raise MissingLeavesError(missing, list(by_name))
   if packs is not None:
-    await packs.prefetch(pack_read.positions(sources))
+    await packs.prefetch(pack_read.positions(sources),
+                         pack_read.boxes_placed(sources, [t for _, t in named]))
   as_saved = AsSaved(index)
   results = await tasks.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)

@@ -27,11 +27,11 @@ import asyncio
 from typing import Any, Callable, Sequence
 
 import jax
-import msgpack
 import numpy as np
 import tensorstore as ts
 
 from ckpt.format import pack_index
+from ckpt.format import pack_table
 from ckpt.format import tree
 from ckpt.save import staging
 from ckpt.store import tsfuture
@@ -84,7 +84,8 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   kv = await tsfuture.wait(ts.KvStore.open(step_kvstore, context=context))
   limit = max(ALIGN, min(MAX_PACK_OBJECT_BYTES, limiter.budget))
   sizes: list[int] = []
-  pieces: list[list] = []
+  # The table's columns (ckpt/format/pack_table.py), a row per box.
+  leaf, pack, offsets, crcs, box = [], [], [], [], []
   tasks: list[asyncio.Task] = []
 
   async def put(k: int, buf: bytearray, grant: int, count: int,
@@ -113,8 +114,12 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
           flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
           n = flat.nbytes
           np.frombuffer(view[offset:offset + n], np.uint8)[:] = flat
-          pieces.append([w.leaf, k, offset, list(w.box.start),
-                         list(w.box.stop), checksum(flat)])
+          leaf.append(w.leaf)
+          pack.append(k)
+          offsets.append(offset)
+          crcs.append(checksum(flat))
+          box += w.box.start
+          box += w.box.stop
           offset += _aligned(n)
         del view
       except BaseException:
@@ -126,10 +131,9 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   except BaseException:
     await asyncio.gather(*tasks, return_exceptions=True)
     raise
-  if not pieces:
+  if not leaf:
     return tasks
-  table = msgpack.packb({"process": process, "packs": sizes,
-                         "pieces": pieces}, use_bin_type=True)
+  table = pack_table.encode(process, sizes, leaf, pack, offsets, crcs, box)
   if len(table) > pack_index.MAX_TABLE_BYTES:
     raise CheckpointError(
         f"the pack table of process {process} is {len(table)} bytes; readers "

@@ -25,6 +25,7 @@ from ckpt.format import index_codec
 from ckpt.cli import integrity
 from ckpt.save import pack
 from ckpt.format import pack_index
+from ckpt.format import pack_table
 from ckpt.restore import pack_read
 from ckpt.errors import CorruptCheckpointError
 
@@ -89,9 +90,10 @@ def test_small_leaves_are_packed_large_ones_arrays(saved):
   kinds = {"/".join(e.path): type(e).__name__ for e in index.leaves}
   assert {kinds[n] for n in PACKED} == {"PackedEntry"}
   assert kinds["big"] == "ArrayEntry" and kinds["n"] == "ValueEntry"
-  table = msgpack.unpackb((step / ".packs" / "0.msgpack").read_bytes())
+  table, rows = _table(root)
+  assert table["version"] == pack_table.VERSION == 2  # columns
   # w: 4 distinct boxes (model), r: 1, b16: 8, i: 2, keys: 4, host: 1.
-  assert len(table["pieces"]) == 4 + 1 + 8 + 2 + 4 + 1
+  assert len(rows) == 4 + 1 + 8 + 2 + 4 + 1
   assert table["packs"] == [(step / ".packs" / "0.0.bin").stat().st_size]
 
 
@@ -172,12 +174,19 @@ def _flip(path: pathlib.Path, at: int) -> None:
   path.write_bytes(bytes(data))
 
 
+def _table(root) -> tuple[dict, list[list]]:
+  """Process 0's pack table and its pieces as rows."""
+  step = _step(root)
+  index = index_lib.decode((step / "index.msgpack").read_bytes())
+  table = msgpack.unpackb((step / ".packs" / "0.msgpack").read_bytes())
+  return table, pack_table.rows(table, index.leaves)
+
+
 def _piece_of(root, leaf: str):
   step = _step(root)
   index = index_lib.decode((step / "index.msgpack").read_bytes())
   pos = [i for i, e in enumerate(index.leaves) if "/".join(e.path) == leaf][0]
-  table = msgpack.unpackb((step / ".packs" / "0.msgpack").read_bytes())
-  return pos, [p for p in table["pieces"] if p[0] == pos]
+  return pos, [p for p in _table(root)[1] if p[0] == pos]
 
 
 def test_flipped_byte_is_caught_naming_the_leaf(saved):
@@ -199,19 +208,26 @@ def test_flipped_byte_is_caught_naming_the_leaf(saved):
     assert got["r"].shape == (24, 32)
 
 
-def _edit_table(root, fn) -> None:
+def _edit_table(root, fn, version: int = 2) -> None:
+  """Edits process 0's table as rows (``fn(doc)``, doc["pieces"] the
+  rows) and writes it back as a table of ``version`` (1: rows, as index
+  version 2 wrote them; 2: columns)."""
   path = _step(root) / ".packs" / "0.msgpack"
-  doc = msgpack.unpackb(path.read_bytes())
+  table, rows = _table(root)
+  doc = {"process": table["process"], "packs": table["packs"],
+         "pieces": rows}
   fn(doc)
+  if version == 2 and set(doc) == {"process", "packs", "pieces"}:
+    doc = pack_table.with_rows(doc, doc["pieces"])
   path.write_bytes(msgpack.packb(doc))
 
 
-def _hostile(doc, pos, what):
+def _hostile(doc, pos, what, version):
   piece = next(p for p in doc["pieces"] if p[0] == pos)
   if what == "offset_past_pack":
     piece[2] = doc["packs"][0] - 4
-  elif what == "negative_offset":
-    piece[2] = -64
+  elif what == "negative_offset":  # columns are unsigned: it wraps
+    piece[2] = -64 if version == 1 else 2**64 - 64
   elif what == "box_outside":
     piece[4] = [piece[4][0] + 1000] + piece[4][1:]
   elif what == "rank":
@@ -222,25 +238,38 @@ def _hostile(doc, pos, what):
     doc["pieces"].append(list(piece))
   elif what == "dropped":
     doc["pieces"].remove(piece)
-  elif what == "crc":
+  elif what == "crc":  # (a column of uint32 cannot hold it)
     piece[5] = 2**40
 
 
-@pytest.mark.parametrize("what", [
-    "offset_past_pack", "negative_offset", "box_outside", "rank",
-    "pack_number", "duplicate", "dropped", "crc"])
-def test_hostile_table_entries_name_the_leaf(saved, what):
+_ENTRY_EDITS = ["offset_past_pack", "negative_offset", "box_outside", "rank",
+                "pack_number", "duplicate", "dropped"]
+
+
+# (a uint32 column cannot hold an out-of-range crc32c: rows only)
+@pytest.mark.parametrize("what,version", [
+    *((w, v) for v in (1, 2) for w in _ENTRY_EDITS), ("crc", 1)])
+def test_hostile_table_entries_name_the_leaf(saved, what, version):
   root, _ = saved
   pos, _ = _piece_of(root, "w")
-  _edit_table(root, lambda doc: _hostile(doc, pos, what))
+  _edit_table(root, lambda doc: _hostile(doc, pos, what, version), version)
+  # (in columns an extra dimension is a box column of the wrong length,
+  # which no one piece owns: the table is named)
+  match = ("pack table .*column box" if (what, version) == ("rank", 2)
+           else "'w'")
   with ckpt.Checkpointer(root) as c:
-    with pytest.raises(CorruptCheckpointError, match="'w'"):
+    with pytest.raises(CorruptCheckpointError, match=match):
       c.restore(1)
 
 
-@pytest.mark.parametrize("what", ["process", "leaf_not_packed", "leaf_range",
-                                  "not_a_map", "pack_size"])
-def test_hostile_table_is_refused(saved, what):
+_TABLE_EDITS = ["process", "leaf_not_packed", "leaf_range", "not_a_map",
+                "pack_size"]
+
+
+@pytest.mark.parametrize("what,version", [
+    *((w, v) for v in (1, 2) for w in _TABLE_EDITS),
+    *((w, 2) for w in ("columns", "box_bytes", "table_version"))])
+def test_hostile_table_is_refused(saved, what, version):
   root, _ = saved
 
   def edit(doc):
@@ -255,13 +284,23 @@ def test_hostile_table_is_refused(saved, what):
       doc["pieces"][0][0] = 10**6
     elif what == "pack_size":
       doc["packs"] = [2**40]
+    elif what in ("columns", "box_bytes", "table_version"):
+      cols = pack_table.with_rows(doc, doc["pieces"])
+      doc.clear()
+      doc.update(cols)
+      if what == "columns":  # one column a piece short
+        doc["crc"] = doc["crc"][:-4]
+      elif what == "box_bytes":
+        doc["box"] = doc["box"][:-8]
+      else:
+        doc["version"] = 3
     else:
       doc.clear()
 
   if what == "not_a_map":
     (_step(root) / ".packs" / "0.msgpack").write_bytes(msgpack.packb([1, 2]))
   else:
-    _edit_table(root, edit)
+    _edit_table(root, edit, version)
   with ckpt.Checkpointer(root) as c:
     with pytest.raises(CorruptCheckpointError, match="pack table"):
       c.restore(1)
