@@ -17,6 +17,7 @@ name is built from integers checked here; none is read from a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ckpt.format import checks
@@ -47,7 +48,7 @@ class PackedEntry:
   # As ArrayEntry: never set (the tables hold the crc32c of each piece).
   checksums: tuple = ()
 
-  @property
+  @functools.cached_property
   def relpath(self) -> str:
     """The leaf's name as an array would have it (the save's tiling check
     keys leaves by it); nothing is stored under it."""
