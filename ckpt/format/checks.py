@@ -8,6 +8,7 @@ index (``_bad``), and the limits they check against.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -148,6 +149,70 @@ def _check_structure(structure: Any, where: str) -> list[str]:
       else:
         push((c, depth + 1))
   return leaves
+
+
+def _check_numbered_structure(structure: Any, where: str, n: int) -> None:
+  """Validates a tree structure of index version 3, whose leaves are their
+  numbers among the index's ``n`` leaves: nodes as _check_structure's (a
+  none node has no children), the same depth limit (a leaf one level below
+  its node), and every number in range(n) exactly once. One loop over the
+  nodes, a level of the tree at a time (100,000 leaves are about as many
+  nodes)."""
+  numbers: list[int] = []
+  add = numbers.append
+  level, depth = [structure], 0
+  while level:
+    if depth > MAX_DEPTH:
+      raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
+    below: list = []
+    extend = below.extend
+    for node in level:
+      if type(node) is int:
+        add(node)
+        continue
+      if type(node) is not dict:
+        raise _bad(where, "a structure node map or a leaf number", node)
+      kind = node.get("node")
+      if type(kind) is not str:  # (and hashable)
+        raise _bad(where, "a node kind", kind)
+      children = node.get("children", _NO_CHILDREN)
+      if type(children) is not list:
+        raise _bad(where, "a list of children", children)
+      key_types = _KEY_TYPES.get(kind)
+      if key_types is not None:  # dict, object
+        keys = node.get("keys")
+        if type(keys) is not list or len(keys) != len(children):
+          raise _bad(where, f"{len(children)} keys", keys)
+        if not key_types.issuperset(map(type, keys)):
+          raise _bad(where, f"{kind} keys of type "
+                     f"{' or '.join(_KEY_NAMES[kind])}", keys)
+      elif kind not in _NODE_KINDS:
+        raise _bad(where, "a node kind", kind)
+      elif children and kind == "none":
+        raise _bad(where, "no children of a none node", children)
+      extend(children)
+    level = below
+    depth += 1
+  # As many numbers as leaves, each in range(n) and none twice: each leaf
+  # once (checked in C; the report only on failure).
+  if (len(numbers) != n or (numbers and (min(numbers) < 0 or
+                                         max(numbers) >= n))
+      or len(set(numbers)) != n):
+    seen = set(numbers)
+    dups = sorted(i for i, k in collections.Counter(numbers).items() if k > 1)
+    raise CorruptCheckpointError(
+        f"{where}: tree structure and leaves disagree: expected the leaf "
+        f"numbers 0 to {n - 1} each once, found {len(numbers)} numbers; "
+        f"out of range: {sorted(i for i in seen if not 0 <= i < n)[:10]}, "
+        f"more than once: {dups[:10]}, missing: "
+        f"{[i for i in range(n) if i not in seen][:10]}")
+
+
+_NODE_KINDS = frozenset({"none", "list", "tuple"})  # and _KEY_TYPES's
+# A keyed node's kind -> the types of its keys.
+_KEY_TYPES = {"dict": frozenset({str, int}), "object": frozenset({str})}
+_KEY_NAMES = {"dict": ("str", "int"), "object": ("str",)}
+_NO_CHILDREN: list = []  # (never changed)
 
 
 def _int(v: Any, where: str) -> int:

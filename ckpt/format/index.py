@@ -26,20 +26,23 @@ from ckpt.errors import CorruptCheckpointError, InvalidStateError
 # use them as index.X.
 from ckpt.format.checks import (  # noqa: F401
     ALLOWED_DTYPES, MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DEPTH, MAX_LEAF_BYTES,
-    MAX_RANK, _REPR, _Where, _bad, _check_structure, _dtype, _int,
-    _keys_rank, _prng_impl, _shape, check_extent, check_relpath,
-    decode_saved_sharding)
+    MAX_RANK, _REPR, _Where, _bad, _check_numbered_structure,
+    _check_structure, _dtype, _int, _keys_rank, _prng_impl, _shape,
+    check_extent, check_relpath, decode_saved_sharding)
 from ckpt.format.entries import (  # noqa: F401
     KINDS, MAX_OCDBT_GROUPS, _KINDS_BY_CLASS, ArrayEntry, Entry, PackedEntry,
     ValueEntry, _decode_entry)
 from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
+# 3: in the tree structure a leaf is its number among the leaves (an int),
+# no longer {"leaf": "<path>"}: the paths are stored once, in the leaves.
 # 2: the leaves as columns, repeated specs and path parts stored once
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
-# 1: one map per leaf, arrays and values only. Both are read.
-VERSION = 2
-READ_VERSIONS = (1, 2)
+# 1: one map per leaf, arrays and values only. All three are read; in
+# memory (Index.structure) a leaf is its number whatever the version.
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -97,6 +100,8 @@ class Index:
   time: float
   storage_format: str
   process_count: int
+  # The tree's shape (tree.encode_structure): maps of nodes whose leaves
+  # are numbers into ``leaves`` (tree.decode_structure rebuilds the tree).
   structure: Any
   leaves: tuple[Entry, ...]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -223,6 +228,20 @@ def _encode(index: Index) -> bytes:
   if depth > MAX_DEPTH:
     raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
                       "Nest the state less deeply")
+  try:  # its leaves are the numbers of the leaves, each once
+    _check_numbered_structure(index.structure, "the tree structure",
+                              len(index.leaves))
+    for i, parts in tree.leaf_paths(index.structure):
+      if index.leaves[i].path != parts:
+        raise CorruptCheckpointError(
+            f"the tree structure has leaf {i} at {tree.path_str(parts)!r}, "
+            f"where leaf {i} of the leaves is "
+            f"{tree.path_str(index.leaves[i].path)!r} (the leaves must be in "
+            "tree.flatten's order)")
+  except CorruptCheckpointError as err:
+    raise InvalidStateError(
+        f"the index of step {index.step} would be refused by readers: "
+        f"{err}") from err
   try:  # checks each array spec's extent (once per distinct spec)
     doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
   except CorruptCheckpointError as err:
@@ -337,6 +356,23 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     return _decode(data, where)
 
 
+def _numbered_structure(structure: Any, where: str, names: list[str],
+                        unique: set[str]) -> Any:
+  """A version 1 or 2 structure (leaves ``{"leaf": "<path>"}``), validated
+  against the leaves' distinct ``names`` and converted to today's form
+  (leaves by number)."""
+  referenced = _check_structure(structure, where)
+  # names are distinct (above): as many and the same set is the same leaves
+  if len(referenced) != len(names) or set(referenced) != unique:
+    missing = sorted(set(referenced) - unique)
+    extra = sorted(unique - set(referenced))
+    raise CorruptCheckpointError(
+        f"{where}: tree structure and leaves disagree; structure leaves "
+        f"without an entry: {missing[:10]}, entries not in the structure: "
+        f"{extra[:10]}")
+  return tree.numbered(structure, {name: i for i, name in enumerate(names)})
+
+
 def _decode(data: bytes, where: str) -> Index:
   if len(data) > MAX_INDEX_BYTES:
     raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
@@ -390,15 +426,10 @@ def _decode(data: bytes, where: str) -> Index:
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
-  referenced = _check_structure(structure, where)
-  # names are distinct (above): as many and the same set is the same leaves
-  if len(referenced) != len(names) or set(referenced) != unique:
-    missing = sorted(set(referenced) - unique)
-    extra = sorted(unique - set(referenced))
-    raise CorruptCheckpointError(
-        f"{where}: tree structure and leaves disagree; structure leaves "
-        f"without an entry: {missing[:10]}, entries not in the structure: "
-        f"{extra[:10]}")
+  if version >= 3:
+    _check_numbered_structure(structure, where, len(leaves))
+  else:
+    structure = _numbered_structure(structure, where, names, unique)
   host_state = doc.get("host_state")
   if host_state is not None and (not isinstance(host_state, list) or not all(
       isinstance(b, bytes) for b in host_state)):

@@ -178,16 +178,16 @@ def _numbers(v: list, size: int) -> bool:
 # ---- what a document packs to: decode's container budget (index.py) ------
 
 def structure_walk(structure: Any) -> tuple[int, list[int]]:
-  """How deep a tree structure nests (as index._check_structure counts it), and
-  [lists, maps, longest] as containers counts them, in one loop over its
-  nodes (a leaf's node is a one-entry map)."""
+  """How deep a tree structure nests (as checks._check_numbered_structure
+  counts it: a leaf, an int, one level below its node), and [lists, maps,
+  longest] as containers counts them, in one loop over its nodes."""
   deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
   stack = [(structure, 0)]
   push = stack.append
   while stack:
     node, depth = stack.pop()
     deepest = max(deepest, depth)
-    if not isinstance(node, dict) or "leaf" in node:
+    if not isinstance(node, dict):
       _add(counts, containers([node]), -1)  # (less the list given it)
       continue
     counts[1] += 1
@@ -201,13 +201,12 @@ def structure_walk(structure: Any) -> tuple[int, list[int]]:
         if k == "children":
           leaves = 0
           for c in v:  # a leaf is only as deep as itself
-            if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
+            if type(c) is int:
               leaves += 1
             else:
               push((c, depth + 1))
           if leaves:
             deepest = max(deepest, depth + 1)
-            counts[1] += leaves
           continue
         if set(map(type, v)) <= _SCALARS:  # keys
           continue
@@ -233,10 +232,6 @@ def containers(doc: Any) -> tuple[int, int, int]:
   pop, push = stack.pop, stack.extend
   while stack:
     x = pop()
-    if type(x) is dict and len(x) == 1 and type(x.get("leaf")) is str:
-      maps += 1  # a leaf of the tree structure
-      longest = max(longest, 1)
-      continue
     longest = max(longest, len(x))
     if isinstance(x, dict):
       maps += 1

@@ -4,7 +4,9 @@ Leaf names come from ``jax.tree_util`` key paths (``params/encoder/kernel``).
 The structure is recorded as plain msgpack-able data, so a checkpoint can be
 read back without the user's classes (and without pickle): dicts stay dicts,
 lists and tuples stay lists and tuples, and custom nodes (dataclasses, flax
-structs, NamedTuples) come back as dicts keyed by their field names.
+structs, NamedTuples) come back as dicts keyed by their field names. A leaf
+of the structure is its number (an int) in the flattened leaves' order,
+which is the order of the index's leaves.
 """
 
 from __future__ import annotations
@@ -68,14 +70,18 @@ def _one_level(node: Any):
 
 
 def encode_structure(tree: Any) -> Any:
-  """The tree's shape as plain data; leaves become ``{"leaf": "<path>"}``."""
+  """The tree's shape as plain data; each leaf becomes its number in
+  ``flatten(tree)``'s order (an int: the index's leaf of that number)."""
+  count = 0
 
   def walk(node: Any, parts: PathParts) -> Any:
+    nonlocal count
     if node is None:
       return {"node": "none"}
     level = _one_level(node)
     if level is None:
-      return {"leaf": path_str(parts)}
+      count += 1
+      return count - 1
     children, _ = level
     encoded = [walk(c, parts + (key_name(k),)) for k, c in children]
     if isinstance(node, dict):
@@ -97,11 +103,12 @@ def encode_structure(tree: Any) -> Any:
 
 
 def decode_structure(encoded: Any, leaf_value) -> Any:
-  """Rebuilds nested python values; ``leaf_value(path)`` gives each leaf."""
+  """Rebuilds nested python values; ``leaf_value(i)`` gives leaf number
+  ``i`` (e.g. ``values.__getitem__`` of a list in the index's order)."""
 
   def walk(node: Any) -> Any:
-    if "leaf" in node:
-      return leaf_value(node["leaf"])
+    if type(node) is int:
+      return leaf_value(node)
     kind = node["node"]
     if kind == "none":
       return None
@@ -115,14 +122,48 @@ def decode_structure(encoded: Any, leaf_value) -> Any:
   return walk(encoded)
 
 
-def iter_structure_leaves(encoded: Any) -> Iterator[str]:
+def iter_structure_leaves(encoded: Any) -> Iterator[int]:
+  """The leaf numbers of a structure, in no particular order."""
   stack = [encoded]
   while stack:
     node = stack.pop()
-    if "leaf" in node:
-      yield node["leaf"]
+    if type(node) is int:
+      yield node
     else:
       stack.extend(node.get("children", []))
+
+
+def leaf_paths(encoded: Any) -> Iterator[tuple[int, PathParts]]:
+  """(number, path parts) of each leaf of a well-formed structure, the
+  parts being what ``flatten`` names the leaf at that place."""
+  stack = [(encoded, ())]
+  while stack:
+    node, parts = stack.pop()
+    if type(node) is int:
+      yield node, parts
+      continue
+    children = node.get("children") or ()
+    keys = node.get("keys") or range(len(children))
+    stack.extend((c, parts + (str(k),)) for k, c in zip(keys, children))
+
+
+def numbered(encoded: Any, number: dict[str, int]) -> Any:
+  """A structure whose leaves are ``{"leaf": "<path>"}`` (index versions 1
+  and 2, validated) with each leaf replaced, in place, by ``number[path]``."""
+  if "leaf" in encoded:
+    return number[encoded["leaf"]]
+  stack = [encoded]
+  while stack:
+    node = stack.pop()
+    children = node.get("children")
+    if not children:
+      continue
+    for j, c in enumerate(children):
+      if "leaf" in c:
+        children[j] = number[c["leaf"]]
+      else:
+        stack.append(c)
+  return encoded
 
 
 def storage_relpath(parts: PathParts) -> str:
