@@ -72,8 +72,11 @@ def roundtrip_structure(state):
   # What really goes to disk: through msgpack and back.
   enc = msgpack.unpackb(msgpack.packb(enc, use_bin_type=True), raw=False,
                         strict_map_key=False)
-  leaves = dict((tree.path_str(p), v) for p, v in tree.flatten(state))
-  assert sorted(tree.iter_structure_leaves(enc)) == sorted(leaves)
+  leaves = [v for _, v in tree.flatten(state)]
+  # Each leaf is its number in flatten's order, in the place flatten names.
+  assert sorted(tree.iter_structure_leaves(enc)) == list(range(len(leaves)))
+  assert [tree.path_str(p) for _, p in sorted(tree.leaf_paths(enc))] == [
+      tree.path_str(p) for p, _ in tree.flatten(state)]
   return tree.decode_structure(enc, leaves.__getitem__)
 
 
