@@ -166,6 +166,20 @@ def numbered(encoded: Any, number: dict[str, int]) -> Any:
   return encoded
 
 
+def named(encoded: Any, names: list[str]) -> Any:
+  """A copy of a structure with leaf ``i`` as ``{"leaf": names[i]}``, as
+  index versions 1 and 2 wrote it (the inverse of ``numbered``; for tools
+  and tests that write an older index)."""
+  if type(encoded) is int:
+    return {"leaf": names[encoded]}
+  if not isinstance(encoded, dict):
+    return encoded
+  out = dict(encoded)
+  if isinstance(out.get("children"), list):
+    out["children"] = [named(c, names) for c in out["children"]]
+  return out
+
+
 def storage_relpath(parts: PathParts) -> str:
   """A safe relative directory for a leaf's array, one folder per part."""
   return "/".join(map(_safe_part, parts)) if parts else "_root"

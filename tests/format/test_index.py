@@ -314,23 +314,11 @@ def test_a_relpath_derived_from_hostile_path_parts_stays_inside(rng):
   index.check_relpath(e.relpath, "here")
 
 
-def path_structure(structure, names):
-  """A structure as versions 1 and 2 wrote it: leaf i is {"leaf": names[i]}."""
-  if type(structure) is int:
-    return {"leaf": names[structure]}
-  if not isinstance(structure, dict):
-    return structure
-  out = dict(structure)
-  if isinstance(out.get("children"), list):
-    out["children"] = [path_structure(c, names) for c in out["children"]]
-  return out
-
-
 def old_doc(doc, version):
   """``doc`` (leaves as maps) as an index of ``version`` 1 or 2 writes it."""
   names = [tree.path_str(tuple(leaf["path"])) for leaf in doc["leaves"]]
   return {**doc, "version": version,
-          "structure": path_structure(doc["structure"], names)}
+          "structure": tree.named(doc["structure"], names)}
 
 
 def test_structure_leaves_are_leaf_numbers(rng):
@@ -714,4 +702,4 @@ def test_encode_refuses_a_structure_that_does_not_number_its_leaves(rng):
            "tree.flatten's order")
   names = [tree.path_str(e.path) for e in idx.leaves]
   _refused(dataclasses.replace(
-      idx, structure=path_structure(idx.structure, names)), "a node kind")
+      idx, structure=tree.named(idx.structure, names)), "a node kind")
