@@ -50,9 +50,10 @@ READ_VERSIONS = (1, 2, 3)
 # the process_count integer. Measured with save.make_index and encode (5-part
 # names such as params/layer_12/attn/q/kernel, a 2x4 NamedSharding): 334 and
 # 337 bytes per array leaf for 1,000 and 10,000 leaves in format zarr3 (318
-# and 321 for zarr, whose codec map has no "checksum"); about 75 of those are
-# the leaf's place in the tree structure, most of the rest its path (twice:
-# parts and relpath) and sharding text. The saved sharding (saved_sharding,
+# and 321 for zarr, whose codec map has no "checksum") in version 1; about 75
+# of those were the leaf's place in the tree structure (its path again: a
+# number since version 3), most of the rest its path (twice: parts and
+# relpath) and sharding text. The saved sharding (saved_sharding,
 # added since) costs 69 more bytes per leaf on a 2-axis mesh of auto axes,
 # 99 with jax.make_mesh's explicit axis_types. So 32 MiB holds about 70,000
 # to 99,000 such leaves (more with shorter names). Indexes written before kept ~20 bytes
@@ -68,7 +69,8 @@ MAX_CONTAINER_LEN = 1 << 20
 # A real index makes fewer than one list per 3 bytes (an older index's 1-D
 # checksummed box [[a], [b], crc] is 3 lists in 10 bytes; a zarr v2
 # checksum file's record [leaf, [a], [b], crc] 3 in 11) and one map per 8
-# (a python-int leaf: entry, value and structure maps in 45 bytes); more is
+# (a python-int leaf of version 1: entry, value and structure maps in 45
+# bytes; fewer since); more is
 # refused while decoding, so a hostile index costs at most about 25 bytes of
 # python objects per byte (docs/untrusted.md).
 _LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
