@@ -151,46 +151,56 @@ def _check_structure(structure: Any, where: str) -> list[str]:
   return leaves
 
 
-def _check_numbered_structure(structure: Any, where: str, n: int) -> None:
-  """Validates a tree structure of index version 3, whose leaves are their
-  numbers among the index's ``n`` leaves: nodes as _check_structure's (a
-  none node has no children), the same depth limit (a leaf one level below
-  its node), and every number in range(n) exactly once. One loop over the
-  nodes, a level of the tree at a time (100,000 leaves are about as many
-  nodes)."""
+def _check_numbered_structure(structure: Any, where: str, n: int,
+                              max_depth: int = MAX_DEPTH
+                              ) -> tuple[int, int, int]:
+  """Validates a tree structure of index version 3 (tree.KEYED): each node
+  a list of its kind and its (key and) children, each leaf its number
+  among the index's ``n`` leaves. The depth limit as _check_structure's (a
+  leaf one level below its node), and every number in range(n) exactly
+  once. One loop over the nodes, a level of the tree at a time (100,000
+  leaves are about as many nodes). Returns (depth, lists, longest): its
+  depth, and the lists it packs to (its nodes; no maps) and the longest's
+  length, as msgpack counts them."""
   numbers: list[int] = []
   add = numbers.append
-  level, depth = [structure], 0
+  level, depth, lists, longest = [structure], 0, 0, 0
   while level:
-    if depth > MAX_DEPTH:
-      raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
+    if depth > max_depth:
+      raise CorruptCheckpointError(f"{where}: tree deeper than {max_depth}")
     below: list = []
     extend = below.extend
+    leaves = len(numbers)
     for node in level:
       if type(node) is int:
         add(node)
         continue
-      if type(node) is not dict:
-        raise _bad(where, "a structure node map or a leaf number", node)
-      kind = node.get("node")
-      if type(kind) is not str:  # (and hashable)
-        raise _bad(where, "a node kind", kind)
-      children = node.get("children", _NO_CHILDREN)
-      if type(children) is not list:
-        raise _bad(where, "a list of children", children)
-      key_types = _KEY_TYPES.get(kind)
-      if key_types is not None:  # dict, object
-        keys = node.get("keys")
-        if type(keys) is not list or len(keys) != len(children):
-          raise _bad(where, f"{len(children)} keys", keys)
-        if not key_types.issuperset(map(type, keys)):
-          raise _bad(where, f"{kind} keys of type "
-                     f"{' or '.join(_KEY_NAMES[kind])}", keys)
-      elif kind not in _NODE_KINDS:
-        raise _bad(where, "a node kind", kind)
-      elif children and kind == "none":
-        raise _bad(where, "no children of a none node", children)
-      extend(children)
+      if type(node) is not list or not node:
+        raise _bad(where, "a structure node (a list: its kind, then its "
+                   "children) or a leaf number", node)
+      if len(node) > longest:
+        longest = len(node)
+      kind = node[0]
+      if kind == "dict":
+        if not len(node) % 2:
+          raise _bad(where, "a dict node's keys and children in pairs",
+                     node)
+        if not _DICT_KEYS.issuperset(map(type, node[1::2])):
+          raise _bad(where, "dict keys of type str or int", node[1::2])
+        extend(node[2::2])
+      elif kind in _SEQUENCES:
+        extend(node[1:])
+      elif kind == "object":
+        if len(node) % 2 or type(node[1]) is not str:
+          raise _bad(where, "an object node's type name, then its keys and "
+                     "children in pairs", node)
+        if not _OBJECT_KEYS.issuperset(map(type, node[2::2])):
+          raise _bad(where, "object keys of type str", node[2::2])
+        extend(node[3::2])
+      elif kind != "none" or len(node) != 1:
+        raise _bad(where, "a node kind (dict, list, tuple, object, or none "
+                   "with no children)", node)
+    lists += len(level) - (len(numbers) - leaves)
     level = below
     depth += 1
   # As many numbers as leaves, each in range(n) and none twice: each leaf
@@ -206,13 +216,12 @@ def _check_numbered_structure(structure: Any, where: str, n: int) -> None:
         f"out of range: {sorted(i for i in seen if not 0 <= i < n)[:10]}, "
         f"more than once: {dups[:10]}, missing: "
         f"{[i for i in range(n) if i not in seen][:10]}")
+  return depth - 1, lists, longest
 
 
-_NODE_KINDS = frozenset({"none", "list", "tuple"})  # and _KEY_TYPES's
-# A keyed node's kind -> the types of its keys.
-_KEY_TYPES = {"dict": frozenset({str, int}), "object": frozenset({str})}
-_KEY_NAMES = {"dict": ("str", "int"), "object": ("str",)}
-_NO_CHILDREN: list = []  # (never changed)
+_SEQUENCES = ("list", "tuple")
+_DICT_KEYS = frozenset({str, int})
+_OBJECT_KEYS = frozenset({str})
 
 
 def _int(v: Any, where: str) -> int:

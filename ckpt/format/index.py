@@ -222,28 +222,27 @@ def _encode(index: Index) -> bytes:
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
-  try:
-    depth, counts = index_codec.structure_walk(index.structure)
-  except ValueError as e:
-    raise InvalidStateError(
-        f"the index of step {index.step} would not decode: {e}") from e
-  if depth > MAX_DEPTH:
-    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
-                      "Nest the state less deeply")
-  try:  # its leaves are the numbers of the leaves, each once
-    _check_numbered_structure(index.structure, "the tree structure",
-                              len(index.leaves))
+  try:  # the structure's nodes, and its leaves: the leaves, each once
+    depth, lists, longest = _check_numbered_structure(
+        index.structure, "the tree structure", len(index.leaves),
+        max_depth=_PACK_DEPTH)
+    placed = [()] * len(index.leaves)
     for i, parts in tree.leaf_paths(index.structure):
-      if index.leaves[i].path != parts:
-        raise CorruptCheckpointError(
-            f"the tree structure has leaf {i} at {tree.path_str(parts)!r}, "
-            f"where leaf {i} of the leaves is "
-            f"{tree.path_str(index.leaves[i].path)!r} (the leaves must be in "
-            "tree.flatten's order)")
+      placed[i] = parts
+    if placed != [e.path for e in index.leaves]:  # each where flatten puts it
+      i = next(i for i, e in enumerate(index.leaves) if e.path != placed[i])
+      raise CorruptCheckpointError(
+          f"the tree structure has leaf {i} at {tree.path_str(placed[i])!r}, "
+          f"where leaf {i} of the leaves is "
+          f"{tree.path_str(index.leaves[i].path)!r} (the leaves must be in "
+          "tree.flatten's order)")
   except CorruptCheckpointError as err:
     raise InvalidStateError(
         f"the index of step {index.step} would be refused by readers: "
         f"{err}") from err
+  if depth > MAX_DEPTH:
+    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+                      "Nest the state less deeply")
   try:  # checks each array spec's extent (once per distinct spec)
     doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
   except CorruptCheckpointError as err:
@@ -256,7 +255,7 @@ def _encode(index: Index) -> bytes:
     raise InvalidStateError(
         f"the index of step {index.step} cannot be encoded: {e} (msgpack "
         f"nests at most {_PACK_DEPTH} containers)") from e
-  check_encoded(data, {**doc, "structure": None}, index, counts)
+  check_encoded(data, {**doc, "structure": None}, index, (lists, 0, longest))
   return data
 
 

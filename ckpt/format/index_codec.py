@@ -177,52 +177,6 @@ def _numbers(v: list, size: int) -> bool:
 
 # ---- what a document packs to: decode's container budget (index.py) ------
 
-def structure_walk(structure: Any) -> tuple[int, list[int]]:
-  """How deep a tree structure nests (as checks._check_numbered_structure
-  counts it: a leaf, an int, one level below its node), and [lists, maps,
-  longest] as containers counts them, in one loop over its nodes."""
-  deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
-  stack = [(structure, 0)]
-  push = stack.append
-  while stack:
-    node, depth = stack.pop()
-    deepest = max(deepest, depth)
-    if not isinstance(node, dict):
-      _add(counts, containers([node]), -1)  # (less the list given it)
-      continue
-    counts[1] += 1
-    longest = len(node)
-    for k, v in node.items():
-      if type(k) is not str:
-        raise ValueError(f"a map key that is not a string: {k!r}")
-      if type(v) is list:
-        counts[0] += 1
-        longest = max(longest, len(v))
-        if k == "children":
-          leaves = 0
-          for c in v:  # a leaf is only as deep as itself
-            if type(c) is int:
-              leaves += 1
-            else:
-              push((c, depth + 1))
-          if leaves:
-            deepest = max(deepest, depth + 1)
-          continue
-        if set(map(type, v)) <= _SCALARS:  # keys
-          continue
-        _add(counts, containers(v), -1)
-      elif isinstance(v, _NESTED_TUPLE):
-        _add(counts, containers(v))
-    counts[2] = max(counts[2], longest)
-  return deepest, counts
-
-
-def _add(counts: list[int], more: tuple[int, int, int], lists: int = 0):
-  counts[0] += more[0] + lists
-  counts[1] += more[1]
-  counts[2] = max(counts[2], more[2])
-
-
 def containers(doc: Any) -> tuple[int, int, int]:
   """(lists, maps, the longest's length) of the msgpack document ``doc``
   packs to, counted on the python objects (no re-parsing); raises

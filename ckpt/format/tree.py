@@ -69,15 +69,27 @@ def _one_level(node: Any):
   return [(path[0], child) for path, child in children], treedef
 
 
+# A node of the structure is a list, its kind first; a leaf is an int:
+#   ["dict", key, child, key, child, ...]     keys str or int
+#   ["object", "<type name>", key, child, ...] a custom node (keys str)
+#   ["list", child, ...]   ["tuple", child, ...]   ["none"]
+# (index versions 1 and 2 wrote maps: {"node": "dict", "keys": [...],
+# "children": [...]}, a leaf {"leaf": "<path>"}; see numbered/named.)
+# The offset of a keyed node's first key: its keys are node[k::2], its
+# children node[k + 1::2].
+KEYED = {"dict": 1, "object": 2}
+
+
 def encode_structure(tree: Any) -> Any:
-  """The tree's shape as plain data; each leaf becomes its number in
-  ``flatten(tree)``'s order (an int: the index's leaf of that number)."""
+  """The tree's shape as plain data (lists, see KEYED); each leaf becomes
+  its number in ``flatten(tree)``'s order (an int: the index's leaf of
+  that number)."""
   count = 0
 
   def walk(node: Any, parts: PathParts) -> Any:
     nonlocal count
     if node is None:
-      return {"node": "none"}
+      return ["none"]
     level = _one_level(node)
     if level is None:
       count += 1
@@ -91,15 +103,31 @@ def encode_structure(tree: Any) -> Any:
         raise InvalidStateError(
             f"dict at {path_str(parts)!r} has keys {bad!r}; only str and int "
             "keys can be stored")
-      return {"node": "dict", "keys": keys, "children": encoded}
+      return ["dict", *_pairs(keys, encoded)]
     if isinstance(node, list):
-      return {"node": "list", "children": encoded}
+      return ["list", *encoded]
     if type(node) is tuple:
-      return {"node": "tuple", "children": encoded}
-    return {"node": "object", "type": type(node).__qualname__,
-            "keys": [key_name(k) for k, _ in children], "children": encoded}
+      return ["tuple", *encoded]
+    return ["object", type(node).__qualname__,
+            *_pairs([key_name(k) for k, _ in children], encoded)]
 
   return walk(tree, ())
+
+
+def _pairs(keys: list, children: list) -> list:
+  out = [None] * (2 * len(keys))
+  out[::2], out[1::2] = keys, children
+  return out
+
+
+def _keys_children(node: list) -> tuple[Any, list]:
+  """A (well-formed) node's keys (a range for a list or tuple) and
+  children."""
+  k = KEYED.get(node[0])
+  if k is not None:
+    return node[k::2], node[k + 1::2]
+  children = node[1:]
+  return range(len(children)), children
 
 
 def decode_structure(encoded: Any, leaf_value) -> Any:
@@ -109,15 +137,14 @@ def decode_structure(encoded: Any, leaf_value) -> Any:
   def walk(node: Any) -> Any:
     if type(node) is int:
       return leaf_value(node)
-    kind = node["node"]
+    kind = node[0]
     if kind == "none":
       return None
-    children = [walk(c) for c in node.get("children", [])]
-    if kind == "dict" or kind == "object":
-      return dict(zip(node["keys"], children))
-    if kind == "list":
-      return children
-    return tuple(children)
+    k = KEYED.get(kind)
+    if k is not None:
+      return dict(zip(node[k::2], map(walk, node[k + 1::2])))
+    children = [walk(c) for c in node[1:]]
+    return children if kind == "list" else tuple(children)
 
   return walk(encoded)
 
@@ -130,7 +157,7 @@ def iter_structure_leaves(encoded: Any) -> Iterator[int]:
     if type(node) is int:
       yield node
     else:
-      stack.extend(node.get("children", []))
+      stack.extend(_keys_children(node)[1])
 
 
 def leaf_paths(encoded: Any) -> Iterator[tuple[int, PathParts]]:
@@ -142,41 +169,42 @@ def leaf_paths(encoded: Any) -> Iterator[tuple[int, PathParts]]:
     if type(node) is int:
       yield node, parts
       continue
-    children = node.get("children") or ()
-    keys = node.get("keys") or range(len(children))
+    keys, children = _keys_children(node)
     stack.extend((c, parts + (str(k),)) for k, c in zip(keys, children))
 
 
 def numbered(encoded: Any, number: dict[str, int]) -> Any:
-  """A structure whose leaves are ``{"leaf": "<path>"}`` (index versions 1
-  and 2, validated) with each leaf replaced, in place, by ``number[path]``."""
+  """Today's form of a structure of index version 1 or 2 (validated by
+  index._check_structure): its maps as lists, each leaf ``{"leaf":
+  "<path>"}`` as ``number[path]``."""
   if "leaf" in encoded:
     return number[encoded["leaf"]]
-  stack = [encoded]
-  while stack:
-    node = stack.pop()
-    children = node.get("children")
-    if not children:
-      continue
-    for j, c in enumerate(children):
-      if "leaf" in c:
-        children[j] = number[c["leaf"]]
-      else:
-        stack.append(c)
-  return encoded
+  kind = encoded["node"]
+  if kind == "none":
+    return ["none"]
+  children = [numbered(c, number) for c in encoded.get("children", [])]
+  if kind == "dict":
+    return ["dict", *_pairs(encoded["keys"], children)]
+  if kind == "object":
+    return ["object", encoded.get("type"), *_pairs(encoded["keys"], children)]
+  return [kind, *children]
 
 
 def named(encoded: Any, names: list[str]) -> Any:
-  """A copy of a structure with leaf ``i`` as ``{"leaf": names[i]}``, as
-  index versions 1 and 2 wrote it (the inverse of ``numbered``; for tools
-  and tests that write an older index)."""
+  """A structure as index versions 1 and 2 wrote it, leaf ``i`` as
+  ``{"leaf": names[i]}`` (the inverse of ``numbered``; for tools and tests
+  that write an older index). Unvalidated."""
   if type(encoded) is int:
     return {"leaf": names[encoded]}
-  if not isinstance(encoded, dict):
-    return encoded
-  out = dict(encoded)
-  if isinstance(out.get("children"), list):
-    out["children"] = [named(c, names) for c in out["children"]]
+  kind = encoded[0]
+  if kind == "none":
+    return {"node": "none"}
+  keys, children = _keys_children(encoded)
+  out = {"node": kind, "children": [named(c, names) for c in children]}
+  if kind in KEYED:
+    out["keys"] = list(keys)
+  if kind == "object":
+    out["type"] = encoded[1]
   return out
 
 
