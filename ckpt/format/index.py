@@ -226,6 +226,14 @@ def _encode(index: Index) -> bytes:
     depth, lists, longest = _check_numbered_structure(
         index.structure, "the tree structure", len(index.leaves),
         max_depth=_PACK_DEPTH)
+  except CorruptCheckpointError as err:
+    raise InvalidStateError(
+        f"the index of step {index.step} would be refused by readers: "
+        f"{err}") from err
+  if depth > MAX_DEPTH:
+    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+                      "Nest the state less deeply")
+  try:
     placed = [()] * len(index.leaves)
     for i, parts in tree.leaf_paths(index.structure):
       placed[i] = parts
@@ -240,9 +248,6 @@ def _encode(index: Index) -> bytes:
     raise InvalidStateError(
         f"the index of step {index.step} would be refused by readers: "
         f"{err}") from err
-  if depth > MAX_DEPTH:
-    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
-                      "Nest the state less deeply")
   try:  # checks each array spec's extent (once per distinct spec)
     doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
   except CorruptCheckpointError as err:

@@ -327,13 +327,9 @@ def test_structure_leaves_are_leaf_numbers(rng):
   idx = make_index(rng)
   doc = msgpack.unpackb(index.encode(idx), raw=False)
   assert doc["version"] == index.VERSION == 3
-  assert doc["structure"] == {
-      "node": "object", "type": "_State",
-      "keys": ["params", "step", "name", "opt"],
-      "children": [{"node": "dict", "keys": ["b", "w"], "children": [0, 1]},
-                   2, 3, {"node": "tuple", "children": [
-                       {"node": "none"},
-                       {"node": "dict", "keys": [], "children": []}]}]}
+  assert doc["structure"] == [
+      "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
+      "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
   values = [tree.path_str(e.path) for e in index.decode(pack(doc)).leaves]
   assert tree.decode_structure(doc["structure"], values.__getitem__) == {
       "params": {"b": "params/b", "w": "params/w"}, "step": "step",
@@ -389,14 +385,15 @@ def test_rejects_structure_leaf_mismatch(rng):
            "expected the leaf numbers 0 to 2 each once, found 4 numbers",
            "out of range: [3]")
   doc = doc_of(make_index(rng))
-  doc["structure"]["children"][1] = 0  # leaf 0 twice, leaf 2 nowhere
+  assert doc["structure"][4:6] == ["step", 2]
+  doc["structure"][5] = 0  # leaf 0 twice, leaf 2 nowhere
   rejected(pack(doc), "structure and leaves disagree",
            "more than once: [0]", "missing: [2]")
-  doc["structure"]["children"][1] = -2
+  doc["structure"][5] = -2
   rejected(pack(doc), "out of range: [-2]", "missing: [2]")
-  doc["structure"]["children"][1] = 2**64 - 1
+  doc["structure"][5] = 2**64 - 1
   rejected(pack(doc), f"out of range: [{2**64 - 1}]")
-  doc["structure"]["children"][3]["children"].append(9)  # and one too many
+  doc["structure"][9].append(9)  # and one too many (in the opt tuple)
   rejected(pack(doc), "found 5 numbers")
 
 
@@ -428,15 +425,29 @@ _MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("structure,fragment", _MALFORMED + [
-    ({"leaf": 0}, "a node kind"),  # a leaf is its number now
-    ({"node": ["list"]}, "a node kind"),  # (not hashable)
-    ({"node": "list", "children": [True]}, "a structure node map or a leaf"),
-    ({"node": "list", "children": ["a"]}, "a structure node map or a leaf"),
-    ({"node": "list", "children": [0.0]}, "a structure node map or a leaf"),
-    ({"node": "none", "children": [{"node": "none"}]},
-     "no children of a none node"),
-    ({"node": "dict", "keys": "ab", "children": [{}, {}]}, "2 keys"),
+_NODE = "a structure node (a list: its kind, then its children) or a leaf"
+
+
+@pytest.mark.parametrize("structure,fragment", [
+    ({"node": "list", "children": []}, _NODE),  # versions 1 and 2's node
+    ({"leaf": 0}, _NODE),
+    ([], _NODE),
+    (["list", True], _NODE),
+    (["list", "a"], _NODE),
+    (["list", 0.0], _NODE),
+    (["list", ["tuple", None]], _NODE),
+    (["set"], "a node kind"),
+    ([["list"]], "a node kind"),  # (not hashable)
+    (["none", ["none"]], "a node kind (dict, list, tuple, object, or none "
+     "with no children)"),
+    (["dict", "a"], "keys and children in pairs"),
+    (["dict", ["a"], ["none"]], "dict keys of type str or int"),
+    (["dict", 1.5, ["none"]], "dict keys of type str or int"),
+    (["dict", True, ["none"]], "dict keys of type str or int"),
+    (["object", "T", 1, ["none"]], "object keys of type str"),
+    (["object", 3, "a", ["none"]], "an object node's type name"),
+    (["object", "T", "a"], "an object node's type name, then its keys and "
+     "children in pairs"),
 ])
 def test_rejects_malformed_structure(rng, structure, fragment):
   doc = doc_of(make_index(rng))
@@ -447,6 +458,7 @@ def test_rejects_malformed_structure(rng, structure, fragment):
 
 @pytest.mark.parametrize("structure,fragment", _MALFORMED + [
     ({"leaf": 3}, "a leaf name"),
+    (["list", 0], "a structure node map"),  # version 3's node
 ])
 def test_rejects_malformed_structure_in_older_versions(rng, structure,
                                                        fragment):
@@ -458,9 +470,10 @@ def test_rejects_malformed_structure_in_older_versions(rng, structure,
 @pytest.mark.parametrize("version", [2, 3])
 def test_rejects_too_deep_structure(rng, version):
   doc = doc_of(make_index(rng))
-  node = {"node": "none"}
+  node = {"node": "none"} if version < 3 else ["none"]
   for _ in range(index.MAX_DEPTH + 5):
-    node = {"node": "list", "children": [node]}
+    node = ({"node": "list", "children": [node]} if version < 3 else
+            ["list", node])
   doc["version"], doc["structure"], doc["leaves"] = version, node, []
   rejected(pack(doc), "deeper than")
 
@@ -473,7 +486,7 @@ def test_depth_limit_counts_a_leaf_below_its_node(rng):
   for depth, ok in ((index.MAX_DEPTH, True), (index.MAX_DEPTH + 1, False)):
     node = 0
     for _ in range(depth):
-      node = {"node": "list", "children": [node]}
+      node = ["list", node]
     doc["structure"] = node
     if ok:
       assert index.decode(pack(doc), WHERE).structure == node
@@ -582,7 +595,8 @@ def test_encode_refuses_too_long_a_container(monkeypatch):
   idx = _value_index(50)
   data = index.encode(idx)
   monkeypatch.setattr(index, "MAX_CONTAINER_LEN", 20)
-  _refused(idx, "MAX_CONTAINER_LEN", "is 50", "limit is 20")
+  # the longest: the structure's dict node, its 50 keys and 50 leaves
+  _refused(idx, "MAX_CONTAINER_LEN", "is 101", "limit is 20")
   with pytest.raises(ckpt.CorruptCheckpointError):  # as decode refuses it
     index.decode(data)
 
@@ -598,9 +612,9 @@ def test_encode_refuses_more_containers_than_decode_allows(monkeypatch, name):
 
 
 def test_encode_refuses_too_deep_a_tree():
-  node = {"leaf": "x"}
+  node = 0
   for _ in range(index.MAX_DEPTH + 1):
-    node = {"node": "list", "children": [node]}
+    node = ["list", node]
   idx = index.Index(step=4, time=0.0, storage_format="zarr", process_count=1,
                     structure=node, leaves=(index.ValueEntry(("x",), 1),))
   _refused(idx, "tree depth", f"is {index.MAX_DEPTH + 1}",
@@ -658,27 +672,27 @@ class _HookCount:
     return x
 
 
-@pytest.mark.parametrize("structure", [
-    tree.encode_structure({"a": [1, (2, {"b": 3})], "c": None, "d": {}}),
-    {"leaf": "x"},
-    {"node": "object", "type": "T", "keys": ["a"], "children": [{"leaf": "a"}],
-     "extra": [[1], {"z": [2, [3]]}]},
-    {"node": "dict", "keys": [[1, 2]], "children": [{"leaf": "a", "x": [1]}]},
-    {"node": "list", "children": {"not": ["a list"]}},
+@pytest.mark.parametrize("state", [
+    {"a": [1, (2, {"b": 3})], "c": None, "d": {}},
+    7,
+    [[[1]], (), {"x": {"y": [2, 3, 4, 5]}}],
+    {f"k{i}": i for i in range(40)},
 ])
-def test_encode_counts_containers_as_msgpack_does(rng, structure):
+def test_encode_counts_containers_as_msgpack_does(rng, state):
   """encode counts the containers decode's budget limits on the python
   objects (no re-parsing): the same lists, maps and longest length as
-  msgpack's hooks find in the bytes."""
+  msgpack's hooks find in the bytes (a structure's lists its nodes)."""
   idx = make_index(rng)
+  structure = tree.encode_structure(state)
   doc = {"structure": structure, "leaves": index_codec.encode(
       idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
   count = _HookCount()
   msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
-  _, counts = index_codec.structure_walk(structure)
+  n = len(tree.flatten(state))
+  _, s_lists, s_longest = index._check_numbered_structure(structure, "", n)
   lists, maps, longest = index_codec.containers({**doc, "structure": None})
-  assert (lists + counts[0], maps + counts[1], max(longest, counts[2])) == (
+  assert (lists + s_lists, maps, max(longest, s_longest)) == (
       count.lists, count.maps, count.longest)
 
 
@@ -687,7 +701,7 @@ def test_encode_refuses_map_keys_decode_refuses(rng):
   _refused(idx, "would not decode", "not a string")
   idx = dataclasses.replace(make_index(rng), structure={
       "node": "dict", "keys": [], "children": [], 5: "x"})
-  _refused(idx, "would not decode", "not a string")
+  _refused(idx, "would be refused by readers", "a structure node (a list")
 
 
 def test_encode_refuses_a_structure_that_does_not_number_its_leaves(rng):
@@ -698,8 +712,9 @@ def test_encode_refuses_a_structure_that_does_not_number_its_leaves(rng):
   _refused(dataclasses.replace(idx, leaves=idx.leaves[:3]), "step 7",
            "would be refused by readers", "out of range: [3]")
   _refused(dataclasses.replace(idx, leaves=idx.leaves[::-1]),
-           "has leaf 3 at 'name', where leaf 3 of the leaves is 'params/b'",
+           "has leaf 0 at 'params/b', where leaf 0 of the leaves is 'name'",
            "tree.flatten's order")
   names = [tree.path_str(e.path) for e in idx.leaves]
   _refused(dataclasses.replace(
-      idx, structure=tree.named(idx.structure, names)), "a node kind")
+      idx, structure=tree.named(idx.structure, names)),
+           "a structure node (a list")

@@ -112,8 +112,9 @@ def test_structure_round_trip_custom_nodes_become_dicts():
       "step": 6,
   }
   enc = tree.encode_structure(state)
-  assert enc["node"] == "object" and enc["type"] == "TrainState"
-  assert enc["children"][1]["children"][0]["type"] == "AdamState"
+  assert enc[:2] == ["object", "TrainState"] and enc[4] == "opt_state"
+  assert enc[5][0] == "tuple" and enc[5][1][:4] == [
+      "object", "AdamState", "count", 2]
 
 
 def test_structure_of_a_bare_leaf_and_of_none():
