@@ -36,7 +36,9 @@ from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
 # 3: in the tree structure a leaf is its number among the leaves (an int),
-# no longer {"leaf": "<path>"}: the paths are stored once, in the leaves.
+# no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
+# and a node is one list, [kind, (key, child)...], no longer a map of
+# node/keys/children (ckpt/format/tree.py KEYED).
 # 2: the leaves as columns, repeated specs and path parts stored once
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
 # 1: one map per leaf, arrays and values only. All three are read; in
@@ -102,8 +104,9 @@ class Index:
   time: float
   storage_format: str
   process_count: int
-  # The tree's shape (tree.encode_structure): maps of nodes whose leaves
-  # are numbers into ``leaves`` (tree.decode_structure rebuilds the tree).
+  # The tree's shape (tree.encode_structure, version 3's form whatever the
+  # version read): nodes as lists, leaves as numbers into ``leaves``
+  # (tree.decode_structure rebuilds the tree).
   structure: Any
   leaves: tuple[Entry, ...]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
