@@ -237,9 +237,7 @@ def _encode(index: Index) -> bytes:
     raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
                       "Nest the state less deeply")
   try:
-    placed = [()] * len(index.leaves)
-    for i, parts in tree.leaf_paths(index.structure):
-      placed[i] = parts
+    placed = tree.leaf_paths(index.structure, len(index.leaves))
     if placed != [e.path for e in index.leaves]:  # each where flatten puts it
       i = next(i for i, e in enumerate(index.leaves) if e.path != placed[i])
       raise CorruptCheckpointError(

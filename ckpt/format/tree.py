@@ -160,17 +160,27 @@ def iter_structure_leaves(encoded: Any) -> Iterator[int]:
       stack.extend(_keys_children(node)[1])
 
 
-def leaf_paths(encoded: Any) -> Iterator[tuple[int, PathParts]]:
-  """(number, path parts) of each leaf of a well-formed structure, the
-  parts being what ``flatten`` names the leaf at that place."""
+def leaf_paths(encoded: Any, n: int) -> list[PathParts]:
+  """The path parts of leaves 0 to n - 1 of a well-formed structure
+  (checks._check_numbered_structure), each what ``flatten`` names the leaf
+  at its place."""
+  out: list[PathParts] = [()] * n
+  if type(encoded) is int:
+    return out
   stack = [(encoded, ())]
+  pop, push, keyed = stack.pop, stack.append, KEYED.get
   while stack:
-    node, parts = stack.pop()
-    if type(node) is int:
-      yield node, parts
-      continue
-    keys, children = _keys_children(node)
-    stack.extend((c, parts + (str(k),)) for k, c in zip(keys, children))
+    node, parts = pop()
+    k = keyed(node[0])
+    pairs = (enumerate(node[1:]) if k is None else
+             zip(node[k::2], node[k + 1::2]))
+    for key, c in pairs:
+      p = (*parts, key if type(key) is str else str(key))
+      if type(c) is int:
+        out[c] = p
+      else:
+        push((c, p))
+  return out
 
 
 def numbered(encoded: Any, number: dict[str, int]) -> Any:

@@ -75,8 +75,8 @@ def roundtrip_structure(state):
   leaves = [v for _, v in tree.flatten(state)]
   # Each leaf is its number in flatten's order, in the place flatten names.
   assert sorted(tree.iter_structure_leaves(enc)) == list(range(len(leaves)))
-  assert [tree.path_str(p) for _, p in sorted(tree.leaf_paths(enc))] == [
-      tree.path_str(p) for p, _ in tree.flatten(state)]
+  assert tree.leaf_paths(enc, len(leaves)) == [
+      p for p, _ in tree.flatten(state)]
   return tree.decode_structure(enc, leaves.__getitem__)
 
 
