@@ -89,7 +89,9 @@ def from_index(index: index_lib.Index) -> Metadata:
       leaves[name] = e.value  # python values and numpy scalars, as saved
   return Metadata(
       step=index.step, time=index.time, metrics=dict(index.metrics),
-      tree=tree.decode_structure(index.structure, leaves.__getitem__),
+      # leaves holds one value per leaf, in the index's order
+      tree=tree.decode_structure(index.structure,
+                                 list(leaves.values()).__getitem__),
       shardings=shardings, source_dtypes=source,
       process_count=index.process_count, storage_format=index.storage_format,
       custom_metadata=index_lib.custom_metadata_of(index))

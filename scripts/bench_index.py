@@ -98,9 +98,13 @@ def build(n: int) -> index_lib.Index:
     for p in e.path[:-1]:
       node = node.setdefault(p, {})
     node[e.path[-1]] = 0
+  nested = _lists(nested)
+  # The index's leaves are in tree.flatten's order (the structure's numbers)
+  order = {p: i for i, (p, _) in enumerate(tree.flatten(nested))}
+  entries.sort(key=lambda e: order[e.path])
   return index_lib.Index(step=1000, time=1.7e9, storage_format="zarr3",
                          process_count=256,
-                         structure=tree.encode_structure(_lists(nested)),
+                         structure=tree.encode_structure(nested),
                          leaves=tuple(entries), metrics={"loss": 1.5})
 
 

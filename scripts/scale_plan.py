@@ -116,6 +116,9 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
     for p in parts[:-1]:
       node = node.setdefault(p, {})
     node[parts[-1]] = 0
+  # The index's leaves are in tree.flatten's order (the structure's numbers)
+  order = {p: i for i, (p, _) in enumerate(tree.flatten(structure))}
+  entries.sort(key=lambda e: order[e.path])
   index = index_lib.Index(step=1, time=0.0, storage_format="zarr",
                           process_count=processes,
                           structure=tree.encode_structure(structure),

@@ -8,6 +8,7 @@ index (``_bad``), and the limits they check against.
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import re
@@ -148,6 +149,79 @@ def _check_structure(structure: Any, where: str) -> list[str]:
       else:
         push((c, depth + 1))
   return leaves
+
+
+def _check_numbered_structure(structure: Any, where: str, n: int,
+                              max_depth: int = MAX_DEPTH
+                              ) -> tuple[int, int, int]:
+  """Validates a tree structure of index version 3 (tree.KEYED): each node
+  a list of its kind and its (key and) children, each leaf its number
+  among the index's ``n`` leaves. The depth limit as _check_structure's (a
+  leaf one level below its node), and every number in range(n) exactly
+  once. One loop over the nodes, a level of the tree at a time (100,000
+  leaves are about as many nodes). Returns (depth, lists, longest): its
+  depth, and the lists it packs to (its nodes; no maps) and the longest's
+  length, as msgpack counts them."""
+  numbers: list[int] = []
+  add = numbers.append
+  level, depth, lists, longest = [structure], 0, 0, 0
+  while level:
+    if depth > max_depth:
+      raise CorruptCheckpointError(f"{where}: tree deeper than {max_depth}")
+    below: list = []
+    extend = below.extend
+    leaves = len(numbers)
+    for node in level:
+      if type(node) is int:
+        add(node)
+        continue
+      if type(node) is not list or not node:
+        raise _bad(where, "a structure node (a list: its kind, then its "
+                   "children) or a leaf number", node)
+      if len(node) > longest:
+        longest = len(node)
+      kind = node[0]
+      if kind == "dict":
+        if not len(node) % 2:
+          raise _bad(where, "a dict node's keys and children in pairs",
+                     node)
+        if not _DICT_KEYS.issuperset(map(type, node[1::2])):
+          raise _bad(where, "dict keys of type str or int", node[1::2])
+        extend(node[2::2])
+      elif kind in _SEQUENCES:
+        extend(node[1:])
+      elif kind == "object":
+        if len(node) % 2 or type(node[1]) is not str:
+          raise _bad(where, "an object node's type name, then its keys and "
+                     "children in pairs", node)
+        if not _OBJECT_KEYS.issuperset(map(type, node[2::2])):
+          raise _bad(where, "object keys of type str", node[2::2])
+        extend(node[3::2])
+      elif kind != "none" or len(node) != 1:
+        raise _bad(where, "a node kind (dict, list, tuple, object, or none "
+                   "with no children)", node)
+    lists += len(level) - (len(numbers) - leaves)
+    level = below
+    depth += 1
+  # As many numbers as leaves, each in range(n) and none twice: each leaf
+  # once (checked in C; the report only on failure).
+  if (len(numbers) != n or (numbers and (min(numbers) < 0 or
+                                         max(numbers) >= n))
+      or len(set(numbers)) != n):
+    seen = set(numbers)
+    dups = sorted(i for i, k in collections.Counter(numbers).items() if k > 1)
+    raise CorruptCheckpointError(
+        f"{where}: tree structure and leaves disagree: expected the leaf "
+        f"numbers 0 to {n - 1} each once, found {len(numbers)} numbers; "
+        f"out of range: {sorted(i for i in seen if not 0 <= i < n)[:10]}, "
+        f"more than once: {dups[:10]}, missing: "
+        f"{[i for i in range(n) if i not in seen][:10]}")
+  return depth - 1, lists, longest
+
+
+_SEQUENCES = ("list", "tuple")
+_DICT_KEYS = frozenset({str, int})
+_OBJECT_KEYS = frozenset({str})
 
 
 def _int(v: Any, where: str) -> int:

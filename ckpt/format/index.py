@@ -26,20 +26,25 @@ from ckpt.errors import CorruptCheckpointError, InvalidStateError
 # use them as index.X.
 from ckpt.format.checks import (  # noqa: F401
     ALLOWED_DTYPES, MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DEPTH, MAX_LEAF_BYTES,
-    MAX_RANK, _REPR, _Where, _bad, _check_structure, _dtype, _int,
-    _keys_rank, _prng_impl, _shape, check_extent, check_relpath,
-    decode_saved_sharding)
+    MAX_RANK, _REPR, _Where, _bad, _check_numbered_structure,
+    _check_structure, _dtype, _int, _keys_rank, _prng_impl, _shape,
+    check_extent, check_relpath, decode_saved_sharding)
 from ckpt.format.entries import (  # noqa: F401
     KINDS, MAX_OCDBT_GROUPS, _KINDS_BY_CLASS, ArrayEntry, Entry, PackedEntry,
     ValueEntry, _decode_entry)
 from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
+# 3: in the tree structure a leaf is its number among the leaves (an int),
+# no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
+# and a node is one list, [kind, (key, child)...], no longer a map of
+# node/keys/children (ckpt/format/tree.py KEYED).
 # 2: the leaves as columns, repeated specs and path parts stored once
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
-# 1: one map per leaf, arrays and values only. Both are read.
-VERSION = 2
-READ_VERSIONS = (1, 2)
+# 1: one map per leaf, arrays and values only. All three are read; in
+# memory (Index.structure) a leaf is its number whatever the version.
+VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -47,9 +52,10 @@ READ_VERSIONS = (1, 2)
 # the process_count integer. Measured with save.make_index and encode (5-part
 # names such as params/layer_12/attn/q/kernel, a 2x4 NamedSharding): 334 and
 # 337 bytes per array leaf for 1,000 and 10,000 leaves in format zarr3 (318
-# and 321 for zarr, whose codec map has no "checksum"); about 75 of those are
-# the leaf's place in the tree structure, most of the rest its path (twice:
-# parts and relpath) and sharding text. The saved sharding (saved_sharding,
+# and 321 for zarr, whose codec map has no "checksum") in version 1; about 75
+# of those were the leaf's place in the tree structure (its path again: a
+# number since version 3), most of the rest its path (twice: parts and
+# relpath) and sharding text. The saved sharding (saved_sharding,
 # added since) costs 69 more bytes per leaf on a 2-axis mesh of auto axes,
 # 99 with jax.make_mesh's explicit axis_types. So 32 MiB holds about 70,000
 # to 99,000 such leaves (more with shorter names). Indexes written before kept ~20 bytes
@@ -65,7 +71,8 @@ MAX_CONTAINER_LEN = 1 << 20
 # A real index makes fewer than one list per 3 bytes (an older index's 1-D
 # checksummed box [[a], [b], crc] is 3 lists in 10 bytes; a zarr v2
 # checksum file's record [leaf, [a], [b], crc] 3 in 11) and one map per 8
-# (a python-int leaf: entry, value and structure maps in 45 bytes); more is
+# (a python-int leaf of version 1: entry, value and structure maps in 45
+# bytes; fewer since); more is
 # refused while decoding, so a hostile index costs at most about 25 bytes of
 # python objects per byte (docs/untrusted.md).
 _LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
@@ -97,6 +104,9 @@ class Index:
   time: float
   storage_format: str
   process_count: int
+  # The tree's shape (tree.encode_structure, version 3's form whatever the
+  # version read): nodes as lists, leaves as numbers into ``leaves``
+  # (tree.decode_structure rebuilds the tree).
   structure: Any
   leaves: tuple[Entry, ...]
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -215,14 +225,30 @@ def _encode(index: Index) -> bytes:
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
-  try:
-    depth, counts = index_codec.structure_walk(index.structure)
-  except ValueError as e:
+  try:  # the structure's nodes, and its leaves: the leaves, each once
+    depth, lists, longest = _check_numbered_structure(
+        index.structure, "the tree structure", len(index.leaves),
+        max_depth=_PACK_DEPTH)
+  except CorruptCheckpointError as err:
     raise InvalidStateError(
-        f"the index of step {index.step} would not decode: {e}") from e
+        f"the index of step {index.step} would be refused by readers: "
+        f"{err}") from err
   if depth > MAX_DEPTH:
     raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
                       "Nest the state less deeply")
+  try:
+    placed = tree.leaf_paths(index.structure, len(index.leaves))
+    if placed != [e.path for e in index.leaves]:  # each where flatten puts it
+      i = next(i for i, e in enumerate(index.leaves) if e.path != placed[i])
+      raise CorruptCheckpointError(
+          f"the tree structure has leaf {i} at {tree.path_str(placed[i])!r}, "
+          f"where leaf {i} of the leaves is "
+          f"{tree.path_str(index.leaves[i].path)!r} (the leaves must be in "
+          "tree.flatten's order)")
+  except CorruptCheckpointError as err:
+    raise InvalidStateError(
+        f"the index of step {index.step} would be refused by readers: "
+        f"{err}") from err
   try:  # checks each array spec's extent (once per distinct spec)
     doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
   except CorruptCheckpointError as err:
@@ -235,7 +261,7 @@ def _encode(index: Index) -> bytes:
     raise InvalidStateError(
         f"the index of step {index.step} cannot be encoded: {e} (msgpack "
         f"nests at most {_PACK_DEPTH} containers)") from e
-  check_encoded(data, {**doc, "structure": None}, index, counts)
+  check_encoded(data, {**doc, "structure": None}, index, (lists, 0, longest))
   return data
 
 
@@ -337,6 +363,23 @@ def decode(data: bytes, where: str = "index.msgpack") -> Index:
     return _decode(data, where)
 
 
+def _numbered_structure(structure: Any, where: str, names: list[str],
+                        unique: set[str]) -> Any:
+  """A version 1 or 2 structure (leaves ``{"leaf": "<path>"}``), validated
+  against the leaves' distinct ``names`` and converted to today's form
+  (leaves by number)."""
+  referenced = _check_structure(structure, where)
+  # names are distinct (above): as many and the same set is the same leaves
+  if len(referenced) != len(names) or set(referenced) != unique:
+    missing = sorted(set(referenced) - unique)
+    extra = sorted(unique - set(referenced))
+    raise CorruptCheckpointError(
+        f"{where}: tree structure and leaves disagree; structure leaves "
+        f"without an entry: {missing[:10]}, entries not in the structure: "
+        f"{extra[:10]}")
+  return tree.numbered(structure, {name: i for i, name in enumerate(names)})
+
+
 def _decode(data: bytes, where: str) -> Index:
   if len(data) > MAX_INDEX_BYTES:
     raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
@@ -390,15 +433,10 @@ def _decode(data: bytes, where: str) -> Index:
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
-  referenced = _check_structure(structure, where)
-  # names are distinct (above): as many and the same set is the same leaves
-  if len(referenced) != len(names) or set(referenced) != unique:
-    missing = sorted(set(referenced) - unique)
-    extra = sorted(unique - set(referenced))
-    raise CorruptCheckpointError(
-        f"{where}: tree structure and leaves disagree; structure leaves "
-        f"without an entry: {missing[:10]}, entries not in the structure: "
-        f"{extra[:10]}")
+  if version >= 3:
+    _check_numbered_structure(structure, where, len(leaves))
+  else:
+    structure = _numbered_structure(structure, where, names, unique)
   host_state = doc.get("host_state")
   if host_state is not None and (not isinstance(host_state, list) or not all(
       isinstance(b, bytes) for b in host_state)):

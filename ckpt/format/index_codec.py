@@ -177,53 +177,6 @@ def _numbers(v: list, size: int) -> bool:
 
 # ---- what a document packs to: decode's container budget (index.py) ------
 
-def structure_walk(structure: Any) -> tuple[int, list[int]]:
-  """How deep a tree structure nests (as index._check_structure counts it), and
-  [lists, maps, longest] as containers counts them, in one loop over its
-  nodes (a leaf's node is a one-entry map)."""
-  deepest, counts = 0, [0, 0, 0]  # lists, maps, longest
-  stack = [(structure, 0)]
-  push = stack.append
-  while stack:
-    node, depth = stack.pop()
-    deepest = max(deepest, depth)
-    if not isinstance(node, dict) or "leaf" in node:
-      _add(counts, containers([node]), -1)  # (less the list given it)
-      continue
-    counts[1] += 1
-    longest = len(node)
-    for k, v in node.items():
-      if type(k) is not str:
-        raise ValueError(f"a map key that is not a string: {k!r}")
-      if type(v) is list:
-        counts[0] += 1
-        longest = max(longest, len(v))
-        if k == "children":
-          leaves = 0
-          for c in v:  # a leaf is only as deep as itself
-            if type(c) is dict and len(c) == 1 and type(c.get("leaf")) is str:
-              leaves += 1
-            else:
-              push((c, depth + 1))
-          if leaves:
-            deepest = max(deepest, depth + 1)
-            counts[1] += leaves
-          continue
-        if set(map(type, v)) <= _SCALARS:  # keys
-          continue
-        _add(counts, containers(v), -1)
-      elif isinstance(v, _NESTED_TUPLE):
-        _add(counts, containers(v))
-    counts[2] = max(counts[2], longest)
-  return deepest, counts
-
-
-def _add(counts: list[int], more: tuple[int, int, int], lists: int = 0):
-  counts[0] += more[0] + lists
-  counts[1] += more[1]
-  counts[2] = max(counts[2], more[2])
-
-
 def containers(doc: Any) -> tuple[int, int, int]:
   """(lists, maps, the longest's length) of the msgpack document ``doc``
   packs to, counted on the python objects (no re-parsing); raises
@@ -233,10 +186,6 @@ def containers(doc: Any) -> tuple[int, int, int]:
   pop, push = stack.pop, stack.extend
   while stack:
     x = pop()
-    if type(x) is dict and len(x) == 1 and type(x.get("leaf")) is str:
-      maps += 1  # a leaf of the tree structure
-      longest = max(longest, 1)
-      continue
     longest = max(longest, len(x))
     if isinstance(x, dict):
       maps += 1

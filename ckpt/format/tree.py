@@ -4,7 +4,9 @@ Leaf names come from ``jax.tree_util`` key paths (``params/encoder/kernel``).
 The structure is recorded as plain msgpack-able data, so a checkpoint can be
 read back without the user's classes (and without pickle): dicts stay dicts,
 lists and tuples stay lists and tuples, and custom nodes (dataclasses, flax
-structs, NamedTuples) come back as dicts keyed by their field names.
+structs, NamedTuples) come back as dicts keyed by their field names. A leaf
+of the structure is its number (an int) in the flattened leaves' order,
+which is the order of the index's leaves.
 """
 
 from __future__ import annotations
@@ -67,15 +69,31 @@ def _one_level(node: Any):
   return [(path[0], child) for path, child in children], treedef
 
 
+# A node of the structure is a list, its kind first; a leaf is an int:
+#   ["dict", key, child, key, child, ...]     keys str or int
+#   ["object", "<type name>", key, child, ...] a custom node (keys str)
+#   ["list", child, ...]   ["tuple", child, ...]   ["none"]
+# (index versions 1 and 2 wrote maps: {"node": "dict", "keys": [...],
+# "children": [...]}, a leaf {"leaf": "<path>"}; see numbered/named.)
+# The offset of a keyed node's first key: its keys are node[k::2], its
+# children node[k + 1::2].
+KEYED = {"dict": 1, "object": 2}
+
+
 def encode_structure(tree: Any) -> Any:
-  """The tree's shape as plain data; leaves become ``{"leaf": "<path>"}``."""
+  """The tree's shape as plain data (lists, see KEYED); each leaf becomes
+  its number in ``flatten(tree)``'s order (an int: the index's leaf of
+  that number)."""
+  count = 0
 
   def walk(node: Any, parts: PathParts) -> Any:
+    nonlocal count
     if node is None:
-      return {"node": "none"}
+      return ["none"]
     level = _one_level(node)
     if level is None:
-      return {"leaf": path_str(parts)}
+      count += 1
+      return count - 1
     children, _ = level
     encoded = [walk(c, parts + (key_name(k),)) for k, c in children]
     if isinstance(node, dict):
@@ -85,44 +103,119 @@ def encode_structure(tree: Any) -> Any:
         raise InvalidStateError(
             f"dict at {path_str(parts)!r} has keys {bad!r}; only str and int "
             "keys can be stored")
-      return {"node": "dict", "keys": keys, "children": encoded}
+      return ["dict", *_pairs(keys, encoded)]
     if isinstance(node, list):
-      return {"node": "list", "children": encoded}
+      return ["list", *encoded]
     if type(node) is tuple:
-      return {"node": "tuple", "children": encoded}
-    return {"node": "object", "type": type(node).__qualname__,
-            "keys": [key_name(k) for k, _ in children], "children": encoded}
+      return ["tuple", *encoded]
+    return ["object", type(node).__qualname__,
+            *_pairs([key_name(k) for k, _ in children], encoded)]
 
   return walk(tree, ())
 
 
+def _pairs(keys: list, children: list) -> list:
+  out = [None] * (2 * len(keys))
+  out[::2], out[1::2] = keys, children
+  return out
+
+
+def _keys_children(node: list) -> tuple[Any, list]:
+  """A (well-formed) node's keys (a range for a list or tuple) and
+  children."""
+  k = KEYED.get(node[0])
+  if k is not None:
+    return node[k::2], node[k + 1::2]
+  children = node[1:]
+  return range(len(children)), children
+
+
 def decode_structure(encoded: Any, leaf_value) -> Any:
-  """Rebuilds nested python values; ``leaf_value(path)`` gives each leaf."""
+  """Rebuilds nested python values; ``leaf_value(i)`` gives leaf number
+  ``i`` (e.g. ``values.__getitem__`` of a list in the index's order)."""
 
   def walk(node: Any) -> Any:
-    if "leaf" in node:
-      return leaf_value(node["leaf"])
-    kind = node["node"]
+    if type(node) is int:
+      return leaf_value(node)
+    kind = node[0]
     if kind == "none":
       return None
-    children = [walk(c) for c in node.get("children", [])]
-    if kind == "dict" or kind == "object":
-      return dict(zip(node["keys"], children))
-    if kind == "list":
-      return children
-    return tuple(children)
+    k = KEYED.get(kind)
+    if k is not None:
+      return dict(zip(node[k::2], map(walk, node[k + 1::2])))
+    children = [walk(c) for c in node[1:]]
+    return children if kind == "list" else tuple(children)
 
   return walk(encoded)
 
 
-def iter_structure_leaves(encoded: Any) -> Iterator[str]:
+def iter_structure_leaves(encoded: Any) -> Iterator[int]:
+  """The leaf numbers of a structure, in no particular order."""
   stack = [encoded]
   while stack:
     node = stack.pop()
-    if "leaf" in node:
-      yield node["leaf"]
+    if type(node) is int:
+      yield node
     else:
-      stack.extend(node.get("children", []))
+      stack.extend(_keys_children(node)[1])
+
+
+def leaf_paths(encoded: Any, n: int) -> list[PathParts]:
+  """The path parts of leaves 0 to n - 1 of a well-formed structure
+  (checks._check_numbered_structure), each what ``flatten`` names the leaf
+  at its place."""
+  out: list[PathParts] = [()] * n
+  if type(encoded) is int:
+    return out
+  stack = [(encoded, ())]
+  pop, push, keyed = stack.pop, stack.append, KEYED.get
+  while stack:
+    node, parts = pop()
+    k = keyed(node[0])
+    pairs = (enumerate(node[1:]) if k is None else
+             zip(node[k::2], node[k + 1::2]))
+    for key, c in pairs:
+      p = (*parts, key if type(key) is str else str(key))
+      if type(c) is int:
+        out[c] = p
+      else:
+        push((c, p))
+  return out
+
+
+def numbered(encoded: Any, number: dict[str, int]) -> Any:
+  """Today's form of a structure of index version 1 or 2 (validated by
+  index._check_structure): its maps as lists, each leaf ``{"leaf":
+  "<path>"}`` as ``number[path]``."""
+  if "leaf" in encoded:
+    return number[encoded["leaf"]]
+  kind = encoded["node"]
+  if kind == "none":
+    return ["none"]
+  children = [numbered(c, number) for c in encoded.get("children", [])]
+  if kind == "dict":
+    return ["dict", *_pairs(encoded["keys"], children)]
+  if kind == "object":
+    return ["object", encoded.get("type"), *_pairs(encoded["keys"], children)]
+  return [kind, *children]
+
+
+def named(encoded: Any, names: list[str]) -> Any:
+  """A structure as index versions 1 and 2 wrote it, leaf ``i`` as
+  ``{"leaf": names[i]}`` (the inverse of ``numbered``; for tools and tests
+  that write an older index). Unvalidated."""
+  if type(encoded) is int:
+    return {"leaf": names[encoded]}
+  kind = encoded[0]
+  if kind == "none":
+    return {"node": "none"}
+  keys, children = _keys_children(encoded)
+  out = {"node": kind, "children": [named(c, names) for c in children]}
+  if kind in KEYED:
+    out["keys"] = list(keys)
+  if kind == "object":
+    out["type"] = encoded[1]
+  return out
 
 
 def storage_relpath(parts: PathParts) -> str:

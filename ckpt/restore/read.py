@@ -239,7 +239,8 @@ async def _restore_tree(index: index_lib.Index,
     values = dict(zip(names, values))
     if args.transforms:  # the saved structure no longer applies
       return tree.nest({p: values[tree.path_str(p)] for p in leaves})
-    return tree.decode_structure(index.structure, values.__getitem__)
+    by_number = [values[tree.path_str(e.path)] for e in index.leaves]
+    return tree.decode_structure(index.structure, by_number.__getitem__)
 
   named = tree.flatten(args.target)
   _, treedef = tree_util.tree_flatten(args.target)

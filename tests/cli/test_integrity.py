@@ -319,6 +319,8 @@ def _to_old_layout(step_dir, per_box_sums, host_states):
   doc = msgpack.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
   doc["version"] = 1  # one map per leaf, every relpath spelled out
   doc["leaves"] = index_codec.rows(doc["leaves"])
+  doc["structure"] = tree.named(  # leaves by path, not number
+      doc["structure"], [tree.path_str(tuple(e["path"])) for e in doc["leaves"]])
   for i, e in enumerate(doc["leaves"]):
     if e["kind"] == "array":
       e.setdefault("relpath", tree.storage_relpath(tuple(e["path"])))

@@ -6,6 +6,7 @@ the field (or leaf) at fault.
 
 import copy
 import dataclasses
+import typing
 
 import ml_dtypes
 import msgpack
@@ -21,8 +22,16 @@ from ckpt.format import tree
 WHERE = "/ckpts/checkpoint_7/index.msgpack"
 
 
+class _State(typing.NamedTuple):
+  """A state whose leaves flatten in the order make_index lists them."""
+  params: dict
+  step: int
+  name: int
+  opt: tuple
+
+
 def make_index(rng):
-  state_like = {"params": {"w": 0, "b": 0}, "step": 0, "name": 0, "opt": (None, {})}
+  state_like = _State({"w": 0, "b": 0}, 0, 0, (None, {}))
   structure = tree.encode_structure(state_like)
   leaves = (
       index.ArrayEntry(path=("params", "b"), relpath="params/b", shape=(16,),
@@ -133,8 +142,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 3, ["version 1 or 2", "3"]),
-    ("version", "1", ["version 1 or 2", "'1'"]),
+    ("version", 4, ["version 1 or 2 or 3", "4"]),
+    ("version", "1", ["version 1 or 2 or 3", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -276,12 +285,13 @@ def test_specs_and_path_parts_are_stored_once(rng):
   """Leaves that differ only in their path share a spec; a relpath that
   the path gives is not stored; each path part is stored once."""
   entries = tuple(index.ArrayEntry(
-      path=("params", f"layer_{i}", "w"), relpath=f"params/layer_{i}/w",
+      path=("params", f"layer_{i:02d}", "w"), relpath=f"params/layer_{i:02d}/w",
       shape=(8, 4), dtype="float32", chunks=(8, 4), codec={"compression": None},
       source_dtype="float32") for i in range(50))
   idx = index.Index(step=1, time=0.0, storage_format="zarr", process_count=1,
                     structure=tree.encode_structure(
-                        {"params": {f"layer_{i}": {"w": 0} for i in range(50)}}),
+                        {"params": {f"layer_{i:02d}": {"w": 0}
+                                    for i in range(50)}}),
                     leaves=entries)
   cols = msgpack.unpackb(index.encode(idx), raw=False)["leaves"]
   assert len(cols["specs"]) == 1 and cols["spec"] == [0] * 50
@@ -299,18 +309,57 @@ def test_a_relpath_derived_from_hostile_path_parts_stays_inside(rng):
   doc = doc_of(make_index(rng))
   assert "relpath" not in doc["leaves"][1]  # params/w: the path's own
   doc["leaves"][1]["path"] = ["..", "/etc", ".hidden", ""]
-  params = doc["structure"]["children"][doc["structure"]["keys"].index("params")]
-  params["children"][params["keys"].index("w")] = {
-      "leaf": tree.path_str(("..", "/etc", ".hidden", ""))}
   e = index.decode(pack(doc), WHERE).leaves[1]
   assert e.relpath == "%2E%2E/%2Fetc/%2Ehidden/%"
   index.check_relpath(e.relpath, "here")
 
 
+def old_doc(doc, version):
+  """``doc`` (leaves as maps) as an index of ``version`` 1 or 2 writes it."""
+  names = [tree.path_str(tuple(leaf["path"])) for leaf in doc["leaves"]]
+  return {**doc, "version": version,
+          "structure": tree.named(doc["structure"], names)}
+
+
+def test_structure_leaves_are_leaf_numbers(rng):
+  """Version 3 writes a leaf of the tree structure as its number among the
+  leaves (an int), its path only once (in the leaves)."""
+  idx = make_index(rng)
+  doc = msgpack.unpackb(index.encode(idx), raw=False)
+  assert doc["version"] == index.VERSION == 3
+  assert doc["structure"] == [
+      "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
+      "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
+  values = [tree.path_str(e.path) for e in index.decode(pack(doc)).leaves]
+  assert tree.decode_structure(doc["structure"], values.__getitem__) == {
+      "params": {"b": "params/b", "w": "params/w"}, "step": "step",
+      "name": "name", "opt": (None, {})}
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_structures_decode_as_leaf_numbers(rng, version):
+  """Versions 1 and 2 name each leaf of the structure by its path: read as
+  before, then held as today's (leaf numbers), whatever the leaves' order."""
+  idx = make_index(rng)
+  doc = old_doc(doc_of(idx), version)
+  if version == 1:
+    for leaf in doc["leaves"][:2]:  # version 1 spells out every relpath
+      leaf["relpath"] = "/".join(leaf["path"])
+  doc["leaves"] = doc["leaves"][::-1]  # the structure names them by path
+  data = (msgpack.packb(doc, use_bin_type=True) if version == 1 else
+          pack(doc))
+  out = index.decode(data, WHERE)
+  assert [e.path for e in out.leaves] == [e.path for e in idx.leaves][::-1]
+  values = [tree.path_str(e.path) for e in out.leaves]
+  assert tree.decode_structure(out.structure, values.__getitem__) == {
+      "params": {"b": "params/b", "w": "params/w"}, "step": "step",
+      "name": "name", "opt": (None, {})}
+  assert sorted(tree.iter_structure_leaves(out.structure)) == [0, 1, 2, 3]
+
+
 def test_version_1_leaf_maps_still_decode(rng):
   idx = make_index(rng)
-  doc = doc_of(idx)
-  doc["version"] = 1
+  doc = old_doc(doc_of(idx), 1)
   for leaf in doc["leaves"][:2]:  # version 1 spells out every relpath
     leaf["relpath"] = "/".join(leaf["path"])
   out = index.decode(msgpack.packb(doc, use_bin_type=True), WHERE)
@@ -329,28 +378,76 @@ def test_rejects_duplicate_leaf_paths(rng):
 # ---- rejections: structure vs leaves ----------------------------------------
 
 def test_rejects_structure_leaf_mismatch(rng):
+  """Every leaf number once, each in range(number of leaves)."""
   doc = doc_of(make_index(rng))
+  doc["leaves"] = doc["leaves"][:3]  # the structure's leaf 3 has no entry
+  rejected(pack(doc), "structure and leaves disagree",
+           "expected the leaf numbers 0 to 2 each once, found 4 numbers",
+           "out of range: [3]")
+  doc = doc_of(make_index(rng))
+  assert doc["structure"][4:6] == ["step", 2]
+  doc["structure"][5] = 0  # leaf 0 twice, leaf 2 nowhere
+  rejected(pack(doc), "structure and leaves disagree",
+           "more than once: [0]", "missing: [2]")
+  doc["structure"][5] = -2
+  rejected(pack(doc), "out of range: [-2]", "missing: [2]")
+  doc["structure"][5] = 2**64 - 1
+  rejected(pack(doc), f"out of range: [{2**64 - 1}]")
+  doc["structure"][9].append(9)  # and one too many (in the opt tuple)
+  rejected(pack(doc), "found 5 numbers")
+
+
+def test_rejects_structure_leaf_mismatch_in_older_versions(rng):
+  doc = old_doc(doc_of(make_index(rng)), 2)
   doc["leaves"] = [l for l in doc["leaves"] if l["path"] != ["params", "w"]]
   rejected(pack(doc), "structure and leaves disagree",
            "without an entry: ['params/w']")
-  doc = doc_of(make_index(rng))
+  doc = old_doc(doc_of(make_index(rng)), 2)
   doc["leaves"][1]["path"] = ["params", "v"]
   rejected(pack(doc), "structure and leaves disagree", "'params/w'",
            "not in the structure: ['params/v']")
+  doc["structure"] = 1  # a leaf number in a version 2 index
+  doc["leaves"] = []
+  rejected(pack(doc), "a structure node map")
 
 
-@pytest.mark.parametrize("structure,fragment", [
+_MALFORMED = [
     ([], "a structure node map"),
     ({"node": "set", "children": []}, "a node kind"),
     ({"node": "dict", "keys": ["a"], "children": []}, "0 keys"),
     ({"node": "list", "children": {"a": 1}}, "a list of children"),
-    ({"leaf": 3}, "a leaf name"),
     ({"node": "dict", "keys": [["a"]], "children": [{"node": "none"}]},
      "dict keys of type str or int"),
     ({"node": "dict", "keys": [1.5], "children": [{"node": "none"}]},
      "dict keys of type str or int"),
     ({"node": "object", "type": "T", "keys": [1],
       "children": [{"node": "none"}]}, "object keys of type str"),
+]
+
+
+_NODE = "a structure node (a list: its kind, then its children) or a leaf"
+
+
+@pytest.mark.parametrize("structure,fragment", [
+    ({"node": "list", "children": []}, _NODE),  # versions 1 and 2's node
+    ({"leaf": 0}, _NODE),
+    ([], _NODE),
+    (["list", True], _NODE),
+    (["list", "a"], _NODE),
+    (["list", 0.0], _NODE),
+    (["list", ["tuple", None]], _NODE),
+    (["set"], "a node kind"),
+    ([["list"]], "a node kind"),  # (not hashable)
+    (["none", ["none"]], "a node kind (dict, list, tuple, object, or none "
+     "with no children)"),
+    (["dict", "a"], "keys and children in pairs"),
+    (["dict", ["a"], ["none"]], "dict keys of type str or int"),
+    (["dict", 1.5, ["none"]], "dict keys of type str or int"),
+    (["dict", True, ["none"]], "dict keys of type str or int"),
+    (["object", "T", 1, ["none"]], "object keys of type str"),
+    (["object", 3, "a", ["none"]], "an object node's type name"),
+    (["object", "T", "a"], "an object node's type name, then its keys and "
+     "children in pairs"),
 ])
 def test_rejects_malformed_structure(rng, structure, fragment):
   doc = doc_of(make_index(rng))
@@ -359,14 +456,42 @@ def test_rejects_malformed_structure(rng, structure, fragment):
   rejected(pack(doc), fragment)
 
 
-def test_rejects_too_deep_structure(rng):
+@pytest.mark.parametrize("structure,fragment", _MALFORMED + [
+    ({"leaf": 3}, "a leaf name"),
+    (["list", 0], "a structure node map"),  # version 3's node
+])
+def test_rejects_malformed_structure_in_older_versions(rng, structure,
+                                                       fragment):
   doc = doc_of(make_index(rng))
-  node = {"node": "none"}
+  doc["version"], doc["structure"], doc["leaves"] = 2, structure, []
+  rejected(pack(doc), fragment)
+
+
+@pytest.mark.parametrize("version", [2, 3])
+def test_rejects_too_deep_structure(rng, version):
+  doc = doc_of(make_index(rng))
+  node = {"node": "none"} if version < 3 else ["none"]
   for _ in range(index.MAX_DEPTH + 5):
-    node = {"node": "list", "children": [node]}
-  doc["structure"] = node
-  doc["leaves"] = []
+    node = ({"node": "list", "children": [node]} if version < 3 else
+            ["list", node])
+  doc["version"], doc["structure"], doc["leaves"] = version, node, []
   rejected(pack(doc), "deeper than")
+
+
+def test_depth_limit_counts_a_leaf_below_its_node(rng):
+  """As in version 2, a leaf is one level below its node: a leaf at depth
+  MAX_DEPTH is read, one deeper is refused."""
+  doc = doc_of(make_index(rng))
+  doc["leaves"] = doc["leaves"][:1]
+  for depth, ok in ((index.MAX_DEPTH, True), (index.MAX_DEPTH + 1, False)):
+    node = 0
+    for _ in range(depth):
+      node = ["list", node]
+    doc["structure"] = node
+    if ok:
+      assert index.decode(pack(doc), WHERE).structure == node
+    else:
+      rejected(pack(doc), "deeper than")
 
 
 def test_structure_with_int_keys_decodes(rng):
@@ -376,11 +501,9 @@ def test_structure_with_int_keys_decodes(rng):
   doc["leaves"] = [index.ValueEntry(p, v).to_json()
                    for p, v in tree.flatten(state)]
   out = index.decode(pack(doc), WHERE)
-  values = {tree.path_str(e.path): e.value for e in out.leaves}
+  values = [e.value for e in out.leaves]
   assert tree.decode_structure(out.structure, values.__getitem__) == state
 
-
-# ---- size: leaves only, never processes ----------------------------------
 
 def _plan(n_leaves=200):
   from ckpt.save import leaves as leaves_lib  # pylint: disable=g-import-not-at-top
@@ -453,7 +576,7 @@ def _value_index(n):
   return index.Index(
       step=3, time=0.0, storage_format="zarr", process_count=1,
       structure=tree.encode_structure(leaves),
-      leaves=tuple(index.ValueEntry((k,), v) for k, v in leaves.items()))
+      leaves=tuple(index.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
 
 
 def test_encode_refuses_an_index_over_the_byte_limit(monkeypatch):
@@ -472,7 +595,8 @@ def test_encode_refuses_too_long_a_container(monkeypatch):
   idx = _value_index(50)
   data = index.encode(idx)
   monkeypatch.setattr(index, "MAX_CONTAINER_LEN", 20)
-  _refused(idx, "MAX_CONTAINER_LEN", "is 50", "limit is 20")
+  # the longest: the structure's dict node, its 50 keys and 50 leaves
+  _refused(idx, "MAX_CONTAINER_LEN", "is 101", "limit is 20")
   with pytest.raises(ckpt.CorruptCheckpointError):  # as decode refuses it
     index.decode(data)
 
@@ -488,9 +612,9 @@ def test_encode_refuses_more_containers_than_decode_allows(monkeypatch, name):
 
 
 def test_encode_refuses_too_deep_a_tree():
-  node = {"leaf": "x"}
+  node = 0
   for _ in range(index.MAX_DEPTH + 1):
-    node = {"node": "list", "children": [node]}
+    node = ["list", node]
   idx = index.Index(step=4, time=0.0, storage_format="zarr", process_count=1,
                     structure=node, leaves=(index.ValueEntry(("x",), 1),))
   _refused(idx, "tree depth", f"is {index.MAX_DEPTH + 1}",
@@ -548,27 +672,27 @@ class _HookCount:
     return x
 
 
-@pytest.mark.parametrize("structure", [
-    tree.encode_structure({"a": [1, (2, {"b": 3})], "c": None, "d": {}}),
-    {"leaf": "x"},
-    {"node": "object", "type": "T", "keys": ["a"], "children": [{"leaf": "a"}],
-     "extra": [[1], {"z": [2, [3]]}]},
-    {"node": "dict", "keys": [[1, 2]], "children": [{"leaf": "a", "x": [1]}]},
-    {"node": "list", "children": {"not": ["a list"]}},
+@pytest.mark.parametrize("state", [
+    {"a": [1, (2, {"b": 3})], "c": None, "d": {}},
+    7,
+    [[[1]], (), {"x": {"y": [2, 3, 4, 5]}}],
+    {f"k{i}": i for i in range(40)},
 ])
-def test_encode_counts_containers_as_msgpack_does(rng, structure):
+def test_encode_counts_containers_as_msgpack_does(rng, state):
   """encode counts the containers decode's budget limits on the python
   objects (no re-parsing): the same lists, maps and longest length as
-  msgpack's hooks find in the bytes."""
+  msgpack's hooks find in the bytes (a structure's lists its nodes)."""
   idx = make_index(rng)
+  structure = tree.encode_structure(state)
   doc = {"structure": structure, "leaves": index_codec.encode(
       idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
   count = _HookCount()
   msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
-  _, counts = index_codec.structure_walk(structure)
+  n = len(tree.flatten(state))
+  _, s_lists, s_longest = index._check_numbered_structure(structure, "", n)
   lists, maps, longest = index_codec.containers({**doc, "structure": None})
-  assert (lists + counts[0], maps + counts[1], max(longest, counts[2])) == (
+  assert (lists + s_lists, maps, max(longest, s_longest)) == (
       count.lists, count.maps, count.longest)
 
 
@@ -577,4 +701,20 @@ def test_encode_refuses_map_keys_decode_refuses(rng):
   _refused(idx, "would not decode", "not a string")
   idx = dataclasses.replace(make_index(rng), structure={
       "node": "dict", "keys": [], "children": [], 5: "x"})
-  _refused(idx, "would not decode", "not a string")
+  _refused(idx, "would be refused by readers", "a structure node (a list")
+
+
+def test_encode_refuses_a_structure_that_does_not_number_its_leaves(rng):
+  """The structure's leaf numbers must be the leaves, each once, each at
+  the place tree.flatten names it (readers would refuse the rest, or
+  rebuild a tree with its leaves in the wrong places)."""
+  idx = make_index(rng)
+  _refused(dataclasses.replace(idx, leaves=idx.leaves[:3]), "step 7",
+           "would be refused by readers", "out of range: [3]")
+  _refused(dataclasses.replace(idx, leaves=idx.leaves[::-1]),
+           "has leaf 0 at 'params/b', where leaf 0 of the leaves is 'name'",
+           "tree.flatten's order")
+  names = [tree.path_str(e.path) for e in idx.leaves]
+  _refused(dataclasses.replace(
+      idx, structure=tree.named(idx.structure, names)),
+           "a structure node (a list")

@@ -313,7 +313,7 @@ def test_leaves_ckpt_cannot_store_name_the_path(make_ckptr, leaf):
 def _index_doc(leaf: dict) -> bytes:
   doc = {"format": index_lib.FORMAT_NAME, "version": index_lib.VERSION,
          "step": 1, "time": 0.0, "storage_format": "zarr", "process_count": 1,
-         "metrics": {}, "structure": {"leaf": "rng"},
+         "metrics": {}, "structure": 0,
          "leaves": index_codec.columns([leaf], index_lib.KINDS),
          "host_state": None}
   return msgpack.packb(doc, use_bin_type=True)

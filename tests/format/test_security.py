@@ -163,7 +163,7 @@ def test_real_index_decodes_within_the_budgets(tmp_path):
   idx = index_lib.Index(
       step=1, time=0.0, storage_format="zarr", process_count=1,
       structure=tree.encode_structure(leaves),
-      leaves=tuple(index_lib.ValueEntry((k,), v) for k, v in leaves.items()))
+      leaves=tuple(index_lib.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
   assert len(index_lib.decode(index_lib.encode(idx)).leaves) == 3000
   boxes = tuple(((i,), (i + 1,), 0xFFFFFFFF) for i in range(100_000))
   entry = index_lib.ArrayEntry(("w",), "w", (100_000,), "uint8", (1,),

@@ -366,8 +366,7 @@ def _index(entry: dict) -> bytes:
   return msgpack.packb({
       "format": "ckpt", "version": index_lib.VERSION, "step": 1, "time": 0.0,
       "storage_format": "zarr", "process_count": 1, "metrics": {},
-      "structure": {"node": "dict", "keys": ["w"],
-                    "children": [{"leaf": "w"}]},
+      "structure": ["dict", "w", 0],
       "leaves": index_codec.columns([entry], index_lib.KINDS),
       "host_state": None}, use_bin_type=True)
 

@@ -86,7 +86,7 @@ def test_small_leaves_are_packed_large_ones_arrays(saved):
   assert sorted(p.name for p in (step / ".packs").iterdir()) == [
       "0.0.bin", "0.msgpack"]
   index = index_lib.decode((step / "index.msgpack").read_bytes())
-  assert index_lib.VERSION == 2
+  assert index_lib.VERSION >= 2  # packed leaves since version 2
   kinds = {"/".join(e.path): type(e).__name__ for e in index.leaves}
   assert {kinds[n] for n in PACKED} == {"PackedEntry"}
   assert kinds["big"] == "ArrayEntry" and kinds["n"] == "ValueEntry"
@@ -339,8 +339,9 @@ def _entry(**over):
 def _index_doc(entry, version=2):
   return {"format": "ckpt", "version": version, "step": 1, "time": 0.0,
           "storage_format": "zarr", "process_count": 1, "metrics": {},
-          "structure": {"node": "dict", "keys": ["x"],
-                        "children": [{"leaf": "x"}]},
+          "structure": (["dict", "x", 0] if version >= 3 else
+                        {"node": "dict", "keys": ["x"],
+                         "children": [{"leaf": "x"}]}),
           "leaves": ([entry] if version == 1 else
                      index_codec.columns([entry], index_lib.KINDS)),
           "host_state": None}
@@ -362,9 +363,12 @@ def test_packed_entry_round_trips_and_hostile_entries_are_refused():
   with pytest.raises(CorruptCheckpointError, match="kind 'array' or 'value'"):
     index_lib.decode(msgpack.packb(_index_doc(_entry(), 1),
                                    use_bin_type=True))
-  with pytest.raises(CorruptCheckpointError, match="version 1 or 2"):
-    index_lib.decode(msgpack.packb(_index_doc(_entry(), 3),
+  with pytest.raises(CorruptCheckpointError, match="version 1 or 2 or 3"):
+    index_lib.decode(msgpack.packb(_index_doc(_entry(), 4),
                                    use_bin_type=True))
+  # Version 3: the same leaf, its place in the structure by number.
+  got = index_lib.decode(msgpack.packb(_index_doc(doc, 3), use_bin_type=True))
+  assert got.leaves == (e,) and got.structure == ["dict", "x", 0]
 
 
 def test_names_are_built_from_checked_ints():
