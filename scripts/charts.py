@@ -6,13 +6,14 @@ Reads the JSON files the benchmark scripts write with --out:
   scripts/bench.py --read-once --out F       -> read_once_fetched.svg,
                                                 read_once_time.svg
   scripts/scale.py --part jobs --out F       -> scale_jobs.svg
+  scripts/bench_index.py rows per version    -> index.svg
 
   python scripts/charts.py                   # the files in docs/benchmarks/data
   python scripts/charts.py --bench out/bench/large_f32_1g.json --out /tmp/c
 
-With no file arguments it reads docs/benchmarks/data/ (figures transcribed
-from the tables of the docs, in the same formats) and writes the SVGs next
-to it, in docs/benchmarks/. Needs matplotlib (in the `docs` extra).
+With no file arguments it reads docs/benchmarks/data/ (each file says where
+its figures come from: a run's own --out file, or figures transcribed from
+an earlier table) and writes the SVGs next to it, in docs/benchmarks/. Needs matplotlib (in the `docs` extra).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "benchmarks" / "data"
 MiB = 1 << 20
-SYSTEM_COLORS = {"ckpt": "#1f6fb4", "orbax": "#e8892b", "raw": "#7a7a7a"}
+SYSTEM_COLORS = {"ckpt": "#1f6fb4", "orbax": "#e8892b", "raw": "#7a7a7a",
+                 "rawpack": "#b0b0b0"}
 TIME_OPS = [("save_s", "sync save"), ("async_s", "async save:\ncaller blocked"),
             ("async_total_s", "async save:\nuntil finished"),
             ("restore_same_s", "restore,\nsame mesh"),
@@ -130,23 +132,53 @@ def read_once_charts(report: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 def scale_jobs_chart(report: dict, out_dir: pathlib.Path) -> pathlib.Path:
-  """Save, restore and coordination seconds against the process count."""
+  """Save and restore seconds against the process count (a line per leaf
+  count), with the save's floor on this machine: the job's CPU seconds per
+  save divided by its cores."""
   plt = _pyplot()
-  rows = sorted(report["parts"]["jobs"], key=lambda r: r["processes"])
-  n = [r["processes"] for r in rows]
-  fig, ax = plt.subplots(figsize=(6, 3.4))
-  for key, label in (("save_s", "save"), ("restore_s", "restore"),
-                     ("data_s", "save: writing data"),
-                     ("coordination_s", "save: coordination")):
-    if all(key in r for r in rows):
-      ax.plot(n, [r[key] for r in rows], marker="o", label=label)
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(n, [str(x) for x in n])
-  ax.set_xlabel("processes (one CPU device each, 2 shared cores)")
+  rows = report["parts"]["jobs"]
+  cores = report.get("machine", {}).get("cpus") or 1
+  fig, ax = plt.subplots(figsize=(6.4, 3.6))
+  for leaves in sorted({r["leaves"] for r in rows}):
+    mine = sorted((r for r in rows if r["leaves"] == leaves),
+                  key=lambda r: r["processes"])
+    n = [r["processes"] for r in mine]
+    for key, label, style in (
+        ("later_save_s", "save", "o-"), ("restore_s", "restore", "s-"),
+        ("save_cpu_s", f"save: job CPU / {cores} cores", "--")):
+      if all(key in r for r in mine):
+        div = cores if key == "save_cpu_s" else 1
+        ax.plot(n, [r[key] / div for r in mine], style,
+                label=f"{label} ({leaves} leaves)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(n, [str(x) for x in n])
+  ax.set_yscale("log")
+  ax.set_xlabel(f"processes (one CPU device each, {cores} shared cores)")
   ax.set_ylabel("seconds (median)")
-  ax.legend(frameon=False)
+  ax.legend(frameon=False, fontsize=7)
   ax.spines[["top", "right"]].set_visible(False)
   return _save(fig, out_dir / "scale_jobs.svg")
+
+
+def index_chart(report: dict, out_dir: pathlib.Path) -> pathlib.Path:
+  """Encode and decode CPU seconds at 100,000 leaves, per index version
+  (``report["versions"]``: version -> scripts/bench_index.py rows)."""
+  plt = _pyplot()
+  versions = sorted(report["versions"])
+  fig, ax = plt.subplots(figsize=(5.6, 3.2))
+  width = 0.38
+  for j, (key, label) in enumerate((("encode_cpu_s", "encode"),
+                                    ("decode_cpu_s", "decode"))):
+    vals = [max(report["versions"][v], key=lambda r: r["leaves"])[key]
+            for v in versions]
+    xs = [i + (j - 0.5) * width for i in range(len(versions))]
+    ax.bar(xs, vals, width, label=label)
+  ax.axhline(1.0, color="#7a7a7a", linewidth=0.8, linestyle=":")
+  ax.set_xticks(range(len(versions)), [f"version {v}" for v in versions])
+  ax.set_ylabel("CPU seconds, 100,000 leaves")
+  ax.legend(frameon=False)
+  ax.spines[["top", "right"]].set_visible(False)
+  return _save(fig, out_dir / "index.svg")
 
 
 def main(argv=None) -> int:
@@ -157,14 +189,18 @@ def main(argv=None) -> int:
                       help="a scripts/bench.py --read-once report")
   parser.add_argument("--scale", default=None,
                       help="a scripts/scale.py report with a 'jobs' part")
+  parser.add_argument("--index", default=None,
+                      help="scripts/bench_index.py rows per index version "
+                      '({"versions": {"3": [row, ...]}})')
   parser.add_argument("--out", default=str(DATA.parent),
                       help="where the SVGs go (default docs/benchmarks)")
   args = parser.parse_args(argv)
-  if not (args.bench or args.read_once or args.scale):
+  if not (args.bench or args.read_once or args.scale or args.index):
     args.bench = [str(p) for p in sorted(DATA.glob("*.json"))
                   if "preset" in json.loads(p.read_text())]
     args.read_once = str(DATA / "read_once.json")
     args.scale = str(DATA / "scale_jobs.json")
+    args.index = str(DATA / "index.json")
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
   written = [bench_chart(json.loads(pathlib.Path(f).read_text()), out_dir)
@@ -176,6 +212,9 @@ def main(argv=None) -> int:
     report = json.loads(pathlib.Path(args.scale).read_text())
     if "jobs" in report.get("parts", {}):
       written.append(scale_jobs_chart(report, out_dir))
+  if args.index:
+    written.append(index_chart(
+        json.loads(pathlib.Path(args.index).read_text()), out_dir))
   for path in written:
     print(f"wrote {path}")
   return 0

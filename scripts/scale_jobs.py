@@ -189,6 +189,9 @@ PER_PROCESS_COLUMNS = [
                         ("coord s", "coordination_s"), ("write s", "data_s"),
                         ("index s", "index_s"), ("tiling s", "tiling_s"))],
     ("2nd+ planned leaves", "later_planned_leaves", "{:d}"),
+    ("CPU s/process/save", "cpu_per_process_s", "{:.3f}"),
+    ("restore s", "restore_s", "{:.3f}"),
+    ("restore CPU s/process", "restore_cpu_s", "{:.3f}"),
 ]
 
 
@@ -328,15 +331,16 @@ def worker(conf: dict[str, Any]) -> None:
     together()
     multihost.trace_coordination(True)
     c0 = multihost.coordination_stats()
-    t = time.perf_counter()
+    cpu, t = time.process_time(), time.perf_counter()
     with profile.of("restore"):
       restored = ckptr.restore(step, target=target)
       jax.block_until_ready(jax.tree_util.tree_leaves(restored))
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     c = multihost.coordination_stats() - c0
     trace = multihost.trace_coordination(False)
     restores.append({
-        "total_s": wall, "index_s": index_timer.take() + leaves_timer.take(),
+        "total_s": wall, "cpu_s": cpu,
+        "index_s": index_timer.take() + leaves_timer.take(),
         "data_s": read_timer.take(), "coordination_s": c.seconds,
         "barriers": c.barriers, "kv_calls": c.kv_calls, "kv_s": c.kv_s,
         "barrier_waits": _barrier_waits(trace)})
@@ -412,6 +416,7 @@ def summarize(n: int, results: list[dict]) -> dict[str, Any]:
       "kv_calls_others": max(p["kv_calls"] for op in saves for p in op[1:]),
       "save_cpu_s": per_save(saves, "cpu_s", sum),
       "restore_s": per_save(restores, "total_s", max),
+      "restore_cpu_s": per_save(restores, "cpu_s"),
       "restore_index_s": per_save(restores, "index_s"),
       "restore_data_s": per_save(restores, "data_s"),
       "restore_coordination_s": per_save(restores, "coordination_s"),
@@ -445,19 +450,22 @@ def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
   own = conf["dir"] is None
   base = tempfile.mkdtemp(prefix="ckpt-scale-jobs-") if own else conf["dir"]
   rows = []
+  counts = conf["leaves"] if isinstance(conf["leaves"], list) else [
+      conf["leaves"]]
   try:
-    for n in conf["processes"]:
-      job_dir = os.path.join(base, f"n{n}")
-      t0 = time.perf_counter()
-      results = local_cluster.check(local_cluster.run(
-          "scale_jobs", {**conf, "dir": job_dir}, num_processes=n,
-          devices_per_process=1, timeout_s=conf["timeout_s"],
-          cwd=str(SCRIPTS)))
-      rows.append(summarize(n, results))
-      rows[-1]["job_s"] = time.perf_counter() - t0
-      shutil.rmtree(job_dir, ignore_errors=True)
-      print(f"  jobs: {n} processes done in {rows[-1]['job_s']:.0f} s",
-            file=sys.stderr, flush=True)
+    for leaves in counts:
+      for n in conf["processes"]:
+        job_dir = os.path.join(base, f"l{leaves}n{n}")
+        t0 = time.perf_counter()
+        results = local_cluster.check(local_cluster.run(
+            "scale_jobs", {**conf, "leaves": leaves, "dir": job_dir},
+            num_processes=n, devices_per_process=1,
+            timeout_s=conf["timeout_s"], cwd=str(SCRIPTS)))
+        rows.append(summarize(n, results))
+        rows[-1]["job_s"] = time.perf_counter() - t0
+        shutil.rmtree(job_dir, ignore_errors=True)
+        print(f"  jobs: {leaves} leaves, {n} processes done in "
+              f"{rows[-1]['job_s']:.0f} s", file=sys.stderr, flush=True)
   finally:
     if own:
       shutil.rmtree(base, ignore_errors=True)
@@ -482,32 +490,42 @@ def table(rows: list[dict]) -> str:
           "(seconds; plan, coord, write: mean over processes; index, "
           "tiling: process 0's; save: the slowest process):", "",
           markdown(PER_PROCESS_COLUMNS, rows)]
-  first, last = rows[0], rows[-1]
-  if last["processes"] != first["processes"]:
-    text += ["", "save at {} processes / at {}: 1st save {:.1f}x, 2nd and "
-             "later {:.1f}x".format(
-                 last["processes"], first["processes"],
-                 last["first_save_s"] / max(first["first_save_s"], 1e-9),
-                 last["later_save_s"] / max(first["later_save_s"], 1e-9))]
-  first, last = rows[0], rows[-1]
-  if last["processes"] != first["processes"]:
-    ratio = last["coordination_s"] / max(first["coordination_s"], 1e-9)
-    floor = ((last["barrier_floor_s"] + last["kv_s"]) /
-             max(first["barrier_floor_s"] + first["kv_s"], 1e-9))
-    empty = last["empty_barrier_ms"] / max(first["empty_barrier_ms"], 1e-9)
-    skew = last["barrier_skew_s"] / max(last["coordination_s"], 1e-9)
-    text += ["", (
-        f"coordination per save at {last['processes']} processes / at "
-        f"{first['processes']}: {ratio:.1f}x (target: within 2x: "
-        f"{'met' if ratio <= 2 else 'MISSED'}); at {last['processes']}, "
-        f"{100 * skew:.0f}% of it is the wait at barriers for slower "
-        f"processes. The service's own cost (barrier floor + kv): "
-        f"{floor:.1f}x; an empty barrier round on this machine: {empty:.1f}x "
-        f"(N processes share {os.cpu_count()} cores), so {floor / empty:.1f}x "
-        f"with that contention divided out. Calls per save per process: "
-        f"{first['barriers']} -> {last['barriers']} barriers, "
-        f"{first['kv_calls']} -> {last['kv_calls']} key-value calls.")]
+  for leaves in sorted({r["leaves"] for r in rows}):
+    text += _ratios([r for r in rows if r["leaves"] == leaves])
   return "\n".join(text)
+
+
+def _ratios(rows: list[dict]) -> list[str]:
+  """What grew from the first process count to the last (one leaf count)."""
+  first, last = rows[0], rows[-1]
+  if last["processes"] == first["processes"]:
+    return []
+  ratio = last["coordination_s"] / max(first["coordination_s"], 1e-9)
+  floor = ((last["barrier_floor_s"] + last["kv_s"]) /
+           max(first["barrier_floor_s"] + first["kv_s"], 1e-9))
+  empty = last["empty_barrier_ms"] / max(first["empty_barrier_ms"], 1e-9)
+  skew = last["barrier_skew_s"] / max(last["coordination_s"], 1e-9)
+  cpu = last["cpu_per_process_s"] / max(first["cpu_per_process_s"], 1e-9)
+  return ["", (
+      f"{first['leaves']} leaves, {last['processes']} processes / "
+      f"{first['processes']}: 1st save "
+      f"{last['first_save_s'] / max(first['first_save_s'], 1e-9):.1f}x, 2nd "
+      f"and later {last['later_save_s'] / max(first['later_save_s'], 1e-9):.1f}x"
+      f", CPU per process per save {cpu:.1f}x (the job's CPU over "
+      f"{os.cpu_count()} cores: {last['save_cpu_s'] / os.cpu_count():.3f} s "
+      f"at {last['processes']}), restore "
+      f"{last['restore_s'] / max(first['restore_s'], 1e-9):.1f}x (CPU per "
+      f"process {last['restore_cpu_s'] / max(first['restore_cpu_s'], 1e-9):.1f}"
+      "x). "
+      f"Coordination per save {ratio:.1f}x (target: within 2x: "
+      f"{'met' if ratio <= 2 else 'MISSED'}); at {last['processes']}, "
+      f"{100 * skew:.0f}% of it is the wait at barriers for slower "
+      f"processes. The service's own cost (barrier floor + kv): "
+      f"{floor:.1f}x; an empty barrier round on this machine: {empty:.1f}x "
+      f"(N processes share {os.cpu_count()} cores), so {floor / empty:.1f}x "
+      f"with that contention divided out. Calls per save per process: "
+      f"{first['barriers']} -> {last['barriers']} barriers, "
+      f"{first['kv_calls']} -> {last['kv_calls']} key-value calls.")]
 
 
 if __name__ == "__main__":

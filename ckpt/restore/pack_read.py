@@ -173,8 +173,8 @@ class PackSet:
               (t.stop[rows, :rank] > box.start)).all(axis=1)
       rows = rows[near]
     got = self._pieces_of(rows, rank)
-    if box.size:
-      self._check_cover(leaf, box, got)
+    if box.size and not (len(got) == 1 and got[0].box == box):
+      self._check_cover(leaf, box, got)  # (one piece that is the box: exact)
     self._covers[key] = got
     return got
 
