@@ -81,9 +81,17 @@ def bench_chart(report: dict, out_dir: pathlib.Path) -> pathlib.Path:
   plt = _pyplot()
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6),
                                     gridspec_kw={"width_ratios": [5, 4]})
-  _grouped_bars(left, report["systems"], TIME_OPS, 1, "seconds (median, min-max)")
+  systems = report["systems"]
+
+  def measured(ops):  # the operations this run measured
+    return [(k, label) for k, label in ops
+            if any(k in figures for figures in systems.values())]
+
+  _grouped_bars(left, systems, measured(TIME_OPS), 1,
+                "seconds (median, min-max)")
   left.set_title(f"{report['preset']}: time")
-  _grouped_bars(right, report["systems"], RSS_OPS, MiB, "MiB (median, min-max)")
+  _grouped_bars(right, systems, measured(RSS_OPS), MiB,
+                "MiB (median, min-max)")
   right.set_title(f"{report['preset']}: extra peak RSS")
   return _save(fig, out_dir / f"{report['preset']}.svg")
 
