@@ -67,6 +67,7 @@ class PackSet:
     self._bounds: tuple[np.ndarray, np.ndarray] | None = None
     self._checked: set[int] = set()
     self._covers: dict[tuple[int, Box], list[Piece]] = {}
+    self._made: dict[int, Piece] = {}  # table row -> its Piece
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     self._store: ts.KvStore | None = None
 
@@ -130,13 +131,19 @@ class PackSet:
     return np.arange(lo[leaf], hi[leaf]) if len(table) else np.arange(0)
 
   def _pieces_of(self, rows: np.ndarray, rank: int) -> list[Piece]:
-    t = self._table
-    return [Piece(p, k, off, Box(tuple(a[:rank]), tuple(b[:rank])), nb, crc)
-            for p, k, off, a, b, nb, crc in zip(
-                t.process[rows].tolist(), t.pack[rows].tolist(),
-                t.offset[rows].tolist(), t.start[rows].tolist(),
-                t.stop[rows].tolist(), t.nbytes[rows].tolist(),
-                t.crc[rows].tolist())]
+    """The Pieces of these rows (each made once)."""
+    made, t = self._made, self._table
+    out = []
+    for r in rows.tolist():
+      pc = made.get(r)
+      if pc is None:
+        pc = made[r] = Piece(
+            int(t.process[r]), int(t.pack[r]), int(t.offset[r]),
+            Box(tuple(t.start[r, :rank].tolist()),
+                tuple(t.stop[r, :rank].tolist())),
+            int(t.nbytes[r]), int(t.crc[r]))
+      out.append(pc)
+    return out
 
   async def pieces_async(self, leaf: int) -> list[Piece]:
     if self._table is None:  # read the tables off the event loop, once
@@ -161,22 +168,34 @@ class PackSet:
   def cover(self, leaf: int, box: Box) -> list[Piece]:
     """The pieces of the ``leaf``-th entry that overlap ``box``, checked to
     cover it exactly once (every element of it from one piece)."""
-    key = (leaf, box)
-    got = self._covers.get(key)
-    if got is not None:
-      return got
-    rows = self._rows(leaf)
-    rank = len(box.start)
-    if rank and len(rows):
-      t = self._table
-      near = ((t.start[rows, :rank] < box.stop) &
-              (t.stop[rows, :rank] > box.start)).all(axis=1)
-      rows = rows[near]
-    got = self._pieces_of(rows, rank)
-    if box.size and not (len(got) == 1 and got[0].box == box):
-      self._check_cover(leaf, box, got)  # (one piece that is the box: exact)
-    self._covers[key] = got
+    got = self._covers.get((leaf, box))
+    if got is None:
+      got = self.covers(leaf, [box])[0]
     return got
+
+  def covers(self, leaf: int, boxes: Sequence[Box]) -> list[list[Piece]]:
+    """``cover`` of each of ``boxes`` (one numpy pass over the leaf's
+    pieces for them all)."""
+    rows = self._rows(leaf)
+    rank = len(self.index.leaves[leaf].shape)
+    t = self._table
+    shape = (len(boxes), rank)
+    lo = np.asarray([b.start for b in boxes], np.int64).reshape(shape)
+    hi = np.asarray([b.stop for b in boxes], np.int64).reshape(shape)
+    a, b = t.start[rows, :rank], t.stop[rows, :rank]
+    near = ((a[None] < hi[:, None]) & (b[None] > lo[:, None])).all(axis=2)
+    exact = ((a[None] == lo[:, None]) & (b[None] == hi[:, None])).all(axis=2)
+    out = []
+    for j, box in enumerate(boxes):
+      got = self._covers.get((leaf, box))
+      if got is None:
+        got = self._pieces_of(rows[near[j]], rank)
+        # one piece that is the box covers it exactly; else count
+        if box.size and not (len(got) == 1 and exact[j].any()):
+          self._check_cover(leaf, box, got)
+        self._covers[(leaf, box)] = got
+      out.append(got)
+    return out
 
   def _check_cover(self, leaf: int, box: Box, got: list[Piece]) -> None:
     def part(pc: Piece) -> Box:
@@ -217,7 +236,7 @@ class PackSet:
         got = self._pieces_of(self._rows(leaf),
                               len(self.index.leaves[leaf].shape))
       else:
-        got = {pc for box in wanted for pc in self.cover(leaf, box)}
+        got = {pc for cover in self.covers(leaf, wanted) for pc in cover}
       for pc in got:
         sizes.setdefault((pc.process, pc.pack), []).append(
             (pc.offset, pc.offset + pc.nbytes))
