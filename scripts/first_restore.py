@@ -5,11 +5,14 @@ Usage (A/B: run it alternately with PYTHONPATH at each tree, best of 3):
 (8 CPU devices unless XLA_FLAGS / JAX_PLATFORMS say otherwise)
 
 Builds the preset's random state (scripts/bench.py), saves it (sync), then
-restores it onto the save mesh twice and onto the other mesh, timing each:
+restores it onto the save mesh twice (``--repeat N``: N times; an A/B of a
+restore's per-leaf work, e.g. ``--preset small_leaves_10k --repeat 3``)
+and onto the other mesh, timing each:
 wall, user and system CPU seconds and minor page faults of this process
 (getrusage). System time is where fresh host memory shows: a restore's
 buffers are faulted in (and zeroed by the kernel) on first touch
-(ckpt/restore/hostmem.py).
+(ckpt/restore/hostmem.py). ``--wait S`` waits S seconds after the save,
+printing this process's pid, to attach a profiler (py-spy record --pid).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="large_f32_1g")
   parser.add_argument("--dir", default=None)
+  parser.add_argument("--repeat", type=int, default=2,
+                      help="restores onto the save mesh (the first apart)")
+  parser.add_argument("--wait", type=float, default=0.0,
+                      help="seconds to wait after the save (pid printed)")
   args = parser.parse_args()
   import jax  # pylint: disable=g-import-not-at-top
   preset = bench.load_preset(args.preset)
@@ -46,9 +53,12 @@ def main() -> int:
     t0 = time.perf_counter()
     system.save(os.path.join(root, "ck"), state)
     print(f"save: wall {time.perf_counter() - t0:.2f} s", flush=True)
-    for name, mesh in (("restore same (first)", "same"),
-                       ("restore same (second)", "same"),
-                       ("restore other", "other")):
+    print(f"pid {os.getpid()}", flush=True)
+    time.sleep(args.wait)
+    runs = [("restore same (first)", "same")] + [
+        (f"restore same ({'second' if i == 2 else i})", "same")
+        for i in range(2, args.repeat + 1)]
+    for name, mesh in runs + [("restore other", "other")]:
       r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
       out = system.restore(os.path.join(root, "ck"), targets[mesh])
       jax.block_until_ready(out)

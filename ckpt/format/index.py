@@ -225,18 +225,14 @@ def _encode(index: Index) -> bytes:
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
-  try:  # the structure's nodes, and its leaves: the leaves, each once
+  try:  # the structure's nodes, and its leaves: the leaves, each once,
+    # each where tree.flatten puts it
     depth, lists, longest = _check_numbered_structure(
         index.structure, "the tree structure", len(index.leaves),
         max_depth=_PACK_DEPTH)
-  except CorruptCheckpointError as err:
-    raise InvalidStateError(
-        f"the index of step {index.step} would be refused by readers: "
-        f"{err}") from err
-  if depth > MAX_DEPTH:
-    raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
-                      "Nest the state less deeply")
-  try:
+    if depth > MAX_DEPTH:
+      raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+                        "Nest the state less deeply")
     placed = tree.leaf_paths(index.structure, len(index.leaves))
     if placed != [e.path for e in index.leaves]:  # each where flatten puts it
       i = next(i for i, e in enumerate(index.leaves) if e.path != placed[i])

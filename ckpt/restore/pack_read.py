@@ -366,12 +366,7 @@ class LazyPacked(LazyLeaf):
     one ``device_put`` per box)."""
     shape = self.shape
     out_dtype = np.dtype(out_dtype)
-    index_map = sharding.addressable_devices_indices_map(shape)
-    by_key: dict[tuple, Box] = {}
-    for index in index_map.values():
-      key = _key(index)
-      if key not in by_key:
-        by_key[key] = Box.from_index(index, shape)
+    by_key = placed_boxes(sharding, shape)
     boxes = set(by_key.values())
     grant = await limiter.acquire(
         sum(b.size for b in boxes) * out_dtype.itemsize)
@@ -401,6 +396,17 @@ class LazyPacked(LazyLeaf):
               zip(pc.box.start, pc.box.stop, w.start, w.stop))
           for w in wanted):
         await self.packs.piece_bytes(pc, self.path)
+
+
+def placed_boxes(sharding, shape: tuple[int, ...]) -> dict[tuple, Box]:
+  """The distinct boxes ``sharding`` puts on this process's devices, keyed
+  by their index (``_key``): what a placement of the leaf reads."""
+  by_key: dict[tuple, Box] = {}
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    key = _key(index)
+    if key not in by_key:
+      by_key[key] = Box.from_index(index, shape)
+  return by_key
 
 
 def _key(index) -> tuple:
@@ -433,12 +439,10 @@ def boxes_placed(sources: Sequence[Any], targets: Sequence[Any]
         tuple(getattr(tgt, "shape", ())) != src.shape):
       continue
     try:  # (a sharding on an abstract mesh is resolved later, by _resolve)
-      index_map = sharding.addressable_devices_indices_map(src.shape)
+      boxes = placed_boxes(sharding, src.shape)
     except Exception:  # pylint: disable=broad-except
       continue
-    boxes = {_key(i): i for i in index_map.values()}
-    out.setdefault(src.position, []).extend(
-        Box.from_index(i, src.shape) for i in boxes.values())
+    out.setdefault(src.position, []).extend(boxes.values())
   return out
 
 
