@@ -11,8 +11,12 @@ within ``query_timeout_s``, every process gets the answer). A mixin of
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import time
+
+from absl import logging
 from typing import Any, Callable
 
 from ckpt.multihost import agreement
@@ -22,6 +26,7 @@ from ckpt.multihost import process as multihost
 from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 
 
 class RestoreCalls:
@@ -32,6 +37,7 @@ class RestoreCalls:
                verify, read_once, read_key, key, t_start, meter):
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.read_once
+    step_arg = step
     storage, error = self.storage, None
     try:  # this process's own checks; a failure joins the round below
       self._check_open()
@@ -59,6 +65,43 @@ class RestoreCalls:
           error=error)
       protected = step if multihost.process_index() == 0 else None
     read_once_min = readonce.min_replicas(read_once, storage.url)
+    # A resume falls back past steps that fail verification (on every
+    # process alike: _fallback_round); an explicit step or path raises.
+    may_fall_back = verify and not lazy and path is None and step_arg is None
+    damaged: list[int] = []
+    for attempt in itertools.count():
+      run_key = key if attempt == 0 else f"{key}/fallback{attempt}"
+      try:
+        result, error = self._restore_step(
+            storage, step, step_dir, path, is_resuming, protected, target,
+            transforms, fallback_state, lazy, verify, read_once,
+            read_once_min, run_key, t_start, meter), None
+      except Exception as e:  # pylint: disable=broad-except
+        if not may_fall_back:
+          raise
+        result, error = None, e
+      finally:
+        if protected is not None:
+          self._retention.release(protected)
+          protected = None
+      if may_fall_back:
+        older = self._fallback_round(f"{run_key}/verified", error, step)
+        if older is not None:
+          damaged.append(step)
+          self._retention.set_damaged(damaged)
+          step, step_dir = older
+          if multihost.process_index() == 0:
+            protected = step  # _fallback_round protected it
+          continue
+      if error is not None:
+        raise error
+      self.last_restore_step = step
+      return result
+
+  def _restore_step(self, storage, step, step_dir, path, is_resuming,
+                    protected, target, transforms, fallback_state, lazy,
+                    verify, read_once, read_once_min, key, t_start, meter):
+    """Reads one step (``step_dir``) as the caller asked."""
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
     self.last_restore_stats = stats
@@ -124,8 +167,63 @@ class RestoreCalls:
       if not multihost.is_multiprocess():
         stats.fetched_bytes_all = stats.fetched_bytes
       stats.total_s = time.perf_counter() - t_start
-      if protected is not None:
-        self._retention.release(protected)
+
+  def _fallback_round(self, key: str, error: BaseException | None,
+                      step: int) -> tuple[int, str] | None:
+    """After a resume read ``step``: every process says whether it found
+    damaged data. If any did, all get (the newest older step, its
+    directory), chosen by process 0 and protected there from retention,
+    and log one WARNING naming what failed; None if none did (or no older
+    step is left: then the corrupt process raises its error and every
+    other one a CorruptCheckpointError naming it)."""
+    corrupt = isinstance(error, CorruptCheckpointError) or (
+        isinstance(error, CheckpointError) and
+        "CorruptCheckpointError" in str(error))  # another's, via all_ok
+    post = json.dumps(["corrupt" if corrupt else "error" if error else "ok",
+                       "" if error is None else str(error)[:2000]])
+
+    def decide(posts: dict[int, str]) -> str:
+      got = {p: json.loads(v) for p, v in sorted(posts.items())}
+      bad = [(p, g[1]) for p, g in got.items() if g[0] == "corrupt"]
+      if not bad:
+        failed = {p: g[1] for p, g in got.items() if g[0] == "error"}
+        return json.dumps({"failed": failed} if failed else {})
+      p, why = bad[0]
+      try:
+        older = [s for s in self._committed_now() if s < step]
+        choice = None
+        if older:
+          choice = older[-1]
+          self._retention.protect(choice)
+          choice = [choice, steps_lib.step_dir(self.storage, choice)]
+      except Exception as e:  # pylint: disable=broad-except
+        choice, why = None, f"{why}; and no older step could be chosen: {e}"
+      return json.dumps({"process": p, "why": why, "older": choice})
+
+    out = json.loads(multihost.agree(
+        key, post, decide, timeout_s=self.barrier_timeout_s,
+        what=f"whether step {step} verified on every process"))
+    if not out:
+      return None
+    if "failed" in out:  # every process ends alike
+      if error is not None:
+        raise error
+      raise CheckpointError(
+          f"restore of step {step} failed on process(es) "
+          f"{sorted(int(p) for p in out['failed'])}: " + "; ".join(
+              f"process {p}: {m}" for p, m in out["failed"].items()))
+    if out["older"] is None:
+      if error is not None:
+        raise error
+      raise CorruptCheckpointError(
+          f"step {step} failed verification on process {out['process']} "
+          f"and no older committed step is left: {out['why']}")
+    older, older_dir = out["older"]
+    logging.warning(
+        "ckpt: step %d in %s failed verification (process %d: %s); resuming "
+        "from step %d, the newest older step, instead", step,
+        self.storage.url, out["process"], out["why"], older)
+    return older, older_dir
 
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the

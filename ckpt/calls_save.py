@@ -126,11 +126,12 @@ class SaveCalls:
       newest = self._newest_bound()
       if newest > step:  # confirmed by a fresh listing (then refused)
         steps = self._committed_now()
-        newer = [s for s in steps if s > step]
+        damaged = self._retention.damaged()  # a resume fell back past them
+        newer = [s for s in steps if s > step and s not in damaged]
         if newer:  # committed or not, it would not be the step resumed
           raise agreement.SaveRefused(refusal(step, newer,
                                               f"in {self.storage.url!r}"))
-        newest = steps[-1] if steps else -1
+        newest = max((s for s in steps if s not in damaged), default=-1)
       if steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
@@ -173,7 +174,9 @@ class SaveCalls:
       with self._lock:
         idle = self._inflight is None or self._inflight.done()
         if idle:
-          self._newest = steps[-1] if steps else -1
+          damaged = self._retention.damaged()
+          self._newest = max((s for s in steps if s not in damaged),
+                             default=-1)
     return steps
 
   def _save_deadline(self, step: int, doing: str = "writing step {} to"

@@ -112,9 +112,10 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     compression: None (raw chunks) or ``"zstd"``.
     chunk_checksums: formats "zarr3"/"ocdbt": every chunk carries zarr3's
       crc32c codec, which TensorStore checks on every read (restores are
-      verified with no ``verify=True``, at a cost: about 2x restore time with
-      64 MiB raw chunks). Default False: boxes are checksummed at save into
-      per-process files, checked by ``verify`` and ``restore(verify=True)``.
+      checked by TensorStore as it decodes them, at a cost: about 2x restore
+      time with 64 MiB raw chunks). Default False: every stored chunk's
+      crc32c is recorded at save into per-process files, and every restore
+      checks each chunk it reads against it (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
     save_timeout_s: a save that is not committed this many seconds after it
@@ -214,6 +215,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     readonce.min_replicas(read_once, "")  # validates it
     self.read_once = read_once
     self.last_restore_stats = readonce.RestoreStats()
+    # The step whose data the last restore returned (None before any).
+    self.last_restore_step: int | None = None
     self.concurrent_bytes = int(concurrent_bytes)
     self.async_save = async_save
     self.partitioner = partitioner
@@ -389,7 +392,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
   def restore(self, step: int | None = None, *, target: Any = None,
               path: str | None = None, transforms: Sequence[Callable] = (),
               fallback_state: Any = None, lazy: bool = False,
-              verify: bool = False, read_once: Any = "default") -> Any:
+              verify: bool = True, read_once: Any = "default") -> Any:
     """Restores ``step`` (default: latest) or the checkpoint at ``path``.
 
     Args:
@@ -411,9 +414,14 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         checkpoint (after transforms) does not have.
       lazy: return LazyLeaf objects bound to the target's sharding and dtype;
         ``leaf.read()`` (or ``await leaf.read_async()``) reads them later.
-      verify: check the crc32c recorded at save of every stored box that
-        overlaps what this process reads (that data is read twice); a
-        mismatch raises CorruptCheckpointError naming the leaf.
+      verify: check every stored chunk this process reads against the
+        crc32c recorded at save, as its bytes arrive (no second read; the
+        default; False opts out). A mismatch in an explicit ``step`` (or a
+        ``path``) raises CorruptCheckpointError naming the leaf, the box,
+        the chunk file, the expected and the found checksum; a resume
+        (``step=None``) whose newest step fails falls back, on every process
+        alike, to the newest step that verifies, with one WARNING naming
+        what failed (``last_restore_step`` says which step came back).
       read_once: True / False / None (automatic) for this call; by default
         the Checkpointer's ``read_once``. With it, the processes that hold
         the same box of a leaf (replicas over mesh axes its PartitionSpec

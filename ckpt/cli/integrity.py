@@ -50,7 +50,7 @@ async def _verify(storage: storage_lib.Storage, step_dir: str, budget: int,
   index = await asyncio.to_thread(restore_lib.read_index, storage, step_dir)
   leaves = restore_lib.checkpoint_leaves(
       index, storage.step_spec(step_dir), storage.context(), budget)
-  checksums.attach(leaves, storage, step_dir, index)
+  await checksums.attach(leaves, storage, step_dir, index)
   arrays = [v for v in leaves.values()
             if isinstance(v, (lazy.LazyArray, pack_read.LazyPacked))]
   limiter = ByteLimiter(budget)

@@ -1,5 +1,9 @@
 """crc32c checksums of stored data: taken at save, checked on read.
 
+Every restore, ``load`` and ``ckpt verify`` checks every stored box it reads
+(``verify=False`` opts out): ``attach`` gives each stored leaf its recorded
+checksums and ckpt/restore/verified.py checks each box as it is read.
+
 Formats "zarr3" and "ocdbt": every chunk ends with zarr3's crc32c codec
 (``"checksum": "crc32c"`` in the entry's codec map), which TensorStore
 checks whenever it decodes the chunk, so every read is verified; verifying
@@ -19,12 +23,13 @@ from __future__ import annotations
 import array
 import asyncio
 import math
-from typing import Any
+from typing import Any, Callable
 
 from ckpt.format import index as index_lib
 from ckpt.format.crc import checksum
 from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
+from ckpt.restore import verified
 from ckpt.restore.tasks import gather_or_cancel
 from ckpt.format import tree
 from ckpt.errors import CheckpointError, CorruptCheckpointError
@@ -53,51 +58,20 @@ def codec_checked(leaf: lazy.LazyArray) -> bool:
 
 async def check_boxes(leaf: lazy.LazyArray, wanted: list[Box] | None,
                       limiter: ByteLimiter) -> None:
-  """Reads the recorded boxes of ``leaf`` overlapping ``wanted`` (all of
+  """Reads the stored boxes of ``leaf`` overlapping ``wanted`` (all of
   them if None) and raises CorruptCheckpointError on the first mismatch.
 
-  A leaf whose chunks carry a crc32c is read (those chunks of it) and
-  its codec checks each one."""
+  Every read of a leaf checks what it reads: a packed leaf its pieces, a
+  leaf whose chunks carry a crc32c its codec, any other its recorded
+  checksums (``leaf.sums``, given by ``attach``)."""
   if getattr(leaf, "packed", False):  # every piece read is checked
     await leaf.verify(wanted)
     return
-  if codec_checked(leaf):
-    await read_through(leaf, wanted, limiter)
-    return
-  sums = leaf.entry.checksums
-  table = getattr(leaf, "process_checksums", None)
-  if not sums and table is not None:
-    sums = await table.boxes(leaf)
-  if not sums and leaf.size:
-    if table is not None:
-      raise CorruptCheckpointError(
-          f"leaf {leaf.path!r}: no process's checksum file records a box of "
-          "it, so it cannot be verified")
+  if not codec_checked(leaf) and leaf.sums is None:
     raise CorruptCheckpointError(
-        f"leaf {leaf.path!r}: the index records no checksums, so it cannot be "
-        "verified (saved by a ckpt without checksums, or the index was edited)")
-  covered = sum(Box(a, b).size for a, b, _ in sums)
-  if covered != leaf.size:
-    raise CorruptCheckpointError(
-        f"leaf {leaf.path!r}: checksummed boxes cover {covered} of "
-        f"{leaf.size} elements")
-
-  async def one(box: Box, crc: int):
-    grant = await limiter.acquire(box.size * leaf.dtype.itemsize)
-    try:
-      data = await leaf.read_box(box)
-      found = await asyncio.to_thread(checksum, data)
-    finally:
-      limiter.release(grant)
-    if found != crc:
-      raise CorruptCheckpointError(
-          f"leaf {leaf.path!r}: box {box.start}..{box.stop} has crc32c "
-          f"{found:#010x}, expected {crc:#010x} (recorded when it was written)")
-
-  boxes = [(Box(a, b), c) for a, b, c in sums]
-  if wanted is not None:
-    boxes = [(b, c) for b, c in boxes if any(_overlaps(b, w) for w in wanted)]
-  await gather_or_cancel(*(one(b, c) for b, c in boxes))
+        f"leaf {leaf.path!r}: its checksums were not loaded, so it cannot be "
+        "verified")
+  await read_through(leaf, wanted, limiter)
 
 
 def stored_bases(leaf: lazy.LazyLeaf) -> list[lazy.LazyArray]:
@@ -108,30 +82,6 @@ def stored_bases(leaf: lazy.LazyLeaf) -> list[lazy.LazyArray]:
     return [b for m in leaf.members for b in stored_bases(m)]
   parent = getattr(leaf, "parent", None)
   return stored_bases(parent) if parent is not None else []
-
-
-async def verify_leaf(leaf: lazy.LazyLeaf, sharding, limiter: ByteLimiter
-                      ) -> None:
-  """restore(verify=True): check what this process is about to read, the
-  boxes of ``sharding`` on its devices (or of a read-once split's part:
-  ``sharding.boxes``, ckpt/restore/readsplit.py).
-
-  Leaves whose chunks carry a crc32c need no pass of their own: the read
-  that follows checks every chunk it decodes."""
-  if isinstance(leaf, lazy.LazyArray) and sharding is not None:
-    if codec_checked(leaf):
-      return
-    shape = tuple(leaf.shape)
-    if hasattr(sharding, "boxes"):
-      wanted = sharding.boxes(shape)
-    else:
-      wanted = list({Box.from_index(i, shape) for i in
-                     sharding.addressable_devices_indices_map(shape).values()})
-    await check_boxes(leaf, wanted, limiter)
-    return
-  for base in stored_bases(leaf):  # whole leaf, or derived by a transform
-    if not codec_checked(base):
-      await check_boxes(base, None, limiter)
 
 
 # ---- verifying by reading (zarr3 / ocdbt: the codec checks) ----------------
@@ -176,7 +126,8 @@ async def read_through(leaf: lazy.LazyArray, wanted: list[Box] | None,
     boxes = [b for b in boxes if any(_overlaps(b, w) for w in wanted)]
 
   async def one(box: Box):
-    grant = await limiter.acquire(box.size * leaf.dtype.itemsize)
+    grant = await limiter.acquire(box.size * leaf.dtype.itemsize +
+                                  leaf.read_bytes(box))
     try:
       await leaf.read_box(box)  # CorruptCheckpointError naming the leaf
     finally:
@@ -205,6 +156,15 @@ class ProcessChecksums:
   async def boxes(self, leaf: lazy.LazyArray) -> tuple:
     """``((start, stop, crc32c), ...)`` of ``leaf``; CorruptCheckpointError
     naming the leaf if the files cannot be read."""
+    flat = await self.flat(leaf)
+    rank = len(leaf.entry.shape)
+    n = 2 * rank + 1
+    return tuple((tuple(flat[i:i + rank]), tuple(flat[i + rank:i + 2 * rank]),
+                  flat[i + 2 * rank]) for i in range(0, len(flat), n))
+
+  async def flat(self, leaf: lazy.LazyArray):
+    """The records of ``leaf`` as one flat int64 array (start, stop,
+    crc32c per box; empty if none)."""
     if self._lock is None:
       self._lock = asyncio.Lock()
     async with self._lock:
@@ -217,12 +177,7 @@ class ProcessChecksums:
       raise CorruptCheckpointError(
           f"leaf {leaf.path!r} cannot be verified: {self._error}")
     flat = self._boxes.get(leaf.entry.relpath)
-    if flat is None:
-      return ()
-    rank = len(leaf.entry.shape)
-    n = 2 * rank + 1
-    return tuple((tuple(flat[i:i + rank]), tuple(flat[i + rank:i + 2 * rank]),
-                  flat[i + 2 * rank]) for i in range(0, len(flat), n))
+    return array.array("q") if flat is None else flat
 
   async def _load(self) -> dict[str, array.array]:
     n = self.index.process_count
@@ -299,15 +254,40 @@ class ProcessChecksums:
       boxes.append(item[3])
 
 
-def attach(leaves: dict, storage: Any, step_dir: str,
-           index: index_lib.Index) -> None:
-  """Gives every stored leaf with neither checksums in its entry nor a
-  checksum codec the step's ProcessChecksums (read only if a leaf is
-  verified)."""
+def _chunk_key(storage_format: str) -> Callable[[tuple[int, ...]], str]:
+  """How a chunk's grid index names its file in the leaf's array."""
+  if storage_format == "zarr":
+    return lambda idx: ".".join(map(str, idx)) or "0"
+  return lambda idx: "/".join(("c",) + tuple(map(str, idx)))
+
+
+async def attach(leaves: dict, storage: Any, step_dir: str,
+                 index: index_lib.Index) -> None:
+  """Gives every stored leaf whose chunks carry no crc32c codec its
+  recorded checksums (``leaf.sums``), so that each of its reads checks what
+  it read (ckpt/restore/verified.py). The per-process checksum files are
+  read here, once per restore, if any leaf needs them."""
+  need = [leaf for leaf in leaves.values()
+          if isinstance(leaf, lazy.LazyArray) and not codec_checked(leaf)]
+  if not need:
+    return
   table = None
-  for leaf in leaves.values():
-    if (isinstance(leaf, lazy.LazyArray) and not leaf.entry.checksums
-        and not codec_checked(leaf)):
-      if table is None:
-        table = ProcessChecksums(storage, step_dir, index)
-      leaf.process_checksums = table
+  base = f"{storage.url.rstrip('/')}/{step_dir.strip('/')}".rstrip("/")
+  key = _chunk_key(index.storage_format)
+  for leaf in need:
+    e = leaf.entry
+    where = f"{base}/{e.relpath.strip('/')}"
+    if index.storage_format == "ocdbt":
+      where = f"{base} (OCDBT database) {e.relpath.strip('/')}"
+    rank = len(e.shape)
+    if e.checksums:
+      leaf.sums = verified.BoxSums.of(e.checksums, rank, where, key, e.chunks)
+      continue
+    if table is None:
+      table = ProcessChecksums(storage, step_dir, index)
+    try:
+      flat = await table.flat(leaf)
+    except CorruptCheckpointError as err:  # raised when the leaf is read
+      leaf.sums = verified.BoxSums.broken(str(err), rank, where, key, e.chunks)
+      continue
+    leaf.sums = verified.BoxSums.from_flat(flat, rank, where, key, e.chunks)

@@ -27,6 +27,7 @@ from ckpt.format import index as index_lib
 from ckpt.store import ocdbt
 from ckpt.format import prng
 from ckpt.restore import readcount
+from ckpt.restore import verified
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.format import tsspec
@@ -278,6 +279,9 @@ class LazyArray(LazyLeaf):
         tuple(entry.chunks), tsspec.codec_of(entry.codec))
     self._context = context
     self._store: ts.TensorStore | None = None
+    # The recorded checksums of its boxes (verified.BoxSums) when a restore
+    # verifies: every read then checks what it read.
+    self.sums: verified.BoxSums | None = None
 
   async def _open(self) -> ts.TensorStore:
     if self._store is None:
@@ -300,8 +304,20 @@ class LazyArray(LazyLeaf):
       self._store = store
     return self._store
 
+  def read_bytes(self, box: Box) -> int:
+    """Host bytes a read of ``box`` holds besides the box: with checksums
+    (``sums``), the recorded boxes it straddles are read whole
+    (ckpt/restore/verified.py)."""
+    if self.sums is None:
+      return 0
+    return verified.hull_bytes(self.sums, box, self.dtype.itemsize)
+
   async def read_box(self, box: Box) -> np.ndarray:
     check_fits(self.path, box.shape, self.dtype)
+    if self.sums is not None:
+      out = np.empty(box.shape, self.dtype)
+      await self.read_into(box, out)
+      return out
     store = await self._open()
     self._count(box)
     try:
@@ -312,8 +328,15 @@ class LazyArray(LazyLeaf):
       ) from e
 
   async def read_into(self, box: Box, out: np.ndarray) -> None:
+    if self.sums is not None:  # each recorded box checked as it arrives
+      return await verified.read_into(self.sums, box, out, self.path,
+                                      self.dtype, self._read_stored)
     if out.dtype != self.dtype:
       return await super().read_into(box, out)
+    await self._read_stored(box, out)
+
+  async def _read_stored(self, box: Box, out: np.ndarray) -> None:
+    """The stored data of ``box`` into ``out`` (of the stored dtype)."""
     store = await self._open()
     self._count(box)
     try:

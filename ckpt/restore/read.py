@@ -99,7 +99,7 @@ class RestoreArgs:
   fallback_state: Any = None
   lazy: bool = False
   is_resuming: bool = False
-  verify: bool = False
+  verify: bool = True
   # lazy: given to every leaf returned (see LazyLeaf.guard / keepalive).
   guard: Callable[[], None] | None = None
   keepalive: Any = None
@@ -175,11 +175,6 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
       checksums.stored_bases(src)):
     later = readonce.deferred(name, src, out, sharding, args.read_once_min,
                               order)
-  if args.verify:  # keys are small: their whole data is checked
-    # Read once: this process checks the part it reads (lazy: will read).
-    await checksums.verify_leaf(
-        src, None if impl else (later.split if later else sharding),
-        limiter)
   if args.lazy:
     leaf = src.bind(sharding, out)
     leaf.guard, leaf.keepalive = args.guard, args.keepalive
@@ -304,8 +299,8 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
   index = await asyncio.to_thread(read_index, storage, step_dir)
   leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
                              budget)
-  if args.verify:  # format "zarr": the per-process checksum files
-    checksums.attach(leaves, storage, step_dir, index)
+  if args.verify:  # every read checks what it reads (restore/verified.py)
+    await checksums.attach(leaves, storage, step_dir, index)
   limiter = ByteLimiter(budget)
   try:
     return await restore_tree(index, leaves, args, limiter)
@@ -314,7 +309,7 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
 
 
 def load(path, step: int | None = None, *, storage_options: dict | None = None,
-         concurrent_bytes: int = 1 << 30) -> Any:
+         concurrent_bytes: int = 1 << 30, verify: bool = True) -> Any:
   """The whole checkpoint as nested numpy values, with no target.
 
   Typed PRNG key leaves are the exception (numpy has no key dtype): they
@@ -329,15 +324,18 @@ def load(path, step: int | None = None, *, storage_options: dict | None = None,
     storage_options: merged into the TensorStore kvstore spec, as
       ``Checkpointer(storage_options=...)``.
     concurrent_bytes: the host-memory budget of the reads in flight.
+    verify: check every stored chunk against the crc32c recorded at save as
+      it is read (False opts out).
 
   Raises:
     CheckpointNotFoundError: no such committed step (or none at all).
-    CorruptCheckpointError: an invalid index or stored array (naming it).
+    CorruptCheckpointError: an invalid index or stored array (naming it),
+      or a chunk whose crc32c differs from the one recorded at save.
 
   Not collective: one process reads everything (use it on one process, or
   on each, independently).
   """
   storage = storage_lib.Storage(path, storage_options)
   step_dir = locate_path(storage, step)
-  return tasks.run_sync(restore(storage, step_dir, RestoreArgs(),
+  return tasks.run_sync(restore(storage, step_dir, RestoreArgs(verify=verify),
                                concurrent_bytes, storage.context()))

@@ -315,6 +315,12 @@ class Retention:
   Steps being restored (``protect``) are never deleted: each deletion
   checks them under a lock at the moment it happens.
 
+  Steps a resume found damaged (``set_damaged``: they failed verification
+  and the restore fell back to an older one) are neither counted nor
+  deleted: the newest step that verifies is the newest retention sees, so
+  it is never deleted because a newer one is damaged, and the damaged one
+  stays for a person to look at (or ``delete``).
+
   Each pass has its own bound, ``timeout_s`` from its start (the
   Checkpointer's ``save_timeout_s``; ckpt/store/deadline.py), not what is left of
   the save's: a store that dies after a commit holds ``wait_until_finished``
@@ -333,7 +339,17 @@ class Retention:
     self.read_time = read_time  # the save time of a step (the time rule)
     self._lock = threading.Lock()
     self._protected: dict[int, int] = {}
+    self._damaged: frozenset[int] = frozenset()
     self._task: asyncio.Task | None = None
+
+  def set_damaged(self, steps) -> None:
+    """The steps that failed verification on this job's resume."""
+    with self._lock:
+      self._damaged = frozenset(steps)
+
+  def damaged(self) -> frozenset[int]:
+    with self._lock:
+      return self._damaged
 
   def protect(self, step: int) -> None:
     with self._lock:
@@ -370,7 +386,9 @@ class Retention:
     if self.policy.keep is None:
       return []
     try:
-      steps = steps_lib.committed_steps(self.storage)
+      damaged = self.damaged()
+      steps = [s for s in steps_lib.committed_steps(self.storage)
+               if s not in damaged]
       metrics, times = {}, {}
       if self.policy.ranks_by_metrics:
         metrics = self._read_each(steps, self.read_metrics, "metrics",

@@ -40,7 +40,7 @@ from ckpt.shards import plan as plan_lib
 from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.format import tsspec
-from ckpt.format.crc import checksum
+from ckpt.format.crc import checksum, checksum_view
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
 
@@ -120,6 +120,17 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   return arrays
 
 
+def chunk_sums(box: plan_lib.Box, chunks: tuple[int, ...], data: np.ndarray
+               ) -> list[tuple[plan_lib.Box, int]]:
+  """(chunk box, crc32c) of every stored chunk in ``box`` (whose data is
+  ``data``): a restore then checks each chunk it fetches, whatever box it
+  reads (ckpt/restore/verified.py)."""
+  boxes = plan_lib.chunk_boxes(box, chunks)
+  if len(boxes) == 1:
+    return [(box, checksum(data))]
+  return [(b, checksum_view(data[b.relative_to(box)])) for b in boxes]
+
+
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
                       on_staged: Callable[[], None]) -> list[list]:
@@ -162,13 +173,16 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       # to it instead of copying it into its chunk cache.
       write = store[w.box.slices()].write(
           data, can_reference_source_data_indefinitely=True)
-      crc = None
-      if take_sums:
-        crc = (checksum(data) if data.nbytes <= INLINE_WORK_BYTES else
-               await asyncio.to_thread(checksum, data))
+      crcs = None
+      if take_sums:  # one per stored chunk: a read checks what it fetches
+        chunks = plan.leaves[w.leaf].layout.chunks
+        crcs = (chunk_sums(w.box, chunks, data)
+                if data.nbytes <= INLINE_WORK_BYTES else
+                await asyncio.to_thread(chunk_sums, w.box, chunks, data))
       await tsfuture.wait(write)
       if take_sums:
-        sums.append([w.leaf, list(w.box.start), list(w.box.stop), crc])
+        sums.extend([w.leaf, list(b.start), list(b.stop), crc]
+                    for b, crc in crcs)
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "

@@ -353,15 +353,18 @@ def _current_zarr_golden(tmp_path: pathlib.Path):
 
 
 def test_damaged_golden_fails(tmp_path):
-  """The comparison and restore(verify=True) both catch one flipped byte
-  in a chunk (format zarr: raw chunks, checksums in .checksums/)."""
+  """The comparison (unverified) and every verified read (load, restore,
+  the default) catch one flipped byte in a chunk (format zarr: raw chunks,
+  checksums in .checksums/)."""
   root, step, desc, chunk = _current_zarr_golden(tmp_path)
   assert not compare(ckpt.load(root, step), desc)  # intact: equal
   data = bytearray(chunk.read_bytes())
   data[len(data) // 2] ^= 0x01
   chunk.write_bytes(bytes(data))
-  problems = compare(ckpt.load(root, step), desc)
+  problems = compare(ckpt.load(root, step, verify=False), desc)
   assert len(problems) == 1 and "1 of" in problems[0], problems
+  with pytest.raises(CorruptCheckpointError, match="crc32c"):
+    ckpt.load(root, step)
   with ckpt.Checkpointer(root) as c:
     with pytest.raises(CorruptCheckpointError):
       c.restore(step, verify=True)
