@@ -305,15 +305,17 @@ class Queries:
     """
     # pylint: disable=g-import-not-at-top
     from ckpt.format import index as index_lib
+    from ckpt.format import seal
     from ckpt.errors import CorruptCheckpointError
 
     def answer() -> list:
       s = restore_lib.resolve_step(self.storage, step)
       d = steps_lib.step_dir(self.storage, s)
       index = restore_lib.read_index(self.storage, d)
-      return [s, d, index.process_count, index.host_state is not None]
+      return [s, d, index.process_count, index.host_state is not None,
+              index.sealed]
 
-    step, step_dir, saved_by, inline = self._agreed(
+    step, step_dir, saved_by, inline, sealed = self._agreed(
         f"host_state({step!r})", answer,
         f"the step of host_state in {self.storage.url!r}")
     n, pid = multihost.process_count(), multihost.process_index()
@@ -339,7 +341,8 @@ class Queries:
           f"step {step}: the host_state of process {pid} ({where}) is "
           "missing; the checkpoint is incomplete (every process writes its "
           "file before the step is committed)")
-    return save_extras.unpack_host_state(data, where)
+    return save_extras.unpack_host_state(
+        seal.maybe_unseal(data, where, sealed), where)
 
 
 def check_step(step: Any) -> int:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -805,11 +806,11 @@ def test_corrupt_index(make_ckptr, ckpt_dir, rng, damage):
   elif damage == "empty":
     data = b""
   else:
-    doc = msgpack.unpackb(data, raw=False)
+    doc = sealed.unpackb(data, raw=False)
     leaves = index_codec.rows(doc["leaves"])
     leaves[0]["relpath"] = "../../../etc"
     doc["leaves"] = index_codec.columns(leaves, index_lib.KINDS)
-    data = msgpack.packb(doc, use_bin_type=True)
+    data = sealed.packb(doc, use_bin_type=True)
   path.write_bytes(data)
   with pytest.raises(ckpt.CorruptCheckpointError) as e:
     ckptr.restore(1)

@@ -14,6 +14,7 @@ import threading
 import time
 
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 from etils import epath
@@ -223,10 +224,10 @@ def _index_with(tmp_path, value) -> bytes:
   with ckpt.Checkpointer(tmp_path) as c:
     c.save(1, STATE)
   path = tmp_path / "checkpoint_1" / storage_lib.INDEX_NAME
-  doc = msgpack.unpackb(path.read_bytes(), raw=False)
+  doc = sealed.unpackb(path.read_bytes(), raw=False)
   assert "custom_metadata" not in doc  # optional: absent when not given
   doc["custom_metadata"] = value
-  return msgpack.packb(doc, use_bin_type=True)
+  return sealed.packb(doc, use_bin_type=True)
 
 
 @pytest.mark.parametrize("value, words", [

@@ -20,6 +20,7 @@ import msgpack
 
 from ckpt.format import index_codec
 from ckpt.format import saved_sharding as saved_sharding_lib
+from ckpt.format import seal
 from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
 # Defined in ckpt/format/checks.py, inline_values.py and entries.py; callers
@@ -43,8 +44,11 @@ FORMAT_NAME = "ckpt"
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
 # 1: one map per leaf, arrays and values only. All three are read; in
 # memory (Index.structure) a leaf is its number whatever the version.
-VERSION = 3
-READ_VERSIONS = (1, 2, 3)
+VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
+# Indexes from this version on, and their steps' per-process files, end with
+# a crc32c trailer (ckpt/format/seal.py).
+SEALED_FROM = 4
 # The index grows with the leaves only, never with the number of processes:
 # no per-box checksums (zarr3/ocdbt chunks carry a crc32c codec, zarr v2
 # boxes are in per-process files) and no per-process host_state (files too),
@@ -117,6 +121,14 @@ class Index:
   # (then the index has no such field: indexes written before it existed
   # and those without it read the same).
   custom_metadata: str | None = None
+  # The version it was read as (written: VERSION); from SEALED_FROM on its
+  # per-process files are sealed (``sealed``).
+  version: int = VERSION
+
+  @property
+  def sealed(self) -> bool:
+    """Whether this step's files end with a crc32c trailer (seal.py)."""
+    return self.version >= SEALED_FROM
 
 
 # The largest custom_metadata (JSON text) written or read; see
@@ -257,6 +269,7 @@ def _encode(index: Index) -> bytes:
     raise InvalidStateError(
         f"the index of step {index.step} cannot be encoded: {e} (msgpack "
         f"nests at most {_PACK_DEPTH} containers)") from e
+  data = seal.seal(data)
   check_encoded(data, {**doc, "structure": None}, index, (lists, 0, longest))
   return data
 
@@ -380,12 +393,17 @@ def _decode(data: bytes, where: str) -> Index:
   if len(data) > MAX_INDEX_BYTES:
     raise CorruptCheckpointError(f"{where}: {len(data)} bytes is over the "
                                  f"{MAX_INDEX_BYTES} byte limit")
+  body, found, want = seal.split(data)
+  sealed = want is not None and found == want
   try:
-    doc = unpack(data)
+    doc = unpack(body if sealed else data)
   except Exception as e:
+    damaged = ("" if want is None or sealed else
+               f"; its crc32c trailer records {want:#010x} but its bytes "
+               f"have {found:#010x}: the index was damaged")
     raise CorruptCheckpointError(
         f"{where} is not a valid msgpack document (truncated or corrupt "
-        f"index, or over ckpt's limits for an index?): {e}") from e
+        f"index, or over ckpt's limits for an index?): {e}{damaged}") from e
   if not isinstance(doc, dict):
     raise _bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
@@ -394,6 +412,11 @@ def _decode(data: bytes, where: str) -> Index:
   if type(version) is not int or version not in READ_VERSIONS:
     raise _bad(where, f"version {' or '.join(map(str, READ_VERSIONS))}",
                version)
+  if (version >= SEALED_FROM) != sealed:
+    raise CorruptCheckpointError(
+        f"{where}: version {version} with{'' if sealed else 'out'} a crc32c "
+        f"trailer; expected one exactly from version {SEALED_FROM} on: the "
+        "index was damaged")
   step = _int(doc.get("step"), f"{where}: step")
   pc = _int(doc.get("process_count"), f"{where}: process_count")
   t = doc.get("time")
@@ -442,6 +465,6 @@ def _decode(data: bytes, where: str) -> Index:
                structure=structure, leaves=leaves, metrics=dict(metrics),
                host_state=tuple(host_state) if host_state is not None else None,
                custom_metadata=_decode_custom_metadata(
-                   doc.get("custom_metadata"), where))
+                   doc.get("custom_metadata"), where), version=version)
 
 

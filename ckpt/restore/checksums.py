@@ -26,6 +26,7 @@ import math
 from typing import Any, Callable
 
 from ckpt.format import index as index_lib
+from ckpt.format import seal
 from ckpt.format.crc import checksum
 from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
@@ -200,6 +201,7 @@ class ProcessChecksums:
         raise CorruptCheckpointError(
             f"the checksum file of process {p} ({where}) is missing, so the "
             "boxes that process wrote cannot be verified")
+      data = seal.maybe_unseal(data, where, self.index.sealed)
       self._add(out, chunk_counts, p, data, where)
 
     await gather_or_cancel(*(one(p) for p in range(n)))

@@ -28,6 +28,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt.format import index as index_lib
+from ckpt.format import seal
 from ckpt.format import pack_index
 from ckpt.format import pack_table
 from ckpt.format import tree
@@ -118,6 +119,7 @@ class PackSet:
       raise CorruptCheckpointError(
           f"{where}: {len(data)} bytes, over the limit "
           f"{pack_index.MAX_TABLE_BYTES}")
+    data = seal.maybe_unseal(data, where, self.index.sealed)
     try:
       doc = index_lib.unpack(data)
     except Exception as e:

@@ -31,6 +31,7 @@ import numpy as np
 import tensorstore as ts
 
 from ckpt.format import pack_index
+from ckpt.format import seal
 from ckpt.format import pack_table
 from ckpt.format import tree
 from ckpt.save import staging
@@ -133,7 +134,8 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
     raise
   if not leaf:
     return tasks
-  table = pack_table.encode(process, sizes, leaf, pack, offsets, crcs, box)
+  table = seal.seal(pack_table.encode(process, sizes, leaf, pack, offsets,
+                                      crcs, box))
   if len(table) > pack_index.MAX_TABLE_BYTES:
     raise CheckpointError(
         f"the pack table of process {process} is {len(table)} bytes; readers "

@@ -42,6 +42,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.format import index as index_lib
+from ckpt.format import seal
 from ckpt.commit import lease as lease_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
@@ -214,8 +215,8 @@ async def _write_process_file(storage: storage_lib.Storage, attempt: Attempt,
   nothing of it passes through the coordinator or grows the index."""
   rel = index_lib.process_file(kind, pid)
   what = f"the {kind.lstrip('.')} file of process {pid}, step {attempt.step},"
-  await asyncio.to_thread(_write_file, storage, attempt.work_dir, rel, data,
-                          what)
+  await asyncio.to_thread(_write_file, storage, attempt.work_dir, rel,
+                          seal.seal(data), what)
 
 
 def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,

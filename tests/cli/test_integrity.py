@@ -14,6 +14,8 @@ import shutil
 
 import jax
 import msgpack
+from tests import sealed
+from ckpt.format import seal
 import numpy as np
 import pytest
 
@@ -63,7 +65,7 @@ def _file_boxes(step_dir, idx):
   """{leaf path: [(start, stop, crc)]} from the per-process checksum files."""
   out = {}
   for p in range(idx.process_count):
-    doc = msgpack.unpackb(
+    doc = sealed.unpackb(
         (step_dir / index_lib.process_file(index_lib.CHECKSUMS_DIR, p)
          ).read_bytes(), raw=False)
     assert doc["process"] == p
@@ -150,9 +152,9 @@ def test_edited_checksum_file_is_caught(saved, ckpt_dir):
   idx = index_lib.decode((step_dir / "index.msgpack").read_bytes())
   h = next(i for i, e in enumerate(idx.leaves) if e.path == ("h",))
   path = step_dir / index_lib.process_file(index_lib.CHECKSUMS_DIR, 0)
-  doc = msgpack.unpackb(path.read_bytes(), raw=False)
+  doc = sealed.unpackb(path.read_bytes(), raw=False)
   next(r for r in doc["boxes"] if r[0] == h)[3] ^= 1
-  path.write_bytes(msgpack.packb(doc, use_bin_type=True))
+  path.write_bytes(sealed.packb(doc, use_bin_type=True))
   problems = ckpt.integrity.verify(ckpt_dir)
   assert [p.path for p in problems] == ["h"]
   with pytest.raises(ckpt.CorruptCheckpointError, match="'h'.*crc32c"):
@@ -201,13 +203,15 @@ def test_missing_checksum_file_makes_leaves_unverifiable(make_ckptr, rng,
 
 
 @pytest.mark.parametrize("content,fragment", [
-    (b"\xc1garbage", "not a valid msgpack"),
-    (msgpack.packb({"process": 1, "boxes": []}), "'process': 0"),
-    (msgpack.packb({"process": 0, "boxes": [[9, [0], [1], 0]]}),
+    (seal.seal(b"\xc1garbage"), "not a valid msgpack"),
+    (b"\xc1garbage", "expected a crc32c trailer"),
+    (sealed.packb({"process": 0, "boxes": []})[:-1] + b"\0", "crc32c"),
+    (sealed.packb({"process": 1, "boxes": []}), "'process': 0"),
+    (sealed.packb({"process": 0, "boxes": [[9, [0], [1], 0]]}),
      "array leaf number"),
-    (msgpack.packb({"process": 0, "boxes": [[1, [0], [301], 0]]}),
+    (sealed.packb({"process": 0, "boxes": [[1, [0], [301], 0]]}),
      "not inside the leaf's shape"),
-    (msgpack.packb({"process": 0, "boxes": [[1, [0], [1], -1]]}),
+    (sealed.packb({"process": 0, "boxes": [[1, [0], [1], -1]]}),
      "array leaf number, start, stop, crc32c"),
 ])
 def test_hostile_checksum_file_is_refused(make_ckptr, rng, ckpt_dir, content,
@@ -228,9 +232,9 @@ def test_checksum_file_names_come_from_the_process_count(make_ckptr, rng,
   """A process count the index claims beyond the limit is refused; names
   are never read from the files."""
   c, step_dir, state = _zarr_saved(make_ckptr, rng, ckpt_dir)
-  doc = msgpack.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
+  doc = sealed.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
   doc["process_count"] = 2
-  (step_dir / "index.msgpack").write_bytes(msgpack.packb(doc,
+  (step_dir / "index.msgpack").write_bytes(sealed.packb(doc,
                                                          use_bin_type=True))
   problems = ckpt.integrity.verify(ckpt_dir)
   assert problems and all(".checksums/1.msgpack" in p.message
@@ -318,7 +322,7 @@ def test_verify_by_reading_splits_large_leaves():
 def _to_old_layout(step_dir, per_box_sums, host_states):
   """Rewrites a step as an older ckpt wrote it: checksums in the entries,
   every process's host_state in the index, no per-process files."""
-  doc = msgpack.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
+  doc = sealed.unpackb((step_dir / "index.msgpack").read_bytes(), raw=False)
   doc["version"] = 1  # one map per leaf, every relpath spelled out
   doc["leaves"] = index_codec.rows(doc["leaves"])
   doc["structure"] = tree.named(  # leaves by path, not number
@@ -329,8 +333,8 @@ def _to_old_layout(step_dir, per_box_sums, host_states):
       e["codec"].pop("checksum", None)
       e["checksums"] = [list(map(list, (a, b))) + [crc]
                         for a, b, crc in per_box_sums[i]]
-  doc["host_state"] = [msgpack.packb(h) for h in host_states]
-  (step_dir / "index.msgpack").write_bytes(msgpack.packb(doc,
+  doc["host_state"] = [sealed.packb(h) for h in host_states]
+  (step_dir / "index.msgpack").write_bytes(sealed.packb(doc,
                                                          use_bin_type=True))
   for d in (index_lib.CHECKSUMS_DIR, index_lib.HOST_STATE_DIR):
     shutil.rmtree(step_dir / d, ignore_errors=True)
@@ -398,7 +402,7 @@ def test_checksum_records_of_every_process_are_held_compactly(tmp_path):
   for p in range(2):
     path = tmp_path / index_lib.process_file(index_lib.CHECKSUMS_DIR, p)
     path.parent.mkdir(exist_ok=True)
-    path.write_bytes(msgpack.packb({"process": p, "boxes": records(p)}))
+    path.write_bytes(sealed.packb({"process": p, "boxes": records(p)}))
   table = checksums.ProcessChecksums(storage_lib.Storage(str(tmp_path)), "",
                                      idx)
 

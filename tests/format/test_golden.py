@@ -35,6 +35,7 @@ import shutil
 import jax
 import ml_dtypes  # noqa: F401  (bfloat16 as a numpy dtype name)
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -289,7 +290,7 @@ def test_golden_is_of_its_version(golden_dir):
   indexes = sorted(golden_dir.rglob(storage_lib.INDEX_NAME))
   assert len(indexes) == len(exp["steps"]), indexes
   for path in indexes:
-    doc = msgpack.unpackb(path.read_bytes(), raw=False)
+    doc = sealed.unpackb(path.read_bytes(), raw=False)
     assert (doc["format"], doc["version"]) == ("ckpt", _version(golden_dir)), (
         path)
 
@@ -382,7 +383,7 @@ ADDED_WITHOUT_BUMP = frozenset()
 def _index_schema(path: pathlib.Path) -> dict:
   """The fields of an index document, of its leaves' columns (version 2)
   and of each of its leaves."""
-  doc = msgpack.unpackb(path.read_bytes(), raw=False)
+  doc = sealed.unpackb(path.read_bytes(), raw=False)
   columns = sorted(doc["leaves"]) if isinstance(doc["leaves"], dict) else []
   rows = (index_codec.rows(doc["leaves"]) if columns else doc["leaves"])
   leaves = {"/".join(e["path"]): (e["kind"],

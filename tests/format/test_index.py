@@ -10,6 +10,7 @@ import typing
 
 import ml_dtypes
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 
@@ -50,12 +51,12 @@ def make_index(rng):
   return index.Index(step=7, time=1.7e9, storage_format="zarr3",
                      process_count=2, structure=structure, leaves=leaves,
                      metrics={"eval/loss": 0.25, "acc": 1},
-                     host_state=(msgpack.packb({"seed": 1}), b"\x90"))
+                     host_state=(sealed.packb({"seed": 1}), b"\x90"))
 
 
 def doc_of(idx):
   """The index's document, its leaves as version 1's maps (to edit)."""
-  doc = msgpack.unpackb(index.encode(idx), raw=False, strict_map_key=False)
+  doc = sealed.unpackb(index.encode(idx), raw=False, strict_map_key=False)
   doc["leaves"] = index_codec.rows(doc["leaves"])
   return doc
 
@@ -65,7 +66,7 @@ def pack(doc):
   columns, so the version-2 decoder meets them)."""
   if isinstance(doc, dict) and isinstance(doc.get("leaves"), list):
     doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index.KINDS)}
-  return msgpack.packb(doc, use_bin_type=True)
+  return sealed.packb(doc, use_bin_type=True)
 
 
 def rejected(data, *fragments):
@@ -115,7 +116,7 @@ def test_encoded_index_uses_no_pickle_or_extension_types(rng):
   def no_ext(code, payload):
     raise AssertionError(f"extension type {code} in the index")
 
-  msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=no_ext)
+  sealed.unpackb(data, raw=False, strict_map_key=False, ext_hook=no_ext)
   assert b"pickle" not in data and b"\x80\x04" not in data
 
 
@@ -142,8 +143,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 4, ["version 1 or 2 or 3", "4"]),
-    ("version", "1", ["version 1 or 2 or 3", "'1'"]),
+    ("version", 5, ["version 1 or 2 or 3 or 4", "5"]),
+    ("version", "1", ["version 1 or 2 or 3 or 4", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -248,7 +249,7 @@ def test_rejects_non_map_leaf(rng):
   doc = doc_of(make_index(rng))
   doc["leaves"][0] = ["params", "b"]
   rejected(pack(doc), "leaf 0", "expected path as a list")
-  doc = msgpack.unpackb(index.encode(make_index(rng)), raw=False)
+  doc = sealed.unpackb(index.encode(make_index(rng)), raw=False)
   doc["leaves"]["specs"][0] = ["params", "b"]
   rejected(pack(doc), "leaf 0 (params/b)", "a spec map of kind",
            "['params', 'b']")
@@ -257,7 +258,7 @@ def test_rejects_non_map_leaf(rng):
 # ---- version 2: the leaves' columns and tables (ckpt/format/index_codec.py) -----
 
 def columns_of(rng):
-  return msgpack.unpackb(index.encode(make_index(rng)), raw=False)
+  return sealed.unpackb(index.encode(make_index(rng)), raw=False)
 
 
 @pytest.mark.parametrize("edit,fragments", [
@@ -293,7 +294,7 @@ def test_specs_and_path_parts_are_stored_once(rng):
                         {"params": {f"layer_{i:02d}": {"w": 0}
                                     for i in range(50)}}),
                     leaves=entries)
-  cols = msgpack.unpackb(index.encode(idx), raw=False)["leaves"]
+  cols = sealed.unpackb(index.encode(idx), raw=False)["leaves"]
   assert len(cols["specs"]) == 1 and cols["spec"] == [0] * 50
   assert len(cols["names"]) == 52 and "relpath" not in cols
   assert index.decode(index.encode(idx)).leaves == entries
@@ -325,8 +326,8 @@ def test_structure_leaves_are_leaf_numbers(rng):
   """Version 3 writes a leaf of the tree structure as its number among the
   leaves (an int), its path only once (in the leaves)."""
   idx = make_index(rng)
-  doc = msgpack.unpackb(index.encode(idx), raw=False)
-  assert doc["version"] == index.VERSION == 3
+  doc = sealed.unpackb(index.encode(idx), raw=False)
+  assert doc["version"] == index.VERSION == 4
   assert doc["structure"] == [
       "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
       "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
@@ -346,7 +347,7 @@ def test_older_structures_decode_as_leaf_numbers(rng, version):
     for leaf in doc["leaves"][:2]:  # version 1 spells out every relpath
       leaf["relpath"] = "/".join(leaf["path"])
   doc["leaves"] = doc["leaves"][::-1]  # the structure names them by path
-  data = (msgpack.packb(doc, use_bin_type=True) if version == 1 else
+  data = (sealed.packb(doc, use_bin_type=True) if version == 1 else
           pack(doc))
   out = index.decode(data, WHERE)
   assert [e.path for e in out.leaves] == [e.path for e in idx.leaves][::-1]
@@ -362,11 +363,11 @@ def test_version_1_leaf_maps_still_decode(rng):
   doc = old_doc(doc_of(idx), 1)
   for leaf in doc["leaves"][:2]:  # version 1 spells out every relpath
     leaf["relpath"] = "/".join(leaf["path"])
-  out = index.decode(msgpack.packb(doc, use_bin_type=True), WHERE)
+  out = index.decode(sealed.packb(doc, use_bin_type=True), WHERE)
   assert out.leaves[:2] == idx.leaves[:2] and out.structure == idx.structure
   doc["leaves"][1]["relpath"] = None  # version 1 has no derived relpaths
   with pytest.raises(ckpt.CorruptCheckpointError, match="leaf 1"):
-    index.decode(msgpack.packb(doc, use_bin_type=True), WHERE)
+    index.decode(sealed.packb(doc, use_bin_type=True), WHERE)
 
 
 def test_rejects_duplicate_leaf_paths(rng):
@@ -687,7 +688,7 @@ def test_encode_counts_containers_as_msgpack_does(rng, state):
   doc = {"structure": structure, "leaves": index_codec.encode(
       idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
   count = _HookCount()
-  msgpack.unpackb(msgpack.packb(doc, use_bin_type=True), raw=False,
+  sealed.unpackb(sealed.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
   n = len(tree.flatten(state))
   _, s_lists, s_longest = index._check_numbered_structure(structure, "", n)

@@ -13,6 +13,7 @@ import tracemalloc
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 
@@ -101,13 +102,13 @@ def _paths(doc, prefix=()):
 @given(st.data())
 def test_structural_mutations(saved, data):
   _, good = saved
-  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  doc = sealed.unpackb(good, raw=False, strict_map_key=False)
   for _ in range(data.draw(st.integers(1, 4))):
     spots = list(_paths(doc))
     container, key = spots[data.draw(st.integers(0, len(spots) - 1))]
     container[key] = data.draw(HOSTILE)
   try:
-    packed = msgpack.packb(doc, use_bin_type=True)
+    packed = sealed.packb(doc, use_bin_type=True)
   except (OverflowError, ValueError, TypeError):
     assume(False)  # not representable in msgpack: no index can hold it
   _decode(packed)
@@ -120,7 +121,7 @@ def test_structural_mutations_of_leaf_maps(saved, data):
   back as today's columns: each lands in a spec (checked once) or in a
   per-leaf column (checked per leaf)."""
   _, good = saved
-  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  doc = sealed.unpackb(good, raw=False, strict_map_key=False)
   doc["leaves"] = index_codec.rows(doc["leaves"])
   for _ in range(data.draw(st.integers(1, 4))):
     spots = list(_paths(doc["leaves"]))
@@ -128,7 +129,7 @@ def test_structural_mutations_of_leaf_maps(saved, data):
     container[key] = data.draw(HOSTILE)
   try:
     doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
-    packed = msgpack.packb(doc, use_bin_type=True)
+    packed = sealed.packb(doc, use_bin_type=True)
   except (OverflowError, ValueError, TypeError):
     assume(False)
   _decode(packed)
@@ -138,7 +139,7 @@ def test_structural_mutations_of_leaf_maps(saved, data):
 @given(st.data())
 def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
   root, good = saved
-  doc = msgpack.unpackb(good, raw=False, strict_map_key=False)
+  doc = sealed.unpackb(good, raw=False, strict_map_key=False)
   doc["leaves"] = index_codec.rows(doc["leaves"])  # edited as leaf maps
   array = next(e for e in doc["leaves"] if e["kind"] == "array")
   field = data.draw(st.sampled_from(["relpath", "shape", "dtype", "chunks",
@@ -152,7 +153,7 @@ def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
   try:
     try:
       doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
-      packed = msgpack.packb(doc, use_bin_type=True)
+      packed = sealed.packb(doc, use_bin_type=True)
     except (OverflowError, ValueError, TypeError):
       assume(False)
     (step / "index.msgpack").write_bytes(packed)

@@ -11,6 +11,7 @@ import json
 
 import jax
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 
@@ -117,7 +118,7 @@ def test_sharded_split_keys_restore_onto_another_sharding(make_ckptr, ckpt_dir,
   # One process: each of the 2 distinct shards written once (replicas skip).
   assert c.last_save_stats.boxes_written == 2
   if fmt == "zarr":  # and checksummed in the process's file
-    doc = msgpack.unpackb((ckpt_dir / "checkpoint_1" / index_lib.process_file(
+    doc = sealed.unpackb((ckpt_dir / "checkpoint_1" / index_lib.process_file(
         index_lib.CHECKSUMS_DIR, 0)).read_bytes(), raw=False)
     assert sorted((tuple(a), tuple(b)) for _, a, b, _ in doc["boxes"]) == [
         ((0, 0), (4, 2)), ((4, 0), (8, 2))]
@@ -316,7 +317,7 @@ def _index_doc(leaf: dict) -> bytes:
          "metrics": {}, "structure": 0,
          "leaves": index_codec.columns([leaf], index_lib.KINDS),
          "host_state": None}
-  return msgpack.packb(doc, use_bin_type=True)
+  return sealed.packb(doc, use_bin_type=True)
 
 
 def _array_leaf(**changes) -> dict:

@@ -18,6 +18,7 @@ import tracemalloc
 
 import crc32c
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 import tensorstore as ts
@@ -79,7 +80,7 @@ def save(root, fmt="zarr", **state):
 
 def index_doc(step):
   """The step's index document, its leaves as version 1's maps (to edit)."""
-  doc = msgpack.unpackb((step / "index.msgpack").read_bytes(), raw=False)
+  doc = sealed.unpackb((step / "index.msgpack").read_bytes(), raw=False)
   doc["leaves"] = index_codec.rows(doc["leaves"])
   return doc
 
@@ -87,7 +88,7 @@ def index_doc(step):
 def write_index(step, doc):
   """Writes an edited document back as today's version (leaf columns)."""
   doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index_lib.KINDS)}
-  (step / "index.msgpack").write_bytes(msgpack.packb(doc, use_bin_type=True))
+  (step / "index.msgpack").write_bytes(sealed.packb(doc, use_bin_type=True))
 
 
 # ---- 1. index size -----------------------------------------------------------
@@ -181,7 +182,7 @@ def test_real_index_decodes_within_the_budgets(tmp_path):
 def leaf_list_index(names) -> bytes:
   entries = [{"path": [name], "kind": "value", "value": {"py": "int", "v": 1}}
              for name in names]
-  return msgpack.packb({
+  return sealed.packb({
       "format": "ckpt", "version": 1, "step": 1, "time": 0.0,
       "storage_format": "zarr", "process_count": 1, "metrics": {},
       "structure": {"node": "none"}, "leaves": entries, "host_state": None},

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import msgpack
+from tests import sealed
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -363,7 +364,7 @@ def _entry(shape=(8, 8), saved=None, **extra) -> dict:
 
 
 def _index(entry: dict) -> bytes:
-  return msgpack.packb({
+  return sealed.packb({
       "format": "ckpt", "version": index_lib.VERSION, "step": 1, "time": 0.0,
       "storage_format": "zarr", "process_count": 1, "metrics": {},
       "structure": ["dict", "w", 0],

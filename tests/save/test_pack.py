@@ -15,6 +15,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import msgpack
+from tests import sealed
+from ckpt.format import seal
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -178,7 +180,7 @@ def _table(root) -> tuple[dict, list[list]]:
   """Process 0's pack table and its pieces as rows."""
   step = _step(root)
   index = index_lib.decode((step / "index.msgpack").read_bytes())
-  table = msgpack.unpackb((step / ".packs" / "0.msgpack").read_bytes())
+  table = sealed.unpackb((step / ".packs" / "0.msgpack").read_bytes())
   return table, pack_table.rows(table, index.leaves)
 
 
@@ -219,7 +221,7 @@ def _edit_table(root, fn, version: int = 2) -> None:
   fn(doc)
   if version == 2 and set(doc) == {"process", "packs", "pieces"}:
     doc = pack_table.with_rows(doc, doc["pieces"])
-  path.write_bytes(msgpack.packb(doc))
+  path.write_bytes(sealed.packb(doc))
 
 
 def _hostile(doc, pos, what, version):
@@ -298,7 +300,7 @@ def test_hostile_table_is_refused(saved, what, version):
       doc.clear()
 
   if what == "not_a_map":
-    (_step(root) / ".packs" / "0.msgpack").write_bytes(msgpack.packb([1, 2]))
+    (_step(root) / ".packs" / "0.msgpack").write_bytes(seal.seal(msgpack.packb([1, 2])))
   else:
     _edit_table(root, edit, version)
   with ckpt.Checkpointer(root) as c:
@@ -351,23 +353,23 @@ def test_packed_entry_round_trips_and_hostile_entries_are_refused():
   e = index_lib.PackedEntry(("x",), (4, 4), "float32", "float32")
   doc = e.to_json()
   assert doc["kind"] == "packed" and "relpath" not in doc
-  got = index_lib.decode(msgpack.packb(_index_doc(doc), use_bin_type=True))
+  got = index_lib.decode(sealed.packb(_index_doc(doc), use_bin_type=True))
   assert got.leaves == (e,)
   for bad in (_entry(shape=[-1]), _entry(dtype="object"),
               _entry(shape=[1 << 40, 1 << 20]), _entry(shape=[4096, 4097]),
               _entry(sharding=3),
               _entry(prng_impl="nope")):
     with pytest.raises(CorruptCheckpointError, match=r"leaf 0 \(x\)"):
-      index_lib.decode(msgpack.packb(_index_doc(bad), use_bin_type=True))
+      index_lib.decode(sealed.packb(_index_doc(bad), use_bin_type=True))
   # Version 1 indexes have no packed leaves.
   with pytest.raises(CorruptCheckpointError, match="kind 'array' or 'value'"):
-    index_lib.decode(msgpack.packb(_index_doc(_entry(), 1),
+    index_lib.decode(sealed.packb(_index_doc(_entry(), 1),
                                    use_bin_type=True))
-  with pytest.raises(CorruptCheckpointError, match="version 1 or 2 or 3"):
-    index_lib.decode(msgpack.packb(_index_doc(_entry(), 4),
+  with pytest.raises(CorruptCheckpointError, match="version 1 or 2 or 3 or 4"):
+    index_lib.decode(sealed.packb(_index_doc(_entry(), 5),
                                    use_bin_type=True))
   # Version 3: the same leaf, its place in the structure by number.
-  got = index_lib.decode(msgpack.packb(_index_doc(doc, 3), use_bin_type=True))
+  got = index_lib.decode(sealed.packb(_index_doc(doc, 3), use_bin_type=True))
   assert got.leaves == (e,) and got.structure == ["dict", "x", 0]
 
 
