@@ -28,6 +28,7 @@ from ckpt.multihost import process as multihost
 from ckpt.save import polite
 from ckpt import queries
 from ckpt.commit import records
+from ckpt.store import storage as storage_lib
 from ckpt.save import write as save_lib
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
@@ -124,15 +125,21 @@ class SaveCalls:
     started.append(deadline)
     with deadline_lib.scope(deadline):
       newest = self._newest_bound()
+      damaged = self._retention.damaged()  # a resume fell back past them
       if newest > step:  # confirmed by a fresh listing (then refused)
         steps = self._committed_now()
-        damaged = self._retention.damaged()  # a resume fell back past them
         newer = [s for s in steps if s > step and s not in damaged]
         if newer:  # committed or not, it would not be the step resumed
           raise agreement.SaveRefused(refusal(step, newer,
                                               f"in {self.storage.url!r}"))
         newest = max((s for s in steps if s not in damaged), default=-1)
-      if steps_lib.is_committed(self.storage, step):
+      if step in damaged:  # a resume found it damaged: saved again, anew
+        logging.warning("ckpt: replacing step %d in %s, which failed "
+                        "verification when this job resumed", step,
+                        self.storage.url)
+        cleanup_lib.remove(self.storage, storage_lib.step_dirname(step))
+        self._retention.set_damaged(damaged - {step})
+      elif steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.lease_s)

@@ -214,3 +214,19 @@ def test_resume_with_no_step_that_verifies_raises(tmp_path, value):
   with ckpt.Checkpointer(tmp_path) as c:
     with pytest.raises(ckpt.CorruptCheckpointError, match="crc32c"):
       c.restore()
+
+
+def test_saving_a_damaged_step_again_replaces_it(tmp_path, value, caplog):
+  """After a resume fell back past damaged step 2, the job's save of step 2
+  (training goes on from step 1) replaces it instead of being skipped as
+  already committed."""
+  _two_steps(tmp_path, value)
+  _flip(_chunk_files(tmp_path / "checkpoint_2")[-1])
+  with ckpt.Checkpointer(tmp_path, async_save=False) as c:
+    assert np.array_equal(c.restore()["w"], value)
+    with caplog.at_level(logging.WARNING):
+      c.save(2, {"w": value + 20})
+    assert any("replacing step 2" in r.getMessage() for r in caplog.records)
+    assert c.all_steps() == [1, 2]
+    assert np.array_equal(c.restore()["w"], value + 20)
+    assert c.last_restore_step == 2
