@@ -414,8 +414,11 @@ class MultiTierCheckpointer:
                  d["step"], self.persistent.storage.url, reason)
     self.last_restore_tier, self.last_restore_reason = "persistent", reason
     self.last_restore_step = None  # until it is restored
-    state = self.persistent.restore(d["step"], target=target, **restore_kwargs)
-    s = self.last_restore_step = d["step"]
+    # A resume (step=None) lets the persistent tier fall back past a step
+    # that fails verification (Checkpointer.restore); it says which came.
+    state = self.persistent.restore(None if step is None else d["step"],
+                                    target=target, **restore_kwargs)
+    s = self.last_restore_step = self.persistent.last_restore_step
     try:
       hs = self.persistent.host_state(s)
     except CheckpointError as e:

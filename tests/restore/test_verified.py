@@ -230,3 +230,24 @@ def test_saving_a_damaged_step_again_replaces_it(tmp_path, value, caplog):
     assert c.all_steps() == [1, 2]
     assert np.array_equal(c.restore()["w"], value + 20)
     assert c.last_restore_step == 2
+
+
+def test_multi_tier_resume_falls_back_in_the_persistent_tier(tmp_path, value):
+  """With the local tier gone, a MultiTierCheckpointer resume reads the
+  persistent tier and falls back past its damaged newest step;
+  last_restore_step names the step whose data came back."""
+  opts = dict(local=str(tmp_path / "local"), persistent_interval=1,
+              async_save=False)
+  with ckpt.MultiTierCheckpointer(str(tmp_path / "p"), **opts) as mt:
+    mt.save(1, {"w": value})
+    mt.save(2, {"w": value + 1})
+    mt.wait_until_finished()
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(tmp_path / "local")
+  _flip(_chunk_files(tmp_path / "p" / "checkpoint_2")[-1])
+  target = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32)}
+  with ckpt.MultiTierCheckpointer(str(tmp_path / "p"), **opts) as mt:
+    got = mt.restore(target=target)
+    assert mt.last_restore_tier == "persistent"
+    assert mt.last_restore_step == 1
+    assert np.array_equal(np.asarray(got["w"]), value)
