@@ -27,6 +27,7 @@ from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.calls_save import size_text
 
 
 class RestoreCalls:
@@ -96,6 +97,14 @@ class RestoreCalls:
       if error is not None:
         raise error
       self.last_restore_step = step
+      stats = self.last_restore_stats
+      logging.info(
+          "ckpt: restored step %s from %s: this process read %s in %.2f s "
+          "(%.2f GB/s)%s", step, storage.url, size_text(stats.bytes_read),
+          stats.total_s, stats.bytes_read / stats.total_s / 1e9
+          if stats.total_s > 0 else 0.0,
+          f" after falling back past damaged step(s) {damaged}"
+          if damaged else "")
       return result
 
   def _restore_step(self, storage, step, step_dir, path, is_resuming,

@@ -22,6 +22,7 @@ from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
+from ckpt.commit import deletion
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
@@ -224,6 +225,8 @@ class SaveCalls:
         # next time, never from the plan it failed with.
         self._plan_cache.clear()
         raise
+      _log_saved(attempt.step, self.storage.url, stats,
+                 time.perf_counter() - t0, self.async_save)
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)
@@ -242,21 +245,47 @@ class SaveCalls:
 
   def _remove_abandoned(self, own: str) -> None:
     reasons: dict[str, str] = {}
+    # The steps our retention deletes while we list, or after: their
+    # half-deleted leftovers are its to finish, not abandoned.
+    deleting = self._retention.deleting()
     try:
       names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)
       return
+    deleting |= self._retention.deleting()
+    busy = {storage_lib.step_dirname(s) for s in deleting}
     for name in names:
-      if name == own:
-        continue
+      if name == own or name.split(".tmp-del-")[0] in busy or (
+          deletion.parse_name(name) in deleting):
+        continue  # our own attempt, or a step our retention is deleting
       logging.info("ckpt: removing abandoned %s in %s: %s", name,
                    self.storage.url, reasons.get(name, "an unfinished deletion"))
       try:
         cleanup_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
+
+
+def size_text(n: float) -> str:
+  """``n`` bytes for a log line: "1.50 GiB"."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
+               total_s: float, async_save: bool) -> None:
+  """One INFO line per committed save, on every process (its own bytes)."""
+  rate = stats.bytes_written / total_s / 1e9 if total_s > 0 else 0.0
+  blocked = (f"; the caller was blocked {stats.blocking_s:.3f} s"
+             if async_save and stats.blocking_s else "")
+  logging.info("ckpt: saved step %d to %s: this process wrote %s in %.2f s "
+               "(%.2f GB/s)%s", step, url, size_text(stats.bytes_written),
+               total_s, rate, blocked)
 
 
 def refusal(step: int, newer: list[int], where: str) -> str:

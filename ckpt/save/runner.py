@@ -341,6 +341,8 @@ class Retention:
     self._lock = threading.Lock()
     self._protected: dict[int, int] = {}
     self._damaged: frozenset[int] = frozenset()
+    self._deleting: set[int] = set()  # steps a pass is deleting now
+    self._deleting_lock = threading.Lock()
     self._task: asyncio.Task | None = None
 
   def set_damaged(self, steps) -> None:
@@ -351,6 +353,12 @@ class Retention:
   def damaged(self) -> frozenset[int]:
     with self._lock:
       return self._damaged
+
+  def deleting(self) -> frozenset[int]:
+    """The steps a pass is deleting at this moment (their half-deleted
+    leftovers are not abandoned: cleanup leaves them to the pass)."""
+    with self._deleting_lock:
+      return frozenset(self._deleting)
 
   def protect(self, step: int) -> None:
     with self._lock:
@@ -406,9 +414,11 @@ class Retention:
       return []
     deleted = []
     for s in doomed:
-      with self._lock:
+      with self._lock:  # held: a restore cannot protect it meanwhile
         if s in self._protected:
           continue
+        with self._deleting_lock:
+          self._deleting.add(s)
         try:
           logging.info("ckpt: retention deletes step %d", s)
           cleanup_lib.remove(self.storage, storage_lib.step_dirname(s))
@@ -416,6 +426,9 @@ class Retention:
         except Exception as e:  # pylint: disable=broad-except
           logging.error("ckpt: retention could not delete step %d in %s: %s",
                         s, self.storage.url, e)
+        finally:
+          with self._deleting_lock:
+            self._deleting.discard(s)
     return deleted
 
   def _read_each(self, steps: list[int], read: Callable[[int], Any],
