@@ -46,7 +46,7 @@ class SaveCalls:
             force: bool = False, custom_metadata: dict | None = None) -> bool:
     """The body of ``Checkpointer.save`` (see its docstring)."""
     step = queries.check_step(step)
-    if not force and not self.should_save(step):
+    if not force and not self._should_save(step, agreed=True):
       # should_save decided from agreed facts only (no I/O and no round,
       # but for its one first-step round). A skip does not wait for the
       # save in flight either, so its failure comes from the next save that

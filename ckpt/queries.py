@@ -1,15 +1,19 @@
 """The Checkpointer's queries and everyday calls (a mixin of Checkpointer).
 
-In a multi-process job these are collective, like save and restore: every
-process calls them, process 0 reads the directory once (``_agreed``, an
-agreement round of ckpt/multihost/agreement.py), and every process gets its answer,
-so all of them act on the same steps.
+The read-only queries (``all_steps``, ``latest_step``, ``best_step``,
+``metrics``, ``metadata``, ``host_state``, ``should_save``) may be called by
+any process, alone or with others: each reads the directory itself (within
+``query_timeout_s``), with no agreement round, so "log from rank 0" code
+never leaves the other processes waiting. Every process sees the same
+committed steps, except a step committed or deleted while it asks (a save
+or a retention pass in flight on process 0). ``delete`` is collective:
+process 0 deletes, in an agreement round (ckpt/multihost/agreement.py).
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 from ckpt.commit import steps as steps_lib
 from ckpt.store import deadline as deadline_lib
@@ -33,46 +37,48 @@ class Queries:
   def all_steps(self) -> list[int]:
     """The committed steps of the directory, in increasing order.
 
-    Collective in a multi-process job: process 0 lists the directory once
-    and every process gets its answer.
+    Any process, alone or with others: it lists the directory itself (on
+    process 0, once its retention pass after the last save is done).
 
     Raises:
       StoreTimeoutError: the store did not answer within ``query_timeout_s``.
       CheckpointError: the directory cannot be listed.
     """
-    return self._agreed("all_steps()", self._list_steps,
-                        f"the steps in {self.storage.url!r}")
+    return self._local(self._list_steps)
 
   def latest_step(self) -> int | None:
     """The newest committed step, or None when there is none.
 
-    Collective, like ``all_steps`` (one agreement round); raises what it
-    raises.
+    Any process, like ``all_steps``; raises what it raises.
     """
     steps = self.all_steps()
     return steps[-1] if steps else None
 
+  def _local(self, answer: Callable[[], Any]) -> Any:
+    """``answer()`` on this process alone, within ``query_timeout_s``
+    (also after ``close()``: it only reads)."""
+    return deadline_lib.call(self._query_deadline(), answer)
+
   def _list_steps(self) -> list[int]:
-    try:  # report the directory as retention left it
-      self._wait_for_retention(deadline_lib.time_left())
-    except WaitTimeoutError:  # within the query's bound: then list anyway
-      pass
-    return self._committed_now()
+    if multihost.process_index() == 0:
+      try:  # report the directory as retention left it
+        self._wait_for_retention(deadline_lib.time_left())
+      except WaitTimeoutError:  # within the query's bound: then list anyway
+        pass
+      return self._committed_now()
+    return steps_lib.committed_steps(self.storage)
 
   def best_step(self) -> int | None:
     """The committed step with the best ``best_metric`` (or ``best_fn``)
     value under ``best_mode``, among the committed steps that have it; ties
     go to the newest step; NaN never counts as best. None when no committed
     step has the metric, and without ``best_metric``/``best_fn`` (Orbax
-    returns ``latest_step()`` then). Collective: process 0 reads each
-    step's metrics (cached, as retention's) and every process gets its
-    answer.
+    returns ``latest_step()`` then). Any process: it reads each step's
+    metrics itself (cached, as retention's).
 
     Raises ``StoreTimeoutError`` / ``CheckpointError`` as ``all_steps``.
     """
-    return self._agreed("best_step()", self._best_step,
-                        f"the best step in {self.storage.url!r}",
-                        error=self._open_error())
+    return self._local(self._best_step)
 
   def _best_step(self) -> int | None:
     if not self.policy.ranks_by_metrics:
@@ -101,14 +107,15 @@ class Queries:
         not: ``wait_until_finished()`` first).
       StoreTimeoutError: the store did not answer within ``query_timeout_s``.
 
-    Collective: process 0 reads the step's record or index (cached), every
-    process gets its answer.
+    Any process: it reads the step's record or index itself (cached).
     """
-    return self._agreed(f"metrics({step!r})", lambda: self._read_metrics(step),
-                        f"the metrics of step {step}")
+    return self._local(lambda: self._read_metrics(step))
 
   def _read_metrics(self, step: int) -> dict[str, float]:
     if step not in self._metrics_cache:
+      if (multihost.process_index() != 0 and
+          not steps_lib.is_committed(self.storage, step)):
+        raise steps_lib.not_committed(self.storage, step)
       self._read_step_info(step)
     return dict(self._metrics_cache[step])
 
@@ -152,9 +159,9 @@ class Queries:
     checkpoint yet (as Orbax's CheckpointManager). The first two are pure
     functions of the step and of jax's agreed preemption step, so every
     process computes the same answer with no I/O. The third needs the
-    directory: the first call that reaches it is a collective round (process
-    0 lists the directory once, every process gets its answer); after that
-    (or after any save) it is known and no call needs a round again.
+    directory: the first call that reaches it lists it (on the calling
+    process); after that (or after any save) it is known. Any process may
+    call it; ``save`` itself agrees on whether to save.
 
     ``save_on_steps``: those steps are accepted too. ``should_save_fn(step,
     last_saved_step)``: a step it accepts is accepted too (Orbax ignores
@@ -162,9 +169,9 @@ class Queries:
     takes any of them: give only ``should_save_fn`` for Orbax's behaviour,
     then without the first-step rule, as Orbax). ``last_saved_step`` is the
     step of this Checkpointer's last save, or before any the newest
-    committed step (None: none), agreed on every process (one round, the
-    first time it is needed). The function runs on every process, with no
-    round per step: it must be deterministic (a pure function of its two
+    committed step (None: none; listed the first time it is needed). The
+    function runs on every process that calls, with no round: it must be
+    deterministic (a pure function of its two
     arguments, not of the clock or of process-local state) and must not
     raise, or processes that disagree wait for each other in ``save``
     until ``barrier_timeout_s``.
@@ -175,7 +182,19 @@ class Queries:
     Raises:
       StoreTimeoutError: the first-step rule's one listing did not answer.
     """
+    return self._should_save(step, agreed=False)
+
+  def _should_save(self, step: int, agreed: bool) -> bool:
+    """should_save; ``agreed`` (``save``'s own decision): the directory
+    facts come from agreement rounds and are kept, so every process takes
+    the same decision; else this process lists the directory itself and
+    keeps nothing it learnt alone."""
     step = check_step(step)
+
+    def ask(what: str, fn: Callable[[], Any]) -> Any:
+      if agreed:
+        return self._agreed(f"should_save({step})", fn, what)
+      return self._local(fn)
     n, on, fn = self.save_interval_steps, self.save_on_steps, self.should_save_fn
     if n is None and on is None and fn is None:
       return True
@@ -183,32 +202,31 @@ class Queries:
         or (on is not None and step in on)):
       return True
     if fn is not None:
-      if fn(step, self._last_saved_step(step)):
+      if fn(step, self._last_saved_step(ask, agreed)):
         return True
       if n is None and on is None:  # as Orbax: no first-step rule with it
         return False
     if self._has_checkpoint is None:
-      empty = self._agreed(
-          f"should_save({step})",
-          lambda: not steps_lib.committed_steps(self.storage),
-          f"whether {self.storage.url!r} holds a checkpoint yet")
-      if not empty:
+      empty = ask(f"whether {self.storage.url!r} holds a checkpoint yet",
+                  lambda: not steps_lib.committed_steps(self.storage))
+      if not empty and agreed:
         self._has_checkpoint = True
       return bool(empty)
     return False
 
-  def _last_saved_step(self, step: int) -> int | None:
-    """should_save_fn's ``last_saved_step``: agreed (one round the first
-    time, then known from the saves)."""
-    if self._last_saved is UNKNOWN:
-      self._last_saved = self._agreed(
-          f"should_save({step})",
-          lambda: (lambda s: s[-1] if s else None)(
-              steps_lib.committed_steps(self.storage)),
-          f"the newest step in {self.storage.url!r}")
-      if self._last_saved is not None:
+  def _last_saved_step(self, ask, agreed: bool) -> int | None:
+    """should_save_fn's ``last_saved_step``: listed the first time (kept
+    when agreed), then known from the saves."""
+    if self._last_saved is not UNKNOWN:
+      return self._last_saved
+    last = ask(f"the newest step in {self.storage.url!r}",
+               lambda: (lambda s: s[-1] if s else None)(
+                   steps_lib.committed_steps(self.storage)))
+    if agreed:
+      self._last_saved = last
+      if last is not None:
         self._has_checkpoint = True
-    return self._last_saved
+    return last
 
   def delete(self, step: int) -> None:
     """Deletes the committed ``step``, atomically (readers see it whole or
@@ -265,8 +283,8 @@ class Queries:
     ``SavedSharding``: mesh axis names and sizes, PartitionSpec,
     ``.to_sharding(devices=None)``); also
     ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
-    mesh, rules)`` turns it into a restore target for any mesh. Collective,
-    like ``restore``: every process reads the index of the agreed step.
+    mesh, rules)`` turns it into a restore target for any mesh. Any
+    process: it picks the step and reads its index itself.
 
     Args:
       step: a committed step, or None for the latest.
@@ -275,22 +293,19 @@ class Queries:
       CheckpointNotFoundError: no such committed step (or none at all).
       CorruptCheckpointError: its index is unreadable or invalid.
     """
-    step, step_dir = self._agreed(
-        f"metadata({step!r})",
-        lambda: [(s := restore_lib.resolve_step(self.storage, step)),
-                 steps_lib.step_dir(self.storage, s)],
-        f"the step of metadata() in {self.storage.url!r}",
-        error=self._open_error())
-    return metadata_lib.from_index(
-        restore_lib.read_index(self.storage, step_dir))
+    def answer():
+      s = restore_lib.resolve_step(self.storage, step)
+      return metadata_lib.from_index(restore_lib.read_index(
+          self.storage, steps_lib.step_dir(self.storage, s)))
+    return self._local(answer)
 
   def host_state(self, step: int | None = None) -> Any:
     """This process's host_state saved with ``step`` (default: latest).
 
-    Process 0 picks the step and reads its index once (how many processes
-    saved it; whether the index holds every process's host_state itself,
-    as older indexes do); then each process reads only its own file,
-    ``<step>/.host_state/<process>.msgpack`` (one GET per process).
+    The calling process picks the step and reads its index (how many
+    processes saved it; whether the index holds every process's host_state
+    itself, as older indexes do), then its own file,
+    ``<step>/.host_state/<process>.msgpack``.
 
     Args:
       step: a committed step, or None for the latest.
@@ -300,8 +315,9 @@ class Queries:
       CheckpointError: the step was saved by another number of processes
         (naming both counts).
 
-    Collective: one agreement round (process 0 picks the step), then each
-    process reads its own file.
+    Any process (each reads its own part; with ``step=None`` each asks
+    for the newest step itself: pass ``last_restore_step`` to read the
+    step a restore returned).
     """
     # pylint: disable=g-import-not-at-top
     from ckpt.format import index as index_lib
@@ -315,9 +331,7 @@ class Queries:
       return [s, d, index.process_count, index.host_state is not None,
               index.sealed]
 
-    step, step_dir, saved_by, inline, sealed = self._agreed(
-        f"host_state({step!r})", answer,
-        f"the step of host_state in {self.storage.url!r}")
+    step, step_dir, saved_by, inline, sealed = self._local(answer)
     n, pid = multihost.process_count(), multihost.process_index()
 
     def mismatch(count: int) -> CheckpointError:
