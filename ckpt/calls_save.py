@@ -227,6 +227,7 @@ class SaveCalls:
         raise
       _log_saved(attempt.step, self.storage.url, stats,
                  time.perf_counter() - t0, self.async_save)
+      self._committed_save = attempt.step
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)

@@ -196,6 +196,11 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     # collective), or the newest committed one before it; should_save_fn's
     # second argument. _UNKNOWN until asked.
     self._last_saved: Any = _UNKNOWN
+    # The step of this Checkpointer's last committed save, and the last one
+    # whose retention pass is known done (process 0 signals it: the other
+    # processes' queries wait for it, Queries._list_steps).
+    self._committed_save: int | None = None
+    self._retained: int | None = None
     # The attempt of the save in flight (cancel() removes it).
     self._attempt: finalize.Attempt | None = None
     self._task: asyncio.Task | None = None
@@ -253,9 +258,9 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     # refusal of a lower step rests on them (see _newest_bound).
     self._newest: Any = _UNKNOWN
     self._after_commit: Any = _UNKNOWN
-    self._retention = finalize.Retention(self.storage, self.policy,
-                                         self._read_metrics, self._read_time,
-                                         timeout_s=self.save_timeout_s)
+    self._retention = finalize.Retention(
+        self.storage, self.policy, self._read_metrics, self._read_time,
+        timeout_s=self.save_timeout_s, on_done=self._retention_done)
     self.last_save_stats = save_lib.SaveStats()
     self._start_loop()
 

@@ -60,13 +60,31 @@ class Queries:
     return deadline_lib.call(self._query_deadline(), answer)
 
   def _list_steps(self) -> list[int]:
+    # Report the directory as retention left it after the last save.
     if multihost.process_index() == 0:
-      try:  # report the directory as retention left it
+      try:
         self._wait_for_retention(deadline_lib.time_left())
       except WaitTimeoutError:  # within the query's bound: then list anyway
         pass
       return self._committed_now()
+    last = self._committed_save
+    if (self.policy.keep is not None and last is not None and
+        last != self._retained):
+      # Process 0 signals when its pass after that save is done.
+      left = deadline_lib.time_left()
+      if multihost.await_signal(self._retained_key(last),
+                                60.0 if left is None else left):
+        self._retained = last
     return steps_lib.committed_steps(self.storage)
+
+  def _retained_key(self, step: int) -> str:
+    return f"{self._key_base}/retained/{step}"
+
+  def _retention_done(self, step: int) -> None:
+    """Process 0, after the retention pass that followed ``step``'s save."""
+    previous, self._retained = self._retained, step
+    multihost.signal(self._retained_key(step),
+                     None if previous is None else self._retained_key(previous))
 
   def best_step(self) -> int | None:
     """The committed step with the best ``best_metric`` (or ``best_fn``)

@@ -278,6 +278,32 @@ def broadcast_str(key: str, make_value, *,
                        f"{what or 'a value'} from process 0")
 
 
+def signal(key: str, previous: str | None = None) -> None:
+  """Process 0 sets ``key`` (a fact the others may wait for: ``await_signal``),
+  and deletes ``previous`` (a signal nobody waits for any more)."""
+  if not is_multiprocess() or process_index() != 0:
+    return
+  client = _client()
+  client.key_value_set(key, "1")
+  if previous is not None:
+    try:
+      client.key_value_delete(previous)
+    except Exception:  # pylint: disable=broad-except
+      pass  # one small key left behind
+
+
+def await_signal(key: str, timeout_s: float) -> bool:
+  """Waits at most ``timeout_s`` for process 0's ``signal(key)``; False if
+  it did not come (the caller goes on without it)."""
+  if not is_multiprocess():
+    return True
+  try:
+    _client().blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False
+
+
 def unique_token() -> str:
   return secrets.token_hex(6)
 

@@ -332,12 +332,16 @@ class Retention:
   def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
                read_metrics: Callable[[int], dict],
                read_time: Callable[[int], float] | None = None,
-               timeout_s: float | None = None):
+               timeout_s: float | None = None,
+               on_done: Callable[[int], None] | None = None):
     self.storage = storage
     self.timeout_s = timeout_s
     self.policy = policy
     self.read_metrics = read_metrics
     self.read_time = read_time  # the save time of a step (the time rule)
+    # Called with the step after each pass (whatever its outcome): the
+    # other processes' queries wait for it (Checkpointer._list_steps).
+    self.on_done = on_done
     self._lock = threading.Lock()
     self._protected: dict[int, int] = {}
     self._damaged: frozenset[int] = frozenset()
@@ -383,7 +387,12 @@ class Retention:
       if previous is not None:
         await asyncio.gather(previous, return_exceptions=True)
       deadline = deadline_lib.Deadline.start(self.timeout_s, "save_timeout_s")
-      await asyncio.to_thread(deadline_lib.call, deadline, self.apply, newest)
+      try:
+        await asyncio.to_thread(deadline_lib.call, deadline, self.apply,
+                                newest)
+      finally:
+        if self.on_done is not None:
+          self.on_done(newest)
     self._task = asyncio.ensure_future(run())
 
   async def wait(self) -> None:
