@@ -4,7 +4,8 @@
 choice of the step, the read on the background loop, then the read-once
 exchange on the caller's thread, ckpt/restore/readonce.py), and the read
 round that restore and the queries share (``_agreed``: process 0 answers
-within ``query_timeout_s``, every process gets the answer). A mixin of
+within ``query_timeout_s``, every process gets the answer). Its reads stall
+at most ``query_timeout_s`` (ckpt/store/deadline.py). A mixin of
 ``ckpt.Checkpointer``: it uses the Checkpointer's fields, made in its
 ``__init__``.
 """
@@ -97,9 +98,10 @@ class RestoreCalls:
             lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
             keepalive=keepalive, read_once_min=read_once_min,
             lazy_reads=lazy_reads)
-        result = self._run(readonce.counted(restore_lib.restore(
-            storage, step_dir, args, self.concurrent_bytes, self._context),
-            counter))
+        result = self._run(deadline_lib.bounded(readonce.counted(
+            restore_lib.restore(storage, step_dir, args,
+                                self.concurrent_bytes, self._context),
+            counter), self._read_deadline(storage, step_dir)))
       except Exception as e:  # pylint: disable=broad-except
         if not rounds:
           raise
@@ -114,8 +116,10 @@ class RestoreCalls:
       # The exchange: collectives on this (the caller's) thread; the reads
       # of each batch on the background thread.
       result = readonce.finish(
-          result, lambda batch: self._run(readonce.counted(
-              restore_lib.read_parts(batch, self.concurrent_bytes), counter)),
+          result, lambda batch: self._run(deadline_lib.bounded(
+              readonce.counted(restore_lib.read_parts(
+                  batch, self.concurrent_bytes), counter),
+              self._read_deadline(storage, step_dir))),
           self.concurrent_bytes, stats, check)
       return result
     finally:
@@ -126,6 +130,14 @@ class RestoreCalls:
       stats.total_s = time.perf_counter() - t_start
       if protected is not None:
         self._retention.release(protected)
+
+  def _read_deadline(self, storage: storage_lib.Storage, step_dir: Any
+                     ) -> deadline_lib.Deadline | None:
+    """The bound of a restore's reads: ``query_timeout_s`` without
+    progress (ckpt/store/deadline.py), however long the reads take."""
+    return deadline_lib.Deadline.start(
+        self.query_timeout_s, "query_timeout_s",
+        f"reading the data of {step_dir} from {storage.url!r}")
 
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the

@@ -319,7 +319,7 @@ class LazyArray(LazyLeaf):
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
       await tsfuture.wait(ts.array(out, copy=False, write=True).write(
-          store[box.slices()]), abandonable=False)
+          store[box.slices()]))
     except Exception as e:
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"

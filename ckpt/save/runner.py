@@ -18,7 +18,7 @@ step, the attempt token and the work directory process 0 prepared. Then:
 
 A save that fails after the "written" barrier is removed by process 0 (every
 process has said it stopped writing into it), so a job that ran out of space
-gets it back; but not one that ran past its deadline (``save_timeout_s``,
+gets it back; but not one that stalled past its bound (``save_timeout_s``,
 ckpt/store/deadline.py): writes abandoned then may still land, so that attempt
 stays, recorded under ``pending/``, for cleanup. Its coordination keys are
 deleted once no process needs them.
@@ -88,6 +88,9 @@ async def _barrier(attempt: Attempt, name: str, what: str,
   await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
                           what=f"{what}, step {attempt.step}")
   attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
+  deadline = deadline_lib.current()
+  if deadline is not None:  # waiting for the others is no stall of the store
+    deadline.progress()
   on_arrival()
   if error is not None:
     raise error
