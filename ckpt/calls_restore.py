@@ -59,6 +59,7 @@ class RestoreCalls:
           f"the step to restore from {self.storage.url!r}", key=read_key,
           error=error)
       protected = step if multihost.process_index() == 0 else None
+    reading = f"step {step}" if path is None else f"{step_dir!r}"
     read_once_min = readonce.min_replicas(read_once, storage.url)
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
@@ -73,7 +74,8 @@ class RestoreCalls:
                                                 self.barrier_timeout_s)
       lazy_reads = readonce.LazyReads(
           counter, stats, self._lazy_rounds if rounds else None,
-          name=f"restore {key}", meter=meter)
+          name=f"restore {key}", meter=meter,
+          deadline=lambda: self._read_deadline(storage, reading))
 
     def check(i, e):
       """The round before exchange i: every process's outcome, and what
@@ -101,7 +103,7 @@ class RestoreCalls:
         result = self._run(deadline_lib.bounded(readonce.counted(
             restore_lib.restore(storage, step_dir, args,
                                 self.concurrent_bytes, self._context),
-            counter), self._read_deadline(storage, step_dir)))
+            counter), self._read_deadline(storage, reading)))
       except Exception as e:  # pylint: disable=broad-except
         if not rounds:
           raise
@@ -119,7 +121,7 @@ class RestoreCalls:
           result, lambda batch: self._run(deadline_lib.bounded(
               readonce.counted(restore_lib.read_parts(
                   batch, self.concurrent_bytes), counter),
-              self._read_deadline(storage, step_dir))),
+              self._read_deadline(storage, reading))),
           self.concurrent_bytes, stats, check)
       return result
     finally:
@@ -131,13 +133,14 @@ class RestoreCalls:
       if protected is not None:
         self._retention.release(protected)
 
-  def _read_deadline(self, storage: storage_lib.Storage, step_dir: Any
+  def _read_deadline(self, storage: storage_lib.Storage, what: str
                      ) -> deadline_lib.Deadline | None:
-    """The bound of a restore's reads: ``query_timeout_s`` without
-    progress (ckpt/store/deadline.py), however long the reads take."""
+    """The bound of a restore's reads of ``what`` ("step 5"):
+    ``query_timeout_s`` without progress (ckpt/store/deadline.py), however
+    long the reads take."""
     return deadline_lib.Deadline.start(
         self.query_timeout_s, "query_timeout_s",
-        f"reading the data of {step_dir} from {storage.url!r}")
+        f"reading {what} from {storage.url!r}")
 
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the
