@@ -28,8 +28,9 @@ passed with no progress, where progress is any of
   ``/tensorstore/kvstore/<driver>/bytes_*``, polled at most every
   ``POLL_S``): the requests inside one TensorStore write or read of many
   chunks count one by one;
-- a step of the operation that is not a wait for the store (``progress``:
-  a barrier passed, whose wait has its own bound, ``barrier_timeout_s``).
+and the time the operation spends waiting for other processes (a
+barrier, which has its own bound, ``barrier_timeout_s``) does not count
+(``exclude``).
 
 So a healthy save of any size at any steady rate commits, while a store that
 stops answering fails it ``bound_s`` after its last answer. The granularity
@@ -110,6 +111,12 @@ class Deadline:
     """The operation moved on: its stall clock starts again."""
     with self._lock:
       self._last = time.monotonic()
+
+  def exclude(self, seconds: float) -> None:
+    """``seconds`` just spent waiting for something else than the store
+    (other processes, at a barrier) do not count as a stall."""
+    with self._lock:
+      self._last = min(time.monotonic(), self._last + max(0.0, seconds))
 
   def left(self) -> float:
     """Seconds until the operation has stalled for ``bound_s`` (<= 0: it
