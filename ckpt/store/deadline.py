@@ -48,8 +48,13 @@ Every wait for the store checks it:
   ckpt/store/tsfuture.py): the operation is abandoned, goes on inside
   TensorStore until it ends on its own (its retries), and its late result
   or error is dropped;
-- ``result`` (blocking calls of ckpt/store/storage.py) waits in slices of
-  ``POLL_S``, which does not cancel anything either.
+- ``result`` (blocking calls of ckpt/store/storage.py) waits with
+  ``timeout=``, which does not cancel anything either.
+
+Either wait wakes every quarter of the bound (at least ``POLL_S``) to look
+at the counters (``slice``): a progress seen at a poll counts from that
+poll, so a stall is seen at most a quarter of the bound late, and a wait
+of a healthy operation wakes four times per bound, not at every poll.
 
 A wait that gives up raises ``StoreTimeoutError`` (a CheckpointError)
 naming the operation, the URL, what it waited for, how long nothing
@@ -135,6 +140,11 @@ class Deadline:
           self._seen, self._last = seen, now
     with self._lock:
       return self._last + self.bound_s - now
+
+  def slice(self, left: float) -> float:
+    """How long a wait sleeps before it looks again, ``left`` seconds
+    before the bound (``left()``)."""
+    return max(0.0, min(left, max(POLL_S, self.bound_s / 4)))
 
   def stalled_s(self) -> float:
     """Seconds since the last progress."""
@@ -266,7 +276,7 @@ def result(future: Any) -> Any:
     if left <= 0:
       raise d.error() from None
     try:
-      got = future.result(timeout=min(POLL_S, left))
+      got = future.result(timeout=d.slice(left))
     except TimeoutError:
       if future.done():
         raise  # the operation's own error

@@ -85,7 +85,7 @@ async def wait(future: Any) -> Any:
       if left <= 0:
         out.add_done_callback(_drop_error)  # abandoned: see _drop_error
         raise deadline.error()
-      await asyncio.wait([out], timeout=min(deadline_lib.POLL_S, left))
+      await asyncio.wait([out], timeout=deadline.slice(left))
     got = out.result()
     deadline.progress()
     return got
@@ -96,7 +96,7 @@ async def wait(future: Any) -> Any:
     # The operation ends on its own (or is abandoned once it stalls).
     while not out.done() and (deadline is None or deadline.left() > 0):
       await asyncio.wait([out], timeout=None if deadline is None
-                         else min(deadline_lib.POLL_S, deadline.left()))
+                         else deadline.slice(deadline.left()))
     raise
 
 
