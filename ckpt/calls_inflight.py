@@ -20,7 +20,8 @@ from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.multihost import process as multihost
 from ckpt import queries
-from ckpt.errors import CheckpointError, WaitTimeoutError
+from ckpt.errors import (BarrierTimeoutError, CheckpointError,
+                         StoreTimeoutError, WaitTimeoutError)
 
 _UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 
@@ -57,7 +58,10 @@ class InFlight:
     except CheckpointError as e:
       if f"step {step}" in str(e):
         raise  # it names the step already (barrier timeouts do)
-      raise CheckpointError(
+      # A timeout stays one (a coordination service that did not answer).
+      kind = (type(e) if isinstance(e, (BarrierTimeoutError, StoreTimeoutError))
+              else CheckpointError)
+      raise kind(
           f"saving step {step} failed on process "
           f"{multihost.process_index()}: {e}") from e
     except Exception as e:

@@ -6,6 +6,14 @@ close that a job ending without ``close()`` still gets (so that its last save
 commits), runs coroutines on the loop for the caller's thread, and holds the
 body of ``Checkpointer.close``: wait, then cancel what is left on the loop and
 stop it. A mixin of ``ckpt.Checkpointer``.
+
+A ``close`` racing a ``save`` on another thread: a save that has passed its
+entry (``_enter_save``) is waited for by close, to its commit or its
+failure, like a save in flight; a save that enters once close has begun is
+refused at once ("closed"), before anything is written. So the loop never
+stops under a save that still needs it (before, such a save made its
+attempt and then found the loop gone: it hung, or failed leaving the
+attempt behind).
 """
 
 from __future__ import annotations
@@ -34,6 +42,13 @@ class Lifecycle:
                                     name="ckpt-background", daemon=True)
     self._thread.start()
     self._closed = False
+    # close() racing save(): the saves between their entry and their
+    # registration in flight (thread ident -> count), and whether close
+    # has begun (then no save enters).
+    self._entry = threading.Condition()
+    self._entered: dict[int, int] = {}
+    self._closing = False
+    self._closed_event = threading.Event()
     # A job that ends without close() still finishes (commits) its last save.
     # It must run before the interpreter stops thread pools (asyncio.to_thread
     # refuses work after that), which plain atexit handlers do not.
@@ -44,6 +59,44 @@ class Lifecycle:
 
   def _close(self) -> None:
     """The body of ``Checkpointer.close`` (see its docstring)."""
+    me = threading.get_ident()
+    with self._entry:
+      if self._entered.get(me):
+        raise CheckpointError(
+            "close() was called inside save() on the same thread (a save "
+            "transform?): the save must end first; nothing was closed")
+      closing, self._closing = self._closing, True
+      while self._entered:  # saves that entered before: they go on
+        self._entry.wait()
+    if closing:  # another thread closes: done once it is
+      self._closed_event.wait()
+      return
+    try:
+      self._close_now()
+    finally:
+      self._closed_event.set()
+
+  def _enter_save(self, step: int) -> None:
+    """The entry of ``save``: refused (CheckpointError) once close has
+    begun; else close waits for this save until ``_leave_save``."""
+    with self._entry:
+      if self._closing:
+        raise CheckpointError(
+            f"save({step}) refused: this Checkpointer is closed, or being "
+            "closed by close() on another thread; nothing was written")
+      me = threading.get_ident()
+      self._entered[me] = self._entered.get(me, 0) + 1
+
+  def _leave_save(self) -> None:
+    """The save is in flight (close waits for it as such) or over."""
+    with self._entry:
+      me = threading.get_ident()
+      self._entered[me] -= 1
+      if not self._entered[me]:
+        del self._entered[me]
+      self._entry.notify_all()
+
+  def _close_now(self) -> None:
     if self._closed:
       return
     try:

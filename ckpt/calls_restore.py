@@ -4,7 +4,8 @@
 choice of the step, the read on the background loop, then the read-once
 exchange on the caller's thread, ckpt/restore/readonce.py), and the read
 round that restore and the queries share (``_agreed``: process 0 answers
-within ``query_timeout_s``, every process gets the answer). A mixin of
+within ``query_timeout_s``, every process gets the answer). Its reads stall
+at most ``query_timeout_s`` (ckpt/store/deadline.py). A mixin of
 ``ckpt.Checkpointer``: it uses the Checkpointer's fields, made in its
 ``__init__``.
 """
@@ -111,6 +112,7 @@ class RestoreCalls:
                     protected, target, transforms, fallback_state, lazy,
                     verify, read_once, read_once_min, key, t_start, meter):
     """Reads one step (``step_dir``) as the caller asked."""
+    reading = f"step {step}" if path is None else f"{step_dir!r}"
     stats = readonce.RestoreStats(read_once=read_once)
     counter = readonce.ReadCounter()
     self.last_restore_stats = stats
@@ -124,7 +126,8 @@ class RestoreCalls:
                                                 self.barrier_timeout_s)
       lazy_reads = readonce.LazyReads(
           counter, stats, self._lazy_rounds if rounds else None,
-          name=f"restore {key}", meter=meter)
+          name=f"restore {key}", meter=meter,
+          deadline=lambda: self._read_deadline(storage, reading))
 
     def check(i, e):
       """The round before exchange i: every process's outcome, and what
@@ -149,9 +152,10 @@ class RestoreCalls:
             lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
             keepalive=keepalive, read_once_min=read_once_min,
             lazy_reads=lazy_reads)
-        result = self._run(readonce.counted(restore_lib.restore(
-            storage, step_dir, args, self.concurrent_bytes, self._context),
-            counter))
+        result = self._run(deadline_lib.bounded(readonce.counted(
+            restore_lib.restore(storage, step_dir, args,
+                                self.concurrent_bytes, self._context),
+            counter), self._read_deadline(storage, reading)))
       except Exception as e:  # pylint: disable=broad-except
         if not rounds:
           raise
@@ -166,8 +170,10 @@ class RestoreCalls:
       # The exchange: collectives on this (the caller's) thread; the reads
       # of each batch on the background thread.
       result = readonce.finish(
-          result, lambda batch: self._run(readonce.counted(
-              restore_lib.read_parts(batch, self.concurrent_bytes), counter)),
+          result, lambda batch: self._run(deadline_lib.bounded(
+              readonce.counted(restore_lib.read_parts(
+                  batch, self.concurrent_bytes), counter),
+              self._read_deadline(storage, reading))),
           self.concurrent_bytes, stats, check)
       return result
     finally:
@@ -233,6 +239,15 @@ class RestoreCalls:
         "from step %d, the newest older step, instead", step,
         self.storage.url, out["process"], out["why"], older)
     return older, older_dir
+
+  def _read_deadline(self, storage: storage_lib.Storage, what: str
+                     ) -> deadline_lib.Deadline | None:
+    """The bound of a restore's reads of ``what`` ("step 5"):
+    ``query_timeout_s`` without progress (ckpt/store/deadline.py), however
+    long the reads take."""
+    return deadline_lib.Deadline.start(
+        self.query_timeout_s, "query_timeout_s",
+        f"reading {what} from {storage.url!r}")
 
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the

@@ -41,11 +41,28 @@ _UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 class SaveCalls:
   """The save of ``ckpt.Checkpointer`` (a mixin; see the module docstring)."""
 
-  def _save(self, step: int, state: Any, *, metrics: dict | None = None,
-            transforms: Sequence[Callable] = (), host_state: Any = None,
-            force: bool = False, custom_metadata: dict | None = None) -> bool:
-    """The body of ``Checkpointer.save`` (see its docstring)."""
+  def _save(self, step: int, state: Any, **kwargs) -> bool:
+    """The body of ``Checkpointer.save`` (see its docstring); a close()
+    begun meanwhile on another thread waits for it (calls_lifecycle.py)."""
     step = queries.check_step(step)
+    try:
+      self._enter_save(step)
+    except CheckpointError as e:
+      entered = e  # told to every process in the save round
+    else:
+      entered = None
+    try:
+      return self._save_entered(step, state, entered, **kwargs)
+    finally:
+      if entered is None:
+        self._leave_save()
+
+  def _save_entered(self, step: int, state: Any,
+                    refused: CheckpointError | None, *,
+                    metrics: dict | None = None,
+                    transforms: Sequence[Callable] = (),
+                    host_state: Any = None, force: bool = False,
+                    custom_metadata: dict | None = None) -> bool:
     if not force and not self._should_save(step, agreed=True):
       # should_save decided from agreed facts only (no I/O and no round,
       # but for its one first-step round). A skip does not wait for the
@@ -61,6 +78,8 @@ class SaveCalls:
     planned = 0
     custom = None
     try:
+      if refused is not None:
+        raise refused
       self._check_open()
       self._wait_for_save()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)

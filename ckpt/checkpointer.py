@@ -118,22 +118,29 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       checks each chunk it reads against it (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
-    save_timeout_s: a save that is not committed this many seconds after it
-      started writing (process 0: when it prepares the attempt) fails with
-      ``StoreTimeoutError`` naming the step, the URL and this option,
+      Every coordination call is bounded by it (ckpt/multihost/process.py):
+      a process 0 that stops answering (frozen, stopped, dead) makes the
+      others raise ``BarrierTimeoutError`` naming it within this + 5 s.
+    save_timeout_s: the longest a save may go without progress: no wait
+      for the store ending well, no request completing (ckpt/store/deadline.py);
+      not its length, so a slow but steady store commits a save of any
+      size. Past it the save fails with ``StoreTimeoutError`` saying what
+      stalled and for how long, naming the step, the URL and this option,
       re-raised by ``wait_until_finished``/``close``/the next ``save``, on
       every process (the failure travels with the "written" barrier). The
-      bound covers the whole save: every request, the commit and the
-      removal of the failed attempt (cut short at the deadline; its
-      ``pending/`` record then stays for cleanup). Requests in flight at the
-      deadline are abandoned, not cancelled (ckpt/store/tsfuture.py). Also bounds
-      each retention pass and ``delete``. None: no bound but TensorStore's
-      retries of each request (ckpt/store/storage.py).
+      bound covers every request, the commit and the removal of the failed
+      attempt (cut short then; its ``pending/`` record stays for cleanup);
+      waits for the other processes at barriers do not count. Requests in
+      flight when it gives up are abandoned, not cancelled
+      (ckpt/store/tsfuture.py). Also bounds each retention pass and
+      ``delete``. None: no bound but TensorStore's retries of each request
+      (ckpt/store/storage.py).
     query_timeout_s: the same bound for the directory queries:
       ``latest_step``, ``all_steps``, ``metrics``, ``metadata``,
       ``host_state``'s choice of step, ``should_save``'s first round,
-      ``restore``'s choice of step (not its reads of data), and opening the
-      store when the Checkpointer is made.
+      ``restore``'s choice of step, opening the store when the
+      Checkpointer is made, and the reads of data of ``restore`` and of
+      lazy leaves (however long they take while they progress).
     lease_s: a save renews its lease every ``lease_s / 6`` seconds (at
       most once a second on an object store); cleanup (process 0, at every
       save) removes an uncommitted attempt once its lease is older than this,

@@ -46,9 +46,10 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
 
 
 class StoreTimeoutError(CheckpointError, TimeoutError):
-  """An operation on a store did not finish within its bound
+  """An operation on a store went longer than its bound without progress
   (``save_timeout_s``, ``query_timeout_s``; see ckpt/store/deadline.py). The
-  message names the operation, the URL, the bound and the option."""
+  message names the operation, the URL, how long it stalled, the bound and
+  the option."""
   deadline = None  # the ckpt.store.deadline.Deadline it ran past
   doing = None     # the store call it was waiting for, when known
 

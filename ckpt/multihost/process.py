@@ -5,11 +5,39 @@ on a TPU pod and on N local CPU processes started with
 ``jax.distributed.initialize(coordinator_address="127.0.0.1:<port>", ...)``.
 These calls block, use no device collectives, and are safe to call from the
 Checkpointer's background thread.
+
+Every call into the coordination service is bounded here, whatever the
+client does: the service runs inside process 0, and a process 0 that is
+stopped (SIGSTOP, a debugger), swapped out or hung in native code leaves
+the others' calls unanswered. Measured with jaxlib 0.10.2: a
+``key_value_set``, a ``key_value_try_get`` and a ``wait_at_barrier`` whose
+own timeout was 5 s all waited until JAX's heartbeat aborted the process
+(SIGABRT after about 100 s, no ckpt error); only ``blocking_key_value_get``
+gave up at its timeout. So each call runs on a daemon thread of its own
+and the caller waits for it with a bound (``_Client``):
+
+- a call with a timeout of its own (``wait_at_barrier``, the blocking
+  gets) is given up ``GRACE_S`` after it, and while it waits the service is
+  asked a trivial question every ``answer_s`` (a ``key_value_try_get``):
+  one left unanswered for ``answer_s`` ends the wait at once;
+- any other call (set, get, dir get, delete) is given up after
+  ``answer_s`` = min(``ANSWER_S``, the timeout of the collective call it
+  belongs to, ``barrier_timeout_s``): these take milliseconds.
+
+A call given up so raises ``BarrierTimeoutError`` naming process 0 (whose
+coordination service did not answer), what was asked and for how long;
+while that call is still unanswered, every later call of this process
+raises the same at once (its thread waits on and clears that when the
+service answers). So with process 0 frozen, the others raise within
+``barrier_timeout_s`` + ``GRACE_S``, and within ``2 * ANSWER_S`` whatever
+``barrier_timeout_s`` is: before JAX's heartbeat (100 s by default)
+aborts them.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import re
@@ -25,6 +53,14 @@ from jax._src import distributed as _distributed
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 
 DEFAULT_TIMEOUT_S = 600.0
+# The longest a call without a timeout of its own may go unanswered by the
+# coordination service (and the period of the questions asked during a
+# long wait); at most the collective call's own timeout.
+ANSWER_S = 30.0
+# How long after its own timeout a barrier or blocking get is given up
+# when the service does not end it itself.
+GRACE_S = 5.0
+_PROBE_KEY = "ckpt/alive"  # never set: asking for it costs one answer
 _calls: collections.Counter[str] = collections.Counter()
 _calls_lock = threading.Lock()
 
@@ -37,9 +73,11 @@ def process_count() -> int:
   return jax.process_count()
 
 
-def _client():
+def _client(timeout_s: float = DEFAULT_TIMEOUT_S):
+  """The distributed client, each call timed and bounded (module
+  docstring); ``timeout_s``: the timeout of the collective call it serves."""
   client = _distributed.global_state.client
-  return None if client is None else _TimedClient(client)
+  return None if client is None else _Client(client, timeout_s)
 
 
 # ---- what coordination costs --------------------------------------------------
@@ -101,14 +139,15 @@ def _record(method: str, arg: Any, start: float, seconds: float) -> None:
       _trace.append((method, str(arg)[:200], start, seconds))
 
 
-class _TimedClient:
+class _Client:
   """The distributed client, with every call timed into the totals above
-  (one ``perf_counter`` pair and one uncontended lock per call)."""
+  and bounded (module docstring)."""
 
-  __slots__ = ("_client",)
+  __slots__ = ("_client", "_answer_s")
 
-  def __init__(self, client):
+  def __init__(self, client, timeout_s: float):
     self._client = client
+    self._answer_s = max(0.001, min(ANSWER_S, float(timeout_s)))
 
   def __getattr__(self, name: str):
     attr = getattr(self._client, name)
@@ -119,11 +158,93 @@ class _TimedClient:
     def timed(*args, **kwargs):
       start = time.perf_counter()
       try:
-        return attr(*args, **kwargs)
+        return self._bounded(name, attr, args, kwargs)
       finally:
         _record(name, args[0] if args else "", start,
                 time.perf_counter() - start)
     return timed
+
+  def _bounded(self, name: str, fn, args, kwargs):
+    first = args[0] if args else ""
+    own = None  # the call's own timeout, for those that have one
+    if name == "wait_at_barrier" or name.startswith("blocking_key_value_get"):
+      own = (args[1] if len(args) > 1 else kwargs.get("timeout_in_ms")) / 1000
+    call = _Call(fn, args, kwargs)
+    if own is None:
+      if not call.done.wait(self._answer_s):
+        raise call.unanswered(f"{name}({str(first)[:200]!r})",
+                              self._answer_s)
+      return call.result()
+    end = time.monotonic() + own + GRACE_S
+    while not call.done.wait(max(0.0, min(self._answer_s,
+                                          end - time.monotonic()))):
+      if time.monotonic() >= end:
+        raise call.unanswered(f"{name}({str(first)[:200]!r})",
+                              own + GRACE_S)
+      # Is the service there at all? (NOT_FOUND is its answer.)
+      probe = _Call(self._client.key_value_try_get, (_PROBE_KEY,), {})
+      if not probe.done.wait(self._answer_s):
+        raise probe.unanswered(
+            f"a question (key_value_try_get) asked while {name}"
+            f"({str(first)[:200]!r}) waited", self._answer_s)
+    return call.result()
+
+
+_silent: set = set()  # calls given up unanswered, while they stay so
+_silent_lock = threading.Lock()
+
+
+class _Call:
+  """One call into the coordination service, on a daemon thread (left
+  behind, waiting, if the service never answers it)."""
+
+  def __init__(self, fn, args, kwargs):
+    self.done = threading.Event()
+    self._value = self._error = None
+    with _silent_lock:
+      silent = next(iter(_silent), None)
+    self.error = None
+    if silent is not None:  # the service is not answering: no new call
+      self._error = BarrierTimeoutError(str(silent.error))
+      self._error.late = [0]
+      self.done.set()
+      return
+    threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True,
+                     name="ckpt-coordination").start()
+
+  def _run(self, fn, args, kwargs) -> None:
+    try:
+      self._value = fn(*args, **kwargs)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error = e
+    finally:
+      self.done.set()
+      with _silent_lock:
+        _silent.discard(self)  # answered after all
+
+  def result(self):
+    if self._error is not None:
+      raise self._error
+    return self._value
+
+  def unanswered(self, asked: str, bound_s: float) -> BarrierTimeoutError:
+    """The error of a call (``asked``) given up after ``bound_s``; until the
+    service answers it, every new call raises it too."""
+    address = getattr(_distributed.global_state, "coordinator_address", None)
+    e = BarrierTimeoutError(
+        f"process {process_index()} of {process_count()}: the coordination "
+        f"service, which process 0 runs{f' at {address}' if address else ''}"
+        f", did not answer {asked} within {bound_s:g} s: "
+        "process 0 is stopped, frozen or dead (or the network to it is "
+        "down); processes that did not answer: [0]. Look at process 0 (its "
+        "logs, whether it runs); this process gives up instead of waiting "
+        "for JAX's heartbeat to abort it")
+    e.late = [0]
+    self.error = e
+    with _silent_lock:
+      if not self.done.is_set():
+        _silent.add(self)
+    return e
 
 
 def is_multiprocess() -> bool:
@@ -159,15 +280,31 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
   """
   if not is_multiprocess():
     return decide({0: post})
-  client, pid = _client(), process_index()
-  client.key_value_set(f"{key}/in/{pid}", post)
+  client, pid = _client(timeout_s), process_index()
+  with _naming(what or key):
+    client.key_value_set(f"{key}/in/{pid}", post)
   barrier(f"{key}/in", timeout_s=timeout_s, what=what)
   if pid == 0:
-    decision = decide(_by_process(client.key_value_dir_get(f"{key}/in/")))
-    client.key_value_set(f"{key}/out", decision)
+    with _naming(what or key):
+      decision = decide(_by_process(client.key_value_dir_get(f"{key}/in/")))
+      client.key_value_set(f"{key}/out", decision)
     return decision
   return _wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
                        f"the decision on {what or key} from process 0")
+
+
+@contextlib.contextmanager
+def _naming(what: str):
+  """A call the coordination service did not answer names ``what`` it was
+  part of."""
+  try:
+    yield
+  except BarrierTimeoutError as e:
+    if getattr(e, "late", None) is None or what in str(e):
+      raise
+    named = BarrierTimeoutError(f"{what}: {e}")
+    named.late = e.late
+    raise named from e
 
 
 def all_ok(key: str, error: BaseException | None, what: str,
@@ -219,12 +356,12 @@ def all_ok(key: str, error: BaseException | None, what: str,
   return {int(p): int(n) for p, n in out.get("tally", {}).items()}
 
 
-def forget(key: str) -> None:
+def forget(key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Process 0 deletes every key under ``key`` once no process needs them,
   so the coordination service does not grow with every save."""
   if is_multiprocess() and process_index() == 0:
     try:
-      _client().key_value_delete(f"{key}/")
+      _client(timeout_s).key_value_delete(f"{key}/")
     except Exception as e:  # pylint: disable=broad-except
       from absl import logging  # pylint: disable=g-import-not-at-top
       logging.warning("ckpt: could not delete coordination keys %s/: %s", key, e)
@@ -236,8 +373,12 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
   if not is_multiprocess():
     return
   try:
-    _client().wait_at_barrier(name, int(timeout_s * 1000))
+    _client(timeout_s).wait_at_barrier(name, int(timeout_s * 1000))
   except Exception as e:  # jaxlib raises its own XlaRuntimeError type
+    if getattr(e, "late", None) is not None:  # a silent service
+      silent = BarrierTimeoutError(f"barrier {name!r} ({what or 'ckpt'}): {e}")
+      silent.late = e.late
+      raise silent from e
     late = _late_processes(str(e))
     raise BarrierTimeoutError(
         f"barrier {name!r} ({what or 'ckpt'}) failed after {timeout_s:.0f}s "
@@ -269,7 +410,7 @@ def broadcast_str(key: str, make_value, *,
   """Process 0 computes ``make_value()``; every process returns it."""
   if not is_multiprocess():
     return make_value()
-  client = _client()
+  client = _client(timeout_s)
   if process_index() == 0:
     value = make_value()
     client.key_value_set(key, value)
@@ -308,20 +449,22 @@ def unique_token() -> str:
   return secrets.token_hex(6)
 
 
-def post_bytes(key: str, data: bytes) -> None:
+def post_bytes(key: str, data: bytes,
+               timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """This process's ``data`` under ``key``, for ``collect_bytes`` on
   process 0 after a barrier every process reaches once it has posted."""
   if is_multiprocess():
-    _client().key_value_set_bytes(f"{key}/{process_index()}", data)
+    _client(timeout_s).key_value_set_bytes(f"{key}/{process_index()}", data)
 
 
-def collect_bytes(key: str, data: bytes, what: str = "data") -> list[bytes]:
+def collect_bytes(key: str, data: bytes, what: str = "data",
+                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bytes]:
   """Process 0, after that barrier: every process's post in process order,
   in ONE request to the coordination service (not one per process).
   ``data`` is this process's own (single process: the only one)."""
   if not is_multiprocess():
     return [data]
-  got = _by_process(_client().key_value_dir_get_bytes(f"{key}/"))
+  got = _by_process(_client(timeout_s).key_value_dir_get_bytes(f"{key}/"))
   missing = [p for p in range(process_count()) if p not in got]
   if missing:
     raise BarrierTimeoutError(
@@ -360,17 +503,19 @@ def reached_preemption_sync_point(step: int) -> bool:
   return _sigterm_seen.is_set()
 
 
-def report_failure(key: str, message: str) -> None:
+def report_failure(key: str, message: str,
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Tells the other processes, before a barrier, that this one failed."""
   if is_multiprocess():
-    _client().key_value_set(f"{key}/{process_index()}", message[:4000])
+    _client(timeout_s).key_value_set(f"{key}/{process_index()}", message[:4000])
 
 
-def reported_failures(key: str) -> dict[int, str]:
+def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
+                      ) -> dict[int, str]:
   """After the barrier: {process: message} of those that reported failure."""
   if not is_multiprocess():
     return {}
-  return _by_process(_client().key_value_dir_get(f"{key}/"))
+  return _by_process(_client(timeout_s).key_value_dir_get(f"{key}/"))
 
 
 def _by_process(items) -> dict:

@@ -29,6 +29,7 @@ from ckpt.format import prng
 from ckpt.restore import readcount
 from ckpt.restore import verified
 from ckpt.format import tree
+from ckpt.store import deadline as deadline_lib
 from ckpt.store import tsfuture
 from ckpt.format import tsspec
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
@@ -221,6 +222,14 @@ class LazyLeaf(abc.ABC):
       raise
 
   async def _guarded(self, dtype, sharding):
+    """The read, its step checked before and after, under the restore's
+    bound on stalls (``reads.deadline``)."""
+    reads = self.reads
+    return await deadline_lib.bounded(
+        self._checked(dtype, sharding),
+        reads.deadline() if reads is not None else None)
+
+  async def _checked(self, dtype, sharding):
     if self.guard is None:
       return await self._counted(dtype, sharding)
     await asyncio.to_thread(self.guard)
@@ -342,7 +351,7 @@ class LazyArray(LazyLeaf):
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
       await tsfuture.wait(ts.array(out, copy=False, write=True).write(
-          store[box.slices()]), abandonable=False)
+          store[box.slices()]))
     except Exception as e:
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"

@@ -306,14 +306,18 @@ def exchange_signature(restore: str, path: str, shape, dtype, sharding) -> str:
 @dataclasses.dataclass
 class LazyReads:
   """What a ``restore(lazy=True)`` gives its leaves: the restore's counter
-  and stats (their later reads add to them), and the Checkpointer's rounds
-  for leaves read once (None: no leaf of this restore is read once)."""
+  and stats (their later reads add to them), the Checkpointer's rounds for
+  leaves read once (None: no leaf of this restore is read once), and the
+  bound of their reads' stalls."""
   counter: ReadCounter
   stats: RestoreStats
   rounds: "LazyRounds | None" = None
   name: str = ""  # the restore, the same on every process (its call key)
   meter: storemeter.Meter = dataclasses.field(
       default_factory=storemeter.Meter)
+  # The bound of each later read's stalls (ckpt/store/deadline.py), made
+  # afresh for each read; None: unbounded.
+  deadline: Callable[[], Any] = lambda: None
 
   def update(self) -> None:
     self.stats.add_reads(self.counter)

@@ -18,7 +18,7 @@ step, the attempt token and the work directory process 0 prepared. Then:
 
 A save that fails after the "written" barrier is removed by process 0 (every
 process has said it stopped writing into it), so a job that ran out of space
-gets it back; but not one that ran past its deadline (``save_timeout_s``,
+gets it back; but not one that stalled past its bound (``save_timeout_s``,
 ckpt/store/deadline.py): writes abandoned then may still land, so that attempt
 stays, recorded under ``pending/``, for cleanup. Its coordination keys are
 deleted once no process needs them.
@@ -84,15 +84,20 @@ async def _barrier(attempt: Attempt, name: str, what: str,
     # A deadline's own error names the operation, the bound and its option.
     shown = deadline_lib.timeout_in(error) or error
     multihost.report_failure(f"{key}/failed",
-                             f"{type(shown).__name__}: {shown}")
+                             f"{type(shown).__name__}: {shown}",
+                             attempt.timeout_s)
   attempt.waiting[:] = [key]
+  t0 = time.monotonic()
   await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
                           what=f"{what}, step {attempt.step}")
   attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
+  deadline = deadline_lib.current()
+  if deadline is not None:  # waiting for the others is no stall of the store
+    deadline.exclude(time.monotonic() - t0)
   on_arrival()
   if error is not None:
     raise error
-  failed = multihost.reported_failures(f"{key}/failed")
+  failed = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
   if failed:
     raise CheckpointError(
         f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
@@ -142,7 +147,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
             msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
       if error is None:  # what it wrote, for process 0's tiling check
         mine = await asyncio.to_thread(_tiling_digest, plan)
-        await asyncio.to_thread(multihost.post_bytes, f"{key}/tiling", mine)
+        await asyncio.to_thread(multihost.post_bytes, f"{key}/tiling", mine,
+                                attempt.timeout_s)
     except Exception as e:  # pylint: disable=broad-except
       error = error or e
     # 5. every process has written (or stopped writing, having failed).
@@ -160,7 +166,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
                      error)
     if pid == 0:
       try:
-        await asyncio.to_thread(_check_tiling, plan, key, mine, step)
+        await asyncio.to_thread(_check_tiling, plan, key, mine, step,
+                                attempt.timeout_s)
         if groups == 1:
           # One database from the per-process ones (ckpt/store/ocdbt.py).
           await ocdbt.merge(step_kvstore, n, context)
@@ -203,7 +210,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     if lease is not None:
       lease.cancel()
     if stopped_writing:
-      multihost.forget(key)
+      multihost.forget(key, attempt.timeout_s)
 
 
 async def _write_process_file(storage: storage_lib.Storage, attempt: Attempt,
@@ -259,11 +266,12 @@ def _tiling_digest(plan: leaves_lib.SavePlan) -> bytes:
 
 
 def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
-                  step: int) -> None:
+                  step: int, timeout_s: float) -> None:
   """Process 0, before the commit: every array was written exactly once
   (ckpt/shards/tiling.py), or the save fails on every process."""
   posts = multihost.collect_bytes(f"{key}/tiling", mine,
-                                  f"the written boxes of step {step}")
+                                  f"the written boxes of step {step}",
+                                  timeout_s)
   got = tiling.combine(msgpack.unpackb(p) for p in posts)
   want = tiling.whole((lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
                       if lp.layout is not None)

@@ -1,4 +1,5 @@
-"""One deadline for a whole operation against a store (a save, a query).
+"""One bound on the stalls of an operation against a store (a save, a query, a
+restore's reads): the time it may go without progress, not its length.
 
 TensorStore bounds each request by its retries (ckpt/store/storage.py), but a
 save is many requests in sequence (arrays, data, per-process files, index,
@@ -10,85 +11,185 @@ connections and never answers (curl has no timeout by default) no request
 ends at all: no answer after 400 s, neither from the save nor from a new
 Checkpointer's ``latest_step()``.
 
-So the Checkpointer gives each operation a deadline (``save_timeout_s``,
-``query_timeout_s``) and ``scope`` makes it the deadline of everything done
-under it: a ``ContextVar``, which asyncio tasks and ``asyncio.to_thread``
-copy, so the writes, the lease renewal, the commit and the removal of a
-failed attempt that a save starts on its loop and in worker threads all
-share it. Every wait for the store checks it:
+So the Checkpointer gives each operation a ``Deadline`` (``save_timeout_s``
+for saves, ``query_timeout_s`` for queries and restore reads) and ``scope``
+makes it the deadline of everything done under it: a ``ContextVar``, which
+asyncio tasks and ``asyncio.to_thread`` copy, so the writes, the lease
+renewal, the commit and the removal of a failed attempt that a save starts on
+its loop and in worker threads all share it.
 
-- ``tsfuture.wait`` (awaits) gives up at the deadline without cancelling
+The bound is on stalls, not on size: an operation fails once ``bound_s``
+passed with no progress, where progress is any of
+
+- a wait of this operation for the store that ended well (``tsfuture.wait``,
+  ``result``);
+- a request to the store that completed in this process, as TensorStore's
+  kvstore drivers count them (bytes written or read,
+  ``/tensorstore/kvstore/<driver>/bytes_*``, polled at most every
+  ``POLL_S``): the requests inside one TensorStore write or read of many
+  chunks count one by one;
+and the time the operation spends waiting for other processes (a
+barrier, which has its own bound, ``barrier_timeout_s``) does not count
+(``exclude``).
+
+So a healthy save of any size at any steady rate commits, while a store that
+stops answering fails it ``bound_s`` after its last answer. The granularity
+is one request: one round of concurrent requests (chunk size x request
+concurrency / bandwidth) must finish within the bound (at 120 s, 32 requests
+of 64 MiB each need 18 MB/s; a slower link wants smaller chunks,
+``chunk_bytes``, or a larger bound). TensorStore's counters are process-wide:
+requests of another operation of this process through the same driver count
+as progress too.
+
+Every wait for the store checks it:
+
+- ``tsfuture.wait`` (awaits) gives up at the stall bound without cancelling
   the TensorStore future (cancelling can freeze the process, see
-  ckpt/store/tsfuture.py): the operation is abandoned, goes on inside TensorStore
-  until it ends on its own (its retries), and its late result or error is
-  dropped;
-- ``result`` (blocking calls of ckpt/store/storage.py) waits with ``timeout=``
-  the time left, which does not cancel anything either.
+  ckpt/store/tsfuture.py): the operation is abandoned, goes on inside
+  TensorStore until it ends on its own (its retries), and its late result
+  or error is dropped;
+- ``result`` (blocking calls of ckpt/store/storage.py) waits with
+  ``timeout=``, which does not cancel anything either.
 
-A wait past the deadline raises ``StoreTimeoutError`` (a CheckpointError)
-naming the operation, the URL, the bound and the option that sets it.
-Without a scope (or with a bound of None) nothing changes: waits last as
-long as TensorStore's retries.
+Either wait wakes every quarter of the bound (at least ``POLL_S``) to look
+at the counters (``slice``): a progress seen at a poll counts from that
+poll, so a stall is seen at most a quarter of the bound late, and a wait
+of a healthy operation wakes four times per bound, not at every poll.
+
+A wait that gives up raises ``StoreTimeoutError`` (a CheckpointError)
+naming the operation, the URL, what it waited for, how long nothing
+progressed, the bound and the option that sets it; from then on the
+operation's deadline has expired: every later wait under it gives up at
+once. Without a scope (or with a bound of None) nothing changes: waits last
+as long as TensorStore's retries.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
+import threading
 import time
 from typing import Any, Callable, Iterator
+
+import tensorstore as ts
 
 from ckpt.errors import StoreTimeoutError
 
 _CURRENT: contextvars.ContextVar["Deadline | None"] = contextvars.ContextVar(
     "ckpt_deadline", default=None)
+# How often a wait looks at TensorStore's counters (and the clock).
+POLL_S = 0.5
+_BYTES = ("/bytes_written", "/bytes_read")
+_ADAPTERS = ("ocdbt",)  # read and write through a base kvstore, counted there
 
 
-@dataclasses.dataclass(frozen=True)
 class Deadline:
-  """When an operation must be over.
+  """How long an operation may go without progress (module docstring).
 
   ``operation`` names it with its URL ("writing step 5 to 's3://b/run'");
   None lets the store call in flight name it ("listing the steps of
   's3://b/run'"). ``option`` is the Checkpointer argument that sets
-  ``bound_s``."""
-  at: float  # time.monotonic()
-  bound_s: float
-  option: str
-  operation: str | None = None
+  ``bound_s``. Shared by the operation's tasks and threads."""
+
+  def __init__(self, bound_s: float, option: str,
+               operation: str | None = None):
+    self.bound_s = bound_s
+    self.option = option
+    self.operation = operation
+    self._lock = threading.Lock()
+    self._last = time.monotonic()  # the last progress
+    self._seen = _completed()      # TensorStore's counters then
+    self._polled = self._last
+    self.expired = False           # a wait gave up: every later one does
 
   @classmethod
   def start(cls, bound_s: float | None, option: str,
             operation: str | None = None) -> "Deadline | None":
-    """A deadline ``bound_s`` from now (None: no bound)."""
+    """A bound of ``bound_s`` without progress, from now (None: none)."""
     if bound_s is None:
       return None
-    return cls(time.monotonic() + bound_s, bound_s, option, operation)
+    return cls(bound_s, option, operation)
+
+  def progress(self) -> None:
+    """The operation moved on: its stall clock starts again."""
+    with self._lock:
+      self._last = time.monotonic()
+
+  def exclude(self, seconds: float) -> None:
+    """``seconds`` just spent waiting for something else than the store
+    (other processes, at a barrier) do not count as a stall."""
+    with self._lock:
+      self._last = min(time.monotonic(), self._last + max(0.0, seconds))
 
   def left(self) -> float:
-    return self.at - time.monotonic()
+    """Seconds until the operation has stalled for ``bound_s`` (<= 0: it
+    has; 0 once expired). Looks at TensorStore's counters at most every
+    ``POLL_S``: a request completed since counts as progress."""
+    now = time.monotonic()
+    if self.expired:
+      return 0.0
+    with self._lock:
+      poll = now - self._polled >= POLL_S or now - self._last >= self.bound_s
+    if poll:
+      seen = _completed()
+      with self._lock:
+        self._polled = now
+        if seen != self._seen:
+          self._seen, self._last = seen, now
+    with self._lock:
+      return self._last + self.bound_s - now
+
+  def slice(self, left: float) -> float:
+    """How long a wait sleeps before it looks again, ``left`` seconds
+    before the bound (``left()``)."""
+    return max(0.0, min(left, max(POLL_S, self.bound_s / 4)))
+
+  def stalled_s(self) -> float:
+    """Seconds since the last progress."""
+    with self._lock:
+      return time.monotonic() - self._last
 
   def error(self, doing: str | None = None,
             failure: BaseException | None = None) -> StoreTimeoutError:
-    """The error of a wait that ran past this deadline; ``doing`` is the
-    store call it was waiting for ("reading the index of step 5 from
-    's3://b/run'"), when known; ``failure`` an earlier error of the
+    """The error of a wait that gave up (and the deadline expires); ``doing``
+    is the store call it was waiting for ("reading the index of step 5
+    from 's3://b/run'"), when known; ``failure`` an earlier error of the
     operation, when the deadline cut what followed it."""
+    self.expired = True
     what = self.operation or doing or "an operation on the store"
-    message = (f"{what} did not finish within {self.bound_s:g} s: the store "
-               "did not answer in time")
+    message = (f"{what} stalled: nothing it waited for from the store "
+               f"completed for {self.stalled_s():.1f} s (no request "
+               f"completed, no byte written or read), more than the "
+               f"{self.bound_s:g} s allowed without progress")
     if self.operation and doing:
       message += f" (it was waiting for {doing})"
     if failure is not None:
       message += f"; it had failed with {type(failure).__name__}: {failure}"
     message += (f". The bound is the Checkpointer argument {self.option}="
-                f"{self.bound_s:g}; pass a larger value to wait longer, or "
-                "None to wait as long as the store's retries take")
+                f"{self.bound_s:g} (the longest time without progress, not "
+                "the length of the operation); pass a larger value to wait "
+                "longer, or None to wait as long as the store's retries take")
     e = StoreTimeoutError(message)
     e.deadline, e.doing = self, doing
     return e
+
+
+def _completed() -> int:
+  """Bytes TensorStore's base kvstore drivers of this process wrote and
+  read in completed requests (0 where it has no metrics)."""
+  try:
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+  except Exception:  # pylint: disable=broad-except
+    return 0
+  total = 0
+  for m in metrics:
+    name = m["name"]
+    if not name.endswith(_BYTES) or name.split("/")[3] in _ADAPTERS:
+      continue
+    total += sum(int(v.get("value", 0)) for v in m["values"])
+  return total
 
 
 def current() -> Deadline | None:
@@ -97,7 +198,8 @@ def current() -> Deadline | None:
 
 
 def time_left() -> float | None:
-  """Seconds left before the current deadline (never negative), or None."""
+  """Seconds until the current operation has stalled for its bound (never
+  negative), or None."""
   d = _CURRENT.get()
   return None if d is None else max(0.0, d.left())
 
@@ -120,8 +222,8 @@ def call(deadline: Deadline | None, fn: Callable[..., Any], *args) -> Any:
 
 
 async def bounded(coro, deadline: Deadline | None) -> Any:
-  """Awaits ``coro`` under ``deadline``. A failure that a wait past the
-  deadline caused (a StoreTimeoutError in its chain, perhaps wrapped by the
+  """Awaits ``coro`` under ``deadline``. A failure that a wait that gave up
+  caused (a StoreTimeoutError in its chain, perhaps wrapped by the
   code in between) comes out as that StoreTimeoutError, so the caller sees
   the operation, the bound and its option first; so does one that arrives
   after the deadline (a request that failed after its retries, and then
@@ -135,7 +237,7 @@ async def bounded(coro, deadline: Deadline | None) -> Any:
         raise
       if timeout is not None and timeout.deadline is not None:
         raise timeout.deadline.error(timeout.doing) from e
-      if (deadline is not None and deadline.left() <= 0
+      if (deadline is not None and (deadline.expired or deadline.left() <= 0)
           and not abandoned(e)):  # (another process's deadline: as it is)
         raise deadline.error(failure=e) from e
       raise
@@ -162,18 +264,25 @@ def abandoned(e: BaseException) -> bool:
 
 
 def result(future: Any) -> Any:
-  """``future.result()`` (a TensorStore future) within the current deadline;
-  past it raises ``StoreTimeoutError`` (the future goes on, not cancelled).
+  """``future.result()`` (a TensorStore future) within the current deadline:
+  after ``bound_s`` without progress raises ``StoreTimeoutError`` (the
+  future goes on, not cancelled); its result is progress.
   Inside ``Storage.store_errors`` the error then names the store call."""
   d = _CURRENT.get()
   if d is None:
     return future.result()
-  try:
-    return future.result(timeout=max(0.0, d.left()))
-  except TimeoutError:
-    if future.done():
-      raise  # the operation's own error
-    raise d.error() from None
+  while True:
+    left = d.left()
+    if left <= 0:
+      raise d.error() from None
+    try:
+      got = future.result(timeout=d.slice(left))
+    except TimeoutError:
+      if future.done():
+        raise  # the operation's own error
+      continue
+    d.progress()
+    return got
 
 
 def check_bound(name: str, value: Any) -> float | None:

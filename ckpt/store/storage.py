@@ -37,26 +37,27 @@ A dead store fails in bounded time, at two levels:
   forever, unless ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS`` is set.
 - Each whole operation (ckpt/store/deadline.py), since one is many requests in
   sequence: a save (from its first request to its commit, including the
-  removal of a failed attempt) fails within the Checkpointer's
+  removal of a failed attempt) fails once it went the Checkpointer's
   ``save_timeout_s`` (default 120 s; also each retention pass and
-  ``delete``), a query (``latest_step``, ``all_steps``, ``metrics``,
-  ``metadata``, the choice of step of ``restore`` and ``host_state``, and
-  opening the store) within ``query_timeout_s`` (default 60 s), whether
-  the store refuses or never answers. Every wait of this module
-  (``Storage.result``) and every awaited TensorStore future
-  (``tsfuture.wait``) checks the deadline; requests in flight at it are
-  abandoned, not cancelled. Before these bounds, a store that died right
-  after an async ``save()`` returned took 162 s to fail the save (refused)
-  or never failed it (no answer: none after 400 s), and a new
-  Checkpointer's ``latest_step()`` took 81 s (refused) or never answered.
-  Reading a checkpoint's data (``restore``, ``load``, lazy leaves) has the
-  per-request bound only.
+  ``delete``) without progress, a query (``latest_step``, ``all_steps``,
+  ``metrics``, ``metadata``, the choice of step of ``restore`` and
+  ``host_state``, and opening the store) or a restore's reads of data
+  ``query_timeout_s`` (default 60 s), whether the store refuses or never
+  answers; a slow store that keeps completing requests never fails them.
+  Every wait of this module (``Storage.result``) and every awaited
+  TensorStore future (``tsfuture.wait``) checks the bound; requests in
+  flight when it gives up are abandoned, not cancelled. Before these
+  bounds, a store that died right after an async ``save()`` returned took
+  162 s to fail the save (refused) or never failed it (no answer: none
+  after 400 s), and a new Checkpointer's ``latest_step()`` took 81 s
+  (refused) or never answered.
 
 Errors of the store come out of ``Storage`` as ``CheckpointError`` naming
 the URL, the operation and the step; a deadline's as ``StoreTimeoutError``
 (a CheckpointError) that also names the bound and the option that sets it:
-"writing step 5 to 's3://b/run' did not finish within 120 s: ... The bound
-is the Checkpointer argument save_timeout_s=120; ...".
+"writing step 5 to 's3://b/run' stalled: nothing it waited for from the
+store completed for 120.0 s ... The bound is the Checkpointer argument
+save_timeout_s=120 ...".
 """
 from __future__ import annotations
 

@@ -21,15 +21,18 @@ its retries), then raises CancelledError: no read or write of a failed
 operation is still running (or writing into a caller's buffer) once the
 failure is reported.
 
-Inside a bounded operation (ckpt/store/deadline.py: a save, a query) neither
-wait outlasts the deadline: at the deadline ``wait`` abandons the
-TensorStore future (never cancels it: the freeze above) and raises the
-deadline's ``StoreTimeoutError``; a cancelled caller stops waiting for the
-operation to end at the deadline too. An abandoned operation goes on inside
-TensorStore until its retries end; its late result or error is dropped
-(marked retrieved, so asyncio logs nothing), and a write keeps its source
-buffer alive until then. So a store that stops answering costs a save its
-bound, not the sum of TensorStore's retries of every request it makes.
+Inside a bounded operation (ckpt/store/deadline.py: a save, a query, a
+restore's reads) neither wait outlasts a stall: once the operation went its
+bound without progress ``wait`` abandons the TensorStore future (never
+cancels it: the freeze above) and raises the deadline's
+``StoreTimeoutError``; a cancelled caller stops waiting for the operation to
+end then too. An abandoned operation goes on inside TensorStore until its
+retries end; its late result or error is dropped (marked retrieved, so
+asyncio logs nothing), and a write keeps its source buffer alive until then,
+as a read keeps the array it decodes into (``read_into``: a buffer of the
+failed restore, which nothing reads any more). So a store that stops
+answering costs a save its bound, not the sum of TensorStore's retries of
+every request it makes.
 """
 
 from __future__ import annotations
@@ -64,34 +67,36 @@ def _bridge(future: Any) -> asyncio.Future:
   return out
 
 
-async def wait(future: Any, *, abandonable: bool = True) -> Any:
+async def wait(future: Any) -> Any:
   """The result of a TensorStore ``Future`` (or of a ``WriteFutures``'
-  commit), awaited without linking cancellation to it, and never past the
-  current deadline (module docstring). ``abandonable=False``: waited for to
-  its end whatever the deadline, for an operation that writes into a
-  caller's buffer (a read into ``out``), which must be over once the wait
-  is."""
+  commit), awaited without linking cancellation to it, and given up once
+  the current deadline's operation has gone its bound without progress
+  (module docstring); its result is progress."""
   if isinstance(future, ts.WriteFutures):
     future = future.commit
   out = _bridge(future)
-  deadline = deadline_lib.current() if abandonable else None
+  deadline = deadline_lib.current()
   try:
     if deadline is None:
       return await asyncio.shield(out)
     # asyncio.wait never cancels what it waits for.
-    await asyncio.wait([out], timeout=max(0.0, deadline.left()))
-    if out.done():
-      return out.result()
-    out.add_done_callback(_drop_error)  # abandoned: see _drop_error
-    raise deadline.error()
+    while not out.done():
+      left = deadline.left()
+      if left <= 0:
+        out.add_done_callback(_drop_error)  # abandoned: see _drop_error
+        raise deadline.error()
+      await asyncio.wait([out], timeout=deadline.slice(left))
+    got = out.result()
+    deadline.progress()
+    return got
   except asyncio.CancelledError:
     # Its error, if any, belongs to nobody now: marked as retrieved, so
     # asyncio does not log "exception was never retrieved" for it.
     out.add_done_callback(_drop_error)
-    if not out.done():
-      # The operation ends on its own (or is abandoned at the deadline).
+    # The operation ends on its own (or is abandoned once it stalls).
+    while not out.done() and (deadline is None or deadline.left() > 0):
       await asyncio.wait([out], timeout=None if deadline is None
-                         else max(0.0, deadline.left()))
+                         else deadline.slice(deadline.left()))
     raise
 
 

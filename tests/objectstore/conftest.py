@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 
 @pytest.fixture(scope="session")
@@ -61,3 +62,15 @@ def gs_bucket(gcs_server, store_env) -> str:
   """``gs://<fresh bucket>``."""
   del store_env
   return servers.new_bucket(gcs_server)
+
+
+@pytest.fixture
+def proxied(s3_server, restore_environ):
+  """A proxy in front of the session's moto and the URL of a fresh bucket
+  reached through it (``AWS_ENDPOINT_URL`` names the proxy)."""
+  del restore_environ
+  target = ("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1]))
+  with proxy_lib.Proxy(target) as px:
+    os.environ.pop("AWS_ENDPOINT_URL_S3", None)
+    os.environ.update(s3_server.env, AWS_ENDPOINT_URL=px.endpoint)
+    yield px, f"{servers.new_bucket(s3_server)}/run"

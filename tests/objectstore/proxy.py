@@ -10,6 +10,9 @@ the way networks do:
   a client waits for an answer that never comes.
 - ``resume()``: forwards again on the same port (the store came back);
   connections left from the black hole are reset, so clients reconnect.
+- ``throttle(bytes_per_s)``: forwards at that steady rate, both directions
+  and every connection together (a slow but healthy store, a saturated
+  link): bytes keep moving, requests take as long as their size says.
 
 One accept thread and two pump threads per connection, every blocking call
 with a short timeout, at most ``MAX_CONNECTIONS`` open at once (more are
@@ -34,6 +37,7 @@ import select
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 
 from ckpt.multihost import local_cluster
@@ -71,6 +75,7 @@ class Proxy:
     self._accepting: threading.Thread | None = None
     self._closed = False
     self.accepted = 0  # connections accepted since start (for the tests)
+    self._pacer: _Pacer | None = None  # throttle(): the steady rate
 
   # ---- control ---------------------------------------------------------
 
@@ -90,10 +95,17 @@ class Proxy:
     with self._lock:
       self.mode = "black_hole"
 
-  def resume(self) -> None:
-    """Forward again (on the same port); black-holed connections reset."""
+  def throttle(self, bytes_per_s: float | None) -> None:
+    """Forward at ``bytes_per_s`` (None: at full speed again), counting
+    both directions of every connection together."""
     with self._lock:
-      was, self.mode = self.mode, "forward"
+      self._pacer = None if bytes_per_s is None else _Pacer(bytes_per_s)
+
+  def resume(self) -> None:
+    """Forward again at full speed (on the same port); black-holed
+    connections reset."""
+    with self._lock:
+      was, self.mode, self._pacer = self.mode, "forward", None
     self._reset_all()
     if was == "refuse":
       self._listen()
@@ -186,12 +198,16 @@ class Proxy:
           return  # closed under us (reset)
         if not ready:
           continue
-        data = src.recv(65536)
+        with self._lock:
+          pacer = self._pacer
+        data = src.recv(65536 if pacer is None else pacer.piece)
         if not data:
           if dst is not None:
             dst.shutdown(socket.SHUT_WR)
           ok = True
           return
+        if pacer is not None:
+          pacer.wait(len(data))
         with self._lock:
           forward = self.mode == "forward" and dst is not None
         if forward:
@@ -211,6 +227,26 @@ class Proxy:
             sock.close()
           else:
             _reset(sock)
+
+
+class _Pacer:
+  """A steady rate shared by every pump: each piece waits for its slot."""
+
+  def __init__(self, bytes_per_s: float):
+    if not bytes_per_s > 0:
+      raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s!r}")
+    self.rate = float(bytes_per_s)
+    # Pieces of at most 50 ms each, so the rate is steady at any scale.
+    self.piece = int(min(65536, max(512, self.rate / 20)))
+    self._lock = threading.Lock()
+    self._next = time.monotonic()
+
+  def wait(self, n: int) -> None:
+    with self._lock:
+      now = time.monotonic()
+      self._next = max(self._next, now) + n / self.rate
+      until = self._next
+    time.sleep(max(0.0, until - time.monotonic()))
 
 
 class _Pair:

@@ -1,5 +1,6 @@
 """Test helpers that look at a store directly, as a user's tools would.
 
+``in_thread`` runs a call that may never answer with a limit on the wait;
 ``keys`` lists what is under a URL; ``copy_tree`` copies every object from
 one URL to another (like ``gsutil cp -r`` / ``aws s3 cp --recursive``), key
 by key through TensorStore, with no knowledge of ckpt's layout.
@@ -7,6 +8,10 @@ by key through TensorStore, with no knowledge of ckpt's layout.
 
 from __future__ import annotations
 
+import threading
+import time
+
+import pytest
 import tensorstore as ts
 
 from ckpt.store import storage as storage_lib
@@ -44,3 +49,29 @@ def delete_key(url: str, key: str) -> None:
 def read_key(url: str, key: str) -> bytes | None:
   r = kvstore(url).read(key).result()
   return None if r.state == "missing" else bytes(r.value)
+
+
+def in_thread(fn, *args):
+  """Runs ``fn(*args)`` on a daemon thread: ``finish(limit_s)`` gives
+  (exception or None, seconds) or fails the test after ``limit_s``, so
+  code that never answers fails here instead of hanging the suite."""
+  out = {}
+  t0 = time.monotonic()
+
+  def run():
+    try:
+      fn(*args)
+      out["error"] = None
+    except BaseException as e:  # pylint: disable=broad-except
+      out["error"] = e
+    out["seconds"] = time.monotonic() - t0
+
+  thread = threading.Thread(target=run, daemon=True)
+  thread.start()
+
+  def finish(limit_s: float, what: str):
+    thread.join(max(0.0, limit_s - (time.monotonic() - t0)))
+    if thread.is_alive():
+      pytest.fail(f"{what} had not answered after {limit_s:.0f} s")
+    return out["error"], out["seconds"]
+  return finish

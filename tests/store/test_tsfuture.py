@@ -145,7 +145,9 @@ def test_a_wait_gives_up_at_its_deadline_without_cancelling():
     assert 0.25 < time.monotonic() - t0 < 5
     assert not future.done() and not future.cancelled()
     assert str(info.value).startswith(
-        "writing step 7 to 's3://b/run' did not finish within 0.3 s")
+        "writing step 7 to 's3://b/run' stalled: nothing it waited for from "
+        "the store completed for 0.3 s"), info.value
+    assert "more than the 0.3 s allowed without progress" in str(info.value)
     assert "save_timeout_s=0.3" in str(info.value)
     # A cancelled caller stops waiting at the deadline too (not forever).
     promise2, future2 = ts.Promise.new()
@@ -294,3 +296,43 @@ def test_ckpt_never_awaits_a_tensorstore_future_directly():
       "  await asyncio.gather(ts.KvStore.open(1), x)\n") == [2, 3]
   assert direct_awaits(
       "async def f(s):\n  return await tsfuture.wait(s[0].read())\n") == []
+
+
+def test_progress_keeps_an_operation_alive_past_its_bound():
+  """The bound is on stalls: waits that each end within it keep a bounded
+  operation going for many times the bound (here 8 waits of 0.15 s under
+  a bound of 0.3 s, blocking and awaited alike); the stall after them
+  gives up one bound after the last progress, and every later wait of the
+  expired operation gives up at once."""
+  d = deadline_lib.Deadline.start(0.3, "save_timeout_s", "writing step 3")
+
+  async def main():
+    loop = asyncio.get_running_loop()
+    with deadline_lib.scope(d):
+      for i in range(4):
+        promise, future = ts.Promise.new()
+        loop.call_later(0.15, promise.set_result, i)
+        assert await tsfuture.wait(future) == i
+      for i in range(4):
+        promise, future = ts.Promise.new()
+        loop.call_later(0.15, promise.set_result, i)
+        assert await asyncio.to_thread(deadline_lib.result, future) == i
+      last = time.monotonic()
+      _, stuck = ts.Promise.new()
+      with pytest.raises(ckpt.StoreTimeoutError) as info:
+        await tsfuture.wait(stuck)
+      return time.monotonic() - last, info.value
+
+  t0 = time.monotonic()
+  stalled, error = asyncio.run(main())
+  assert time.monotonic() - t0 > 1.2  # four times the bound, and more
+  assert 0.25 < stalled < 2, stalled
+  assert "stalled: nothing it waited for from the store completed for" in str(
+      error)
+  assert d.expired
+  _, stuck = ts.Promise.new()
+  t0 = time.monotonic()
+  with deadline_lib.scope(d):
+    with pytest.raises(ckpt.StoreTimeoutError):
+      deadline_lib.result(stuck)
+  assert time.monotonic() - t0 < 0.1

@@ -1,0 +1,71 @@
+"""A frozen process 0 ends the job in bounded time (ckpt/multihost/process.py).
+
+2 real processes; process 0 stops itself (SIGSTOP) inside ``save(2)``, as a
+debugger, a swapped-out host or a hang in native code would stop it, and
+with it the coordination service it runs. Process 1 must raise
+``BarrierTimeoutError`` naming process 0 within ``barrier_timeout_s`` +
+``GRACE_S`` of the freeze; before, its key-value set (or its barrier) waited
+until JAX's heartbeat aborted it (SIGABRT after about 100 s, no ckpt
+error). JAX's heartbeat (100 s) cannot fire first: the bound here is 3 s.
+"""
+
+import os
+import time
+
+import pytest
+
+from ckpt.multihost import local_cluster
+from ckpt.multihost import process as multihost
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BARRIER_S = 3.0
+SLACK_S = 3.0  # the error reaching the worker's result, on a loaded machine
+
+
+def stopped(pid: int) -> bool:
+  with open(f"/proc/{pid}/stat") as f:
+    return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("first", ["frozen", "waiting"])
+def test_a_frozen_process_0_fails_the_others_in_bounded_time(tmp_path, first):
+  sync = tmp_path / "sync"
+  sync.mkdir()
+  cluster = local_cluster.start(
+      "tests.multiprocess.freeze_worker",
+      {"dir": str(tmp_path / "ckpt"), "sync": str(sync), "first": first,
+       "timeout": BARRIER_S},
+      num_processes=2, devices_per_process=1, cwd=ROOT)
+  try:
+    if first == "waiting":
+      cluster.wait_for_files([sync / "entering"], 120)
+      time.sleep(0.5)  # process 1 is in the save round's barrier by now
+      (sync / "go").touch()
+    cluster.wait_for_files([sync / "freezing"], 120)
+    end = time.monotonic() + 30
+    while not stopped(cluster.pids()[0]):
+      assert time.monotonic() < end, "process 0 did not stop"
+      time.sleep(0.01)
+    frozen_at = time.time()
+    (sync / "stopped").touch()
+    limit = BARRIER_S + multihost.GRACE_S + SLACK_S + 30
+    end = time.monotonic() + limit
+    while cluster.poll()[1] is None and time.monotonic() < end:
+      time.sleep(0.05)
+  finally:
+    cluster.kill(0)
+    results = cluster.wait(0, grace_s=5)
+  one = results[1]
+  assert one.result is not None, (
+      f"process 1 did not answer within {limit:.0f} s of the freeze "
+      f"(exit {one.returncode}):\n{one.output[-3000:]}")
+  r = one.result
+  seconds = r["at"] - frozen_at
+  print(f"{first}: process 1 raised {r['type']} {seconds:.1f} s after process "
+        f"0 stopped: {r['error']}")
+  assert r["barrier_timeout"], r
+  assert "process 0" in r["error"] and "did not answer" in r["error"], r
+  assert "processes that did not answer: [0]" in r["error"] or (
+      "did not arrive: [0]" in r["error"]), r
+  assert "step 2" in r["error"], r
+  assert seconds < BARRIER_S + multihost.GRACE_S + SLACK_S, (seconds, r)
