@@ -134,7 +134,8 @@ class SaveCalls:
       if steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
-      commit_lib.prepare(self.storage, step, token, self.lease_s)
+      commit_lib.prepare(self.storage, step, token, self.lease_s,
+                         self.lease_seen)
       self._newest, self._after_commit = _UNKNOWN, max(newest, step)
       return token
 
@@ -233,7 +234,8 @@ class SaveCalls:
   def _remove_abandoned(self, own: str) -> None:
     reasons: dict[str, str] = {}
     try:
-      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons)
+      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons,
+                                    self.lease_seen)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)
