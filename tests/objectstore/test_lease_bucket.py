@@ -25,8 +25,10 @@ MIB = 1 << 20
 LEASE_S = 6.0  # renewals every 1 s on a bucket (lease.renew_interval)
 
 
-def state(step: int, nbytes: int = 64 << 10) -> dict:
-  return {"w": np.full(nbytes // 4, step, np.float32), "n": np.int64(step)}
+def state(step: int, nbytes: int = 64 << 10, leaves: int = 1) -> dict:
+  out = {f"w{i}": np.full(nbytes // 4 // leaves, step + i, np.float32)
+         for i in range(leaves)}
+  return {**out, "n": np.int64(step)}
 
 
 @pytest.fixture
@@ -93,7 +95,7 @@ def test_renewals_keep_their_interval_through_a_slow_store(slow_s3):
                          storage_options=opts) as c:
     with LeaseWatch(url, 2) as watch:
       t0 = time.monotonic()
-      c.save(2, state(2, 4 * MIB))
+      c.save(2, state(2, 4 * MIB, leaves=64))
       c.wait_until_finished()
       took = time.monotonic() - t0
     assert c.all_steps() == [2]
