@@ -16,11 +16,16 @@ goes into a work directory that nothing else writes into:
 
 What a commit guarantees (``commit``):
 - Every process wrote its data (the "written" barrier comes first) and the
-  attempt is intact: ``attempt.json``, written when the attempt was
-  prepared, still names this token. If anything removed the work directory
-  meanwhile (another job's cleanup, an operator), the commit fails naming
-  the cause; it never recreates it (writers that did recreate parts of it
-  left no ``attempt.json``).
+  attempt is whole: its lease ``attempt.json`` is still the one this save
+  last wrote (the renewal's last, conditional write: ckpt/commit/renewal.py)
+  and, on object stores, its ``pending/`` record is there. Both are checked
+  again after the step's record is written; a cleaner removes the lease
+  first and reads the step's record after (ckpt/commit/cleanup.py), so one
+  of the two sees the other: the commit takes its record and marker back
+  and fails, or the cleaner sees it committed and keeps its data. A
+  removed attempt is never recreated (renewals are conditional; writers
+  that did recreate parts of it left no ``attempt.json``); the save fails
+  with a CheckpointError saying its work was removed.
 - On POSIX the index, the marker, every directory of the attempt and then
   the root are fsynced, in that order around the rename: after a power loss
   a committed step comes back whole or not at all (TensorStore's file
@@ -33,12 +38,13 @@ What a commit guarantees (``commit``):
 What cleanup may delete (``abandoned``, run by process 0 at every save):
 attempts whose holder is provably dead or whose lease expired. A live
 attempt's ``attempt.json`` is its lease (ckpt/commit/lease.py): it names the
-process that holds it and the time of its last renewal (process 0 renews it
+process that holds it and a renewal number (process 0 renews it
 every ``lease_s / 6`` while the save runs). An attempt is abandoned when its
 holder ran on this machine and is gone (a crashed job restarted on the same
 host), or when its lease is older than ``lease_s`` (default 30 s), or when
-the file is missing and the directory itself is that old. Half-done
-deletions (``*.tmp-del-*``) are always removable. A committed
+the file is missing and the directory (bucket: its ``pending/`` record)
+itself is that old; ages are read on one clock (ckpt/commit/lease.py).
+Half-done deletions (``*.tmp-del-*``) are always removable. A committed
 step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
