@@ -64,6 +64,7 @@ class _Clock:
                seen: lease_lib.Sightings | None):
     self.storage = storage
     self.seen = lease_lib.Sightings() if seen is None else seen
+    self.dated: list[str] = []  # the attempts dated by ``seen``
     self._now: list = []
 
   def age_s(self, rel: str, generation: bytes | None) -> float | None:
@@ -90,6 +91,7 @@ class _Clock:
           records.pending_key(step, m.group(1)))
       if data is None:
         return None
+    self.dated.append(rel)
     return self.seen.unchanged_for(rel, generation)
 
 
@@ -178,8 +180,6 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
           out.append(p.name)
     return out
   pending = records.list_pending(storage)
-  clock.seen.keep_only(steps_lib.work_dir(storage, s, t) for s, t in pending
-                       if t != records.DELETE)
   for s, t in pending:
     if t == records.DELETE:
       continue
@@ -194,10 +194,11 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
   # step as a whole: see ckpt/commit/deletion.py).
   out += [deletion.name(s) for s, t in pending
           if t == records.DELETE and deletion.unfinished(storage, s)]
-  if records.records_complete(storage):
-    return out
-  return out + [r for r in _abandoned_by_scan(storage, lease_s, reasons,
-                                              clock) if r not in out]
+  if not records.records_complete(storage):
+    out += [r for r in _abandoned_by_scan(storage, lease_s, reasons, clock)
+            if r not in out]
+  clock.seen.keep_only(clock.dated)  # what is no longer there is forgotten
+  return out
 
 
 def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
