@@ -162,7 +162,8 @@ class SaveCalls:
       elif steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
-      commit_lib.prepare(self.storage, step, token, self.lease_s)
+      commit_lib.prepare(self.storage, step, token, self.lease_s,
+                         self.lease_seen)
       self._newest, self._after_commit = _UNKNOWN, max(newest, step)
       return token
 
@@ -269,7 +270,8 @@ class SaveCalls:
     # half-deleted leftovers are its to finish, not abandoned.
     deleting = self._retention.deleting()
     try:
-      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons)
+      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons,
+                                    self.lease_seen)
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)

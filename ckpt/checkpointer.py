@@ -34,6 +34,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ckpt.commit import protocol as commit_lib
+from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
@@ -242,6 +243,9 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     if not float(lease_s) > 0:
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
     self.lease_s = float(lease_s)
+    # What this Checkpointer's cleanups saw of other attempts' leases (the
+    # clock that dates them on object stores: ckpt/commit/lease.py).
+    self.lease_seen = lease_lib.Sightings()
     self._storage_options = storage_options
     self.save_timeout_s = deadline_lib.check_bound("save_timeout_s",
                                                    save_timeout_s)

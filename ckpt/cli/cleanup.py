@@ -5,16 +5,37 @@ the same removal a writer uses.
 
 from __future__ import annotations
 
+import time
+
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli.listing import list_entries, open_root
 from ckpt.cli.output import Progress, emit, human_age, human_bytes
 from ckpt.cli.usage import EXIT_OK, UsageError
 from ckpt.commit import deletion
+from ckpt.commit import lease as lease_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
 from ckpt.commit.retention import RetentionPolicy
 
 DEFAULT_TMP_MIN_AGE_S = 3600
+
+
+def _watch(storage: storage_lib.Storage, args, tmp: list
+           ) -> tuple[set, float] | None:
+  """A bucket's uncommitted attempts have no age gc can read (no host's
+  clock is trusted: ckpt/commit/lease.py): gc watches their leases for
+  ``min(--tmp-min-age, --lease-s)`` seconds. Returns (the names that did
+  not change meanwhile, or whose holder is provably dead, and unfinished
+  deletions; the seconds watched); None on a disk or with nothing to
+  watch (or --tmp-min-age 0: every uncommitted attempt goes)."""
+  if storage.is_posix or not tmp or args.tmp_min_age <= 0:
+    return None
+  window = float(min(args.tmp_min_age, args.lease_s))
+  seen = lease_lib.Sightings()
+  cleanup_lib.abandoned(storage, window, None, seen)  # first sight
+  if window > 0:
+    time.sleep(window)
+  return set(cleanup_lib.abandoned(storage, window, None, seen)), window
 
 
 def cmd_gc(args) -> int:
@@ -44,11 +65,19 @@ def cmd_gc(args) -> int:
     plan.append({"name": r["name"], "step": s, "kind": "step",
                  "bytes": r["bytes"], "reason": "retention policy"})
   skipped = []
+  watched = _watch(storage, args, tmp)
+  now = cleanup_lib.store_now(storage) if storage.is_posix and tmp else None
   for r in tmp:
     age = r.get("age_s")
+    if now is not None and r.get("time") is not None:
+      age = max(0.0, now - r["time"])  # the file system's clock, not ours
     item = {"name": r["name"], "step": r["step"], "kind": "uncommitted",
             "bytes": r["bytes"], "age_s": age}
-    if args.tmp_min_age > 0 and (age is None or age < args.tmp_min_age):
+    if watched is not None and r["name"] not in watched[0]:
+      skipped.append({**item, "reason": "its lease changed while gc watched "
+                      f"it for {watched[1]:g} s; may be a save in progress"})
+    elif (watched is None and args.tmp_min_age > 0
+          and (age is None or age < args.tmp_min_age)):
       skipped.append({**item, "reason": f"last written {human_age(age)} ago; "
                       "may be a save in progress"})
     else:

@@ -131,8 +131,15 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tmp-min-age", type=_non_negative,
                  default=DEFAULT_TMP_MIN_AGE_S, metavar="SECONDS",
                  help="remove an uncommitted checkpoint_*.tmp-* directory "
-                 "only if nothing in it changed for this long (default "
-                 "%(default)s; it may be a save in progress)")
+                 "only if nothing in it changed for this long, by the file "
+                 "system's clock (default %(default)s; it may be a save in "
+                 "progress). On a bucket: an attempt whose lease gc saw "
+                 "unchanged while it watched it for this long or --lease-s, "
+                 "whichever is shorter")
+  p.add_argument("--lease-s", type=_non_negative, default=30,
+                 metavar="SECONDS",
+                 help="the writers' lease_s (default %(default)s): on a "
+                 "bucket, how long at most gc watches uncommitted attempts")
   p.add_argument("--incomplete", action="store_true",
                  help="also delete incomplete step directories (no commit "
                  "marker, or no index; on a disk only) and the ones a save "

@@ -14,7 +14,6 @@ import os
 import re
 import secrets
 import shutil
-import time
 
 from ckpt.commit import deletion
 from ckpt.commit import lease as lease_lib
@@ -29,27 +28,71 @@ DEFAULT_LEASE_S = lease_lib.DEFAULT_LEASE_S
 _DEL_RE = re.compile(r"^checkpoint_\d+\.tmp-del-[0-9a-f]+$")
 
 
-def _age_s(storage: storage_lib.Storage, rel: str,
-           lease: dict | None) -> float | None:
-  """Seconds since the attempt's last renewal (None: unknown); ``lease``:
-  its ``attempt.json`` as read by ``_live`` (None: missing)."""
-  beat = None if lease is None else lease.get("time")
-  if type(beat) in (int, float):
-    return time.time() - beat
-  if storage.is_posix:
+def store_now(storage: storage_lib.Storage) -> float | None:
+  """POSIX: now on the file system's clock (ckpt/commit/lease.py): the
+  modification time of a probe file created in the root, then removed;
+  None if none can be made there (nothing is then old enough)."""
+  probe = os.path.join(os.fspath(storage.root),
+                       f".ckpt-clock-{secrets.token_hex(4)}")
+  try:
+    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  except OSError:
+    return None
+  try:
+    return os.fstat(fd).st_mtime
+  finally:
+    os.close(fd)
     try:
-      return time.time() - os.stat(storage.root / rel).st_mtime
+      os.unlink(probe)
     except OSError:
-      return None
-  # No attempt.json (yet, or any more): the time its pending record was made.
-  s, _, tail = rel.partition("/")
-  m = records.ATTEMPT_DIR_RE.match(tail)
-  step = storage_lib.parse_step(s)
-  if m and step is not None:
-    t = records.pending_time(storage, step, m.group(1))
-    if t is not None:
-      return time.time() - t
-  return None
+      pass
+
+
+def _mtime(path) -> float | None:
+  try:
+    return os.stat(path).st_mtime
+  except OSError:
+    return None
+
+
+class _Clock:
+  """How one cleanup pass dates leases (ckpt/commit/lease.py): on POSIX
+  against the file system's clock, read once (lazily) per pass; on object
+  stores by the cleaner's ``Sightings`` of their generations."""
+
+  def __init__(self, storage: storage_lib.Storage,
+               seen: lease_lib.Sightings | None):
+    self.storage = storage
+    self.seen = lease_lib.Sightings() if seen is None else seen
+    self.dated: list[str] = []  # the attempts dated by ``seen``
+    self._now: list = []
+
+  def age_s(self, rel: str, generation: bytes | None) -> float | None:
+    """Seconds since the attempt at ``rel`` last changed (None: unknown);
+    ``generation``: its lease's (object stores; None: no lease)."""
+    if self.storage.is_posix:
+      root = self.storage.root
+      t = _mtime(root / rel / steps_lib.ATTEMPT_FILE)
+      if t is None:
+        t = _mtime(root / rel)
+      if t is None:
+        return None
+      if not self._now:
+        self._now.append(store_now(self.storage))
+      return None if self._now[0] is None else self._now[0] - t
+    if generation is None:
+      # No attempt.json (yet, or any more): its pending record's.
+      s, _, tail = rel.partition("/")
+      m = records.ATTEMPT_DIR_RE.match(tail)
+      step = storage_lib.parse_step(s)
+      if not m or step is None:
+        return None
+      data, generation = self.storage.read_generation(
+          records.pending_key(step, m.group(1)))
+      if data is None:
+        return None
+    self.dated.append(rel)
+    return self.seen.unchanged_for(rel, generation)
 
 
 # An attempt directory that holds nothing, not even its lease, is a save
@@ -59,28 +102,47 @@ UNFINISHED_PREPARE_S = 2.0
 
 
 def _live(storage: storage_lib.Storage, rel: str, lease_s: float,
-          reasons: dict | None = None) -> bool | None:
+          reasons: dict | None = None, clock: _Clock | None = None
+          ) -> bool | None:
   """Whether the attempt at ``rel`` may still be saving: False when its
-  holder is provably dead, its lease is older than ``lease_s``, or (POSIX)
-  it is an empty directory that never got its lease and is older than
-  ``UNFINISHED_PREPARE_S`` (the reason goes into ``reasons[rel]``); None
-  when its age is unknown."""
-  lease = lease_lib.parse(storage.read_bytes(f"{rel}/{steps_lib.ATTEMPT_FILE}"))
+  holder is provably dead, its lease is older than ``lease_s`` (dated by
+  ``clock``: see ckpt/commit/lease.py; ``lease_s`` 0: every attempt), or
+  (POSIX) it is an empty directory that never got its lease and is older
+  than ``UNFINISHED_PREPARE_S`` (the reason goes into ``reasons[rel]``);
+  None when its age is unknown."""
+  key = f"{rel}/{steps_lib.ATTEMPT_FILE}"
+  if storage.is_posix:
+    data, gen = storage.read_bytes(key), None
+  else:
+    data, gen = storage.read_generation(key)
+  lease = lease_lib.parse(data)
   dead = None if lease is None else lease_lib.dead_reason(lease)
+  if dead is None and lease_s <= 0:
+    dead = "every uncommitted attempt counts (lease_s=0)"
   if dead is None:
-    age = _age_s(storage, rel, lease)
+    clock = _Clock(storage, None) if clock is None else clock
+    age = clock.age_s(rel, None if data is None else gen)
     if age is None:
       return None
+    what = ("unchanged for" if not storage.is_posix
+            else "last written")
     if lease is None and age >= UNFINISHED_PREPARE_S and _empty(storage, rel):
       dead = (f"it holds nothing, not even its lease, and is {age:.0f} s old "
               "(a save that died as it created it)")
     elif age < lease_s:
       return True
     else:
-      dead = f"its lease is {age:.0f} s old (lease_s={lease_s:g})"
+      dead = (f"its lease was {what} {age:.0f} s "
+              f"{'ago ' if storage.is_posix else ''}(lease_s={lease_s:g})")
   if reasons is not None:
     reasons[rel] = dead
   return False
+
+
+def is_live(storage: storage_lib.Storage, rel: str, lease_s: float,
+            seen: lease_lib.Sightings | None = None) -> bool | None:
+  """``_live`` for one attempt, with this cleaner's sightings ``seen``."""
+  return _live(storage, rel, lease_s, None, _Clock(storage, seen))
 
 
 def _empty(storage: storage_lib.Storage, rel: str) -> bool:
@@ -95,15 +157,18 @@ def _empty(storage: storage_lib.Storage, rel: str) -> bool:
 
 
 def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
-              reasons: dict | None = None) -> list[str]:
+              reasons: dict | None = None,
+              seen: lease_lib.Sightings | None = None) -> list[str]:
   """Relative directories of attempts that are provably abandoned (and, on
   object stores, steps whose deletion died half way); ``reasons`` gets why,
-  for attempts (see ``_live``).
+  for attempts (see ``_live``). ``seen``: what this cleaner saw of the
+  leases before (object stores: a lease first seen now is not old).
 
   Object stores: one listing of ``pending/`` and a read or two per entry
   (the lease of an attempt, the record of a step); a root not migrated yet
   is also listed in full, as earlier versions did."""
   out = []
+  clock = _Clock(storage, seen)
   if storage.is_posix:
     if not storage.root.exists():
       return []
@@ -111,7 +176,7 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
       if _DEL_RE.match(p.name):
         out.append(p.name)
       elif storage_lib.is_tmp_name(p.name):
-        if _live(storage, p.name, lease_s, reasons) is False:
+        if _live(storage, p.name, lease_s, reasons, clock) is False:
           out.append(p.name)
     return out
   pending = records.list_pending(storage)
@@ -119,7 +184,7 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
     if t == records.DELETE:
       continue
     rel = steps_lib.work_dir(storage, s, t)
-    if not _live(storage, rel, lease_s, reasons):
+    if not _live(storage, rel, lease_s, reasons, clock):
       # remove() keeps the data of the attempt that committed s (its
       # pending record alone is left over) and drops a marker naming it
       # that never got its record.
@@ -129,14 +194,15 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
   # step as a whole: see ckpt/commit/deletion.py).
   out += [deletion.name(s) for s, t in pending
           if t == records.DELETE and deletion.unfinished(storage, s)]
-  if records.records_complete(storage):
-    return out
-  return out + [r for r in _abandoned_by_scan(storage, lease_s, reasons)
-                if r not in out]
+  if not records.records_complete(storage):
+    out += [r for r in _abandoned_by_scan(storage, lease_s, reasons, clock)
+            if r not in out]
+  clock.seen.keep_only(clock.dated)  # what is no longer there is forgotten
+  return out
 
 
 def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
-                       reasons: dict | None = None) -> list[str]:
+                       reasons: dict | None, clock: _Clock) -> list[str]:
   """A root whose records are not complete: from one full listing."""
   out = []
   committed, attempts, loose = steps_lib._scan(storage)
@@ -145,7 +211,7 @@ def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
     for t in sorted(tokens - {winner}):
       rel = steps_lib.work_dir(storage, s, t)
       # A committed step's losing attempts go once their lease is over too.
-      if not _live(storage, rel, lease_s, reasons):
+      if not _live(storage, rel, lease_s, reasons, clock):
         out.append(rel)
   # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
   # that never committed (today's saves write only inside attempts).
@@ -202,6 +268,15 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
   if committed and winner == token:
     # The step itself (a commit that died before removing its pending
     # record, or a legacy root): only that record goes.
+    storage.delete_key(records.pending_key(step, token))
+    return
+  # The lease goes first: a holder committing now checks it after writing
+  # its record (ckpt/commit/protocol.py), and the record is read again
+  # after this, so one of the two sees the other: either that commit fails
+  # (and is undone), or it is seen committed here and its data stays.
+  storage.delete_key(f"{rel}/{steps_lib.ATTEMPT_FILE}")
+  committed, winner = steps_lib._commit_state(storage, step)
+  if committed and winner == token:
     storage.delete_key(records.pending_key(step, token))
     return
   if complete and not committed:

@@ -1,11 +1,14 @@
 """Who holds a save attempt, and when another job may take it for dead.
 
 An attempt's ``attempt.json`` is its lease. Process 0 of the saving job
-writes it when it prepares the attempt and rewrites it every
-``renew_interval(lease_s)`` seconds while the save runs (ckpt/save/runner.py).
-It names its holder: the host name, the kernel's boot id and pid namespace,
-the pid of process 0 and that process's start time, the job's coordinator
-address and process count, and the time of the last renewal.
+writes it when it prepares the attempt and renews it every
+``renew_interval(lease_s)`` seconds while the save runs, on a thread and a
+kvstore of its own (ckpt/commit/renewal.py), each renewal conditional on
+the lease it wrote last, so a removed attempt is never recreated. It names
+its holder: the host name, the kernel's boot id and pid namespace, the pid
+of process 0 and that process's start time, the job's coordinator address
+and process count, and a renewal number (the holder's clock time is in it
+too, for people; no cleaner reads it).
 
 Cleanup (``commit.abandoned``, run by process 0 at every save) removes an
 attempt when one of these holds:
@@ -20,6 +23,24 @@ attempt when one of these holds:
   another host (nothing here can see its processes), or it is alive but
   stopped renewing (its save failed or hangs).
 
+The age of a lease is read on ONE clock, never by comparing one host's
+``time.time()`` with another's (a holder whose clock is 2 minutes behind
+would lose its live attempt; one a year ahead would never be cleaned):
+
+- POSIX: the file system's clock. The age is the modification time of a
+  probe file the cleaner creates now in the root minus that of the lease
+  (of the attempt directory when it has no lease yet): both stamped by the
+  same kernel (a local disk) or file server (NFS sets times on the
+  server), whatever the clocks of the holder and the cleaner say;
+- object stores: the cleaner's own monotonic clock (``Sightings``): the
+  time since the cleaner first saw the lease's current generation (its
+  ``pending/`` record's when it has no lease). A renewal changes the
+  generation, so a live save is never seen unchanged for ``lease_s``; a
+  cleaner's first look at an attempt proves nothing, and the attempt goes
+  at the first cleanup at least ``lease_s`` later that finds it unchanged
+  (a Checkpointer remembers what it saw from one save to the next; ``ckpt
+  gc`` watches for that long).
+
 Nothing else counts as proof. In particular a job that now holds the old
 job's coordinator address proves nothing: gRPC binds with SO_REUSEPORT, so a
 second coordination service binds a port a live one still holds (checked
@@ -33,8 +54,9 @@ import functools
 import json
 import os
 import socket
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_LEASE_S = 30.0
 # GCS allows about one update a second of one object: renewals never come
@@ -93,10 +115,41 @@ def holder() -> dict[str, Any]:
           "processes": state.num_processes or 1}
 
 
-def make(token: str) -> bytes:
-  """The content of a lease taken (or renewed) now by this process."""
-  return json.dumps({"token": token, "time": time.time(),
+def make(token: str, renewal: int = 0) -> bytes:
+  """The content of a lease taken (``renewal`` 0) or renewed now by this
+  process; every renewal's content differs (its number), so its storage
+  generation does."""
+  return json.dumps({"token": token, "renewal": renewal, "time": time.time(),
                      **holder()}).encode()
+
+
+class Sightings:
+  """A cleaner's own clock for leases it cannot date (object stores): when
+  it first saw each lease in the generation it has now. Kept by a
+  Checkpointer from one save's cleanup to the next; thread-safe."""
+
+  def __init__(self, clock: Callable[[], float] = time.monotonic):
+    self._clock = clock
+    self._seen: dict[str, tuple[bytes, float]] = {}
+    self._lock = threading.Lock()
+
+  def unchanged_for(self, key: str, generation: bytes) -> float:
+    """Seconds since ``key`` was first seen holding ``generation`` (0 at
+    the first sight of that generation)."""
+    now = self._clock()
+    with self._lock:
+      seen = self._seen.get(key)
+      if seen is None or seen[0] != generation:
+        self._seen[key] = (generation, now)
+        return 0.0
+      return now - seen[1]
+
+  def keep_only(self, keys) -> None:
+    """Forgets every lease but ``keys`` (those still pending)."""
+    keys = set(keys)
+    with self._lock:
+      for k in [k for k in self._seen if k not in keys]:
+        del self._seen[k]
 
 
 def parse(data: bytes | None) -> dict | None:

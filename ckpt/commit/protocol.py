@@ -16,11 +16,16 @@ goes into a work directory that nothing else writes into:
 
 What a commit guarantees (``commit``):
 - Every process wrote its data (the "written" barrier comes first) and the
-  attempt is intact: ``attempt.json``, written when the attempt was
-  prepared, still names this token. If anything removed the work directory
-  meanwhile (another job's cleanup, an operator), the commit fails naming
-  the cause; it never recreates it (writers that did recreate parts of it
-  left no ``attempt.json``).
+  attempt is whole: its lease ``attempt.json`` is still the one this save
+  last wrote (the renewal's last, conditional write: ckpt/commit/renewal.py)
+  and, on object stores, its ``pending/`` record is there. Both are checked
+  again after the step's record is written; a cleaner removes the lease
+  first and reads the step's record after (ckpt/commit/cleanup.py), so one
+  of the two sees the other: the commit takes its record and marker back
+  and fails, or the cleaner sees it committed and keeps its data. A
+  removed attempt is never recreated (renewals are conditional; writers
+  that did recreate parts of it left no ``attempt.json``); the save fails
+  with a CheckpointError saying its work was removed.
 - On POSIX the index, the marker, every directory of the attempt and then
   the root are fsynced, in that order around the rename: after a power loss
   a committed step comes back whole or not at all (TensorStore's file
@@ -33,12 +38,13 @@ What a commit guarantees (``commit``):
 What cleanup may delete (``abandoned``, run by process 0 at every save):
 attempts whose holder is provably dead or whose lease expired. A live
 attempt's ``attempt.json`` is its lease (ckpt/commit/lease.py): it names the
-process that holds it and the time of its last renewal (process 0 renews it
+process that holds it and a renewal number (process 0 renews it
 every ``lease_s / 6`` while the save runs). An attempt is abandoned when its
 holder ran on this machine and is gone (a crashed job restarted on the same
 host), or when its lease is older than ``lease_s`` (default 30 s), or when
-the file is missing and the directory itself is that old. Half-done
-deletions (``*.tmp-del-*``) are always removable. A committed
+the file is missing and the directory (bucket: its ``pending/`` record)
+itself is that old; ages are read on one clock (ckpt/commit/lease.py).
+Half-done deletions (``*.tmp-del-*``) are always removable. A committed
 step is never "abandoned"; deleting it (retention, ``ckpt gc``) removes its
 record and marker first (buckets) or renames it away (POSIX), so no reader
 ever sees half of it.
@@ -146,6 +152,7 @@ from absl import logging
 from ckpt.commit import deletion
 from ckpt.commit import lease as lease_lib
 from ckpt.commit import records
+from ckpt.commit import renewal as renewal_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.commit.steps import ATTEMPT_FILE, NO_VALUE
@@ -166,10 +173,12 @@ def fsync_dir(path: str) -> None:
 # ---- an attempt's life ------------------------------------------------------
 
 def prepare(storage: storage_lib.Storage, step: int, token: str,
-            lease_s: float = DEFAULT_LEASE_S) -> str:
+            lease_s: float = DEFAULT_LEASE_S,
+            seen: lease_lib.Sightings | None = None) -> str:
   """Process 0, before anyone writes: a fresh work directory holding only
   ``attempt.json`` (and, on object stores, its ``pending/`` record).
-  Returns its relative path. ``lease_s``: see ``_clear_stale_marker``."""
+  Returns its relative path. ``lease_s``, ``seen``: see
+  ``_clear_stale_marker``."""
   rel = steps_lib.work_dir(storage, step, token)
   if storage.is_posix:
     storage.root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +194,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
       # goes on, and the next one tries again.
       logging.warning("ckpt: could not make the commit records of %s "
                       "complete: %s", storage.url, e)
-    _clear_stale_marker(storage, step, lease_s)
+    _clear_stale_marker(storage, step, lease_s, seen)
     # first: cleanup can find the rest
     records.write_pending(storage, step, token)
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
@@ -215,42 +224,77 @@ def _clear_uncommitted_dir(storage: storage_lib.Storage, step: int) -> None:
                   "--yes` deletes it)", path, problem, step, aside)
 
 
-def heartbeat(storage: storage_lib.Storage, step: int, token: str) -> None:
-  """Process 0, while the save runs: renews the attempt's lease (only if
-  its directory still exists)."""
-  rel = steps_lib.work_dir(storage, step, token)
-  if storage.is_posix:
-    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
-  else:
-    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
-
-
 def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
   return records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
+def _removed(storage: storage_lib.Storage, step: int, token: str,
+             renewal: renewal_lib.Renewal | None) -> bytes | None:
+  """Before a commit: the attempt is whole, or the removed_error. With the
+  attempt's ``renewal``: its last word (the lease's generation now); then
+  (object stores) its ``pending/`` record is there too."""
+  rel = steps_lib.work_dir(storage, step, token)
+  where = f"{storage.url.rstrip('/')}/{rel}"
+  if renewal is not None:
+    gen = renewal.final()
+  elif _attempt_token(storage, rel) != token:
+    raise renewal_lib.removed_error(step, where,
+                                    "its lease is gone or names another "
+                                    "attempt")
+  else:
+    gen = None
+  if not storage.is_posix and not storage.exists(
+      records.pending_key(step, token)):
+    raise renewal_lib.removed_error(
+        step, where, f"its record {records.pending_key(step, token)} is gone")
+  return gen
+
+
+def _still_whole(storage: storage_lib.Storage, step: int, token: str,
+                 lease_gen: bytes | None) -> str | None:
+  """Object stores, after the record is written: why the attempt is no
+  longer whole (None: it is). A cleaner removes the lease first and reads
+  the record after (ckpt/commit/cleanup.py): one of the two sees the other."""
+  rel = steps_lib.work_dir(storage, step, token)
+  data, gen = storage.read_generation(f"{rel}/{ATTEMPT_FILE}")
+  if data is None:
+    return "its lease was removed while it committed"
+  if lease_gen is not None and gen != lease_gen:
+    return "its lease was rewritten while it committed"
+  if not storage.exists(records.pending_key(step, token)):
+    return (f"its record {records.pending_key(step, token)} was removed "
+            "while it committed")
+  return None
+
+
 def commit(storage: storage_lib.Storage, step: int, token: str,
-           index_data: bytes) -> None:
-  """Writes the index and makes ``step`` visible (see the module docstring)."""
+           index_data: bytes,
+           renewal: renewal_lib.Renewal | None = None) -> None:
+  """Writes the index and makes ``step`` visible (see the module
+  docstring). ``renewal``: the attempt's lease renewal (process 0 of a
+  save), stopped here; its last renewal proves the lease is the attempt's."""
   rel = steps_lib.work_dir(storage, step, token)
   final = storage_lib.step_dirname(step)
   where = f"{storage.url.rstrip('/')}/{rel}"
-  if _attempt_token(storage, rel) != token:
-    raise CheckpointError(
-        f"cannot commit step {step}: its work directory {where} was removed "
-        "or replaced while the save was running (another job's cleanup of "
-        "abandoned saves, or a person?); nothing was committed and the "
-        "existing checkpoints are untouched. Save again")
+  lease_gen = _removed(storage, step, token, renewal)
   if storage.is_posix:
     work = os.fspath(storage.root / rel)
-    storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME), index_data)
-    storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
-                    records.marker(step, token, ""))
+    try:
+      storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME),
+                             index_data)
+      storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
+                             records.marker(step, token, ""))
+    except FileNotFoundError as e:  # renamed away by a cleaner just now
+      raise renewal_lib.removed_error(step, where, "its directory is gone"
+                                      ) from e
     for dirpath, _, _ in os.walk(work, topdown=False):
       fsync_dir(dirpath)  # every entry the checkpoint consists of, durable
     try:
       os.rename(work, storage.root / final)
     except OSError as e:
+      if not os.path.isdir(work):
+        raise renewal_lib.removed_error(step, where, "its directory is gone"
+                                        ) from e
       if steps_lib.is_committed(storage, step):
         raise CheckpointError(
             f"cannot commit step {step} in {storage.url!r}: another attempt "
@@ -275,8 +319,16 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
         f"committed it first; this attempt ({where}) was not committed")
   t, metrics = steps_lib._index_info(index_data)
   # The record makes the step visible; then the attempt is no longer pending.
-  storage.write_bytes(records.record_key(step),
-                      records.record(step, token, data_dir, t, metrics))
+  rec_gen = storage.write_bytes(
+      records.record_key(step), records.record(step, token, data_dir, t,
+                                               metrics))
+  why = _still_whole(storage, step, token, lease_gen)
+  if why is not None:  # undone: the record, then the marker, if still ours
+    storage.delete_key(records.record_key(step), generation=rec_gen)
+    data, gen = storage.read_generation(marker_key)
+    if records.marker_attempt(data) == token:
+      storage.delete_key(marker_key, generation=gen)
+    raise renewal_lib.removed_error(step, where, why)
   try:
     storage.delete_key(records.pending_key(step, token))
   except CheckpointError as e:  # committed all the same; cleanup drops it
@@ -285,12 +337,14 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
 
 
 def _clear_stale_marker(storage: storage_lib.Storage, step: int,
-                        lease_s: float) -> None:
+                        lease_s: float,
+                        seen: lease_lib.Sightings | None = None) -> None:
   """Process 0, preparing a save of ``step`` (no record, records complete):
   a marker left without a record (a commit or a deletion that died half
   way) would make this attempt's commit fail. It goes when that is provably
   no live commit: the step's deletion is pending, or the attempt the marker
-  names has no live lease. One GET when there is no such marker."""
+  names has no live lease (``seen``: this cleaner's earlier sightings of
+  leases, ckpt/commit/lease.py). One GET when there is no such marker."""
   if not records.records_complete(storage):
     return  # without records, a marker is a commit
   key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
@@ -304,8 +358,8 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
       return
   data, gen = storage.read_generation(key)
   won = records.marker_attempt(data)
-  if data is None or (won is not None and cleanup_lib._live(
-      storage, steps_lib.work_dir(storage, step, won), lease_s)):
+  if data is None or (won is not None and cleanup_lib.is_live(
+      storage, steps_lib.work_dir(storage, step, won), lease_s, seen)):
     return  # maybe a commit in progress: if it is, ours fails, naming it
   logging.warning("ckpt: step %d in %s has a commit marker but no commit "
                   "record (a save that died while committing); removing "

@@ -43,7 +43,7 @@ from ckpt.commit import cleanup as cleanup_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.format import index as index_lib
 from ckpt.format import seal
-from ckpt.commit import lease as lease_lib
+from ckpt.commit import renewal as renewal_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import polite
@@ -118,7 +118,9 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
   step, key = attempt.step, attempt.key
   step_kvstore = storage.step_spec(attempt.work_dir)
   stopped_writing = []  # non-empty once every process stopped writing
-  lease = (asyncio.ensure_future(_renew_lease(storage, attempt))
+  # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
+  lease = (renewal_lib.Renewal(storage, step, attempt.token,
+                               attempt.lease_s).start()
            if pid == 0 else None)
   try:
     # 3-4. stage and write this process's boxes under one byte budget; its
@@ -181,7 +183,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         # Not cut by a cancel (Checkpointer.cancel): the task ends once
         # the commit has, so what cancel finds is committed or not.
         committing = asyncio.ensure_future(asyncio.to_thread(
-            commit_lib.commit, storage, step, attempt.token, data))
+            commit_lib.commit, storage, step, attempt.token, data, lease))
         try:
           await asyncio.shield(committing)
         except asyncio.CancelledError:
@@ -208,7 +210,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     raise
   finally:
     if lease is not None:
-      lease.cancel()
+      lease.stop()
     if stopped_writing:
       multihost.forget(key, attempt.timeout_s)
 
@@ -282,19 +284,6 @@ def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
         "or twice): the processes planned differently (hosts running "
         "different ckpt versions, or a different view of the mesh?); "
         f"nothing was committed (digest {list(got)}, expected {list(want)})")
-
-
-async def _renew_lease(storage: storage_lib.Storage, attempt: Attempt) -> None:
-  """Process 0: keeps the attempt alive for other writers' cleanup."""
-  while True:
-    await asyncio.sleep(lease_lib.renew_interval(attempt.lease_s,
-                                                 storage.is_posix))
-    try:
-      await asyncio.to_thread(commit_lib.heartbeat, storage, attempt.step,
-                              attempt.token)
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("ckpt: renewing the lease of step %d (%s) failed: %s",
-                      attempt.step, attempt.work_dir, e)
 
 
 def _remove_failed(storage: storage_lib.Storage, attempt: Attempt) -> None:

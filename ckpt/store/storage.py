@@ -300,7 +300,7 @@ class Storage:
     limit = MAX_OBJECT_BYTES if limit is None else limit
     with self.store_errors(f"reading {_describe(rel)} from"):
       self._check_object_size(rel, limit)
-      r = self._kv.read(rel).result()
+      r = self.result(self._kv.read(rel))
     if r.state == "missing":
       return None, bytes(r.stamp.generation)
     data = bytes(r.value)

@@ -148,7 +148,9 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
       assert not (ckpt_dir / rel).exists()
       return
     assert (ckpt_dir / rel / "data").exists()
-    _rewrite_lease(ckpt_dir, rel, time=time.time() - ckptr.lease_s - 1)
+    # Aged on the file system's clock (what cleanup reads: lease.py).
+    old = os.stat(ckpt_dir).st_mtime - ckptr.lease_s - 1
+    os.utime(ckpt_dir / rel / steps_lib.ATTEMPT_FILE, (old, old))
     assert ckptr.save(2, _state(rng))
     assert not (ckpt_dir / rel).exists()
   finally:

@@ -14,6 +14,12 @@ the way networks do:
   and every connection together (a slow but healthy store, a saturated
   link): bytes keep moving, requests take as long as their size says.
 
+``Proxy(target, rate=1 << 20)`` makes the store slow instead: every byte
+from the clients to the store, all connections together, crosses one link
+of ``rate`` bytes a second, in slices of at most ``THROTTLE_SLICE`` bytes
+served first come, first served (a small request waits for the slices
+queued before it, as on a saturated link, never for whole uploads).
+
 One accept thread and two pump threads per connection, every blocking call
 with a short timeout, at most ``MAX_CONNECTIONS`` open at once (more are
 closed at accept): ``close()`` ends them all within a second or two.
@@ -44,6 +50,28 @@ from ckpt.multihost import local_cluster
 
 MAX_CONNECTIONS = 256
 POLL_S = 0.1
+THROTTLE_SLICE = 16 << 10
+
+
+class _Link:
+  """A link of ``rate`` bytes a second shared by every upload: ``send``
+  reserves the link's next free slot for its bytes and sleeps until they
+  would have crossed it."""
+
+  def __init__(self, rate: float):
+    self.rate = float(rate)
+    self._free_at = 0.0
+    self._lock = threading.Lock()
+
+  def send(self, sock: socket.socket, data: bytes) -> None:
+    for i in range(0, len(data), THROTTLE_SLICE):
+      part = data[i:i + THROTTLE_SLICE]
+      with self._lock:
+        now = time.monotonic()
+        self._free_at = max(self._free_at, now) + len(part) / self.rate
+        wait = self._free_at - now
+      time.sleep(wait)
+      sock.sendall(part)
 
 
 def _reset(sock: socket.socket) -> None:
@@ -63,9 +91,11 @@ class Proxy:
   """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port)."""
 
   def __init__(self, target: tuple[str, int],
-               counter: "HttpCounter | None" = None):
+               counter: "HttpCounter | None" = None,
+               rate: float | None = None):
     self.target = target
     self.counter = counter
+    self._link = None if rate is None else _Link(rate)
     self.port = local_cluster.free_port()
     self.endpoint = f"http://127.0.0.1:{self.port}"
     self.mode = "forward"  # "forward" | "refuse" | "black_hole"
@@ -176,15 +206,17 @@ class Proxy:
           self._conns.add(upstream)
       pair = _Pair(client, upstream)
       http = self.counter.connection() if self.counter is not None else None
-      for src, dst, feed in (
-          (client, upstream, http and http.feed_request),
-          (upstream, client, http and http.feed_response)):
+      for src, dst, feed, link in (
+          (client, upstream, http and http.feed_request, self._link),
+          (upstream, client, http and http.feed_response, None)):
         if src is not None:
-          threading.Thread(target=self._pump, args=(pair, src, dst, feed),
-                           daemon=True, name=f"proxy-{self.port}-pump").start()
+          threading.Thread(target=self._pump,
+                           args=(pair, src, dst, feed, link), daemon=True,
+                           name=f"proxy-{self.port}-pump").start()
 
   def _pump(self, pair: "_Pair", src: socket.socket,
-            dst: socket.socket | None, feed=None) -> None:
+            dst: socket.socket | None, feed=None,
+            link: _Link | None = None) -> None:
     """Copies ``src`` to ``dst`` while forwarding, drops what arrives
     otherwise. At the end of ``src`` it half-closes ``dst`` (what was sent
     is still delivered); the pair closes once both directions ended, and is
@@ -214,7 +246,10 @@ class Proxy:
           if feed is not None:  # before it goes on: requests precede answers
             feed(data)
           dst.settimeout(10)
-          dst.sendall(data)
+          if link is not None:
+            link.send(dst, data)
+          else:
+            dst.sendall(data)
     except OSError:
       return
     finally:

@@ -27,6 +27,7 @@ import ckpt
 from ckpt.cli import main as cli
 from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
+from ckpt.commit import lease as lease_lib
 from ckpt.save import runner as finalize
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
@@ -266,6 +267,12 @@ def test_crash_between_marker_and_record(store, s3_bucket, gs_bucket,
   # lease is over, replaces it.
   _crash_between_marker_and_record(monkeypatch, url, 2)
   with ckpt.Checkpointer(url, lease_s=1e-3, **KW) as ckptr:
+    # Its holder (this process) is alive: on a bucket a lease is dated by
+    # the cleaner's own sightings (ckpt/commit/lease.py), so this one is
+    # seen once, then found unchanged by the save's prepare.
+    cleanup_lib.abandoned(ckptr.storage, ckptr.lease_s, None,
+                          ckptr.lease_seen)
+    time.sleep(0.01)
     assert ckptr.save(2, state(8, 2))
     assert ckptr.all_steps() == [1, 2]
     assert int(ckptr.restore(2)["n"]) == 2
@@ -321,10 +328,17 @@ def test_a_root_without_records_is_discovered_and_migrated(
     assert ckptr.all_steps() == [1, 2, 3]
     assert ckptr.metrics(2) == {"loss": 1.0}
     assert int(ckptr.restore()["n"]) == 3
-    assert cleanup_lib.abandoned(ckptr.storage) == ["checkpoint_4/attempt-abc"]
+    # Dated by the cleaner's own sightings (ckpt/commit/lease.py), never
+    # by the time the holder wrote: abandoned once seen unchanged for 0.05 s.
+    seen = lease_lib.Sightings()
+    assert cleanup_lib.abandoned(ckptr.storage, 0.05, None, seen) == []
+    time.sleep(0.06)
+    assert cleanup_lib.abandoned(ckptr.storage, 0.05, None, seen) == [
+        "checkpoint_4/attempt-abc"]
   assert "checkpoint_" in listed  # the full listing, while not migrated
   assert not [k for k in storeutil.keys(url) if k.startswith("commits/")]
-  with ckpt.Checkpointer(url, **KW) as ckptr:  # a writer: migrates first
+  with ckpt.Checkpointer(url, lease_s=0.05, **KW) as ckptr:  # a writer
+    ckptr.lease_seen = seen  # (what it saw before), then it migrates first
     ckptr.save(5, state(8, 5), metrics={"loss": 0.5})
     assert ckptr.all_steps() == [1, 2, 3, 5]
   keys = storeutil.keys(url)

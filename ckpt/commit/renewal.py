@@ -1,0 +1,186 @@
+"""Process 0's renewal of its attempt's lease while the save runs.
+
+The lease (``attempt.json``, ckpt/commit/lease.py) is renewed every
+``lease.renew_interval(lease_s)`` seconds by a thread of its own, through a
+kvstore of its own (its own TensorStore context: its own request limits and
+retries), so a renewal never waits in the save's queue of uploads nor for
+the save's event loop: through a store throttled to 1 MiB/s
+(tests/objectstore/test_lease_bucket.py) renewals keep their interval while
+the data crawls.
+
+A renewal never recreates what was removed:
+
+- object stores: each renewal is a write conditional on the generation of
+  the lease the previous one wrote (the first: the one read at start). A
+  condition that fails is read again: a lease holding this attempt's token
+  and a renewal number this holder wrote is its own (a retried request
+  that landed twice); anything else (missing: a cleaner removed the
+  attempt) means the attempt is lost, and the renewals stop;
+- POSIX: a renewal writes a new file and renames it into the attempt's
+  directory only while that directory and its lease are there (a cleaner
+  renames the directory away first, so the write fails).
+
+``commit`` (ckpt/commit/protocol.py) asks ``final()`` for the last word: the
+renewals stop, one more conditional renewal proves the lease is still this
+attempt's, and its generation is what the commit checks again once the
+step's record is written. A lost lease fails the save with a
+CheckpointError saying its work was removed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import tensorstore as ts
+from absl import logging
+
+from ckpt.commit import lease as lease_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.errors import CheckpointError
+from ckpt.store import storage as storage_lib
+
+
+def removed_error(step: int, where: str, why: str) -> CheckpointError:
+  return CheckpointError(
+      f"cannot commit step {step}: its work was removed while the save was "
+      f"running ({why}; another job's cleanup of abandoned saves, `ckpt gc`, "
+      f"or a person?). Expected the lease {where}/{steps_lib.ATTEMPT_FILE} "
+      "as this save last wrote it; nothing was committed and the existing "
+      "checkpoints are untouched. Save again")
+
+
+class Renewal:
+  """The lease of one attempt, renewed until ``stop`` or ``final``."""
+
+  def __init__(self, storage: storage_lib.Storage, step: int, token: str,
+               lease_s: float):
+    self.storage = storage
+    self.step, self.token = step, token
+    self.rel = steps_lib.work_dir(storage, step, token)
+    self.key = f"{self.rel}/{steps_lib.ATTEMPT_FILE}"
+    self.where = f"{storage.url.rstrip('/')}/{self.rel}"
+    self.interval_s = lease_lib.renew_interval(lease_s, storage.is_posix)
+    self.request_s = max(lease_s, 10.0)  # one renewal's bound
+    self.lost: str | None = None
+    self.renewed_at: list[float] = []  # time.monotonic() of each renewal
+    self._count = 0
+    self._gen: bytes | None = None
+    self._kv = None
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  # ---- life -----------------------------------------------------------
+
+  def start(self) -> "Renewal":
+    self._thread = threading.Thread(
+        target=self._run, daemon=True,
+        name=f"ckpt-lease-{self.step}-{self.token[:8]}")
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    """No renewal starts after this (one in flight ends on its own)."""
+    self._stop.set()
+
+  def final(self) -> bytes | None:
+    """Stops the renewals and renews once more: the lease's generation
+    now (None on POSIX); raises the removed_error if the lease is lost."""
+    self.stop()
+    with self._lock:
+      if self.lost is None:
+        try:
+          self._renew()
+        except Exception as e:  # pylint: disable=broad-except
+          raise CheckpointError(
+              f"cannot commit step {self.step}: renewing its lease "
+              f"{self.where}/{steps_lib.ATTEMPT_FILE} before the commit "
+              f"failed: {type(e).__name__}: {e}") from e
+      if self.lost is not None:
+        raise removed_error(self.step, self.where, self.lost)
+      return self._gen
+
+  def _run(self) -> None:
+    while not self._stop.wait(self.interval_s):
+      with self._lock:
+        if self._stop.is_set() or self.lost is not None:
+          return
+        try:
+          self._renew()
+        except Exception as e:  # pylint: disable=broad-except
+          logging.warning("ckpt: renewing the lease of step %d (%s) failed: "
+                          "%s", self.step, self.where, e)
+      if self.lost is not None:
+        logging.error("ckpt: the attempt %s of step %d was removed while "
+                      "saving (%s); this save will fail at its commit",
+                      self.where, self.step, self.lost)
+        return
+
+  # ---- one renewal (under the lock) -----------------------------------
+
+  def _renew(self) -> None:
+    self._count += 1
+    data = lease_lib.make(self.token, self._count)
+    if self.storage.is_posix:
+      self._renew_file(data)
+    else:
+      self._renew_object(data)
+    if self.lost is None:
+      self.renewed_at.append(time.monotonic())
+
+  def _renew_file(self, data: bytes) -> None:
+    path = os.path.join(os.fspath(self.storage.root), self.key)
+    if lease_lib.parse(_read(path)) is None:
+      self.lost = "its lease is gone"
+      return
+    try:
+      storage_lib.write_file(path, data)
+    except FileNotFoundError:
+      self.lost = "its directory is gone"
+
+  def _open(self):
+    if self._kv is None:
+      self._kv = ts.KvStore.open(self.storage.spec,
+                                 context=self.storage.context()).result(
+                                     timeout=self.request_s)
+    return self._kv
+
+  def _renew_object(self, data: bytes) -> None:
+    kv = self._open()
+    if self._gen is None:  # the lease prepare wrote: read once
+      r = kv.read(self.key).result(timeout=self.request_s)
+      if r.state == "missing" or not self._mine(bytes(r.value), first=True):
+        self.lost = "its lease is gone" if r.state == "missing" else (
+            "its lease names another attempt")
+        return
+      self._gen = bytes(r.stamp.generation)
+    w = kv.write(self.key, data, if_equal=self._gen).result(
+        timeout=self.request_s)
+    if w.generation:
+      self._gen = bytes(w.generation)
+      return
+    # The condition failed: ours all the same (a retried request), or gone.
+    r = kv.read(self.key).result(timeout=self.request_s)
+    if r.state == "missing":
+      self.lost = "its lease is gone"
+    elif not self._mine(bytes(r.value)):
+      self.lost = "its lease was replaced"
+    else:
+      self._gen = bytes(r.stamp.generation)
+
+  def _mine(self, data: bytes, first: bool = False) -> bool:
+    lease = lease_lib.parse(data)
+    if lease is None or lease.get("token") != self.token:
+      return False
+    n = lease.get("renewal", 0)
+    return first or (type(n) is int and 0 <= n <= self._count)
+
+
+def _read(path: str) -> bytes | None:
+  try:
+    with open(path, "rb") as f:
+      return f.read(storage_lib.MAX_OBJECT_BYTES)
+  except OSError:
+    return None
