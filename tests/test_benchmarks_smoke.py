@@ -157,7 +157,8 @@ def test_file_counts(tmp_path):
                 "--process-counts", "1,2", "--dir", str(tmp_path))
   lines = [l.split() for l in stdout.splitlines() if l.startswith("zarr ")]
   assert [l[1] for l in lines] == ["1", "2"], stdout
-  assert all(int(l[2].replace(",", "")) >= 20 for l in lines), stdout
+  # Small leaves are packed: a few files, more with more processes.
+  assert all(int(l[2].replace(",", "")) > 0 for l in lines), stdout
   assert not any(tmp_path.iterdir())  # it cleaned up
 
 
