@@ -152,13 +152,13 @@ def _check_command(words: list[str], where: str):
   elif words[0].startswith("./scripts/") or (
       words[0] == "python" and words[1].startswith("scripts/")) or (
           words[:2] == ["python", "-m"] and words[2].startswith("scripts.")):
-    if words[1] == "-m":
+    if words[1:2] == ["-m"]:
       script = ROOT / (words[2].replace(".", "/") + ".py")
     else:
       script = ROOT / (words[0] if words[0] != "python" else words[1])
     assert script.exists(), f"{where}: {script} does not exist"
     source = script.read_text()
-    if words[1] == "-m":
+    if words[1:2] == ["-m"]:
       source += "".join(p.read_text()
                         for p in (ROOT / "scripts" / "benchlib").glob("*.py"))
     for w in words:
