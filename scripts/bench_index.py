@@ -13,8 +13,9 @@ runs), each the best of ``--repeat`` runs in CPU seconds of this process
 (other work on the machine does not inflate CPU time as it does wall
 time), and reports the encoded size.
 
-  PYTHONPATH=$PWD python scripts/bench_index.py --leaves 100000
-  PYTHONPATH=$PWD python scripts/bench_index.py --leaves 100000 --profile decode
+Usage (from the repository root):
+  python -m scripts.bench_index --leaves 100000 [--repeat 3]
+  python -m scripts.bench_index --leaves 100000 --profile decode
 """
 
 from __future__ import annotations
@@ -22,18 +23,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
-import sys
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from ckpt.format import index as index_lib  # noqa: E402
-from ckpt.format import tree  # noqa: E402
+from ckpt.format import index as index_lib
+from ckpt.format import tree
+from scripts.benchlib import measure
 
 MESH = {"mesh_axes": ["data", "fsdp", "tensor"], "mesh_shape": [4, 64, 4]}
 # (path under the layer, shape, spec or None for an inline value): one layer.
@@ -132,22 +128,13 @@ def same(a: index_lib.Entry, b: index_lib.Entry) -> bool:
   return a == b
 
 
-def best_cpu(fn, repeat: int):
-  best, out = float("inf"), None
-  for _ in range(repeat):
-    t0 = time.process_time()
-    out = fn()
-    best = min(best, time.process_time() - t0)
-  return best, out
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--leaves", type=int, default=100_000)
   ap.add_argument("--repeat", type=int, default=3)
   ap.add_argument("--profile", choices=["encode", "decode"],
                   help="print a cProfile of one run of this instead")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   index = build(args.leaves)
   # The figures are about the codec's speed, not the size limit: an index
   # of long paths at 100,000 leaves may be over MAX_INDEX_BYTES.
@@ -160,8 +147,8 @@ def main() -> None:
     prof.runcall(fn)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
     return
-  encode_s, _ = best_cpu(lambda: index_lib.encode(index), args.repeat)
-  decode_s, back = best_cpu(lambda: index_lib.decode(data), args.repeat)
+  encode_s, _ = measure.best_cpu(lambda: index_lib.encode(index), args.repeat)
+  decode_s, back = measure.best_cpu(lambda: index_lib.decode(data), args.repeat)
   if (len(back.leaves) != len(index.leaves) or back.structure !=
       index.structure or not all(map(same, back.leaves, index.leaves))):
     raise SystemExit("decode(encode(index)) differs from the index")

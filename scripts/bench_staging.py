@@ -1,6 +1,7 @@
-"""Device-to-host staging, measured on whatever devices jax has.
+"""Benchmark: device-to-host staging, on whatever devices jax has.
 
-    python scripts/bench_staging.py [--leaves 8] [--mib 128] [--runs 3]
+Usage (from the repository root):
+  python -m scripts.bench_staging [--leaves 8] [--mib 128] [--runs 3] [--out F]
 
 Figures (seconds, medians of --runs, fresh device arrays every run):
   serial      np.asarray of one box after another (what staging did before)
@@ -21,17 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import ckpt  # noqa: E402  pylint: disable=g-import-not-at-top
+import ckpt
+from scripts.benchlib import measure
 
 
 def fresh_state(n: int, mib: int, key) -> dict[str, jax.Array]:
@@ -49,9 +50,9 @@ def fresh_state(n: int, mib: int, key) -> dict[str, jax.Array]:
 
 
 def timed(fn) -> float:
-  t0 = time.perf_counter()
-  fn()
-  return time.perf_counter() - t0
+  with measure.measure(interval_s=0) as m:
+    fn()
+  return m.wall_s
 
 
 def serial(state):
@@ -81,7 +82,7 @@ def has_pinned() -> bool:
     return False
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--leaves", type=int, default=8)
@@ -89,13 +90,13 @@ def main() -> int:
   p.add_argument("--runs", type=int, default=3)
   p.add_argument("--dir", default=None)
   p.add_argument("--out", default=None)
-  args = p.parse_args()
+  args = p.parse_args(argv)
   key = jax.random.key(0)
   figures: dict[str, list[float]] = {}
   ops = {"serial": serial, "overlapped": overlapped}
   if has_pinned():
     ops["pinned"] = pinned
-  root = args.dir or tempfile.mkdtemp(prefix="bench_staging_")
+  root = tempfile.mkdtemp(prefix="bench_staging_", dir=args.dir)
   for run in range(args.runs + 1):  # run 0 warms up
     for name, fn in ops.items():
       state = fresh_state(args.leaves, args.mib, key)
@@ -109,11 +110,11 @@ def main() -> int:
                              async_save=mode == "async",
                              concurrent_bytes=(args.leaves * args.mib + 64) << 20
                              ) as c:
-        t0 = time.perf_counter()
-        c.save(1, state)
-        blocked = time.perf_counter() - t0
-        c.wait_until_finished()
-        total = time.perf_counter() - t0
+        with measure.measure(interval_s=0) as m:
+          c.save(1, state)
+          blocked = m.lap()
+          c.wait_until_finished()
+        total = m.wall_s
       if run:
         figures.setdefault(f"ckpt {mode} save: blocked", []).append(blocked)
         figures.setdefault(f"ckpt {mode} save: total", []).append(total)
@@ -130,6 +131,7 @@ def main() -> int:
     report[name] = {"median_s": med, "runs": vals, "GB/s": gbps}
     print(f"{name:28s} {med:8.3f} s  ({min(vals):.3f}-{max(vals):.3f})  "
           f"{gbps or float('inf'):7.1f} GB/s")
+  shutil.rmtree(root, ignore_errors=True)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(report, f, indent=1)

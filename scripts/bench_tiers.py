@@ -1,6 +1,8 @@
-"""Figures for the multi-tier checkpointer (docs/multi-tier.md; the table is on docs/benchmarks.md).
+"""Benchmark: the multi-tier checkpointer (docs/multi-tier.md; the table is
+on docs/benchmarks.md).
 
-  .venv/bin/python scripts/bench_tiers.py [--mib 256] [--processes 4] [--devices 2]
+Usage (from the repository root):
+  python -m scripts.bench_tiers [--mib 256] [--processes 4] [--devices 2]
 
 Starts N real jax.distributed processes (ckpt.multihost.local_cluster, gloo CPU
 collectives), builds random float32 state (np.random, sharded over all
@@ -19,9 +21,20 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.benchlib import measure
+from scripts.benchlib import presets
+
+
+def timed(start, wait=None) -> list[float]:
+  """[seconds the caller was blocked in ``start()``, seconds until ``wait()``
+  returned]; with no ``wait``, [seconds of ``start()``, its result]."""
+  with measure.measure(interval_s=0) as m:
+    value = start()
+    blocked = m.lap()
+    if wait is not None:
+      wait()
+  return [blocked, m.wall_s] if wait is not None else [m.wall_s, value]
 
 
 def worker(conf: dict) -> None:
@@ -56,23 +69,17 @@ def worker(conf: dict) -> None:
       conf["persistent"], local=conf["local"], local_interval=1, local_keep=2,
       persistent_interval=1000, persistent_keep=2) as c:
     for step in (1, 2, 3):  # local only; the first one compiles the permute
-      t0 = time.perf_counter()
-      c.save(step, state, host_state={"pos": step})
-      b = time.perf_counter() - t0
-      c.wait_until_finished()
-      out[f"local_save_{step}"] = [b, time.perf_counter() - t0]
+      out[f"local_save_{step}"] = timed(
+          lambda s=step: c.save(s, state, host_state={"pos": s}),
+          c.wait_until_finished)
     multihost.barrier("bench-p")
-    t0 = time.perf_counter()
-    c.save(1000, state, host_state={"pos": 1000})  # both tiers
-    b = time.perf_counter() - t0
-    c.wait_until_finished()
-    out["both_save"] = [b, time.perf_counter() - t0]
+    out["both_save"] = timed(  # both tiers
+        lambda: c.save(1000, state, host_state={"pos": 1000}),
+        c.wait_until_finished)
     for step in (2000, 3000):
-      t0 = time.perf_counter()
-      c.persistent.save(step, state, host_state={"pos": step})
-      b = time.perf_counter() - t0
-      c.persistent.wait_until_finished()
-      out[f"persistent_save_{step}"] = [b, time.perf_counter() - t0]
+      out[f"persistent_save_{step}"] = timed(
+          lambda s=step: c.persistent.save(s, state, host_state={"pos": s}),
+          c.persistent.wait_until_finished)
     for step in (3001,):
       c.save(step, state, host_state={"pos": step})
     c.wait_until_finished()
@@ -81,24 +88,22 @@ def worker(conf: dict) -> None:
       if wipe and pid == 1:
         shutil.rmtree(os.path.join(conf["local"], "process_1"))
       multihost.barrier(f"bench-{name}")
-      t0 = time.perf_counter()
-      got = c.restore(target=target)
-      jax.block_until_ready(got)
-      out[f"restore_{name}"] = [time.perf_counter() - t0, c.last_restore_tier]
-    t0 = time.perf_counter()
-    got = c.persistent.restore(3000, target=target)
-    jax.block_until_ready(got)
-    out["restore_persistent"] = [time.perf_counter() - t0, "persistent"]
+      seconds, _ = timed(lambda: jax.block_until_ready(
+          c.restore(target=target)))
+      out[f"restore_{name}"] = [seconds, c.last_restore_tier]
+    seconds, _ = timed(lambda: jax.block_until_ready(
+        c.persistent.restore(3000, target=target)))
+    out["restore_persistent"] = [seconds, "persistent"]
   local_cluster.write_result(out)
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--mib", type=int, default=256)
   ap.add_argument("--processes", type=int, default=4)
   ap.add_argument("--devices", type=int, default=2)
   ap.add_argument("--dir", default=None)
-  a = ap.parse_args()
+  a = ap.parse_args(argv)
   from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
   root = a.dir or tempfile.mkdtemp(prefix="bench-tiers-")
   local = "/dev/shm" if os.path.isdir("/dev/shm") else root
@@ -108,8 +113,7 @@ def main() -> None:
   try:
     res = local_cluster.check(local_cluster.run(
         "scripts.bench_tiers", conf, num_processes=a.processes,
-        devices_per_process=a.devices, timeout_s=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        devices_per_process=a.devices, timeout_s=600, cwd=str(presets.ROOT)))
   finally:
     shutil.rmtree(local, ignore_errors=True)
     if a.dir is None:

@@ -1,10 +1,10 @@
 """Scale harness: how ckpt's costs grow with processes, leaves and keys.
 
-Usage:
-  python scripts/scale.py [--config configs/scale.json]
+Usage (from the repository root):
+  python -m scripts.scale [--config configs/scale.json]
       [--part plan|jobs|requests|merge|all] [--out out/scale.json]
 
-Each part is a module next to this file with ``run(conf) -> list[dict]``
+Each part is a module next to this file (``scripts.scale_<part>``) with ``run(conf) -> list[dict]``
 and ``table(rows) -> str``; ``conf`` is the config's section of that name:
 - ``plan`` (scale_plan.py): pure planning at many processes and leaves;
 - ``jobs`` (scale_jobs.py): real local ``jax.distributed`` jobs of 2 to 16
@@ -28,16 +28,13 @@ import platform
 import sys
 import time
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent
-ROOT = SCRIPTS.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 PARTS = ("plan", "jobs", "requests", "merge")
 
 
 def load_part(part: str):
   """The part's module, or None if it does not exist (yet)."""
-  if str(SCRIPTS) not in sys.path:
-    sys.path.insert(0, str(SCRIPTS))
-  name = f"scale_{part}"
+  name = f"scripts.scale_{part}"
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError as e:

@@ -56,7 +56,9 @@ from typing import Any
 
 import numpy as np
 
-SCRIPTS = pathlib.Path(__file__).resolve().parent
+from scripts.benchlib.report import markdown
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULTS: dict[str, Any] = {
     "processes": [2, 4, 8, 16],
     "leaves": 500,
@@ -458,9 +460,9 @@ def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
         job_dir = os.path.join(base, f"l{leaves}n{n}")
         t0 = time.perf_counter()
         results = local_cluster.check(local_cluster.run(
-            "scale_jobs", {**conf, "leaves": leaves, "dir": job_dir},
+            "scripts.scale_jobs", {**conf, "leaves": leaves, "dir": job_dir},
             num_processes=n, devices_per_process=1,
-            timeout_s=conf["timeout_s"], cwd=str(SCRIPTS)))
+            timeout_s=conf["timeout_s"], cwd=str(ROOT)))
         rows.append(summarize(n, results))
         rows[-1]["job_s"] = time.perf_counter() - t0
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -470,14 +472,6 @@ def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
     if own:
       shutil.rmtree(base, ignore_errors=True)
   return rows
-
-
-def markdown(columns, rows: list[dict]) -> str:
-  head = "| " + " | ".join(c for c, _, _ in columns) + " |"
-  rule = "|" + "|".join("---:" for _ in columns) + "|"
-  body = ["| " + " | ".join(f.format(r[k]) for _, k, f in columns) + " |"
-          for r in rows]
-  return "\n".join([head, rule, *body])
 
 
 def table(rows: list[dict]) -> str:
@@ -533,5 +527,5 @@ if __name__ == "__main__":
   if os.environ.get(_lc.ENV_CONFIG) and len(sys.argv) == 2:
     worker(json.loads(sys.argv[1]))
     sys.exit(0)
-  import scale  # pylint: disable=g-import-not-at-top
+  from scripts import scale  # pylint: disable=g-import-not-at-top
   sys.exit(scale.main(["--part", "jobs", *sys.argv[1:]]))

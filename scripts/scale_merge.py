@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import re
 import shutil
 import statistics
@@ -54,6 +55,9 @@ from typing import Any
 
 import numpy as np
 
+from scripts.benchlib import measure
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 DEFAULTS: dict[str, Any] = {
     "processes": [16, 64, 256],
     "keys": [10, 100, 1000],     # leaves, each with one chunk per process
@@ -230,42 +234,20 @@ def _proc_io() -> dict[str, int]:
     return {k: int(v) for k, v in (line.split(":") for line in f)}
 
 
-def _rss_and_reset_peak() -> tuple[int, bool]:
-  """(RSS now, whether the kernel's high-water mark could be reset)."""
-  with open("/proc/self/statm") as f:
-    rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return rss, True
-  except OSError:
-    return rss, False
-
-
-def _peak_rss() -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  return 0
-
-
 def merge_once(path: str, P: int) -> dict[str, float]:
   """``ocdbt.merge`` as finalize runs it: seconds, /proc/self/io, and the
   peak of RSS above what it was before (the transaction's memory)."""
-  import gc  # pylint: disable=g-import-not-at-top
   from ckpt.store import ocdbt  # pylint: disable=g-import-not-at-top
   step, context = _step(path)
-  gc.collect()
-  rss0, peak_ok = _rss_and_reset_peak()
-  io0, t = _proc_io(), time.perf_counter()
-  asyncio.run(ocdbt.merge(step, P, context))
-  seconds, io1 = time.perf_counter() - t, _proc_io()
+  io0 = _proc_io()
+  with measure.measure(interval_s=0) as m:
+    asyncio.run(ocdbt.merge(step, P, context))
+  seconds, io1 = m.wall_s, _proc_io()
   return {"merge_s": seconds, "read_bytes": io1["rchar"] - io0["rchar"],
           "written_bytes": io1["wchar"] - io0["wchar"],
           "read_calls": io1["syscr"] - io0["syscr"],
           "write_calls": io1["syscw"] - io0["syscw"],
-          "peak_rss_bytes": max(0, _peak_rss() - rss0) if peak_ok else 0}
+          "peak_rss_bytes": max(0, m.extra_rss)}
 
 
 def merge_phased(path: str, P: int) -> dict[str, float]:
@@ -346,8 +328,9 @@ def strace_files(path: str, P: int) -> tuple[int, int] | None:
     proc = subprocess.run(
         ["strace", "-f", "-y", "-qq", "-e",
          "trace=openat,read,pread64,write,pwrite64", "-o", log,
-         sys.executable, __file__, "--merge-only", path, str(P)],
-        capture_output=True, text=True, timeout=600)
+         sys.executable, "-m", "scripts.scale_merge", "--merge-only", path,
+         str(P)], capture_output=True, text=True, timeout=600,
+        cwd=str(ROOT))
     if proc.returncode != 0:
       print(f"  merge: strace failed ({proc.stderr[-300:]}); no file counts",
             file=sys.stderr)
@@ -379,7 +362,7 @@ def _link_copy(src: str, dst: str) -> None:
   shutil.copytree(src, dst, copy_function=os.link)
 
 
-def measure(P: int, K: int, conf: dict, base: str) -> dict[str, Any]:
+def measure_one(P: int, K: int, conf: dict, base: str) -> dict[str, Any]:
   gen = os.path.join(base, f"P{P}_K{K}")
   gen_s = generate(gen, P, K, conf)
   runs, phased = [], []
@@ -440,7 +423,7 @@ def run(conf: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{conf['max_chunks']})", file=sys.stderr)
           continue
         t = time.perf_counter()
-        rows.append(measure(P, K, conf, base))
+        rows.append(measure_one(P, K, conf, base))
         print(f"  merge: P={P} K={K}: {rows[-1]['merge_s']:.3f} s "
               f"({time.perf_counter() - t:.0f} s with generation)",
               file=sys.stderr, flush=True)
@@ -514,6 +497,5 @@ if __name__ == "__main__":
   if len(sys.argv) == 4 and sys.argv[1] == "--merge-only":
     print(json.dumps(merge_once(sys.argv[2], int(sys.argv[3]))))
     sys.exit(0)
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import scale  # pylint: disable=g-import-not-at-top
+  from scripts import scale  # pylint: disable=g-import-not-at-top
   sys.exit(scale.main(["--part", "merge", *sys.argv[1:]]))

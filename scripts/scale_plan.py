@@ -16,7 +16,7 @@ other work on the machine does not inflate it), peak resident memory
 growth during planning, the writes this host gets, and the size of the
 index process 0 would write.
 
-  python scripts/scale_plan.py [--config configs/scale.json]
+  python -m scripts.scale_plan [--config configs/scale.json]
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import time
+
+from scripts.benchlib import measure
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 D_MODEL = 8192
 # (name, shape, spec, dtype): one layer's parameters.
@@ -67,10 +66,6 @@ def state_leaves(n: int):
   return out[:n]
 
 
-def _max_rss() -> int:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
-
-
 def one(devices: int, leaves: int, per_process: int) -> dict:
   """In this process: plan process P/2+1's share; returns the figures."""
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -87,29 +82,30 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
   me = processes // 2 + 1
   state = state_leaves(leaves)
   codec = tsspec.Codec().to_json()
-  rss0 = _max_rss()
-  cpu0, wall0 = time.process_time(), time.perf_counter()
-  info = placement.make_mesh_info(names, ids, ids // per_process, me)
-  layouts, entries = [], []
-  for parts, shape, spec, dtype in state:
-    where = placement.named(info, placement.spec_axes(spec, len(shape)), shape)
-    itemsize = np.dtype(dtype).itemsize
-    lay = plan.leaf_layout(shape, itemsize, where, plan.DEFAULT_CHUNK_BYTES)
-    layouts.append(lay)
-  writes = plan.assign_writes(layouts, me, 1 << 30)
-  plan_cpu = time.process_time() - cpu0
-  texts = {}  # save.describe_sharding is cached per sharding the same way
-  for (parts, shape, spec, dtype), lay in zip(state, layouts):
-    text = texts.get(spec)
-    if text is None:
-      text = texts[spec] = f"NamedSharding(mesh={sizes}, spec={spec})"
-    entries.append(index_lib.ArrayEntry(
-        path=parts, relpath=tree.storage_relpath(parts), shape=lay.shape,
-        dtype=dtype, chunks=lay.chunks, codec=codec, source_dtype=dtype,
-        sharding=text))
-  cpu = time.process_time() - cpu0
-  wall = time.perf_counter() - wall0
-  rss = _max_rss() - rss0
+  with measure.measure(interval_s=0) as planning:
+    info = placement.make_mesh_info(names, ids, ids // per_process, me)
+    layouts = []
+    for parts, shape, spec, dtype in state:
+      where = placement.named(info, placement.spec_axes(spec, len(shape)),
+                              shape)
+      itemsize = np.dtype(dtype).itemsize
+      layouts.append(plan.leaf_layout(shape, itemsize, where,
+                                      plan.DEFAULT_CHUNK_BYTES))
+    writes = plan.assign_writes(layouts, me, 1 << 30)
+  with measure.measure(interval_s=0) as indexing:
+    entries, texts = [], {}  # save.describe_sharding caches per sharding too
+    for (parts, shape, spec, dtype), lay in zip(state, layouts):
+      text = texts.get(spec)
+      if text is None:
+        text = texts[spec] = f"NamedSharding(mesh={sizes}, spec={spec})"
+      entries.append(index_lib.ArrayEntry(
+          path=parts, relpath=tree.storage_relpath(parts), shape=lay.shape,
+          dtype=dtype, chunks=lay.chunks, codec=codec, source_dtype=dtype,
+          sharding=text))
+  plan_cpu = planning.cpu_s
+  cpu = planning.cpu_s + indexing.cpu_s
+  wall = planning.wall_s + indexing.wall_s
+  rss = max(planning.peak_rss, indexing.peak_rss) - planning.rss_before
   structure = {}
   for parts, *_ in state:
     node = structure
@@ -139,7 +135,7 @@ def run(conf: dict) -> list[dict]:
   for devices in conf.get("devices", [1024, 4096, 16384]):
     for leaves in conf.get("leaves", [1000, 10000, 100000]):
       out = subprocess.run(
-          [sys.executable, os.path.abspath(__file__), "--one", str(devices),
+          [sys.executable, "-m", "scripts.scale_plan", "--one", str(devices),
            str(leaves), str(conf.get("devices_per_process", 4))],
           capture_output=True, text=True, check=True,
           timeout=conf.get("timeout_s", 600), cwd=REPO)
@@ -160,11 +156,11 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--config", default=os.path.join(REPO, "configs", "scale.json"))
   ap.add_argument("--one", nargs=3, type=int, metavar=("DEVICES", "LEAVES", "PER"))
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.one:
     print(json.dumps(one(*args.one)))
     return

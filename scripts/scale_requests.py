@@ -29,7 +29,7 @@ long-lived Checkpointer, and then these operations are measured:
 The ``steps`` column is the number of committed steps when the operation
 ran (after it, for a save). Usage::
 
-  .venv/bin/python scripts/scale_requests.py [--config configs/scale_requests.json]
+  python -m scripts.scale_requests [--config configs/scale_requests.json]
       [--json OUT.json]
 """
 

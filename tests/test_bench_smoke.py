@@ -1,9 +1,11 @@
-"""The benchmark runs end to end on its smallest preset (not a timed test).
+"""The save/restore comparison runs end to end on its smallest preset (not
+a timed test).
 
-``scripts/bench.py --preset smoke --runs 1`` for ckpt and the raw-files
-baseline (Orbax too when it is installed: it is an optional extra), as a
-subprocess; the JSON report must have every figure, and every time, size and
-file count must be positive.
+``python -m scripts.bench --preset smoke --runs 1`` for ckpt and the
+raw-files baselines (Orbax too when it is installed: it is an optional
+extra), as a subprocess; the JSON report must have every figure, and every
+time, size and file count must be positive. The other benchmarks' smoke
+tests are in tests/test_benchmarks_smoke.py.
 """
 
 import importlib.util
@@ -36,7 +38,7 @@ def test_bench_smoke(tmp_path):
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "smoke",
+      [sys.executable, "-m", "scripts.bench", "--preset", "smoke",
        "--runs", "1", "--systems", ",".join(systems), "--out", str(out),
        "--dir", str(tmp_path / "ckpts"), "--drift-saves", "6"],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
@@ -76,45 +78,3 @@ def test_bench_smoke(tmp_path):
   assert drift["drift_rss_last"]["median"] > 0 and drift["drift_rss_5"][
       "median"] > 0
   assert "drift_ratio" not in report["systems"]["raw"]  # ckpt only
-
-
-@pytest.mark.timeout(240)
-def test_bench_train_while_saving(tmp_path):
-  """The train op: step times without and during an async save, for ckpt;
-  raw (no async mode) has none."""
-  out = tmp_path / "train.json"
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-  proc = subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "bench.py"), "--preset", "smoke",
-       "--runs", "1", "--systems", "ckpt,raw", "--out", str(out),
-       "--dir", str(tmp_path / "ckpts"), "--drift-saves", "0",
-       "--ops", "train", "--train-steps", "4", "--train-width", "64"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
-  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-  assert "train slowdown during save (x)" in proc.stdout
-  fig = json.loads(out.read_text())["systems"]
-  for key in ("train_step_idle_s", "train_step_idle_p90_s",
-              "train_step_during_p90_s", "train_slowdown",
-              "train_save_total_s"):
-    assert fig["ckpt"][key]["median"] > 0, (key, fig["ckpt"][key])
-  assert (fig["ckpt"]["train_save_total_s"]["median"] >=
-          fig["ckpt"]["train_save_blocked_s"]["median"])
-  assert fig["ckpt"]["train_steps_during"]["median"] >= 0
-  assert not any(k.startswith("train_") for k in fig["raw"])
-
-
-@pytest.mark.timeout(120)
-def test_bench_index_smoke():
-  """scripts/bench_index.py on 500 leaves: it runs, its round trip check
-  passes (decode(encode(index)) equals the index) and it reports every
-  figure."""
-  proc = subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "bench_index.py"),
-       "--leaves", "500", "--repeat", "1"],
-      capture_output=True, text=True, timeout=110, check=False,
-      env={**os.environ, "PYTHONPATH": str(ROOT)})
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert out["leaves"] == 500 and out["bytes"] > 500
-  assert out["encode_cpu_s"] >= 0 and out["decode_cpu_s"] >= 0

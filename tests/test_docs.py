@@ -11,8 +11,9 @@
   train_step, a saved step), and mark a block that cannot run here with
   `<!-- docs-test: skip: <reason> -->` on the line before it.
 - Every ```bash block names commands that exist: `ckpt ...` lines parse with
-  the command's own parser, `./scripts/X` and `python scripts/X.py --flag`
-  name a script that exists and flags it defines.
+  the command's own parser, `./scripts/X`, `python scripts/X.py --flag` and
+  `python -m scripts.X --flag` (the benchmarks) name a script that exists
+  and flags it (or scripts/benchlib/, which it imports) defines.
 - The API reference lists exactly `ckpt.__all__`, and every public name has
   a docstring.
 """
@@ -149,10 +150,17 @@ def _check_command(words: list[str], where: str):
       raise AssertionError(f"{where}: `{shlex.join(words)}` does not parse "
                            "with the ckpt command's parser") from e
   elif words[0].startswith("./scripts/") or (
-      words[0] == "python" and words[1].startswith("scripts/")):
-    script = ROOT / (words[0] if words[0] != "python" else words[1])
+      words[0] == "python" and words[1].startswith("scripts/")) or (
+          words[:2] == ["python", "-m"] and words[2].startswith("scripts.")):
+    if words[1:2] == ["-m"]:
+      script = ROOT / (words[2].replace(".", "/") + ".py")
+    else:
+      script = ROOT / (words[0] if words[0] != "python" else words[1])
     assert script.exists(), f"{where}: {script} does not exist"
     source = script.read_text()
+    if words[1:2] == ["-m"]:
+      source += "".join(p.read_text()
+                        for p in (ROOT / "scripts" / "benchlib").glob("*.py"))
     for w in words:
       if w.startswith("--"):
         flag = w.split("=", 1)[0]

@@ -1,0 +1,142 @@
+"""One way to time a block of code and one way to measure the memory it adds.
+
+``with measure() as m: ...`` gives, for the block:
+
+- ``m.wall_s``: wall seconds (``time.perf_counter``);
+- ``m.cpu_s`` (``user_s + sys_s``): CPU seconds of this process, every
+  thread (``getrusage``): the figure to compare on a shared machine, where
+  other work inflates wall time but not CPU time;
+- ``m.minor_faults``: pages first touched (fresh host memory shows here);
+- ``m.extra_rss``: the peak resident set size during the block minus the RSS
+  just before it (taken after ``gc.collect`` and ``malloc_trim``, so garbage
+  of earlier blocks does not count). The peak is the larger of the kernel's
+  high-water mark (``VmHWM``, reset on entry through
+  ``/proc/self/clear_refs``) and a thread's samples of ``/proc/self/statm``
+  every ``interval_s`` (0: no thread; the kernel's mark alone where it can
+  be reset).
+
+``m.lap()`` is the wall time so far (an async save's blocking time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import os
+import resource
+import threading
+import time
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss() -> int:
+  """This process's resident set size now (bytes)."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * _PAGE
+
+
+def malloc_trim() -> None:
+  """Returns glibc's free heap pages to the kernel (where glibc is)."""
+  with contextlib.suppress(Exception):
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def _reset_peak() -> bool:
+  try:
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")
+    return True
+  except OSError:
+    return False
+
+
+def _peak() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+class measure:  # pylint: disable=invalid-name
+  """Context manager: wall, CPU and extra peak RSS of its block."""
+
+  def __init__(self, interval_s: float = 0.002):
+    self.interval_s = interval_s
+
+  def __enter__(self) -> "measure":
+    gc.collect()
+    malloc_trim()
+    self.rss_before = rss()
+    self._peak_ok = _reset_peak()
+    self._sampled = self.rss_before
+    self._stop = threading.Event()
+    self._thread = None
+    if self.interval_s > 0 or not self._peak_ok:
+      self._thread = threading.Thread(target=self._sample, daemon=True,
+                                      name="bench-rss")
+      self._thread.start()
+    self._usage = resource.getrusage(resource.RUSAGE_SELF)
+    self._t0 = time.perf_counter()
+    return self
+
+  def _sample(self) -> None:
+    interval = self.interval_s or 0.002
+    while not self._stop.wait(interval):
+      self._sampled = max(self._sampled, rss())
+
+  def lap(self) -> float:
+    return time.perf_counter() - self._t0
+
+  def __exit__(self, *exc) -> None:
+    self.wall_s = time.perf_counter() - self._t0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    self.user_s = usage.ru_utime - self._usage.ru_utime
+    self.sys_s = usage.ru_stime - self._usage.ru_stime
+    self.cpu_s = self.user_s + self.sys_s
+    self.minor_faults = usage.ru_minflt - self._usage.ru_minflt
+    self.peak_rss = max(self._sampled, rss(),
+                        _peak() if self._peak_ok else 0)
+    self.extra_rss = self.peak_rss - self.rss_before
+
+  def figures(self) -> dict[str, float]:
+    """The figures as a JSON-ready dict."""
+    return {"wall_s": self.wall_s, "cpu_s": self.cpu_s, "user_s": self.user_s,
+            "sys_s": self.sys_s, "minor_faults": self.minor_faults,
+            "extra_rss": self.extra_rss, "rss_before": self.rss_before}
+
+
+def best_cpu(fn, repeat: int):
+  """(the least CPU seconds of ``repeat`` calls of ``fn``, its last result)."""
+  best, out = float("inf"), None
+  for _ in range(repeat):
+    with measure(interval_s=0) as m:
+      out = fn()
+    best = min(best, m.cpu_s)
+  return best, out
+
+
+def disk_usage(path: str) -> tuple[int, int]:
+  """(bytes, files) under ``path`` (apparent file sizes)."""
+  n = size = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      size += os.lstat(os.path.join(root, name)).st_size
+      n += 1
+  return size, n
+
+
+def evict(path: str) -> None:
+  """Asks the kernel to drop the page cache of every file under ``path``."""
+  for root, _, files in os.walk(path):
+    for name in files:
+      fd = os.open(os.path.join(root, name), os.O_RDONLY)
+      try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+      finally:
+        os.close(fd)

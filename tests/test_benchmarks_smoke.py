@@ -1,0 +1,170 @@
+"""Every benchmark in scripts/ runs end to end on a tiny preset (not timed).
+
+Each runs as its docs say, ``python -m scripts.<name> ...`` from the
+repository root, in a subprocess with its own CPU devices; the test checks
+the figures it prints or writes are there and sane, never their values.
+The save/restore comparison (scripts/bench.py) is tests/test_bench_smoke.py,
+the scale harness's jobs and merge parts tests/test_scale_smoke.py, the
+charts tests/test_docs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from scripts.benchlib import systems as systems_lib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ORBAX = ["orbax"] if systems_lib.orbax_installed() else []
+
+
+def _run(module: str, *args: str, timeout: float = 200) -> str:
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run([sys.executable, "-m", f"scripts.{module}", *args],
+                        cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  return proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_bench_train(tmp_path):
+  out = tmp_path / "train.json"
+  stdout = _run("bench_train", "--preset", "smoke", "--runs", "1",
+                "--systems", "ckpt", "--steps", "4", "--width", "64",
+                "--out", str(out), "--dir", str(tmp_path / "ckpts"))
+  assert "train slowdown during save (x)" in stdout
+  fig = json.loads(out.read_text())["systems"]["ckpt"]
+  for key in ("train_step_idle_s", "train_step_idle_p90_s",
+              "train_step_during_p90_s", "train_slowdown",
+              "train_save_total_s"):
+    assert fig[key]["median"] > 0, (key, fig[key])
+  assert (fig["train_save_total_s"]["median"] >=
+          fig["train_save_blocked_s"]["median"])
+  assert fig["train_steps_during"]["median"] >= 1
+
+
+@pytest.mark.timeout(240)
+def test_bench_read_once(tmp_path):
+  out = tmp_path / "ro.json"
+  stdout = _run("bench_read_once", "--read-once-scale", "1",
+                "--read-once-states", "aligned", "--stores", "disk",
+                "--process-counts", "2", "--out", str(out))
+  assert "| state | store | processes | read once |" in stdout
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["store"], r["processes"], r["read_once"]) for r in rows] == [
+      ("disk", 2, True), ("disk", 2, False)]
+  for r in rows:
+    assert r["bit_exact"] and r["time_s"] > 0 and r["stored"] > 0, r
+
+
+@pytest.mark.timeout(200)
+def test_first_restore():
+  stdout = _run("first_restore", "--preset", "smoke", "--repeat", "2")
+  for name in ("restore same (first)", "restore same (second)",
+               "restore other"):
+    assert f"{name}: wall" in stdout, stdout
+  assert "minor faults" in stdout
+
+
+@pytest.mark.timeout(240)
+def test_first_restore_rotation(tmp_path):
+  out = tmp_path / "rotation.json"
+  names = ORBAX + ["ckpt", "raw"]
+  stdout = _run("first_restore_rotation", "--preset", "smoke", "--rounds",
+                "2", "--systems", ",".join(names), "--out", str(out))
+  assert "restore, other mesh: wall (s)" in stdout
+  report = json.loads(out.read_text())
+  rounds = report["rounds"]
+  assert len(rounds) == 2 * len(names)
+  # Rotation: round 0 starts with the first system, round 1 with the second.
+  firsts = [r["system"] for r in rounds if r["position"] == 0]
+  assert firsts == names[:2]
+  for r in rounds:
+    assert r["save_s"] > 0 and r["restore_same_s"] > 0, r
+    assert ("restore_other_s" in r) == (r["system"] == "ckpt"), r
+  assert set(report["systems"]) == set(names)
+
+
+@pytest.mark.timeout(200)
+def test_verify_cost():
+  stdout = _run("verify_cost", "--preset", "smoke", "--rounds", "1")
+  assert "verify=True : wall median" in stdout
+  assert "ratio verified/unverified (warm)" in stdout
+
+
+@pytest.mark.timeout(240)
+def test_bench_tiers():
+  stdout = _run("bench_tiers", "--mib", "1", "--processes", "2",
+                "--devices", "1")
+  for key in ("local_save_2", "both_save", "persistent_save_3000",
+              "restore_local", "restore_local_partner", "restore_persistent"):
+    assert key in stdout, stdout
+  res = json.loads(stdout.strip().splitlines()[-1])
+  assert len(res) == 2 and res[0]["restore_local_partner"][1] == "local"
+
+
+@pytest.mark.timeout(200)
+def test_bench_staging(tmp_path):
+  out = tmp_path / "staging.json"
+  _run("bench_staging", "--leaves", "2", "--mib", "1", "--runs", "1",
+       "--out", str(out))
+  report = json.loads(out.read_text())
+  for name in ("serial", "overlapped", "ckpt async save: blocked",
+               "ckpt async save: total", "ckpt sync save: total"):
+    assert report[name]["median_s"] >= 0, (name, report)
+
+
+@pytest.mark.timeout(120)
+def test_bench_index():
+  """500 leaves: the round trip check passes (decode(encode(index)) equals
+  the index) and every figure is reported."""
+  stdout = _run("bench_index", "--leaves", "500", "--repeat", "1")
+  out = json.loads(stdout.strip().splitlines()[-1])
+  assert out["leaves"] == 500 and out["bytes"] > 500
+  assert out["encode_cpu_s"] >= 0 and out["decode_cpu_s"] >= 0
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("part", ["plan", "requests"])
+def test_scale_parts(part, tmp_path):
+  """The scale harness's parts not in tests/test_scale_smoke.py."""
+  out = tmp_path / f"{part}.json"
+  _run("scale", "--config", str(ROOT / "configs" / "scale_smoke.json"),
+       "--part", part, "--out", str(out))
+  rows = json.loads(out.read_text())["parts"][part]
+  if part == "plan":
+    (row,) = rows
+    assert row["devices"] == 1024 and row["leaves"] == 1000
+    assert row["plan_cpu_s"] > 0 and row["writes_this_host"] > 0
+    assert row["peak_rss_growth_mib"] >= 0 and row["index_bytes"] > 0
+  else:
+    assert {r["op"] for r in rows} == {"save", "restore"}
+    assert all(r["total"] > 0 for r in rows), rows
+
+
+@pytest.mark.timeout(200)
+def test_file_counts(tmp_path):
+  stdout = _run("file_counts", "--leaves", "20", "--formats", "zarr",
+                "--process-counts", "1,2", "--dir", str(tmp_path))
+  lines = [l.split() for l in stdout.splitlines() if l.startswith("zarr ")]
+  assert [l[1] for l in lines] == ["1", "2"], stdout
+  # Small leaves are packed: a few files, more with more processes.
+  assert all(int(l[2].replace(",", "")) > 0 for l in lines), stdout
+  assert not any(tmp_path.iterdir())  # it cleaned up
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not ORBAX, reason="needs orbax-checkpoint")
+def test_import_memory(tmp_path):
+  stdout = _run("import_memory", "--mib", "1", "--budget-mib", "1",
+                "--dir", str(tmp_path))
+  assert re.search(r"peak RSS growth \d+ MiB, [0-9.]+ s", stdout), stdout
