@@ -330,14 +330,19 @@ class MultiTierCheckpointer:
     return tier_queries.all_steps(self)
 
   def metrics(self, step: int) -> dict[str, float | int]:
-    """``Checkpointer.metrics`` of the persistent tier's ``step`` (the
-    local tier keeps no metrics: a step only it holds raises
-    ``CheckpointNotFoundError``). Collective."""
+    """``Checkpointer.metrics`` of the persistent tier's ``step``: the
+    local tier keeps no metrics, so a step only it holds raises
+    ``CheckpointNotFoundError`` (and so does a step neither holds).
+
+    Collective, as ``Checkpointer.metrics``; raises what it raises.
+    """
     return self.persistent.metrics(step)
 
   def reload(self) -> None:
     """``Checkpointer.reload`` of the persistent tier (the local tier
-    caches nothing: it reads its manifests at every call). Not collective.
+    caches nothing: it reads its manifests at every call).
+
+    Never raises. Not collective.
     """
     self.persistent.reload()
 
