@@ -49,6 +49,7 @@ from ckpt.shards.plan import Box
 SEQUENCE, DICT = 1, 2  # Orbax's KeyType
 _EMPTY = {"dict": "Dict", "object": "Dict", "list": "List", "tuple": "Tuple",
           "none": "None"}
+EMPTY = frozenset(_EMPTY.values())  # value types with no data
 _AXIS_TYPES = {"auto": "AxisType.Auto", "explicit": "AxisType.Explicit",
                "manual": "AxisType.Manual"}
 
@@ -179,7 +180,7 @@ def tree_metadata(leaves: list[Leaf], use_zarr3: bool = False) -> dict:
   entries = {}
   for leaf in leaves:
     value: dict[str, Any] = {"value_type": leaf.value_type,
-                             "skip_deserialize": False}
+                             "skip_deserialize": leaf.value_type in EMPTY}
     if leaf.value_type == "jax.Array":
       value["write_shape"] = list(leaf.chunks)
     entries[str(tuple(k for k, _ in leaf.keys))] = {

@@ -109,7 +109,7 @@ def test_budget_and_report(exported, saved):
   out, report = exported
   _, state = saved
   arrays = [x for x in jax.tree.leaves(state) if hasattr(x, "nbytes")]
-  assert report.bytes >= sum(np.asarray(x).nbytes for x in arrays) > 8 * BUDGET
+  assert report.bytes >= sum(np.asarray(x).nbytes for x in arrays) > 4 * BUDGET
   assert 0 < report.peak_bytes <= BUDGET
   assert report.metrics
   step_dir = out / str(STEP)
@@ -122,7 +122,9 @@ def test_budget_and_report(exported, saved):
 def test_import_reads_the_export_back(exported, saved, tmp_path):
   out, _ = exported
   _, state = saved
-  report = convert.import_checkpoint(out / str(STEP), tmp_path / "back", STEP)
+  # (ckpt import refuses an Orbax step's custom_metadata unless skipped)
+  report = convert.import_checkpoint(out / str(STEP), tmp_path / "back", STEP,
+                                     skip=["custom_metadata"])
   assert report.items == {"default": "pytree", "metrics": "metrics"}
   got = ckpt.load(tmp_path / "back")
   for path, want in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -149,11 +151,25 @@ def test_cli_export_to_orbax(saved, tmp_path, capsys):
   assert_one_line_error(rc, stdout, err, f"{out}/{STEP} exists already")
 
 
+def test_strings_and_empty_nodes_as_orbax_writes_them(tmp_path):
+  """StandardCheckpointer refuses str leaves; PyTreeCheckpointer restores
+  them, and the empty nodes, with no target."""
+  state = {"name": "run-1", "empty": {}, "nothing": None, "seq": [],
+           "x": np.arange(4, dtype=np.uint8)}
+  with ckpt.Checkpointer(tmp_path / "r") as c:
+    c.save(3, state)
+  report = ckpt.export_orbax(tmp_path / "r", tmp_path / "o")
+  assert (report.arrays, report.values) == (1, 4)
+  got = ocp.PyTreeCheckpointer().restore(report.item_dir)
+  assert got["name"] == "run-1" and got["empty"] == {} and got["seq"] == []
+  assert got["nothing"] is None and same(got["x"], state["x"])
+
+
 def test_refuses_what_orbax_cannot_hold(tmp_path):
   with ckpt.Checkpointer(tmp_path / "r") as c:
     c.save(1, {"a.b": np.ones(3), "a": {"b": np.zeros(3)}})
   with pytest.raises(convert.ConvertError,
-                     match=r"leaves 'a\.b' and 'a/b' have the same Orbax "
+                     match=r"leaves 'a/b' and 'a\.b' have the same Orbax "
                      r"parameter name 'a\.b'"):
     ckpt.export_orbax(tmp_path / "r", tmp_path / "o")
   assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
