@@ -193,9 +193,12 @@ def tree_metadata(leaves: list[Leaf], use_zarr3: bool = False) -> dict:
 
 
 def shardings(leaves: list[Leaf]) -> dict[str, str]:
-  """The ``_sharding`` document."""
-  return {base64.urlsafe_b64encode(leaf.name.encode()).decode(): leaf.sharding
-          for leaf in leaves if leaf.sharding is not None}
+  """The ``_sharding`` document: every ``jax.Array`` has an entry (Orbax
+  reads one for each it restores), "" (Orbax: none recorded) for those not
+  saved on a mesh."""
+  return {base64.urlsafe_b64encode(leaf.name.encode()).decode():
+          leaf.sharding or "" for leaf in leaves
+          if leaf.value_type == "jax.Array"}
 
 
 def strings(leaves: list[Leaf]) -> dict[str, str]:
