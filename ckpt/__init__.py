@@ -7,6 +7,7 @@ from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          StoreTimeoutError, TreeMismatchError,
                          WaitTimeoutError)
 from ckpt.cli import integrity
+from ckpt.cli.orbax_export import export_orbax
 from ckpt.restore import transforms
 from ckpt.restore.lazy import LazyLeaf
 from ckpt.metadata import Metadata, abstract_target
@@ -15,7 +16,7 @@ from ckpt.restore.read import load
 from ckpt.tiers.multitier import MultiTierCheckpointer
 
 __all__ = [
-    "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "integrity", "load", "transforms", "BarrierTimeoutError",
+    "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "export_orbax", "integrity", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "InvalidStateError", "MissingLeavesError", "StoreTimeoutError",
     "TreeMismatchError", "WaitTimeoutError",

@@ -84,10 +84,7 @@ class SaveCalls:
       self._wait_for_save()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)
       custom = save_extras.check_custom_metadata(custom_metadata)
-      if transforms:  # they see and return nested dicts keyed by path parts
-        state = tree.nest(dict(tree.flatten(state)))
-        for fn in transforms:
-          state = fn(state)
+      state = tree.transformed(state, transforms)
       host_bytes = save_extras.pack_host_state(host_state)
       t_plan = time.perf_counter()
       plan, planned = self._plan_cache.plan(state, self._options,

@@ -4,7 +4,8 @@
   ckpt inspect PATH [--step S]       the tree: shapes, dtypes, chunks, sharding
   ckpt verify PATH [--step S|--all]  every stored byte against its checksum
   ckpt gc DIR --keep N [...]         what retention would delete; --yes deletes
-  ckpt export PATH --to FMT OUT      one safetensors or npz file
+  ckpt export PATH OUT [--to FMT]    one safetensors or npz file, or
+                                     (--to orbax) a step of an Orbax root
   ckpt import SRC DIR --step S       from an Orbax checkpoint or safetensors
 
 PATH is a checkpoint root (then ``--step``, default the latest committed) or
@@ -152,12 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=cmd_gc)
 
   p = sub.add_parser("export", parents=[common],
-                     help="write one checkpoint as a safetensors or npz file")
+                     help="write one checkpoint as a safetensors or npz "
+                     "file, or as a step of an Orbax CheckpointManager root")
   p.add_argument("path", metavar="PATH")
   p.add_argument("out", metavar="OUT")
-  p.add_argument("--to", choices=export_lib.FORMATS,
-                 help="default: from OUT's extension")
+  p.add_argument("--to", choices=(*export_lib.FORMATS, "orbax"),
+                 help="default: from OUT's extension; orbax: OUT is an "
+                 "Orbax root, written as OUT/<step>/")
   p.add_argument("--step", type=_non_negative)
+  p.add_argument("--concurrent-bytes", type=_byte_size, metavar="SIZE",
+                 help="--to orbax: host memory for array data in flight "
+                 "(e.g. 256M; default 1G)")
+  p.add_argument("--compression", choices=("zstd",),
+                 help="--to orbax: compress chunks (default: raw)")
   p.set_defaults(func=cmd_export)
 
   p = sub.add_parser("import", parents=[common],

@@ -207,8 +207,9 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
           "position belongs in save(..., host_state=...). Pass --skip "
           f"{name} (skip=[{name!r}]) to import the rest without it")
     tree[name] = value
-  if list(out.items) == [DEFAULT_ITEM]:
-    return tree[DEFAULT_ITEM]  # a single-item manager: the item is the state
+  if list(tree) == [DEFAULT_ITEM]:
+    # a single-item manager (its metrics item aside): the item is the state
+    return tree[DEFAULT_ITEM]
   return tree
 
 

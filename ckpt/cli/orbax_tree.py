@@ -171,7 +171,7 @@ class ItemReader:
         continue
       sharding = None
       raw = shardings.get(base64.urlsafe_b64encode(name.encode()).decode())
-      if vtype == "jax.Array" and raw is not None:
+      if vtype == "jax.Array" and raw:  # "": none recorded, as for Orbax
         try:
           sharding = _mesh_sharding(json.loads(raw))
         except (ValueError, TypeError, KeyError, AttributeError) as e:

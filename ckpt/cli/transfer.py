@@ -1,5 +1,5 @@
 """``ckpt export`` and ``ckpt import``: the commands over ckpt/cli/export.py (one checkpoint to
-a safetensors or npz file) and ckpt/cli/convert.py (an Orbax checkpoint or safetensors files to
+a safetensors or npz file), ckpt/cli/orbax_export.py (to a step of an Orbax root) and ckpt/cli/convert.py (an Orbax checkpoint or safetensors files to
 a step of a ckpt root), with what they report: widened dtypes, kept values, imported items.
 """
 
@@ -10,6 +10,7 @@ import os
 
 from ckpt.cli import convert
 from ckpt.cli import export as export_lib
+from ckpt.cli import orbax_export
 from ckpt.cli.output import Progress, emit, human_bytes
 from ckpt.cli.usage import EXIT_OK, UsageError
 
@@ -25,8 +26,13 @@ def cmd_export(args) -> int:
     ext = os.path.splitext(args.out)[1].lstrip(".")
     if ext not in export_lib.FORMATS:
       raise UsageError(f"cannot tell the format from {args.out!r}; pass "
-                       "--to safetensors or --to npz")
+                       "--to safetensors, --to npz or --to orbax")
     fmt = ext
+  if fmt == "orbax":
+    return _export_orbax(args)
+  if args.concurrent_bytes is not None or args.compression is not None:
+    raise UsageError("--concurrent-bytes and --compression are options of "
+                     "--to orbax")
   with Progress(args, "export") as bar:
     report = export_lib.export(args.path, args.out, fmt, step=args.step,
                             storage_options=args.storage_options,
@@ -43,6 +49,25 @@ def cmd_export(args) -> int:
   if report.values and fmt == "safetensors":
     lines.append(f"{len(report.values)} non-array leaves kept in the header "
                  f"metadata ({convert.VALUES_KEY}): {_some(report.values)}")
+  emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK
+
+
+def _export_orbax(args) -> int:
+  options = {"compression": args.compression}
+  if args.concurrent_bytes is not None:
+    options["concurrent_bytes"] = args.concurrent_bytes
+  with Progress(args, "export") as bar:
+    report = orbax_export.export_orbax(
+        args.path, args.out, step=args.step,
+        storage_options=args.storage_options, progress=bar, **options)
+  lines = [f"wrote Orbax step {report.step_dir}: {report.arrays} arrays, "
+           f"{human_bytes(report.bytes)}"
+           f"{', metrics' if report.metrics else ''}",
+           f"restore it with ocp.StandardCheckpointer().restore("
+           f"{report.item_dir!r}, target) or ocp.CheckpointManager("
+           f"{report.out!r}).restore({report.step}, "
+           "args=ocp.args.StandardRestore(target))"]
   emit(args, report.to_json(), "\n".join(lines))
   return EXIT_OK
 

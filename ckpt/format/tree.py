@@ -248,6 +248,18 @@ def nest(flat: dict[PathParts, Any]) -> Any:
   return out
 
 
+def transformed(state: Any, transforms) -> Any:
+  """``state`` after the save transforms ``fn(state_dict) -> state_dict``,
+  applied in order to nested dicts keyed by path parts (``state`` itself
+  when there are none)."""
+  if not transforms:
+    return state
+  state = nest(dict(flatten(state)))
+  for fn in transforms:
+    state = fn(state)
+  return state
+
+
 def unnest(nested: Any) -> dict[PathParts, Any]:
   """The inverse of nest: nested dicts to {path parts: leaf}."""
   if not isinstance(nested, dict):

@@ -116,3 +116,26 @@ def _persistent_only(step: int | None, complete: list[int],
       f"restore options {options}; the persistent tier {url!r} holds steps "
       f"{p_steps}. Restore step {step} without these options, or one of the "
       "persistent tier's steps with them")})
+
+
+# Restore options the local tier honours: it verifies every shard's crc32c
+# on every restore (so ``verify=True`` holds), and ``read_once`` only
+# concerns reads from the persistent tier. Any other option (``transforms``,
+# ``fallback_state``, ``lazy=True``, ``path``) is the persistent tier's only.
+_LOCAL_OPTIONS = ("verify", "read_once")
+
+
+def persistent_options(restore_kwargs: dict) -> str:
+  """The restore options given that the local tier does not take ('' if
+  none): then only the persistent tier's steps can be chosen."""
+  return ", ".join(
+      f"{k}={v!r}"[:80] for k, v in sorted(restore_kwargs.items())
+      if k not in _LOCAL_OPTIONS and not _is_default(k, v))
+
+
+def _is_default(option: str, value) -> bool:
+  """Whether a restore option has its Checkpointer.restore default (then
+  the local tier can honour it); an option not known here never does."""
+  if option in ("transforms", "lazy"):
+    return not value
+  return option in ("fallback_state", "path") and value is None

@@ -130,6 +130,11 @@ class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
       self._layout = partner.Layout(self._key_base, self.timeout_s)
     return self._layout
 
+  def call_key(self, name: str) -> str:
+    """The coordination key of this tier's next collective call ``name``
+    (the same on every process: calls are made in the same order)."""
+    return multihost.call_key(self._key_base, name)
+
   def settle_keys(self, key: str) -> None:
     """The round of the collective call ``key`` passed here, so every
     process has entered that call and is done with the keys of the calls
@@ -139,3 +144,10 @@ class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
     done, self._round_keys = self._round_keys, [key]
     for k in done:
       multihost.forget(k)
+
+
+def owner_of(spec: dict) -> str:
+  """The persistent tier's root, normalised (an absolute path for a local
+  one): what ties a local step to the run that saved it."""
+  driver, path = spec.get("driver", ""), spec.get("path", "")
+  return f"{driver}://{spec.get('bucket', '')}/{path.strip('/')}"

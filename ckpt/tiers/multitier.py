@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from absl import logging
 import jax
@@ -15,20 +15,15 @@ import jax
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import local_leaves
 from ckpt.tiers import local_tier
+from ckpt.tiers import queries as tier_queries
 from ckpt.multihost import process as multihost
 from ckpt.restore import read as restore_lib
 from ckpt.format import extras as save_extras
+from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          WaitTimeoutError)
-
-# Restore options the local tier honours: it verifies every shard's crc32c
-# on every restore (so ``verify=True`` holds), and ``read_once`` only
-# concerns reads from the persistent tier. Any other option (``transforms``,
-# ``fallback_state``, ``lazy=True``, ``path``) is the persistent tier's only.
-_LOCAL_OPTIONS = ("verify", "read_once")
-
 
 class MultiTierCheckpointer:
   """A ``Checkpointer`` with a fast local tier in front of it.
@@ -77,7 +72,7 @@ class MultiTierCheckpointer:
     self.local = local_tier.LocalTier(local, keep=local_keep,
                            concurrent_bytes=concurrent_bytes,
                            barrier_timeout_s=barrier_timeout_s,
-                           owner=_owner(self.persistent.storage.spec),
+                           owner=local_tier.owner_of(self.persistent.storage.spec),
                            save_dtype=checkpointer_kwargs.get("save_dtype"),
                            restore_dtype=checkpointer_kwargs.get(
                                "restore_dtype"))
@@ -142,8 +137,8 @@ class MultiTierCheckpointer:
     return self.persistent.directory
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
-           host_state: Any = None, force: bool = False,
-           custom_metadata: dict | None = None) -> bool:
+           transforms: Sequence[Callable] = (), host_state: Any = None,
+           force: bool = False, custom_metadata: dict | None = None) -> bool:
     """Saves ``step`` to the tiers whose interval it hits (both with
     ``force``); returns True if any tier saved it. Collective: every
     process calls it with the same step.
@@ -168,6 +163,9 @@ class MultiTierCheckpointer:
       step: the step number, the same on every process.
       state: the PyTree to save.
       metrics: kept with the persistent tier's step (``Checkpointer.save``).
+      transforms: ``fn(state_dict) -> state_dict``, applied once (in the
+        timeline round: a failure on one process fails every process)
+        before either tier plans the state, as ``Checkpointer.save``.
       host_state: one msgpack-able value per process, saved in both tiers.
       force: save to both tiers whatever the intervals say.
       custom_metadata: see above.
@@ -183,7 +181,10 @@ class MultiTierCheckpointer:
     if not (to_persistent or to_local):
       return False
     save_extras.check_custom_metadata(custom_metadata)  # same on all
-    self._check_timeline(step)
+    prepared = [state]
+    tier_timeline.check(self, step, lambda: prepared.__setitem__(
+        0, tree.transformed(state, transforms)))
+    state = prepared[0]
     saved = False
     if to_persistent:
       saved |= bool(self.persistent.save(step, state, metrics=metrics,
@@ -319,6 +320,32 @@ class MultiTierCheckpointer:
 
   # -- which step, which tier --
 
+  def all_steps(self) -> list[int]:
+    """The steps the job can restore, in increasing order: the persistent
+    tier's committed steps and the local steps every process can rebuild
+    (ckpt/tiers/queries.py); ``all_steps()[-1] == latest_step()``.
+
+    Collective (two rounds); raises what ``Checkpointer.all_steps`` raises.
+    """
+    return tier_queries.all_steps(self)
+
+  def metrics(self, step: int) -> dict[str, float | int]:
+    """``Checkpointer.metrics`` of the persistent tier's ``step``: the
+    local tier keeps no metrics, so a step only it holds raises
+    ``CheckpointNotFoundError`` (and so does a step neither holds).
+
+    Collective, as ``Checkpointer.metrics``; raises what it raises.
+    """
+    return self.persistent.metrics(step)
+
+  def reload(self) -> None:
+    """``Checkpointer.reload`` of the persistent tier (the local tier
+    caches nothing: it reads its manifests at every call).
+
+    Never raises. Not collective.
+    """
+    self.persistent.reload()
+
   def _choose(self, step: int | None, target_leaves,
               persistent_only: str = "") -> dict:
     """Collective: process 0 picks the tier and the step; all get it
@@ -393,9 +420,7 @@ class MultiTierCheckpointer:
       self.last_restore_reason = "restore(path=...) reads that checkpoint"
       self._restored = None
       return self.persistent.restore(step, target=target, **restore_kwargs)
-    options = ", ".join(
-        f"{k}={v!r}"[:80] for k, v in sorted(restore_kwargs.items())
-        if k not in _LOCAL_OPTIONS and not _is_default(k, v))
+    options = tier_choice.persistent_options(restore_kwargs)
     d = self._choose(step, leaves, options)  # waits for the local tier's save
     if d["tier"] == "error":
       raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
@@ -461,17 +486,3 @@ class MultiTierCheckpointer:
   def __exit__(self, *exc) -> None:
     self.close()
 
-
-def _is_default(option: str, value: Any) -> bool:
-  """Whether a restore option has its Checkpointer.restore default (then
-  the local tier can honour it); an option not known here never does."""
-  if option in ("transforms", "lazy"):
-    return not value
-  return option in ("fallback_state", "path") and value is None
-
-
-def _owner(spec: dict) -> str:
-  """The persistent tier's root, normalised (an absolute path for a local
-  one): what ties a local step to the run that saved it."""
-  driver, path = spec.get("driver", ""), spec.get("path", "")
-  return f"{driver}://{spec.get('bucket', '')}/{path.strip('/')}"

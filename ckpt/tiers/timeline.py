@@ -28,16 +28,19 @@ from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 
 
-def check(mt, step: int) -> None:
+def check(mt, step: int, prepare=None) -> None:
   """Collective, before a save writes anything: refuses a step lower
   than the newest committed step of either tier, with the same
   CheckpointError on every process. Each process posts its local steps
   above ``step`` (of this run) or its own failure (the previous local
-  save's, say); process 0 adds the persistent tier's and decides."""
+  save's, say, or one of ``prepare()``, the save's own preparation);
+  process 0 adds the persistent tier's and decides."""
   key = multihost.call_key(mt.local._key_base, "timeline")
   newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
   try:  # what can fail on one process alone goes into the round
     step = queries.check_step(step)
+    if prepare is not None:
+      prepare()
     mt.local.wait()  # the previous local save: its failure, its commit
     newer = _local_newer(mt, step)
     dst, n = mt.local.layout.dst, mt.local.layout.n

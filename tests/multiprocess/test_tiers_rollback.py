@@ -79,7 +79,7 @@ def test_a_save_below_the_newest_step_is_refused_until_deleted(jobs):
         "CheckpointNotFoundError: cannot delete step 20: neither tier holds "
         "it"), r["delete_again"]
     assert r["after_delete"] == {"local": [], "persistent": [5, 10],
-                                 "latest": 10}, r
+                                 "latest": 10, "all_steps": [5, 10]}, r
     # The new timeline: saved, kept by retention, restored.
     assert r["save_new"] == [True, True], r
     after = r["after"]
@@ -151,3 +151,18 @@ def test_latest_step_of_a_target_is_the_step_restore_returns(jobs):
     assert (got["step"], got["exact"], got["tier"],
             got["last_restore_step"]) == (20, True, "persistent", 20), got
     assert "sharded differently from the save" in got["reason"], got
+
+
+def test_all_steps_lists_both_tiers_alike_on_every_process(jobs):
+  """Issue 36 item 6: MultiTierCheckpointer had no all_steps(). It lists
+  the persistent tier's steps and the local steps the job can rebuild,
+  the same on both processes, its last the step latest_step() gives."""
+  first = jobs["first"]
+  for r in first:
+    assert r["all_steps"] == [5, 10, 15, 20, 21, 22], r   # local ahead
+    assert r["all_steps"][-1] == r["latest"], r
+    assert r["after_delete"]["all_steps"] == [5, 10], r
+    assert r["after"]["all_steps"] == [5, 10, 11, 12], r  # local 11, 12
+    assert r["after"]["all_steps"][-1] == r["after"]["latest"], r
+  assert first[0]["all_steps"] == first[1]["all_steps"]
+  assert first[0]["after"]["all_steps"] == first[1]["after"]["all_steps"]

@@ -136,6 +136,7 @@ def main() -> None:
   t, t_other = target(shard), target(other)
   # Item 6: which step a restore onto each target returns.
   out["latest"] = attempt(m.latest_step)
+  out["all_steps"] = attempt(m.all_steps)  # issue 36 item 6: both tiers
   out["latest_fit"] = attempt(lambda: m.latest_step(target=t))
   out["latest_other"] = attempt(lambda: m.latest_step(target=t_other))
   out["restore_other"] = restored(m, lambda: m.restore(target=t_other), other)
@@ -180,7 +181,8 @@ def main() -> None:
   out["delete_again"] = attempt(lambda: m.delete(20))
   out["after_delete"] = {"local": m.local.committed_steps(),
                          "persistent": attempt(m.persistent.all_steps),
-                         "latest": attempt(m.latest_step)}
+                         "latest": attempt(m.latest_step),
+                         "all_steps": attempt(m.all_steps)}
   out["save_new"] = [attempt(lambda s=s: m.save(
       s, make(s), host_state={"pos": s * 100 + pid})) for s in (11, 12)]
   attempt(m.wait_until_finished)
@@ -188,6 +190,7 @@ def main() -> None:
                   "local_entries": _entries(local_dir),
                   "persistent": attempt(m.persistent.all_steps),
                   "latest": attempt(m.latest_step),
+                  "all_steps": attempt(m.all_steps),
                   "restore": restored(m, lambda: m.restore(target=t))}
   # What the save's timeline round costs (it runs at every save).
   times = []
