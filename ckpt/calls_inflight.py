@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import time
 
 from absl import logging
 
@@ -73,6 +74,16 @@ class InFlight:
         with self._lock:
           if self._inflight is fut:
             self._inflight = None
+
+  def _wait_all(self, timeout: float | None) -> None:
+    """The body of ``Checkpointer.wait_until_finished``."""
+    if timeout is not None and not float(timeout) >= 0:
+      raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    self._wait_for_save(timeout)
+    self._wait_for_retention(
+        None if deadline is None else max(0.0, deadline - time.monotonic()),
+        timeout)
 
   def _settle(self) -> None:
     """Lets the in-flight save end (a restore of the latest step wants its

@@ -99,6 +99,9 @@ class Lifecycle:
   def _close_now(self) -> None:
     if self._closed:
       return
+    pending = self._pending_restore
+    if pending is not None and not pending.finished:
+      pending.cancel("close() was called before its result()")
     try:
       self.wait_until_finished()
     finally:

@@ -12,7 +12,9 @@ at most ``query_timeout_s`` (ckpt/store/deadline.py). A mixin of
 
 from __future__ import annotations
 
-import itertools
+import asyncio
+import concurrent.futures
+import dataclasses
 import json
 import os
 import time
@@ -24,10 +26,12 @@ from ckpt.multihost import agreement
 from ckpt.commit import steps as steps_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
+from ckpt.restore import handle as handle_lib
 from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
-from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.errors import (CheckpointError, CorruptCheckpointError,
+                         WaitTimeoutError)
 from ckpt.calls_save import size_text
 
 
@@ -37,18 +41,69 @@ class RestoreCalls:
 
   def _restore(self, step, target, path, transforms, fallback_state, lazy,
                verify, read_once, read_key, key, t_start, meter):
+    """The body of ``Checkpointer.restore``."""
+    job = self._begin(step, target, path, transforms, fallback_state, lazy,
+                      verify, read_once, read_key, key, t_start, meter)
+    return self._complete(job, self._start_reads(job), None)
+
+  def _restore_async(self, step, target, path, transforms, fallback_state,
+                     lazy, verify, read_once, read_key, key, t_start, meter
+                     ) -> handle_lib.RestoreHandle:
+    """The body of ``Checkpointer.restore_async``: the agreed choice of the
+    step now, on the caller's thread; the reads start on the background
+    loop; the rounds, the read-once exchange and a fallback happen in
+    ``result()``, on the caller's thread (device collectives belong there)."""
+    meter.__enter__()  # left by the handle, once it has finished
+    try:
+      job = self._begin(step, target, path, transforms, fallback_state, lazy,
+                        verify, read_once, read_key, key, t_start, meter)
+      job.agree_outcome = multihost.is_multiprocess()
+      fut = self._start_reads(job)
+    except BaseException:
+      meter.__exit__(None, None, None)
+      raise
+
+    def finish(timeout):
+      return self._complete(job, fut, timeout)
+
+    def cancel():
+      if not fut.done():
+        self._run(_cancelled(job))
+      self._release(job)
+
+    h = handle_lib.RestoreHandle(finish, fut, cancel,
+                                 lambda: meter.__exit__(None, None, None),
+                                 f"restore_async of step {job.step}")
+    self._pending_restore = h
+    return h
+
+  def _check_no_pending_restore(self, call: str) -> None:
+    """save/restore while a restore_async's result() has not been taken:
+    refused, on every process alike (each made the same calls)."""
+    h = self._pending_restore
+    if h is not None and not h.finished:
+      raise CheckpointError(
+          f"{call} refused: {h.what} is in flight; call its result() "
+          "first (restore_async is collective: every process takes its "
+          "result() before its next save or restore)")
+
+  def _begin(self, step, target, path, transforms, fallback_state, lazy,
+             verify, read_once, read_key, key, t_start, meter) -> "_Job":
+    """The agreed choice of the step (one round, on every process)."""
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.read_once
     step_arg = step
     storage, error = self.storage, None
     try:  # this process's own checks; a failure joins the round below
       self._check_open()
+      self._check_no_pending_restore("restore")
       readonce.min_replicas(read_once, "")  # validates it
       if path is not None:
         storage = storage_lib.Storage(path, self._storage_options)
     except Exception as e:  # pylint: disable=broad-except
       error = e
     self._settle()
+    t_find = time.perf_counter()
     if path is not None:
       # Processes may each read their own copy (a path on a local disk):
       # then each finds its own step directory.
@@ -66,96 +121,137 @@ class RestoreCalls:
           f"the step to restore from {self.storage.url!r}", key=read_key,
           error=error)
       protected = step if multihost.process_index() == 0 else None
-    read_once_min = readonce.min_replicas(read_once, storage.url)
-    # A resume falls back past steps that fail verification (on every
-    # process alike: _fallback_round); an explicit step or path raises.
-    may_fall_back = verify and not lazy and path is None and step_arg is None
-    damaged: list[int] = []
-    for attempt in itertools.count():
-      run_key = key if attempt == 0 else f"{key}/fallback{attempt}"
+    return _Job(
+        storage=storage, step=step, step_dir=step_dir, path=path,
+        is_resuming=is_resuming, protected=protected, target=target,
+        transforms=tuple(transforms), fallback_state=fallback_state,
+        lazy=lazy, verify=verify, read_once=read_once,
+        read_once_min=readonce.min_replicas(read_once, storage.url),
+        key=key, run_key=key, t_start=t_start, meter=meter,
+        # A resume falls back past steps that fail verification (on every
+        # process alike: _fallback_round); an explicit step or path raises.
+        may_fall_back=(verify and not lazy and path is None and
+                       step_arg is None),
+        find_s=time.perf_counter() - t_find)
+
+  def _start_reads(self, job: "_Job"):
+    """Starts this attempt's reads on the background loop; returns their
+    future (a concurrent.futures.Future)."""
+    job.reading = (f"step {job.step}" if job.path is None else
+                   f"{job.step_dir!r}")
+    job.stats = readonce.RestoreStats(read_once=job.read_once)
+    job.stats.find_s = job.find_s if job.attempt == 0 else 0.0
+    job.counter = readonce.ReadCounter()
+    self.last_restore_stats = job.stats
+    # With read-once on (agreed: the same on every process), a process that
+    # fails must say so before the others start an exchange it never joins.
+    job.rounds = job.read_once_min is not None and multihost.is_multiprocess()
+    lazy_reads = None
+    if job.lazy:  # the leaves' later reads count here; read once: collectives
+      if job.rounds and self._lazy_rounds is None:
+        self._lazy_rounds = readonce.LazyRounds(f"{job.run_key}-lazy",
+                                                self.barrier_timeout_s)
+      lazy_reads = readonce.LazyReads(
+          job.counter, job.stats, self._lazy_rounds if job.rounds else None,
+          name=f"restore {job.run_key}", meter=job.meter,
+          deadline=lambda: self._read_deadline(job.storage, job.reading))
+    guard = keepalive = None
+    if job.lazy and job.path is None:
+      guard = steps_lib.guard(job.storage, job.step)
+      if job.protected is not None:  # the step outlives this call
+        keepalive = self._retention.keepalive(job.step)
+    args = restore_lib.RestoreArgs(
+        target=job.target, restore_dtype=self.restore_dtype,
+        transforms=job.transforms, fallback_state=job.fallback_state,
+        lazy=job.lazy, is_resuming=job.is_resuming, verify=job.verify,
+        guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
+        lazy_reads=lazy_reads)
+    job.t_read = time.perf_counter()
+    return asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
+        readonce.counted(restore_lib.restore(
+            job.storage, job.step_dir, args, self.concurrent_bytes,
+            self._context, job.stats), job.counter),
+        self._read_deadline(job.storage, job.reading))), self._loop)
+
+  def _complete(self, job: "_Job", fut, timeout: float | None) -> Any:
+    """Waits for the reads (``timeout``: WaitTimeoutError, the reads go
+    on), then the rounds and the exchange; falls back past a damaged step
+    on a resume."""
+    _wait_reads(fut, timeout, job)
+    while True:
+      error = None
       try:
-        result, error = self._restore_step(
-            storage, step, step_dir, path, is_resuming, protected, target,
-            transforms, fallback_state, lazy, verify, read_once,
-            read_once_min, run_key, t_start, meter), None
+        result = self._finish_step(job, fut)
       except Exception as e:  # pylint: disable=broad-except
-        if not may_fall_back:
+        if not job.may_fall_back and not job.agree_outcome:
+          self._release(job)
           raise
         result, error = None, e
-      finally:
-        if protected is not None:
-          self._retention.release(protected)
-          protected = None
-      if may_fall_back:
-        older = self._fallback_round(f"{run_key}/verified", error, step)
+      self._release(job)
+      if job.agree_outcome and not job.may_fall_back:
+        # restore_async: a failure on one process is every process's.
+        t = time.perf_counter()
+        try:
+          multihost.all_ok(f"{job.run_key}/outcome", error,
+                           f"restore of step {job.step}",
+                           self.barrier_timeout_s)
+        finally:
+          job.stats.rounds_s += time.perf_counter() - t
+      if job.may_fall_back:
+        t = time.perf_counter()
+        older = self._fallback_round(f"{job.run_key}/verified", error,
+                                     job.step)
+        job.stats.rounds_s += time.perf_counter() - t
         if older is not None:
-          damaged.append(step)
-          self._retention.set_damaged(damaged)
-          step, step_dir = older
+          job.damaged.append(job.step)
+          self._retention.set_damaged(job.damaged)
+          job.step, job.step_dir = older
           if multihost.process_index() == 0:
-            protected = step  # _fallback_round protected it
+            job.protected = job.step  # _fallback_round protected it
+          job.attempt += 1
+          job.run_key = f"{job.key}/fallback{job.attempt}"
+          fut = self._start_reads(job)
+          _wait_reads(fut, None, job)
           continue
       if error is not None:
         raise error
-      self.last_restore_step = step
-      stats = self.last_restore_stats
+      self.last_restore_step = job.step
+      stats = job.stats
+      stats.total_s = time.perf_counter() - job.t_start
       logging.info(
           "ckpt: restored step %s from %s: this process read %s in %.2f s "
-          "(%.2f GB/s)%s", step, storage.url, size_text(stats.bytes_read),
-          stats.total_s, stats.bytes_read / stats.total_s / 1e9
-          if stats.total_s > 0 else 0.0,
-          f" after falling back past damaged step(s) {damaged}"
-          if damaged else "")
+          "(%.2f GB/s; %s)%s", job.step, job.storage.url,
+          size_text(stats.bytes_read), stats.total_s,
+          stats.bytes_read / stats.total_s / 1e9 if stats.total_s > 0
+          else 0.0, stats.stages_text(),
+          f"; fell back past damaged step(s) {job.damaged}"
+          if job.damaged else "")
       return result
 
-  def _restore_step(self, storage, step, step_dir, path, is_resuming,
-                    protected, target, transforms, fallback_state, lazy,
-                    verify, read_once, read_once_min, key, t_start, meter):
-    """Reads one step (``step_dir``) as the caller asked."""
-    reading = f"step {step}" if path is None else f"{step_dir!r}"
-    stats = readonce.RestoreStats(read_once=read_once)
-    counter = readonce.ReadCounter()
-    self.last_restore_stats = stats
-    # With read-once on (agreed: the same on every process), a process that
-    # fails must say so before the others start an exchange it never joins.
-    rounds = read_once_min is not None and multihost.is_multiprocess()
-    lazy_reads = None
-    if lazy:  # the leaves' later reads count here; read once: collectives
-      if rounds and self._lazy_rounds is None:
-        self._lazy_rounds = readonce.LazyRounds(f"{key}-lazy",
-                                                self.barrier_timeout_s)
-      lazy_reads = readonce.LazyReads(
-          counter, stats, self._lazy_rounds if rounds else None,
-          name=f"restore {key}", meter=meter,
-          deadline=lambda: self._read_deadline(storage, reading))
+  def _release(self, job: "_Job") -> None:
+    if job.protected is not None:
+      self._retention.release(job.protected)
+      job.protected = None
+
+  def _finish_step(self, job: "_Job", fut) -> Any:
+    """The rest of one attempt, on the caller's thread: its outcome round
+    (read once), the exchange, the stats."""
+    stats, counter, key, rounds = job.stats, job.counter, job.run_key, job.rounds
 
     def check(i, e):
       """The round before exchange i: every process's outcome, and what
       it fetched so far (the last round's sum is fetched_bytes_all)."""
       if rounds:
         sums = multihost.all_ok(
-            f"{key}/{i}", e, f"restore from {step_dir!r}",
-            self.barrier_timeout_s, tally=meter.value)
+            f"{key}/{i}", e, f"restore from {job.step_dir!r}",
+            self.barrier_timeout_s, tally=job.meter.value)
         if sums:
           stats.fetched_bytes_all = sum(sums.values())
+    t = time.perf_counter()
     try:
       result, error = None, None
-      try:  # everything that can fail on this process alone, before "read"
-        guard = keepalive = None
-        if lazy and path is None:
-          guard = steps_lib.guard(storage, step)
-          if protected is not None:  # the step outlives this call
-            keepalive = self._retention.keepalive(step)
-        args = restore_lib.RestoreArgs(
-            target=target, restore_dtype=self.restore_dtype,
-            transforms=tuple(transforms), fallback_state=fallback_state,
-            lazy=lazy, is_resuming=is_resuming, verify=verify, guard=guard,
-            keepalive=keepalive, read_once_min=read_once_min,
-            lazy_reads=lazy_reads)
-        result = self._run(deadline_lib.bounded(readonce.counted(
-            restore_lib.restore(storage, step_dir, args,
-                                self.concurrent_bytes, self._context),
-            counter), self._read_deadline(storage, reading)))
+      try:
+        result = fut.result()
       except Exception as e:  # pylint: disable=broad-except
         if not rounds:
           raise
@@ -173,15 +269,16 @@ class RestoreCalls:
           result, lambda batch: self._run(deadline_lib.bounded(
               readonce.counted(restore_lib.read_parts(
                   batch, self.concurrent_bytes), counter),
-              self._read_deadline(storage, reading))),
+              self._read_deadline(job.storage, job.reading))),
           self.concurrent_bytes, stats, check)
       return result
     finally:
+      stats.finish_s += time.perf_counter() - t
       stats.add_reads(counter)
-      stats.fetched_bytes = meter.value
+      stats.fetched_bytes = job.meter.value
       if not multihost.is_multiprocess():
         stats.fetched_bytes_all = stats.fetched_bytes
-      stats.total_s = time.perf_counter() - t_start
+      stats.total_s = time.perf_counter() - job.t_start
 
   def _fallback_round(self, key: str, error: BaseException | None,
                       step: int) -> tuple[int, str] | None:
@@ -286,3 +383,67 @@ class RestoreCalls:
     """The key of the next read round (restore, the queries); taken before
     anything of the call can fail (multihost.call_key)."""
     return multihost.call_key(self._key_base, "read")
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+  """One restore between its agreed choice of step and its result."""
+  storage: Any
+  step: Any
+  step_dir: str
+  path: Any
+  is_resuming: bool
+  protected: int | None
+  target: Any
+  transforms: tuple
+  fallback_state: Any
+  lazy: bool
+  verify: bool
+  read_once: Any
+  read_once_min: int | None
+  key: str
+  run_key: str
+  t_start: float
+  meter: Any
+  may_fall_back: bool
+  find_s: float = 0.0
+  agree_outcome: bool = False  # restore_async: one outcome round
+  damaged: list = dataclasses.field(default_factory=list)
+  attempt: int = 0
+  # Of the attempt in progress (_start_reads).
+  reading: str = ""
+  stats: Any = None
+  counter: Any = None
+  rounds: bool = False
+  t_read: float = 0.0
+  task: Any = None
+
+
+def _wait_reads(fut, timeout: float | None, job: _Job) -> None:
+  """Waits for an attempt's reads; WaitTimeoutError (the reads go on) if
+  they are not done after ``timeout`` seconds."""
+  try:
+    concurrent.futures.wait([fut], timeout)
+  finally:
+    if fut.done() and job.stats is not None and not job.stats.read_s:
+      job.stats.read_s = max(0.0, time.perf_counter() - job.t_read
+                             - job.stats.index_s)
+  if not fut.done():
+    raise WaitTimeoutError(
+        f"result(timeout={timeout}): the reads of step {job.step} were not "
+        f"done after {timeout} s; they go on (call result() again)")
+
+
+async def _tracked(job: _Job, coro) -> Any:
+  """Runs ``coro`` as the job's reads task (``_cancelled`` cancels it)."""
+  job.task = asyncio.current_task()
+  return await coro
+
+
+async def _cancelled(job: _Job) -> None:
+  """On the loop: the reads' task cancelled, and waited for (its
+  TensorStore requests end first, ckpt/store/tsfuture.py)."""
+  task = job.task
+  if task is not None and not task.done():
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)

@@ -26,6 +26,7 @@ from ckpt.commit import deletion
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
+from ckpt.multihost import coordination
 from ckpt.save import polite
 from ckpt import queries
 from ckpt.commit import records
@@ -72,7 +73,7 @@ class SaveCalls:
     # The key first: whatever fails below on one process goes into the
     # round, so every process raises and no later key drifts.
     key = multihost.call_key(self._key_base, "save", step)
-    coord0 = multihost.coordination_stats()
+    coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
     planned = 0
@@ -81,6 +82,7 @@ class SaveCalls:
       if refused is not None:
         raise refused
       self._check_open()
+      self._check_no_pending_restore(f"save({step})")
       self._wait_for_save()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)
       custom = save_extras.check_custom_metadata(custom_metadata)
@@ -219,7 +221,7 @@ class SaveCalls:
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
                         host_bytes: bytes, stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
-                        coord0: multihost.CoordinationStats,
+                        coord0: coordination.CoordinationStats,
                         custom: str | None = None) -> None:
     cleanup = None
     self._task = asyncio.current_task()  # what cancel() cancels
@@ -257,7 +259,7 @@ class SaveCalls:
       stats.total_s = time.perf_counter() - t0
       # Every call of this process in the meantime (the caller's other
       # collective calls during an async save would count too).
-      coord = multihost.coordination_stats() - coord0
+      coord = coordination.coordination_stats() - coord0
       stats.coordination_s = coord.seconds
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 

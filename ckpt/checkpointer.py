@@ -9,17 +9,11 @@ data is staged on the host (async mode) or when it is committed
 (``async_save=False``). A failure on the background thread is stored and
 re-raised by the next ``save``, ``wait_until_finished`` or ``close``.
 
-Every collective call (save, restore and the queries) starts, on the
-caller's thread, with one agreement round through the coordination service
-(ckpt/multihost/agreement.py), so that all processes take the same decision; the
-stages after it are in ckpt/save/runner.py and the commit protocol in
-ckpt/commit/protocol.py.
-
-This module keeps the public class, its options and its documented methods;
-the bodies of the larger calls are its mixins: ckpt/calls_save.py (save),
-ckpt/calls_inflight.py (waiting for and cancelling the save in flight),
-ckpt/calls_restore.py (restore and the read rounds) and
-ckpt/calls_lifecycle.py (the background loop and close).
+Every collective call (save, restore, restore_async, delete, cancel)
+starts, on the caller's thread, with one agreement round
+(ckpt/multihost/agreement.py); the read-only queries are not collective.
+The bodies of the larger calls are in ckpt/calls_save.py,
+ckpt/calls_inflight.py, ckpt/calls_restore.py and ckpt/calls_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -39,11 +33,13 @@ from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.save import plan_cache
+from ckpt.save import schedule as schedule_lib
 from ckpt import calls_inflight
 from ckpt import calls_lifecycle
 from ckpt import calls_restore
 from ckpt import calls_save
 from ckpt import queries
+from ckpt.restore import handle as handle_lib
 from ckpt.restore import readonce
 from ckpt.store import storemeter
 from ckpt.save import leaves as save_leaves
@@ -92,11 +88,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     save_on_steps: a collection of steps ``should_save`` always accepts
       (with or without ``save_interval_steps``).
     should_save_fn: ``fn(step, last_saved_step) -> bool`` (Orbax's
-      signature; ``last_saved_step`` None before any), asked by
-      ``should_save`` besides the two above: a step is saved if any of
-      them accepts it. It runs on every process and must give the same
-      answer on each (a pure function of its arguments): see
-      ``should_save``.
+      signature), asked besides the two above; a pure function of its
+      arguments (it runs on every process): see ``should_save``.
     save_dtype / restore_dtype: cast floating leaves before writing / after
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
@@ -112,40 +105,26 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       environment variables read without it).
     compression: None (raw chunks) or ``"zstd"``.
     chunk_checksums: formats "zarr3"/"ocdbt": every chunk carries zarr3's
-      crc32c codec, which TensorStore checks on every read (restores are
-      checked by TensorStore as it decodes them, at a cost: about 2x restore
-      time with 64 MiB raw chunks). Default False: every stored chunk's
-      crc32c is recorded at save into per-process files, and every restore
-      checks each chunk it reads against it (``restore(verify=...)``).
+      crc32c codec, checked by TensorStore as it decodes (about 2x restore
+      time). Default False: each chunk's crc32c is recorded at save and
+      every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (ckpt/multihost/process.py):
       a process 0 that stops answering (frozen, stopped, dead) makes the
       others raise ``BarrierTimeoutError`` naming it within this + 5 s.
-    save_timeout_s: the longest a save may go without progress: no wait
-      for the store ending well, no request completing (ckpt/store/deadline.py);
-      not its length, so a slow but steady store commits a save of any
-      size. Past it the save fails with ``StoreTimeoutError`` saying what
-      stalled and for how long, naming the step, the URL and this option,
-      re-raised by ``wait_until_finished``/``close``/the next ``save``, on
-      every process (the failure travels with the "written" barrier). The
-      bound covers every request, the commit and the removal of the failed
-      attempt (cut short then; its ``pending/`` record stays for cleanup);
-      waits for the other processes at barriers do not count. Requests in
-      flight when it gives up are abandoned, not cancelled
-      (ckpt/store/tsfuture.py). Also bounds each retention pass and
-      ``delete``. None: no bound but TensorStore's retries of each request
-      (ckpt/store/storage.py).
-    query_timeout_s: the same bound for the directory queries:
-      ``latest_step``, ``all_steps``, ``metrics``, ``metadata``,
-      ``host_state``'s choice of step, ``should_save``'s first round,
-      ``restore``'s choice of step, opening the store when the
-      Checkpointer is made, and the reads of data of ``restore`` and of
-      lazy leaves (however long they take while they progress).
-    lease_s: a save renews its lease every ``lease_s / 6`` seconds (at
-      most once a second on an object store); cleanup (process 0, at every
-      save) removes an uncommitted attempt once its lease is older than this,
-      or at once when its holder is provably dead (see ckpt/commit/lease.py).
+    save_timeout_s: the longest a save may go without progress (no
+      request completing; waits at barriers do not count), not its length:
+      a slow but steady store commits a save of any size. Past it the save
+      fails on every process with ``StoreTimeoutError`` saying what stalled
+      and for how long (ckpt/store/deadline.py). Also bounds each retention
+      pass and ``delete``. None: only TensorStore's retries of each request.
+    query_timeout_s: the same bound for the queries, the choice of a
+      restore's step, opening the store, and the reads of ``restore`` and
+      of lazy leaves.
+    lease_s: a save renews its lease every ``lease_s / 6`` seconds; cleanup
+      removes an uncommitted attempt whose lease went unrenewed this long,
+      or at once when its holder is provably dead (ckpt/commit/lease.py).
     read_once: restore onto a mesh with data-parallel replicas reads each
       box from storage once, spread over the replica processes, and
       exchanges the parts with an all-gather (ckpt/restore/readonce.py). True: on,
@@ -184,22 +163,11 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         keep_checkpoints_without_metrics, best_fn=best_fn,
         keep_time_interval=keep_time_interval,
         keep_time_window=keep_time_window, clock=self._clock)
-    if save_interval_steps is not None and (
-        type(save_interval_steps) is not int or save_interval_steps < 1):
-      raise ValueError("save_interval_steps must be a positive int or None, "
-                       f"got {save_interval_steps!r}")
-    self.save_interval_steps = save_interval_steps
-    if save_on_steps is not None:
-      try:
-        save_on_steps = frozenset(queries.check_step(s) for s in save_on_steps)
-      except (TypeError, ValueError) as e:
-        raise ValueError("save_on_steps must be a collection of non-negative "
-                         f"int steps, got {save_on_steps!r}: {e}") from None
-    self.save_on_steps = save_on_steps
-    if should_save_fn is not None and not callable(should_save_fn):
-      raise ValueError("should_save_fn must be a callable (step, "
-                       f"last_saved_step) -> bool, got {should_save_fn!r}")
-    self.should_save_fn = should_save_fn
+    self.schedule = schedule_lib.SaveSchedule.of(
+        save_interval_steps, save_on_steps, should_save_fn)
+    self.save_interval_steps = self.schedule.interval  # Orbax's attributes
+    self.save_on_steps = self.schedule.on_steps
+    self.should_save_fn = self.schedule.fn
     # The step of the last save of this Checkpointer (agreed: saves are
     # collective), or the newest committed one before it; should_save_fn's
     # second argument. _UNKNOWN until asked.
@@ -240,6 +208,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     # The rounds of read-once lazy leaves' reads (made at the first
     # multi-process restore(lazy=True) with read once on).
     self._lazy_rounds: readonce.LazyRounds | None = None
+    self._pending_restore: handle_lib.RestoreHandle | None = None
     if not float(lease_s) > 0:
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
     self.lease_s = float(lease_s)
@@ -356,13 +325,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     by then; the save is not cancelled and stays tracked. Not collective:
     each process waits for its own part.
     """
-    if timeout is not None and not float(timeout) >= 0:
-      raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
-    deadline = None if timeout is None else time.monotonic() + float(timeout)
-    self._wait_for_save(timeout)
-    self._wait_for_retention(
-        None if deadline is None else max(0.0, deadline - time.monotonic()),
-        timeout)
+    self._wait_all(timeout)
 
   def check_for_errors(self) -> None:
     """Raises the failure of the last background save now, if it has
@@ -438,23 +401,14 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         (``step=None``) whose newest step fails falls back, on every process
         alike, to the newest step that verifies, with one WARNING naming
         what failed (``last_restore_step`` says which step came back).
-      read_once: True / False / None (automatic) for this call; by default
-        the Checkpointer's ``read_once``. With it, the processes that hold
-        the same box of a leaf (replicas over mesh axes its PartitionSpec
-        does not use) each read a distinct part of it, in whole stored
-        chunks (each chunk fetched once over all processes), and exchange
-        the parts with a collective run on this (the caller's) thread, in
-        batches within ``concurrent_bytes``. Every process must pass the
-        same value (checked). Leaves it cannot apply to are read as usual:
-        typed PRNG keys, values in memory (inline leaves, fallbacks), leaves
-        derived by a transform whose dimensions do not divide by the
-        replica count. ``last_restore_stats`` says what it did (bytes read,
-        bytes fetched from the store, leaves exchanged). With ``lazy=True`` the leaves it applies to read
-        once when read later with the sharding they were bound to:
-        ``leaf.read()`` of such a leaf is then a collective call, which
-        every process must make, for the same leaves in the same order
-        (like a jitted function over global arrays); the leaves' reads add
-        to this restore's ``last_restore_stats`` object.
+      read_once: True / False / None (automatic) for this call (default:
+        the Checkpointer's). With it, the processes that hold the same box
+        of a leaf each read a distinct part of it in whole stored chunks
+        and exchange the parts with a collective on this thread, in batches
+        within ``concurrent_bytes`` (docs/read-once.md). Every process must
+        pass the same value (checked). With ``lazy=True`` such a leaf's
+        ``read()`` is a collective call (every process reads the same
+        leaves in the same order). ``last_restore_stats`` says what it did.
 
     In a multi-process job every process calls it; process 0 picks the step
     (the latest, or checks that all asked for the same one) and every
@@ -469,6 +423,35 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       return self._restore(step, target, path, transforms, fallback_state,
                            lazy, verify, read_once, read_key, key, t_start,
                            meter)
+
+  def restore_async(self, step: int | None = None, *, target: Any = None,
+                    path: str | None = None,
+                    transforms: Sequence[Callable] = (),
+                    fallback_state: Any = None, lazy: bool = False,
+                    verify: bool = True, read_once: Any = "default"
+                    ) -> "handle_lib.RestoreHandle":
+    """``restore`` whose reads run while the caller goes on (compiling its
+    train step, say): agrees on the step now (one round), starts the reads
+    on the background loop and returns a handle at once, with ``done()``
+    and ``result(timeout=None)``. ``result()`` runs the rest on the
+    caller's thread (the outcome rounds, the read-once exchange, a resume's
+    fallback) and returns what ``restore`` returns, or raises what it
+    raises, on every process alike.
+
+    The same arguments as ``restore``. Collective like ``restore``: every
+    process calls it, and its ``result()``, in the same order as its other
+    collective calls. Until ``result()`` has returned or raised, a
+    ``save``, ``restore`` or ``restore_async`` is refused
+    (``CheckpointError`` naming the restore in flight, before anything is
+    written or agreed); ``close()`` cancels the reads (``result()`` then
+    raises ``CheckpointError``). ``last_restore_stats.read_s`` includes the
+    time the caller spent before ``result()`` while the reads ran.
+    """
+    read_key = self._read_key()
+    key = multihost.call_key(self._key_base, "readonce")  # every restore
+    return self._restore_async(step, target, path, transforms, fallback_state,
+                               lazy, verify, read_once, read_key, key,
+                               time.perf_counter(), storemeter.Meter())
 
   # ---- preemption -------------------------------------------------------
 

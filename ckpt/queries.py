@@ -72,7 +72,7 @@ class Queries:
         last != self._retained):
       # Process 0 signals when its pass after that save is done.
       left = deadline_lib.time_left()
-      if multihost.await_signal(self._retained_key(last),
+      if multihost.await_announced(self._retained_key(last),
                                 60.0 if left is None else left):
         self._retained = last
     return steps_lib.committed_steps(self.storage)
@@ -83,7 +83,7 @@ class Queries:
   def _retention_done(self, step: int) -> None:
     """Process 0, after the retention pass that followed ``step``'s save."""
     previous, self._retained = self._retained, step
-    multihost.signal(self._retained_key(step),
+    multihost.announce(self._retained_key(step),
                      None if previous is None else self._retained_key(previous))
 
   def best_step(self) -> int | None:
@@ -213,17 +213,16 @@ class Queries:
       if agreed:
         return self._agreed(f"should_save({step})", fn, what)
       return self._local(fn)
-    n, on, fn = self.save_interval_steps, self.save_on_steps, self.should_save_fn
-    if n is None and on is None and fn is None:
+    sched = self.schedule
+    if sched.every_step:
       return True
-    if ((n is not None and step % n == 0) or step == self._preemption_step
-        or (on is not None and step in on)):
+    if sched.by_rule(step, self._preemption_step):
       return True
-    if fn is not None:
-      if fn(step, self._last_saved_step(ask, agreed)):
+    if sched.fn is not None:
+      if sched.fn(step, self._last_saved_step(ask, agreed)):
         return True
-      if n is None and on is None:  # as Orbax: no first-step rule with it
-        return False
+      if sched.interval is None and sched.on_steps is None:
+        return False  # as Orbax: no first-step rule with it
     if self._has_checkpoint is None:
       empty = ask(f"whether {self.storage.url!r} holds a checkpoint yet",
                   lambda: not steps_lib.committed_steps(self.storage))
@@ -231,6 +230,22 @@ class Queries:
         self._has_checkpoint = True
       return bool(empty)
     return False
+
+  def last_saved_step(self, *, agreed: bool = True) -> int | None:
+    """``should_save_fn``'s ``last_saved_step``: the step of this
+    Checkpointer's last save, or before any the newest committed step
+    (None: none).
+
+    Args:
+      agreed: True: the first time it is needed, process 0 lists the
+        directory in one agreement round (collective) and every process
+        keeps the answer; False: this process lists it (any process).
+    """
+    def ask(what: str, fn: Callable[[], Any]) -> Any:
+      if agreed:
+        return self._agreed("last_saved_step()", fn, what)
+      return self._local(fn)
+    return self._last_saved_step(ask, agreed)
 
   def _last_saved_step(self, ask, agreed: bool) -> int | None:
     """should_save_fn's ``last_saved_step``: listed the first time (kept

@@ -264,6 +264,7 @@ def worker(conf: dict[str, Any]) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import coordination  # pylint: disable=g-import-not-at-top
   from ckpt.restore import read as restore_lib  # pylint: disable=g-import-not-at-top
   from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
   from ckpt.commit import protocol as commit_lib  # pylint: disable=g-import-not-at-top
@@ -291,12 +292,12 @@ def worker(conf: dict[str, Any]) -> None:
 
   def one_save(step: int) -> dict[str, Any]:
     together()
-    multihost.trace_coordination(True)
+    coordination.trace_coordination(True)
     cpu, t = time.process_time(), time.perf_counter()
     ckptr.save(step, state)
     ckptr.wait_until_finished()
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    trace = multihost.trace_coordination(False)
+    trace = coordination.trace_coordination(False)
     s = ckptr.last_save_stats
     return {
         "total_s": s.total_s, "wall_s": wall, "cpu_s": cpu,
@@ -331,15 +332,15 @@ def worker(conf: dict[str, Any]) -> None:
   for r in range(conf["restores"]):
     step = 1 + r % conf["saves"]
     together()
-    multihost.trace_coordination(True)
-    c0 = multihost.coordination_stats()
+    coordination.trace_coordination(True)
+    c0 = coordination.coordination_stats()
     cpu, t = time.process_time(), time.perf_counter()
     with profile.of("restore"):
       restored = ckptr.restore(step, target=target)
       jax.block_until_ready(jax.tree_util.tree_leaves(restored))
     wall, cpu = time.perf_counter() - t, time.process_time() - cpu
-    c = multihost.coordination_stats() - c0
-    trace = multihost.trace_coordination(False)
+    c = coordination.coordination_stats() - c0
+    trace = coordination.trace_coordination(False)
     restores.append({
         "total_s": wall, "cpu_s": cpu,
         "index_s": index_timer.take() + leaves_timer.take(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -294,9 +295,14 @@ def locate_path(storage: storage_lib.Storage, step: int | None) -> str:
 
 
 async def restore(storage: storage_lib.Storage, step_dir: str,
-                  args: RestoreArgs, budget: int, context) -> Any:
-  """Reads the index in ``step_dir`` and restores it as ``args`` say."""
+                  args: RestoreArgs, budget: int, context,
+                  stats: Any = None) -> Any:
+  """Reads the index in ``step_dir`` and restores it as ``args`` say
+  (``stats``: a RestoreStats whose index_s it sets)."""
+  t = time.perf_counter()
   index = await asyncio.to_thread(read_index, storage, step_dir)
+  if stats is not None:
+    stats.index_s = time.perf_counter() - t
   leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
                              budget)
   if args.verify:  # every read checks what it reads (restore/verified.py)

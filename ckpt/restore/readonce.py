@@ -117,6 +117,15 @@ class RestoreStats:
   parts read plus its gathered arrays (within ``concurrent_bytes`` unless
   one leaf alone is larger); total_s: the whole call.
 
+  Where the time went, in seconds that add up to total_s with ``other_s``:
+  find_s (agreeing on the step: the round and, on process 0, the listing),
+  index_s (reading and decoding the index), read_s (the reads, checks and
+  placing on devices, on the background loop; with ``restore_async`` also
+  the time the caller spent before ``result()`` while they ran),
+  finish_s (on the caller's thread: the outcome round, the read-once
+  batches and their exchange), rounds_s (the verification round of a
+  resume, and a fallback's choice), other_s (the rest).
+
   A ``lazy=True`` restore's stats keep growing as its leaves are read (the
   bytes they read, and for leaves read once their exchange); total_s stays
   the restore call's.
@@ -135,6 +144,23 @@ class RestoreStats:
   peak_read_bytes: int = 0
   peak_batch_bytes: int = 0
   total_s: float = 0.0
+  find_s: float = 0.0
+  index_s: float = 0.0
+  read_s: float = 0.0
+  finish_s: float = 0.0
+  rounds_s: float = 0.0
+
+  @property
+  def other_s(self) -> float:
+    """total_s less the stages counted."""
+    return max(0.0, self.total_s - self.find_s - self.index_s - self.read_s
+               - self.finish_s - self.rounds_s)
+
+  def stages_text(self) -> str:
+    """The stages for a log line."""
+    return (f"find {self.find_s:.3f} s, index {self.index_s:.3f} s, read "
+            f"{self.read_s:.3f} s, finish {self.finish_s:.3f} s, rounds "
+            f"{self.rounds_s:.3f} s, other {self.other_s:.3f} s")
 
   def add_reads(self, counter: ReadCounter) -> None:
     """Takes the counts of ``counter`` (this restore's)."""

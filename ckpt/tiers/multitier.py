@@ -5,6 +5,7 @@ retention; restore takes the newest step the job can rebuild from either
 
 from __future__ import annotations
 
+import dataclasses
 import concurrent.futures
 import time
 from typing import Any, Callable, Sequence
@@ -109,13 +110,10 @@ class MultiTierCheckpointer:
     round.
     """
     p = self.persistent
-    if ((self.persistent_interval is not None and
-         step % self.persistent_interval == 0) or
-        step == self._preemption_step or
-        (p.save_on_steps is not None and step in p.save_on_steps)):
+    sched = dataclasses.replace(p.schedule, interval=self.persistent_interval)
+    if sched.by_rule(step, self._preemption_step):
       return True
-    return p.should_save_fn is not None and bool(p.should_save_fn(
-        step, p._last_saved_step(step)))  # pylint: disable=protected-access
+    return sched.fn is not None and bool(sched.fn(step, p.last_saved_step()))
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` writes ``step`` to either tier.
