@@ -59,8 +59,9 @@ def _top_level_mismatch(missing: list[str], available: list[str],
   (``{...}`` for a checkpoint of ``{"state": {...}}``, or the reverse), or
   None: the checkpoint's top level has a key the target's lacks, no missing
   leaf is under a top-level key of the checkpoint, and the missing leaves
-  are in the checkpoint one level down (or up), or the two top levels share
-  no key. Cost: linear in the leaves (sets, no pairwise search)."""
+  are in the checkpoint one level down (or the whole target is one level
+  down), or the two top levels share no key. Cost: about linear in the
+  leaves (set lookups, no pairwise search)."""
   def top(name: str) -> str:
     return name.split("/", 1)[0]
   have, want = {top(n) for n in available}, {top(n) for n in target}
@@ -71,9 +72,9 @@ def _top_level_mismatch(missing: list[str], available: list[str],
   under = {p for p in have - want if f"{p}/{missing[0]}" in saved}
   for m in missing[1:]:
     under = {p for p in under if f"{p}/{m}" in saved}
-  # The target nests them one level down: under one key of its own.
-  nests = {top(m) for m in missing}
-  nest = (next(iter(nests)) if len(nests) == 1 and all(
+  # The target nests them one level down: all of it under one key (not a
+  # new key beside the saved ones, such as an EMA copy of the params).
+  nest = (next(iter(want)) if len(want) == 1 and all(
       "/" in m and m.split("/", 1)[1] in saved for m in missing) else None)
   if under:
     p = min(under)

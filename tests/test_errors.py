@@ -47,8 +47,8 @@ def test_a_target_missing_the_top_level_of_the_checkpoint(make_ckptr, rng,
       "the target's structure differs from the checkpoint's at the top "
       "level: the target has top-level keys [opt, params], the checkpoint "
       "[state, step], so 3 target leaves are not in the checkpoint (e.g. "
-      "'params/w'); the checkpoint holds the missing leaves one level down, "
-      "under 'state' ('params/w' is saved as 'state/params/w'): restore with "
+      "'opt/mu'); the checkpoint holds the missing leaves one level down, "
+      "under 'state' ('opt/mu' is saved as 'state/opt/mu'): restore with "
       "target={'state': <this target>} and take ['state'] of the result. "
       "(fallback_state= is for leaves the checkpoint does not have; these "
       "are in it under another path.)"), msg
@@ -70,7 +70,7 @@ def test_a_target_with_an_extra_top_level(make_ckptr, rng, mesh8):
       "level: the target has top-level keys [state], the checkpoint [opt, "
       "params], so 3 target leaves are not in the checkpoint"), msg
   assert ("the target nests the checkpoint's leaves one level down, under "
-          "'state' ('state/params/w' is saved as 'params/w'): restore with "
+          "'state' ('state/opt/mu' is saved as 'opt/mu'): restore with "
           "target=<this target>['state']") in msg, msg
   assert "fallback_state= is for leaves the checkpoint does not have" in msg
 
