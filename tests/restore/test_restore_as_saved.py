@@ -34,7 +34,7 @@ from ckpt.format import index_codec
 from ckpt.restore import transforms as T
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.metadata import SavedSharding
-from tests.conftest import random_array, sharded
+from tests.conftest import AdamState, TrainState, random_array, sharded
 from tests.golden import make_golden
 
 GOLDEN_V1 = pathlib.Path(__file__).resolve().parent.parent / "golden" / "v1"
@@ -412,6 +412,29 @@ def test_abstract_target_keeps_host_numpy_leaves_numpy(make_ckptr, rng):
   assert type(got["table"]) is np.ndarray
   assert same_bits(got["table"], state["table"])
   assert got["params"]["w"].sharding.spec == P("model", "data")
+
+
+def test_abstract_target_keeps_the_containers_it_is_given(make_ckptr, rng):
+  """Issue 36, item 2: given the model's own abstract tree (a flax.struct
+  style dataclass, an optax style NamedTuple; an nnx.State in
+  docs/flax.md), abstract_target keeps its containers, so the restored
+  tree is the model's again; jax.Array leaves are taken as their shape."""
+  mesh = explicit_mesh()
+  w = random_array(rng, (8, 16))
+  state = TrainState(params={"w": w}, step=np.int32(3),
+                     opt_state=(AdamState(np.int32(1), {"w": w}, {"w": w}),))
+  make_ckptr(async_save=False).save(1, state)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          state)
+  abstract.opt_state[0].mu["w"] = jnp.zeros((8, 16))  # an array leaf
+  target = ckpt.abstract_target(abstract, mesh,
+                                [(r".*w", P("data", "model"))])
+  assert type(target) is TrainState and type(target.opt_state[0]) is AdamState
+  got = make_ckptr().restore(1, target=target)
+  assert type(got) is TrainState and type(got.opt_state[0]) is AdamState
+  assert got.opt_state[0].mu["w"].sharding.spec == P("data", "model")
+  assert same_bits(got.params["w"], w) and same_bits(got.opt_state[0].nu["w"],
+                                                     w)
 
 
 # ---- the index field -------------------------------------------------------
