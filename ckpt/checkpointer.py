@@ -205,8 +205,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     self._plan_cache = plan_cache.PlanCache()
     self.barrier_timeout_s = barrier_timeout_s
     self._readonce_key: str | None = None  # the last read-once restore's
-    # The rounds of read-once lazy leaves' reads (made at the first
-    # multi-process restore(lazy=True) with read once on).
+    # Read-once lazy leaves' rounds (made by the first restore needing them).
     self._lazy_rounds: readonce.LazyRounds | None = None
     self._pending_restore: handle_lib.RestoreHandle | None = None
     if not float(lease_s) > 0:
@@ -230,6 +229,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         self.storage.spec, sort_keys=True).encode()).hexdigest()[:16]
     self._metrics_cache: dict[int, dict[str, float]] = {}
     self._time_cache: dict[int, float] = {}
+    self._said_no_root = False  # a missing root is logged once (INFO)
     self._lock = threading.Lock()
     self._inflight: concurrent.futures.Future | None = None
     self._inflight_step: int | None = None

@@ -24,17 +24,82 @@ class TreeMismatchError(CheckpointError, ValueError):
 
 
 class MissingLeavesError(TreeMismatchError):
-  """Target leaves that neither the checkpoint nor a fallback provide."""
+  """Target leaves that neither the checkpoint nor a fallback provide.
 
-  def __init__(self, missing: list[str], available: list[str]):
+  ``target``: every leaf path of the target. When the target's top level
+  misses a key of the checkpoint and the missing leaves are there one level
+  down (or up), the message says the structures differ at the top, with
+  both key sets and the target that fits, rather than to pass
+  ``fallback_state`` (the leaves are in the checkpoint, under another
+  path)."""
+
+  def __init__(self, missing: list[str], available: list[str],
+               target: list[str] = ()):
     self.missing = list(missing)
-    shown = ", ".join(sorted(available)[:20])
-    more = "" if len(available) <= 20 else f", ... ({len(available)} in all)"
+    top = _top_level_mismatch(self.missing, list(available), list(target))
+    if top is not None:
+      super().__init__(top)
+      return
     super().__init__(
         f"{len(missing)} target leaves are missing from the checkpoint: "
-        f"{', '.join(missing)}. The checkpoint has: [{shown}{more}]. Pass "
+        f"{', '.join(missing)}. The checkpoint has: {_shown(available)}. Pass "
         "fallback_state= or a restore transform that provides them."
     )
+
+
+def _shown(names, n: int = 20) -> str:
+  names = sorted(names)
+  more = "" if len(names) <= n else f", ... ({len(names)} in all)"
+  return f"[{', '.join(names[:n])}{more}]"
+
+
+def _top_level_mismatch(missing: list[str], available: list[str],
+                        target: list[str]) -> str | None:
+  """The message for a target whose top level is not the checkpoint's
+  (``{...}`` for a checkpoint of ``{"state": {...}}``, or the reverse), or
+  None: the checkpoint's top level has a key the target's lacks, no missing
+  leaf is under a top-level key of the checkpoint, and the missing leaves
+  are in the checkpoint one level down (or the whole target is one level
+  down), or the two top levels share no key. Cost: about linear in the
+  leaves (set lookups, no pairwise search)."""
+  def top(name: str) -> str:
+    return name.split("/", 1)[0]
+  have, want = {top(n) for n in available}, {top(n) for n in target}
+  if not missing or not have - want or any(top(m) in have for m in missing):
+    return None
+  saved = set(available)
+  # The checkpoint holds them one level down: under one of its keys.
+  under = {p for p in have - want if f"{p}/{missing[0]}" in saved}
+  for m in missing[1:]:
+    under = {p for p in under if f"{p}/{m}" in saved}
+  # The target nests them one level down: all of it under one key (not a
+  # new key beside the saved ones, such as an EMA copy of the params).
+  nest = (next(iter(want)) if len(want) == 1 and all(
+      "/" in m and m.split("/", 1)[1] in saved for m in missing) else None)
+  if under:
+    p = min(under)
+    fix = (f"the checkpoint holds the missing leaves one level down, under "
+           f"{p!r} ({missing[0]!r} is saved as '{p}/{missing[0]}'): restore "
+           f"with target={{{p!r}: <this target>}} and take [{p!r}] of the "
+           "result")
+  elif nest is not None:
+    rest = missing[0].split("/", 1)[1]
+    fix = (f"the target nests the checkpoint's leaves one level down, under "
+           f"{nest!r} ({missing[0]!r} is saved as {rest!r}): restore with "
+           f"target=<this target>[{nest!r}] and put the result back under "
+           f"{nest!r}")
+  elif not have & want:
+    fix = ("pass a target of the checkpoint's structure (ckptr.metadata("
+           "step).tree shows it), or a restore transform that renames its "
+           "leaves")
+  else:
+    return None
+  return (f"the target's structure differs from the checkpoint's at the top "
+          f"level: the target has top-level keys {_shown(want)}, the "
+          f"checkpoint {_shown(have)}, so {len(missing)} target leaves are "
+          f"not in the checkpoint (e.g. {missing[0]!r}); {fix}. "
+          "(fallback_state= is for leaves the checkpoint does not have; "
+          "these are in it under another path.)")
 
 
 class InvalidStateError(CheckpointError, TypeError):

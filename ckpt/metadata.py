@@ -100,7 +100,16 @@ def from_index(index: index_lib.Index) -> Metadata:
 def abstract_target(metadata: Metadata | Any, mesh: Mesh,
                     rules: Sequence[tuple[str, PartitionSpec]] = (), *,
                     strict: bool = True) -> Any:
-  """A restore target for ``mesh`` from ``metadata`` (or its ``.tree``).
+  """A restore target for ``mesh`` from ``metadata``, or from any tree of
+  ``jax.ShapeDtypeStruct``s or arrays (its ``.tree``; ``nnx.state`` of
+  ``nnx.eval_shape(create_model)``; ``jax.eval_shape(create_state)``).
+
+  The target keeps the container types of the tree it is given: a flax
+  ``nnx.State`` (its Variables too), a ``flax.struct`` or other dataclass,
+  an optax state come back as such, so ``nnx.merge``/``nnx.update`` take
+  the restored tree. ``Metadata.tree`` itself is plain dicts, lists and
+  tuples (the index keeps no custom node types): give the model's
+  abstract state to get its containers back.
 
   ``rules``: ``[(regex, PartitionSpec)]`` as ``ckpt.MeshPartitioner``; the
   first regex that fully matches a leaf path gives its spec. An array leaf
@@ -114,7 +123,10 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
   it meant replicated), unless ``strict=False``.
 
   Args:
-    metadata: ``Checkpointer.metadata(step)`` (or its ``.tree``).
+    metadata: ``Checkpointer.metadata(step)``, its ``.tree`` or any tree
+      of ``jax.ShapeDtypeStruct``s / ``jax.Array``s (each array leaf gets
+      its shape and dtype, and the sharding ``rules`` give; other leaves
+      are kept as they are).
     mesh: the mesh of the restore.
     rules: ``[(regex, PartitionSpec)]``, first full match wins.
     strict: refuse a rule that matches no array leaf.
@@ -133,7 +145,7 @@ def abstract_target(metadata: Metadata | Any, mesh: Mesh,
   src = metadata.tree if isinstance(metadata, Metadata) else metadata
 
   def leaf(path, x):
-    if not isinstance(x, jax.ShapeDtypeStruct):
+    if not isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
       return x
     name = tree.path_str(tuple(tree.key_name(k) for k in path))
     names.append(name)

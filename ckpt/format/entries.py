@@ -83,6 +83,9 @@ class ValueEntry:
   # A small replicated jax.Array: the sharding it was saved in, as in
   # ArrayEntry (its mesh and PartitionSpec()); None for other values.
   saved_sharding: "SavedSharding | None" = None
+  # Saved from a host numpy array: a jax target without a sharding gets it
+  # back as numpy, as saved (absent: a jax.Array's, or an older index's).
+  host: bool = False
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "value",
@@ -91,6 +94,8 @@ class ValueEntry:
       out["prng_impl"] = self.prng_impl
     if self.saved_sharding is not None:  # absent otherwise (older indexes)
       out["saved_sharding"] = self.saved_sharding.to_json()
+    if self.host:  # absent otherwise (older indexes)
+      out["host"] = True
     return out
 
 
@@ -124,7 +129,12 @@ def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
         raise _bad(where, "no saved_sharding (a python value)", saved)
       saved = decode_saved_sharding(saved, where, _keys_rank(
           np.shape(value), impl))
-    return ValueEntry(path, value, impl, saved)
+    host = e.get("host", False)
+    if host is not False and (host is not True or saved is not None or impl
+                              or not isinstance(value, np.ndarray)):
+      raise _bad(where, "host absent, or true on a numpy array value with "
+                 "no saved_sharding and no prng_impl", host)
+    return ValueEntry(path, value, impl, saved, host)
   if e.get("kind") != "array":
     raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
   relpath = e.get("relpath")
@@ -252,7 +262,7 @@ KINDS = {k.name: k for k in (
         decoder=_array_decoder),
     index_codec.Kind(
         "value", ValueEntry, ("value",),
-        key=lambda e: (e.prng_impl, e.saved_sharding),
+        key=lambda e: (e.prng_impl, e.saved_sharding, e.host),
         spec=lambda e: _spec_of(e, "value"),
         leaf=lambda e: (encode_value(e.value, e.path),),
         decoder=_value_decoder),

@@ -17,6 +17,7 @@ import math
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from ckpt.format import index_codec
 from ckpt.format import saved_sharding as saved_sharding_lib
@@ -95,8 +96,10 @@ def saved_sharding_of(entry: Entry) -> SavedSharding:
   """The SavedSharding of any index entry (see its kinds)."""
   if entry.saved_sharding is not None:
     return entry.saved_sharding
-  if isinstance(entry, ValueEntry):
-    return REPLICATED_INLINE
+  if isinstance(entry, ValueEntry):  # a numpy scalar is host numpy too
+    host = entry.host or (isinstance(entry.value, np.generic) and
+                          not entry.prng_impl)
+    return REPLICATED_HOST if host else REPLICATED_INLINE
   if entry.sharding == HOST_REPLICATED:
     return REPLICATED_HOST
   return saved_sharding_lib.unknown(entry.sharding)

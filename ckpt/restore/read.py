@@ -252,7 +252,8 @@ async def _restore_tree(index: index_lib.Index,
     else:
       missing.append(name)
   if missing:
-    raise MissingLeavesError(missing, list(by_name))
+    raise MissingLeavesError(missing, list(by_name),
+                             [tree.path_str(p) for p, _ in named])
   if packs is not None:
     await packs.prefetch(pack_read.positions(sources),
                          pack_read.boxes_placed(sources, [t for _, t in named]))

@@ -79,8 +79,12 @@ class AsSaved:
   inline): that mesh (the same axis names, sizes and types; as many devices
   as it had) and its PartitionSpec. Saved on one device: this process's
   first device.
-  No mesh (a host numpy leaf saved without a partitioner, a numpy value
-  kept inline, a value given in memory by fallback_state or a transform):
+  Saved from host numpy without a partitioner (the index says so: the
+  ``sharding`` text ``HOST_REPLICATED`` of a stored leaf, ``host`` of an
+  inline one): no sharding, so it comes back as numpy, as saved (what
+  Orbax returns for a numpy leaf).
+  No mesh otherwise (a value given in memory by fallback_state or a
+  transform, an inline value of an index that did not record its kind):
   replicated over all devices, on the checkpoint's mesh when its leaves
   were saved on one mesh (so a jitted step can take it with them: jax
   refuses arguments on different meshes of Explicit axes), else on a 1-D
@@ -95,9 +99,13 @@ class AsSaved:
     self._replicated = None
 
   def sharding(self, name: str, src: Any) -> Any:
+    """The sharding leaf ``name`` (``src``) is restored in; None: as host
+    numpy (it was saved from host numpy)."""
     if isinstance(src, jax.Array):  # a fallback array: where it is
       return src.sharding
     saved = getattr(src, "saved_sharding", None)
+    if saved == index_lib.REPLICATED_HOST:
+      return None
     if saved is None:
       if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
         raise TreeMismatchError(

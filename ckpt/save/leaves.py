@@ -250,7 +250,8 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
     if x.nbytes > options.inline_max_bytes:
       return None
     stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-    return LeafPlan(parts, None, index_lib.ValueEntry(parts, x.astype(stored)))
+    return LeafPlan(parts, None, index_lib.ValueEntry(parts, x.astype(stored),
+                                                      host=True))
   if isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
     if not (x.inline_ok and x.nbytes <= options.inline_max_bytes):
       return None

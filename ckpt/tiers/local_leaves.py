@@ -192,7 +192,8 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
         f"{str(on_device)[:200]!r}")
   missing = [n for n, _ in target_leaves if n not in values and n not in arrays]
   if missing:
-    raise MissingLeavesError(missing, sorted({*values, *arrays}))
+    raise MissingLeavesError(missing, sorted({*values, *arrays}),
+                             [n for n, _ in target_leaves])
   plan = {}
   for name, t in target_leaves:
     shape, wanted, sharding, wants_array = restore_lib._target_spec(t, name)  # pylint: disable=protected-access
@@ -227,25 +228,21 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
       raise CheckpointError(
           f"{where}: leaf {name!r} has no sharding in the target; the local "
           "tier places arrays on the target's shardings")
-    if (sharding is None and name in values and
+    if (sharding is None and name in on_device and
         isinstance(t, (jax.ShapeDtypeStruct, jax.Array))):
-      sharding = _as_saved(name in on_device)
+      sharding = _as_saved()  # host numpy values stay numpy, as saved
     plan[name] = _Leaf("array" if name in arrays else "host", sharding,
                        tuple(src.shape), tuple(logical), np.dtype(src.dtype),
                        np.dtype(out), impl, None if name in arrays else value)
   return plan
 
 
-def _as_saved(one_device: bool) -> jax.sharding.Sharding:
-  """Where a host value goes for a jax target without a sharding, as the
-  persistent tier restores it as saved (ckpt/restore/read.py ``AsSaved``): a
-  one-device jax array on this process's first device, a numpy value
-  replicated over every device (on a 1-D mesh: the local tier does not
-  record the checkpoint's mesh, the persistent tier uses it when there is
-  one)."""
-  saved = (saved_sharding_lib.SavedSharding("device") if one_device else
-           saved_sharding_lib.REPLICATED_HOST)
-  return saved.to_sharding()
+def _as_saved() -> jax.sharding.Sharding:
+  """Where a one-device jax array saved as a host value goes for a jax
+  target without a sharding, as the persistent tier restores it as saved
+  (ckpt/restore/targets.py ``AsSaved``): on this process's first device. (A
+  numpy value comes back as numpy, as the persistent tier returns it.)"""
+  return saved_sharding_lib.SavedSharding("device").to_sharding()
 
 
 def _wrap(x: jax.Array, p: _Leaf) -> jax.Array:

@@ -15,7 +15,8 @@ Operations (``config["op"]``):
 - ``restore`` (2 x 4): the Orbax user's restore: a target from
   ``jax.eval_shape`` (ShapeDtypeStructs without shardings). Each leaf must
   be a jax.Array with the saved NamedSharding (the same mesh and spec),
-  every addressable shard bit-exact; also with ``read_once=True``, with
+  every addressable shard bit-exact (the host numpy table: numpy, as
+  saved); also with ``read_once=True``, with
   ``lazy=True`` and with the metadata's own tree as the target; a jitted
   step must take the leaves together.
 - ``restore_small`` (2 x 2): the saved mesh (8 devices) cannot be built on
@@ -74,7 +75,6 @@ def saved_shardings(mesh) -> dict[str, Any]:
   out = {p: NamedSharding(mesh, P(*spec)) for p, (_, _, spec) in LEAVES.items()}
   out["step"] = NamedSharding(mesh, P())
   out["keys"] = NamedSharding(mesh, P("data"))
-  out["table"] = NamedSharding(mesh, P())  # restored: replicated, one mesh
   return out
 
 
@@ -138,6 +138,11 @@ def check(got: Any, mesh, what: str) -> tuple[list[str], list[str]]:
         bad.append(f"{what}: name is {x!r}")
       continue
     checked.append(name)
+    if name == "table":  # saved from host numpy: numpy, as saved
+      if type(x) is not np.ndarray or x.tobytes() != table().tobytes():
+        bad.append(f"{what}: table is a {type(x).__name__} (expected the "
+                   "saved numpy.ndarray)")
+      continue
     if not isinstance(x, jax.Array):
       bad.append(f"{what}: {name} is a {type(x).__name__}, expected a "
                  "jax.Array")

@@ -2,9 +2,10 @@
 
 A target leaf that is a ``jax.ShapeDtypeStruct`` without a sharding (what
 ``jax.eval_shape(create_state)`` gives, as Orbax users restore) comes back
-as a ``jax.Array`` in the sharding it was saved in, never as host numpy;
-when that sharding cannot be built here the error names the leaf, the
-saved mesh and how to pass a sharding. ``Metadata.shardings`` are
+as a ``jax.Array`` in the sharding it was saved in, never as silent numpy;
+a leaf saved from host numpy comes back as numpy, as saved (issue 36, item
+9: what Orbax returns); when that sharding cannot be built here the error
+names the leaf, the saved mesh and how to pass a sharding. ``Metadata.shardings`` are
 ``SavedSharding`` objects. The index field that records them
 (``saved_sharding``) is validated like the rest of the index, and indexes
 written before it (tests/golden/v1) restore as before. The real
@@ -33,7 +34,7 @@ from ckpt.format import index_codec
 from ckpt.restore import transforms as T
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.metadata import SavedSharding
-from tests.conftest import random_array, sharded
+from tests.conftest import AdamState, TrainState, random_array, sharded
 from tests.golden import make_golden
 
 GOLDEN_V1 = pathlib.Path(__file__).resolve().parent.parent / "golden" / "v1"
@@ -135,19 +136,18 @@ def test_a_target_without_shardings_restores_in_the_saved_shardings(
   c = make_ckptr()
   got = flat(c.restore(1, target=unsharded(state)))
   want = flat(state)
-  replicated = NamedSharding(mesh, P())  # the checkpoint's one mesh
   for name, x in want.items():
     g = got[name]
     if isinstance(x, (str, int)):
       assert g == x and type(g) is type(x), name
       continue
-    assert isinstance(g, jax.Array), (name, type(g))  # never numpy
     assert same_bits(g, x), name
     if isinstance(x, jax.Array):
+      assert isinstance(g, jax.Array), (name, type(g))  # never numpy
       assert g.sharding == x.sharding, (name, g.sharding, x.sharding)
       assert_shards_exact(g, x)
-    else:  # host numpy, numpy scalar: replicated on the checkpoint's mesh
-      assert g.sharding == replicated, (name, g.sharding)
+    else:  # host numpy, numpy scalar: as saved
+      assert type(g) is type(x), (name, type(g))
   # A jitted step takes them together (jax refuses arguments on different
   # meshes of Explicit axes).
   out = c.restore(1, target=unsharded(state))
@@ -156,11 +156,12 @@ def test_a_target_without_shardings_restores_in_the_saved_shardings(
           out["params"]["w"], out["step"], out["table"], out["scale"])
   assert np.isfinite(np.asarray(total))
 
-  # lazy=True: each leaf is bound to its saved sharding.
+  # lazy=True: each leaf is bound to its saved sharding (numpy: none).
   lazy = flat(c.restore(1, target=unsharded(state), lazy=True))
   for name in ("params/w", "keys", "table"):
-    assert lazy[name].sharding == got[name].sharding, name
+    assert lazy[name].sharding == getattr(got[name], "sharding", None), name
     assert same_bits(lazy[name].read(), want[name]), name
+  assert type(lazy["table"].read()) is np.ndarray
 
 
 def test_numpy_targets_and_no_target_stay_numpy(make_ckptr, ckpt_dir, rng):
@@ -180,8 +181,7 @@ def test_numpy_targets_and_no_target_stay_numpy(make_ckptr, ckpt_dir, rng):
 
 
 def test_leaves_of_several_meshes(make_ckptr, rng):
-  """Each leaf on its own saved mesh; a host numpy leaf (no checkpoint
-  mesh to put it on) replicated over all devices."""
+  """Each leaf on its own saved mesh; a host numpy leaf as numpy."""
   devs = np.asarray(jax.devices())
   m1 = Mesh(devs.reshape(2, 4), ("data", "model"))           # Auto axes
   m2 = Mesh(devs[::-1].reshape(4, 2), ("a", "b"))
@@ -194,8 +194,7 @@ def test_leaves_of_several_meshes(make_ckptr, rng):
   assert got["a"].sharding == state["a"].sharding
   assert got["b"].sharding.spec == P("b", None)
   assert got["b"].sharding.mesh.shape == {"a": 4, "b": 2}
-  assert isinstance(got["t"], jax.Array) and got["t"].is_fully_replicated
-  assert got["t"].sharding.device_set == set(jax.devices())
+  assert type(got["t"]) is np.ndarray
   for k in state:
     assert same_bits(got[k], state[k]), k
 
@@ -217,12 +216,76 @@ def test_every_golden_leaf_kind_saved_today_restores_as_saved(tmp_path):
       if isinstance(x, jax.Array):
         assert isinstance(g, jax.Array) and g.sharding == x.sharding, name
         assert same_bits(g, x), (fmt, name)
-      elif isinstance(x, (np.ndarray, np.generic)):
-        if np.asarray(x).dtype.itemsize == 8:
-          assert type(g) is np.ndarray, name
-        else:
-          assert isinstance(g, jax.Array) and g.is_fully_replicated, name
+      elif isinstance(x, (np.ndarray, np.generic)):  # as saved: numpy
+        assert isinstance(g, (np.ndarray, np.generic)), (fmt, name, type(g))
         assert same_bits(g, x), (fmt, name)
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "ocdbt"])
+def test_numpy_leaves_restore_as_numpy_and_jax_leaves_as_jax(make_ckptr, rng,
+                                                             fmt):
+  """Issue 36, item 9: a leaf saved from host numpy, restored into a
+  ShapeDtypeStruct without a sharding (``ocp.utils.to_shape_dtype_struct``
+  of a numpy array), comes back as numpy, as saved, in every way a leaf is
+  stored (a zarr array, a pack, inline in the index); a leaf saved from a
+  jax.Array in the same ways stays a jax.Array; a numpy leaf a partitioner
+  saved on a mesh comes back on it."""
+  mesh = explicit_mesh()
+  rep = NamedSharding(mesh, P())
+  state = {
+      "np": {"stored": random_array(rng, (256, 128)),     # 128 KiB: an array
+             "packed": random_array(rng, (32, 32), np.int32),  # 4 KiB: packed
+             "inline": random_array(rng, (6,)),            # 24 bytes: index
+             "scalar": np.float32(0.25), "zero_d": np.asarray(3, np.int16)},
+      "jax": {"stored": sharded(random_array(rng, (256, 128)), rep),
+              "packed": sharded(random_array(rng, (32, 32), np.int32), rep),
+              "inline": sharded(random_array(rng, (6,)), rep)},
+      "parted": random_array(rng, (64, 8))}
+  by_rows = NamedSharding(mesh, P("data"))
+  make_ckptr(async_save=False, format=fmt, partitioner=lambda name, shape: (
+      by_rows if name == "parted" else None)).save(1, state)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype),
+                        state)
+  c = make_ckptr()
+  for lazy in (False, True):
+    got = flat(c.restore(1, target=target, lazy=lazy))
+    if lazy:
+      got = {k: v.read() for k, v in got.items()}
+    for name, x in flat(state).items():
+      g = got[name]
+      assert same_bits(g, x), (name, lazy)
+      if name.startswith("np/"):
+        assert type(g) is type(x), (name, lazy, type(g))
+      else:
+        assert isinstance(g, jax.Array), (name, lazy, type(g))
+    assert got["jax/stored"].sharding == rep
+    assert got["parted"].sharding == by_rows
+  # The saved kind is in the metadata (and abstract_target keeps it).
+  md = c.metadata(1)
+  for name in ("np/stored", "np/packed", "np/inline", "np/zero_d"):
+    assert str(md.shardings[name]) == "replicated (host value)", name
+  assert str(md.shardings["jax/inline"]) == (
+      "NamedSharding(mesh={'data': 2, 'model': 4}, spec=(), axis_types="
+      "('explicit', 'explicit'))")
+
+
+def test_the_saved_kind_of_inline_values_is_recorded():
+  """``host`` marks an inline value saved from host numpy; it round-trips
+  and is refused where it cannot be (a hostile or broken index)."""
+  def entry(**extra):
+    return {"path": ["w"], "kind": "value", "value": index_lib.encode_value(
+        np.arange(3, dtype=np.float32), ("w",)), **extra}
+  assert index_lib.decode(_index(entry(host=True))).leaves[0].host is True
+  assert index_lib.decode(_index(entry())).leaves[0].host is False
+  for bad in (entry(host=1), entry(host="yes"),
+              entry(host=True, saved_sharding={
+                  "mesh_axes": [], "mesh_shape": [], "spec": []})):
+    with pytest.raises(CorruptCheckpointError, match="host absent, or true"):
+      index_lib.decode(_index(bad))
+  scalar = {"path": ["w"], "kind": "value", "host": True,
+            "value": index_lib.encode_value(np.float32(1), ("w",))}
+  with pytest.raises(CorruptCheckpointError, match="host absent, or true"):
+    index_lib.decode(_index(scalar))
 
 
 # ---- what cannot be restored as saved --------------------------------------
@@ -349,6 +412,29 @@ def test_abstract_target_keeps_host_numpy_leaves_numpy(make_ckptr, rng):
   assert type(got["table"]) is np.ndarray
   assert same_bits(got["table"], state["table"])
   assert got["params"]["w"].sharding.spec == P("model", "data")
+
+
+def test_abstract_target_keeps_the_containers_it_is_given(make_ckptr, rng):
+  """Issue 36, item 2: given the model's own abstract tree (a flax.struct
+  style dataclass, an optax style NamedTuple; an nnx.State in
+  docs/flax.md), abstract_target keeps its containers, so the restored
+  tree is the model's again; jax.Array leaves are taken as their shape."""
+  mesh = explicit_mesh()
+  w = random_array(rng, (8, 16))
+  state = TrainState(params={"w": w}, step=np.int32(3),
+                     opt_state=(AdamState(np.int32(1), {"w": w}, {"w": w}),))
+  make_ckptr(async_save=False).save(1, state)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          state)
+  abstract.opt_state[0].mu["w"] = jnp.zeros((8, 16))  # an array leaf
+  target = ckpt.abstract_target(abstract, mesh,
+                                [(r".*w", P("data", "model"))])
+  assert type(target) is TrainState and type(target.opt_state[0]) is AdamState
+  got = make_ckptr().restore(1, target=target)
+  assert type(got) is TrainState and type(got.opt_state[0]) is AdamState
+  assert got.opt_state[0].mu["w"].sharding.spec == P("data", "model")
+  assert same_bits(got.params["w"], w) and same_bits(got.opt_state[0].nu["w"],
+                                                     w)
 
 
 # ---- the index field -------------------------------------------------------
@@ -513,7 +599,7 @@ def test_the_field_on_key_and_inline_leaves_is_checked():
 def test_an_index_written_before_the_field(tmp_path, name):
   """A v1 golden (no saved_sharding): its sharded leaves have no recorded
   mesh, so an unsharded jax target names the leaf (never numpy); host
-  numpy leaves come back replicated; targets with shardings restore as
+  numpy leaves come back as numpy; targets with shardings restore as
   before (tests/format/test_golden.py checks every leaf)."""
   root = tmp_path / name
   shutil.copytree(GOLDEN_V1 / name, root,
@@ -535,7 +621,12 @@ def test_an_index_written_before_the_field(tmp_path, name):
     tokens = c.restore(10, target={"data": {"tokens": sds((8, 16),
                                                           np.int32)}})
     t = tokens["data"]["tokens"]
-    assert isinstance(t, jax.Array) and t.is_fully_replicated
+    assert type(t) is np.ndarray  # saved from host numpy (stored leaf)
+    # An inline value of an index that did not record its kind (a jax.Array
+    # here): a jax.Array, never silent numpy.
+    bias = c.restore(10, target={"params": {"dense": {"bias": sds(
+        (8,), np.float32)}}})["params"]["dense"]["bias"]
+    assert isinstance(bias, jax.Array) and bias.is_fully_replicated
     assert same_bits(t, ckpt.load(root, 10)["data"]["tokens"])
     mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("x", "y"))
     target = ckpt.abstract_target(md, mesh, [("params/dense/kernel",
