@@ -8,8 +8,8 @@ read from storage come from ``Checkpointer.last_restore_stats.bytes_read``
 processes is the stored bytes of the target's leaves, each process within
 1.5x of an equal share; read everywhere it is R times that per leaf. Every
 shard is bit-exact with the target's sharding in both. The read-once restore
-runs with ``verify=True``, which checks what each process reads (so reads it
-twice).
+runs with ``verify=True``, which checks each chunk each process reads as it
+reads it (no second read).
 
 The same launch then restores read once with what else a restore takes
 (the worker's ``cases``): ``lazy=True`` leaves read later (each read a
@@ -71,8 +71,8 @@ def test_read_once_on_disk(tmp_path):
   out = launch({**config, "op": "both", "policies": [True, False, None],
                 "verify": [True],
                 "cases": ["lazy", "dtype", "fallback", "batches", "ocdbt"]})
-  # verify=True reads each box it checks once more: twice the stored bytes.
-  check_counts(out, "True", 2 * stored_bytes(), balanced=True)
+  # verify=True checks each chunk as it is read: no second read.
+  check_counts(out, "True", stored_bytes(), balanced=True)
   check_counts(out, "False", everywhere_bytes(), balanced=True)
   # Automatic on a local disk: off (reading is cheaper than exchanging).
   check_counts(out, "None", everywhere_bytes(), balanced=True)
@@ -130,14 +130,12 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   out = launch({"dir": str(tmp_path / "ck"), "op": "both", "policies": [True],
                 "verify": [True], "fail_on": 1, "corrupt": True}, n=2)
   p0, p1 = out
-  # Format "zarr", verify=True: the crc32c of every box each process reads
-  # comes from the checksum files both processes wrote; all exact. Each
-  # checked box is read whole (a saved box may be larger than the part this
-  # process reads): the stored bytes once, plus at least that for the check.
+  # Format "zarr", verify=True: the crc32c of every chunk each process reads
+  # comes from the checksum files both processes wrote, checked as it is
+  # read (no second read: the stored bytes once); all exact.
   for r in out:
     assert r["True"]["bad"] == [], r["True"]
-  assert sum(r["True"]["stats"]["bytes_read"] for r in out) >= (
-      2 * stored_bytes())
+  assert sum(r["True"]["stats"]["bytes_read"] for r in out) == stored_bytes()
   assert p1["fail"].startswith("ValueError: boom"), p1
   assert "process(es) [1]" in p0["fail"] and "boom" in p0["fail"], p0
   assert p0["after_fail"] == p1["after_fail"] == 7
