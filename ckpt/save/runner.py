@@ -52,7 +52,7 @@ from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
 from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
-from ckpt.errors import CheckpointError
+from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
 from ckpt.commit.retention import RetentionPolicy
 
@@ -199,7 +199,11 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     # deadline, leaving writes in flight (ckpt/store/deadline.py).
     if stopped_writing and pid == 0 and not deadline_lib.abandoned(e):
       await asyncio.to_thread(_remove_failed, storage, attempt)
-    elif pid == 0 and not isinstance(e, asyncio.CancelledError):
+      await _removed_barrier(attempt, e)
+    elif stopped_writing:
+      await _removed_barrier(attempt, e)
+    if pid == 0 and not stopped_writing and not isinstance(
+        e, asyncio.CancelledError):
       # (cancel() removes a cancelled save's attempt itself)
       logging.warning(
           "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
@@ -284,6 +288,22 @@ def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
         "or twice): the processes planned differently (hosts running "
         "different ckpt versions, or a different view of the mesh?); "
         f"nothing was committed (digest {list(got)}, expected {list(want)})")
+
+
+async def _removed_barrier(attempt: Attempt, error: BaseException) -> None:
+  """After a failure every process heard at a barrier (all are alive and
+  here): they raise only once process 0 removed the failed attempt, so no
+  process sees a half-removed attempt after its save() raised. Skipped
+  when a process may be missing (a barrier timed out, a cancel)."""
+  if isinstance(error, (asyncio.CancelledError, BarrierTimeoutError)):
+    return
+  try:
+    await asyncio.to_thread(
+        multihost.barrier, f"{attempt.key}/removed",
+        timeout_s=attempt.timeout_s,
+        what=f"the failed attempt removed, step {attempt.step}")
+  except BarrierTimeoutError as e:  # the save's own error is the one raised
+    logging.warning("ckpt: %s", e)
 
 
 def _remove_failed(storage: storage_lib.Storage, attempt: Attempt) -> None:
