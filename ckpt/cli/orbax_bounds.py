@@ -185,10 +185,10 @@ def stored_bytes(storage, need: int) -> tuple[int, bool]:
           total += st.st_size
     return total, True
   keys = storage.list_all()
-  return _lower_bound(storage, keys, need), False
+  return lower_bound(storage, keys, need), False
 
 
-def _lower_bound(storage, keys: list[str], need: int) -> int:
+def lower_bound(storage, keys: list[str], need: int) -> int:
   """A lower bound on the bytes of ``keys``, at least ``need`` if they
   hold that much (and a few rounds of reads find it). Each round asks every
   object still in play whether it holds the bytes each would need for the

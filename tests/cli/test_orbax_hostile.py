@@ -219,3 +219,28 @@ def test_meshes_out_of_bounds_are_refused(item, tmp_path, capsys, sizes,
   mesh_sharding(item, sizes, names, spec)
   err = refused(capsys, item, tmp_path / "c")
   assert "leaf 'b'" in err and "src/_sharding" in err, err
+
+
+class _Sizes:
+  """A bucket's objects by size, answering sizes_at_least as a Storage."""
+
+  def __init__(self, sizes):
+    self.sizes, self.asked = sizes, 0
+
+  def sizes_at_least(self, keys, size):
+    self.asked += len(keys)
+    return [self.sizes[k] >= size for k in keys]
+
+
+@pytest.mark.parametrize("sizes,need,found", [
+    # A fresh Adam state: one object of weights, two of zeros (tiny).
+    ({"p": 3000, "mu": 20, "nu": 20}, 2000, True),
+    ({"p": 3000, "mu": 20, "nu": 20}, 3041, False),
+    ({f"k{i}": 100 for i in range(1000)}, 100_000, True),
+    ({}, 1, False),
+])
+def test_the_lower_bound_on_bytes_in_a_bucket(sizes, need, found):
+  fake = _Sizes(sizes)
+  bound = orbax_bounds.lower_bound(fake, list(sizes), need)
+  assert (bound >= need) == found and bound <= sum(sizes.values())
+  assert fake.asked <= 3 * len(sizes), fake.asked
