@@ -4,6 +4,7 @@ from ckpt.checkpointer import Checkpointer
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          CheckpointNotFoundError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError,
+                         OrbaxImportError,
                          StoreTimeoutError, TreeMismatchError,
                          WaitTimeoutError)
 from ckpt.cli import integrity
@@ -18,7 +19,7 @@ from ckpt.tiers.multitier import MultiTierCheckpointer
 __all__ = [
     "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "export_orbax", "integrity", "load", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
-    "InvalidStateError", "MissingLeavesError", "StoreTimeoutError",
+    "InvalidStateError", "MissingLeavesError", "OrbaxImportError", "StoreTimeoutError",
     "TreeMismatchError", "WaitTimeoutError",
 ]
 __version__ = "0.1.0"

@@ -19,6 +19,14 @@ class CorruptCheckpointError(CheckpointError):
   """An index or array is unreadable, truncated, or fails validation."""
 
 
+class OrbaxImportError(CheckpointError):
+  """An Orbax checkpoint (``ckpt import``), or a part of one, that ckpt
+  cannot import: unsupported, or refused as hostile or corrupt (a key that
+  leaves its directory, a shape, mesh or JSON nesting out of bounds, arrays
+  claiming far more bytes than the source stores). The message names the
+  file and the problem."""
+
+
 class TreeMismatchError(CheckpointError, ValueError):
   """The checkpoint and the target (or the state) disagree on a leaf."""
 

@@ -300,6 +300,7 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
                       sep: str = "/", storage_options: dict | None = None,
                       source_storage_options: dict | None = None,
                       skip=(), progress: Progress | None = None,
+                      allow_sparse: bool = False,
                       **checkpointer_options) -> ImportReport:
   """Reads ``src`` (Orbax or safetensors) and saves it as ``step`` of the
   ckpt checkpoint root ``directory``.
@@ -310,7 +311,11 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
   option) of its data, plus one Orbax chunk when a chunk is larger than
   that. Every item is imported or refused by name (see
   ckpt/cli/orbax_import.py); ``skip`` names items (or "metrics",
-  "custom_metadata") to leave out on purpose.
+  "custom_metadata") to leave out on purpose. The source is untrusted
+  input (ckpt/cli/orbax_bounds.py): what it cannot be is refused with an
+  OrbaxImportError naming the file, before anything is written; arrays that
+  claim more than orbax_bounds.SPARSE_FACTOR times the bytes the source
+  stores are refused unless ``allow_sparse``.
   """
   src = os.fspath(src)
   report = ImportReport(source=src, kind=kind, directory=os.fspath(directory),
@@ -322,7 +327,7 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
   state, metrics, error = None, None, None
   try:
     state, metrics = _read_source(src, kind, sep, source_storage_options,
-                                  skip, progress, report)
+                                  skip, progress, report, allow_sparse)
   except Exception as e:  # pylint: disable=broad-except
     error = e
   multihost.all_ok(
@@ -345,12 +350,13 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
 
 
 def _read_source(src: str, kind: str, sep: str, storage_options, skip,
-                 progress, report: ImportReport) -> tuple[Any, Any]:
+                 progress, report: ImportReport,
+                 allow_sparse: bool = False) -> tuple[Any, Any]:
   """(state to save, metrics) of the source; fills in ``report``."""
   kind = report.kind = detect(src) if kind == "auto" else kind
   if kind == "orbax":
     found = orbax_import.read_step(src, storage_options=storage_options,
-                                   skip=skip)
+                                   skip=skip, allow_sparse=allow_sparse)
     report.leaves, report.bytes = found.leaves, found.bytes
     report.items, report.skipped = found.items, found.skipped
     report.metrics = found.metrics

@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                  help="leave out this Orbax item (or 'metrics', "
                  "'custom_metadata'); repeatable. Without it, what ckpt "
                  "cannot import is refused by name")
+  p.add_argument("--allow-sparse", action="store_true",
+                 help="accept Orbax arrays that claim more than 64x the "
+                 "bytes the source stores (arrays of zeros Orbax did not "
+                 "store); refused by default as a truncated or hostile "
+                 "checkpoint")
   p.set_defaults(func=cmd_import)
   return parser
 

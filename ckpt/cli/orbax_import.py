@@ -33,6 +33,12 @@ Anything else (an item of another handler, such as a data loader's; a leaf
 of a custom TypeHandler or in Orbax's old aggregate file; the step's
 ``custom_metadata``; a metric that is not a number) is refused, naming it,
 unless it is named in ``skip``; nothing is dropped silently.
+
+The source is untrusted input: ckpt/cli/orbax_bounds.py lists what it is
+held to (names that stay inside their directory, extents, meshes, JSON
+nesting, and arrays claiming at most SPARSE_FACTOR times the bytes stored
+unless ``allow_sparse``); every refusal is an OrbaxImportError naming the
+file and the problem, raised before the import writes anything.
 """
 
 from __future__ import annotations
@@ -43,7 +49,9 @@ import urllib.parse
 from typing import Any
 
 from ckpt.save import leafsource
+from ckpt.cli import orbax_bounds
 from ckpt.cli import orbax_tree
+from ckpt.errors import CheckpointError
 from ckpt.format import extras as save_extras
 from ckpt.store import storage as storage_lib
 from ckpt.cli.orbax_tree import OrbaxImportError, brief, list_files, read_json
@@ -121,12 +129,30 @@ def kind_of(storage: storage_lib.Storage) -> str | None:
 
 
 def read_step(src, *, storage_options: dict | None = None,
-              skip=()) -> OrbaxStep:
+              skip=(), allow_sparse: bool = False) -> OrbaxStep:
   """Opens an Orbax step or PyTree item directory at ``src`` (a path or
-  URL) for import: arrays are opened (metadata read), not read."""
+  URL) for import: arrays are opened (metadata read), not read.
+
+  ``allow_sparse``: accept arrays claiming more than
+  orbax_bounds.SPARSE_FACTOR times the bytes the source stores (arrays of
+  zeros an Orbax did not store); refused by default."""
   storage = open_source(src, storage_options)
   url = storage.url.rstrip("/")
-  skip = set(skip)
+  try:
+    return _read_step(storage, url, set(skip), allow_sparse)
+  except CheckpointError:
+    raise
+  except (RecursionError, MemoryError, OverflowError, RuntimeError,
+          ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+    # What the checks of orbax_bounds did not foresee: still named.
+    raise OrbaxImportError(
+        f"{url}: reading the Orbax checkpoint failed ({type(e).__name__}: "
+        f"{str(e)[:300]}); a corrupt or hostile checkpoint, or one ckpt "
+        "cannot read") from e
+
+
+def _read_step(storage, url: str, skip: set, allow_sparse: bool
+               ) -> OrbaxStep:
   kind = kind_of(storage)
   if kind is None:
     raise OrbaxImportError(
@@ -141,6 +167,7 @@ def read_step(src, *, storage_options: dict | None = None,
   else:
     out.tree = _read_items(storage, reader, out, skip)
   out.leaves, out.bytes = reader.leaves, reader.nbytes
+  orbax_bounds.check_claims(storage, reader.claims, url, allow_sparse)
   unknown = sorted(skip - set(out.skipped))
   if unknown:
     raise OrbaxImportError(
@@ -167,6 +194,8 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
     handlers = {DEFAULT_ITEM: handlers}
   if not isinstance(handlers, dict) or not handlers:
     handlers = {name: None for name in _item_dirs(storage)}
+  for name in handlers:  # each one a directory: nothing opened before
+    orbax_bounds.check_key(name, f"{out.url}/{STEP_METADATA}", "item name")
   if not handlers:
     raise OrbaxImportError(f"{out.url} is an Orbax step directory with no "
                            "item in it")
@@ -183,6 +212,7 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
           f"but its directory {name}/ is missing or empty")
     if short in _JSON_HANDLERS:
       value = _json_item(storage, name)
+      orbax_bounds.json_depth(value, f"{out.url}/{name} (JSON item)")
       if name == METRICS_ITEM:
         out.metrics = _metrics(value, out.url)
         out.items[name] = "metrics"
@@ -237,8 +267,7 @@ def _item_dirs(storage) -> list[str]:
     return sorted(d for d in os.listdir(top)
                   if os.path.isdir(os.path.join(top, d)) and
                   ".orbax-checkpoint-tmp" not in d)
-  return sorted({k.split("/", 1)[0] for k in storage.list_keys("")
-                 if "/" in k})
+  return sorted({k.split("/", 1)[0] for k in storage.list_all() if "/" in k})
 
 
 def _item_exists(storage, name: str) -> bool:

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 from typing import Any
 
 import tensorstore as ts
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
+from ckpt.cli import orbax_bounds
 from ckpt.save import leafsource
 from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
-from ckpt.errors import CheckpointError
+from ckpt.errors import OrbaxImportError  # pylint: disable=unused-import
 
 TREE_METADATA = "_METADATA"
 SHARDINGS = "_sharding"
@@ -34,12 +36,11 @@ _ARRAY_TYPES = ("jax.Array", "np.ndarray")
 _SEQUENCE = 1  # Orbax's KeyType (2: a dict key)
 
 
-class OrbaxImportError(CheckpointError):
-  """An Orbax checkpoint, or a part of one, that ckpt cannot import."""
-
-
 def brief(v: Any, limit: int = 80) -> str:
-  text = json.dumps(v, sort_keys=True, default=str)
+  try:
+    text = json.dumps(v, sort_keys=True, default=str)
+  except (RecursionError, ValueError):  # nested too deep, a cycle
+    text = f"(a {type(v).__name__} nested too deep to show)"
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -55,6 +56,10 @@ def read_json(storage, rel: str, what: str, limit: int | None = None,
     return json.loads(data)
   except ValueError as e:
     raise OrbaxImportError(f"{where} ({what}) is not JSON: {e}") from None
+  except RecursionError:
+    raise OrbaxImportError(
+        f"{where} ({what}): JSON nested deeper than Python's parser allows "
+        f"(a few hundred levels); refusing it") from None
 
 
 def list_files(storage, prefix: str) -> list[str]:
@@ -67,7 +72,9 @@ def list_files(storage, prefix: str) -> list[str]:
       rel = os.path.relpath(dirpath, top)
       out.extend(f if rel == "." else f"{rel}/{f}" for f in files)
     return sorted(out)
-  return sorted(k[len(prefix):] for k in storage.list_keys(prefix))
+  where = f"{storage.url.rstrip('/')}/{prefix}"
+  return sorted(orbax_bounds.check_listed(k[len(prefix):], where)
+                for k in storage.list_keys(prefix))
 
 
 class ItemReader:
@@ -82,10 +89,18 @@ class ItemReader:
     self.context = storage.context()
     self.leaves = 0
     self.nbytes = 0
+    self.claims: list[tuple[int, str]] = []  # (bytes, which array)
 
-  def _read(self, rel: str, what: str, required: bool = False) -> Any:
-    return read_json(self.storage, rel, what, limit=MAX_METADATA_BYTES,
-                     required=required)
+  def _read(self, rel: str, what: str, required: bool = False,
+            kind: type | None = None) -> Any:
+    """The JSON document ``rel``; with ``kind``, refused unless one."""
+    doc = read_json(self.storage, rel, what, limit=MAX_METADATA_BYTES,
+                    required=required)
+    if kind is not None and doc is not None and not isinstance(doc, kind):
+      raise OrbaxImportError(f"{self.url}/{rel} ({what}): expected a JSON "
+                             f"{'object' if kind is dict else 'array'}, "
+                             f"found {brief(doc)}")
+    return doc
 
   def pytree(self, rel: str, label: str) -> Any:
     """The tree of the PyTree item in directory ``rel`` ("" the source),
@@ -104,19 +119,27 @@ class ItemReader:
     if not isinstance(entries, dict):
       raise OrbaxImportError(f"{where}/{TREE_METADATA} has no tree_metadata "
                              "object: not an Orbax PyTree checkpoint")
-    strings = self._read(base + STRINGS, "the strings") or {}
+    strings = self._read(base + STRINGS, "the strings", kind=dict) or {}
     flat: list[tuple[list[tuple[str, int]], Any]] = []
     arrays: list[tuple[int, str, str, str]] = []  # (index, path, name, type)
     for keystr, entry in entries.items():
       try:
-        keys = [(str(k["key"]), int(k["key_type"]))
+        if len(entry["key_metadata"]) > orbax_bounds.MAX_JSON_DEPTH:
+          raise OrbaxImportError(
+              f"{where}/{TREE_METADATA}: entry {brief(keystr)} has a key path "
+              f"of {len(entry['key_metadata'])} keys; expected at most "
+              f"{orbax_bounds.MAX_JSON_DEPTH}")
+        keys = [(_key(k["key"]), int(k["key_type"]))
                 for k in entry["key_metadata"]]
         vm = entry["value_metadata"]
         vtype, skip_read = vm["value_type"], bool(vm.get("skip_deserialize"))
-      except (KeyError, TypeError, ValueError):
-        raise OrbaxImportError(f"{where}/{TREE_METADATA}: entry {keystr} is "
-                               f"not an Orbax tree entry: {brief(entry)}"
-                               ) from None
+      except (KeyError, TypeError, ValueError, AttributeError):
+        raise OrbaxImportError(f"{where}/{TREE_METADATA}: entry "
+                               f"{brief(keystr)} is not an Orbax tree entry: "
+                               f"{brief(entry)}") from None
+      for k, _ in keys:
+        orbax_bounds.check_key(k, f"{where}/{TREE_METADATA}: entry "
+                               f"{brief(keystr)}", "key")
       name = ".".join(k for k, _ in keys)  # Orbax's parameter name
       path = "/".join([label] * bool(label) + [k for k, _ in keys])
       value = None  # also an Orbax PLACEHOLDER's: saved with no data
@@ -147,11 +170,13 @@ class ItemReader:
     """(index, value) of every array and scalar of one item: arrays as
     LeafSources with their saved sharding, scalars read (python values)."""
     base = f"{rel}/" if rel else ""
-    shardings = self._read(base + SHARDINGS, "the saved shardings") or {}
+    shardings = self._read(base + SHARDINGS, "the saved shardings",
+                           kind=dict) or {}
     impls = self._key_impls(base)
     item_spec = storage_lib.join(self.storage.spec, rel)
     kv = ocdbt.database(item_spec) if meta.get("use_ocdbt") else None
     spec = {"driver": "zarr3" if meta.get("use_zarr3") else "zarr"}
+    zmeta = "zarr.json" if meta.get("use_zarr3") else ".zarray"
     if meta.get("store_array_data_equal_to_fill_value"):
       spec["fill_missing_data_reads"] = False  # a lost chunk is an error
     opening = [
@@ -166,21 +191,30 @@ class ItemReader:
       except Exception as e:  # pylint: disable=broad-except
         raise OrbaxImportError(f"leaf {path!r}: cannot open Orbax array "
                                f"{name!r} in {where}: {e}") from e
+      file = (f"{where} (OCDBT key {name}/{zmeta})" if kv else
+              f"{where}/{name}/{zmeta}")
+      what = f"leaf {path!r} ({file})"
       if vtype == "scalar":
-        scalars.append((i, path, name, store[()].read()))
+        if math.prod(store.shape) != 1:
+          raise OrbaxImportError(f"{what}: an Orbax scalar of shape "
+                                 f"{list(store.shape)}; expected one element")
+        scalars.append((i, path, name, store.read()))
         continue
       sharding = None
       raw = shardings.get(base64.urlsafe_b64encode(name.encode()).decode())
       if vtype == "jax.Array" and raw:  # "": none recorded, as for Orbax
         try:
-          sharding = _mesh_sharding(json.loads(raw))
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+          sharding = _mesh_sharding(json.loads(raw), store.rank)
+        except (ValueError, TypeError, KeyError, AttributeError,
+                RuntimeError, RecursionError) as e:
           raise OrbaxImportError(
               f"leaf {path!r}: its saved sharding in {where}/{SHARDINGS} is "
               f"not one ckpt reads ({e}): {brief(raw)}") from None
       source = leafsource.LeafSource(
           store, describe=f"Orbax array {name!r} in {where}",
           sharding=sharding, prng_impl=impls.get(name, ""), cache=self.cache)
+      self.claims.append((orbax_bounds.check_array(
+          source.shape, source.chunks, source.dtype, what), what))
       self.leaves += 1
       self.nbytes += source.nbytes
       yield i, source
@@ -191,37 +225,45 @@ class ItemReader:
         raise OrbaxImportError(f"leaf {path!r}: reading Orbax scalar {name!r} "
                                f"in {where} failed: {e}") from e
       self.leaves += 1
-      yield i, value.item()  # a python value, as Orbax restores a scalar
+      yield i, value.reshape(()).item()  # a python value, as Orbax's
 
   def _key_impls(self, base: str) -> dict[str, str]:
     """Orbax parameter name -> PRNG implementation, of typed key arrays."""
     out: dict[str, str] = {}
     for f in list_files(self.storage, base + ARRAY_METADATAS + "/"):
-      doc = self._read(f"{base}{ARRAY_METADATAS}/{f}", "the array metadata")
+      doc = self._read(f"{base}{ARRAY_METADATAS}/{f}", "the array metadata",
+                       kind=dict)
       for m in (doc or {}).get("array_metadatas", ()) or ():
-        m = (m or {}).get("array_metadata") or {}
-        impl = (m.get("ext_metadata") or {}).get("random_key_impl")
+        m = (m.get("array_metadata") if isinstance(m, dict) else None) or {}
+        ext = m.get("ext_metadata") if isinstance(m, dict) else None
+        impl = ext.get("random_key_impl") if isinstance(ext, dict) else None
         if isinstance(impl, str) and isinstance(m.get("param_name"), str):
           out[m["param_name"]] = impl
     return out
 
 
-def _mesh_sharding(d: Any) -> NamedSharding | None:
-  """The NamedSharding (over an AbstractMesh) of one ``_sharding`` record;
-  None for a single-device sharding; ValueError if it is not one."""
+def _key(k: Any) -> Any:
+  """An Orbax key as text (a sequence index may be a JSON number)."""
+  return str(k) if type(k) is int else k
+
+
+def _mesh_sharding(d: Any, rank: int) -> NamedSharding | None:
+  """The NamedSharding (over an AbstractMesh) of one ``_sharding`` record,
+  of an array of ``rank``; None for a single-device sharding; ValueError if
+  it is not one (or one out of bounds)."""
   kind = d.get("sharding_type")
   if kind != "NamedSharding":
     if kind == "SingleDeviceSharding":
       return None
     raise ValueError(f"sharding type {kind!r}")
   sizes, names = d["shape"], d["axis_names"]
-  if (not isinstance(sizes, list) or not isinstance(names, list) or
-      len(sizes) != len(names) or
-      not all(type(n) is int and n > 0 for n in sizes) or
-      not all(isinstance(a, str) for a in names)):
-    raise ValueError(f"mesh {sizes} {names}")
+  orbax_bounds.check_mesh(sizes, names)
+  entries = d["partition_spec"]
+  if not isinstance(entries, list) or len(entries) > rank:
+    raise ValueError(f"a partition spec of at most {rank} entries (the "
+                     f"array's rank), found {str(entries)[:100]}")
   spec = []
-  for entry in d["partition_spec"]:
+  for entry in entries:
     if isinstance(entry, list):
       entry = tuple(entry)
     for a in entry if isinstance(entry, tuple) else (entry,):

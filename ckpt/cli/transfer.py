@@ -96,7 +96,8 @@ def cmd_import(args) -> int:
         args.src, args.dir, args.step, kind=args.source_kind, sep=args.sep,
         storage_options=args.storage_options,
         source_storage_options=args.source_storage_options,
-        skip=args.skip or (), progress=bar, **options)
+        skip=args.skip or (), progress=bar,
+        allow_sparse=args.allow_sparse, **options)
   kind = {"orbax": "Orbax checkpoint", "safetensors": "safetensors"}
   lines = [f"imported {report.leaves} leaves ({human_bytes(report.bytes)}) "
            f"from {kind[report.kind]} {report.source} as step {report.step} "

@@ -13,6 +13,7 @@ import functools
 import math
 import re
 import reprlib
+import urllib.parse
 from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
@@ -261,7 +262,19 @@ class _Where:
 
 @functools.lru_cache(maxsize=1 << 16)
 def _plain_part(p: str) -> bool:
-  return bool(_REL_PART.match(p)) and p not in (".", "..")
+  """A part of a relative path that names a directory inside its parent:
+  of a fixed character set, not starting with "."; percent escapes only
+  as tree.storage_relpath writes them when they spell ".", "..", an empty
+  name or a separator (which it writes for such keys: "%2E%2E" for a key
+  "..", a literal name on every kvstore driver; "%2e%2e", ".%2E" or
+  "..%2F" it never writes, and a layer that decoded them would step out)."""
+  if not _REL_PART.match(p) or p in (".", ".."):
+    return False
+  if "%" not in p:
+    return True
+  text = urllib.parse.unquote(p)
+  return (tree.storage_relpath((text,)) == p or not (
+      text in ("", ".", "..") or any(c in text for c in "/\\\x00")))
 
 
 # Errors show a bounded excerpt of what was found: repr() of a hostile

@@ -108,6 +108,11 @@ FILE_IO_MODE = {"mode": "memmap"}
 # The largest small object (index, commit marker, lease) ckpt reads; the
 # index has its own, equal limit (ckpt.format.index.MAX_INDEX_BYTES).
 MAX_OBJECT_BYTES = 32 << 20
+# How a ranged read past the end of an object fails: TensorStore's
+# OUT_OF_RANGE (S3's 416 too), or, from some emulators, a Content-Range
+# TensorStore rejects.
+_SMALLER = ("OUT_OF_RANGE", "not satisfied", "not valid for value of size",
+            "Content-Range")
 
 # memory:// data lives in a TensorStore context; one per process, so that a
 # second Checkpointer (or ckpt.load) on the same memory:// URL sees it.
@@ -408,6 +413,29 @@ class Storage:
           "delete checkpoints safely through it; use a server that honours "
           "them")
     return keys
+
+  def list_all(self) -> list[str]:
+    """Every key under the directory (object stores)."""
+    with self.store_errors("listing every key of"):
+      return [k.decode() for k in self.result(self._kv.list())]
+
+  def sizes_at_least(self, keys: list[str], size: int) -> list[bool]:
+    """Whether each object holds at least ``size`` (> 0) bytes (object
+    stores): one read of its byte ``size - 1`` each, all at once (a
+    listing through TensorStore carries no sizes)."""
+    with self.store_errors("reading object sizes from"):
+      pending = [self._kv.read(k, byte_range=slice(size - 1, size))
+                 for k in keys]
+      out = []
+      for f in pending:
+        try:
+          r = self.result(f)
+        except Exception as e:  # pylint: disable=broad-except
+          if not any(s in str(e) for s in _SMALLER):
+            raise
+          r = None
+        out.append(r is not None and r.state == "value" and len(r.value) > 0)
+    return out
 
   def delete_prefix(self, prefix: str, what: str) -> None:
     """Deletes every key under ``prefix`` (object stores), concurrently,

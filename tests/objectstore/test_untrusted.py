@@ -42,3 +42,60 @@ class _Spy:
   def read(self, key, byte_range=None, **kw):
     self._reads.append(byte_range)
     return self._kv.read(key, byte_range=byte_range, **kw)
+
+
+# ---- a leaf's relative path cannot leave the checkpoint on a bucket ----------
+
+def _edit_index(url: str, step: str, fn) -> None:
+  """Rewrites the index of ``step`` under ``url`` through ``fn(doc)`` (its
+  leaves as version 1's maps, written back as today's columns)."""
+  import msgpack  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index_codec  # pylint: disable=g-import-not-at-top
+  key = f"{step}/index.msgpack"
+  doc = msgpack.unpackb(storeutil.read_key(url, key), raw=False)
+  doc["leaves"] = index_codec.rows(doc["leaves"])
+  fn(doc)
+  doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
+  storeutil.write_key(url, key, msgpack.packb(doc, use_bin_type=True))
+
+
+@pytest.mark.parametrize("store", ["s3", "gs"])
+def test_a_relpath_out_of_the_checkpoint_is_refused_on_buckets(
+    store, s3_bucket, gs_bucket, arrays_only):
+  """A victim checkpoint in the same bucket; the run's index points leaf
+  ``w`` at the victim's array by a relative path (on s3:// the HTTP layer
+  resolves ``/../`` in a request path). Dot segments, empty segments, an
+  absolute path and percent escapes of them that ckpt never writes are
+  refused when the index is decoded, before any array is opened; ckpt's
+  own escapes (``%2E%2E`` of a key "..", ``%2E%2E%2Fvictim`` of a key
+  "../victim") are literal names on both stores: nothing there, and never
+  the victim's values."""
+  del arrays_only
+  import posixpath  # pylint: disable=g-import-not-at-top
+  bucket = s3_bucket if store == "s3" else gs_bucket
+  w = np.arange(4096, dtype=np.float32)
+  for name, value in (("run", w), ("victim", -w)):
+    with ckpt.Checkpointer(f"{bucket}/{name}", format="zarr") as c:
+      c.save(1, {"w": value})
+  steps = {name: ckpt.commit.steps.step_dir(
+      storage_lib.Storage(f"{bucket}/{name}"), 1) for name in ("run",
+                                                               "victim")}
+  up = posixpath.relpath(f"victim/{steps['victim']}/w", f"run/{steps['run']}")
+  assert up.startswith("../") and up.count("..") >= 2, up
+  refused = [up, f"./{up}", up.replace("/", "//", 1), "/victim/w",
+             up.replace("..", "%2e%2e"), up.replace("../", "..%2F")]
+  literal = [up.replace("..", "%2E%2E"), up.replace("../", "%2E%2E%2F")]
+  for relpath in refused + literal:
+    def point(doc, relpath=relpath):
+      (entry,) = [e for e in doc["leaves"] if e["path"] == ["w"]]
+      entry.update(relpath=relpath, checksums=[])
+    _edit_index(f"{bucket}/run", steps["run"], point)
+    with pytest.raises(ckpt.CheckpointError) as e:
+      got = ckpt.load(f"{bucket}/run")
+      assert got["w"][1] != -1, f"{relpath!r} read the victim's array"
+    if relpath in refused:
+      assert isinstance(e.value, ckpt.CorruptCheckpointError), e.value
+      assert "not a plain relative path" in str(e.value), e.value
+    else:  # ckpt's own escape: a literal, missing name
+      assert "%2E%2E" in str(e.value), e.value
