@@ -24,6 +24,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import deletion
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import progress as progress_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
@@ -63,7 +64,8 @@ class SaveCalls:
                     metrics: dict | None = None,
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
-                    custom_metadata: dict | None = None) -> bool:
+                    custom_metadata: dict | None = None,
+                    progress: Any = None) -> bool:
     if not force and not self._should_save(step, agreed=True):
       # should_save decided from agreed facts only (no I/O and no round,
       # but for its one first-step round). A skip does not wait for the
@@ -76,6 +78,7 @@ class SaveCalls:
     coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
     plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
+    report = None
     planned = 0
     custom = None
     try:
@@ -94,6 +97,9 @@ class SaveCalls:
       plan_s = time.perf_counter() - t_plan
       plan.borrow = not self.async_save
       values = agreement.host_values(plan.leaves)
+      report = progress_lib.reporter(
+          progress, f"ckpt save step {step}",
+          sum(w.nbytes for w in plan.writes))
     except Exception as e:  # pylint: disable=broad-except
       error = e  # every process hears of it in the round below
     started: list = []  # process 0: the save's deadline, set at prepare
@@ -122,6 +128,10 @@ class SaveCalls:
     with self._lock:
       self._inflight, self._inflight_step = fut, step
       self._attempt = attempt
+    if report is not None:
+      asyncio.run_coroutine_threadsafe(progress_lib.watch(
+          report, lambda: stats.bytes_written, lambda: not fut.done()),
+                                       self._loop)
     if self.async_save:
       staged.wait()
       stats.blocking_s = time.perf_counter() - t0

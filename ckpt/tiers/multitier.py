@@ -11,9 +11,9 @@ import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
-import jax
 
 from ckpt.tiers import choice as tier_choice
+from ckpt.tiers import restoring as tier_restore
 from ckpt.tiers import local_leaves
 from ckpt.tiers import local_tier
 from ckpt.tiers import queries as tier_queries
@@ -23,8 +23,7 @@ from ckpt.format import extras as save_extras
 from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
-from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
-                         WaitTimeoutError)
+from ckpt.errors import WaitTimeoutError
 
 class MultiTierCheckpointer:
   """A ``Checkpointer`` with a fast local tier in front of it.
@@ -114,6 +113,11 @@ class MultiTierCheckpointer:
     if sched.by_rule(step, self._preemption_step):
       return True
     return sched.fn is not None and bool(sched.fn(step, p.last_saved_step()))
+
+  def last_saved_step(self, *, agreed: bool = True) -> int | None:
+    """The persistent tier's ``last_saved_step`` (``should_save_fn``'s
+    second argument; see ``Checkpointer.last_saved_step``)."""
+    return self.persistent.last_saved_step(agreed=agreed)
 
   def should_save(self, step: int) -> bool:
     """Whether ``save(step)`` writes ``step`` to either tier.
@@ -409,46 +413,28 @@ class MultiTierCheckpointer:
     # The persistent tier's save in flight ends first (its failure stays for
     # the next save or wait), the local tier's in _choose.
     self.persistent._settle()  # pylint: disable=protected-access
-    if target is not None:  # jax.eval_shape's abstract meshes: on devices
-      target = restore_lib.concrete_target(target)
-    leaves, treedef = (local_leaves.flatten(target) if target is not None else
-                       (None, None))
-    if restore_kwargs.get("path") is not None:  # another checkpoint's root
-      self.last_restore_tier, self.last_restore_step = "persistent", step
-      self.last_restore_reason = "restore(path=...) reads that checkpoint"
-      self._restored = None
-      return self.persistent.restore(step, target=target, **restore_kwargs)
-    options = tier_choice.persistent_options(restore_kwargs)
-    d = self._choose(step, leaves, options)  # waits for the local tier's save
-    if d["tier"] == "error":
-      raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
-          d["reason"])
-    if d["tier"] == "local":
-      out, hs = self.local.restore(d["step"], leaves, d["need"])
-      logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
-                   self.local.root, f": {d['reason']}" if d["reason"] else "")
-      self.last_restore_tier = "local"
-      self.last_restore_reason = d.get("reason", "")
-      self.last_restore_step = d["step"]
-      self._restored = (d["step"], hs)
-      return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
-    reason = d.get("reason") or "restore options the local tier does not take"
-    logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
-                 d["step"], self.persistent.storage.url, reason)
-    self.last_restore_tier, self.last_restore_reason = "persistent", reason
-    self.last_restore_step = None  # until it is restored
-    # A resume (step=None) lets the persistent tier fall back past a step
-    # that fails verification (Checkpointer.restore); it says which came.
-    state = self.persistent.restore(None if step is None else d["step"],
-                                    target=target, **restore_kwargs)
-    s = self.last_restore_step = self.persistent.last_restore_step
-    try:
-      hs = self.persistent.host_state(s)
-    except CheckpointError as e:
-      logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
-      hs = None
-    self._restored = (s, hs)
-    return state
+    return tier_restore.restore(self.persistent, self.local, self._choose,
+                                self._note_restored, step, target,
+                                restore_kwargs)
+
+  def restore_async(self, step: int | None = None, *, target: Any = None,
+                    **restore_kwargs) -> Any:
+    """``restore`` whose reads run while the caller goes on, as
+    ``Checkpointer.restore_async``: the step and tier are agreed now (one
+    round). From the persistent tier the reads start on its background
+    loop and ``result()`` finishes them; from the local tier, whose reads
+    end in an exchange with partner hosts (a collective on this thread),
+    the restore is done before it returns (``result()`` returns it).
+    Collective, with the same arguments and errors as ``restore``.
+    """
+    self.persistent._settle()  # pylint: disable=protected-access
+    return tier_restore.restore(self.persistent, self.local, self._choose,
+                                self._note_restored, step, target,
+                                restore_kwargs, start=True)
+
+  def _note_restored(self, tier: str, step, reason: str, restored) -> None:
+    self.last_restore_tier, self.last_restore_reason = tier, reason
+    self.last_restore_step, self._restored = step, restored
 
   def host_state(self, step: int | None = None) -> Any:
     """This process's host_state of the step restored last (or of ``step``

@@ -1,0 +1,60 @@
+"""Progress of a long save or restore, for the caller: ``progress=`` of
+``Checkpointer.save``, ``restore`` and ``restore_async``.
+
+``progress`` is None (nothing), True (a tqdm bar on this process's stderr)
+or ``fn(done_bytes, total_bytes)``: bytes this process has written (save)
+or read (restore) so far, and the total it will (None when not known in
+advance). It is polled on the Checkpointer's background loop every
+``PERIOD_S`` while the operation runs, and called once more at its end;
+``fn`` runs on that thread and must be quick and never raise (an exception
+is logged and the reporting stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from absl import logging
+
+PERIOD_S = 0.5
+
+
+def reporter(progress: Any, what: str, total: int | None
+             ) -> Callable[[int], None] | None:
+  """``fn(done)`` reporting to ``progress`` (see the module docstring), or
+  None for no progress; ValueError for anything else."""
+  if progress is None or progress is False:
+    return None
+  if progress is True:
+    import tqdm  # pylint: disable=g-import-not-at-top
+    bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, desc=what,
+                    leave=False)
+    seen = [0]
+
+    def to_bar(done: int) -> None:
+      bar.update(done - seen[0])
+      seen[0] = done
+      if total is not None and done >= total:
+        bar.close()
+    return to_bar
+  if not callable(progress):
+    raise ValueError(f"progress must be None, True or fn(done_bytes, "
+                     f"total_bytes), got {progress!r}")
+  return lambda done: progress(done, total)
+
+
+async def watch(report: Callable[[int], None], done: Callable[[], int],
+                running: Callable[[], bool]) -> None:
+  """On the loop: ``report(done())`` every PERIOD_S while ``running()``,
+  then once more."""
+  try:
+    while running():
+      report(done())
+      await asyncio.sleep(PERIOD_S)
+    report(done())
+  except asyncio.CancelledError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("ckpt: the progress callback failed (no more progress "
+                    "reports for this operation): %s", e)
