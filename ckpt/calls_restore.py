@@ -33,6 +33,11 @@ from ckpt.store import storage as storage_lib
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          WaitTimeoutError)
 from ckpt.calls_save import size_text
+from ckpt.queries import UNKNOWN
+
+# A listing this recent (seconds) is reused by a resume's choice of step;
+# a step committed by another job in the meantime is seen by the next one.
+RECENT_LISTING_S = 10.0
 
 
 class RestoreCalls:
@@ -346,10 +351,30 @@ class RestoreCalls:
         self.query_timeout_s, "query_timeout_s",
         f"reading {what} from {storage.url!r}")
 
+  def _recent_steps(self) -> list[int] | None:
+    """Process 0: the committed steps of a listing made in the last
+    ``RECENT_LISTING_S`` seconds (a restarted job's ``latest_step()`` just
+    before its ``restore()``), if its newest step is still committed (one
+    stat or record GET instead of a listing) and no save or deletion of
+    this Checkpointer changed the newest since; else None."""
+    got = self._listed
+    if got is None or time.monotonic() - got[1] > RECENT_LISTING_S:
+      return None
+    steps = got[0]
+    if not steps or (self._newest is not UNKNOWN and
+                     self._newest != steps[-1]):
+      return None
+    with self._lock:
+      if self._inflight is not None and not self._inflight.done():
+        return None
+    return steps if steps_lib.is_committed(self.storage, steps[-1]) else None
+
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the
-    step protected from retention until the restore ends."""
-    steps = self._committed_now()
+    step protected from retention until the restore ends. A resume uses a
+    listing made just before (``_recent_steps``): one listing per resume."""
+    steps = (self._recent_steps() if step is None else None) or (
+        self._committed_now())
     step = restore_lib.resolve_step(self.storage, step, steps)
     self._retention.protect(step)
     try:
