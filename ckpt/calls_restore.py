@@ -172,11 +172,18 @@ class RestoreCalls:
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
-    return asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
+    fut = asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
         readonce.counted(restore_lib.restore(
             job.storage, job.step_dir, args, self.concurrent_bytes,
             self._context, job.stats), job.counter),
         self._read_deadline(job.storage, job.reading))), self._loop)
+    stats = job.stats
+
+    def done(_):  # when the reads ended, whenever result() is called
+      stats.read_s = max(0.0, time.perf_counter() - job.t_read -
+                         stats.index_s)
+    fut.add_done_callback(done)
+    return fut
 
   def _complete(self, job: "_Job", fut, timeout: float | None) -> Any:
     """Waits for the reads (``timeout``: WaitTimeoutError, the reads go
@@ -447,12 +454,7 @@ class _Job:
 def _wait_reads(fut, timeout: float | None, job: _Job) -> None:
   """Waits for an attempt's reads; WaitTimeoutError (the reads go on) if
   they are not done after ``timeout`` seconds."""
-  try:
-    concurrent.futures.wait([fut], timeout)
-  finally:
-    if fut.done() and job.stats is not None and not job.stats.read_s:
-      job.stats.read_s = max(0.0, time.perf_counter() - job.t_read
-                             - job.stats.index_s)
+  concurrent.futures.wait([fut], timeout)
   if not fut.done():
     raise WaitTimeoutError(
         f"result(timeout={timeout}): the reads of step {job.step} were not "

@@ -444,8 +444,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     ``save``, ``restore`` or ``restore_async`` is refused
     (``CheckpointError`` naming the restore in flight, before anything is
     written or agreed); ``close()`` cancels the reads (``result()`` then
-    raises ``CheckpointError``). ``last_restore_stats.read_s`` includes the
-    time the caller spent before ``result()`` while the reads ran.
+    raises ``CheckpointError``).
     """
     read_key = self._read_key()
     key = multihost.call_key(self._key_base, "readonce")  # every restore
