@@ -33,6 +33,11 @@ from ckpt.store import storage as storage_lib
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          WaitTimeoutError)
 from ckpt.calls_save import size_text
+from ckpt.queries import UNKNOWN
+
+# A listing this recent (seconds) is reused by a resume's choice of step;
+# a step committed by another job in the meantime is seen by the next one.
+RECENT_LISTING_S = 10.0
 
 
 class RestoreCalls:
@@ -167,11 +172,18 @@ class RestoreCalls:
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
-    return asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
+    fut = asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
         readonce.counted(restore_lib.restore(
             job.storage, job.step_dir, args, self.concurrent_bytes,
             self._context, job.stats), job.counter),
         self._read_deadline(job.storage, job.reading))), self._loop)
+    stats = job.stats
+
+    def done(_):  # when the reads ended, whenever result() is called
+      stats.read_s = max(0.0, time.perf_counter() - job.t_read -
+                         stats.index_s)
+    fut.add_done_callback(done)
+    return fut
 
   def _complete(self, job: "_Job", fut, timeout: float | None) -> Any:
     """Waits for the reads (``timeout``: WaitTimeoutError, the reads go
@@ -346,10 +358,30 @@ class RestoreCalls:
         self.query_timeout_s, "query_timeout_s",
         f"reading {what} from {storage.url!r}")
 
+  def _recent_steps(self) -> list[int] | None:
+    """Process 0: the committed steps of a listing made in the last
+    ``RECENT_LISTING_S`` seconds (a restarted job's ``latest_step()`` just
+    before its ``restore()``), if its newest step is still committed (one
+    stat or record GET instead of a listing) and no save or deletion of
+    this Checkpointer changed the newest since; else None."""
+    got = self._listed
+    if got is None or time.monotonic() - got[1] > RECENT_LISTING_S:
+      return None
+    steps = got[0]
+    if not steps or (self._newest is not UNKNOWN and
+                     self._newest != steps[-1]):
+      return None
+    with self._lock:
+      if self._inflight is not None and not self._inflight.done():
+        return None
+    return steps if steps_lib.is_committed(self.storage, steps[-1]) else None
+
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the
-    step protected from retention until the restore ends."""
-    steps = self._committed_now()
+    step protected from retention until the restore ends. A resume uses a
+    listing made just before (``_recent_steps``): one listing per resume."""
+    steps = (self._recent_steps() if step is None else None) or (
+        self._committed_now())
     step = restore_lib.resolve_step(self.storage, step, steps)
     self._retention.protect(step)
     try:
@@ -422,12 +454,7 @@ class _Job:
 def _wait_reads(fut, timeout: float | None, job: _Job) -> None:
   """Waits for an attempt's reads; WaitTimeoutError (the reads go on) if
   they are not done after ``timeout`` seconds."""
-  try:
-    concurrent.futures.wait([fut], timeout)
-  finally:
-    if fut.done() and job.stats is not None and not job.stats.read_s:
-      job.stats.read_s = max(0.0, time.perf_counter() - job.t_read
-                             - job.stats.index_s)
+  concurrent.futures.wait([fut], timeout)
   if not fut.done():
     raise WaitTimeoutError(
         f"result(timeout={timeout}): the reads of step {job.step} were not "

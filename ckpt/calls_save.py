@@ -207,6 +207,7 @@ class SaveCalls:
     with self._lock:
       idle = self._inflight is None or self._inflight.done()
     steps = steps_lib.committed_steps(self.storage)
+    self._listed = (list(steps), time.monotonic())
     if (not steps and not self._said_no_root and self.storage.is_posix and
         not self.storage.root.exists()):  # a typo in the path shows here
       self._said_no_root = True

@@ -196,8 +196,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     readonce.min_replicas(read_once, "")  # validates it
     self.read_once = read_once
     self.last_restore_stats = readonce.RestoreStats()
-    # The step whose data the last restore returned (None before any).
-    self.last_restore_step: int | None = None
+    self.last_restore_step: int | None = None  # whose data came back
     self.concurrent_bytes = int(concurrent_bytes)
     self.async_save = async_save
     self.partitioner = partitioner
@@ -227,6 +226,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     # same ones from what it was given (see multihost.call_key).
     self._key_base = "dir-" + hashlib.sha1(json.dumps(
         self.storage.spec, sort_keys=True).encode()).hexdigest()[:16]
+    self._listed: tuple[list[int], float] | None = None  # (steps, when)
     self._metrics_cache: dict[int, dict[str, float]] = {}
     self._time_cache: dict[int, float] = {}
     self._said_no_root = False  # a missing root is logged once (INFO)
@@ -444,8 +444,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     ``save``, ``restore`` or ``restore_async`` is refused
     (``CheckpointError`` naming the restore in flight, before anything is
     written or agreed); ``close()`` cancels the reads (``result()`` then
-    raises ``CheckpointError``). ``last_restore_stats.read_s`` includes the
-    time the caller spent before ``result()`` while the reads ran.
+    raises ``CheckpointError``).
     """
     read_key = self._read_key()
     key = multihost.call_key(self._key_base, "readonce")  # every restore

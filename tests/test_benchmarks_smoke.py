@@ -168,3 +168,15 @@ def test_import_memory(tmp_path):
   stdout = _run("import_memory", "--mib", "1", "--budget-mib", "1",
                 "--dir", str(tmp_path))
   assert re.search(r"peak RSS growth \d+ MiB, [0-9.]+ s", stdout), stdout
+
+
+@pytest.mark.timeout(240)
+def test_restart(tmp_path):
+  out = tmp_path / "restart.json"
+  text = _run("restart", "--processes", "1", "--runs", "1", "--mib", "4",
+              "--width", "128", "--out", str(out))
+  assert "| 1 | overlap |" in text and "| 1 | sequential |" in text, text
+  rows = json.loads(out.read_text())["rows"]
+  assert {r["variant"] for r in rows} == {"sequential", "overlap"}
+  for r in rows:
+    assert r["first_step_s"] > r["both_s"] > 0 and r["bytes"] > 0, r

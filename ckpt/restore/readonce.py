@@ -120,8 +120,9 @@ class RestoreStats:
   Where the time went, in seconds that add up to total_s with ``other_s``:
   find_s (agreeing on the step: the round and, on process 0, the listing),
   index_s (reading and decoding the index), read_s (the reads, checks and
-  placing on devices, on the background loop; with ``restore_async`` also
-  the time the caller spent before ``result()`` while they ran),
+  placing on devices, on the background loop, until they ended; with
+  ``restore_async`` the caller's time until ``result()`` beyond that is
+  other_s),
   finish_s (on the caller's thread: the outcome round, the read-once
   batches and their exchange), rounds_s (the verification round of a
   resume, and a fallback's choice), other_s (the rest).
