@@ -13,8 +13,6 @@ at most ``query_timeout_s`` (ckpt/store/deadline.py). A mixin of
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import dataclasses
 import json
 import os
 import time
@@ -22,16 +20,18 @@ import time
 from absl import logging
 from typing import Any, Callable
 
+
 from ckpt.multihost import agreement
 from ckpt.commit import steps as steps_lib
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import progress as progress_lib
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
+from ckpt.restore import job as job_lib
 from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
-from ckpt.errors import (CheckpointError, CorruptCheckpointError,
-                         WaitTimeoutError)
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.calls_save import size_text
 from ckpt.queries import UNKNOWN
 
@@ -45,15 +45,17 @@ class RestoreCalls:
   docstring)."""
 
   def _restore(self, step, target, path, transforms, fallback_state, lazy,
-               verify, read_once, read_key, key, t_start, meter):
+               verify, read_once, read_key, key, t_start, meter,
+               progress=None):
     """The body of ``Checkpointer.restore``."""
     job = self._begin(step, target, path, transforms, fallback_state, lazy,
-                      verify, read_once, read_key, key, t_start, meter)
+                      verify, read_once, read_key, key, t_start, meter,
+                      progress)
     return self._complete(job, self._start_reads(job), None)
 
   def _restore_async(self, step, target, path, transforms, fallback_state,
-                     lazy, verify, read_once, read_key, key, t_start, meter
-                     ) -> handle_lib.RestoreHandle:
+                     lazy, verify, read_once, read_key, key, t_start, meter,
+                     progress=None) -> handle_lib.RestoreHandle:
     """The body of ``Checkpointer.restore_async``: the agreed choice of the
     step now, on the caller's thread; the reads start on the background
     loop; the rounds, the read-once exchange and a fallback happen in
@@ -61,7 +63,8 @@ class RestoreCalls:
     meter.__enter__()  # left by the handle, once it has finished
     try:
       job = self._begin(step, target, path, transforms, fallback_state, lazy,
-                        verify, read_once, read_key, key, t_start, meter)
+                        verify, read_once, read_key, key, t_start, meter,
+                        progress)
       job.agree_outcome = multihost.is_multiprocess()
       fut = self._start_reads(job)
     except BaseException:
@@ -73,7 +76,7 @@ class RestoreCalls:
 
     def cancel():
       if not fut.done():
-        self._run(_cancelled(job))
+        self._run(job_lib.cancelled(job))
       self._release(job)
 
     h = handle_lib.RestoreHandle(finish, fut, cancel,
@@ -93,16 +96,19 @@ class RestoreCalls:
           "result() before its next save or restore)")
 
   def _begin(self, step, target, path, transforms, fallback_state, lazy,
-             verify, read_once, read_key, key, t_start, meter) -> "_Job":
+             verify, read_once, read_key, key, t_start, meter,
+             progress=None) -> "job_lib.RestoreJob":
     """The agreed choice of the step (one round, on every process)."""
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.read_once
     step_arg = step
-    storage, error = self.storage, None
+    storage, error, report = self.storage, None, None
     try:  # this process's own checks; a failure joins the round below
       self._check_open()
       self._check_no_pending_restore("restore")
       readonce.min_replicas(read_once, "")  # validates it
+      report = progress_lib.reporter(progress, "ckpt restore",
+                                     job_lib.target_bytes(target))
       if path is not None:
         storage = storage_lib.Storage(path, self._storage_options)
     except Exception as e:  # pylint: disable=broad-except
@@ -126,7 +132,7 @@ class RestoreCalls:
           f"the step to restore from {self.storage.url!r}", key=read_key,
           error=error)
       protected = step if multihost.process_index() == 0 else None
-    return _Job(
+    return job_lib.RestoreJob(
         storage=storage, step=step, step_dir=step_dir, path=path,
         is_resuming=is_resuming, protected=protected, target=target,
         transforms=tuple(transforms), fallback_state=fallback_state,
@@ -137,9 +143,9 @@ class RestoreCalls:
         # process alike: _fallback_round); an explicit step or path raises.
         may_fall_back=(verify and not lazy and path is None and
                        step_arg is None),
-        find_s=time.perf_counter() - t_find)
+        find_s=time.perf_counter() - t_find, report=report)
 
-  def _start_reads(self, job: "_Job"):
+  def _start_reads(self, job: "job_lib.RestoreJob"):
     """Starts this attempt's reads on the background loop; returns their
     future (a concurrent.futures.Future)."""
     job.reading = (f"step {job.step}" if job.path is None else
@@ -172,12 +178,17 @@ class RestoreCalls:
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
-    fut = asyncio.run_coroutine_threadsafe(_tracked(job, deadline_lib.bounded(
+    fut = asyncio.run_coroutine_threadsafe(job_lib.tracked(
+        job, deadline_lib.bounded(
         readonce.counted(restore_lib.restore(
             job.storage, job.step_dir, args, self.concurrent_bytes,
             self._context, job.stats), job.counter),
         self._read_deadline(job.storage, job.reading))), self._loop)
     stats = job.stats
+    if job.report is not None:
+      asyncio.run_coroutine_threadsafe(progress_lib.watch(
+          job.report, lambda: job.counter.bytes_read, lambda: not fut.done()),
+                                       self._loop)
 
     def done(_):  # when the reads ended, whenever result() is called
       stats.read_s = max(0.0, time.perf_counter() - job.t_read -
@@ -185,11 +196,12 @@ class RestoreCalls:
     fut.add_done_callback(done)
     return fut
 
-  def _complete(self, job: "_Job", fut, timeout: float | None) -> Any:
+  def _complete(self, job: "job_lib.RestoreJob", fut,
+                timeout: float | None) -> Any:
     """Waits for the reads (``timeout``: WaitTimeoutError, the reads go
     on), then the rounds and the exchange; falls back past a damaged step
     on a resume."""
-    _wait_reads(fut, timeout, job)
+    job_lib.wait_reads(fut, timeout, job)
     while True:
       error = None
       try:
@@ -223,7 +235,7 @@ class RestoreCalls:
           job.attempt += 1
           job.run_key = f"{job.key}/fallback{job.attempt}"
           fut = self._start_reads(job)
-          _wait_reads(fut, None, job)
+          job_lib.wait_reads(fut, None, job)
           continue
       if error is not None:
         raise error
@@ -240,12 +252,12 @@ class RestoreCalls:
           if job.damaged else "")
       return result
 
-  def _release(self, job: "_Job") -> None:
+  def _release(self, job: "job_lib.RestoreJob") -> None:
     if job.protected is not None:
       self._retention.release(job.protected)
       job.protected = None
 
-  def _finish_step(self, job: "_Job", fut) -> Any:
+  def _finish_step(self, job: "job_lib.RestoreJob", fut) -> Any:
     """The rest of one attempt, on the caller's thread: its outcome round
     (read once), the exchange, the stats."""
     stats, counter, key, rounds = job.stats, job.counter, job.run_key, job.rounds
@@ -415,62 +427,3 @@ class RestoreCalls:
     """The key of the next read round (restore, the queries); taken before
     anything of the call can fail (multihost.call_key)."""
     return multihost.call_key(self._key_base, "read")
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-  """One restore between its agreed choice of step and its result."""
-  storage: Any
-  step: Any
-  step_dir: str
-  path: Any
-  is_resuming: bool
-  protected: int | None
-  target: Any
-  transforms: tuple
-  fallback_state: Any
-  lazy: bool
-  verify: bool
-  read_once: Any
-  read_once_min: int | None
-  key: str
-  run_key: str
-  t_start: float
-  meter: Any
-  may_fall_back: bool
-  find_s: float = 0.0
-  agree_outcome: bool = False  # restore_async: one outcome round
-  damaged: list = dataclasses.field(default_factory=list)
-  attempt: int = 0
-  # Of the attempt in progress (_start_reads).
-  reading: str = ""
-  stats: Any = None
-  counter: Any = None
-  rounds: bool = False
-  t_read: float = 0.0
-  task: Any = None
-
-
-def _wait_reads(fut, timeout: float | None, job: _Job) -> None:
-  """Waits for an attempt's reads; WaitTimeoutError (the reads go on) if
-  they are not done after ``timeout`` seconds."""
-  concurrent.futures.wait([fut], timeout)
-  if not fut.done():
-    raise WaitTimeoutError(
-        f"result(timeout={timeout}): the reads of step {job.step} were not "
-        f"done after {timeout} s; they go on (call result() again)")
-
-
-async def _tracked(job: _Job, coro) -> Any:
-  """Runs ``coro`` as the job's reads task (``_cancelled`` cancels it)."""
-  job.task = asyncio.current_task()
-  return await coro
-
-
-async def _cancelled(job: _Job) -> None:
-  """On the loop: the reads' task cancelled, and waited for (its
-  TensorStore requests end first, ckpt/store/tsfuture.py)."""
-  task = job.task
-  if task is not None and not task.done():
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
