@@ -438,7 +438,9 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     fallback) and returns what ``restore`` returns, or raises what it
     raises, on every process alike.
 
-    The same arguments as ``restore``. Collective like ``restore``: every
+    The same arguments as ``restore`` (``target``, ``path``, ``transforms``,
+    ``fallback_state``, ``lazy``, ``verify``, ``read_once``; see ``restore``
+    for raises). Collective like ``restore``: every
     process calls it, and its ``result()``, in the same order as its other
     collective calls. Until ``result()`` has returned or raised, a
     ``save``, ``restore`` or ``restore_async`` is refused
