@@ -94,14 +94,14 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
       few files per step; each process writes its own database and process 0
-      merges them at finalize, see ckpt/store/ocdbt.py).
+      merges them at finalize, see docs/object-stores.md).
     concurrent_bytes: one host-memory budget for data in flight (staged and
       being written, or being read) in a save or restore.
     async_save: ``save`` returns once device data is staged on the host.
     partitioner: for host numpy leaves, ``fn(path, shape) -> Sharding|None``
       (see ``ckpt.MeshPartitioner``); None means replicated.
     storage_options: merged into the TensorStore kvstore spec (endpoint,
-      region, request concurrency and retries...; see ckpt/store/storage.py for the
+      region, request concurrency and retries...; see docs/object-stores.md for the
       environment variables read without it).
     compression: None (raw chunks) or ``"zstd"``.
     chunk_checksums: formats "zarr3"/"ocdbt": every chunk carries zarr3's
@@ -110,24 +110,24 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
     barrier_timeout_s: how long a process waits for the others at a barrier.
-      Every coordination call is bounded by it (ckpt/multihost/process.py):
+      Every coordination call is bounded by it (docs/multi-host.md):
       a process 0 that stops answering (frozen, stopped, dead) makes the
       others raise ``BarrierTimeoutError`` naming it within this + 5 s.
     save_timeout_s: the longest a save may go without progress (no
       request completing; waits at barriers do not count), not its length:
       a slow but steady store commits a save of any size. Past it the save
       fails on every process with ``StoreTimeoutError`` saying what stalled
-      and for how long (ckpt/store/deadline.py). Also bounds each retention
+      and for how long (docs/multi-host.md). Also bounds each retention
       pass and ``delete``. None: only TensorStore's retries of each request.
     query_timeout_s: the same bound for the queries, the choice of a
       restore's step, opening the store, and the reads of ``restore`` and
       of lazy leaves.
     lease_s: a save renews its lease every ``lease_s / 6`` seconds; cleanup
       removes an uncommitted attempt whose lease went unrenewed this long,
-      or at once when its holder is provably dead (ckpt/commit/lease.py).
+      or at once when its holder is provably dead (docs/multi-host.md).
     read_once: restore onto a mesh with data-parallel replicas reads each
       box from storage once, spread over the replica processes, and
-      exchanges the parts with an all-gather (ckpt/restore/readonce.py). True: on,
+      exchanges the parts with an all-gather (docs/read-once.md). True: on,
       False: off, None (default): automatic, on for object stores (s3://,
       gs://) when a leaf has 2 or more replica processes, off for a local
       disk or memory:// (see docs/benchmarks.md, "Read once", for the measurements).
@@ -285,7 +285,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     ``save_interval_steps`` says (the last step of a run, say).
 
     In a multi-process job every process calls it with the same step. The
-    processes agree before anything is written (ckpt/multihost/agreement.py): all
+    processes agree before anything is written (docs/multi-host.md): all
     save, or all skip a committed step, or all raise the same error naming
     the process that could not prepare its part and why.
 
@@ -346,7 +346,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
 
     For a job that must exit now. Collective: every process calls it.
     Each process stops its part of the save (requests already sent to the
-    store end first, ckpt/store/tsfuture.py); then one round, in which process 0
+    store end first); then one round, in which process 0
     removes the attempt (its uncommitted work directory and pending record)
     unless the step committed meanwhile; every process returns the same
     answer. The save's failure is not raised (it was cancelled); the
@@ -438,7 +438,9 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     fallback) and returns what ``restore`` returns, or raises what it
     raises, on every process alike.
 
-    The same arguments as ``restore``. Collective like ``restore``: every
+    The same arguments as ``restore`` (``target``, ``path``, ``transforms``,
+    ``fallback_state``, ``lazy``, ``verify``, ``read_once``; see ``restore``
+    for raises). Collective like ``restore``: every
     process calls it, and its ``result()``, in the same order as its other
     collective calls. Until ``result()`` has returned or raised, a
     ``save``, ``restore`` or ``restore_async`` is refused

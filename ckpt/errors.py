@@ -120,7 +120,7 @@ class BarrierTimeoutError(CheckpointError, TimeoutError):
 
 class StoreTimeoutError(CheckpointError, TimeoutError):
   """An operation on a store went longer than its bound without progress
-  (``save_timeout_s``, ``query_timeout_s``; see ckpt/store/deadline.py). The
+  (``save_timeout_s``, ``query_timeout_s``; see docs/multi-host.md). The
   message names the operation, the URL, how long it stalled, the bound and
   the option."""
   deadline = None  # the ckpt.store.deadline.Deadline it ran past

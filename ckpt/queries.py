@@ -39,6 +39,7 @@ class Queries:
 
     Any process, alone or with others: it lists the directory itself (on
     process 0, once its retention pass after the last save is done).
+    Not collective.
 
     Raises:
       StoreTimeoutError: the store did not answer within ``query_timeout_s``.
@@ -49,7 +50,7 @@ class Queries:
   def latest_step(self) -> int | None:
     """The newest committed step, or None when there is none.
 
-    Any process, like ``all_steps``; raises what it raises.
+    Any process, like ``all_steps``; raises what it raises. Not collective.
     """
     steps = self.all_steps()
     return steps[-1] if steps else None
@@ -92,7 +93,7 @@ class Queries:
     go to the newest step; NaN never counts as best. None when no committed
     step has the metric, and without ``best_metric``/``best_fn`` (Orbax
     returns ``latest_step()`` then). Any process: it reads each step's
-    metrics itself (cached, as retention's).
+    metrics itself (cached, as retention's). Not collective.
 
     Raises ``StoreTimeoutError`` / ``CheckpointError`` as ``all_steps``.
     """
@@ -126,6 +127,7 @@ class Queries:
       StoreTimeoutError: the store did not answer within ``query_timeout_s``.
 
     Any process: it reads the step's record or index itself (cached).
+    Not collective.
     """
     return self._local(lambda: self._read_metrics(step))
 
@@ -179,7 +181,7 @@ class Queries:
     process computes the same answer with no I/O. The third needs the
     directory: the first call that reaches it lists it (on the calling
     process); after that (or after any save) it is known. Any process may
-    call it; ``save`` itself agrees on whether to save.
+    call it; ``save`` itself agrees on whether to save. Not collective.
 
     ``save_on_steps``: those steps are accepted too. ``should_save_fn(step,
     last_saved_step)``: a step it accepts is accepted too (Orbax ignores
@@ -240,6 +242,9 @@ class Queries:
       agreed: True: the first time it is needed, process 0 lists the
         directory in one agreement round (collective) and every process
         keeps the answer; False: this process lists it (any process).
+
+    Raises:
+      StoreTimeoutError: the listing did not answer within ``query_timeout_s``.
     """
     def ask(what: str, fn: Callable[[], Any]) -> Any:
       if agreed:
@@ -317,7 +322,7 @@ class Queries:
     ``.to_sharding(devices=None)``); also
     ``.step``, ``.time``, ``.metrics``. ``ckpt.abstract_target(metadata,
     mesh, rules)`` turns it into a restore target for any mesh. Any
-    process: it picks the step and reads its index itself.
+    process: it picks the step and reads its index itself. Not collective.
 
     Args:
       step: a committed step, or None for the latest.
@@ -350,7 +355,7 @@ class Queries:
 
     Any process (each reads its own part; with ``step=None`` each asks
     for the newest step itself: pass ``last_restore_step`` to read the
-    step a restore returned).
+    step a restore returned). Not collective.
     """
     # pylint: disable=g-import-not-at-top
     from ckpt.format import index as index_lib

@@ -15,7 +15,10 @@
   `python -m scripts.X --flag` (the benchmarks) name a script that exists
   and flags it (or scripts/benchlib/, which it imports) defines.
 - The API reference lists exactly `ckpt.__all__`, and every public name has
-  a docstring.
+  a docstring; the docstrings point at docs pages, not source files.
+- Every page loads docs/stylesheets/extra.css (content at full width,
+  tables that fit); `python -m scripts.docs_check` checks the fit in a
+  headless browser (not here: it needs chromium).
 """
 
 from __future__ import annotations
@@ -267,6 +270,29 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert f'id="{name}"' in reference, name
   # No page asks the network for fonts at build or read time.
   assert "fonts.googleapis.com" not in reference
+  # The public docstrings point at docs pages, not at source files.
+  text = re.sub(r"<[^>]+>", "", reference)
+  assert not re.findall(r"\bckpt/[\w/]+\.py\b", text), sorted(
+      set(re.findall(r"\bckpt/[\w/]+\.py\b", text)))
+  _check_the_layout_css(tmp_path / "site")
+
+
+def _check_the_layout_css(site: pathlib.Path):
+  """Every page loads docs/stylesheets/extra.css, which widens the content
+  (no max-width on .md-grid) and makes tables fit their column. Whether
+  they fit in a browser at 1280 px: python -m scripts.docs_check (needs
+  chromium, so not part of the suite; docs/design.md)."""
+  css = (site / "stylesheets" / "extra.css").read_text()
+  grid = re.search(r"\.md-grid\s*\{([^}]*)\}", css)
+  assert grid and re.search(r"max-width:\s*(none|100%)", grid.group(1)), css
+  assert re.search(r"table:not\(\[class\]\)\s*\{[^}]*display:\s*table",
+                   css), css
+  pages = [p for p in site.rglob("index.html")
+           if p.parent.name not in ("search", "assets")]
+  assert len(pages) >= len(PAGES)
+  for page in pages:
+    assert re.search(r'<link[^>]+href="[./]*stylesheets/extra\.css"',
+                     page.read_text()), page
 
 
 def test_charts_are_drawn_from_the_benchmark_data(tmp_path):

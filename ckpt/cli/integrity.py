@@ -12,7 +12,8 @@
 - Indexes from before carry the box checksums in their entries; checked
   the same way.
 
-(ckpt/restore/checksums.py holds the checks.)
+(What a restore does with a damaged step: docs/everyday.md, "Every
+restore is verified"; the ``ckpt verify`` command: docs/cli.md.)
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ class LazyLeaf(abc.ABC):
   (a ``jax.Array`` of key dtype, on jax's default device when no sharding
   is given, else placed by that sharding of the keys' shape).
 
-  Read once (``read_once``, see ckpt/restore/readonce.py): a leaf returned by a
+  Read once (``read_once``, see docs/read-once.md): a leaf returned by a
   multi-process ``Checkpointer.restore(lazy=True)`` that restore would have
   read once, read with the sharding it was bound to (a bare ``read()``),
   reads only this process's distinct part of each replicated box and

@@ -325,7 +325,7 @@ class MultiTierCheckpointer:
   def all_steps(self) -> list[int]:
     """The steps the job can restore, in increasing order: the persistent
     tier's committed steps and the local steps every process can rebuild
-    (ckpt/tiers/queries.py); ``all_steps()[-1] == latest_step()``.
+    (docs/multi-tier.md); ``all_steps()[-1] == latest_step()``.
 
     Collective (two rounds); raises what ``Checkpointer.all_steps`` raises.
     """
