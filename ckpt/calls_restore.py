@@ -178,17 +178,14 @@ class RestoreCalls:
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
-    fut = asyncio.run_coroutine_threadsafe(job_lib.tracked(
-        job, deadline_lib.bounded(
+    reads = job_lib.tracked(job, deadline_lib.bounded(
         readonce.counted(restore_lib.restore(
             job.storage, job.step_dir, args, self.concurrent_bytes,
             self._context, job.stats), job.counter),
-        self._read_deadline(job.storage, job.reading))), self._loop)
+        self._read_deadline(job.storage, job.reading)))
+    fut = asyncio.run_coroutine_threadsafe(progress_lib.reported(
+        reads, job.report, lambda: job.counter.bytes_read), self._loop)
     stats = job.stats
-    if job.report is not None:
-      asyncio.run_coroutine_threadsafe(progress_lib.watch(
-          job.report, lambda: job.counter.bytes_read, lambda: not fut.done()),
-                                       self._loop)
 
     def done(_):  # when the reads ended, whenever result() is called
       stats.read_s = max(0.0, time.perf_counter() - job.t_read -

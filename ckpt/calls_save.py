@@ -121,17 +121,15 @@ class SaveCalls:
                                planned_leaves=planned)
     self.last_save_stats = stats
     staged = threading.Event()
-    fut = asyncio.run_coroutine_threadsafe(deadline_lib.bounded(
-        self._save_async(attempt, plan, metrics, host_bytes, stats, staged, t0,
-                         coord0, custom),
-        started[0] if started else self._save_deadline(step)), self._loop)
+    fut = asyncio.run_coroutine_threadsafe(progress_lib.reported(
+        deadline_lib.bounded(
+            self._save_async(attempt, plan, metrics, host_bytes, stats,
+                             staged, t0, coord0, custom),
+            started[0] if started else self._save_deadline(step)),
+        report, lambda: stats.bytes_written), self._loop)
     with self._lock:
       self._inflight, self._inflight_step = fut, step
       self._attempt = attempt
-    if report is not None:
-      asyncio.run_coroutine_threadsafe(progress_lib.watch(
-          report, lambda: stats.bytes_written, lambda: not fut.done()),
-                                       self._loop)
     if self.async_save:
       staged.wait()
       stats.blocking_s = time.perf_counter() - t0

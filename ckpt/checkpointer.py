@@ -57,15 +57,6 @@ DEFAULT_SAVE_TIMEOUT_S = 120.0
 DEFAULT_QUERY_TIMEOUT_S = 60.0
 
 
-def _chunk_checksum(fmt: str, on: bool) -> str | None:
-  if not on:
-    return None
-  if fmt == "zarr":
-    raise ValueError("chunk_checksums=True needs format 'zarr3' or 'ocdbt' "
-                     "(zarr v2 has no checksum codec); got format 'zarr'")
-  return "crc32c"
-
-
 class Checkpointer(queries.Queries, calls_save.SaveCalls,
                    calls_inflight.InFlight, calls_restore.RestoreCalls,
                    calls_lifecycle.Lifecycle):
@@ -189,7 +180,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
     self._options = save_leaves.SaveOptions(
         storage_format=tsspec.check_format(format),
-        codec=tsspec.Codec(compression, checksum=_chunk_checksum(
+        codec=tsspec.Codec(compression, checksum=tsspec.chunk_checksum(
             format, chunk_checksums)), chunk_bytes=int(chunk_bytes),
         save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes))
     self.restore_dtype = restore_dtype
@@ -265,7 +256,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
-           force: bool = False, custom_metadata: dict | None = None) -> bool:
+           force: bool = False, custom_metadata: dict | None = None,
+           progress: Any = None) -> bool:
     """Saves ``state`` as ``step``; returns False if the step is the newest
     committed one (with a warning) or (with ``save_interval_steps``)
     ``should_save(step)`` is False.
@@ -277,13 +269,6 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     restarted job) would resume them, not it. To roll back deliberately,
     ``delete(s)`` each newer step, then save.
 
-    ``metrics``: numbers (python, numpy or jax scalars; ints stay ints),
-    nested dicts flattened to ``a/b`` names. ``custom_metadata``: a dict
-    JSON holds exactly (str keys, finite numbers), at most 1 MiB as JSON,
-    kept in the step's index and returned by ``metadata(step)
-    .custom_metadata`` (process 0's value is the one written). ``force`` saves whatever
-    ``save_interval_steps`` says (the last step of a run, say).
-
     In a multi-process job every process calls it with the same step. The
     processes agree before anything is written (docs/multi-host.md): all
     save, or all skip a committed step, or all raise the same error naming
@@ -292,13 +277,17 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     Args:
       step: the step number (an int >= 0), the same on every process.
       state: the PyTree to save.
-      metrics: see above; kept with the step, ranked by ``best_metric``.
+      metrics: numbers (ints stay ints), nested dicts flattened to ``a/b``
+        names; kept with the step, ranked by ``best_metric``.
       transforms: ``fn(state_dict) -> state_dict`` applied, in order, to the
         state (nested dicts keyed by path parts) before it is planned.
       host_state: one msgpack-able value per process, stored in this
         process's own file; read back by ``host_state(step)``.
       force: save even if ``should_save(step)`` is False.
-      custom_metadata: see above.
+      custom_metadata: a dict JSON holds exactly, at most 1 MiB as JSON, in
+        the step's index (``metadata(step).custom_metadata``; process 0's).
+      progress: True (a tqdm bar) or ``fn(done_bytes, total_bytes)`` called
+        on the background thread as this process writes (docs/everyday.md).
 
     Raises:
       CheckpointError: a lower step than the newest committed one, another
@@ -314,7 +303,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     """
     return self._save(step, state, metrics=metrics, transforms=transforms,
                       host_state=host_state, force=force,
-                      custom_metadata=custom_metadata)
+                      custom_metadata=custom_metadata, progress=progress)
 
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the
@@ -371,7 +360,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
   def restore(self, step: int | None = None, *, target: Any = None,
               path: str | None = None, transforms: Sequence[Callable] = (),
               fallback_state: Any = None, lazy: bool = False,
-              verify: bool = True, read_once: Any = "default") -> Any:
+              verify: bool = True, read_once: Any = "default",
+              progress: Any = None) -> Any:
     """Restores ``step`` (default: latest) or the checkpoint at ``path``.
 
     Args:
@@ -409,6 +399,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         pass the same value (checked). With ``lazy=True`` such a leaf's
         ``read()`` is a collective call (every process reads the same
         leaves in the same order). ``last_restore_stats`` says what it did.
+      progress: True (a tqdm bar) or ``fn(done_bytes, total_bytes)`` called
+        on the background thread as this process reads (docs/everyday.md).
 
     In a multi-process job every process calls it; process 0 picks the step
     (the latest, or checks that all asked for the same one) and every
@@ -422,14 +414,14 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     with meter:
       return self._restore(step, target, path, transforms, fallback_state,
                            lazy, verify, read_once, read_key, key, t_start,
-                           meter)
+                           meter, progress)
 
   def restore_async(self, step: int | None = None, *, target: Any = None,
                     path: str | None = None,
                     transforms: Sequence[Callable] = (),
                     fallback_state: Any = None, lazy: bool = False,
-                    verify: bool = True, read_once: Any = "default"
-                    ) -> "handle_lib.RestoreHandle":
+                    verify: bool = True, read_once: Any = "default",
+                    progress: Any = None) -> "handle_lib.RestoreHandle":
     """``restore`` whose reads run while the caller goes on (compiling its
     train step, say): agrees on the step now (one round), starts the reads
     on the background loop and returns a handle at once, with ``done()``
@@ -439,7 +431,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     raises, on every process alike.
 
     The same arguments as ``restore`` (``target``, ``path``, ``transforms``,
-    ``fallback_state``, ``lazy``, ``verify``, ``read_once``; see ``restore``
+    ``fallback_state``, ``lazy``, ``verify``, ``read_once``, ``progress``;
+    see ``restore``
     for raises). Collective like ``restore``: every
     process calls it, and its ``result()``, in the same order as its other
     collective calls. Until ``result()`` has returned or raised, a
@@ -452,7 +445,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     key = multihost.call_key(self._key_base, "readonce")  # every restore
     return self._restore_async(step, target, path, transforms, fallback_state,
                                lazy, verify, read_once, read_key, key,
-                               time.perf_counter(), storemeter.Meter())
+                               time.perf_counter(), storemeter.Meter(),
+                               progress)
 
   # ---- preemption -------------------------------------------------------
 

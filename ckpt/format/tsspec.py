@@ -72,6 +72,16 @@ class Codec:
     return default_checksum(fmt) if self.checksum is None else self.checksum
 
 
+def chunk_checksum(fmt: str, on: bool) -> str | None:
+  """The Codec checksum of ``Checkpointer(chunk_checksums=on)``."""
+  if not on:
+    return None
+  if fmt == "zarr":
+    raise ValueError("chunk_checksums=True needs format 'zarr3' or 'ocdbt' "
+                     "(zarr v2 has no checksum codec); got format 'zarr'")
+  return "crc32c"
+
+
 def check_format(fmt: str) -> str:
   if fmt not in FORMATS:
     raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")

@@ -44,17 +44,33 @@ def reporter(progress: Any, what: str, total: int | None
   return lambda done: progress(done, total)
 
 
-async def watch(report: Callable[[int], None], done: Callable[[], int],
-                running: Callable[[], bool]) -> None:
-  """On the loop: ``report(done())`` every PERIOD_S while ``running()``,
-  then once more."""
-  try:
-    while running():
+async def reported(coro, report: Callable[[int], None] | None,
+                   done: Callable[[], int]) -> Any:
+  """Runs ``coro`` (on the loop), calling ``report(done())`` every
+  PERIOD_S meanwhile and once when it ends, before its result is
+  returned."""
+  if report is None:
+    return await coro
+  failed = []
+
+  def call() -> None:
+    if failed:
+      return
+    try:
       report(done())
+    except Exception as e:  # pylint: disable=broad-except
+      failed.append(e)
+      logging.warning("ckpt: the progress callback failed (no more progress "
+                      "reports for this operation): %s", e)
+
+  async def tick() -> None:
+    while True:
+      call()
       await asyncio.sleep(PERIOD_S)
-    report(done())
-  except asyncio.CancelledError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except
-    logging.warning("ckpt: the progress callback failed (no more progress "
-                    "reports for this operation): %s", e)
+  ticker = asyncio.ensure_future(tick())
+  try:
+    return await coro
+  finally:
+    ticker.cancel()
+    await asyncio.gather(ticker, return_exceptions=True)
+    call()

@@ -140,7 +140,8 @@ class MultiTierCheckpointer:
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
-           force: bool = False, custom_metadata: dict | None = None) -> bool:
+           force: bool = False, custom_metadata: dict | None = None,
+           progress: Any = None) -> bool:
     """Saves ``step`` to the tiers whose interval it hits (both with
     ``force``); returns True if any tier saved it. Collective: every
     process calls it with the same step.
@@ -171,6 +172,7 @@ class MultiTierCheckpointer:
       host_state: one msgpack-able value per process, saved in both tiers.
       force: save to both tiers whatever the intervals say.
       custom_metadata: see above.
+      progress: the persistent tier's save's (``Checkpointer.save``).
 
     Raises:
       CheckpointError: a lower step than the newest of either tier, another
@@ -191,7 +193,8 @@ class MultiTierCheckpointer:
     if to_persistent:
       saved |= bool(self.persistent.save(step, state, metrics=metrics,
                                          host_state=host_state, force=True,
-                                         custom_metadata=custom_metadata))
+                                         custom_metadata=custom_metadata,
+                                         progress=progress))
     if to_local:
       # Retention keeps this step, whatever its number (LocalTier._retain);
       # no local save is in flight (_check_timeline waited for it).
