@@ -14,18 +14,12 @@ def main():
   local_cluster.init_from_env()
   conf = json.loads(sys.argv[1])
   import jax  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
+  from tests.multiprocess.grid_leaf import GridLeaf  # pylint: disable=g-import-not-at-top
 
   me = jax.process_index()
-  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
-  sharding = NamedSharding(mesh, P("x", "y"))
-  g = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
-
-  def state(s):
-    return {"w": jax.make_array_from_callback(g.shape, sharding,
-                                              lambda i: g[i] + s)}
+  leaf = GridLeaf()
+  state = leaf.state
 
   c = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout"],
                         best_metric="loss", keep=5)
@@ -43,10 +37,8 @@ def main():
     elif s == 2:
       answers[s] = {"all": c.all_steps(), "host_state": c.host_state()}
     slowest = max(slowest, time.monotonic() - t)
-  target = {"w": jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=sharding)}
-  got = c.restore(target=target)  # collective, on both
-  exact = all(np.array_equal(np.asarray(x.data), g[x.index] + 3)
-              for x in got["w"].addressable_shards)
+  got = c.restore(target=leaf.target)  # collective, on both
+  exact = leaf.exact(got, 3)
   c.save(4, state(4))
   c.close()
   local_cluster.write_result({"process": me, "answers": answers,

@@ -24,42 +24,31 @@ def main():
   conf = json.loads(sys.argv[1])
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
+  from tests.multiprocess.grid_leaf import GridLeaf  # pylint: disable=g-import-not-at-top
 
   me = jax.process_index()
-  mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("x", "y"))
-  sharding = NamedSharding(mesh, P("x", "y"))
-  g = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)
-
-  def arr(v):
-    return jax.make_array_from_callback(g.shape, sharding, lambda i: v[i])
-
-  def exact(tree, v):
-    return all(np.array_equal(np.asarray(s.data), v[s.index])
-               for s in tree["w"].addressable_shards)
-
-  target = {"w": jax.ShapeDtypeStruct(g.shape, g.dtype, sharding=sharding)}
+  leaf = GridLeaf()
+  target = leaf.target
   out = {"process": me}
   c = ckpt.Checkpointer(conf["dir"], async_save=False, barrier_timeout_s=60)
-  c.save(1, {"w": arr(g)})
-  c.save(2, {"w": arr(g + 1)})
+  c.save(1, leaf.state())
+  c.save(2, leaf.state(1))
 
   h = c.restore_async(1, target=target)
   step_fn = jax.jit(lambda w: jnp.tanh(w) * 2 + w.sum())
-  step_fn.lower(arr(g)).compile()  # the compile overlaps the reads
-  out["overlap_exact"] = exact(h.result(), g)
+  step_fn.lower(leaf.array()).compile()  # the compile overlaps the reads
+  out["overlap_exact"] = leaf.exact(h.result())
   out["stats_total"] = c.last_restore_stats.total_s
 
   h = c.restore_async(1, target=target)
   try:
-    c.save(3, {"w": arr(g)})
+    c.save(3, leaf.state())
     out["refused"] = None
   except ckpt.CheckpointError as e:
     out["refused"] = str(e)
-  out["refused_then_exact"] = exact(h.result(), g)
+  out["refused_then_exact"] = leaf.exact(h.result())
 
   if me == 0:
     path = f"{conf['dir']}/checkpoint_2/w/1.0"  # rows 128..: process 1's

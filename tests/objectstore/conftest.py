@@ -8,6 +8,8 @@ import os
 
 import pytest
 
+from ckpt.store import storage as storage_lib
+
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 
@@ -74,3 +76,16 @@ def proxied(s3_server, restore_environ):
     os.environ.pop("AWS_ENDPOINT_URL_S3", None)
     os.environ.update(s3_server.env, AWS_ENDPOINT_URL=px.endpoint)
     yield px, f"{servers.new_bucket(s3_server)}/run"
+
+
+@pytest.fixture
+def listed(monkeypatch):
+  """Every prefix ckpt lists (Storage.list_keys, which deletion uses too)."""
+  prefixes = []
+  real = storage_lib.Storage.list_keys
+
+  def spy(self, prefix):
+    prefixes.append(prefix)
+    return real(self, prefix)
+  monkeypatch.setattr(storage_lib.Storage, "list_keys", spy)
+  return prefixes

@@ -148,19 +148,6 @@ def test_ls_counts_objects_on_request(s3_server, s3_bucket, capsys):
   assert c["LIST"] >= 4, c  # commits/, pending/, and 2+ pages of chunks
 
 
-@pytest.fixture
-def listed(monkeypatch):
-  """Every prefix ckpt lists (Storage.list_keys, which deletion uses too)."""
-  prefixes = []
-  real = storage_lib.Storage.list_keys
-
-  def spy(self, prefix):
-    prefixes.append(prefix)
-    return real(self, prefix)
-  monkeypatch.setattr(storage_lib.Storage, "list_keys", spy)
-  return prefixes
-
-
 @pytest.mark.parametrize("store", ["s3", "gs"])
 def test_only_flat_prefixes_are_listed(store, s3_bucket, gs_bucket, listed):
   url = f"{s3_bucket if store == 's3' else gs_bucket}/flat"

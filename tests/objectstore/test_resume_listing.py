@@ -20,18 +20,6 @@ from tests.objectstore.test_requests import count_requests
 KW = dict(async_save=False)
 
 
-@pytest.fixture
-def listed(monkeypatch):
-  prefixes = []
-  real = storage_lib.Storage.list_keys
-
-  def spy(self, prefix):
-    prefixes.append(prefix)
-    return real(self, prefix)
-  monkeypatch.setattr(storage_lib.Storage, "list_keys", spy)
-  return prefixes
-
-
 @pytest.mark.parametrize("store", ["s3", "gs"])
 @pytest.mark.parametrize("how", ["restore", "restore_async"])
 def test_latest_step_then_restore_lists_once(store, how, s3_bucket,
