@@ -107,8 +107,8 @@ class RestoreCalls:
       self._check_open()
       self._check_no_pending_restore("restore")
       readonce.min_replicas(read_once, "")  # validates it
-      report = progress_lib.reporter(progress, "ckpt restore",
-                                     job_lib.target_bytes(target))
+      report = progress_lib.reporter(
+          progress, "ckpt restore", lambda: job_lib.target_bytes(target))
       if path is not None:
         storage = storage_lib.Storage(path, self._storage_options)
     except Exception as e:  # pylint: disable=broad-except

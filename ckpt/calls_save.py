@@ -99,7 +99,7 @@ class SaveCalls:
       values = agreement.host_values(plan.leaves)
       report = progress_lib.reporter(
           progress, f"ckpt save step {step}",
-          sum(w.nbytes for w in plan.writes))
+          lambda: sum(w.nbytes for w in plan.writes))
     except Exception as e:  # pylint: disable=broad-except
       error = e  # every process hears of it in the round below
     started: list = []  # process 0: the save's deadline, set at prepare

@@ -20,12 +20,15 @@ from absl import logging
 PERIOD_S = 0.5
 
 
-def reporter(progress: Any, what: str, total: int | None
+def reporter(progress: Any, what: str, total: Callable[[], int | None]
              ) -> Callable[[int], None] | None:
   """``fn(done)`` reporting to ``progress`` (see the module docstring), or
-  None for no progress; ValueError for anything else."""
+  None for no progress; ValueError for anything else. ``total()`` is asked
+  only when there is progress to report."""
   if progress is None or progress is False:
     return None
+  if progress is True or callable(progress):
+    total = total()
   if progress is True:
     import tqdm  # pylint: disable=g-import-not-at-top
     bar = tqdm.tqdm(total=total, unit="B", unit_scale=True, desc=what,
