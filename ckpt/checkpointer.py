@@ -39,6 +39,7 @@ from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.save import plan_cache
+from ckpt.save import reuse as reuse_lib
 from ckpt import calls_inflight
 from ckpt import calls_lifecycle
 from ckpt import calls_restore
@@ -118,6 +119,11 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       crc32c is recorded at save into per-process files, and every restore
       checks each chunk it reads against it (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
+    reuse_unchanged: a stored chunk whose bytes (128-bit xxh3), leaf,
+      layout and box equal those of this Checkpointer's newest committed
+      step is hard-linked from it, not written again (ckpt/save/reuse.py):
+      frozen towers, LoRA, distillation. POSIX directories with formats
+      "zarr"/"zarr3" only; elsewhere everything is written (logged once).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (ckpt/multihost/process.py):
       a process 0 that stops answering (frozen, stopped, dead) makes the
@@ -173,6 +179,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
                compression: str | None = None,
                chunk_checksums: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               reuse_unchanged: bool = False,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
                lease_s: float = commit_lib.DEFAULT_LEASE_S,
                read_once: bool | None = None,
@@ -255,6 +262,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         self._query_deadline(), storage_lib.Storage, directory,
         storage_options)
     self._context = self.storage.context()
+    self._reuser = reuse_lib.Reuser(bool(reuse_unchanged), self.storage,
+                                    self._options.storage_format)
     # Coordination keys name the directory, so every process derives the
     # same ones from what it was given (see multihost.call_key).
     self._key_base = "dir-" + hashlib.sha1(json.dumps(

@@ -110,10 +110,12 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
                    metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
                    on_staged: Callable[[], None],
                    clock: Callable[[], float] = time.time,
-                   custom_metadata: str | None = None) -> None:
+                   custom_metadata: str | None = None,
+                   reuse: Any = None) -> None:
   """Stages 3-7 and 9 on every process; returns once the step is committed
   everywhere, or raises the agreed failure. ``clock`` gives the save time
-  recorded in the index (the time retention rule reads it)."""
+  recorded in the index (the time retention rule reads it). ``reuse``: a
+  ckpt/save/reuse.py ``SaveReuse`` (reuse_unchanged=True), or None."""
   pid, n = multihost.process_index(), multihost.process_count()
   step, key = attempt.step, attempt.key
   step_kvstore = storage.step_spec(attempt.work_dir)
@@ -131,8 +133,17 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     host_file = asyncio.ensure_future(_write_process_file(
         storage, attempt, index_lib.HOST_STATE_DIR, pid, host_bytes))
     try:
+      if reuse is not None:  # is the step linked from still ours?
+        await asyncio.to_thread(reuse.check_source)
       sums = await save_lib.write_owned(plan, step_kvstore, context,
-                                        ByteLimiter(budget), stats, on_staged)
+                                        ByteLimiter(budget), stats, on_staged,
+                                        reuse)
+      if reuse is not None:  # and still, now that every link is made?
+        await asyncio.to_thread(reuse.check_source)
+        stats.chunks_reused = reuse.chunks_reused
+        await _write_process_file(
+            storage, attempt, index_lib.REUSE_DIR, pid,
+            reuse.record_file(pid, stats.bytes_written))
       if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
         await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
             os.fspath(storage.root), attempt.work_dir))
