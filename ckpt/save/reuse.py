@@ -6,7 +6,10 @@ in memory, what it stored in the newest step this Checkpointer committed
 (``Generation``: per stored chunk its 128-bit xxh3 hash and its crc32c
 record). A chunk of the next save is *unchanged* when the same leaf (its
 relative path) has the same format, shape, dtype, chunk shape and codec,
-the chunk is the same box, and its stored bytes hash the same. An unchanged
+the chunk is the same box, and its stored bytes have the same crc32c and
+the same 128-bit hash (the hash is taken only where the crc32c matches, or
+where there is nothing to compare with: a dense save pays no hash; see
+``SaveReuse.sort``; the 32-bit crc32c alone could collide). An unchanged
 chunk's file is hard-linked (``os.link``) from that step's directory into
 the new attempt instead of being written; its crc32c record is carried over
 into the new step's checksum file, so ``verify`` checks it like any other.
@@ -35,8 +38,9 @@ files) and for packed small leaves everything is written in full; see
 docs/format.md, "Reusing unchanged chunks".
 
 Each process writes ``<step dir>/.reuse/<process>.msgpack``
-(index.process_file): the hash of every chunk it stored, the step it
-linked from, and its bytes written and reused (``ckpt inspect`` sums them).
+(index.process_file): ``[leaf, start, stop, xxh3-128 or nil]`` of every
+chunk it stored, the step it linked from, and its bytes written and reused
+(``ckpt inspect`` sums them).
 """
 
 from __future__ import annotations
@@ -77,8 +81,9 @@ def chunk_key(storage_format: str, start: tuple[int, ...],
 @dataclasses.dataclass(frozen=True)
 class Stored:
   """One chunk a process stored in a step."""
-  digest: bytes     # xxh3-128 of its stored bytes (after the save_dtype cast)
-  crc: int | None   # its crc32c record (format "zarr"), carried when reused
+  digest: bytes | None  # xxh3-128 of its stored bytes (after the save_dtype
+                        # cast); None: not hashed (it had changed)
+  crc: int              # crc32c of the same bytes (carried when reused)
   nbytes: int
 
 
@@ -104,8 +109,8 @@ def layout_of(storage_format: str, entry: Any, checksum: str) -> tuple:
 class Outcome:
   """One chunk of a box in this save."""
   box: plan_lib.Box
-  digest: bytes
-  crc: int | None
+  digest: bytes | None
+  crc: int
   linked: bool
 
 
@@ -163,15 +168,13 @@ class SaveReuse:
       return  # deleted meanwhile: the links made before are its bytes
     self.previous = self.source = None  # not ours: write everything
 
-  def _unchanged(self, relpath: str, box: plan_lib.Box, data: np.ndarray,
-                 chunk_digest: bytes) -> Stored | None:
+  def _previous(self, relpath: str, box: plan_lib.Box) -> Stored | None:
+    """What this process stored for the same chunk of the same leaf, in
+    the same layout, in the previous step (None: nothing to compare)."""
     prev = self.previous
     if prev is None or prev.layouts.get(relpath) != self.layouts[relpath]:
       return None
-    old = prev.chunks.get((relpath, box.start, box.stop))
-    if old is None or old.digest != chunk_digest or old.nbytes != data.nbytes:
-      return None
-    return old
+    return prev.chunks.get((relpath, box.start, box.stop))
 
   def _link(self, relpath: str, box: plan_lib.Box,
             chunks: tuple[int, ...]) -> bool:
@@ -185,21 +188,29 @@ class SaveReuse:
     return True
 
   def sort(self, leaf: int, box: plan_lib.Box, chunks: tuple[int, ...],
-           data: np.ndarray, take_sums: bool) -> list[Outcome]:
-    """Blocking: hashes every stored chunk of ``box`` (its data ``data``),
-    links the unchanged ones, and takes the crc32c of the others
-    (``take_sums``) while their bytes are in the cache."""
+           data: np.ndarray) -> list[Outcome]:
+    """Blocking: sorts the stored chunks of ``box`` (its data ``data``)
+    into unchanged ones, linked here, and the others.
+
+    The crc32c of every chunk is taken (its record for verify, taken at
+    every save anyway); a chunk whose crc32c differs from the previous
+    step's has changed, and is not hashed: dense training pays no hash.
+    The 128-bit hash is taken of a chunk whose crc32c matches (a link needs
+    both to match) and of one with nothing to compare with (the first save,
+    a new layout), so that the next save can link it."""
     relpath = self.relpaths[leaf]
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
       view = data if b == box else data[b.relative_to(box)]
+      crc = checksum_view(view)
+      old = self._previous(relpath, b)
+      if old is not None and (old.crc != crc or old.nbytes != view.nbytes):
+        out.append(Outcome(b, None, crc, False))  # changed: no hash needed
+        continue
       d = digest(view)
-      old = self._unchanged(relpath, b, view, d)
-      if old is not None and self._link(relpath, b, chunks):
-        out.append(Outcome(b, d, old.crc, True))
-      else:
-        out.append(Outcome(b, d, checksum_view(view) if take_sums else None,
-                           False))
+      linked = (old is not None and old.digest == d and
+                self._link(relpath, b, chunks))
+      out.append(Outcome(b, d, crc, linked))
     return out
 
   async def write(self, store: Any, leaf: int, box: plan_lib.Box,
@@ -209,10 +220,9 @@ class SaveReuse:
     array in the attempt) and links the others. Returns the crc32c records
     of every chunk (format "zarr", else empty) and the bytes linked."""
     if data.nbytes <= INLINE_WORK_BYTES:
-      outcomes = self.sort(leaf, box, chunks, data, take_sums)
+      outcomes = self.sort(leaf, box, chunks, data)
     else:
-      outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
-                                         take_sums)
+      outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data)
     fresh = [o.box for o in outcomes if not o.linked]
     if len(fresh) == len(outcomes):
       fresh = [box]  # nothing linked: one write, as without reuse
