@@ -119,11 +119,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       crc32c is recorded at save into per-process files, and every restore
       checks each chunk it reads against it (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
-    reuse_unchanged: a stored chunk whose bytes (128-bit xxh3), leaf,
-      layout and box equal those of this Checkpointer's newest committed
-      step is hard-linked from it, not written again (ckpt/save/reuse.py):
-      frozen towers, LoRA, distillation. POSIX directories with formats
-      "zarr"/"zarr3" only; elsewhere everything is written (logged once).
+    reuse_unchanged: chunks equal to this Checkpointer's last committed
+      step's are hard-linked, not written (docs/format.md; POSIX, zarr/zarr3).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (ckpt/multihost/process.py):
       a process 0 that stops answering (frozen, stopped, dead) makes the
@@ -262,8 +259,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         self._query_deadline(), storage_lib.Storage, directory,
         storage_options)
     self._context = self.storage.context()
-    self._reuser = reuse_lib.Reuser(bool(reuse_unchanged), self.storage,
-                                    self._options.storage_format)
+    self._reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format)
     # Coordination keys name the directory, so every process derives the
     # same ones from what it was given (see multihost.call_key).
     self._key_base = "dir-" + hashlib.sha1(json.dumps(

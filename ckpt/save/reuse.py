@@ -270,7 +270,7 @@ class Reuser:
     if self.why_not:  # once per Checkpointer
       logging.info("ckpt: reuse_unchanged=True writes every chunk in %s: %s",
                    storage.url, self.why_not)
-    self.enabled = enabled and self.why_not is None
+    self.enabled = bool(enabled) and self.why_not is None
     self._storage = storage
     self._last: Generation | None = None
 

@@ -192,3 +192,19 @@ def test_default_is_off(tmp_path, frozen):
       c.save(step, _state(step, frozen))
     assert c.last_save_stats.bytes_reused == 0
   assert not (tmp_path / "checkpoint_1" / ".reuse").exists()
+
+
+def test_multitier_persistent_tier_reuses(tmp_path, frozen):
+  mt = ckpt.MultiTierCheckpointer(
+      str(tmp_path / "p"), local=str(tmp_path / "l"), local_interval=1,
+      persistent_interval=1, reuse_unchanged=True, async_save=False,
+      chunk_bytes=CHUNK)
+  try:
+    for step in range(2):
+      mt.save(step, _state(step, frozen))
+    mt.wait_until_finished(timeout=60)
+    assert mt.persistent.last_save_stats.bytes_reused == frozen.nbytes
+  finally:
+    mt.close()
+  assert ckpt.load(str(tmp_path / "p"), 1)["frozen"].tobytes() == \
+      frozen.tobytes()
