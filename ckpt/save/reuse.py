@@ -7,9 +7,9 @@ in memory, what it stored in the newest step this Checkpointer committed
 record). A chunk of the next save is *unchanged* when the same leaf (its
 relative path) has the same format, shape, dtype, chunk shape and codec,
 the chunk is the same box, and its stored bytes have the same crc32c and
-the same 128-bit hash (the hash is taken only where the crc32c matches, or
-where there is nothing to compare with: a dense save pays no hash; see
-``SaveReuse.sort``; the 32-bit crc32c alone could collide). An unchanged
+the same 128-bit hash (each chunk is read once in the steady state: a
+frozen chunk is hashed, a changing one only checksummed, as at every save;
+see ``SaveReuse.sort``; the 32-bit crc32c alone could collide). An unchanged
 chunk's file is hard-linked (``os.link``) from that step's directory into
 the new attempt instead of being written; its crc32c record is carried over
 into the new step's checksum file, so ``verify`` checks it like any other.
@@ -82,7 +82,7 @@ def chunk_key(storage_format: str, start: tuple[int, ...],
 class Stored:
   """One chunk a process stored in a step."""
   digest: bytes | None  # xxh3-128 of its stored bytes (after the save_dtype
-                        # cast); None: not hashed (it had changed)
+                        # cast); None: it changed (compared by crc32c first)
   crc: int              # crc32c of the same bytes (carried when reused)
   nbytes: int
 
@@ -190,27 +190,39 @@ class SaveReuse:
   def sort(self, leaf: int, box: plan_lib.Box, chunks: tuple[int, ...],
            data: np.ndarray) -> list[Outcome]:
     """Blocking: sorts the stored chunks of ``box`` (its data ``data``)
-    into unchanged ones, linked here, and the others.
+    into unchanged ones, linked here, and the others, reading each chunk
+    once where its history says what to expect:
 
-    The crc32c of every chunk is taken (its record for verify, taken at
-    every save anyway); a chunk whose crc32c differs from the previous
-    step's has changed, and is not hashed: dense training pays no hash.
-    The 128-bit hash is taken of a chunk whose crc32c matches (a link needs
-    both to match) and of one with nothing to compare with (the first save,
-    a new layout), so that the next save can link it."""
+    - it was unchanged (or new) at the previous save, so it has a 128-bit
+      hash: hashed first; equal, it is linked and its crc32c record carried
+      over; else its crc32c is taken (one more pass) and it is written;
+    - it changed at the previous save (no hash kept): its crc32c is taken
+      first (its record for verify, taken at every save anyway); a
+      different one means changed, not hashed: dense training pays no
+      hash; an equal one is hashed, for the next save to compare with;
+    - nothing to compare with (the first save, a new layout): both.
+
+    Only a chunk that was hashed and matched is linked: identity is the
+    128-bit hash, never the 32-bit crc32c alone."""
     relpath = self.relpaths[leaf]
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
       view = data if b == box else data[b.relative_to(box)]
-      crc = checksum_view(view)
       old = self._previous(relpath, b)
-      if old is not None and (old.crc != crc or old.nbytes != view.nbytes):
-        out.append(Outcome(b, None, crc, False))  # changed: no hash needed
+      if old is not None and old.nbytes != view.nbytes:
+        old = None
+      if old is not None and old.digest is not None:
+        d = digest(view)
+        if d == old.digest and self._link(relpath, b, chunks):
+          out.append(Outcome(b, d, old.crc, True))
+        else:  # changed: compared by its crc32c next time
+          out.append(Outcome(b, None, checksum_view(view), False))
         continue
-      d = digest(view)
-      linked = (old is not None and old.digest == d and
-                self._link(relpath, b, chunks))
-      out.append(Outcome(b, d, crc, linked))
+      crc = checksum_view(view)
+      if old is not None and old.crc != crc:
+        out.append(Outcome(b, None, crc, False))  # changed, not hashed
+      else:
+        out.append(Outcome(b, digest(view), crc, False))
     return out
 
   async def write(self, store: Any, leaf: int, box: plan_lib.Box,
