@@ -187,8 +187,21 @@ class SaveReuse:
       return False
     return True
 
+  def _expects_unchanged(self, leaf: int, box: plan_lib.Box,
+                         chunks: tuple[int, ...]) -> bool:
+    """Whether a chunk of ``box`` was hashed at the previous save (it was
+    unchanged or new then): the box is then sorted before it is written;
+    else (a box that changed) it is written at once, as without reuse, and
+    summed while it is written (no pass over its bytes more)."""
+    relpath = self.relpaths[leaf]
+    for b in plan_lib.chunk_boxes(box, chunks):
+      old = self._previous(relpath, b)
+      if old is not None and old.digest is not None:
+        return True
+    return False
+
   def sort(self, leaf: int, box: plan_lib.Box, chunks: tuple[int, ...],
-           data: np.ndarray) -> list[Outcome]:
+           data: np.ndarray, link: bool = True) -> list[Outcome]:
     """Blocking: sorts the stored chunks of ``box`` (its data ``data``)
     into unchanged ones, linked here, and the others, reading each chunk
     once where its history says what to expect:
@@ -203,7 +216,8 @@ class SaveReuse:
     - nothing to compare with (the first save, a new layout): both.
 
     Only a chunk that was hashed and matched is linked: identity is the
-    128-bit hash, never the 32-bit crc32c alone."""
+    128-bit hash, never the 32-bit crc32c alone. Without ``link`` (the box
+    is being written already) nothing is linked."""
     relpath = self.relpaths[leaf]
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
@@ -211,7 +225,7 @@ class SaveReuse:
       old = self._previous(relpath, b)
       if old is not None and old.nbytes != view.nbytes:
         old = None
-      if old is not None and old.digest is not None:
+      if link and old is not None and old.digest is not None:
         d = digest(view)
         if d == old.digest and self._link(relpath, b, chunks):
           out.append(Outcome(b, d, old.crc, True))
@@ -231,16 +245,23 @@ class SaveReuse:
     """Writes the changed chunks of one box into ``store`` (the leaf's
     array in the attempt) and links the others. Returns the crc32c records
     of every chunk (format "zarr", else empty) and the bytes linked."""
+    link = self._expects_unchanged(leaf, box, chunks)
+    writes = []
+    if not link:  # as without reuse: written at once, summed alongside
+      writes.append(store[box.slices()].write(
+          data, can_reference_source_data_indefinitely=True))
     if data.nbytes <= INLINE_WORK_BYTES:
-      outcomes = self.sort(leaf, box, chunks, data)
+      outcomes = self.sort(leaf, box, chunks, data, link)
     else:
-      outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data)
-    fresh = [o.box for o in outcomes if not o.linked]
-    if len(fresh) == len(outcomes):
-      fresh = [box]  # nothing linked: one write, as without reuse
-    writes = [store[b.slices()].write(
-        data if b == box else data[b.relative_to(box)],
-        can_reference_source_data_indefinitely=True) for b in fresh]
+      outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
+                                         link)
+    if link:
+      fresh = [o.box for o in outcomes if not o.linked]
+      if len(fresh) == len(outcomes):
+        fresh = [box]  # nothing linked: one write, as without reuse
+      writes = [store[b.slices()].write(
+          data if b == box else data[b.relative_to(box)],
+          can_reference_source_data_indefinitely=True) for b in fresh]
     for w in writes:
       await tsfuture.wait(w)
     linked = 0
