@@ -168,3 +168,11 @@ def test_import_memory(tmp_path):
   stdout = _run("import_memory", "--mib", "1", "--budget-mib", "1",
                 "--dir", str(tmp_path))
   assert re.search(r"peak RSS growth \d+ MiB, [0-9.]+ s", stdout), stdout
+
+
+@pytest.mark.timeout(200)
+def test_reuse_cost():
+  stdout = _run("reuse_cost", "--frozen-mib", "4", "--train-mib", "1",
+                "--dense-mib", "4", "--rounds", "1")
+  assert "target: reuse hands 1.00 MiB to the disk" in stdout
+  assert "dense overhead of reuse, cpu_s:" in stdout
