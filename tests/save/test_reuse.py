@@ -208,3 +208,22 @@ def test_multitier_persistent_tier_reuses(tmp_path, frozen):
     mt.close()
   assert ckpt.load(str(tmp_path / "p"), 1)["frozen"].tobytes() == \
       frozen.tobytes()
+
+
+def test_a_reuse_file_too_large_keeps_its_totals(tmp_path, monkeypatch,
+                                                 capsys):
+  """64 chunks: their hashes pass a (lowered) bound on per-process files,
+  their crc32c records do not; the save goes on, the totals stay."""
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(index_lib, "MAX_PROCESS_FILE_BYTES", 1500)
+  leaf = np.random.default_rng(5).standard_normal((640, 64), np.float32)
+  with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=4 << 10) as c:
+    for step in range(2):
+      c.save(step, {"frozen": leaf})
+    assert c.last_save_stats.chunks_reused == 64
+  assert (tmp_path / "checkpoint_1" / ".reuse" / "0.msgpack").stat().st_size \
+      < 1500
+  assert cli_main.main(["inspect", str(tmp_path), "--json"]) == 0
+  assert json.loads(capsys.readouterr().out)["reuse"]["reused_bytes"] == \
+      leaf.nbytes
