@@ -227,3 +227,31 @@ def test_a_reuse_file_too_large_keeps_its_totals(tmp_path, monkeypatch,
   assert cli_main.main(["inspect", str(tmp_path), "--json"]) == 0
   assert json.loads(capsys.readouterr().out)["reuse"]["reused_bytes"] == \
       leaf.nbytes
+
+
+def test_a_save_failing_between_links_leaves_the_steps_whole(
+    tmp_path, frozen, monkeypatch):
+  """The 4th link raises: the save fails and its attempt (with the links
+  made) is removed; step 0 is whole, and the next save links from it."""
+  real_link, calls = os.link, []
+
+  def link(src, dst):
+    calls.append(dst)
+    if len(calls) == 4:
+      raise RuntimeError("the disk went away")
+    real_link(src, dst)
+
+  with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=CHUNK) as c:
+    c.save(0, _state(0, frozen))
+    monkeypatch.setattr(reuse_lib.os, "link", link)
+    with pytest.raises(ckpt.CheckpointError, match="the disk went away"):
+      c.save(1, _state(1, frozen))
+    monkeypatch.setattr(reuse_lib.os, "link", real_link)
+    assert c.all_steps() == [0]
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    assert integrity.verify(str(tmp_path), step=0) == []
+    c.save(1, _state(1, frozen))
+    assert c.last_save_stats.bytes_reused == frozen.nbytes
+  assert ckpt.load(str(tmp_path), 1)["frozen"].tobytes() == frozen.tobytes()
+  assert integrity.verify(str(tmp_path), step=1) == []
