@@ -57,6 +57,7 @@ import numpy as np
 from ckpt.commit import steps as steps_lib
 from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
+from ckpt.format import tsspec
 from ckpt.format.crc import checksum_view, digest
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
@@ -66,17 +67,6 @@ from ckpt.store import tsfuture
 HASH_NAME = "xxh3_128"
 # The formats whose chunks are files of their own (so a link reuses one).
 LINKED_FORMATS = ("zarr", "zarr3")
-
-
-def chunk_key(storage_format: str, start: tuple[int, ...],
-              chunks: tuple[int, ...]) -> str:
-  """The name of the chunk file at ``start`` inside its array's directory,
-  as TensorStore writes it (ckpt/format/tsspec.py: zarr v2 with "."
-  separators, zarr3's default key encoding)."""
-  idx = [str(a // c) for a, c in zip(start, chunks)]
-  if storage_format == "zarr":
-    return ".".join(idx) or "0"
-  return "/".join(["c", *idx])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +169,8 @@ class SaveReuse:
 
   def _link(self, relpath: str, box: plan_lib.Box,
             chunks: tuple[int, ...]) -> bool:
-    name = chunk_key(self.format, box.start, chunks)
+    name = tsspec.chunk_key(self.format,
+                            [a // c for a, c in zip(box.start, chunks)])
     target = os.path.join(self.work, relpath, name)
     try:
       os.makedirs(os.path.dirname(target), exist_ok=True)
