@@ -249,10 +249,12 @@ class SaveCalls:
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
       try:
+        reuse = self._reuser.begin(plan, attempt.step, attempt.token,
+                                   attempt.work_dir)
         await finalize.run_save(attempt, plan, self.storage, self._context,
                                 self.concurrent_bytes, metrics, host_bytes,
                                 stats, staged.set, clock=self._clock,
-                                custom_metadata=custom)
+                                custom_metadata=custom, reuse=reuse)
       except BaseException:
         # A failed save (its tiling found wrong, say) is planned afresh
         # next time, never from the plan it failed with.
@@ -261,6 +263,7 @@ class SaveCalls:
       _log_saved(attempt.step, self.storage.url, stats,
                  time.perf_counter() - t0, self.async_save)
       self._committed_save = attempt.step
+      self._reuser.committed(reuse)  # the next save compares with it
       if multihost.process_index() == 0:
         self._newest = self._after_commit  # committed: the newest known
         self._metrics_cache[attempt.step] = dict(metrics)

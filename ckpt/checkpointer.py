@@ -31,9 +31,11 @@ from ckpt.commit import protocol as commit_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
+from ckpt.commit import retention_pass
 from ckpt.multihost import process as multihost
 from ckpt.save import plan_cache
 from ckpt.save import schedule as schedule_lib
+from ckpt.save import reuse as reuse_lib
 from ckpt import calls_inflight
 from ckpt import calls_lifecycle
 from ckpt import calls_restore
@@ -100,6 +102,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       time). Default False: each chunk's crc32c is recorded at save and
       every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
+    reuse_unchanged: chunks equal to this Checkpointer's last committed
+      step's are hard-linked, not written (docs/format.md; POSIX, zarr/zarr3).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (docs/multi-host.md):
       a process 0 that stops answering (frozen, stopped, dead) makes the
@@ -143,6 +147,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
                compression: str | None = None,
                chunk_checksums: bool = False,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+               reuse_unchanged: bool = False,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
                lease_s: float = commit_lib.DEFAULT_LEASE_S,
                read_once: bool | None = None,
@@ -213,6 +218,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
         self._query_deadline(), storage_lib.Storage, directory,
         storage_options)
     self._context = self.storage.context()
+    self._reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format)
     # Coordination keys name the directory, so every process derives the
     # same ones from what it was given (see multihost.call_key).
     self._key_base = "dir-" + hashlib.sha1(json.dumps(
@@ -229,7 +235,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     # refusal of a lower step rests on them (see _newest_bound).
     self._newest: Any = _UNKNOWN
     self._after_commit: Any = _UNKNOWN
-    self._retention = finalize.Retention(
+    self._retention = retention_pass.Retention(
         self.storage, self.policy, self._read_metrics, self._read_time,
         timeout_s=self.save_timeout_s, on_done=self._retention_done)
     self.last_save_stats = save_lib.SaveStats()

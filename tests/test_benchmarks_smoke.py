@@ -180,3 +180,11 @@ def test_restart(tmp_path):
   assert {r["variant"] for r in rows} == {"sequential", "overlap"}
   for r in rows:
     assert r["first_step_s"] > r["both_s"] > 0 and r["bytes"] > 0, r
+
+
+@pytest.mark.timeout(200)
+def test_reuse_cost():
+  stdout = _run("reuse_cost", "--frozen-mib", "4", "--train-mib", "1",
+                "--dense-mib", "4", "--rounds", "1")
+  assert "target: reuse hands 1.00 MiB to the disk" in stdout
+  assert "dense overhead of reuse, cpu_s:" in stdout

@@ -80,6 +80,53 @@ def _shape_text(shape) -> str:
                                                     else ")")
 
 
+def reuse_summary(storage, step_dir: str, index: index_lib.Index
+                  ) -> dict[str, Any] | None:
+  """The bytes of a step its processes wrote (``own_bytes``) and linked
+  from an earlier step (``reused_from``: {step: bytes}), from the
+  ``.reuse`` files of ``reuse_unchanged=True`` (ckpt/save/reuse.py); None
+  if the step was saved without it. A process whose file is missing or
+  unreadable is counted in ``unknown_processes``."""
+  from ckpt.format import seal  # pylint: disable=g-import-not-at-top
+  own, reused, unknown, found = 0, {}, [], 0
+  for p in range(min(index.process_count, index_lib.MAX_PROCESSES)):
+    rel = index_lib.process_file(index_lib.REUSE_DIR, p, step_dir)
+    try:
+      data = storage.read_bytes(rel, limit=index_lib.MAX_PROCESS_FILE_BYTES)
+      if data is None:
+        unknown.append(p)
+        continue
+      doc = index_lib.unpack(seal.maybe_unseal(data, rel, index.sealed))
+      written, n, src = doc["written"], doc["reused"], doc["from"]
+      if (doc.get("process") != p or type(written) is not int or
+          type(n) is not int or min(written, n) < 0 or
+          not (src is None or type(src) is int)):
+        raise ValueError("not a reuse record")
+    except Exception:  # pylint: disable=broad-except
+      unknown.append(p)
+      continue
+    found += 1
+    own += written
+    if n:
+      reused[src] = reused.get(src, 0) + n
+  if not found:
+    return None
+  return {"own_bytes": own, "reused_bytes": sum(reused.values()),
+          "reused_from": {str(s): n for s, n in sorted(reused.items())},
+          "unknown_processes": unknown}
+
+
+def _reuse_text(r: dict[str, Any]) -> str:
+  src = ", ".join(f"{human_bytes(n)} from step {s}"
+                  for s, n in r["reused_from"].items())
+  text = (f"stored    {human_bytes(r['own_bytes'])} its own, " +
+          (f"{human_bytes(r['reused_bytes'])} reused ({src}, hard links)"
+           if src else "nothing reused"))
+  if r["unknown_processes"]:
+    text += f"; no record of process(es) {r['unknown_processes'][:10]}"
+  return text
+
+
 def cmd_inspect(args) -> int:
   storage, step_dir, index = convert.open_checkpoint(
       args.path, args.step, args.storage_options)
@@ -90,7 +137,8 @@ def cmd_inspect(args) -> int:
          "time_iso": iso_utc(index.time), "format": index.storage_format,
          "process_count": index.process_count, "metrics": index.metrics,
          "array_bytes": sum(x["bytes"] for x in arrays), "leaves": leaves,
-         "custom_metadata": index_lib.custom_metadata_of(index)}
+         "custom_metadata": index_lib.custom_metadata_of(index),
+         "reuse": reuse_summary(storage, step_dir, index)}
   rows = []
   for x in leaves:
     if x["kind"] in ("array", "packed"):
@@ -121,6 +169,8 @@ def cmd_inspect(args) -> int:
       f"{len(arrays)} arrays ({human_bytes(doc['array_bytes'])}), "
       f"{len(leaves) - len(arrays)} inline values",
   ]
+  if doc["reuse"] is not None:
+    head.append(_reuse_text(doc["reuse"]))
   keys = [x for x in leaves if x["prng_impl"]]
   if keys:
     impls = ", ".join(sorted({x["prng_impl"] for x in keys}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import crc32c
 import numpy as np
+import xxhash
 
 
 def checksum(data: np.ndarray) -> int:
@@ -37,3 +38,22 @@ def checksum_view(view: np.ndarray) -> int:
   for idx in np.ndindex(*view.shape[:k]):
     crc = crc32c.crc32c(view[idx].reshape(-1).view(np.uint8), crc)
   return crc
+
+
+def digest(view: np.ndarray) -> bytes:
+  """The 128-bit xxh3 hash (16 bytes) of an array's bytes in C order, strided
+  or not: the identity of a stored chunk (``reuse_unchanged``,
+  ckpt/save/reuse.py). crc32c, 32 bits, is too short for identity: a
+  collision there would restore another chunk's bytes unnoticed."""
+  if view.flags.c_contiguous:
+    return xxhash.xxh3_128_digest(view.reshape(-1).view(np.uint8))
+  k, run = view.ndim, view.itemsize
+  while k > 0 and view.strides[k - 1] == run:
+    run *= view.shape[k - 1]
+    k -= 1
+  if run < _RUN_BYTES:
+    return digest(np.ascontiguousarray(view))
+  h = xxhash.xxh3_128()
+  for idx in np.ndindex(*view.shape[:k]):
+    h.update(view[idx].reshape(-1).view(np.uint8))
+  return h.digest()

@@ -179,10 +179,14 @@ def _decode_custom_metadata(v: Any, where: str) -> str | None:
 #   <step dir>/.host_state/<process>.msgpack   its host_state (msgpack)
 #   <step dir>/.checksums/<process>.msgpack    format "zarr" only: crc32c of
 #                                              every box it wrote
+#   <step dir>/.reuse/<process>.msgpack        reuse_unchanged=True: the
+#                                              xxh3-128 of every chunk it
+#                                              stored, bytes written/reused
 # A leaf's directory never starts with "." (tree.storage_relpath escapes it,
 # check_relpath refuses it), so these names cannot meet a leaf's array.
 HOST_STATE_DIR = ".host_state"
 CHECKSUMS_DIR = ".checksums"
+REUSE_DIR = ".reuse"
 # Process numbers read from an index beyond this are refused (file names are
 # built from them).
 MAX_PROCESSES = 1 << 20
@@ -193,7 +197,7 @@ MAX_PROCESS_FILE_BYTES = 32 << 20
 def process_file(kind: str, process: int, step_dir: str = "") -> str:
   """``<step_dir>/<kind>/<process>.msgpack``: the name is built from a
   process number checked here, never read from a checkpoint."""
-  if kind not in (HOST_STATE_DIR, CHECKSUMS_DIR):
+  if kind not in (HOST_STATE_DIR, CHECKSUMS_DIR, REUSE_DIR):
     raise ValueError(f"unknown per-process file kind {kind!r}")
   if type(process) is not int or not 0 <= process < MAX_PROCESSES:
     raise CorruptCheckpointError(

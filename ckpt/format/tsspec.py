@@ -132,6 +132,15 @@ def array_spec(fmt: str, kvstore: dict[str, Any], relpath: str,
   }
 
 
+def chunk_key(fmt: str, idx) -> str:
+  """The key of the chunk at grid index ``idx`` inside its array, as
+  ``array_spec`` makes TensorStore write it: zarr v2 with "." separators
+  ("0" for a scalar), zarr3's default encoding ("c/0/1", "c")."""
+  if fmt == "zarr":
+    return ".".join(map(str, idx)) or "0"
+  return "/".join(("c",) + tuple(map(str, idx)))
+
+
 def _under(kvstore: dict[str, Any], relpath: str) -> dict[str, Any]:
   if kvstore.get("driver") == "ocdbt":
     return {**kvstore, "path": relpath.strip("/") + "/"}

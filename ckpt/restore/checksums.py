@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from ckpt.format import index as index_lib
 from ckpt.format import seal
+from ckpt.format import tsspec
 from ckpt.format.crc import checksum
 from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
@@ -258,9 +259,7 @@ class ProcessChecksums:
 
 def _chunk_key(storage_format: str) -> Callable[[tuple[int, ...]], str]:
   """How a chunk's grid index names its file in the leaf's array."""
-  if storage_format == "zarr":
-    return lambda idx: ".".join(map(str, idx)) or "0"
-  return lambda idx: "/".join(("c",) + tuple(map(str, idx)))
+  return lambda idx: tsspec.chunk_key(storage_format, idx)
 
 
 async def attach(leaves: dict, storage: Any, step_dir: str,

@@ -61,6 +61,11 @@ class SaveStats:
   blocking_s: float = 0.0
   total_s: float = 0.0
   skipped: bool = False
+  # reuse_unchanged=True (ckpt/save/reuse.py): the bytes and chunks this
+  # process linked from the previous step instead of writing them (not
+  # counted in bytes_written; boxes_written counts boxes written in part).
+  bytes_reused: int = 0
+  chunks_reused: int = 0
   # Where the time went (seconds, this process): plan_save on the caller's
   # thread, and the calls into the coordination service over the whole save
   # (the agreement round, barriers, posts; the wait for other processes at
@@ -133,8 +138,12 @@ def chunk_sums(box: plan_lib.Box, chunks: tuple[int, ...], data: np.ndarray
 
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
-                      on_staged: Callable[[], None]) -> list[list]:
+                      on_staged: Callable[[], None],
+                      reuse: Any = None) -> list[list]:
   """Stages 3 and 4 for this process's boxes.
+
+  With ``reuse`` (a ckpt/save/reuse.py ``SaveReuse``) each array box's
+  unchanged chunks are linked from the previous step, not written.
 
   With ``plan.borrow`` (the caller waits for the whole save) boxes are
   written straight from its arrays, with no staging copy.
@@ -168,6 +177,13 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       if not arrays:
         arrays.update(await opening)
       store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
+      if reuse is not None:  # "zarr"/"zarr3" only, so never in a txn
+        crcs, linked = await reuse.write(store, w.leaf, w.box,
+                                         plan.leaves[w.leaf].layout.chunks,
+                                         data, take_sums)
+        sums.extend([w.leaf, list(b.start), list(b.stop), crc]
+                    for b, crc in crcs)
+        return linked
       # ``data`` never changes from here on (a view of an immutable
       # jax.Array, or ckpt's own copy), so TensorStore may keep a reference
       # to it instead of copying it into its chunk cache.
@@ -183,6 +199,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       if take_sums:
         sums.extend([w.leaf, list(b.start), list(b.stop), crc]
                     for b, crc in crcs)
+      return 0
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
@@ -190,9 +207,10 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
 
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
-      await write_box(w, data)
-      stats.bytes_written += data.nbytes
-      stats.boxes_written += 1
+      linked = await write_box(w, data)
+      stats.bytes_written += data.nbytes - linked
+      stats.bytes_reused += linked
+      stats.boxes_written += linked < data.nbytes
     finally:
       limiter.release(grant)
 

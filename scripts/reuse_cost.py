@@ -1,0 +1,173 @@
+"""Benchmark: what ``reuse_unchanged=True`` saves, and what it costs.
+
+Usage (from the repository root):
+  python -m scripts.reuse_cost [--frozen-mib 256] [--train-mib 5]
+      [--dense-mib 256] [--rounds 5] [--format zarr] [--dir D] [--json F]
+
+Random float32 leaves (never constant) on a mesh of 8 CPU devices, sync
+saves (``async_save=False``), each into its own root:
+
+- ``frozen+train, reuse``: a frozen base (``--frozen-mib``, same bytes at
+  every step) and a trainable part (``--train-mib``, new bytes at every
+  step), saved with ``reuse_unchanged=True``;
+- ``frozen+train, no reuse``: the same saves with reuse off;
+- ``train alone``: the trainable part only (the yardstick of the targets);
+- ``dense, reuse`` / ``dense, no reuse``: a state of ``--dense-mib`` whose
+  every byte changes at every step (dense training: the cost of hashing).
+
+Every save after the first is measured (scripts/benchlib/measure.py): CPU
+seconds of this process (the figure to compare on a shared machine), wall
+seconds, and the bytes handed to the kernel by write calls (``wchar`` of
+/proc/self/io: the bytes to the disk). The dense pair alternates its order
+every round. Prints medians (and the least CPU seconds: the figure least
+disturbed by other work on a shared machine) and the two targets of issue 39: reuse saves
+hand at most 1.5x the changing bytes + 8 MiB to the disk and take at most
+1.5x the time of saving the changing part alone; and the dense overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from scripts.benchlib import measure  # noqa: E402
+
+MIB = 1 << 20
+
+
+def wchar() -> int:
+  """Bytes this process has passed to write calls so far (every thread)."""
+  with open("/proc/self/io") as f:
+    for line in f:
+      if line.startswith("wchar:"):
+        return int(line.split()[1])
+  return 0
+
+
+def _leaf(mib: float, seed) -> np.ndarray:
+  rows = max(8, int(mib * MIB) // (4 * 1024) // 8 * 8)
+  return np.random.default_rng(seed).standard_normal((rows, 1024),
+                                                     dtype=np.float32)
+
+
+class Run:
+  """Saves into one root; ``save`` measures one save."""
+
+  def __init__(self, name: str, base: str, fmt: str, reuse: bool):
+    import ckpt  # pylint: disable=g-import-not-at-top
+    self.name = name
+    self.root = os.path.join(base, name.replace(" ", "_").replace(",", ""))
+    self.ckptr = ckpt.Checkpointer(self.root, format=fmt, keep=2,
+                                   async_save=False, reuse_unchanged=reuse)
+    self.step = 0
+    self.rows: list[dict] = []
+
+  def save(self, state: dict, record: bool = True) -> None:
+    w0 = wchar()
+    with measure.measure(interval_s=0) as m:
+      self.ckptr.save(self.step, state)
+    s = self.ckptr.last_save_stats
+    if record:
+      self.rows.append({"cpu_s": m.cpu_s, "wall_s": m.wall_s,
+                        "wchar": wchar() - w0, "written": s.bytes_written,
+                        "reused": s.bytes_reused})
+    self.step += 1
+
+  def median(self, key: str) -> float:
+    return statistics.median(r[key] for r in self.rows)
+
+  def close(self) -> None:
+    self.ckptr.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--frozen-mib", type=float, default=256)
+  ap.add_argument("--train-mib", type=float, default=5)
+  ap.add_argument("--dense-mib", type=float, default=256)
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--format", default="zarr")
+  ap.add_argument("--dir", default=None)
+  ap.add_argument("--json", default=None, help="write the figures here")
+  ap.add_argument("--dense-only", action="store_true",
+                  help="only the dense pair (the overhead, with more rounds)")
+  a = ap.parse_args(argv)
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  sh = NamedSharding(Mesh(np.array(jax.devices()), ("x",)), P("x"))
+
+  def put(x):
+    return jax.device_put(x, sh)
+
+  frozen = put(_leaf(a.frozen_mib, 0))
+  trains = [put(_leaf(a.train_mib, [1, i])) for i in range(a.rounds + 1)]
+  denses = [put(_leaf(a.dense_mib, [2, i])) for i in range(a.rounds + 1)]
+  base = tempfile.mkdtemp(dir=a.dir, prefix="reuse-cost-")
+  names = [("dense, reuse", True), ("dense, no reuse", False)]
+  if not a.dense_only:
+    names += [("frozen+train, reuse", True), ("frozen+train, no reuse", False),
+              ("train alone", False)]
+  runs = {n: Run(n, base, a.format, reuse) for n, reuse in names}
+  try:
+    for i in range(a.rounds + 1):
+      record = i > 0  # the first save of each writes everything
+      if not a.dense_only:
+        runs["frozen+train, reuse"].save(
+            {"frozen": frozen, "train": trains[i]}, record)
+        runs["frozen+train, no reuse"].save(
+            {"frozen": frozen, "train": trains[i]}, record)
+        runs["train alone"].save({"train": trains[i]}, record)
+      dense = ["dense, reuse", "dense, no reuse"]
+      for n in (dense if i % 2 == 0 else dense[::-1]):
+        runs[n].save({"dense": denses[i]}, record)
+    figures = {n: {**{k: r.median(k) for k in r.rows[0]},
+                   "cpu_min_s": min(x["cpu_s"] for x in r.rows)}
+               for n, r in runs.items()}
+  finally:
+    for r in runs.values():
+      r.close()
+    shutil.rmtree(base, ignore_errors=True)
+  train_bytes = trains[0].nbytes
+  print(f"format {a.format}; frozen {frozen.nbytes / MIB:.1f} MiB, train "
+        f"{train_bytes / MIB:.1f} MiB, dense {denses[0].nbytes / MIB:.1f} "
+        f"MiB; medians of {a.rounds} saves after the first")
+  print(f"{'run':24} {'CPU s':>7} {'wall s':>7} {'to disk MiB':>12} "
+        f"{'written MiB':>12} {'reused MiB':>11}")
+  for n, f in figures.items():
+    print(f"{n:24} {f['cpu_s']:7.3f} {f['wall_s']:7.3f} "
+          f"{f['wchar'] / MIB:12.2f} {f['written'] / MIB:12.2f} "
+          f"{f['reused'] / MIB:11.2f}")
+  on, off = figures["dense, reuse"], figures["dense, no reuse"]
+  for key in ("cpu_s", "cpu_min_s", "wall_s"):
+    print(f"dense overhead of reuse, {key}: "
+          f"{100 * (on[key] / max(off[key], 1e-9) - 1):+.1f}%")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"args": vars(a), "figures": figures}, f, indent=1)
+  if a.dense_only:
+    return 0
+  ft, alone = figures["frozen+train, reuse"], figures["train alone"]
+  limit = 1.5 * train_bytes + 8 * MIB
+  print(f"target: reuse hands {ft['wchar'] / MIB:.2f} MiB to the disk "
+        f"(limit {limit / MIB:.2f}): "
+        f"{'met' if ft['wchar'] <= limit else 'MISSED'}")
+  for key in ("cpu_s", "cpu_min_s", "wall_s"):
+    ratio = ft[key] / max(alone[key], 1e-9)
+    print(f"target: reuse save / train alone, {key}: {ratio:.2f}x (limit "
+          f"1.5x): {'met' if ratio <= 1.5 else 'MISSED'}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
