@@ -124,6 +124,12 @@ class Index:
   # (then the index has no such field: indexes written before it existed
   # and those without it read the same).
   custom_metadata: str | None = None
+  # How many processes' host_state files (HOST_STATE_DIR) the step holds:
+  # 0 when it was saved without host_state (host_state() is None on any
+  # process count); M when saved by M processes (or imported from an Orbax
+  # step of M processes' per-process items). None in indexes written before
+  # the field: then process_count (every process that saved wrote one).
+  host_states: int | None = None
   # The version it was read as (written: VERSION); from SEALED_FROM on its
   # per-process files are sealed (``sealed``).
   version: int = VERSION
@@ -190,6 +196,13 @@ MAX_PROCESSES = 1 << 20
 MAX_PROCESS_FILE_BYTES = 32 << 20
 
 
+def host_state_count(v: Any, where: str) -> int:
+  """An index's ``host_states``: an int in [0, MAX_PROCESSES]."""
+  if type(v) is not int or not 0 <= v <= MAX_PROCESSES:
+    raise _bad(where, f"an int in [0, {MAX_PROCESSES}]", v)
+  return v
+
+
 def process_file(kind: str, process: int, step_dir: str = "") -> str:
   """``<step_dir>/<kind>/<process>.msgpack``: the name is built from a
   process number checked here, never read from a checkpoint."""
@@ -237,6 +250,8 @@ def _encode(index: Index) -> bytes:
   }
   if index.custom_metadata is not None:  # an optional field (no version bump)
     doc["custom_metadata"] = index.custom_metadata
+  if index.host_states is not None:  # optional too
+    doc["host_states"] = host_state_count(index.host_states, "host_states")
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
@@ -468,6 +483,8 @@ def _decode(data: bytes, where: str) -> Index:
                structure=structure, leaves=leaves, metrics=dict(metrics),
                host_state=tuple(host_state) if host_state is not None else None,
                custom_metadata=_decode_custom_metadata(
-                   doc.get("custom_metadata"), where), version=version)
+                   doc.get("custom_metadata"), where), version=version,
+               host_states=None if doc.get("host_states") is None else
+               host_state_count(doc["host_states"], f"{where}: host_states"))
 
 
