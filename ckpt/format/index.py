@@ -37,6 +37,11 @@ from ckpt.format.entries import (  # noqa: F401
 from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
+# 5: "host_states", how many processes' host_state files the step holds (0:
+# saved without host_state, so host_state() is None on any process count;
+# an imported Orbax step's per-process items: as many as its processes).
+# Version 4's indexes have no such field: one file per saving process.
+# 4: sealed (below).
 # 3: in the tree structure a leaf is its number among the leaves (an int),
 # no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
 # and a node is one list, [kind, (key, child)...], no longer a map of
@@ -45,8 +50,8 @@ FORMAT_NAME = "ckpt"
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
 # 1: one map per leaf, arrays and values only. All three are read; in
 # memory (Index.structure) a leaf is its number whatever the version.
-VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 # Indexes from this version on, and their steps' per-process files, end with
 # a crc32c trailer (ckpt/format/seal.py).
 SEALED_FROM = 4
