@@ -77,7 +77,8 @@ class SaveCalls:
     key = multihost.call_key(self._key_base, "save", step)
     coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
-    plan, host_bytes, values, error, plan_s = None, b"", [], None, 0.0
+    plan, host_files, values, error, plan_s = None, {}, [], None, 0.0
+    claim = None  # this process's host_state claim (extras.host_state_files)
     report = None
     planned = 0
     custom = None
@@ -90,7 +91,8 @@ class SaveCalls:
       metrics = save_extras.check_metrics(metrics)
       custom = save_extras.check_custom_metadata(custom_metadata)
       state = tree.transformed(state, transforms)
-      host_bytes = save_extras.pack_host_state(host_state)
+      host_files, claim = save_extras.host_state_files(
+          host_state, multihost.process_index(), multihost.process_count())
       t_plan = time.perf_counter()
       plan, planned = self._plan_cache.plan(state, self._options,
                                             self.partitioner)
@@ -105,7 +107,7 @@ class SaveCalls:
     started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self.barrier_timeout_s)
+        timeout_s=self.barrier_timeout_s, host_claim=claim)
     self._has_checkpoint = True  # agreed: committed already, or about to be
     self._last_saved = step
     if decision.action == "skip":
@@ -116,14 +118,15 @@ class SaveCalls:
     attempt = finalize.Attempt(
         step=step, key=key, token=decision.token,
         work_dir=steps_lib.work_dir(self.storage, step, decision.token),
-        timeout_s=self.barrier_timeout_s, lease_s=self.lease_s)
+        timeout_s=self.barrier_timeout_s, lease_s=self.lease_s,
+        host_states=decision.value)
     stats = save_lib.SaveStats(step=step, plan_s=plan_s,
                                planned_leaves=planned)
     self.last_save_stats = stats
     staged = threading.Event()
     fut = asyncio.run_coroutine_threadsafe(progress_lib.reported(
         deadline_lib.bounded(
-            self._save_async(attempt, plan, metrics, host_bytes, stats,
+            self._save_async(attempt, plan, metrics, host_files, stats,
                              staged, t0, coord0, custom),
             started[0] if started else self._save_deadline(step)),
         report, lambda: stats.bytes_written), self._loop)
@@ -233,7 +236,8 @@ class SaveCalls:
     return deadline_lib.Deadline.start(self.query_timeout_s, "query_timeout_s")
 
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
-                        host_bytes: bytes, stats: save_lib.SaveStats,
+                        host_files: dict[int, bytes],
+                        stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
                         coord0: coordination.CoordinationStats,
                         custom: str | None = None) -> None:
@@ -252,7 +256,7 @@ class SaveCalls:
         reuse = self._reuser.begin(plan, attempt.step, attempt.token,
                                    attempt.work_dir)
         await finalize.run_save(attempt, plan, self.storage, self._context,
-                                self.concurrent_bytes, metrics, host_bytes,
+                                self.concurrent_bytes, metrics, host_files,
                                 stats, staged.set, clock=self._clock,
                                 custom_metadata=custom, reuse=reuse)
       except BaseException:

@@ -341,17 +341,19 @@ class Queries:
     """This process's host_state saved with ``step`` (default: latest).
 
     The calling process picks the step and reads its index (how many
-    processes saved it; whether the index holds every process's host_state
-    itself, as older indexes do), then its own file,
-    ``<step>/.host_state/<process>.msgpack``.
+    processes' host_state it holds; whether the index holds every process's
+    host_state itself, as older indexes do), then its own file,
+    ``<step>/.host_state/<process>.msgpack``. A step saved without
+    host_state (None on every process; an import of an Orbax step without
+    per-process items) holds none: None, on any number of processes.
 
     Args:
       step: a committed step, or None for the latest.
 
     Raises:
       CheckpointNotFoundError: no such committed step.
-      CheckpointError: the step was saved by another number of processes
-        (naming both counts).
+      CheckpointError: the step holds host_state for another number of
+        processes (naming both counts).
 
     Any process (each reads its own part; with ``step=None`` each asks
     for the newest step itself: pass ``last_restore_step`` to read the
@@ -366,10 +368,13 @@ class Queries:
       s = restore_lib.resolve_step(self.storage, step)
       d = steps_lib.step_dir(self.storage, s)
       index = restore_lib.read_index(self.storage, d)
-      return [s, d, index.process_count, index.host_state is not None,
-              index.sealed]
+      saved_by = (index.process_count if index.host_states is None else
+                  index.host_states)  # (None: an index from before it)
+      return [s, d, saved_by, index.host_state is not None, index.sealed]
 
     step, step_dir, saved_by, inline, sealed = self._local(answer)
+    if saved_by == 0:  # a step without per-process state
+      return None
     n, pid = multihost.process_count(), multihost.process_index()
 
     def mismatch(count: int) -> CheckpointError:

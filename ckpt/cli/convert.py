@@ -18,7 +18,8 @@ the whole checkpoint. Keys are leaf paths (``params/layers/0/kernel``).
 Import reads an Orbax checkpoint (ckpt/cli/orbax_import.py: every item, leaf by
 leaf, with TensorStore; Orbax itself is not needed) or safetensors files,
 whose keys ``a/b/c`` become nested dicts, and writes an ordinary ckpt
-checkpoint.
+checkpoint; an Orbax step's per-process items (ckpt/cli/orbax_perhost.py)
+become the host_state of each of its processes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import jax
 import ml_dtypes  # noqa: F401  (registers bfloat16, float8, int4)
 import numpy as np
 
+from ckpt.format import extras as save_extras
 from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.multihost import process as multihost
@@ -283,10 +285,13 @@ class ImportReport:
   leaves: int = 0
   bytes: int = 0
   # Orbax: each item imported ("" for a PyTree item directory) and its kind
-  # ("pytree", "array", "json", "metrics"); what ``skip`` left out.
+  # ("pytree", "array", "json", "metrics", "host_state"); what ``skip``
+  # left out; how many source processes' host_state the step holds (0:
+  # none, then host_state(step) is None on any number of processes).
   items: dict[str, str] = dataclasses.field(default_factory=dict)
   skipped: list[str] = dataclasses.field(default_factory=list)
   metrics: dict[str, Any] | None = None
+  host_state_processes: int = 0
   # This process's save: the most data bytes it held at once (within
   # concurrent_bytes) and the bytes it wrote (its share in a job of several).
   peak_bytes_in_flight: int = 0
@@ -324,10 +329,11 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
   # its share of every leaf), what one process fails to read reaches the
   # others here, before the save's own rounds.
   key = multihost.call_key("import", os.fspath(directory), step)
-  state, metrics, error = None, None, None
+  state, metrics, error, host_states = None, None, None, None
   try:
-    state, metrics = _read_source(src, kind, sep, source_storage_options,
-                                  skip, progress, report, allow_sparse)
+    state, metrics, host_states = _read_source(
+        src, kind, sep, source_storage_options, skip, progress, report,
+        allow_sparse)
   except Exception as e:  # pylint: disable=broad-except
     error = e
   multihost.all_ok(
@@ -342,7 +348,10 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
     if step in ckptr.all_steps():
       raise ConvertError(f"step {step} already exists in "
                          f"{os.fspath(directory)}; pick another --step")
-    ckptr.save(step, state, metrics=metrics)
+    # Per-process items: one host_state file per source process, read back
+    # by a job of as many processes (host_state(step)); else none.
+    ckptr.save(step, state, metrics=metrics, host_state=(
+        save_extras.EveryProcess(host_states) if host_states else None))
     stats = ckptr.last_save_stats
     report.peak_bytes_in_flight = stats.peak_bytes_in_flight
     report.bytes_written = stats.bytes_written
@@ -351,8 +360,9 @@ def import_checkpoint(src, directory, step: int, *, kind: str = "auto",
 
 def _read_source(src: str, kind: str, sep: str, storage_options, skip,
                  progress, report: ImportReport,
-                 allow_sparse: bool = False) -> tuple[Any, Any]:
-  """(state to save, metrics) of the source; fills in ``report``."""
+                 allow_sparse: bool = False) -> tuple[Any, Any, Any]:
+  """(state to save, metrics, every source process's host_state or None)
+  of the source; fills in ``report``."""
   kind = report.kind = detect(src) if kind == "auto" else kind
   if kind == "orbax":
     found = orbax_import.read_step(src, storage_options=storage_options,
@@ -360,7 +370,8 @@ def _read_source(src: str, kind: str, sep: str, storage_options, skip,
     report.leaves, report.bytes = found.leaves, found.bytes
     report.items, report.skipped = found.items, found.skipped
     report.metrics = found.metrics
-    return found.tree, found.metrics
+    report.host_state_processes = len(found.host_states or ())
+    return found.tree, found.metrics, found.host_states
   if kind != "safetensors":
     raise ConvertError(f"unknown source kind {kind!r}: expected orbax or "
                        "safetensors")
@@ -374,4 +385,4 @@ def _read_source(src: str, kind: str, sep: str, storage_options, skip,
   flat = tree.flatten(state)
   report.leaves = len(flat)
   report.bytes = sum(getattr(x, "nbytes", 0) for _, x in flat)
-  return state, None
+  return state, None, None

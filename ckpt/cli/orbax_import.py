@@ -22,6 +22,9 @@ What is imported:
   JSON items (``JsonSave``) become inline values (nested dicts, lists,
   numbers, strings, None); the ``metrics`` item (``CheckpointManager``'s
   ``metrics=``) becomes the step's metrics.
+- per-process items (Grain's ``process_<i>-of-<n>.json`` files, JSON items
+  named ``<name>_process_<i>-of-<n>``): each source process's
+  ``host_state`` (ckpt/cli/orbax_perhost.py).
 - Arrays are ``LeafSource`` leaves (ckpt/save/leafsource.py): read box by box
   while the save writes them, with their saved sharding; scalars become
   python numbers and strings python strings, as Orbax restores them;
@@ -29,7 +32,7 @@ What is imported:
   None stay what they were; an Orbax ``PLACEHOLDER`` (saved without data)
   becomes None.
 
-Anything else (an item of another handler, such as a data loader's; a leaf
+Anything else (an item of another handler in another layout; a leaf
 of a custom TypeHandler or in Orbax's old aggregate file; the step's
 ``custom_metadata``; a metric that is not a number) is refused, naming it,
 unless it is named in ``skip``; nothing is dropped silently.
@@ -50,11 +53,12 @@ from typing import Any
 
 from ckpt.save import leafsource
 from ckpt.cli import orbax_bounds
+from ckpt.cli import orbax_perhost
 from ckpt.cli import orbax_tree
 from ckpt.errors import CheckpointError
 from ckpt.format import extras as save_extras
 from ckpt.store import storage as storage_lib
-from ckpt.cli.orbax_tree import OrbaxImportError, brief, list_files, read_json
+from ckpt.cli.orbax_tree import OrbaxImportError, brief, read_json
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
 TREE_METADATA = orbax_tree.TREE_METADATA
@@ -62,8 +66,6 @@ LEGACY_AGGREGATE = orbax_tree.LEGACY_AGGREGATE
 DEFAULT_ITEM = "default"
 METRICS_ITEM = "metrics"
 CUSTOM_METADATA = "custom_metadata"
-# Files in an item directory that are not the item's data.
-_NOT_DATA = ("commit_success.txt",)
 _PYTREE_HANDLERS = ("PyTreeCheckpointHandler", "StandardCheckpointHandler")
 _ARRAY_HANDLERS = ("ArrayCheckpointHandler",)
 _JSON_HANDLERS = ("JsonCheckpointHandler",)
@@ -77,6 +79,8 @@ class OrbaxStep:
   items: dict[str, str]                     # item ("" bare) -> its kind
   metrics: dict[str, Any] | None = None     # for save(metrics=)
   skipped: list[str] = dataclasses.field(default_factory=list)
+  # Each source process's host_state (orbax_perhost); None: no such items.
+  host_states: list | None = None
   leaves: int = 0
   bytes: int = 0
   cache: leafsource.RegionCache = dataclasses.field(
@@ -200,16 +204,31 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
     raise OrbaxImportError(f"{out.url} is an Orbax step directory with no "
                            "item in it")
   tree: dict[str, Any] = {}
+  groups: dict[str, dict[int, str]] = {}  # per-process: {process: file}
+  named: dict[str, dict[int, str]] = {}   # ... JSON items: {process: item}
   for name in sorted(handlers):
     handler = handlers[name] or ""
     short = handler.rsplit(".", 1)[-1] or "unknown handler"
-    if name in skip:
-      out.skipped.append(name)
+    per = (orbax_perhost.item_process(name) if short in _JSON_HANDLERS
+           else None)
+    if name in skip or (per and per[0] in skip):
+      if (hit := name if name in skip else per[0]) not in out.skipped:
+        out.skipped.append(hit)
       continue
     if not _item_exists(storage, name):
       raise OrbaxImportError(
           f"{out.url}: item {name!r} ({short}) is named in {STEP_METADATA} "
           f"but its directory {name}/ is missing or empty")
+    if per is not None:
+      named.setdefault(per[0], {})[per[1]] = name
+      out.items[name] = "host_state"
+      continue
+    if (short not in _PYTREE_HANDLERS + _ARRAY_HANDLERS and
+        not (not handler and storage.exists(f"{name}/{TREE_METADATA}")) and
+        (files := orbax_perhost.grain_files(storage, name)) is not None):
+      groups[name] = files
+      out.items[name] = "host_state"
+      continue
     if short in _JSON_HANDLERS:
       value = _json_item(storage, name)
       orbax_bounds.json_depth(value, f"{out.url}/{name} (JSON item)")
@@ -232,11 +251,19 @@ def _read_items(storage, reader: orbax_tree.ItemReader, out: OrbaxStep,
       raise OrbaxImportError(
           f"{out.url}: item {name!r} was saved by "
           f"{handler or 'an unknown handler'}, which ckpt cannot import (it "
-          "imports PyTree items: StandardSave, PyTreeSave, ArraySave; and "
-          "JSON items: JsonSave). A data loader's "
-          "position belongs in save(..., host_state=...). Pass --skip "
+          "imports PyTree items: StandardSave, PyTreeSave, ArraySave; JSON "
+          "items: JsonSave; and per-process items, such as Grain's "
+          "process_<i>-of-<n>.json files, as host_state). Pass --skip "
           f"{name} (skip=[{name!r}]) to import the rest without it")
     tree[name] = value
+  for group, names in sorted(named.items()):
+    if group in groups or group in tree:
+      raise OrbaxImportError(
+          f"{out.url}: per-process JSON items {sorted(names.values())[:3]} "
+          f"and item {group!r} share the name {group!r}")
+    groups[group] = orbax_perhost.json_group(storage, names)
+  if groups:
+    out.host_states = orbax_perhost.host_states(storage, groups)
   if list(tree) == [DEFAULT_ITEM]:
     # a single-item manager (its metrics item aside): the item is the state
     return tree[DEFAULT_ITEM]
@@ -277,7 +304,7 @@ def _item_exists(storage, name: str) -> bool:
 
 
 def _json_item(storage, name: str) -> Any:
-  files = [f for f in list_files(storage, f"{name}/") if f not in _NOT_DATA]
+  files = orbax_perhost.data_files(storage, name)
   if len(files) != 1:
     raise OrbaxImportError(
         f"{storage.url.rstrip('/')}/{name}: a JSON item should hold one "

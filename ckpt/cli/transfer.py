@@ -107,6 +107,9 @@ def cmd_import(args) -> int:
     lines.append("items: " + ", ".join(
         f"{name} ({what}{' -> step metrics' if what == 'metrics' else ''})"
         for name, what in items.items()))
+  if report.host_state_processes:
+    lines.append(f"host_state of {report.host_state_processes} processes "
+                 "(per-process items): host_state(step) in a job of as many")
   if report.skipped:
     lines.append(f"not imported (--skip): {', '.join(report.skipped)}")
   emit(args, report.to_json(), "\n".join(lines))

@@ -5,6 +5,7 @@ before anything is written."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -83,6 +84,57 @@ def pack_host_state(value: Any) -> bytes:
         "(ckpt.format.index.MAX_PROCESS_FILE_BYTES). Save large per-host data as "
         "arrays of the state instead")
   return data
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryProcess:
+  """The host_state of every process of another job, given at once:
+  ``save(step, state, host_state=EveryProcess(values))`` writes one
+  host_state file per value, so that a job of ``len(values)`` processes
+  reads back ``values[i]`` on process i (``host_state(step)``), whatever
+  the number of processes that saved. ``ckpt import`` gives it for an
+  Orbax step's per-process items. In a job of n processes every process
+  passes the same values; process p writes those with ``i % n == p``."""
+  values: tuple
+
+  def __post_init__(self):
+    object.__setattr__(self, "values", tuple(self.values))
+    if not 0 < len(self.values) <= index_lib.MAX_PROCESSES:
+      raise InvalidStateError(
+          f"EveryProcess holds {len(self.values)} values; expected 1 to "
+          f"{index_lib.MAX_PROCESSES}")
+
+
+def host_state_files(host_state: Any, pid: int, n: int
+                     ) -> tuple[dict[int, bytes], list]:
+  """(this process's host_state files: {process number: msgpack}, its
+  claim for the save round). The claim is ``["own", gave]`` for a value of
+  this process (``gave``: not None) or ``["every", count]`` for an
+  EveryProcess (see ``host_state_count``)."""
+  if isinstance(host_state, EveryProcess):
+    count = len(host_state.values)
+    return ({i: pack_host_state(host_state.values[i])
+             for i in range(pid, count, n)}, ["every", count])
+  return {pid: pack_host_state(host_state)}, ["own", host_state is not None]
+
+
+def host_state_count(claims: dict[int, Any], n: int) -> int:
+  """The number of host_state files a step holds (the index's
+  ``host_states``), from every process's claim: n when a process gave its
+  own host_state, 0 when none did (a step without per-process state), the
+  count of an EveryProcess (the same on every process). Raises
+  InvalidStateError for claims that disagree."""
+  kinds = {tuple(c) if isinstance(c, list) else c for c in claims.values()}
+  if all(isinstance(k, tuple) and len(k) == 2 and k[0] == "own"
+         for k in kinds):
+    return n if any(k[1] for k in kinds) else 0
+  if (len(kinds) == 1 and (k := next(iter(kinds)))[0] == "every" and
+      type(k[1]) is int and k[1] > 0):
+    return k[1]
+  raise InvalidStateError(
+      "host_state: the processes disagree on it (some gave EveryProcess, "
+      "of another count or beside their own values): "
+      + "; ".join(f"process {p}: {c}" for p, c in sorted(claims.items())[:8]))
 
 
 def unpack_host_state(data: Any, where: str = "host_state") -> Any:

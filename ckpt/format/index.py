@@ -37,6 +37,11 @@ from ckpt.format.entries import (  # noqa: F401
 from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
+# 5: "host_states", how many processes' host_state files the step holds (0:
+# saved without host_state, so host_state() is None on any process count;
+# an imported Orbax step's per-process items: as many as its processes).
+# Version 4's indexes have no such field: one file per saving process.
+# 4: sealed (below).
 # 3: in the tree structure a leaf is its number among the leaves (an int),
 # no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
 # and a node is one list, [kind, (key, child)...], no longer a map of
@@ -45,8 +50,8 @@ FORMAT_NAME = "ckpt"
 # (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
 # 1: one map per leaf, arrays and values only. All three are read; in
 # memory (Index.structure) a leaf is its number whatever the version.
-VERSION = 4
-READ_VERSIONS = (1, 2, 3, 4)
+VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)
 # Indexes from this version on, and their steps' per-process files, end with
 # a crc32c trailer (ckpt/format/seal.py).
 SEALED_FROM = 4
@@ -124,6 +129,12 @@ class Index:
   # (then the index has no such field: indexes written before it existed
   # and those without it read the same).
   custom_metadata: str | None = None
+  # How many processes' host_state files (HOST_STATE_DIR) the step holds:
+  # 0 when it was saved without host_state (host_state() is None on any
+  # process count); M when saved by M processes (or imported from an Orbax
+  # step of M processes' per-process items). None in indexes written before
+  # the field: then process_count (every process that saved wrote one).
+  host_states: int | None = None
   # The version it was read as (written: VERSION); from SEALED_FROM on its
   # per-process files are sealed (``sealed``).
   version: int = VERSION
@@ -194,6 +205,13 @@ MAX_PROCESSES = 1 << 20
 MAX_PROCESS_FILE_BYTES = 32 << 20
 
 
+def host_state_count(v: Any, where: str) -> int:
+  """An index's ``host_states``: an int in [0, MAX_PROCESSES]."""
+  if type(v) is not int or not 0 <= v <= MAX_PROCESSES:
+    raise _bad(where, f"an int in [0, {MAX_PROCESSES}]", v)
+  return v
+
+
 def process_file(kind: str, process: int, step_dir: str = "") -> str:
   """``<step_dir>/<kind>/<process>.msgpack``: the name is built from a
   process number checked here, never read from a checkpoint."""
@@ -241,6 +259,8 @@ def _encode(index: Index) -> bytes:
   }
   if index.custom_metadata is not None:  # an optional field (no version bump)
     doc["custom_metadata"] = index.custom_metadata
+  if index.host_states is not None:  # optional too
+    doc["host_states"] = host_state_count(index.host_states, "host_states")
   # What decode() would refuse is not written: a checkpoint nobody can read.
   # Each limit decode enforces on the document's shape is checked here, on
   # process 0 before the commit, so the save fails instead.
@@ -472,6 +492,8 @@ def _decode(data: bytes, where: str) -> Index:
                structure=structure, leaves=leaves, metrics=dict(metrics),
                host_state=tuple(host_state) if host_state is not None else None,
                custom_metadata=_decode_custom_metadata(
-                   doc.get("custom_metadata"), where), version=version)
+                   doc.get("custom_metadata"), where), version=version,
+               host_states=None if doc.get("host_states") is None else
+               host_state_count(doc["host_states"], f"{where}: host_states"))
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import msgpack
 
 from ckpt import errors
+from ckpt.format import extras as save_extras
 from ckpt.format import index as index_lib
 from ckpt.multihost import process as multihost
 from ckpt.format import tree
@@ -141,17 +142,21 @@ class SaveRefused(errors.CheckpointError):
 
 def save_round(key: str, step: int, local_error: BaseException | None,
                values: list[tuple[str, int]], prepare: Callable[[], str | None],
-               *, timeout_s: float) -> Decision:
+               *, timeout_s: float, host_claim: list | None = None
+               ) -> Decision:
   """Every process: save (token), skip, or raise together.
 
   ``prepare`` runs on process 0 only, once every process is ready: it
   returns the attempt token of a prepared work directory, or None when the
-  step is already committed.
+  step is already committed. ``host_claim``: this process's host_state
+  claim (extras.host_state_files); a "save" decision's ``value`` is the
+  number of host_state files the step holds (extras.host_state_count).
   """
   err = None
   if local_error is not None:
     err = [type(local_error).__name__, f"{type(local_error).__name__}: {local_error}"]
-  post = json.dumps({"error": err, "host": digests(values)})
+  post = json.dumps({"error": err, "host": digests(values),
+                     "hs": host_claim or ["own", False]})
 
   def decide(posts: dict[int, str]) -> str:
     try:
@@ -171,9 +176,15 @@ def save_round(key: str, step: int, local_error: BaseException | None,
       if mismatch:
         return Decision("error", error_type="InvalidStateError", message=(
             f"saving step {step}: {mismatch}")).encode()
+      try:
+        count = save_extras.host_state_count(
+            {p: g.get("hs") for p, g in got.items()}, len(got))
+      except errors.InvalidStateError as e:
+        return Decision("error", error_type="InvalidStateError", message=(
+            f"saving step {step}: {e}")).encode()
       token = prepare()
       return (Decision("skip") if token is None else
-              Decision("save", token=token)).encode()
+              Decision("save", token=token, value=count)).encode()
     except SaveRefused as e:
       return Decision("error", error_type="CheckpointError",
                       message=str(e)).encode()

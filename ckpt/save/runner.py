@@ -62,6 +62,7 @@ class Attempt:
   work_dir: str     # relative to the root
   timeout_s: float
   lease_s: float = commit_lib.DEFAULT_LEASE_S
+  host_states: int | None = None  # agreed: the index's host_states
   # The barrier this process waits at now (one item, or none): a save
   # cancelled there leaves the waiting thread behind, which
   # Checkpointer.cancel releases by having the other processes arrive.
@@ -103,8 +104,8 @@ async def _barrier(attempt: Attempt, name: str, what: str,
 
 async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
                    storage: storage_lib.Storage, context, budget: int,
-                   metrics: dict, host_bytes: bytes, stats: save_lib.SaveStats,
-                   on_staged: Callable[[], None],
+                   metrics: dict, host_files: dict[int, bytes],
+                   stats: save_lib.SaveStats, on_staged: Callable[[], None],
                    clock: Callable[[], float] = time.time,
                    custom_metadata: str | None = None,
                    reuse: Any = None) -> None:
@@ -126,8 +127,9 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     error = None
     sums: list = []
     mine = b""
-    host_file = asyncio.ensure_future(_write_process_file(
-        storage, attempt, index_lib.HOST_STATE_DIR, pid, host_bytes))
+    host_file = asyncio.gather(*(_write_process_file(  # its own, or its
+        storage, attempt, index_lib.HOST_STATE_DIR, p, data)  # EveryProcess
+        for p, data in host_files.items()), return_exceptions=True)  # share
     try:
       if reuse is not None:  # is the step linked from still ours?
         await asyncio.to_thread(reuse.check_source)
@@ -148,7 +150,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     # Awaited even after a failure: past the barrier this process writes
     # nothing into the attempt.
     try:
-      await host_file
+      if failed := [r for r in await host_file if isinstance(r, Exception)]:
+        raise failed[0]
       if error is None and plan.options.codec.resolved_checksum(
           plan.options.storage_format) == "none":  # zarr v2: its checksums
         await _write_process_file(
@@ -185,7 +188,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         # committed.
         index = save_lib.make_index(plan, step, metrics, n)
         index = dataclasses.replace(index, time=retention_lib.now_s(clock),
-                                    custom_metadata=custom_metadata)
+                                    custom_metadata=custom_metadata,
+                                    host_states=attempt.host_states)
         data = index_lib.encode(index)
         # Not cut by a cancel (Checkpointer.cancel): the task ends once
         # the commit has, so what cancel finds is committed or not.

@@ -143,8 +143,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 5, ["version 1 or 2 or 3 or 4", "5"]),
-    ("version", "1", ["version 1 or 2 or 3 or 4", "'1'"]),
+    ("version", 6, ["version 1 or 2 or 3 or 4 or 5", "6"]),
+    ("version", "1", ["version 1 or 2 or 3 or 4 or 5", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -157,6 +157,10 @@ def test_rejects_non_map_document():
     ("leaves", {"a": 1}, ["leaves columns among", "'a'"]),
     ("host_state", [b"ok", "not bytes"], ["host_state", "'not bytes'"]),
     ("host_state", b"\x90", ["host_state"]),
+    ("host_states", -1, ["host_states", "-1"]),
+    ("host_states", "2", ["host_states", "'2'"]),
+    ("host_states", True, ["host_states", "True"]),
+    ("host_states", (1 << 20) + 1, ["host_states", "1048577"]),
 ])
 def test_rejects_bad_header_fields(rng, field, value, fragments):
   doc = doc_of(make_index(rng))
@@ -327,7 +331,7 @@ def test_structure_leaves_are_leaf_numbers(rng):
   leaves (an int), its path only once (in the leaves)."""
   idx = make_index(rng)
   doc = sealed.unpackb(index.encode(idx), raw=False)
-  assert doc["version"] == index.VERSION == 4
+  assert doc["version"] == index.VERSION == 5
   assert doc["structure"] == [
       "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
       "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
@@ -719,3 +723,13 @@ def test_encode_refuses_a_structure_that_does_not_number_its_leaves(rng):
   _refused(dataclasses.replace(
       idx, structure=tree.named(idx.structure, names)),
            "a structure node (a list")
+
+
+@pytest.mark.parametrize("count", [None, 0, 1, 3])
+def test_host_states_round_trip(rng, count):
+  """Version 5: how many processes' host_state files the step holds (0: a
+  step saved without host_state); absent in older indexes (None)."""
+  idx = dataclasses.replace(make_index(rng), host_states=count)
+  doc = sealed.unpackb(index.encode(idx), raw=False)
+  assert ("host_states" in doc) == (count is not None)
+  assert index.decode(index.encode(idx)).host_states == count
