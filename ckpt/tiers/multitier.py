@@ -116,7 +116,14 @@ class MultiTierCheckpointer:
 
   def last_saved_step(self, *, agreed: bool = True) -> int | None:
     """The persistent tier's ``last_saved_step`` (``should_save_fn``'s
-    second argument; see ``Checkpointer.last_saved_step``)."""
+    second argument).
+
+    Args:
+      agreed: as ``Checkpointer.last_saved_step``.
+
+    Raises ``StoreTimeoutError`` as ``Checkpointer.last_saved_step``;
+    collective when ``agreed`` (its first time), else any process.
+    """
     return self.persistent.last_saved_step(agreed=agreed)
 
   def should_save(self, step: int) -> bool:
@@ -428,7 +435,14 @@ class MultiTierCheckpointer:
     loop and ``result()`` finishes them; from the local tier, whose reads
     end in an exchange with partner hosts (a collective on this thread),
     the restore is done before it returns (``result()`` returns it).
-    Collective, with the same arguments and errors as ``restore``.
+
+    Args:
+      step: as ``restore``.
+      target: as ``restore``.
+      **restore_kwargs: as ``restore``.
+
+    Raises what ``restore`` raises (from the call, or from ``result()``).
+    Collective, as ``restore``.
     """
     self.persistent._settle()  # pylint: disable=protected-access
     return tier_restore.restore(self.persistent, self.local, self._choose,

@@ -102,9 +102,11 @@ def test_store_dies_after_save_returned(proxied, flavour):
 
 def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   """The store refuses; each request gives up after its retries (about
-  6 s here), before the save's bound (10 s): the write fails first, then
-  the removal of the failed attempt is cut at the deadline. The error is
-  the deadline's (operation, URL, bound, option) and names that failure."""
+  6 s here), before the save's bound (10 s): the write fails first. A
+  refusing store answers (its answers are not a stall), so the save fails
+  with the request's own error, naming the refusal, within the bound and
+  its slack; the removal of the failed attempt, refused too, is logged and
+  left to the next save's cleanup."""
   px, url = proxied
   slow = {"s3_request_retries": {"max_retries": 3, "initial_delay": "2s",
                                  "max_delay": "2s"}}
@@ -116,10 +118,10 @@ def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   waiting = in_thread(ckptr.wait_until_finished)
   error, seconds = waiting(SAVE_BOUND_S + SLACK_S + 5, "wait_until_finished()")
   print(f"wait_until_finished() raised after {seconds:.1f} s: {error}")
-  check_timeout(error, seconds, SAVE_BOUND_S, f"writing step 2 to {url!r}",
-                "save_timeout_s")
-  assert "; it had failed with " in str(error), error
+  assert isinstance(error, ckpt.CheckpointError), repr(error)
+  assert "step 2" in str(error), error
   assert "All 3 retry attempts failed" in str(error), error
+  assert seconds < SAVE_BOUND_S + SLACK_S, (seconds, error)
   ckptr.close()
 
 
@@ -159,11 +161,16 @@ def test_next_save_after_the_store_came_back(proxied):
     if now != last:
       settled, last = time.monotonic(), now
     time.sleep(0.1)
+  # Lease ages are the cleaner's own clock (docs/object-stores.md): the
+  # first save sees the failed attempt's lease, and the next one, lease_s
+  # later with the lease unchanged, removes it.
   fresh = ckpt.Checkpointer(url, lease_s=2.0)
-  time.sleep(2.5)  # the failed save renews its lease no more
   fresh.save(3, SMALL)
   fresh.wait_until_finished()
-  if fresh.all_steps() != [1, 3]:
+  time.sleep(2.5)  # the failed save renews its lease no more
+  fresh.save(4, SMALL)
+  fresh.wait_until_finished()
+  if fresh.all_steps() != [1, 3, 4]:
     pytest.fail(f"steps after the store came back: {fresh.all_steps()}")
   left = [k for k in storeutil.keys(url)
           if k.startswith(("checkpoint_2/", "pending/2."))]
