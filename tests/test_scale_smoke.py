@@ -1,6 +1,6 @@
 """The scale harness runs end to end on its smoke preset (not a timed test).
 
-``scripts/scale.py --config configs/scale_smoke.json`` with ``--part jobs``
+``python -m scripts.scale --config configs/scale_smoke.json`` with ``--part jobs``
 (2 real ``jax.distributed`` processes, a few leaves) and ``--part merge``
 (a few small OCDBT databases merged), as subprocesses: each prints its
 markdown table with the expected columns, and the JSON rows have positive
@@ -22,7 +22,7 @@ def _scale(part: str, out: pathlib.Path) -> tuple[str, dict]:
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "scale.py"), "--config",
+      [sys.executable, "-m", "scripts.scale", "--config",
        str(ROOT / "configs" / "scale_smoke.json"), "--part", part,
        "--out", str(out)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
@@ -75,7 +75,7 @@ def test_scale_skips_a_missing_part(tmp_path):
   config = tmp_path / "empty.json"
   config.write_text(json.dumps({"jobs": {}}))
   proc = subprocess.run(
-      [sys.executable, str(ROOT / "scripts" / "scale.py"), "--config",
+      [sys.executable, "-m", "scripts.scale", "--config",
        str(config), "--part", "merge"],
       cwd=ROOT, capture_output=True, text=True, timeout=60)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -231,7 +231,7 @@ class SaveReuse:
         out.append(Outcome(b, digest(view), crc, False))
     return out
 
-  async def write(self, store: Any, leaf: int, box: plan_lib.Box,
+  async def write_box(self, store: Any, leaf: int, box: plan_lib.Box,
                   chunks: tuple[int, ...], data: np.ndarray,
                   take_sums: bool) -> tuple[list[tuple[plan_lib.Box, int]], int]:
     """Writes the changed chunks of one box into ``store`` (the leaf's

@@ -178,7 +178,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         arrays.update(await opening)
       store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
       if reuse is not None:  # "zarr"/"zarr3" only, so never in a txn
-        crcs, linked = await reuse.write(store, w.leaf, w.box,
+        crcs, linked = await reuse.write_box(store, w.leaf, w.box,
                                          plan.leaves[w.leaf].layout.chunks,
                                          data, take_sums)
         sums.extend([w.leaf, list(b.start), list(b.stop), crc]

@@ -52,9 +52,11 @@ Every wait for the store checks it:
   ``timeout=``, which does not cancel anything either.
 
 Either wait wakes every quarter of the bound (at least ``POLL_S``) to look
-at the counters (``slice``): a progress seen at a poll counts from that
-poll, so a stall is seen at most a quarter of the bound late, and a wait
-of a healthy operation wakes four times per bound, not at every poll.
+at the counters (``slice``): a progress seen at a poll counts from the
+previous poll (the earliest it can have happened), so an operation whose
+store died fails within the bound of its last answer, and one that makes
+progress at least every three quarters of the bound never fails; a wait of
+a healthy operation wakes four times per bound, not at every poll.
 
 A wait that gives up raises ``StoreTimeoutError`` (a CheckpointError)
 naming the operation, the URL, what it waited for, how long nothing
@@ -135,9 +137,13 @@ class Deadline:
     if poll:
       seen = _completed()
       with self._lock:
-        self._polled = now
         if seen != self._seen:
-          self._seen, self._last = seen, now
+          # It happened after the previous look, maybe just after it: the
+          # earliest time counts, so a store that died is given up within
+          # the bound of its last answer, never a poll's slice later.
+          self._seen = seen
+          self._last = max(self._last, self._polled)
+        self._polled = now
     with self._lock:
       return self._last + self.bound_s - now
 
