@@ -58,7 +58,8 @@ def failing_save(monkeypatch):
   gate = threading.Event()
   orig = save_lib.write_owned
 
-  async def write_owned(plan, kv, context, limiter, stats, on_staged):
+  async def write_owned(plan, kv, context, limiter, stats, on_staged,
+                        reuse=None):
     on_staged()
     import asyncio  # pylint: disable=g-import-not-at-top
     assert await asyncio.to_thread(gate.wait, 60)
@@ -114,8 +115,8 @@ def test_cancel_then_save(tmp_path, monkeypatch):
   gate = threading.Event()
   orig = save_lib.write_owned
 
-  async def slow(plan, kv, context, limiter, stats, on_staged):
-    out = await orig(plan, kv, context, limiter, stats, on_staged)
+  async def slow(plan, kv, context, limiter, stats, on_staged, reuse=None):
+    out = await orig(plan, kv, context, limiter, stats, on_staged, reuse)
     import asyncio  # pylint: disable=g-import-not-at-top
     await asyncio.to_thread(gate.wait, 60)
     return out

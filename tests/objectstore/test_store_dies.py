@@ -44,6 +44,20 @@ BOUNDS = {"save_timeout_s": SAVE_BOUND_S, "query_timeout_s": QUERY_BOUND_S}
 FLAVOURS = ["refuse", "black_hole"]
 
 
+def settle_store(url: str, limit_s: float = 60.0) -> None:
+  """Waits (bounded) until a fresh Checkpointer's listing of ``url``
+  answers within 2 s: the store serves this process again."""
+  end = time.monotonic() + limit_s
+  while time.monotonic() < end:
+    with ckpt.Checkpointer(url, query_timeout_s=2.0) as c:
+      try:
+        c.all_steps()
+        return
+      except ckpt.StoreTimeoutError:
+        continue
+  pytest.fail(f"{url} did not answer again within {limit_s} s")
+
+
 def check_timeout(error, seconds: float, bound_s: float, head: str,
                   option: str):
   """``error`` is the StoreTimeoutError of a wait that ran to its bound:
@@ -98,6 +112,11 @@ def test_store_dies_after_save_returned(proxied, flavour):
   # The failure was reported once; close() returns.
   ckptr.close()
   other.close()
+  # The store comes back: the requests abandoned at the bounds end now
+  # instead of holding TensorStore's request slots (and the process's
+  # connections) for their retries while the next tests run.
+  px.resume()
+  settle_store(url)
 
 
 def test_a_request_that_failed_before_the_deadline_is_named(proxied):
