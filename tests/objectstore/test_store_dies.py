@@ -129,6 +129,7 @@ def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   px, url = proxied
   slow = {"s3_request_retries": {"max_retries": 3, "initial_delay": "2s",
                                  "max_delay": "2s"}}
+  settle_store(url)  # requests an earlier test abandoned have ended
   ckptr = ckpt.Checkpointer(url, storage_options=slow, **BOUNDS)
   ckptr.save(1, SMALL)
   ckptr.wait_until_finished()
@@ -142,6 +143,8 @@ def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   assert "All 3 retry attempts failed" in str(error), error
   assert seconds < SAVE_BOUND_S + SLACK_S, (seconds, error)
   ckptr.close()
+  px.resume()
+  settle_store(url)
 
 
 def test_next_save_after_the_store_came_back(proxied):
@@ -156,6 +159,7 @@ def test_next_save_after_the_store_came_back(proxied):
   write landing after the cleanup would leave keys no record names: a
   known limit, docs/object-stores.md)."""
   px, url = proxied
+  settle_store(url)  # requests an earlier test abandoned have ended
   ckptr = ckpt.Checkpointer(url, save_timeout_s=5.0, query_timeout_s=5.0)
   ckptr.save(1, SMALL)
   ckptr.wait_until_finished()
