@@ -23,20 +23,27 @@ def checksum(data: np.ndarray) -> int:
 _RUN_BYTES = 64 << 10
 
 
-def checksum_view(view: np.ndarray) -> int:
-  """``checksum`` of a view (strided or not) without copying it when its
-  contiguous runs are long: the crc32c of its elements in C order."""
+def _runs(view: np.ndarray):
+  """The bytes of ``view`` in C order as uint8 runs: one when contiguous,
+  its contiguous runs when they are at least _RUN_BYTES, else one copy."""
   if view.flags.c_contiguous:
-    return crc32c.crc32c(view.reshape(-1).view(np.uint8))
+    return [view.reshape(-1).view(np.uint8)]
   k, run = view.ndim, view.itemsize
   while k > 0 and view.strides[k - 1] == run:
     run *= view.shape[k - 1]
     k -= 1
   if run < _RUN_BYTES:
-    return checksum(view)
+    return [np.ascontiguousarray(view).reshape(-1).view(np.uint8)]
+  return (view[idx].reshape(-1).view(np.uint8)
+          for idx in np.ndindex(*view.shape[:k]))
+
+
+def checksum_view(view: np.ndarray) -> int:
+  """``checksum`` of a view (strided or not) without copying it when its
+  contiguous runs are long: the crc32c of its elements in C order."""
   crc = 0
-  for idx in np.ndindex(*view.shape[:k]):
-    crc = crc32c.crc32c(view[idx].reshape(-1).view(np.uint8), crc)
+  for part in _runs(view):
+    crc = crc32c.crc32c(part, crc)
   return crc
 
 
@@ -45,15 +52,7 @@ def digest(view: np.ndarray) -> bytes:
   or not: the identity of a stored chunk (``reuse_unchanged``,
   ckpt/save/reuse.py). crc32c, 32 bits, is too short for identity: a
   collision there would restore another chunk's bytes unnoticed."""
-  if view.flags.c_contiguous:
-    return xxhash.xxh3_128_digest(view.reshape(-1).view(np.uint8))
-  k, run = view.ndim, view.itemsize
-  while k > 0 and view.strides[k - 1] == run:
-    run *= view.shape[k - 1]
-    k -= 1
-  if run < _RUN_BYTES:
-    return digest(np.ascontiguousarray(view))
   h = xxhash.xxh3_128()
-  for idx in np.ndindex(*view.shape[:k]):
-    h.update(view[idx].reshape(-1).view(np.uint8))
+  for part in _runs(view):
+    h.update(part)
   return h.digest()

@@ -420,12 +420,16 @@ class MultiTierCheckpointer:
     Collective: one agreement round picks the step and the tier on every
     process.
     """
-    # The persistent tier's save in flight ends first (its failure stays for
-    # the next save or wait), the local tier's in _choose.
+    return self._restore(step, target, restore_kwargs)
+
+  def _restore(self, step, target, restore_kwargs: dict, start: bool = False):
+    """restore (``start``: restore_async) after the persistent tier's save
+    in flight has ended (its failure stays for the next save or wait; the
+    local tier's save ends in _choose)."""
     self.persistent._settle()  # pylint: disable=protected-access
     return tier_restore.restore(self.persistent, self.local, self._choose,
                                 self._note_restored, step, target,
-                                restore_kwargs)
+                                restore_kwargs, start=start)
 
   def restore_async(self, step: int | None = None, *, target: Any = None,
                     **restore_kwargs) -> Any:
@@ -444,10 +448,7 @@ class MultiTierCheckpointer:
     Raises what ``restore`` raises (from the call, or from ``result()``).
     Collective, as ``restore``.
     """
-    self.persistent._settle()  # pylint: disable=protected-access
-    return tier_restore.restore(self.persistent, self.local, self._choose,
-                                self._note_restored, step, target,
-                                restore_kwargs, start=True)
+    return self._restore(step, target, restore_kwargs, start=True)
 
   def _note_restored(self, tier: str, step, reason: str, restored) -> None:
     self.last_restore_tier, self.last_restore_reason = tier, reason
