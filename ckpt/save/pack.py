@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Sequence
 
+import crc32c
 import jax
 import numpy as np
 import tensorstore as ts
@@ -36,7 +37,6 @@ from ckpt.format import pack_table
 from ckpt.format import tree
 from ckpt.save import staging
 from ckpt.store import tsfuture
-from ckpt.format.crc import checksum
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
 
@@ -51,6 +51,9 @@ ALIGN = 64
 
 def packable(nbytes: int) -> bool:
   return nbytes <= min(MAX_LEAF_BYTES, pack_index.MAX_PACKED_LEAF_BYTES)
+
+
+_PADDING = bytes(ALIGN)
 
 
 def _aligned(n: int) -> int:
@@ -89,11 +92,10 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   leaf, pack, offsets, crcs, box = [], [], [], [], []
   tasks: list[asyncio.Task] = []
 
-  async def put(k: int, buf: bytearray, grant: int, count: int,
+  async def put(k: int, buf: bytes, grant: int, count: int,
                 data_bytes: int) -> None:
     try:
-      await tsfuture.wait(kv.write(pack_index.pack_name(process, k),
-                                   bytes(buf)))
+      await tsfuture.wait(kv.write(pack_index.pack_name(process, k), buf))
       on_pack(count, data_bytes)  # the boxes' bytes (not the alignment)
     except Exception as e:
       raise CheckpointError(
@@ -108,25 +110,26 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
       total = sum(_aligned(w.nbytes) for w in batch)
       grant = await limiter.acquire(total)
       try:
-        buf = bytearray(total)
-        view = memoryview(buf)
-        offset = 0
+        parts, offset = [], 0
         for w, data in zip(batch, host_boxes(batch)):
           flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
           n = flat.nbytes
-          np.frombuffer(view[offset:offset + n], np.uint8)[:] = flat
+          parts.append(flat)
+          if n % ALIGN:
+            parts.append(_PADDING[:ALIGN - n % ALIGN])
           leaf.append(w.leaf)
-          pack.append(k)
           offsets.append(offset)
-          crcs.append(checksum(flat))
+          crcs.append(crc32c.crc32c(flat))
           box += w.box.start
           box += w.box.stop
           offset += _aligned(n)
-        del view
+        pack += [k] * len(batch)
+        buf = b"".join(parts)  # the pack's one copy
+        del parts
       except BaseException:
         limiter.release(grant)
         raise
-      sizes.append(total)
+      sizes.append(len(buf))
       tasks.append(asyncio.ensure_future(put(
           k, buf, grant, len(batch), sum(w.nbytes for w in batch))))
   except BaseException:
@@ -155,36 +158,24 @@ async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
   return tasks
 
 
-def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
+def host_boxes(plan: Any, writes: list,
+               shards: staging.ShardLookup | None = None) -> list[np.ndarray]:
   """Stage 3 for a pack's boxes: every device-to-host copy started, then
   each box on the host (ckpt/save/staging.py; copied into the pack at
-  once, so borrowed). ``plan``: a leaves.SavePlan."""
-  shards: dict[int, dict] = {}  # leaf -> device id -> shard (once per leaf)
+  once, so borrowed). ``plan``: a leaves.SavePlan; ``shards``: the save's
+  ShardLookup (one per call if None)."""
+  shards = shards or staging.ShardLookup()
   pieces = []
   for w in writes:
     leaf = plan.leaves[w.leaf]
     try:
       src = leaf.source
-      if isinstance(src, jax.Array):
-        by_id = shards.get(w.leaf)
-        if by_id is None:
-          by_id = shards[w.leaf] = {sh.device.id: sh
-                                    for sh in src.addressable_shards}
-        shard = by_id[w.device]
-        piece = shard.data
-        if w.box != w.shard and staging._cut_on_device(shard.device):
-          piece = piece[w.box.relative_to(w.shard)]
-        if not staging._is_view(leaf, piece):
-          piece.copy_to_host_async()
-      else:
-        piece = staging._device_piece(leaf, w)
-      pieces.append(piece)
+      pieces.append(shards.piece(src, w) if isinstance(src, jax.Array)
+                    else staging._device_piece(leaf, w))
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
           f"{w.box.start}..{w.box.stop} to the host failed (was the array "
           f"deleted or donated before save() returned?): {e}") from e
-  out = []
-  for w, piece in zip(writes, pieces):
-    out.append(staging.host_box(plan.leaves[w.leaf], w, piece, borrow=True))
-  return out
+  return [staging.host_box(plan.leaves[w.leaf], w, piece, borrow=True)
+          for w, piece in zip(writes, pieces)]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import time
 from typing import Any, Callable
 
@@ -140,7 +139,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
                       on_staged: Callable[[], None],
                       reuse: Any = None) -> list[list]:
-  """Stages 3 and 4 for this process's boxes.
+  """Stages 3 and 4 for this process's boxes (``OwnedWrites``).
 
   With ``reuse`` (a ckpt/save/reuse.py ``SaveReuse``) each array box's
   unchanged chunks are linked from the previous step, not written.
@@ -154,35 +153,177 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   TensorStore writes it, off the caller's path. Empty for "zarr3" and
   "ocdbt", whose chunks carry their own crc32c (tsspec.default_checksum).
   """
-  process = multihost.process_index()
-  stats.array_leaves = sum(lp.layout is not None for lp in plan.leaves)
-  stats.inline_leaves = len(plan.leaves) - stats.array_leaves
-  packed = [w for w in plan.writes if plan.leaves[w.leaf].packed]
-  array_writes = (plan.writes if not packed else
-                  [w for w in plan.writes if not plan.leaves[w.leaf].packed])
-  # The arrays are created (metadata written) while staging runs, not
-  # before it: in async mode the caller waits for staging only.
-  opening = asyncio.ensure_future(
-      _open_arrays(plan, step_kvstore, context, process,
-                   multihost.process_count()))
-  arrays: dict[int, ts.TensorStore] = {}
-  tasks: list[asyncio.Task] = []
-  staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []  # not writing yet
-  sums: list[list] = []
-  take_sums = (plan.options.codec.resolved_checksum(
-      plan.options.storage_format) == "none")
+  writes = OwnedWrites(plan, step_kvstore, context, limiter, stats, reuse)
+  return await writes.run(on_staged)
 
-  async def write_box(w: plan_lib.Write, data: np.ndarray, txn=None):
+
+class OwnedWrites:
+  """One save's stages 3 and 4 on this process: its packed boxes staged
+  into packs (ckpt/save/pack.py), then its array boxes staged and written
+  under the byte limiter. Call sequence: ``run(on_staged)`` once; it
+  stages (``_stage_packs``, ``_stage_arrays``), calls ``on_staged``,
+  then waits for every write (``_finish``).
+
+  Staging runs ahead of writing while the budget allows, so that the
+  caller (released once everything is staged) does not wait for writes
+  competing for the same cores; when the budget is full, the staged boxes
+  start writing and free it. Device-to-host copies of every box granted so
+  far start together (``staging._device_piece``) and are waited for in
+  order (``_land``), so the transfers of all local devices overlap.
+  """
+
+  def __init__(self, plan: SavePlan, step_kvstore: dict, context: ts.Context,
+               limiter: ByteLimiter, stats: SaveStats, reuse: Any = None):
+    self.plan = plan
+    self.step_kvstore = step_kvstore
+    self.context = context
+    self.limiter = limiter
+    self.stats = stats
+    self.reuse = reuse
+    self.process = multihost.process_index()
+    self.take_sums = (plan.options.codec.resolved_checksum(
+        plan.options.storage_format) == "none")
+    self.opening: asyncio.Future | None = None  # _open_arrays, while staging
+    self.arrays: dict[int, ts.TensorStore] = {}
+    self.tasks: list[asyncio.Future] = []  # every write started
+    # Device copies in flight (oldest first), then staged boxes not yet
+    # writing: (write, piece or host data, grant).
+    self.started: collections.deque[tuple[plan_lib.Write, Any, int]] = (
+        collections.deque())
+    self.staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []
+    self.sums: list[list] = []
+    self.failed = False  # set by the first write that fails: O(1) to check
+
+  async def run(self, on_staged: Callable[[], None]) -> list[list]:
+    plan = self.plan
+    arrays = sum(lp.layout is not None for lp in plan.leaves)
+    self.stats.array_leaves = arrays
+    self.stats.inline_leaves = len(plan.leaves) - arrays
+    # The arrays are created (metadata written) while staging runs, not
+    # before it: in async mode the caller waits for staging only.
+    self.opening = asyncio.ensure_future(_open_arrays(
+        plan, self.step_kvstore, self.context, self.process,
+        multihost.process_count()))
+    packed = [w for w in plan.writes if plan.leaves[w.leaf].packed]
     try:
-      if not arrays:
-        arrays.update(await opening)
-      store = arrays[w.leaf] if txn is None else arrays[w.leaf].with_transaction(txn)
-      if reuse is not None:  # "zarr"/"zarr3" only, so never in a txn
-        crcs, linked = await reuse.write_box(store, w.leaf, w.box,
-                                         plan.leaves[w.leaf].layout.chunks,
-                                         data, take_sums)
-        sums.extend([w.leaf, list(b.start), list(b.stop), crc]
-                    for b, crc in crcs)
+      if packed:
+        await self._stage_packs(packed)
+      await self._stage_arrays(
+          [w for w in plan.writes if not plan.leaves[w.leaf].packed]
+          if packed else plan.writes)
+    except BaseException:
+      await self._abandon()
+      raise
+    finally:
+      for lp in plan.leaves:
+        lp.source = None  # the caller's arrays are no longer needed
+      on_staged()
+    self._start_writes()
+    if not plan.borrow:  # the pool has grown for these writes (polite.py)
+      polite.lower_tensorstore_threads()
+    await self._finish()
+    return self.sums
+
+  # ---- staging ---------------------------------------------------------
+
+  async def _stage_packs(self, packed: list[plan_lib.Write]) -> None:
+    """Small leaves: staged into a few packs (ckpt/save/pack.py)."""
+    shards = staging.ShardLookup()
+    self._track(await pack_lib.write_packs(
+        packed, self.plan.leaves,
+        lambda batch: pack_lib.host_boxes(self.plan, batch, shards),
+        self.step_kvstore, self.context, self.limiter, self.process,
+        self._counted))
+
+  async def _stage_arrays(self, writes: list[plan_lib.Write]) -> None:
+    for w in writes:
+      if w.box.size == 0:
+        continue  # a zero-size shard: nothing to store
+      if self.failed:
+        break  # a write failed: stop staging, report it at _finish
+      grant = self.limiter.try_acquire(w.nbytes)  # stored bytes, after cast
+      if grant is None:
+        await self._land()
+        self._start_writes()
+        grant = await self.limiter.acquire(w.nbytes)
+      leaf = self.plan.leaves[w.leaf]
+      try:
+        self.started.append((w, staging._device_piece(leaf, w), grant))
+      except Exception as e:
+        self.limiter.release(grant)
+        raise CheckpointError(
+            f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
+            f"{w.box.start}..{w.box.stop} to the host failed (was the array "
+            f"deleted or donated before save() returned?): {e}") from e
+    await self._land()
+
+  async def _land(self) -> None:
+    """Every started copy on the host, in order, staged for writing."""
+    while self.started:
+      w, piece, grant = self.started[0]
+      leaf = self.plan.leaves[w.leaf]
+      borrow = self.plan.borrow
+      if w.nbytes <= INLINE_WORK_BYTES or staging._is_view(leaf, piece):
+        data = staging.host_box(leaf, w, piece, borrow)
+      else:
+        data = await asyncio.to_thread(staging.host_box, leaf, w, piece,
+                                       borrow)
+      self.started.popleft()
+      self.staged.append((w, data, grant))
+
+  async def _abandon(self) -> None:
+    """After a failure while staging: the bytes of what was not written
+    given back. Writes already started finish (they hold at most the
+    budget) instead of being cancelled mid-flight: once this process
+    raises, it writes nothing more into the attempt, which is what the
+    "written" barrier tells the others before process 0 removes it."""
+    for _, _, grant in [*self.started, *self.staged]:
+      self.limiter.release(grant)
+    self.started.clear()
+    self.staged.clear()
+    await asyncio.gather(*self.tasks, self.opening, return_exceptions=True)
+
+  # ---- writing ---------------------------------------------------------
+
+  def _start_writes(self) -> None:
+    if not self.staged:
+      return
+    if self.plan.options.storage_format == "ocdbt":
+      self._track([asyncio.ensure_future(self._write_batch(self.staged))])
+    else:
+      self._track([asyncio.ensure_future(self._write_one(w, data, grant))
+                   for w, data, grant in self.staged])
+    self.staged = []
+
+  def _track(self, tasks: list[asyncio.Future]) -> None:
+    for t in tasks:
+      t.add_done_callback(self._on_done)
+    self.tasks.extend(tasks)
+
+  def _on_done(self, t: asyncio.Future) -> None:
+    if not t.cancelled() and t.exception() is not None:
+      self.failed = True
+
+  def _counted(self, boxes: int, nbytes: int) -> None:
+    self.stats.boxes_written += boxes
+    self.stats.bytes_written += nbytes
+
+  async def _store(self, w: plan_lib.Write, txn=None) -> ts.TensorStore:
+    if not self.arrays:
+      self.arrays.update(await self.opening)
+    store = self.arrays[w.leaf]
+    return store if txn is None else store.with_transaction(txn)
+
+  async def _write_box(self, w: plan_lib.Write, data: np.ndarray,
+                       txn=None) -> int:
+    """Writes one box; returns the bytes linked (reuse) instead."""
+    try:
+      store = await self._store(w, txn)
+      chunks = self.plan.leaves[w.leaf].layout.chunks
+      if self.reuse is not None:  # "zarr"/"zarr3" only, so never in a txn
+        crcs, linked = await self.reuse.write_box(store, w.leaf, w.box, chunks,
+                                                  data, self.take_sums)
+        self._add_sums(w, crcs)
         return linked
       # ``data`` never changes from here on (a view of an immutable
       # jax.Array, or ckpt's own copy), so TensorStore may keep a reference
@@ -190,31 +331,35 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       write = store[w.box.slices()].write(
           data, can_reference_source_data_indefinitely=True)
       crcs = None
-      if take_sums:  # one per stored chunk: a read checks what it fetches
-        chunks = plan.leaves[w.leaf].layout.chunks
+      if self.take_sums:  # one per stored chunk: a read checks what it fetches
         crcs = (chunk_sums(w.box, chunks, data)
                 if data.nbytes <= INLINE_WORK_BYTES else
                 await asyncio.to_thread(chunk_sums, w.box, chunks, data))
       await tsfuture.wait(write)
-      if take_sums:
-        sums.extend([w.leaf, list(b.start), list(b.stop), crc]
-                    for b, crc in crcs)
+      if crcs is not None:
+        self._add_sums(w, crcs)
       return 0
     except Exception as e:
       raise CheckpointError(
-          f"leaf {tree.path_str(plan.leaves[w.leaf].parts)!r}: writing "
+          f"leaf {tree.path_str(self.plan.leaves[w.leaf].parts)!r}: writing "
           f"{w.box.start}..{w.box.stop} failed: {e}") from e
 
-  async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
-    try:
-      linked = await write_box(w, data)
-      stats.bytes_written += data.nbytes - linked
-      stats.bytes_reused += linked
-      stats.boxes_written += linked < data.nbytes
-    finally:
-      limiter.release(grant)
+  def _add_sums(self, w: plan_lib.Write, crcs) -> None:
+    self.sums.extend([w.leaf, list(b.start), list(b.stop), crc]
+                     for b, crc in crcs)
 
-  async def write_batch(batch: list[tuple[plan_lib.Write, np.ndarray, int]]):
+  async def _write_one(self, w: plan_lib.Write, data: np.ndarray,
+                       grant: int) -> None:
+    try:
+      linked = await self._write_box(w, data)
+      self.stats.bytes_written += data.nbytes - linked
+      self.stats.bytes_reused += linked
+      self.stats.boxes_written += linked < data.nbytes
+    finally:
+      self.limiter.release(grant)
+
+  async def _write_batch(self, batch: list[tuple[plan_lib.Write, np.ndarray,
+                                                 int]]) -> None:
     """format "ocdbt": the staged boxes in ONE transaction, so one OCDBT
     commit (a data file and a few B+tree nodes) per batch, not per box;
     their bytes stay granted until it is committed (TensorStore holds its
@@ -224,19 +369,20 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     nbytes = sum(data.nbytes for _, data, _ in batch)
     writes = [w for w, _, _ in batch]
     try:
-      await asyncio.gather(*(write_box(w, data, txn) for w, data, _ in batch))
+      await asyncio.gather(*(self._write_box(w, data, txn)
+                             for w, data, _ in batch))
       batch.clear()
       try:
         await tsfuture.wait(txn.commit_async())
       except Exception as e:
-        names = sorted({tree.path_str(plan.leaves[w.leaf].parts)
+        names = sorted({tree.path_str(self.plan.leaves[w.leaf].parts)
                         for w in writes})
         raise CheckpointError(
             f"committing {len(writes)} boxes of leaves {names[:5]}"
             f"{' ...' if len(names) > 5 else ''} to the OCDBT database of "
-            f"process {process} failed: {e}") from e
-      stats.bytes_written += nbytes
-      stats.boxes_written += len(writes)
+            f"process {self.process} failed: {e}") from e
+      self.stats.bytes_written += nbytes
+      self.stats.boxes_written += len(writes)
     except BaseException:
       if not txn.commit_started:
         txn.abort()
@@ -244,108 +390,21 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
     finally:
       batch.clear()
       for grant in grants:
-        limiter.release(grant)
+        self.limiter.release(grant)
 
-  write_failed = []  # set by the first write that fails: O(1) to check
-
-  def on_done(t: asyncio.Task) -> None:
-    if not t.cancelled() and t.exception() is not None:
-      write_failed.append(True)
-
-  def start_writes():
-    first = len(tasks)
-    if plan.options.storage_format == "ocdbt":
-      if staged:
-        tasks.append(asyncio.create_task(write_batch(list(staged))))
-    else:
-      for w, data, grant in staged:
-        tasks.append(asyncio.create_task(write_one(w, data, grant)))
-    for t in tasks[first:]:
-      t.add_done_callback(on_done)
-    staged.clear()
-
-  # Staging runs ahead of writing while the budget allows, so that the
-  # caller (released once everything is staged) does not wait for writes
-  # competing for the same cores; when the budget is full, the staged boxes
-  # start writing and free it. Device-to-host copies of every box granted
-  # so far start together (``staging._device_piece``) and are waited for in order
-  # (``land``), so the transfers of all local devices overlap.
-  started: collections.deque[tuple[plan_lib.Write, Any, int]] = (
-      collections.deque())  # copies in flight, oldest first
-
-  async def land():
-    while started:
-      w, piece, grant = started[0]
-      leaf = plan.leaves[w.leaf]
-      data = (staging.host_box(leaf, w, piece, plan.borrow)
-              if (w.nbytes <= INLINE_WORK_BYTES
-                  or staging._is_view(leaf, piece))
-              else await asyncio.to_thread(
-                  staging.host_box, leaf, w, piece, plan.borrow))
-      started.popleft()
-      staged.append((w, data, grant))
-
-  def counted(boxes: int, nbytes: int) -> None:
-    stats.boxes_written += boxes
-    stats.bytes_written += nbytes
-
-  try:
-    if packed:  # small leaves: staged into a few packs (ckpt/save/pack.py)
-      pack_tasks = await pack_lib.write_packs(
-          packed, plan.leaves, functools.partial(pack_lib.host_boxes, plan),
-          step_kvstore, context, limiter, process, counted)
-      for t in pack_tasks:
-        t.add_done_callback(on_done)
-      tasks.extend(pack_tasks)
-    for w in array_writes:
-      if w.box.size == 0:
-        continue  # a zero-size shard: nothing to store
-      if write_failed:
-        break  # a write failed: stop staging, report it below
-      grant = limiter.try_acquire(w.nbytes)  # stored bytes, after the cast
-      if grant is None:
-        await land()
-        start_writes()
-        grant = await limiter.acquire(w.nbytes)
-      leaf = plan.leaves[w.leaf]
-      try:
-        started.append((w, staging._device_piece(leaf, w), grant))
-      except Exception as e:
-        limiter.release(grant)
-        raise CheckpointError(
-            f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
-            f"{w.box.start}..{w.box.stop} to the host failed (was the array "
-            f"deleted or donated before save() returned?): {e}") from e
-    await land()
-  except BaseException:
-    for _, _, grant in [*started, *staged]:
-      limiter.release(grant)
-    started.clear()
-    staged.clear()
-    # Writes already started finish (they hold at most the budget) instead
-    # of being cancelled mid-flight: once this raises, this process writes
-    # nothing more into the attempt, which is what the "written" barrier
-    # tells the others before process 0 removes the failed attempt.
-    await asyncio.gather(*tasks, opening, return_exceptions=True)
-    raise
-  finally:
-    for lp in plan.leaves:
-      lp.source = None  # the caller's arrays are no longer needed
-    on_staged()
-  start_writes()
-  if not plan.borrow:  # the pool has grown for these writes (polite.py)
-    polite.lower_tensorstore_threads()
-  try:
-    arrays.update(await opening)  # every array exists, even with no box here
-  except BaseException:
-    await asyncio.gather(*tasks, return_exceptions=True)
-    raise
-  results = await asyncio.gather(*tasks, return_exceptions=True)
-  errors = [r for r in results if isinstance(r, BaseException)]
-  if errors:
-    raise errors[0]
-  stats.peak_bytes_in_flight = limiter.peak_in_use
-  return sums
+  async def _finish(self) -> None:
+    """Every array exists (even with no box here) and every write ended;
+    the first failure raised."""
+    try:
+      self.arrays.update(await self.opening)
+    except BaseException:
+      await asyncio.gather(*self.tasks, return_exceptions=True)
+      raise
+    results = await asyncio.gather(*self.tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+      raise errors[0]
+    self.stats.peak_bytes_in_flight = self.limiter.peak_in_use
 
 
 def make_index(plan: SavePlan, step: int, metrics: dict | None,
