@@ -26,6 +26,7 @@ import json
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 
 from ckpt import errors
 from ckpt.format import extras as save_extras
@@ -86,7 +87,7 @@ def host_values(leaves) -> list[tuple[str, int]]:
     if isinstance(lp.entry, index_lib.ValueEntry):
       data = msgpack.packb(index_lib.encode_value(lp.entry.value, lp.parts),
                            use_bin_type=True)
-    elif lp.host_replicated:
+    elif isinstance(lp.source, np.ndarray) and lp.host_replicated:
       data = lp.source
     else:
       continue

@@ -76,6 +76,10 @@ class SavePlan:
   # The caller waits until the save is committed (async_save=False): its
   # arrays may be written from directly, with no staging copy.
   borrow: bool = False
+  # What is worked out from the layout alone (the writes, the array
+  # entries), once: shared by every plan a PlanCache replays from this one.
+  memo: dict = dataclasses.field(default_factory=dict, compare=False,
+                                 repr=False)
 
 
 def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:

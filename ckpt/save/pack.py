@@ -75,94 +75,147 @@ def group(writes: Sequence[Any], limit: int) -> list[list[Any]]:
   return out
 
 
-async def write_packs(writes: Sequence[Any], leaves: Sequence[Any],
-                      host_boxes: Callable[[list], list[np.ndarray]],
-                      step_kvstore: dict, context: ts.Context,
-                      limiter: ByteLimiter, process: int,
-                      on_pack: Callable[[int, int], None]) -> list:
-  """Stages this process's packed ``writes`` (``host_boxes``: their host
-  copies, in order) into packs and starts writing each; returns the tasks
-  (the last writes the table). ``on_pack(boxes, bytes)`` counts each pack
-  written (the bytes of its boxes). Staging is done when this returns: the caller's arrays are no
-  longer needed."""
-  kv = await tsfuture.wait(ts.KvStore.open(step_kvstore, context=context))
-  limit = max(ALIGN, min(MAX_PACK_OBJECT_BYTES, limiter.budget))
-  sizes: list[int] = []
-  # The table's columns (ckpt/format/pack_table.py), a row per box.
-  leaf, pack, offsets, crcs, box = [], [], [], [], []
-  tasks: list[asyncio.Task] = []
+class PackWriter:
+  """This process's packed boxes of one save, into packs and their table.
 
-  async def put(k: int, buf: bytes, grant: int, count: int,
-                data_bytes: int) -> None:
-    try:
-      await tsfuture.wait(kv.write(pack_index.pack_name(process, k), buf))
-      on_pack(count, data_bytes)  # the boxes' bytes (not the alignment)
-    except Exception as e:
-      raise CheckpointError(
-          f"writing pack {pack_index.pack_name(process, k)!r} ({count} boxes "
-          f"of small leaves, {len(buf)} bytes) failed: {e}") from e
-    finally:
-      limiter.release(grant)
+  Call sequence: ``await stage(writes)`` (every box on the host, as views
+  of CPU device buffers or copies, under the byte limiter; the caller's
+  arrays are no longer needed once it returns), then ``flush()`` (each
+  staged pack joined, its crc32c's taken and its write started: the work
+  per box that needs no source any more, done after the caller was
+  released), then ``finish()`` (the table, written once every pack is).
+  ``stage`` flushes by itself when the budget is full, and a caller that
+  needs the budget for something else calls ``flush`` first. ``track``
+  is told of every write started, for the caller to wait for.
+  """
 
-  try:
+  def __init__(self, host_boxes: Callable[[list], list[np.ndarray]],
+               step_kvstore: dict, context: ts.Context, limiter: ByteLimiter,
+               process: int, on_pack: Callable[[int, int], None],
+               track: Callable[[asyncio.Future], None] = lambda t: None):
+    self.host_boxes = host_boxes
+    self.step_kvstore = step_kvstore
+    self.context = context
+    self.limiter = limiter
+    self.process = process
+    self.on_pack = on_pack  # (boxes, bytes) of each pack written
+    self.track = track  # told of every write started
+    self.kv: ts.KvStore | None = None
+    self.staged: list[tuple[int, list, list, int]] = []  # k, writes, data, grant
+    self.tasks: list[asyncio.Future] = []
+    self.sizes: list[int] = []
+    # The table's columns (ckpt/format/pack_table.py), a row per box.
+    self.leaf: list[int] = []
+    self.pack: list[int] = []
+    self.offsets: list[int] = []
+    self.crcs: list[int] = []
+    self.box: list[int] = []
+
+  async def stage(self, writes: Sequence[Any]) -> None:
+    self.kv = await tsfuture.wait(ts.KvStore.open(self.step_kvstore,
+                                                  context=self.context))
+    limit = max(ALIGN, min(MAX_PACK_OBJECT_BYTES, self.limiter.budget))
     for k, batch in enumerate(group([w for w in writes if w.box.size],
                                     limit)):
       total = sum(_aligned(w.nbytes) for w in batch)
-      grant = await limiter.acquire(total)
+      grant = self.limiter.try_acquire(total)
+      if grant is None:  # the packs staged so far free the budget
+        self.flush()
+        grant = await self.limiter.acquire(total)
       try:
-        parts, offset = [], 0
-        for w, data in zip(batch, host_boxes(batch)):
-          flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-          n = flat.nbytes
-          parts.append(flat)
-          if n % ALIGN:
-            parts.append(_PADDING[:ALIGN - n % ALIGN])
-          leaf.append(w.leaf)
-          offsets.append(offset)
-          crcs.append(crc32c.crc32c(flat))
-          box += w.box.start
-          box += w.box.stop
-          offset += _aligned(n)
-        pack += [k] * len(batch)
-        buf = b"".join(parts)  # the pack's one copy
-        del parts
+        data = self.host_boxes(batch)
       except BaseException:
-        limiter.release(grant)
+        self.limiter.release(grant)
         raise
-      sizes.append(len(buf))
-      tasks.append(asyncio.ensure_future(put(
-          k, buf, grant, len(batch), sum(w.nbytes for w in batch))))
-  except BaseException:
-    await asyncio.gather(*tasks, return_exceptions=True)
-    raise
-  if not leaf:
-    return tasks
-  table = seal.seal(pack_table.encode(process, sizes, leaf, pack, offsets,
-                                      crcs, box))
-  if len(table) > pack_index.MAX_TABLE_BYTES:
-    raise CheckpointError(
-        f"the pack table of process {process} is {len(table)} bytes; readers "
-        f"accept at most {pack_index.MAX_TABLE_BYTES}: lower "
-        "ckpt.save.pack.MAX_LEAF_BYTES")
+      self.staged.append((k, batch, data, grant))
 
-  async def put_table() -> None:
-    await asyncio.gather(*tasks[:len(sizes)])  # the packs first
+  def flush(self) -> None:
+    """Every staged pack joined and its write started."""
+    staged, self.staged = self.staged, []
+    for i, (k, batch, data, grant) in enumerate(staged):
+      try:
+        buf = self._join(k, batch, data)
+      except BaseException:
+        for _, _, _, g in staged[i:]:
+          self.limiter.release(g)
+        raise
+      self.sizes.append(len(buf))
+      self._started(asyncio.ensure_future(self._put(
+          k, buf, grant, len(batch), sum(w.nbytes for w in batch))))
+
+  def _started(self, task: asyncio.Future) -> None:
+    self.tasks.append(task)
+    self.track(task)
+
+  def _join(self, k: int, batch: list, data: list[np.ndarray]) -> bytes:
+    parts, offset = [], 0
+    for w, d in zip(batch, data):
+      flat = np.ascontiguousarray(d).reshape(-1).view(np.uint8)
+      n = flat.nbytes
+      parts.append(flat)
+      if n % ALIGN:
+        parts.append(_PADDING[:ALIGN - n % ALIGN])
+      self.leaf.append(w.leaf)
+      self.offsets.append(offset)
+      self.crcs.append(crc32c.crc32c(flat))
+      self.box += w.box.start
+      self.box += w.box.stop
+      offset += _aligned(n)
+    self.pack += [k] * len(batch)
+    return b"".join(parts)  # the pack's one copy
+
+  async def _put(self, k: int, buf: bytes, grant: int, count: int,
+                 data_bytes: int) -> None:
+    name = pack_index.pack_name(self.process, k)
     try:
-      await tsfuture.wait(kv.write(pack_index.table_name(process), table))
+      await tsfuture.wait(self.kv.write(name, buf))
+      self.on_pack(count, data_bytes)  # the boxes' bytes (not the alignment)
     except Exception as e:
       raise CheckpointError(
-          f"writing the pack table {pack_index.table_name(process)!r} "
-          f"failed: {e}") from e
+          f"writing pack {name!r} ({count} boxes of small leaves, "
+          f"{len(buf)} bytes) failed: {e}") from e
+    finally:
+      self.limiter.release(grant)
 
-  tasks.append(asyncio.ensure_future(put_table()))
-  return tasks
+  def abandon(self) -> None:
+    """After a failure: the staged packs' bytes given back, unwritten."""
+    for _, _, _, grant in self.staged:
+      self.limiter.release(grant)
+    self.staged = []
+
+  def finish(self) -> None:
+    """The rest flushed, and the table's write started (once every pack is
+    written)."""
+    self.flush()
+    if not self.leaf:
+      return
+    table = seal.seal(pack_table.encode(self.process, self.sizes, self.leaf,
+                                        self.pack, self.offsets, self.crcs,
+                                        self.box))
+    if len(table) > pack_index.MAX_TABLE_BYTES:
+      raise CheckpointError(
+          f"the pack table of process {self.process} is {len(table)} bytes; "
+          f"readers accept at most {pack_index.MAX_TABLE_BYTES}: lower "
+          "ckpt.save.pack.MAX_LEAF_BYTES")
+    self._started(asyncio.ensure_future(self._put_table(
+        table, list(self.tasks))))
+
+  async def _put_table(self, table: bytes, packs: list) -> None:
+    await asyncio.gather(*packs)  # the packs first
+    name = pack_index.table_name(self.process)
+    try:
+      await tsfuture.wait(self.kv.write(name, table))
+    except Exception as e:
+      raise CheckpointError(
+          f"writing the pack table {name!r} failed: {e}") from e
 
 
 def host_boxes(plan: Any, writes: list,
                shards: staging.ShardLookup | None = None) -> list[np.ndarray]:
   """Stage 3 for a pack's boxes: every device-to-host copy started, then
-  each box on the host (ckpt/save/staging.py; copied into the pack at
-  once, so borrowed). ``plan``: a leaves.SavePlan; ``shards``: the save's
+  each box on the host (ckpt/save/staging.py), safe to join into its pack
+  after the caller is released (a host numpy leaf copied unless
+  ``plan.borrow``). ``plan``: a leaves.SavePlan; ``shards``: the save's
   ShardLookup (one per call if None)."""
   shards = shards or staging.ShardLookup()
   pieces = []
@@ -177,5 +230,5 @@ def host_boxes(plan: Any, writes: list,
           f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
           f"{w.box.start}..{w.box.stop} to the host failed (was the array "
           f"deleted or donated before save() returned?): {e}") from e
-  return [staging.host_box(plan.leaves[w.leaf], w, piece, borrow=True)
+  return [staging.host_box(plan.leaves[w.leaf], w, piece, plan.borrow)
           for w, piece in zip(writes, pieces)]

@@ -42,9 +42,17 @@ from ckpt.format import tree
 _SCALARS = (bool, int, float, str, bytes)
 
 
+# Leaf types known to be jax.Arrays: ``isinstance(x, jax.Array)`` goes
+# through jax's metaclass, a few us a leaf; a dict lookup by type does not.
+_ARRAY_TYPES: set[type] = set()
+
+
 def _signature(x: Any):
   """What the plan of leaf ``x`` depends on, or None: not cacheable."""
+  if type(x) in _ARRAY_TYPES:
+    return (jax.Array, x.shape, x.dtype, x.sharding)
   if isinstance(x, jax.Array):
+    _ARRAY_TYPES.add(type(x))
     return (jax.Array, x.shape, x.dtype, x.sharding)
   if isinstance(x, np.ndarray):
     return (np.ndarray, x.shape, x.dtype)
@@ -142,4 +150,5 @@ def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
     if key:  # stored as its key data, as plan_save does
       _, x = leaves_lib._key_data(tree.path_str(lp.parts), x)  # pylint: disable=protected-access
     out.append(leaves_lib.LeafPlan(lp.parts, x, lp.entry, lp.layout))
-  return leaves_lib.SavePlan(old.structure, out, old.writes, old.options)
+  return leaves_lib.SavePlan(old.structure, out, old.writes, old.options,
+                             memo=old.memo)

@@ -276,10 +276,24 @@ def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:
 
 
 def _tiling_digest(plan: leaves_lib.SavePlan) -> bytes:
-  entries = [lp.entry for lp in plan.leaves]
-  return msgpack.packb(tiling.digest(
-      (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start, w.box.stop)
-      for w in plan.writes))
+  """The digest of this process's writes (once per plan: plan.memo)."""
+  got = plan.memo.get("tiling")
+  if got is None:
+    entries = [lp.entry for lp in plan.leaves]
+    got = plan.memo["tiling"] = msgpack.packb(tiling.digest(
+        (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start,
+         w.box.stop) for w in plan.writes))
+  return got
+
+
+def _whole_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
+  """The digest of every array tiled once (once per plan: plan.memo)."""
+  got = plan.memo.get("whole")
+  if got is None:
+    got = plan.memo["whole"] = tiling.whole(
+        (lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
+        if lp.layout is not None)
+  return got
 
 
 def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
@@ -290,8 +304,7 @@ def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
                                   f"the written boxes of step {step}",
                                   timeout_s)
   got = tiling.combine(msgpack.unpackb(p) for p in posts)
-  want = tiling.whole((lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
-                      if lp.layout is not None)
+  want = _whole_digest(plan)
   if got != want:
     raise CheckpointError(
         f"saving step {step}: the boxes the {len(posts)} processes wrote do "

@@ -192,6 +192,7 @@ class OwnedWrites:
         collections.deque())
     self.staged: list[tuple[plan_lib.Write, np.ndarray, int]] = []
     self.sums: list[list] = []
+    self.packs: pack_lib.PackWriter | None = None  # small leaves (pack.py)
     self.failed = False  # set by the first write that fails: O(1) to check
 
   async def run(self, on_staged: Callable[[], None]) -> list[list]:
@@ -218,6 +219,12 @@ class OwnedWrites:
       for lp in plan.leaves:
         lp.source = None  # the caller's arrays are no longer needed
       on_staged()
+    try:
+      if self.packs is not None:  # the packs' copies and sums, then the table
+        self.packs.finish()
+    except BaseException:
+      await self._abandon()
+      raise
     self._start_writes()
     if not plan.borrow:  # the pool has grown for these writes (polite.py)
       polite.lower_tensorstore_threads()
@@ -227,13 +234,14 @@ class OwnedWrites:
   # ---- staging ---------------------------------------------------------
 
   async def _stage_packs(self, packed: list[plan_lib.Write]) -> None:
-    """Small leaves: staged into a few packs (ckpt/save/pack.py)."""
+    """Small leaves: staged for a few packs (ckpt/save/pack.py), which are
+    joined and written once the caller is released."""
     shards = staging.ShardLookup()
-    self._track(await pack_lib.write_packs(
-        packed, self.plan.leaves,
+    self.packs = pack_lib.PackWriter(
         lambda batch: pack_lib.host_boxes(self.plan, batch, shards),
         self.step_kvstore, self.context, self.limiter, self.process,
-        self._counted))
+        self._counted, lambda t: self._track([t]))
+    await self.packs.stage(packed)
 
   async def _stage_arrays(self, writes: list[plan_lib.Write]) -> None:
     for w in writes:
@@ -281,11 +289,15 @@ class OwnedWrites:
       self.limiter.release(grant)
     self.started.clear()
     self.staged.clear()
+    if self.packs is not None:
+      self.packs.abandon()
     await asyncio.gather(*self.tasks, self.opening, return_exceptions=True)
 
   # ---- writing ---------------------------------------------------------
 
   def _start_writes(self) -> None:
+    if self.packs is not None:  # staged packs hold budget too
+      self.packs.flush()
     if not self.staged:
       return
     if self.plan.options.storage_format == "ocdbt":

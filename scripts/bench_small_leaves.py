@@ -1,0 +1,163 @@
+"""Benchmark: the per-leaf cost of saving many small leaves (issue 37 item 2).
+
+Usage (from the repository root):
+  python -m scripts.bench_small_leaves [--preset small_leaves_10k]
+      [--async-leaves 5000] [--runs 5] [--dir /tmp/ckpt-small] [--out F]
+
+In one process on the preset's mesh (8 CPU devices), runs alternate:
+- ``plain``: the limit. Every distinct shard's bytes (``distinct_shards``
+  of scripts/benchlib/systems.py) concatenated (``np.concatenate``) into
+  one file: ``tofile``, ``fsync``, directory ``fsync``;
+- ``rawpack``: the benchmark's baseline (systems.RawPackSystem: the same
+  bytes plus the table a reader needs, one write);
+- ``ckpt``: ``Checkpointer(async_save=False)``, a later save of the same
+  tree (the plan cached), into one root (keep=2).
+Each is measured in wall seconds and CPU seconds of the whole process
+(``getrusage``: every thread); the figures are medians over the runs, and
+CPU per leaf. Then the async case: ``--async-leaves`` replicated leaves of
+4 KiB saved with ``async_save=True`` (a later save): the time ``save()``
+blocks the caller, the CPU time of the caller's thread in it
+(``time.thread_time``), and the extra peak RSS until the save is finished,
+against the state's bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+from scripts.benchlib import measure
+from scripts.benchlib import presets
+from scripts.benchlib import report
+from scripts.benchlib import workers
+
+
+def _plain(path: str, state) -> None:
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from scripts.benchlib import systems  # pylint: disable=g-import-not-at-top
+  os.makedirs(path)
+  pieces = [d.reshape(-1).view(np.uint8)
+            for _, x in presets.flat_items(state) if isinstance(x, jax.Array)
+            for d, _ in systems.distinct_shards(x)]
+  data = np.concatenate(pieces)
+  with open(os.path.join(path, "all.bin"), "wb") as f:
+    data.tofile(f)
+    f.flush()
+    os.fsync(f.fileno())
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def sync_figures(preset: dict, root: str, runs: int) -> dict[str, dict]:
+  """plain, rawpack and ckpt's sync save, alternating, ``runs`` times."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from scripts.benchlib import systems  # pylint: disable=g-import-not-at-top
+  state = presets.build_state(preset, presets.Topology(preset))
+  rawpack = systems.RawPackSystem({})
+  ckptr = ckpt.Checkpointer(os.path.join(root, "ckpt"), async_save=False,
+                            keep=2, **preset.get("ckpt", {}))
+  ckptr.save(0, state)  # the first save plans; the later ones replay it
+  _plain(os.path.join(root, "plain-warm"), state)  # distinct_shards' cache
+  raw: dict[str, dict[str, list]] = {}
+  for r in range(runs):
+    fns = {"plain": lambda p: _plain(p, state),
+           "rawpack": lambda p: rawpack.save(p, state),
+           "ckpt": lambda p: ckptr.save(r + 1, state)}
+    for name in list(fns)[r % 3:] + list(fns)[:r % 3]:
+      with measure.measure(interval_s=0) as m:
+        fns[name](os.path.join(root, f"{name}-{r}"))
+      report.record(raw, name, {"wall_s": m.wall_s, "cpu_s": m.cpu_s})
+      if name != "ckpt":
+        shutil.rmtree(os.path.join(root, f"{name}-{r}"))
+  ckptr.close()
+  leaves = len(presets.leaf_specs(preset))
+  out = {}
+  for name, figs in raw.items():
+    out[name] = {k: statistics.median(v) for k, v in figs.items()}
+    out[name]["cpu_us_per_leaf"] = out[name]["cpu_s"] / leaves * 1e6
+  return out
+
+
+def async_figures(preset: dict, leaves: int, root: str, runs: int) -> dict:
+  """``leaves`` replicated 4 KiB leaves, async saves: blocking, the caller
+  thread's CPU, extra peak RSS until finished."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+  preset = dict(preset, leaves=[{"path": "replicated/{i}", "count": leaves,
+                                 "shape": [32, 32], "dtype": "float32",
+                                 "spec": []}])
+  state = presets.build_state(preset, presets.Topology(preset))
+  ckptr = ckpt.Checkpointer(os.path.join(root, "async"), async_save=True,
+                            keep=2, **preset.get("ckpt", {}))
+  ckptr.save(0, state)
+  ckptr.wait_until_finished()
+  raw: dict[str, list] = {}
+  for r in range(runs):
+    with measure.measure() as m:
+      t0 = time.thread_time()
+      ckptr.save(r + 1, state)
+      caller_cpu = time.thread_time() - t0
+      blocked = m.lap()
+      ckptr.wait_until_finished()
+    report.record(raw, "async", {"blocked_s": blocked,
+                                 "caller_cpu_s": caller_cpu,
+                                 "total_s": m.wall_s, "cpu_s": m.cpu_s,
+                                 "extra_rss": m.extra_rss})
+  ckptr.close()
+  out = {k: statistics.median(v) for k, v in raw["async"].items()}
+  out["state_bytes"] = presets.state_nbytes(preset)
+  out["leaves"] = leaves
+  return out
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=__doc__.split("\n\n", 1)[1])
+  parser.add_argument("--preset", default="small_leaves_10k")
+  parser.add_argument("--async-leaves", type=int, default=5000)
+  parser.add_argument("--runs", type=int, default=5)
+  parser.add_argument("--dir", default=None)
+  parser.add_argument("--out", default=None)
+  args = parser.parse_args(argv)
+  os.environ.setdefault("XLA_FLAGS",
+                        "--xla_force_host_platform_device_count=8")
+  preset = presets.load_preset(args.preset)
+  with workers.workdir(args.dir) as where:
+    sync = sync_figures(preset, where, args.runs)
+    asy = async_figures(preset, args.async_leaves, where, args.runs)
+  limit = sync["plain"]
+  print(f"{preset['name']}: {len(presets.leaf_specs(preset))} leaves, "
+        f"median of {args.runs} runs (CPU: every thread of the process)")
+  print(f"{'':10s} {'wall s':>8s} {'CPU s':>8s} {'CPU us/leaf':>12s} "
+        f"{'wall / plain':>13s} {'CPU / plain':>12s}")
+  for name, f in sync.items():
+    print(f"{name:10s} {f['wall_s']:8.3f} {f['cpu_s']:8.3f} "
+          f"{f['cpu_us_per_leaf']:12.1f} {f['wall_s'] / limit['wall_s']:13.2f}"
+          f" {f['cpu_s'] / limit['cpu_s']:12.2f}")
+  print(f"async, {asy['leaves']} replicated leaves of 4 KiB "
+        f"({asy['state_bytes'] / report.MiB:.1f} MiB): blocked "
+        f"{asy['blocked_s']:.3f} s (caller thread CPU "
+        f"{asy['caller_cpu_s']:.3f} s), until finished {asy['total_s']:.3f} s,"
+        f" extra peak RSS {asy['extra_rss'] / report.MiB:.1f} MiB "
+        f"({asy['extra_rss'] / asy['state_bytes']:.2f}x the state)")
+  out = {"preset": preset["name"], "runs": args.runs, "sync": sync,
+         "async": asy, "machine": report.machine(),
+         "command": report.command("scripts.bench_small_leaves", argv)}
+  out_path = args.out or os.path.join(presets.ROOT, "out", "bench",
+                                      "small_leaves.json")
+  report.write(out_path, out)
+  print(f"wrote {out_path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
