@@ -325,8 +325,11 @@ def worker(conf: dict[str, Any]) -> None:
 
   profile = _Profile(conf["profile"] if pid == 0 else None,
                      jax.process_count())
+  threads0 = thread_cpu()
   with profile.of("save"):
     saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
+  threads = {k: (v - threads0.get(k, 0.0)) / conf["saves"]
+             for k, v in thread_cpu().items()}
 
   restores = []
   for r in range(conf["restores"]):
@@ -366,10 +369,33 @@ def worker(conf: dict[str, Any]) -> None:
   together()
   local_cluster.write_result({
       "process": pid, "leaves": len(jax.tree_util.tree_leaves(state)),
-      "first_save": first_save, "saves": saves,
+      "first_save": first_save, "saves": saves, "thread_cpu": threads,
       "restores": restores,
       "empty_barrier_s": statistics.median(empty),
       "kv_set_s": statistics.median(kv)})
+
+
+def thread_cpu() -> dict[str, float]:
+  """CPU seconds of this process's threads so far, summed by thread name
+  (``/proc/self/task/*/comm``: "python" for Python's own threads, the
+  native pools by theirs); empty where there is no /proc."""
+  out: dict[str, float] = {}
+  tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+  try:
+    tasks = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  for t in tasks:
+    try:
+      with open(f"/proc/self/task/{t}/comm") as f:
+        name = f.read().strip()
+      with open(f"/proc/self/task/{t}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+      continue  # the thread ended meanwhile
+    name = name.rstrip("0123456789-_.:")  # one name per pool
+    out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+  return out
 
 
 # ---- the driver ---------------------------------------------------------------
@@ -441,6 +467,12 @@ def summarize(n: int, results: list[dict]) -> dict[str, Any]:
     row[prefix + "planned_leaves"] = max(p["planned_leaves"] for op in ops
                                          for p in op)
   row["cpu_per_process_s"] = row["save_cpu_s"] / n
+  # Per save, the mean over the processes, by thread name (the largest).
+  names = {k for r in results for k in r.get("thread_cpu", {})}
+  by_thread = {k: _mean([r.get("thread_cpu", {}).get(k, 0.0)
+                         for r in results]) for k in names}
+  row["thread_cpu_s"] = dict(sorted(by_thread.items(),
+                                    key=lambda kv: -kv[1])[:8])
   row["floor_over_empty"] = (row["barrier_floor_s"] / max(row["barriers"], 1)
                              / max(row["empty_barrier_ms"] / 1e3, 1e-9))
   return row
@@ -484,7 +516,11 @@ def table(rows: list[dict]) -> str:
           "Per-process cost of a save, the 1st and the 2nd and later "
           "(seconds; plan, coord, write: mean over processes; index, "
           "tiling: process 0's; save: the slowest process):", "",
-          markdown(PER_PROCESS_COLUMNS, rows)]
+          markdown(PER_PROCESS_COLUMNS, rows), "",
+          "CPU seconds per save and process (mean), by thread name:", ""]
+  text += [f"- N={r['processes']}, {r['leaves']} leaves: " + ", ".join(
+      f"{k} {v:.3f}" for k, v in r.get("thread_cpu_s", {}).items())
+           for r in rows]
   for leaves in sorted({r["leaves"] for r in rows}):
     text += _ratios([r for r in rows if r["leaves"] == leaves])
   return "\n".join(text)

@@ -53,6 +53,22 @@ def test_bench_train(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_bench_small_leaves(tmp_path):
+  out = tmp_path / "small.json"
+  stdout = _run("bench_small_leaves", "--preset", "smoke", "--runs", "1",
+                "--async-leaves", "20", "--out", str(out),
+                "--dir", str(tmp_path / "ckpts"))
+  assert "CPU us/leaf" in stdout and "caller thread CPU" in stdout
+  report = json.loads(out.read_text())
+  assert set(report["sync"]) == {"plain", "rawpack", "ckpt"}
+  for fig in report["sync"].values():
+    assert fig["cpu_s"] > 0 and fig["wall_s"] > 0 and fig["cpu_us_per_leaf"] > 0
+  asy = report["async"]
+  assert 0 < asy["blocked_s"] <= asy["total_s"]
+  assert 0 < asy["caller_cpu_s"] and asy["state_bytes"] == 20 * 4096
+
+
+@pytest.mark.timeout(240)
 def test_bench_read_once(tmp_path):
   out = tmp_path / "ro.json"
   stdout = _run("bench_read_once", "--read-once-scale", "1",
