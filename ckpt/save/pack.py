@@ -215,20 +215,36 @@ def host_boxes(plan: Any, writes: list,
   """Stage 3 for a pack's boxes: every device-to-host copy started, then
   each box on the host (ckpt/save/staging.py), safe to join into its pack
   after the caller is released (a host numpy leaf copied unless
-  ``plan.borrow``). ``plan``: a leaves.SavePlan; ``shards``: the save's
-  ShardLookup (one per call if None)."""
+  ``plan.borrow``). A box of a CPU device buffer in its stored dtype is a
+  view of it, taken at once (``ShardLookup.view``). ``plan``: a
+  leaves.SavePlan; ``shards``: the save's ShardLookup (one per call if
+  None)."""
   shards = shards or staging.ShardLookup()
-  pieces = []
+  out: list[Any] = []
+  pending = []  # (position, piece): copies started, landed below
+  dtypes: dict[str, np.dtype] = {}
   for w in writes:
     leaf = plan.leaves[w.leaf]
     try:
       src = leaf.source
-      pieces.append(shards.piece(src, w) if isinstance(src, jax.Array)
-                    else staging._device_piece(leaf, w))
+      if staging.is_array(src):
+        name = leaf.entry.dtype
+        dtype = dtypes.get(name) or dtypes.setdefault(name, np.dtype(name))
+        view = shards.view(src, w, dtype)
+        if view is not None:
+          out.append(view)
+          continue
+        piece = shards.piece(src, w)
+      else:
+        piece = staging._device_piece(leaf, w)
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
           f"{w.box.start}..{w.box.stop} to the host failed (was the array "
           f"deleted or donated before save() returned?): {e}") from e
-  return [staging.host_box(plan.leaves[w.leaf], w, piece, plan.borrow)
-          for w, piece in zip(writes, pieces)]
+    pending.append((len(out), piece))
+    out.append(None)
+  for i, piece in pending:
+    w = writes[i]
+    out[i] = staging.host_box(plan.leaves[w.leaf], w, piece, plan.borrow)
+  return out

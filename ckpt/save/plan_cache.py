@@ -37,22 +37,15 @@ import numpy as np
 from ckpt.multihost import process as multihost
 from ckpt.format import prng
 from ckpt.save import leaves as leaves_lib
+from ckpt.save import staging
 from ckpt.format import tree
 
 _SCALARS = (bool, int, float, str, bytes)
 
 
-# Leaf types known to be jax.Arrays: ``isinstance(x, jax.Array)`` goes
-# through jax's metaclass, a few us a leaf; a dict lookup by type does not.
-_ARRAY_TYPES: set[type] = set()
-
-
 def _signature(x: Any):
   """What the plan of leaf ``x`` depends on, or None: not cacheable."""
-  if type(x) in _ARRAY_TYPES:
-    return (jax.Array, x.shape, x.dtype, x.sharding)
-  if isinstance(x, jax.Array):
-    _ARRAY_TYPES.add(type(x))
+  if staging.is_array(x):
     return (jax.Array, x.shape, x.dtype, x.sharding)
   if isinstance(x, np.ndarray):
     return (np.ndarray, x.shape, x.dtype)
