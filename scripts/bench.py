@@ -31,7 +31,6 @@ from memory. ``--evict`` asks the kernel to drop the checkpoint's own pages
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -237,10 +236,7 @@ def targets(figures: dict[str, dict], budget: int | None,
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split("\n\n", 1)[1])
+  parser = report.arg_parser(__doc__)
   workers.add_flags(parser)
   parser.add_argument("--ops", default=None,
                       help=f"comma-separated, from {','.join(OPS)} (default: "

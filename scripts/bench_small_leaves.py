@@ -23,7 +23,6 @@ against the state's bytes.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -118,10 +117,7 @@ def async_figures(preset: dict, leaves: int, root: str, runs: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split("\n\n", 1)[1])
+  parser = report.arg_parser(__doc__)
   parser.add_argument("--preset", default="small_leaves_10k")
   parser.add_argument("--async-leaves", type=int, default=5000)
   parser.add_argument("--runs", type=int, default=5)

@@ -29,7 +29,6 @@ first round's restores are checked bit for bit, outside the timing.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -108,10 +107,7 @@ def run_protocol(name: str, path: str, preset, state, targets,
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split("\n\n", 1)[1])
+  parser = report.arg_parser(__doc__)
   parser.add_argument("--preset", default="leaves64_f32_1g",
                       help="a name in configs/ or a path to a JSON preset")
   parser.add_argument("--rounds", type=int, default=3)

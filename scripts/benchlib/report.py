@@ -9,6 +9,7 @@ of dicts, and ``write`` saves the report with the machine and the command.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -110,3 +111,12 @@ def write(path: str | os.PathLike, report: dict[str, Any]) -> None:
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(report, indent=1, default=str))
+
+
+def arg_parser(doc: str) -> argparse.ArgumentParser:
+  """A benchmark's parser: its module docstring's first paragraph as the
+  description, the rest (usage, what it measures) as the epilog."""
+  return argparse.ArgumentParser(
+      description=doc.split("\n\n")[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog=doc.split("\n\n", 1)[1])
