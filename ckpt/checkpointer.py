@@ -12,8 +12,8 @@ re-raised by the next ``save``, ``wait_until_finished`` or ``close``.
 Every collective call (save, restore, restore_async, delete, cancel)
 starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
-The bodies of the larger calls are in ckpt/calls_save.py,
-ckpt/calls_inflight.py, ckpt/calls_restore.py and ckpt/calls_lifecycle.py.
+The bodies of the larger calls are in ckpt/face/calls_save.py,
+ckpt/face/calls_inflight.py, calls_restore.py and calls_lifecycle.py.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from ckpt.multihost import process as multihost
 from ckpt.save import plan_cache
 from ckpt.save import schedule as schedule_lib
 from ckpt.save import reuse as reuse_lib
-from ckpt import calls_inflight
-from ckpt import calls_lifecycle
-from ckpt import calls_restore
-from ckpt import calls_save
-from ckpt import queries
+from ckpt.face import calls_inflight
+from ckpt.face import calls_lifecycle
+from ckpt.face import calls_restore
+from ckpt.face import calls_save
+from ckpt.face import queries
 from ckpt.restore import handle as handle_lib
 from ckpt.restore import readonce
 from ckpt.store import storemeter

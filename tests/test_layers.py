@@ -19,9 +19,13 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ckpt"
 
 # Lowest first. save and restore share a floor and never import each other.
 FLOORS = [("errors",), ("store",), ("format",), ("shards",), ("multihost",),
-          ("commit",), ("save", "restore"), ("top",), ("tiers",), ("cli",)]
+          ("commit",), ("save", "restore"), ("top",), ("face",), ("public",),
+          ("tiers",),
+          ("cli",)]
 FLOOR = {wing: i for i, wings in enumerate(FLOORS) for wing in wings}
 FACE = {"ckpt", "ckpt.__main__"}  # the public face may gather every wing
+# The public classes at the top of ckpt/, built from the parts in ckpt/face/.
+PUBLIC = {"ckpt.checkpointer"}
 MAX_LINES = 500
 
 
@@ -36,6 +40,8 @@ def wing(module: str) -> str:
   parts = module.split(".")
   if module == "ckpt.errors":
     return "errors"
+  if module in PUBLIC:
+    return "public"
   if len(parts) == 2 or module in FACE:
     return "top"
   return parts[1]

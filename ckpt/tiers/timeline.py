@@ -22,8 +22,8 @@ from absl import logging
 
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
-from ckpt import queries
-from ckpt.calls_save import refusal
+from ckpt.face import queries
+from ckpt.face.calls_save import refusal
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 

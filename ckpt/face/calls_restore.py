@@ -32,8 +32,8 @@ from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.calls_save import size_text
-from ckpt.queries import UNKNOWN
+from ckpt.face.calls_save import size_text
+from ckpt.face.queries import UNKNOWN
 
 # A listing this recent (seconds) is reused by a resume's choice of step;
 # a step committed by another job in the meantime is seen by the next one.

@@ -20,7 +20,7 @@ from absl import logging
 from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.multihost import process as multihost
-from ckpt import queries
+from ckpt.face import queries
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          StoreTimeoutError, WaitTimeoutError)
 

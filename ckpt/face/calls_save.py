@@ -29,7 +29,7 @@ from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
 from ckpt.save import polite
-from ckpt import queries
+from ckpt.face import queries
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from ckpt.save import write as save_lib
