@@ -25,7 +25,7 @@ FLOORS = [("errors",), ("store",), ("format",), ("shards",), ("multihost",),
 FLOOR = {wing: i for i, wings in enumerate(FLOORS) for wing in wings}
 FACE = {"ckpt", "ckpt.__main__"}  # the public face may gather every wing
 # The public classes at the top of ckpt/, built from the parts in ckpt/face/.
-PUBLIC = {"ckpt.checkpointer"}
+PUBLIC = {"ckpt.checkpointer", "ckpt.query_calls"}
 MAX_LINES = 500
 
 

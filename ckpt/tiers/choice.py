@@ -25,7 +25,7 @@ def choose(mt, step: int | None, target_leaves,
   it holds no local step, so every process takes the same decision.
   ``persistent_only``: the restore options the local tier does not take
   (then only the persistent tier's steps can be chosen)."""
-  key = multihost.call_key(mt.local._key_base, "choose")  # pylint: disable=protected-access
+  key = mt.local.call_key("choose")
   try:  # a collective round of the persistent tier, on every process
     p_steps = mt.persistent.all_steps()
   except CheckpointError:
@@ -90,7 +90,7 @@ def choose(mt, step: int | None, target_leaves,
   out = multihost.agree(
       key, json.dumps({"own": usable["own"], "partner": usable["partner"],
                        "why": usable["why"]}), decide,
-      timeout_s=mt._timeout_s, what="the tier and step to restore")
+      timeout_s=mt.local.timeout_s, what="the tier and step to restore")
   mt.local.settle_keys(key)  # the keys of the calls before go
   return json.loads(out)
 

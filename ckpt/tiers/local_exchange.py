@@ -1,6 +1,6 @@
 """The bounds of the local tier's partner exchange (ckpt/tiers/local_tier.py):
-``_Budget``, the bytes a save stages on the host for its writer thread, and
-``_wait_ready``, which waits for the arrays a ``ppermute`` with every process
+``Budget``, the bytes a save stages on the host for its writer thread, and
+``wait_ready``, which waits for the arrays a ``ppermute`` with every process
 makes at most ``barrier_timeout_s`` (BarrierTimeoutError past it).
 """
 
@@ -14,7 +14,7 @@ from ckpt.errors import BarrierTimeoutError
 
 # ---- a byte budget for the caller and the writer thread ------------------------
 
-class _Budget:
+class Budget:
   """Bytes staged on the host and not yet written. An item larger than the
   budget waits until nothing else is held, then proceeds alone."""
 
@@ -44,7 +44,7 @@ class _Budget:
       self._cv.notify_all()
 
 
-def _wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
+def wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
   """Returns once every array is ready; BarrierTimeoutError at
   ``deadline`` (time.monotonic()): a process did not join the collective
   that makes them."""

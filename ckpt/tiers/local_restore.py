@@ -19,7 +19,7 @@ from absl import logging
 import jax
 
 from ckpt.multihost import process as multihost
-from ckpt.tiers.local_exchange import _wait_ready
+from ckpt.tiers.local_exchange import wait_ready
 from ckpt.tiers.local_leaves import (_check_shardings, _host_value, _place,
                                      _restore_plan, _target_sig)
 from ckpt.tiers.local_manifest import _mismatch
@@ -144,9 +144,8 @@ class RestoreMixin:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
       if not mine:
-        host_bytes = multihost._wait_for_key(  # pylint: disable=protected-access
-            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
-            f"{key}/host/{lay.dst[lay.pid]}", self.timeout_s,
+        host_bytes = multihost.read_post(
+            f"{key}/host", lay.dst[lay.pid], self.timeout_s,
             "this process's host values from its partner")
     own_host = host["own"] if mine else host_bytes
     values = msgpack.unpackb(own_host, raw=False)
@@ -173,7 +172,7 @@ class RestoreMixin:
       outs = lay.permute(stacked, inverse=True)
       # Bounded as the save's exchange: a peer that passed the round and
       # then never joins holds no one past barrier_timeout_s.
-      _wait_ready(outs, time.monotonic() + self.timeout_s, self.timeout_s,
+      wait_ready(outs, time.monotonic() + self.timeout_s, self.timeout_s,
                   f"the partner exchange of local restore step {step}")
       for (name, _), o in zip(batch, outs):
         if not mine:

@@ -23,7 +23,7 @@ import numpy as np
 from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
-from ckpt.tiers.local_exchange import _wait_ready
+from ckpt.tiers.local_exchange import wait_ready
 from ckpt.tiers.local_leaves import _prepare_leaves, flatten
 from ckpt.tiers.local_manifest import _DATA_FILES, FORMAT, VERSION, _index
 from ckpt.tiers.local_steps import _remove
@@ -37,12 +37,10 @@ class SaveMixin:
 
   # -- save --
 
-  def wait(self) -> None:
-    fut, self._fut = self._fut, None
-    if fut is not None:
-      fut.result()
-
-  def save(self, step: int, state: Any, host_state: Any = None) -> None:
+  def save(self, step: int, state: Any, host_state: Any = None,
+           newest: bool = False) -> None:
+    """Collective: saves ``step`` to every process's local directory
+    (``newest``: the job's newest step, see ``_retain``)."""
     # The key first: a failure below on one process (the previous save's
     # too) goes into the round, so no later key drifts.
     key = multihost.call_key(self._key_base, "save", step)
@@ -97,8 +95,10 @@ class SaveMixin:
     # this process's writer to give budget back.
     q: queue.Queue = queue.Queue()
     failed = threading.Event()
-    self._fut = self._pool.submit(self._write, step, key, work, manifest, q,
-                                  failed, files, own_host, src, t0)
+    if newest:
+      self._newest_saved = step
+    self._start_writer(self._write, step, key, work, manifest, q, failed,
+                       files, own_host, src, t0)
     stats = {"step": step, "own_bytes": plan["own_bytes"],
              "partner_bytes": plan["partner_bytes"]}
     try:
@@ -260,7 +260,7 @@ class SaveMixin:
           continue
         if kind == "wait":  # also after a failure: was it abandoned?
           try:
-            _wait_ready(*data)
+            wait_ready(*data)
           except BarrierTimeoutError as e:
             lost = e
             error = error or e
@@ -285,9 +285,8 @@ class SaveMixin:
       if error is None:
         partner_host = b""
         if self.layout.n > 1:  # posted before the round: no wait
-          partner_host = multihost._wait_for_key(  # pylint: disable=protected-access
-              multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
-              f"{key}/host/{src}", self.timeout_s,
+          partner_host = multihost.read_post(
+              f"{key}/host", src, self.timeout_s,
               f"the host values of process {src} for the local tier")
         for f in files.values():
           f.flush()

@@ -145,7 +145,7 @@ class StepsMixin:
     restore can use (a host and its partner lost), and go too. Without it
     (the class alone): the highest steps are kept."""
     steps = self.committed_steps()
-    head = getattr(self, "_newest_saved", None)
+    head = self._newest_saved
     above = []
     if head in steps:
       above = [s for s in steps if s > head]

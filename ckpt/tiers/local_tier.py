@@ -70,6 +70,7 @@ budget, the bounded wait for the partner exchange).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import os
@@ -77,7 +78,8 @@ from typing import Any
 
 from ckpt.multihost import process as multihost
 from ckpt.tiers import partner
-from ckpt.tiers.local_exchange import _Budget
+from ckpt.face import loop as loop_lib
+from ckpt.tiers.local_exchange import Budget
 from ckpt.tiers.local_restore import RestoreMixin
 from ckpt.tiers.local_save import SaveMixin
 from ckpt.tiers.local_steps import StepsMixin
@@ -108,14 +110,18 @@ class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
     self.pid = multihost.process_index()
     self.dir = os.path.join(self.root, f"process_{self.pid}")
     os.makedirs(self.dir, exist_ok=True)
-    self.budget = _Budget(concurrent_bytes)
+    self.budget = Budget(concurrent_bytes)
     self.timeout_s = barrier_timeout_s
     # The same on every process (never hash(): it is salted per process).
     self._key_base = "local-" + hashlib.sha1(
         os.fspath(directory).encode()).hexdigest()[:16]
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="ckpt-local")
+    # The writer of a save runs on this tier's own background loop (the
+    # one concurrency model, ckpt/face/loop.py), one save at a time.
+    self._loop = loop_lib.BackgroundLoop("LocalTier", name="ckpt-local")
     self._fut: concurrent.futures.Future | None = None
+    # The step saved last as the job's newest (retention keeps it, and
+    # removes the steps above it: MultiTierCheckpointer.save refused them).
+    self._newest_saved: int | None = None
     self._layout: partner.Layout | None = None
     self._round_keys: list[str] = []  # deleted at the next round
     self._broken = ""  # why this process saves no more (an abandoned exchange)
@@ -129,6 +135,38 @@ class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
       # which every process calls.
       self._layout = partner.Layout(self._key_base, self.timeout_s)
     return self._layout
+
+  def _start_writer(self, fn, *args) -> None:
+    """Runs ``fn(*args)`` (a save's writer) in the background."""
+    self._fut = self._loop.submit(asyncio.to_thread(fn, *args))
+
+  def wait(self) -> None:
+    """The save in flight ends; its failure is raised (once)."""
+    fut, self._fut = self._fut, None
+    if fut is not None:
+      fut.result()
+
+  def running(self) -> bool:
+    """True while the last save's writer has not finished."""
+    fut = self._fut
+    return fut is not None and not fut.done()
+
+  def finish_within(self, timeout: float) -> bool:
+    """Whether the save in flight (if any) ends within ``timeout``
+    seconds; its failure is left for ``wait``."""
+    fut = self._fut
+    if fut is None:
+      return True
+    done, _ = concurrent.futures.wait([fut], timeout)
+    return bool(done)
+
+  def close(self) -> None:
+    """Waits for the writer, then stops the background loop."""
+    def before_stop():
+      fut = self._fut
+      if fut is not None:
+        concurrent.futures.wait([fut])
+    self._loop.close(before_stop)
 
   def call_key(self, name: str) -> str:
     """The coordination key of this tier's next collective call ``name``

@@ -12,7 +12,6 @@ docs/multi-tier.md): which step a save may write, and ``delete``.
   step; if anything failed anywhere, every process puts its local step
   back and all raise the same error.
 """
-# pylint: disable=protected-access
 
 from __future__ import annotations
 
@@ -20,10 +19,9 @@ import json
 
 from absl import logging
 
-from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
-from ckpt.face import queries
-from ckpt.face.calls_save import refusal
+from ckpt.face import rounds as rounds_lib
+from ckpt.face.saver import refusal
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 
@@ -35,10 +33,10 @@ def check(mt, step: int, prepare=None) -> None:
   above ``step`` (of this run) or its own failure (the previous local
   save's, say, or one of ``prepare()``, the save's own preparation);
   process 0 adds the persistent tier's and decides."""
-  key = multihost.call_key(mt.local._key_base, "timeline")
+  key = mt.local.call_key("timeline")
   newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
   try:  # what can fail on one process alone goes into the round
-    step = queries.check_step(step)
+    step = rounds_lib.check_step(step)
     if prepare is not None:
       prepare()
     mt.local.wait()  # the previous local save: its failure, its commit
@@ -46,7 +44,7 @@ def check(mt, step: int, prepare=None) -> None:
     dst, n = mt.local.layout.dst, mt.local.layout.n
   except Exception as e:  # pylint: disable=broad-except
     error = e
-  err = _describe(error)
+  err = rounds_lib.describe(error)
 
   def decide(posts: dict[int, str]) -> str:
     got, failed = _read_posts(key, posts)
@@ -58,7 +56,8 @@ def check(mt, step: int, prepare=None) -> None:
     # at this save's retention.
     local = sorted(complete(got, dst, n))
     try:
-      persistent = _persistent_newer(mt, step, fresh=bool(local))
+      persistent = mt.persistent.known_steps.newer_than(
+          step, fresh=bool(local))
     except Exception as e:  # pylint: disable=broad-except
       return json.dumps({"failed": {0: (
           f"listing the persistent tier {mt.persistent.storage.url!r}: "
@@ -67,7 +66,7 @@ def check(mt, step: int, prepare=None) -> None:
 
   out = json.loads(multihost.agree(
       key, json.dumps({**newer, "error": err}), _safe(decide),
-      timeout_s=mt._timeout_s,
+      timeout_s=mt.local.timeout_s,
       what=f"whether step {step} can be saved (newer committed steps)"))
   if "failed" in out:  # the same error on every process, the failed too
     raise CheckpointError(
@@ -97,8 +96,8 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
     if s <= step:
       continue
     try:
-      m = mt.local._manifest(s)
-      why = mt.local._foreign(m)
+      m = mt.local.manifest(s)
+      why = mt.local.foreign(m)
     except CorruptCheckpointError as e:
       why = str(e)
     if why:  # never restored, removed by the next save
@@ -111,46 +110,25 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
   return out
 
 
-def _persistent_newer(mt, step: int, fresh: bool) -> list[int]:
-  """Process 0: the persistent tier's committed steps above ``step``, and
-  the step of its save in flight if above. No I/O when its Checkpointer
-  knows that none is (``_newest_bound``: the saves it committed since its
-  last listing); listed when one may be, or ``fresh`` (the local tier has
-  one: the message names them all), so a refusal rests on a listing."""
-  p = mt.persistent
-  deadline = p._query_deadline()
-  if not fresh and deadline_lib.call(deadline, p._newest_bound) <= step:
-    return []
-  with p._lock:
-    fut, flying = p._inflight, p._inflight_step
-  newer = [s for s in deadline_lib.call(deadline, p._committed_now)
-           if s > step]
-  if fut is not None and not fut.done() and flying is not None and (
-      flying > step):
-    newer = sorted({*newer, flying})
-  return newer
-
-
 def delete(mt, step: int) -> None:
   """MultiTierCheckpointer.delete (see its docstring)."""
-  key = multihost.call_key(mt.local._key_base, "delete")
+  key = mt.local.call_key("delete")
   given, hidden, error = step, None, None
   try:  # what can fail on one process alone goes into the round
-    step = queries.check_step(step)
+    step = rounds_lib.check_step(step)
     mt.local.wait()  # a local save in flight commits first
     hidden = mt.local.hide_step(step)
   except Exception as e:  # pylint: disable=broad-except
     error = e
-  err = _describe(error)
+  err = rounds_lib.describe(error)
 
   def decide(posts: dict[int, str]) -> str:
     got, failed = _read_posts(key, posts)
     if failed:
       return json.dumps({"failed": failed})
     local = [p for p, g in got.items() if g["hidden"]]
-    p = mt.persistent
     try:
-      deadline_lib.call(p._query_deadline(), p._delete_step, step)
+      mt.persistent.known_steps.delete(step)
       persistent = True
     except CheckpointNotFoundError as e:
       persistent, why = False, str(e)
@@ -167,7 +145,7 @@ def delete(mt, step: int) -> None:
   try:
     out = json.loads(multihost.agree(
         key, json.dumps({"hidden": hidden is not None, "error": err}),
-        _safe(decide), timeout_s=mt._timeout_s,
+        _safe(decide), timeout_s=mt.local.timeout_s,
         what=f"deleting step {given!r}"))
   except BaseException:
     if hidden is not None:
@@ -196,8 +174,7 @@ def delete(mt, step: int) -> None:
     mt.local.drop_hidden(hidden)
   logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
                "process(es) %s)", step, out["persistent"], out["local"])
-  mt.persistent._metrics_cache.pop(step, None)
-  mt.persistent._time_cache.pop(step, None)
+  mt.persistent.known_steps.deleted(step)
 
 
 def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
@@ -231,11 +208,6 @@ def _forget_previous(key: str) -> None:
   base, _, n = key.rpartition("/")
   if n.isdigit() and int(n) > 0:
     multihost.forget(f"{base}/{int(n) - 1}")
-
-
-def _describe(error: BaseException | None) -> str | None:
-  """What a process posts of its own failure in a round."""
-  return None if error is None else f"{type(error).__name__}: {error}"[:2000]
 
 
 def _read_posts(key: str, posts: dict[int, str]) -> tuple[dict, dict]:

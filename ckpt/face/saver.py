@@ -1,17 +1,19 @@
 """The save of a Checkpointer, from its agreement round to its commit.
 
-``SaveCalls`` holds the bodies of ``Checkpointer.save`` and what it needs on
-process 0: the refusal of a step lower than the newest committed one (the
-bound kept without a listing, ``_newest_bound``), the fresh attempt made in
-the save round, the deadlines of a save and of a query, the save's run on the
-background loop (ckpt/save/runner.py) and the cleanup of abandoned attempts
-that runs alongside it. A mixin of ``ckpt.Checkpointer``: it uses the
-Checkpointer's fields, made in its ``__init__``.
+``Saver`` owns what a save needs besides the save in flight: the save's
+options, the plan cache (the last save's plan, reused while the state keeps
+its layout), the chunks reused from the last committed step, the leases seen
+by cleanups, the stats of the last save. ``save`` is the body of
+``Checkpointer.save`` after its schedule said yes: the agreement round (in
+which process 0 refuses a step lower than the newest committed one and makes
+a fresh attempt), then the save's run on the background loop
+(ckpt/save/runner.py) and the cleanup of abandoned attempts alongside it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -20,61 +22,79 @@ from absl import logging
 
 from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
+from ckpt.commit import lease as lease_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import deletion
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import known as known_lib
+from ckpt.face import loop as loop_lib
+from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
+from ckpt.save import leaves as save_leaves
+from ckpt.save import plan_cache
 from ckpt.save import polite
-from ckpt.face import queries
-from ckpt.commit import records
+from ckpt.save import reuse as reuse_lib
 from ckpt.store import storage as storage_lib
 from ckpt.save import write as save_lib
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
-from ckpt.errors import CheckpointError
-
-_UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 
 
-class SaveCalls:
-  """The save of ``ckpt.Checkpointer`` (a mixin; see the module docstring)."""
+@dataclasses.dataclass(frozen=True)
+class SaveSettings:
+  """A Checkpointer's save options (see its docstring)."""
+  options: save_leaves.SaveOptions
+  concurrent_bytes: int
+  async_save: bool
+  partitioner: Callable | None
+  lease_s: float
+  clock: Callable[[], Any]
 
-  def _save(self, step: int, state: Any, **kwargs) -> bool:
-    """The body of ``Checkpointer.save`` (see its docstring); a close()
-    begun meanwhile on another thread waits for it (calls_lifecycle.py)."""
-    step = queries.check_step(step)
-    try:
-      self._enter_save(step)
-    except CheckpointError as e:
-      entered = e  # told to every process in the save round
-    else:
-      entered = None
-    try:
-      return self._save_entered(step, state, entered, **kwargs)
-    finally:
-      if entered is None:
-        self._leave_save()
 
-  def _save_entered(self, step: int, state: Any,
-                    refused: CheckpointError | None, *,
+class Saver:
+  """The saves of one Checkpointer (see the module docstring)."""
+
+  def __init__(self, settings: SaveSettings, storage: storage_lib.Storage,
+               reuser: reuse_lib.Reuser, rounds: rounds_lib.Rounds,
+               known: known_lib.KnownSteps,
+               inflight: inflight_lib.InFlightSave,
+               loop: loop_lib.BackgroundLoop,
+               lease_seen: Callable[[], lease_lib.Sightings]):
+    self.settings = settings
+    self.storage = storage
+    self._context = storage.context()
+    self._reuser = reuser
+    self._rounds = rounds
+    self._known = known
+    self._inflight = inflight
+    self._loop = loop
+    self._plan_cache = plan_cache.PlanCache()
+    self._lease_seen = lease_seen  # the Checkpointer's (it may replace it)
+    self.last_save_stats = save_lib.SaveStats()
+
+  def forget_plan(self) -> None:
+    """The next save plans afresh (not from the cached plan)."""
+    self._plan_cache.clear()
+
+  def save(self, step: int, state: Any,
+           refused: Exception | None, check: Callable[[], None], *,
                     metrics: dict | None = None,
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
                     custom_metadata: dict | None = None,
                     progress: Any = None) -> bool:
-    if not force and not self._should_save(step, agreed=True):
-      # should_save decided from agreed facts only (no I/O and no round,
-      # but for its one first-step round). A skip does not wait for the
-      # save in flight either, so its failure comes from the next save that
-      # writes (the same one on every process).
-      return False
+    """The save of ``step`` the schedule accepted; ``refused``: this
+    process refuses it (a close begun), ``check()``: this process's own
+    checks (open, no restore in flight). Their failure joins the round."""
     # The key first: whatever fails below on one process goes into the
     # round, so every process raises and no later key drifts.
-    key = multihost.call_key(self._key_base, "save", step)
+    key = self._rounds.key("save", step)
     coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
     plan, host_files, values, error, plan_s = None, {}, [], None, 0.0
@@ -85,19 +105,18 @@ class SaveCalls:
     try:
       if refused is not None:
         raise refused
-      self._check_open()
-      self._check_no_pending_restore(f"save({step})")
-      self._wait_for_save()  # the previous save's failure, if any
+      check()
+      self._inflight.wait()  # the previous save's failure, if any
       metrics = save_extras.check_metrics(metrics)
       custom = save_extras.check_custom_metadata(custom_metadata)
       state = tree.transformed(state, transforms)
       host_files, claim = save_extras.host_state_files(
           host_state, multihost.process_index(), multihost.process_count())
       t_plan = time.perf_counter()
-      plan, planned = self._plan_cache.plan(state, self._options,
-                                            self.partitioner)
+      plan, planned = self._plan_cache.plan(state, self.settings.options,
+                                            self.settings.partitioner)
       plan_s = time.perf_counter() - t_plan
-      plan.borrow = not self.async_save
+      plan.borrow = not self.settings.async_save
       values = agreement.host_values(plan.leaves)
       report = progress_lib.reporter(
           progress, f"ckpt save step {step}",
@@ -107,9 +126,8 @@ class SaveCalls:
     started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self.barrier_timeout_s, host_claim=claim)
-    self._has_checkpoint = True  # agreed: committed already, or about to be
-    self._last_saved = step
+        timeout_s=self._rounds.barrier_s, host_claim=claim)
+    self._known.saved(step)  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
@@ -118,28 +136,26 @@ class SaveCalls:
     attempt = finalize.Attempt(
         step=step, key=key, token=decision.token,
         work_dir=steps_lib.work_dir(self.storage, step, decision.token),
-        timeout_s=self.barrier_timeout_s, lease_s=self.lease_s,
+        timeout_s=self._rounds.barrier_s, lease_s=self.settings.lease_s,
         host_states=decision.value)
     stats = save_lib.SaveStats(step=step, plan_s=plan_s,
                                planned_leaves=planned)
     self.last_save_stats = stats
     staged = threading.Event()
-    fut = asyncio.run_coroutine_threadsafe(progress_lib.reported(
+    fut = self._loop.submit(progress_lib.reported(
         deadline_lib.bounded(
             self._save_async(attempt, plan, metrics, host_files, stats,
                              staged, t0, coord0, custom),
-            started[0] if started else self._save_deadline(step)),
-        report, lambda: stats.bytes_written), self._loop)
-    with self._lock:
-      self._inflight, self._inflight_step = fut, step
-      self._attempt = attempt
-    if self.async_save:
+            started[0] if started else self._rounds.save_deadline(step)),
+        report, lambda: stats.bytes_written))
+    self._inflight.start(fut, step, attempt)
+    if self.settings.async_save:
       staged.wait()
       stats.blocking_s = time.perf_counter() - t0
       if fut.done():
-        self._wait_for_save()
+        self._inflight.wait()
     else:
-      self._wait_for_save()
+      self._inflight.wait()
       stats.blocking_s = stats.total_s
     return True
 
@@ -151,13 +167,14 @@ class SaveCalls:
     A step lower than the newest committed one is refused here
     (``agreement.SaveRefused``, raised on every process), before anything
     is written: see ``save``."""
-    deadline = self._save_deadline(step)
+    deadline = self._rounds.save_deadline(step)
     started.append(deadline)
+    retention = self._known.retention
     with deadline_lib.scope(deadline):
-      newest = self._newest_bound()
-      damaged = self._retention.damaged()  # a resume fell back past them
+      newest = self._known.newest_bound()
+      damaged = retention.damaged()  # a resume fell back past them
       if newest > step:  # confirmed by a fresh listing (then refused)
-        steps = self._committed_now()
+        steps = self._known.committed_now()
         newer = [s for s in steps if s > step and s not in damaged]
         if newer:  # committed or not, it would not be the step resumed
           raise agreement.SaveRefused(refusal(step, newer,
@@ -167,73 +184,15 @@ class SaveCalls:
         logging.warning("ckpt: replacing step %d in %s, which failed "
                         "verification when this job resumed", step,
                         self.storage.url)
-        cleanup_lib.remove(self.storage, storage_lib.step_dirname(step))
-        self._retention.set_damaged(damaged - {step})
+        cleanup_lib.remove(self.storage, names_lib.step_dirname(step))
+        retention.set_damaged(damaged - {step})
       elif steps_lib.is_committed(self.storage, step):
         return None
       token = multihost.unique_token()
-      commit_lib.prepare(self.storage, step, token, self.lease_s,
-                         self.lease_seen)
-      self._newest, self._after_commit = _UNKNOWN, max(newest, step)
+      commit_lib.prepare(self.storage, step, token, self.settings.lease_s,
+                         self._lease_seen())
+      self._known.will_commit(step, newest)
       return token
-
-  def _newest_bound(self) -> int:
-    """Process 0: a step that no committed step is above, the save in
-    flight counted (-1: none). No I/O once known: from the last listing
-    and the saves committed since; listed when unknown (a fresh
-    Checkpointer, a failed save, ``delete``, ``reload``). On an object
-    store whose commit records are not complete yet, the migration that
-    the save's prepare makes anyway comes first, so the one listing of the
-    whole root is not made twice."""
-    with self._lock:
-      flying = self._inflight is not None and not self._inflight.done()
-      flying_step = self._inflight_step if flying else -1
-    known = self._after_commit if flying else self._newest
-    if known is not _UNKNOWN:
-      return known
-    if not self.storage.is_posix and not records.records_complete(
-        self.storage):
-      try:
-        steps_lib._ensure_records(self.storage)  # pylint: disable=protected-access
-      except CheckpointError as e:
-        logging.warning("ckpt: could not make the commit records of %s "
-                        "complete: %s", self.storage.url, e)
-    steps = self._committed_now()
-    return max(steps[-1] if steps else -1, flying_step)
-
-  def _committed_now(self) -> list[int]:
-    """Process 0: the committed steps, listed now; their newest is noted
-    when no save is in flight (one in flight commits on the background
-    thread, and notes its step then)."""
-    with self._lock:
-      idle = self._inflight is None or self._inflight.done()
-    steps = steps_lib.committed_steps(self.storage)
-    self._listed = (list(steps), time.monotonic())
-    if (not steps and not self._said_no_root and self.storage.is_posix and
-        not self.storage.root.exists()):  # a typo in the path shows here
-      self._said_no_root = True
-      logging.info("ckpt: no checkpoint directory %s: starting from scratch",
-                   self.storage.url)
-    if idle:
-      with self._lock:
-        idle = self._inflight is None or self._inflight.done()
-        if idle:
-          damaged = self._retention.damaged()
-          self._newest = max((s for s in steps if s not in damaged),
-                             default=-1)
-    return steps
-
-  def _save_deadline(self, step: int, doing: str = "writing step {} to"
-                     ) -> deadline_lib.Deadline | None:
-    """The deadline of saving (or deleting) ``step``, from now."""
-    return deadline_lib.Deadline.start(
-        self.save_timeout_s, "save_timeout_s",
-        f"{doing.format(step)} {self.storage.url!r}")
-
-  def _query_deadline(self) -> deadline_lib.Deadline | None:
-    """The deadline of a query, from now; the store call in flight names
-    the operation ("listing the steps of 's3://...'")."""
-    return deadline_lib.Deadline.start(self.query_timeout_s, "query_timeout_s")
 
   async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
                         host_files: dict[int, bytes],
@@ -242,8 +201,9 @@ class SaveCalls:
                         coord0: coordination.CoordinationStats,
                         custom: str | None = None) -> None:
     cleanup = None
-    self._task = asyncio.current_task()  # what cancel() cancels
-    if self.async_save:  # the training job's cores first (ckpt/save/polite.py)
+    self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
+    async_save = self.settings.async_save
+    if async_save:  # the training job's cores first (ckpt/save/polite.py)
       polite.lower_tensorstore_threads()
     try:
       if multihost.process_index() == 0:
@@ -251,13 +211,14 @@ class SaveCalls:
         # (one listing of the root, or of pending/ on a bucket; never when a
         # Checkpointer opens: a reader must not delete anything).
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
-            asyncio.to_thread(self._remove_abandoned, attempt.work_dir))
+            asyncio.to_thread(self.remove_abandoned, attempt.work_dir))
       try:
         reuse = self._reuser.begin(plan, attempt.step, attempt.token,
                                    attempt.work_dir)
         await finalize.run_save(attempt, plan, self.storage, self._context,
-                                self.concurrent_bytes, metrics, host_files,
-                                stats, staged.set, clock=self._clock,
+                                self.settings.concurrent_bytes, metrics,
+                                host_files, stats, staged.set,
+                                clock=self.settings.clock,
                                 custom_metadata=custom, reuse=reuse)
       except BaseException:
         # A failed save (its tiling found wrong, say) is planned afresh
@@ -265,14 +226,9 @@ class SaveCalls:
         self._plan_cache.clear()
         raise
       _log_saved(attempt.step, self.storage.url, stats,
-                 time.perf_counter() - t0, self.async_save)
-      self._committed_save = attempt.step
+                 time.perf_counter() - t0, async_save)
       self._reuser.committed(reuse)  # the next save compares with it
-      if multihost.process_index() == 0:
-        self._newest = self._after_commit  # committed: the newest known
-        self._metrics_cache[attempt.step] = dict(metrics)
-        self._time_cache.pop(attempt.step, None)  # read from the new index
-        self._retention.start(attempt.step)
+      self._known.committed(attempt.step, metrics)
     finally:
       if cleanup is not None:
         await asyncio.gather(cleanup, return_exceptions=True)
@@ -284,20 +240,21 @@ class SaveCalls:
       stats.coordination_s = coord.seconds
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 
-  def _remove_abandoned(self, own: str) -> None:
+  def remove_abandoned(self, own: str) -> None:
     reasons: dict[str, str] = {}
     # The steps our retention deletes while we list, or after: their
     # half-deleted leftovers are its to finish, not abandoned.
-    deleting = self._retention.deleting()
+    retention = self._known.retention
+    deleting = retention.deleting()
     try:
-      names = cleanup_lib.abandoned(self.storage, self.lease_s, reasons,
-                                    self.lease_seen)
+      names = cleanup_lib.abandoned(self.storage, self.settings.lease_s, reasons,
+                                    self._lease_seen())
     except Exception as e:  # pylint: disable=broad-except
       logging.warning("ckpt: could not look for abandoned saves in %s: %s",
                       self.storage.url, e)
       return
-    deleting |= self._retention.deleting()
-    busy = {storage_lib.step_dirname(s) for s in deleting}
+    deleting |= retention.deleting()
+    busy = {names_lib.step_dirname(s) for s in deleting}
     for name in names:
       if name == own or name.split(".tmp-del-")[0] in busy or (
           deletion.parse_name(name) in deleting):

@@ -1,57 +1,100 @@
 """The restore of a Checkpointer, and the agreement rounds of its reads.
 
-``RestoreCalls`` holds the body of ``Checkpointer.restore`` (the agreed
-choice of the step, the read on the background loop, then the read-once
-exchange on the caller's thread, ckpt/restore/readonce.py), and the read
-round that restore and the queries share (``_agreed``: process 0 answers
-within ``query_timeout_s``, every process gets the answer). Its reads stall
-at most ``query_timeout_s`` (ckpt/store/deadline.py). A mixin of
-``ckpt.Checkpointer``: it uses the Checkpointer's fields, made in its
-``__init__``.
+``Restorer`` owns what a restore needs: its options (``restore_dtype``,
+``read_once``, the byte budget), the restore in flight (``restore_async``'s
+handle), the rounds of read-once lazy leaves, the stats and step of the last
+restore. ``restore`` is the body of ``Checkpointer.restore``: the agreed
+choice of the step (one read round, ckpt/face/rounds.py), the read on the
+background loop, then the read-once exchange on the caller's thread
+(ckpt/restore/readonce.py), and a resume's fall back past a damaged step.
+Its reads stall at most ``query_timeout_s`` (ckpt/store/deadline.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
+import dataclasses
 import os
 import time
 
 from absl import logging
-from typing import Any, Callable
+from typing import Any
 
 
-from ckpt.multihost import agreement
 from ckpt.commit import steps as steps_lib
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import known as known_lib
+from ckpt.face import loop as loop_lib
+from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import progress as progress_lib
+from ckpt.store import storemeter
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.restore import job as job_lib
+from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.face.calls_save import size_text
-from ckpt.face.queries import UNKNOWN
-
-# A listing this recent (seconds) is reused by a resume's choice of step;
-# a step committed by another job in the meantime is seen by the next one.
-RECENT_LISTING_S = 10.0
+from ckpt.face.saver import size_text
 
 
-class RestoreCalls:
-  """The restore of ``ckpt.Checkpointer`` (a mixin; see the module
-  docstring)."""
+@dataclasses.dataclass(frozen=True)
+class RestoreSettings:
+  """A Checkpointer's restore options (see its docstring)."""
+  restore_dtype: Any
+  read_once: bool | None
+  concurrent_bytes: int
+  storage_options: dict | None
 
-  def _restore(self, step, target, path, transforms, fallback_state, lazy,
-               verify, read_once, read_key, key, t_start, meter,
-               progress=None):
-    """The body of ``Checkpointer.restore``."""
-    job = self._begin(step, target, path, transforms, fallback_state, lazy,
-                      verify, read_once, read_key, key, t_start, meter,
-                      progress)
-    return self._complete(job, self._start_reads(job), None)
+
+class Restorer:
+  """The restores of one Checkpointer (see the module docstring)."""
+
+  def __init__(self, settings: RestoreSettings,
+               storage: storage_lib.Storage, rounds: rounds_lib.Rounds,
+               known: known_lib.KnownSteps,
+               inflight: inflight_lib.InFlightSave,
+               loop: loop_lib.BackgroundLoop):
+    self.settings = settings
+    self.storage = storage
+    self._context = storage.context()
+    self._rounds = rounds
+    self._known = known
+    self._inflight = inflight
+    self._loop = loop
+    self.last_restore_stats = readonce.RestoreStats()
+    self.last_restore_step: int | None = None  # whose data came back
+    self._readonce_key: str | None = None  # the last read-once restore's
+    # Read-once lazy leaves' rounds (made by the first restore needing them).
+    self._lazy_rounds: readonce.LazyRounds | None = None
+    self._pending: handle_lib.RestoreHandle | None = None
+
+  def restore(self, step, options: dict, start: bool = False) -> Any:
+    """The body of ``Checkpointer.restore`` (``start``: of
+    ``restore_async``, returning its handle); ``options``: its keywords
+    (target, path, transforms, fallback_state, lazy, verify, read_once,
+    progress)."""
+    # Both keys first: nothing below may shift them on one process only.
+    read_key = self._rounds.read_key()
+    key = self._rounds.key("readonce")  # every restore
+    t_start = time.perf_counter()
+    meter = storemeter.Meter()  # bytes fetched from the store, this process
+    args = (step, options["target"], options["path"], options["transforms"],
+            options["fallback_state"], options["lazy"], options["verify"],
+            options["read_once"], read_key, key, t_start, meter,
+            options["progress"])
+    if start:
+      return self._restore_async(*args)
+    with meter:
+      job = self._begin(*args)
+      return self._complete(job, self._start_reads(job), None)
+
+  def cancel_pending(self, why: str) -> None:
+    """close(): a restore_async whose result() was not taken is cancelled."""
+    pending = self._pending
+    if pending is not None and not pending.finished:
+      pending.cancel(why)
 
   def _restore_async(self, step, target, path, transforms, fallback_state,
                      lazy, verify, read_once, read_key, key, t_start, meter,
@@ -76,19 +119,19 @@ class RestoreCalls:
 
     def cancel():
       if not fut.done():
-        self._run(job_lib.cancelled(job))
+        self._loop.run(job_lib.cancelled(job))
       self._release(job)
 
     h = handle_lib.RestoreHandle(finish, fut, cancel,
                                  lambda: meter.__exit__(None, None, None),
                                  f"restore_async of step {job.step}")
-    self._pending_restore = h
+    self._pending = h
     return h
 
-  def _check_no_pending_restore(self, call: str) -> None:
+  def check_no_pending(self, call: str) -> None:
     """save/restore while a restore_async's result() has not been taken:
     refused, on every process alike (each made the same calls)."""
-    h = self._pending_restore
+    h = self._pending
     if h is not None and not h.finished:
       raise CheckpointError(
           f"{call} refused: {h.what} is in flight; call its result() "
@@ -100,25 +143,25 @@ class RestoreCalls:
              progress=None) -> "job_lib.RestoreJob":
     """The agreed choice of the step (one round, on every process)."""
     if isinstance(read_once, str) and read_once == "default":
-      read_once = self.read_once
+      read_once = self.settings.read_once
     step_arg = step
     storage, error, report = self.storage, None, None
     try:  # this process's own checks; a failure joins the round below
-      self._check_open()
-      self._check_no_pending_restore("restore")
+      self._loop.check_open()
+      self.check_no_pending("restore")
       readonce.min_replicas(read_once, "")  # validates it
       report = progress_lib.reporter(
           progress, "ckpt restore", lambda: job_lib.target_bytes(target))
       if path is not None:
-        storage = storage_lib.Storage(path, self._storage_options)
+        storage = storage_lib.Storage(path, self.settings.storage_options)
     except Exception as e:  # pylint: disable=broad-except
       error = e
-    self._settle()
+    self._inflight.settle()
     t_find = time.perf_counter()
     if path is not None:
       # Processes may each read their own copy (a path on a local disk):
       # then each finds its own step directory.
-      step_dir = self._agreed(
+      step_dir = self._rounds.agreed(
           f"restore(path=..., step={step!r}, read_once={read_once!r}, "
           f"store={readonce.storage_kind(storage.url)})",
           lambda: restore_lib.locate_path(storage, step),
@@ -126,7 +169,7 @@ class RestoreCalls:
           where=storage.url, key=read_key, error=error)
       is_resuming, protected = False, None
     else:
-      step, step_dir, is_resuming = self._agreed(
+      step, step_dir, is_resuming = self._rounds.agreed(
           f"restore(step={step!r}, read_once={read_once!r})",
           lambda: self._choose_step(step),
           f"the step to restore from {self.storage.url!r}", key=read_key,
@@ -152,7 +195,7 @@ class RestoreCalls:
                    f"{job.step_dir!r}")
     job.stats = readonce.RestoreStats(read_once=job.read_once)
     job.stats.find_s = job.find_s if job.attempt == 0 else 0.0
-    job.counter = readonce.ReadCounter()
+    job.counter = readcount.ReadCounter()
     self.last_restore_stats = job.stats
     # With read-once on (agreed: the same on every process), a process that
     # fails must say so before the others start an exchange it never joins.
@@ -161,30 +204,31 @@ class RestoreCalls:
     if job.lazy:  # the leaves' later reads count here; read once: collectives
       if job.rounds and self._lazy_rounds is None:
         self._lazy_rounds = readonce.LazyRounds(f"{job.run_key}-lazy",
-                                                self.barrier_timeout_s)
+                                                self._rounds.barrier_s)
       lazy_reads = readonce.LazyReads(
           job.counter, job.stats, self._lazy_rounds if job.rounds else None,
           name=f"restore {job.run_key}", meter=job.meter,
-          deadline=lambda: self._read_deadline(job.storage, job.reading))
+          deadline=lambda: self._rounds.read_deadline(job.storage.url,
+                                                      job.reading))
     guard = keepalive = None
     if job.lazy and job.path is None:
       guard = steps_lib.guard(job.storage, job.step)
       if job.protected is not None:  # the step outlives this call
-        keepalive = self._retention.keepalive(job.step)
+        keepalive = self._known.retention.keepalive(job.step)
     args = restore_lib.RestoreArgs(
-        target=job.target, restore_dtype=self.restore_dtype,
+        target=job.target, restore_dtype=self.settings.restore_dtype,
         transforms=job.transforms, fallback_state=job.fallback_state,
         lazy=job.lazy, is_resuming=job.is_resuming, verify=job.verify,
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
     reads = job_lib.tracked(job, deadline_lib.bounded(
-        readonce.counted(restore_lib.restore(
-            job.storage, job.step_dir, args, self.concurrent_bytes,
+        readcount.counted(restore_lib.restore(
+            job.storage, job.step_dir, args, self.settings.concurrent_bytes,
             self._context, job.stats), job.counter),
-        self._read_deadline(job.storage, job.reading)))
-    fut = asyncio.run_coroutine_threadsafe(progress_lib.reported(
-        reads, job.report, lambda: job.counter.bytes_read), self._loop)
+        self._rounds.read_deadline(job.storage.url, job.reading)))
+    fut = self._loop.submit(progress_lib.reported(
+        reads, job.report, lambda: job.counter.bytes_read))
     stats = job.stats
 
     def done(_):  # when the reads ended, whenever result() is called
@@ -215,7 +259,7 @@ class RestoreCalls:
         try:
           multihost.all_ok(f"{job.run_key}/outcome", error,
                            f"restore of step {job.step}",
-                           self.barrier_timeout_s)
+                           self._rounds.barrier_s)
         finally:
           job.stats.rounds_s += time.perf_counter() - t
       if job.may_fall_back:
@@ -225,7 +269,7 @@ class RestoreCalls:
         job.stats.rounds_s += time.perf_counter() - t
         if older is not None:
           job.damaged.append(job.step)
-          self._retention.set_damaged(job.damaged)
+          self._known.retention.set_damaged(job.damaged)
           job.step, job.step_dir = older
           if multihost.process_index() == 0:
             job.protected = job.step  # _fallback_round protected it
@@ -251,7 +295,7 @@ class RestoreCalls:
 
   def _release(self, job: "job_lib.RestoreJob") -> None:
     if job.protected is not None:
-      self._retention.release(job.protected)
+      self._known.retention.release(job.protected)
       job.protected = None
 
   def _finish_step(self, job: "job_lib.RestoreJob", fut) -> Any:
@@ -265,7 +309,7 @@ class RestoreCalls:
       if rounds:
         sums = multihost.all_ok(
             f"{key}/{i}", e, f"restore from {job.step_dir!r}",
-            self.barrier_timeout_s, tally=job.meter.value)
+            self._rounds.barrier_s, tally=job.meter.value)
         if sums:
           stats.fetched_bytes_all = sum(sums.values())
     t = time.perf_counter()
@@ -287,11 +331,11 @@ class RestoreCalls:
       # The exchange: collectives on this (the caller's) thread; the reads
       # of each batch on the background thread.
       result = readonce.finish(
-          result, lambda batch: self._run(deadline_lib.bounded(
-              readonce.counted(restore_lib.read_parts(
-                  batch, self.concurrent_bytes), counter),
-              self._read_deadline(job.storage, job.reading))),
-          self.concurrent_bytes, stats, check)
+          result, lambda batch: self._loop.run(deadline_lib.bounded(
+              readcount.counted(restore_lib.read_parts(
+                  batch, self.settings.concurrent_bytes), counter),
+              self._rounds.read_deadline(job.storage.url, job.reading))),
+          self.settings.concurrent_bytes, stats, check)
       return result
     finally:
       stats.finish_s += time.perf_counter() - t
@@ -312,30 +356,32 @@ class RestoreCalls:
     corrupt = isinstance(error, CorruptCheckpointError) or (
         isinstance(error, CheckpointError) and
         "CorruptCheckpointError" in str(error))  # another's, via all_ok
-    post = json.dumps(["corrupt" if corrupt else "error" if error else "ok",
-                       "" if error is None else str(error)[:2000]])
+    verdict = (rounds_lib.Verdict.CORRUPT if corrupt else
+               rounds_lib.Verdict.ERROR if error else rounds_lib.Verdict.OK)
+    post = [verdict.value, "" if error is None else str(error)[:2000]]
+    retention = self._known.retention
 
-    def decide(posts: dict[int, str]) -> str:
-      got = {p: json.loads(v) for p, v in sorted(posts.items())}
-      bad = [(p, g[1]) for p, g in got.items() if g[0] == "corrupt"]
+    def decide(got: dict[int, list]) -> dict:
+      bad = [(p, g[1]) for p, g in got.items()
+             if g[0] == rounds_lib.Verdict.CORRUPT]
       if not bad:
-        failed = {p: g[1] for p, g in got.items() if g[0] == "error"}
-        return json.dumps({"failed": failed} if failed else {})
+        failed = {p: g[1] for p, g in got.items()
+                  if g[0] == rounds_lib.Verdict.ERROR}
+        return {"failed": failed} if failed else {}
       p, why = bad[0]
       try:
-        older = [s for s in self._committed_now() if s < step]
+        older = [s for s in self._known.committed_now() if s < step]
         choice = None
         if older:
           choice = older[-1]
-          self._retention.protect(choice)
+          retention.protect(choice)
           choice = [choice, steps_lib.step_dir(self.storage, choice)]
       except Exception as e:  # pylint: disable=broad-except
         choice, why = None, f"{why}; and no older step could be chosen: {e}"
-      return json.dumps({"process": p, "why": why, "older": choice})
+      return {"process": p, "why": why, "older": choice}
 
-    out = json.loads(multihost.agree(
-        key, post, decide, timeout_s=self.barrier_timeout_s,
-        what=f"whether step {step} verified on every process"))
+    out = self._rounds.agree(
+        key, post, decide, f"whether step {step} verified on every process")
     if not out:
       return None
     if "failed" in out:  # every process ends alike
@@ -358,69 +404,18 @@ class RestoreCalls:
         self.storage.url, out["process"], out["why"], older)
     return older, older_dir
 
-  def _read_deadline(self, storage: storage_lib.Storage, what: str
-                     ) -> deadline_lib.Deadline | None:
-    """The bound of a restore's reads of ``what`` ("step 5"):
-    ``query_timeout_s`` without progress (ckpt/store/deadline.py), however
-    long the reads take."""
-    return deadline_lib.Deadline.start(
-        self.query_timeout_s, "query_timeout_s",
-        f"reading {what} from {storage.url!r}")
-
-  def _recent_steps(self) -> list[int] | None:
-    """Process 0: the committed steps of a listing made in the last
-    ``RECENT_LISTING_S`` seconds (a restarted job's ``latest_step()`` just
-    before its ``restore()``), if its newest step is still committed (one
-    stat or record GET instead of a listing) and no save or deletion of
-    this Checkpointer changed the newest since; else None."""
-    got = self._listed
-    if got is None or time.monotonic() - got[1] > RECENT_LISTING_S:
-      return None
-    steps = got[0]
-    if not steps or (self._newest is not UNKNOWN and
-                     self._newest != steps[-1]):
-      return None
-    with self._lock:
-      if self._inflight is not None and not self._inflight.done():
-        return None
-    return steps if steps_lib.is_committed(self.storage, steps[-1]) else None
-
   def _choose_step(self, step: int | None) -> list:
     """Process 0: [step, its directory, whether it is the latest], with the
     step protected from retention until the restore ends. A resume uses a
     listing made just before (``_recent_steps``): one listing per resume."""
-    steps = (self._recent_steps() if step is None else None) or (
-        self._committed_now())
+    steps = (self._known.recent_steps() if step is None else None) or (
+        self._known.committed_now())
     step = restore_lib.resolve_step(self.storage, step, steps)
-    self._retention.protect(step)
+    retention = self._known.retention
+    retention.protect(step)
     try:
       step_dir = steps_lib.step_dir(self.storage, step)  # gone if deleted meanwhile
     except BaseException:
-      self._retention.release(step)
+      retention.release(step)
       raise
     return [step, step_dir, step == steps[-1]]
-
-  def _agreed(self, request: str, answer: Callable[[], Any], what: str,
-              where: str = "", *, key: str | None = None,
-              error: BaseException | None = None) -> Any:
-    """``answer()`` computed once by process 0, within the query bound
-    (``query_timeout_s``); every process gets it.
-
-    The call's key is taken before anything of the call can fail (``key``:
-    taken by the caller already). ``error``: this process's own checks
-    failed (a closed Checkpointer, a bad argument or path); the failure
-    joins the round, so every process raises and later calls keep their
-    keys (agreement.read_round)."""
-    if key is None:
-      key = self._read_key()
-
-    def bounded() -> Any:
-      return deadline_lib.call(self._query_deadline(), answer)
-    return agreement.read_round(
-        key, request, bounded, timeout_s=self.barrier_timeout_s, what=what,
-        where=where, local_error=error)
-
-  def _read_key(self) -> str:
-    """The key of the next read round (restore, the queries); taken before
-    anything of the call can fail (multihost.call_key)."""
-    return multihost.call_key(self._key_base, "read")
