@@ -20,9 +20,9 @@ import jax
 
 from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import wait_ready
-from ckpt.tiers.local_leaves import (_check_shardings, _host_value, _place,
-                                     _restore_plan, _target_sig)
-from ckpt.tiers.local_manifest import _mismatch
+from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
+                                     restore_plan, target_sig)
+from ckpt.tiers.local_manifest import mismatch
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
 
@@ -50,18 +50,18 @@ class RestoreMixin:
     if target_leaves is not None:
       tsig = {}
       for name, t in target_leaves:
-        sig = _target_sig(t)
+        sig = target_sig(t)
         if sig is not None:
           tsig[name] = sig
         elif getattr(t, "sharding", None) is None:
           unsharded.add(name)
     for s in reversed(self.committed_steps()):
       try:
-        m = self._manifest(s)
+        m = self.manifest(s)
       except CorruptCheckpointError as e:
         skip(f"{e}; step skipped")
         continue
-      why = self._foreign(m)
+      why = self.foreign(m)
       if why:
         skip(f"local step {s} is not restored: {why}")
         continue
@@ -78,7 +78,7 @@ class RestoreMixin:
         # Host values are placed from the host copy, on any sharding.
         hosts = set(m.get("host_names", ()))
         sig = {n: v for n, v in (tsig or {}).items() if n not in hosts}
-        why = _mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
+        why = mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
         flat = sorted(n for n in unsharded if n in m[part])
         if flat and not why:
           why = (f"leaves {flat[:4]} have no sharding in the target (the "
@@ -116,17 +116,17 @@ class RestoreMixin:
     send_partner = lay.src[lay.pid] in need_partner
     host, own, replica, error, plans = {}, None, None, None, {}
     try:  # everything that can fail on this process alone, before the round
-      m = self._manifest(step) if (mine or send_partner) else None
+      m = self.manifest(step) if (mine or send_partner) else None
       if m is not None:
         with open(os.path.join(base, "host.msgpack"), "rb") as f:
           host = msgpack.unpackb(f.read(), raw=False)
       # What a Checkpointer refuses for this target (dtype, shape, keys, a
       # sharding that cannot hold the leaf), from the saved leaves this
       # process holds (its own, its partner's), before the round.
-      _check_shardings(target_leaves)  # on every process
+      check_shardings(target_leaves)  # on every process
       for part, run in (("own", mine), ("partner", send_partner)):
         if run:
-          plans[part] = _restore_plan(
+          plans[part] = restore_plan(
               msgpack.unpackb(host[part], raw=False), target_leaves,
               self.restore_dtype, f"local step {step} ({part})")
       if mine:
@@ -151,7 +151,7 @@ class RestoreMixin:
     values = msgpack.unpackb(own_host, raw=False)
     # Checked before the round, by this process or, on these same bytes, by
     # the partner that sent them: the same plan on every process.
-    plan = plans["own"] if mine else _restore_plan(
+    plan = plans["own"] if mine else restore_plan(
         values, target_leaves, self.restore_dtype, f"local step {step}")
     out = {}
     arrays = [(n, t) for n, t in target_leaves if plan[n].kind == "array"]
@@ -177,7 +177,7 @@ class RestoreMixin:
       for (name, _), o in zip(batch, outs):
         if not mine:
           got = {s.device: s.data for s in o.addressable_shards}
-          out[name] = _place(plan[name], [got[d][0] for d in lay.local],
+          out[name] = place(plan[name], [got[d][0] for d in lay.local],
                              lay.local)
       batch.clear()
 
@@ -192,13 +192,13 @@ class RestoreMixin:
         batch_bytes += nb
       if mine:
         imap = p.sharding.devices_indices_map(p.logical)
-        out[name] = _place(p, [own[name]["index"](p.box(imap[d]))
+        out[name] = place(p, [own[name]["index"](p.box(imap[d]))
                                for d in lay.local], lay.local)
         read += own[name]["bytes"]
     flush()
     for name, _ in target_leaves:  # host values: local, after the exchange
       if plan[name].kind != "array":
-        out[name] = _host_value(plan[name])
+        out[name] = host_value(plan[name])
     self.last_restore_stats = {"step": step, "from_partner": not mine,
                                "total_s": time.perf_counter() - t0}
     return out, values.get("host_state")

@@ -24,9 +24,9 @@ from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
 from ckpt.tiers.local_exchange import wait_ready
-from ckpt.tiers.local_leaves import _prepare_leaves, flatten
-from ckpt.tiers.local_manifest import _DATA_FILES, FORMAT, VERSION, _index
-from ckpt.tiers.local_steps import _remove
+from ckpt.tiers.local_leaves import prepare_leaves, flatten
+from ckpt.tiers.local_manifest import DATA_FILES, FORMAT, VERSION, box_index
+from ckpt.tiers.local_steps import remove_step
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
@@ -56,7 +56,7 @@ class SaveMixin:
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
-      arrays, host_vals, info = _prepare_leaves(flatten(state)[0],
+      arrays, host_vals, info = prepare_leaves(flatten(state)[0],
                                                 self.save_dtype, lay.devs)
       manifest["host_names"] = sorted(host_vals)
       own_host = msgpack.packb({"host_state": host_state, "values": host_vals,
@@ -129,7 +129,7 @@ class SaveMixin:
     plan = self._plan(arrays, manifest)
     try:
       os.makedirs(work)
-      for fname in _DATA_FILES.values():
+      for fname in DATA_FILES.values():
         files[fname] = open(os.path.join(work, fname), "wb")
     except OSError as e:
       raise CheckpointError(
@@ -163,7 +163,7 @@ class SaveMixin:
       seen: dict[tuple, int] = {}
       for d in lay.local:
         s = shards[d]
-        idx = _index(s.index, shape)
+        idx = box_index(s.index, shape)
         if idx not in seen:
           seen[idx] = len(entry["shards"])
           nb = int(np.prod(s.data.shape)) * itemsize
@@ -180,7 +180,7 @@ class SaveMixin:
       try:
         ss = tuple(arr.sharding.shard_shape(shape))
         imap = arr.sharding.devices_indices_map(shape)
-        boxes = [_index(imap[d], shape) for d in src_devs]
+        boxes = [box_index(imap[d], shape) for d in src_devs]
       except (ValueError, KeyError) as e:
         raise CheckpointError(
             f"leaf {name}: the local tier sends each process's shards to its "
@@ -297,7 +297,7 @@ class SaveMixin:
         storage_lib.write_file(os.path.join(work, "host.msgpack"), host)
         manifest["files"] = {"host.msgpack": len(host)}
         manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
-        for part, fname in _DATA_FILES.items():
+        for part, fname in DATA_FILES.items():
           size = 0
           for e in manifest[part].values():
             for sh in e["shards"]:
@@ -347,7 +347,7 @@ class SaveMixin:
                             f"{sorted(failures)}: {failures}")
     final = os.path.join(self.dir, f"step_{step}")
     if os.path.exists(final):  # saved again: the old one goes first
-      _remove(final, self.dir, step)
+      remove_step(final, self.dir, step)
     os.rename(work, final)
     commit_lib.fsync_dir(self.dir)
     self.last_save_stats["total_s"] = time.perf_counter() - t0

@@ -3,7 +3,7 @@ process: ``StepsMixin`` lists the committed ``step_<N>`` directories, reads
 and validates their manifests, verifies their files' sizes and crc32c,
 removes steps of another run and leftovers of crashed saves, applies
 retention, and hides / restores / drops a step for
-``MultiTierCheckpointer.delete``; ``_remove`` renames a step away before it
+``MultiTierCheckpointer.delete``; ``remove_step`` renames a step away before it
 deletes it.
 """
 
@@ -19,7 +19,7 @@ from absl import logging
 
 from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
-from ckpt.tiers.local_manifest import (_DATA_FILES, MAX_MANIFEST_BYTES,
+from ckpt.tiers.local_manifest import (DATA_FILES, MAX_MANIFEST_BYTES,
                                        check_manifest)
 from ckpt.errors import CorruptCheckpointError
 
@@ -40,7 +40,7 @@ class StepsMixin:
       return []
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
 
-  def _manifest(self, step: int) -> dict:
+  def manifest(self, step: int) -> dict:
     """The validated manifest of ``step`` (this process's); raises
     CorruptCheckpointError naming the file, what was expected and found."""
     path = os.path.join(self.dir, f"step_{step}", "manifest.json")
@@ -63,7 +63,7 @@ class StepsMixin:
     check_manifest(m, step, self.pid, path)
     return m
 
-  def _foreign(self, m: dict) -> str:
+  def foreign(self, m: dict) -> str:
     """Why a valid manifest belongs to another run ('' if it is ours)."""
     lay = self.layout
     if m["owner"] != self.owner:
@@ -81,14 +81,14 @@ class StepsMixin:
     never restored, and retention must not keep them over this run's."""
     for s in self.committed_steps():
       try:
-        why = self._foreign(self._manifest(s))
+        why = self.foreign(self.manifest(s))
       except CorruptCheckpointError as e:
         why = str(e)
       if why:
         path = os.path.join(self.dir, f"step_{s}")
         logging.info("ckpt: local tier removes %s: %s", path, why)
         try:
-          _remove(path, self.dir, s)
+          remove_step(path, self.dir, s)
         except OSError as e:
           logging.warning("ckpt: local tier could not remove %s: %s", path, e)
 
@@ -97,7 +97,7 @@ class StepsMixin:
     has the size and every shard the crc32c its manifest records; else why
     (naming the file, what was expected and what was found)."""
     base = os.path.join(self.dir, f"step_{step}")
-    fname = "host.msgpack" if part is None else _DATA_FILES[part]
+    fname = "host.msgpack" if part is None else DATA_FILES[part]
     path = os.path.join(base, fname)
     want = m["files"][fname]
     try:
@@ -152,7 +152,7 @@ class StepsMixin:
       steps = [s for s in steps if s <= head]
     for s in above + steps[:-self.keep]:
       try:
-        _remove(os.path.join(self.dir, f"step_{s}"), self.dir, s)
+        remove_step(os.path.join(self.dir, f"step_{s}"), self.dir, s)
       except OSError as e:
         logging.warning("ckpt: local tier could not delete step %d: %s", s, e)
 
@@ -191,7 +191,7 @@ class StepsMixin:
         shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
 
-def _remove(path: str, parent: str, step: int) -> None:
+def remove_step(path: str, parent: str, step: int) -> None:
   """Renames a committed step away first, so it is never half-deleted."""
   gone = os.path.join(parent, f"step_{step}.del-{multihost.unique_token()}")
   os.rename(path, gone)

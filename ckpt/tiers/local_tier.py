@@ -51,8 +51,8 @@ newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse
 ``ppermute``.
 
-Leaves mean what they mean to a ``Checkpointer`` (``_prepare_leaves``,
-``_restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
+Leaves mean what they mean to a ``Checkpointer`` (``prepare_leaves``,
+``restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
 casts of floating leaves (with numpy, so both tiers hold the same bits),
 typed PRNG keys stored as key data with their implementation, arrays one
 process holds whole (an uncommitted ``jnp.asarray(10)``) as host values, and
