@@ -1,5 +1,5 @@
 """The restore path of the local tier (ckpt/tiers/local_tier.py):
-``RestoreMixin.usable`` says which local steps this process can serve for a
+``LocalRestorer.usable`` says which local steps this process can serve for a
 target (posted in MultiTierCheckpointer's round), ``restore`` reads this
 process's part of the chosen step, or gets it back from its partner with the
 inverse ``ppermute``, onto the target's shardings; ``_all_ok`` ends every
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -19,18 +20,27 @@ from absl import logging
 import jax
 
 from ckpt.multihost import process as multihost
-from ckpt.tiers.local_exchange import wait_ready
+from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
 from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
                                      restore_plan, target_sig)
 from ckpt.tiers.local_manifest import mismatch
+from ckpt.tiers.local_steps import LocalSteps
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
 
 
-class RestoreMixin:
+class LocalRestorer:
   """LocalTier's restore: what this process can serve, and the restore."""
 
-  # -- restore --
+  def __init__(self, steps: LocalSteps, rounds: TierRounds, budget: Budget,
+               restore_dtype: Any):
+    self._steps = steps
+    self._rounds = rounds
+    self.budget = budget
+    # As the persistent tier's (Checkpointer restore_dtype): floating
+    # leaves cast after they are read.
+    self.restore_dtype = restore_dtype
+    self.last_restore_stats: dict = {}
 
   def usable(self, target_leaves, verify=lambda step: True) -> dict:
     """What this process can serve: local steps whose manifest is valid and
@@ -38,7 +48,7 @@ class RestoreMixin:
     partner replica match the target's shardings and, for the steps
     ``verify(step)`` names, whose files have the recorded sizes and crc32c.
     Local only (no collective): the caller posts the result in a round."""
-    lay = self.layout
+    lay = self._rounds.layout
     out = {"own": [], "partner": [], "why": ""}
     whys = []
 
@@ -55,13 +65,14 @@ class RestoreMixin:
           tsig[name] = sig
         elif getattr(t, "sharding", None) is None:
           unsharded.add(name)
-    for s in reversed(self.committed_steps()):
+    steps = self._steps
+    for s in reversed(steps.committed_steps()):
       try:
-        m = self.manifest(s)
+        m = steps.manifest(s)
       except CorruptCheckpointError as e:
         skip(f"{e}; step skipped")
         continue
-      why = self.foreign(m)
+      why = steps.foreign(m)
       if why:
         skip(f"local step {s} is not restored: {why}")
         continue
@@ -92,8 +103,8 @@ class RestoreMixin:
           why = f"step {s}: {why}"
         elif verify(s):
           if host_bad is None:
-            host_bad = self._verify(s, m, None)
-          why = host_bad or self._verify(s, m, part)
+            host_bad = steps.verify(s, m, None)
+          why = host_bad or steps.verify(s, m, part)
           if why:
             which = ("its own part" if part == "own" else
                      f"the replica of process {proc}")
@@ -108,15 +119,15 @@ class RestoreMixin:
   def restore(self, step: int, target_leaves, need_partner: list[int]):
     """Collective: this process's arrays of ``step`` onto the target's
     shardings (same topology as the save); {name: value}, host_state."""
-    key = multihost.call_key(self._key_base, "restore", step)
+    key = self._rounds.call_key("restore", step)
     t0 = time.perf_counter()
-    lay = self.layout
-    base = os.path.join(self.dir, f"step_{step}")
+    lay = self._rounds.layout
+    base = os.path.join(self._steps.dir, f"step_{step}")
     mine = lay.pid not in need_partner
     send_partner = lay.src[lay.pid] in need_partner
     host, own, replica, error, plans = {}, None, None, None, {}
     try:  # everything that can fail on this process alone, before the round
-      m = self.manifest(step) if (mine or send_partner) else None
+      m = self._steps.manifest(step) if (mine or send_partner) else None
       if m is not None:
         with open(os.path.join(base, "host.msgpack"), "rb") as f:
           host = msgpack.unpackb(f.read(), raw=False)
@@ -138,14 +149,14 @@ class RestoreMixin:
     # A process that cannot read what it checked before the choice (the
     # files changed since) makes every process raise, before the exchange.
     _all_ok(f"{key}/read", error, f"local restore of step {step}",
-            self.timeout_s)
-    self.settle_keys(key)
+            self._rounds.timeout_s)
+    self._rounds.settle_keys(key)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
       if not mine:
         host_bytes = multihost.read_post(
-            f"{key}/host", lay.dst[lay.pid], self.timeout_s,
+            f"{key}/host", lay.dst[lay.pid], self._rounds.timeout_s,
             "this process's host values from its partner")
     own_host = host["own"] if mine else host_bytes
     values = msgpack.unpackb(own_host, raw=False)
@@ -172,7 +183,8 @@ class RestoreMixin:
       outs = lay.permute(stacked, inverse=True)
       # Bounded as the save's exchange: a peer that passed the round and
       # then never joins holds no one past barrier_timeout_s.
-      wait_ready(outs, time.monotonic() + self.timeout_s, self.timeout_s,
+      timeout_s = self._rounds.timeout_s
+      wait_ready(outs, time.monotonic() + timeout_s, timeout_s,
                   f"the partner exchange of local restore step {step}")
       for (name, _), o in zip(batch, outs):
         if not mine:
