@@ -363,10 +363,10 @@ class Restorer:
 
     def decide(got: dict[int, list]) -> dict:
       bad = [(p, g[1]) for p, g in got.items()
-             if g[0] == rounds_lib.Verdict.CORRUPT]
+             if g[0] == rounds_lib.Verdict.CORRUPT.value]
       if not bad:
         failed = {p: g[1] for p, g in got.items()
-                  if g[0] == rounds_lib.Verdict.ERROR}
+                  if g[0] == rounds_lib.Verdict.ERROR.value}
         return {"failed": failed} if failed else {}
       p, why = bad[0]
       try:

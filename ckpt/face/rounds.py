@@ -47,8 +47,8 @@ class Timeouts:
     return deadline_lib.Deadline.start(self.query_s, "query_timeout_s")
 
 
-class Verdict(str, enum.Enum):
-  """What one process posts of its part of a call."""
+class Verdict(enum.Enum):
+  """What one process posts of its part of a call (its ``value``)."""
   OK = "ok"
   ERROR = "error"
   CORRUPT = "corrupt"
