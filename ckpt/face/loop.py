@@ -87,15 +87,6 @@ class BackgroundLoop:
     if self.closed:
       raise CheckpointError(f"this {self.owner} is closed")
 
-  def open_error(self) -> Exception | None:
-    """``check_open``'s error, returned, for a collective call to post in
-    its round instead of raising on this process alone."""
-    try:
-      self.check_open()
-    except Exception as e:  # pylint: disable=broad-except
-      return e
-    return None
-
   # ---- a save's entry, and close ----------------------------------------
 
   def enter(self, step: int) -> None:

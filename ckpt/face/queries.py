@@ -127,11 +127,12 @@ class Queries:
 
   def delete(self, step: int) -> None:
     """The body of ``Checkpointer.delete`` (see its docstring)."""
-    given, error = step, self._loop.open_error()
-    try:  # a failure on one process fails the round on all
+    given = step
+    # A failure on one process fails the round on all.
+    error = rounds_lib.failure_of(
+        lambda: (self._loop.check_open(), rounds_lib.check_step(step)))
+    if error is None:
       step = rounds_lib.check_step(step)
-    except ValueError as e:
-      error = error or e
     self._rounds.agreed(
         f"delete({given!r})", lambda: self._known.delete(step),
         f"the deletion of step {given!r} in {self.storage.url!r}",

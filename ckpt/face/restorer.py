@@ -145,17 +145,19 @@ class Restorer:
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.settings.read_once
     step_arg = step
-    storage, error, report = self.storage, None, None
-    try:  # this process's own checks; a failure joins the round below
+    got = {"storage": self.storage, "report": None}
+
+    def own_checks() -> None:  # a failure joins the round below
       self._loop.check_open()
       self.check_no_pending("restore")
       readonce.min_replicas(read_once, "")  # validates it
-      report = progress_lib.reporter(
+      got["report"] = progress_lib.reporter(
           progress, "ckpt restore", lambda: job_lib.target_bytes(target))
       if path is not None:
-        storage = storage_lib.Storage(path, self.settings.storage_options)
-    except Exception as e:  # pylint: disable=broad-except
-      error = e
+        got["storage"] = storage_lib.Storage(path,
+                                             self.settings.storage_options)
+    error = rounds_lib.failure_of(own_checks)
+    storage, report = got["storage"], got["report"]
     self._inflight.settle()
     t_find = time.perf_counter()
     if path is not None:

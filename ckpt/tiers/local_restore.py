@@ -8,7 +8,6 @@ process alike when one refuses the target.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -19,6 +18,7 @@ from absl import logging
 
 import jax
 
+from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
 from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
@@ -253,12 +253,11 @@ def _all_ok(key: str, error: BaseException | None, what: str,
       type(error).__name__, str(error)[:4000],
       isinstance(error, TreeMismatchError)]
 
-  def decide(posts: dict[int, str]) -> str:
-    got = {p: json.loads(v) for p, v in sorted(posts.items())}
-    return json.dumps({p: g for p, g in got.items() if g})
+  def decide(got: dict[int, list | None]) -> dict:
+    return {p: g for p, g in got.items() if g}
 
-  failed = json.loads(multihost.agree(key, json.dumps(post), decide,
-                                      timeout_s=timeout_s, what=what))
+  failed = rounds_lib.agree(key, post, decide, timeout_s=timeout_s,
+                            what=what)
   if error is not None:
     raise error
   if not failed:
