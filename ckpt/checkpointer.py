@@ -348,7 +348,7 @@ class Checkpointer(query_calls.QueryCalls):
                                       self.lease_s)
     self._known.forget_newest()
     if cancelled:
-      self._known.last_saved = known_lib.UNKNOWN  # the step was not saved
+      self._known.cancelled()  # the step was not saved
     return cancelled
 
   def is_saving_in_progress(self) -> bool:

@@ -57,8 +57,8 @@ class KnownSteps:
     # The step of the last save of this Checkpointer (agreed: saves are
     # collective), or the newest committed one before it; UNKNOWN until
     # asked. Whether the directory holds a checkpoint (None: not asked).
-    self.last_saved: Any = UNKNOWN
-    self.has_checkpoint: bool | None = None
+    self._last_saved: Any = UNKNOWN
+    self._has_checkpoint: bool | None = None
     # The step of this Checkpointer's last committed save, and the last one
     # whose retention pass is known done (process 0 announces it: the other
     # processes' listings wait for it).
@@ -160,8 +160,32 @@ class KnownSteps:
 
   def saved(self, step: int) -> None:
     """Agreed in a save round: ``step`` is committed, or about to be."""
-    self.has_checkpoint = True
-    self.last_saved = step
+    self._has_checkpoint = True
+    self._last_saved = step
+
+  @property
+  def last_saved(self) -> Any:
+    """The step of the last save (None: none), UNKNOWN until known."""
+    return self._last_saved
+
+  @property
+  def has_checkpoint(self) -> bool | None:
+    """Whether the directory holds a checkpoint (None: not known)."""
+    return self._has_checkpoint
+
+  def agreed_last_saved(self, step: int | None) -> None:
+    """Every process agreed that ``step`` is the newest step (a listing)."""
+    self._last_saved = step
+    if step is not None:
+      self._has_checkpoint = True
+
+  def agreed_not_empty(self) -> None:
+    """Every process agreed that the directory holds a checkpoint."""
+    self._has_checkpoint = True
+
+  def cancelled(self) -> None:
+    """The save in flight was cancelled: its step was not saved."""
+    self._last_saved = UNKNOWN
 
   def forget_newest(self) -> None:
     """The newest step may have changed (a cancel, a deletion)."""
@@ -191,14 +215,14 @@ class KnownSteps:
   def deleted(self, step: int) -> None:
     self._metrics.pop(step, None)
     self._times.pop(step, None)
-    self.last_saved = UNKNOWN  # (it may have been the step deleted)
+    self._last_saved = UNKNOWN  # (it may have been the step deleted)
 
   def forget(self) -> None:
     """``Checkpointer.reload``: nothing cached is trusted any more."""
     self._metrics.clear()
     self._times.clear()
     self.forget_newest()
-    self.last_saved = UNKNOWN
+    self._last_saved = UNKNOWN
 
   # ---- metrics and times ------------------------------------------------
 

@@ -92,7 +92,7 @@ class Queries:
       empty = ask(f"whether {self.storage.url!r} holds a checkpoint yet",
                   lambda: not steps_lib.committed_steps(self.storage))
       if not empty and agreed:
-        self._known.has_checkpoint = True
+        self._known.agreed_not_empty()
       return bool(empty)
     return False
 
@@ -120,9 +120,7 @@ class Queries:
                lambda: (lambda s: s[-1] if s else None)(
                    steps_lib.committed_steps(self.storage)))
     if agreed:
-      known.last_saved = last
-      if last is not None:
-        known.has_checkpoint = True
+      known.agreed_last_saved(last)
     return last
 
   def delete(self, step: int) -> None:
