@@ -192,9 +192,10 @@ class KnownSteps:
     self._newest = self._after_commit = UNKNOWN
 
   def delete(self, step: int) -> bool:
-    """Process 0, in a delete round: deletes ``step`` within
-    ``save_timeout_s`` (a step of many keys may take longer than a query);
-    refused for the step of the save in flight."""
+    """Process 0, in a delete round (within the query bound, as the
+    round's answer): deletes ``step`` within ``save_timeout_s`` (a step of
+    many keys may take longer than a query); refused for the step of the
+    save in flight."""
     if self._inflight.step_running() == step:
       raise CheckpointError(
           f"cannot delete step {step} in {self.storage.url!r}: it is being "
@@ -206,6 +207,10 @@ class KnownSteps:
       finally:  # it may have been the newest: list again to know
         self.forget_newest()
     return True
+
+  def bounded(self, answer: Callable[[], Any]) -> Any:
+    """``answer()`` within ``query_timeout_s`` (as a read round's)."""
+    return self._rounds.local(answer)
 
   def settle(self) -> None:
     """Lets the save in flight end (its failure stays for the next save

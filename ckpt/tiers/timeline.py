@@ -131,7 +131,8 @@ def delete(mt, step: int) -> None:
       return {"failed": failed}
     local = [p for p, g in got.items() if g["hidden"]]
     try:
-      mt.persistent.known_steps.delete(step)
+      known = mt.persistent.known_steps
+      known.bounded(lambda: known.delete(step))
       persistent = True
     except CheckpointNotFoundError as e:
       persistent, why = False, str(e)
