@@ -27,9 +27,12 @@ read per newer step, per deletion.
 
 from __future__ import annotations
 
+import dataclasses
+
 from absl import logging
 
 from ckpt.commit import records
+from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.store import storage as storage_lib
 
@@ -114,10 +117,7 @@ def referred(storage: storage_lib.Storage, data_dir: str
     index = _index_of(storage, data_dir)
   except Exception:  # pylint: disable=broad-except
     return set()
-  if index is None:
-    return set()
-  return {e.held_by for e in index.leaves
-          if getattr(e, "held_by", None) is not None}
+  return set() if index is None else referred_by(index)
 
 
 def sweep(storage: storage_lib.Storage, targets: set[tuple[int, str]]
@@ -132,3 +132,57 @@ def sweep(storage: storage_lib.Storage, targets: set[tuple[int, str]]
     held = marks(storage, step, data_dir)
     storage.delete_keys(kept(storage.list_keys(f"{where}/"), where, held),
                         f"step {step}'s unreferenced data")
+
+
+def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
+  """Makes the committed ``step`` of a bucket self-contained (``ckpt
+  detach``): copies every array it holds by reference into its own data
+  directory, then rewrites its index without ``held_by`` (one PUT: a
+  reader sees the old index, reading the holder, or the new one, reading
+  the copy), then sweeps what nobody refers to any more. Returns {holder
+  step: bytes copied}. A holder deleted meanwhile fails the copy before the
+  index changes."""
+  if storage.is_posix:
+    raise CheckpointError(
+        f"{storage.url!r} is a disk: reuse there hard-links (each step is "
+        "whole already); a bucket's root copied to a disk is detached on a "
+        "bucket")
+  rec = records.read_record(storage, step)
+  if rec is None or not rec["dir"]:
+    raise CheckpointError(f"step {step} of {storage.url!r} is not a "
+                          "committed step of a bucket")
+  where = f"{storage_lib.step_dirname(step)}/{rec['dir']}"
+  index = _index_of(storage, where)
+  if index is None:
+    raise CheckpointError(f"step {step} of {storage.url!r} has no index")
+  copied: dict[int, int] = {}
+  leaves = []
+  for e in index.leaves:
+    ref = getattr(e, "held_by", None)
+    if ref is None:
+      leaves.append(e)
+      continue
+    src = f"{index_lib.held_dir(ref)}/{e.relpath}/"
+    keys = storage.list_keys(src)
+    if not keys:
+      raise CheckpointError(
+          f"leaf {e.relpath!r} of step {step} is held by step {ref[0]}, "
+          f"which holds nothing under {src!r}: it cannot be restored")
+    for k in keys:
+      data = storage.read_bytes(k)
+      if data is None:
+        raise CheckpointError(f"{k} disappeared while step {step} was "
+                              "detached; nothing was changed")
+      storage.write_bytes(f"{where}/{e.relpath}/{k[len(src):]}", data)
+      copied[ref[0]] = copied.get(ref[0], 0) + len(data)
+    leaves.append(dataclasses.replace(e, held_by=None))
+  if copied:
+    storage.write_bytes(storage.index_key(where), index_lib.encode(
+        dataclasses.replace(index, leaves=tuple(leaves))))
+    sweep(storage, referred_by(index))
+  return copied
+
+
+def referred_by(index: index_lib.Index) -> set[tuple[int, str]]:
+  return {e.held_by for e in index.leaves
+          if getattr(e, "held_by", None) is not None}

@@ -243,3 +243,41 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
       assert k > 0
       break
     assert k < 200
+
+
+def test_inspect_says_own_bytes_and_the_step_holding_the_rest(capsys):
+  from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
+  url = _url()
+  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=CHUNK) as c:
+    for step in range(3):
+      c.save(step, _state(step))
+  assert cli_main.main(["inspect", url, "--step", "2", "--json"]) == 0
+  r = __import__("json").loads(capsys.readouterr().out)["reuse"]
+  assert r["own_bytes"] == 256 * 256 * 4
+  assert r["reused_from"] == {"0": _frozen().nbytes}
+  assert r["how"] == "held by reference"
+  assert cli_main.main(["inspect", url, "--step", "2"]) == 0
+  assert "512.0 KiB reused (512.0 KiB from step 0, held by reference)" in (
+      capsys.readouterr().out)
+
+
+def test_detach_makes_a_step_self_contained(capsys):
+  """``ckpt detach``: step 2 copies what step 0 held for it; deleted
+  alone with step 0 and 1 gone, nothing of them is left, and it restores."""
+  from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
+  url = _url()
+  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=CHUNK) as c:
+    for step in range(3):
+      c.save(step, _state(step))
+    assert cli_main.main(["detach", url, "--step", "2"]) == 0
+    assert "held by step 0" in capsys.readouterr().out
+    assert _held(url, 2)["frozen"] is None
+    c.delete(0)  # still held for step 1
+    assert _keys(url, "checkpoint_0/")
+    c.delete(1)  # nobody refers to step 0 now: swept
+    assert not _keys(url, "checkpoint_0/")
+  _check(url, [2])
+  assert cli_main.main(["detach", url]) == 0
+  assert "holds nothing by reference" in capsys.readouterr().out
