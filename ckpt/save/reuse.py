@@ -32,10 +32,11 @@ replaced meanwhile by another attempt (another job on the root, a rollback)
 fails the save, and nothing is committed. Paths are built from the save's
 own plan and step numbers, never read from a checkpoint.
 
-Where it applies: POSIX directories, formats "zarr" and "zarr3". On a
-bucket (no links), with format "ocdbt" (chunks live inside shared data
-files) and for packed small leaves everything is written in full; see
-docs/format.md, "Reusing unchanged chunks".
+Where it applies: formats "zarr" and "zarr3"; on a bucket (no links) a
+whole unchanged leaf is held by reference instead (ckpt/save/reuse_held.py).
+With format "ocdbt" (chunks live inside shared data files) and for packed
+small leaves everything is written in full; see docs/format.md, "Reusing
+unchanged chunks".
 
 Each process writes ``<step dir>/.reuse/<process>.msgpack``
 (index.process_file): ``[leaf, start, stop, xxh3-128 or nil]`` of every
