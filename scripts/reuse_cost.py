@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
   print(f"format {a.format}; frozen {frozen.nbytes / MIB:.1f} MiB, train "
         f"{train_bytes / MIB:.1f} MiB, dense {denses[0].nbytes / MIB:.1f} "
         f"MiB; medians of {a.rounds} saves after the first")
-  print(f"{'run':24} {'CPU s':>7} {'wall s':>7} {'to disk MiB':>12} "
+  print(f"{'run':24} {'CPU s':>7} {'wall s':>7} "
+        f"{'to store MiB' if a.url else 'to disk MiB':>12} "
         f"{'written MiB':>12} {'reused MiB':>11}")
   for n, f in figures.items():
     print(f"{n:24} {f['cpu_s']:7.3f} {f['wall_s']:7.3f} "

@@ -78,13 +78,7 @@ def test_two_processes_reuse_across_retention_on_s3(s3_bucket):
   out = launch("tests.multiprocess.reuse_worker",
                {"scenario": "retention", "dir": url},
                num_processes=2, devices_per_process=2)
-  for r in out:
-    assert r["steps"] == [2, 3]
-    assert all(r["exact"].values()) and len(r["exact"]) == 2, r
-  assert sum(r["stats"][0]["reused"] for r in out) == 0
-  for i in (1, 2, 3):
-    assert sum(r["stats"][i]["reused"] for r in out) == worker.frozen_bytes()
-    assert sum(r["stats"][i]["written"] for r in out) == 256 * 1024 * 4
+  worker.check_retention(out)
   s = storage_lib.Storage(url)
   assert not s.list_keys("checkpoint_1/")
   assert s.list_keys("checkpoint_0/")  # holds the frozen leaves

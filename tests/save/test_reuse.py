@@ -98,7 +98,7 @@ def test_inspect_shows_own_and_reused_bytes(tmp_path, frozen, capsys):
   assert doc["reuse"] == {"own_bytes": np.prod(TRAIN) * 4,
                           "reused_bytes": frozen.nbytes,
                           "reused_from": {"0": frozen.nbytes},
-                          "unknown_processes": []}
+                          "how": "hard links", "unknown_processes": []}
   assert cli_main.main(["inspect", str(tmp_path), "--step", "1"]) == 0
   assert "512.0 KiB reused (512.0 KiB from step 0, hard links)" in (
       capsys.readouterr().out)

@@ -54,14 +54,25 @@ def _check(url: str, steps) -> None:
     assert integrity.verify(url, step=s) == [], s
 
 
+def _checkpointer(url: str, **kwargs) -> ckpt.Checkpointer:
+  return ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
+                           chunk_bytes=CHUNK, **kwargs)
+
+
+def _saved(url: str, steps: int) -> None:
+  """Steps 0..steps-1 saved by one Checkpointer with reuse on."""
+  with _checkpointer(url) as c:
+    for step in range(steps):
+      c.save(step, _state(step))
+
+
 def _keys(url: str, prefix: str) -> list[str]:
   return storage_lib.Storage(url).list_keys(prefix)
 
 
 def test_unchanged_leaves_are_held_across_retention_and_swept_after():
   url = _url()
-  with ckpt.Checkpointer(url, keep=2, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
+  with _checkpointer(url, keep=2) as c:
     c.save(0, _state(0))
     first = c.last_save_stats
     assert first.bytes_reused == 0
@@ -96,8 +107,7 @@ def test_unchanged_leaves_are_held_across_retention_and_swept_after():
 
 def test_delete_and_rollback_keep_what_later_steps_hold():
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
+  with _checkpointer(url) as c:
     for step in range(3):
       c.save(step, _state(step))
     c.delete(0)  # holds frozen for steps 1 and 2
@@ -115,10 +125,7 @@ def test_delete_and_rollback_keep_what_later_steps_hold():
 
 def test_verify_checks_held_chunks():
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
-    for step in range(2):
-      c.save(step, _state(step))
+  _saved(url, 2)
   holder = _held(url, 1)["frozen"]
   s = storage_lib.Storage(url)
   key = f"checkpoint_0/{holder[1]}/frozen/0.0"
@@ -132,10 +139,7 @@ def test_verify_checks_held_chunks():
 
 def test_a_step_opened_alone_names_the_holder():
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
-    for step in range(2):
-      c.save(step, _state(step))
+  _saved(url, 2)
   with pytest.raises(ckpt.CheckpointError, match="held by step 0"):
     ckpt.load(f"{url}/checkpoint_1")
 
@@ -144,8 +148,7 @@ def test_a_previous_step_deleted_before_the_save_is_not_referred_to():
   """Another job deletes the step this Checkpointer compares with: the
   next save writes in full."""
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
+  with _checkpointer(url) as c:
     for step in range(2):
       c.save(step, _state(step))
     with ckpt.Checkpointer(url) as other:
@@ -164,8 +167,7 @@ def test_a_previous_step_deleted_while_committing_fails_the_save(
   from ckpt.save import runner  # pylint: disable=g-import-not-at-top
   url = _url()
   real_commit = runner.commit_lib.commit
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
+  with _checkpointer(url) as c:
     for step in range(2):
       c.save(step, _state(step))
 
@@ -192,13 +194,6 @@ class _Killed(BaseException):
   """The process died here (raised past every ``except Exception``)."""
 
 
-def _saved_root(url: str) -> None:
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
-    for step in range(4):
-      c.save(step, _state(step))
-
-
 @pytest.mark.parametrize("doomed", [[0], [0, 1, 2]])
 def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
                                                            doomed):
@@ -210,7 +205,7 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
   real = storage_lib.Storage.delete_keys
   for k in itertools.count():
     url = _url()
-    _saved_root(url)
+    _saved(url, 4)
     calls = []
 
     def delete_keys(self, keys, what, k=k):
@@ -232,8 +227,7 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
     committed = steps_lib.committed_steps(storage)
     assert set(kept) <= set(committed), (k, committed)
     _check(url, committed)
-    with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                           chunk_bytes=CHUNK, keep=1) as c:
+    with _checkpointer(url, keep=1) as c:
       c.save(4, _state(4))  # its cleanup finishes the deletion
     _check(url, [4])
     assert not _keys(url, "pending/"), k
@@ -248,10 +242,7 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
 def test_inspect_says_own_bytes_and_the_step_holding_the_rest(capsys):
   from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
-    for step in range(3):
-      c.save(step, _state(step))
+  _saved(url, 3)
   assert cli_main.main(["inspect", url, "--step", "2", "--json"]) == 0
   r = __import__("json").loads(capsys.readouterr().out)["reuse"]
   assert r["own_bytes"] == 256 * 256 * 4
@@ -267,8 +258,7 @@ def test_detach_makes_a_step_self_contained(capsys):
   alone with step 0 and 1 gone, nothing of them is left, and it restores."""
   from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
   url = _url()
-  with ckpt.Checkpointer(url, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=CHUNK) as c:
+  with _checkpointer(url) as c:
     for step in range(3):
       c.save(step, _state(step))
     assert cli_main.main(["detach", url, "--step", "2"]) == 0
