@@ -144,7 +144,7 @@ class SaveReuse:
     # save's agreement (reuse_held.settle) says which leaves are held by
     # the previous step and which are written after all.
     self.held = None if storage.is_posix else reuse_held.Held(
-        previous, token)
+        previous, token, None if plan.borrow else plan.options.max_item_bytes)
 
   def check_source(self) -> None:
     """Blocking: drops the previous step as a source if it is not the step
@@ -274,9 +274,12 @@ class SaveReuse:
       fresh = [o.box for o in outcomes if not o.linked]
       if len(fresh) == len(outcomes):
         fresh = [box]  # nothing linked: one write, as without reuse
-      elif self.held is not None:  # all unchanged: held back
-        self.held.defer(leaf, store, box, data, len(outcomes))
-        fresh = []
+      elif self.held is not None:  # all unchanged: held back, or
+        if self.held.defer(leaf, store, box, data, len(outcomes)):
+          fresh = []
+        else:  # past the memory budget: written now (its leaf is written)
+          outcomes = [dataclasses.replace(o, linked=False) for o in outcomes]
+          fresh = [box]
       writes = [store[b.slices()].write(
           data if b == box else data[b.relative_to(box)],
           can_reference_source_data_indefinitely=True) for b in fresh]

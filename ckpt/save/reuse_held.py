@@ -43,17 +43,26 @@ from ckpt.store import tsfuture
 class Held:
   """The boxes one process held back in one save, and the outcome."""
 
-  def __init__(self, previous: Any, token: str):
+  def __init__(self, previous: Any, token: str, cap: int | None):
     self.previous = previous       # the reuse.Generation compared with
     self.own = f"{steps_lib.ATTEMPT_PREFIX}{token}"
+    # Staged copies held back (async saves): at most ``cap`` bytes, the
+    # save's host-memory budget, beyond the boxes in flight; None: the
+    # boxes are the caller's own arrays (a sync save), nothing is copied.
+    self.cap, self._held_bytes = cap, 0
     self.lost = False              # the previous step is not ours any more
     self._deferred: dict[int, list] = {}   # leaf -> [(store, box, data)]
     self._written: set[int] = set()        # leaves this process wrote to
     self.reused: dict[str, tuple[int, str]] = {}  # relpath -> held_by
 
   def defer(self, leaf: int, store: Any, box: Any, data: Any,
-            chunks: int) -> None:
+            chunks: int) -> bool:
+    """Holds back an unchanged box; False (write it now) past ``cap``."""
+    if self.cap is not None and self._held_bytes + data.nbytes > self.cap:
+      return False
+    self._held_bytes += data.nbytes
     self._deferred.setdefault(leaf, []).append((store, box, data, chunks))
+    return True
 
   def written(self, leaf: int) -> None:
     self._written.add(leaf)
@@ -94,6 +103,7 @@ class Held:
         reuse.bytes_reused -= data.nbytes
         reuse.chunks_reused -= chunks
     self._deferred.clear()
+    self._held_bytes = 0
     prev = reuse.previous
     holders = reuse.generation.holders
     for leaf, relpath in enumerate(reuse.relpaths):

@@ -271,3 +271,20 @@ def test_detach_makes_a_step_self_contained(capsys):
   _check(url, [2])
   assert cli_main.main(["detach", url]) == 0
   assert "holds nothing by reference" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budget,reused", [(4 << 20, True), (256 << 10, False)])
+def test_async_saves_hold_back_at_most_their_budget(budget, reused):
+  """Async saves stage copies: the unchanged boxes held back until the
+  processes agree stay within concurrent_bytes; past it they are written
+  (and their leaf with them), and every step still restores exactly."""
+  url = _url()
+  with ckpt.Checkpointer(url, reuse_unchanged=True, chunk_bytes=CHUNK,
+                         concurrent_bytes=budget) as c:
+    for step in range(3):
+      c.save(step, _state(step))
+      c.wait_until_finished()
+    assert c.last_save_stats.bytes_reused == (_frozen().nbytes if reused
+                                              else 0)
+    assert (_held(url, 2)["frozen"] is not None) == reused
+  _check(url, [0, 1, 2])
