@@ -181,8 +181,9 @@ class SaveReuse:
     prev = self.previous
     if prev is None or prev.layouts.get(relpath) != self.layouts[relpath]:
       return None
-    if self.held is not None and relpath not in prev.holders:
-      return None
+    if self.held is not None and prev.holders.get(
+        relpath, (self.generation.step,))[0] >= self.generation.step:
+      return None  # a bucket refers only to an earlier step's data
     return prev.chunks.get((relpath, box.start, box.stop))
 
   def _link(self, relpath: str, box: plan_lib.Box,

@@ -288,3 +288,4 @@ def test_async_saves_hold_back_at_most_their_budget(budget, reused):
                                               else 0)
     assert (_held(url, 2)["frozen"] is not None) == reused
   _check(url, [0, 1, 2])
+
