@@ -289,3 +289,24 @@ def test_async_saves_hold_back_at_most_their_budget(budget, reused):
     assert (_held(url, 2)["frozen"] is not None) == reused
   _check(url, [0, 1, 2])
 
+
+
+def test_cancel_of_a_save_that_holds_back_leaves_every_step_whole():
+  """An async save cancelled (while holding back, or later): its attempt
+  goes, nothing it referred to is touched, the next save holds again."""
+  url = _url()
+  with ckpt.Checkpointer(url, reuse_unchanged=True, chunk_bytes=CHUNK,
+                         keep=2) as c:
+    for step in range(2):
+      c.save(step, _state(step))
+      c.wait_until_finished()
+    c.save(2, _state(2))
+    cancelled = c.cancel()
+    assert c.all_steps() == ([0, 1] if cancelled else [1, 2])
+    c.save(3, _state(3))
+    c.wait_until_finished()
+    assert c.last_save_stats.bytes_reused == _frozen().nbytes
+    assert c.all_steps()[-1] == 3
+    kept = c.all_steps()
+  _check(url, kept)
+  assert not _keys(url, "pending/")
