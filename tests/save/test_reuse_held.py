@@ -310,3 +310,18 @@ def test_cancel_of_a_save_that_holds_back_leaves_every_step_whole():
     kept = c.all_steps()
   _check(url, kept)
   assert not _keys(url, "pending/")
+
+
+def test_a_root_copied_to_a_disk_restores_and_verifies(tmp_path):
+  url = _url()
+  _saved(url, 3)
+  s = storage_lib.Storage(url)
+  for k in s.list_all():
+    p = tmp_path / k
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(s.read_bytes(k))
+  for step in (1, 2):
+    got = ckpt.load(str(tmp_path), step)
+    assert got["frozen"].tobytes() == _frozen().tobytes()
+    assert got["train"].tobytes() == _state(step)["train"].tobytes()
+    assert integrity.verify(str(tmp_path), step=step) == []
