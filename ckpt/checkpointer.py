@@ -95,8 +95,8 @@ class Checkpointer(query_calls.QueryCalls):
       time). Default False: each chunk's crc32c is recorded at save and
       every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
-    reuse_unchanged: chunks equal to this Checkpointer's last committed
-      step's are hard-linked, not written (docs/format.md; POSIX, zarr/zarr3).
+    reuse_unchanged: unchanged chunks are hard-linked (disk) or their leaf
+      held by the earlier step (bucket), not written (docs/format.md).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (docs/multi-host.md):
       a process 0 that stops answering (frozen, stopped, dead) makes the
