@@ -34,6 +34,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.calls_save import size_text
 from ckpt.queries import UNKNOWN
+from ckpt.restore import readcount
 
 # A listing this recent (seconds) is reused by a resume's choice of step;
 # a step committed by another job in the meantime is seen by the next one.
@@ -152,7 +153,7 @@ class RestoreCalls:
                    f"{job.step_dir!r}")
     job.stats = readonce.RestoreStats(read_once=job.read_once)
     job.stats.find_s = job.find_s if job.attempt == 0 else 0.0
-    job.counter = readonce.ReadCounter()
+    job.counter = readcount.ReadCounter()
     self.last_restore_stats = job.stats
     # With read-once on (agreed: the same on every process), a process that
     # fails must say so before the others start an exchange it never joins.
@@ -179,7 +180,7 @@ class RestoreCalls:
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
     reads = job_lib.tracked(job, deadline_lib.bounded(
-        readonce.counted(restore_lib.restore(
+        readcount.counted(restore_lib.restore(
             job.storage, job.step_dir, args, self.concurrent_bytes,
             self._context, job.stats), job.counter),
         self._read_deadline(job.storage, job.reading)))
@@ -288,7 +289,7 @@ class RestoreCalls:
       # of each batch on the background thread.
       result = readonce.finish(
           result, lambda batch: self._run(deadline_lib.bounded(
-              readonce.counted(restore_lib.read_parts(
+              readcount.counted(restore_lib.read_parts(
                   batch, self.concurrent_bytes), counter),
               self._read_deadline(job.storage, job.reading))),
           self.concurrent_bytes, stats, check)

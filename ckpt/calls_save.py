@@ -31,11 +31,11 @@ from ckpt.multihost import coordination
 from ckpt.save import polite
 from ckpt import queries
 from ckpt.commit import records
-from ckpt.store import storage as storage_lib
 from ckpt.save import write as save_lib
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
 from ckpt.errors import CheckpointError
+from ckpt.store import names as names_lib
 
 _UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 
@@ -167,7 +167,7 @@ class SaveCalls:
         logging.warning("ckpt: replacing step %d in %s, which failed "
                         "verification when this job resumed", step,
                         self.storage.url)
-        cleanup_lib.remove(self.storage, storage_lib.step_dirname(step))
+        cleanup_lib.remove(self.storage, names_lib.step_dirname(step))
         self._retention.set_damaged(damaged - {step})
       elif steps_lib.is_committed(self.storage, step):
         return None
@@ -297,7 +297,7 @@ class SaveCalls:
                       self.storage.url, e)
       return
     deleting |= self._retention.deleting()
-    busy = {storage_lib.step_dirname(s) for s in deleting}
+    busy = {names_lib.step_dirname(s) for s in deleting}
     for name in names:
       if name == own or name.split(".tmp-del-")[0] in busy or (
           deletion.parse_name(name) in deleting):

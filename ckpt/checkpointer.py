@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ckpt.commit import protocol as commit_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.save import runner as finalize
@@ -149,7 +148,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                reuse_unchanged: bool = False,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
-               lease_s: float = commit_lib.DEFAULT_LEASE_S,
+               lease_s: float = lease_lib.DEFAULT_LEASE_S,
                read_once: bool | None = None,
                save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
                query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S):

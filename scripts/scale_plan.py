@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 from scripts.benchlib import measure
+from ckpt.format import entries as entries_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -98,7 +99,7 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
       text = texts.get(spec)
       if text is None:
         text = texts[spec] = f"NamedSharding(mesh={sizes}, spec={spec})"
-      entries.append(index_lib.ArrayEntry(
+      entries.append(entries_lib.ArrayEntry(
           path=parts, relpath=tree.storage_relpath(parts), shape=lay.shape,
           dtype=dtype, chunks=lay.chunks, codec=codec, source_dtype=dtype,
           sharding=text))

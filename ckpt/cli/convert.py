@@ -45,6 +45,8 @@ from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.checkpointer import Checkpointer
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 Progress = Callable[[int, int], None]  # (done, total), cumulative
 
@@ -86,8 +88,8 @@ def open_checkpoint(path, step: int | None = None,
   return storage, step_dir, restore_lib.read_index(storage, step_dir)
 
 
-def leaf_nbytes(entry: index_lib.Entry) -> int:
-  if isinstance(entry, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+def leaf_nbytes(entry: entries.Entry) -> int:
+  if isinstance(entry, (entries.ArrayEntry, pack_index.PackedEntry)):
     return math.prod(entry.shape) * np.dtype(entry.dtype).itemsize
   return getattr(entry.value, "nbytes", 0)
 

@@ -20,12 +20,15 @@ from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, _encode_py,
                               open_checkpoint)
 from ckpt.format import index as index_lib
 from ckpt.format import tree
+from ckpt.format import checks
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 FORMATS = ("safetensors", "npz")
 # Exact widenings for dtypes a format cannot hold.
 _ST_WIDEN = {"int4": "int8", "float8_e4m3b11fnuz": "float32"}
 _NPZ_WIDEN = {"int4": "int8", "bfloat16": "float32",
-              **{n: "float32" for n in index_lib.ALLOWED_DTYPES
+              **{n: "float32" for n in checks.ALLOWED_DTYPES
                  if n.startswith("float8")}}
 
 
@@ -75,8 +78,8 @@ def _widened(name: str, dtype: np.dtype, table: dict[str, str],
   return dtype
 
 
-def _is_py_value(entry: index_lib.Entry) -> bool:
-  return isinstance(entry, index_lib.ValueEntry) and not isinstance(
+def _is_py_value(entry: entries.Entry) -> bool:
+  return isinstance(entry, entries.ValueEntry) and not isinstance(
       entry.value, (np.ndarray, np.generic))
 
 
@@ -100,7 +103,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
     if _is_py_value(e):
       values[name] = _encode_py(name, e.value)
       continue
-    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+    if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry)):
       shape, dtype = e.shape, np.dtype(e.dtype)
     else:
       shape, dtype = e.value.shape, e.value.dtype

@@ -21,8 +21,7 @@ from ckpt.commit import records
 from ckpt.commit import steps as steps_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
-
-DEFAULT_LEASE_S = lease_lib.DEFAULT_LEASE_S
+from ckpt.store import names as names_lib
 
 
 _DEL_RE = re.compile(r"^checkpoint_\d+\.tmp-del-[0-9a-f]+$")
@@ -84,7 +83,7 @@ class _Clock:
       # No attempt.json (yet, or any more): its pending record's.
       s, _, tail = rel.partition("/")
       m = records.ATTEMPT_DIR_RE.match(tail)
-      step = storage_lib.parse_step(s)
+      step = names_lib.parse_step(s)
       if not m or step is None:
         return None
       data, generation = self.storage.read_generation(
@@ -156,7 +155,8 @@ def _empty(storage: storage_lib.Storage, rel: str) -> bool:
   return all(n.startswith(f"{steps_lib.ATTEMPT_FILE}.partial-") for n in names)
 
 
-def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
+def abandoned(storage: storage_lib.Storage,
+              lease_s: float = lease_lib.DEFAULT_LEASE_S,
               reasons: dict | None = None,
               seen: lease_lib.Sightings | None = None) -> list[str]:
   """Relative directories of attempts that are provably abandoned (and, on
@@ -175,7 +175,7 @@ def abandoned(storage: storage_lib.Storage, lease_s: float = DEFAULT_LEASE_S,
     for p in sorted(storage.root.iterdir()):
       if _DEL_RE.match(p.name):
         out.append(p.name)
-      elif storage_lib.is_tmp_name(p.name):
+      elif names_lib.is_tmp_name(p.name):
         if _live(storage, p.name, lease_s, reasons, clock) is False:
           out.append(p.name)
     return out
@@ -215,7 +215,7 @@ def _abandoned_by_scan(storage: storage_lib.Storage, lease_s: float,
         out.append(rel)
   # Keys of an uncommitted step outside any attempt: a save by ckpt < 0.2
   # that never committed (today's saves write only inside attempts).
-  out += [storage_lib.step_dirname(s) for s in sorted(loose - committed)
+  out += [names_lib.step_dirname(s) for s in sorted(loose - committed)
           if s not in attempts]
   return out
 
@@ -230,12 +230,12 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
   if not storage.is_posix and deletion.parse_name(rel) is not None:
     deletion.finish(storage, deletion.parse_name(rel))
     return
-  if not storage_lib.is_deletable(rel):
+  if not names_lib.is_deletable(rel):
     raise CheckpointError(
         f"refusing to delete {rel!r} in {storage.url!r}: ckpt deletes only "
         "checkpoint_<step>, checkpoint_<step>.tmp-<id> and "
         "checkpoint_<step>/attempt-<id> directories")
-  step = storage_lib.parse_step(rel)
+  step = names_lib.parse_step(rel)
   what = f"step {step}" if step is not None else repr(rel)
   if storage.is_posix:
     path = storage.root / rel
@@ -262,7 +262,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
     storage.delete_prefix(f"{rel}/", what)
     return
   # One attempt: checkpoint_<step>/attempt-<token>.
-  step, token = storage_lib.parse_step(head), m.group(1)
+  step, token = names_lib.parse_step(head), m.group(1)
   complete = records.records_complete(storage)
   committed, winner = steps_lib._commit_state(storage, step)
   if committed and winner == token:
@@ -280,7 +280,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
     storage.delete_key(records.pending_key(step, token))
     return
   if complete and not committed:
-    marker = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+    marker = f"{names_lib.step_dirname(step)}/{names_lib.COMMIT_MARKER}"
     data, gen = storage.read_generation(marker)
     if records.marker_attempt(data) == token:
       # It never got its record: never listed. Only that marker: a commit
@@ -297,7 +297,7 @@ def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
   finishes what that deletion names; a whole step (found by a full listing
   of a root without records) is only the keys an earlier ckpt left beside
   no marker. Everything else as ``remove``."""
-  step = storage_lib.parse_step(name)
+  step = names_lib.parse_step(name)
   if step is not None and not storage.is_posix:
     deletion.drop_leftovers(storage, step)
     return

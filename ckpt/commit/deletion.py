@@ -29,6 +29,7 @@ from absl import logging
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CorruptCheckpointError
+from ckpt.store import names
 
 _NAME_RE = re.compile(r"^" + re.escape(records.PENDING)
                       + r"(0|[1-9][0-9]{0,18})\." + records.DELETE + "$")
@@ -47,7 +48,7 @@ def parse_name(rel: str) -> int | None:
 
 
 def _marker_key(step: int) -> str:
-  return f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+  return f"{names.step_dirname(step)}/{names.COMMIT_MARKER}"
 
 
 def _where(storage: storage_lib.Storage, key: str) -> str:
@@ -118,7 +119,7 @@ def drop_leftovers(storage: storage_lib.Storage, step: int) -> None:
   its data, marker and record."""
   if storage.exists(_marker_key(step)):
     return
-  step_name = storage_lib.step_dirname(step)
+  step_name = names.step_dirname(step)
   storage.delete_keys([k for k in storage.list_keys(f"{step_name}/")
                        if not _data_dir_of(k)], f"step {step}")
 
@@ -131,7 +132,7 @@ def _drop(storage: storage_lib.Storage, step: int,
   if data is not None and _named(storage, step, data) == target:
     storage.delete_key(marker, generation=gen)
   what = f"step {step}"
-  step_name = storage_lib.step_dirname(step)
+  step_name = names.step_dirname(step)
   if target[1]:
     storage.delete_prefix(f"{step_name}/{target[1]}/", what)
   else:  # beside the marker: every key outside the attempts' directories
@@ -184,7 +185,7 @@ def _finish_unnamed(storage: storage_lib.Storage, step: int) -> None:
   still pending, or named by the record, or dead; keys written after the
   listing are not touched."""
   marker = _marker_key(step)
-  keys = storage.list_keys(f"{storage_lib.step_dirname(step)}/")
+  keys = storage.list_keys(f"{names.step_dirname(step)}/")
   kept = {f"{_ATTEMPT_PREFIX}{t}" for s, t in records.list_pending(storage)
           if s == step and t != records.DELETE}
   rec = records.read_record(storage, step)

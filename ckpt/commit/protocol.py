@@ -158,8 +158,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.commit.steps import ATTEMPT_FILE, NO_VALUE
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
-
-DEFAULT_LEASE_S = lease_lib.DEFAULT_LEASE_S
+from ckpt.store import names
 
 
 def fsync_dir(path: str) -> None:
@@ -173,7 +172,7 @@ def fsync_dir(path: str) -> None:
 # ---- an attempt's life ------------------------------------------------------
 
 def prepare(storage: storage_lib.Storage, step: int, token: str,
-            lease_s: float = DEFAULT_LEASE_S,
+            lease_s: float = lease_lib.DEFAULT_LEASE_S,
             seen: lease_lib.Sightings | None = None) -> str:
   """Process 0, before anyone writes: a fresh work directory holding only
   ``attempt.json`` (and, on object stores, its ``pending/`` record).
@@ -208,15 +207,15 @@ def _clear_uncommitted_dir(storage: storage_lib.Storage, step: int) -> None:
   it goes. With a marker but no index it was one, and its arrays may be
   worth recovering by hand: it is renamed ``checkpoint_<step>.broken-<id>``,
   which nothing of ckpt reads or deletes, except ``ckpt gc --incomplete``."""
-  name = storage_lib.step_dirname(step)
+  name = names.step_dirname(step)
   path = os.path.join(os.fspath(storage.root), name)
   problem = steps_lib.posix_problem(storage, name)
   if problem is None or not os.path.isdir(path):
     return
-  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
+  if not os.path.isfile(os.path.join(path, names.COMMIT_MARKER)):
     cleanup_lib.remove(storage, name)
     return
-  aside = storage_lib.broken_name(step, secrets.token_hex(4))
+  aside = names.broken_name(step, secrets.token_hex(4))
   os.rename(path, os.path.join(os.fspath(storage.root), aside))
   fsync_dir(os.fspath(storage.root))
   logging.warning("ckpt: %s %s; a save of step %d needs its name, so it was "
@@ -274,15 +273,15 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
   docstring). ``renewal``: the attempt's lease renewal (process 0 of a
   save), stopped here; its last renewal proves the lease is the attempt's."""
   rel = steps_lib.work_dir(storage, step, token)
-  final = storage_lib.step_dirname(step)
+  final = names.step_dirname(step)
   where = f"{storage.url.rstrip('/')}/{rel}"
   lease_gen = _removed(storage, step, token, renewal)
   if storage.is_posix:
     work = os.fspath(storage.root / rel)
     try:
-      storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME),
+      storage_lib.write_file(os.path.join(work, names.INDEX_NAME),
                              index_data)
-      storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
+      storage_lib.write_file(os.path.join(work, names.COMMIT_MARKER),
                              records.marker(step, token, ""))
     except FileNotFoundError as e:  # renamed away by a cleaner just now
       raise renewal_lib.removed_error(step, where, "its directory is gone"
@@ -304,8 +303,8 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
           f"({type(e).__name__}: {e}); nothing was committed") from e
     fsync_dir(os.fspath(storage.root))
     return
-  storage.write_bytes(f"{rel}/{storage_lib.INDEX_NAME}", index_data)
-  marker_key = f"{final}/{storage_lib.COMMIT_MARKER}"
+  storage.write_bytes(f"{rel}/{names.INDEX_NAME}", index_data)
+  marker_key = f"{final}/{names.COMMIT_MARKER}"
   data_dir = rel.split("/", 1)[1]
   with storage.store_errors(f"writing the commit marker of step {step} to"):
     storage.result(storage.kv.write(
@@ -347,7 +346,7 @@ def _clear_stale_marker(storage: storage_lib.Storage, step: int,
   leases, ckpt/commit/lease.py). One GET when there is no such marker."""
   if not records.records_complete(storage):
     return  # without records, a marker is a commit
-  key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+  key = f"{names.step_dirname(step)}/{names.COMMIT_MARKER}"
   if not storage.exists(key) or records.read_record(storage, step) is not None:
     return
   if storage.exists(deletion.name(step)):

@@ -22,12 +22,13 @@ from typing import Any
 
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.store import names
 
 TOKEN_RE = re.compile(r"^[0-9a-f]{1,64}$")
 ATTEMPT_DIR_RE = re.compile(r"^attempt-([0-9a-f]{1,64})$")
-RECORDS = storage_lib.RECORDS_DIR + "/"
+RECORDS = names.RECORDS_DIR + "/"
 RECORDS_COMPLETE = RECORDS + "complete"
-PENDING = storage_lib.PENDING_DIR + "/"
+PENDING = names.PENDING_DIR + "/"
 RECORD_BYTES = 4096
 STEP_NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})$")
 PENDING_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{1,64}|delete)$")

@@ -25,6 +25,7 @@ from ckpt.commit import deletion
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.store import names as names_lib
 
 ATTEMPT_FILE = "attempt.json"
 
@@ -39,7 +40,7 @@ NO_VALUE = b"\x02"
 
 def work_dir(storage: storage_lib.Storage, step: int, token: str) -> str:
   """The relative directory the attempt ``token`` at ``step`` writes into."""
-  name = storage_lib.step_dirname(step)
+  name = names_lib.step_dirname(step)
   if storage.is_posix:
     return f"{name}.tmp-{records.check_token(token)}"
   return f"{name}/{ATTEMPT_PREFIX}{records.check_token(token)}"
@@ -79,14 +80,14 @@ def _ensure_records(storage: storage_lib.Storage) -> None:
   committed, attempts, loose = _scan(storage)  # the one full listing
   winners = {}
   for s in sorted(committed):
-    key = f"{storage_lib.step_dirname(s)}/{storage_lib.COMMIT_MARKER}"
+    key = f"{names_lib.step_dirname(s)}/{names_lib.COMMIT_MARKER}"
     data = storage.read_bytes(key)
     if data is None:
       continue  # deleted meanwhile
     token, data_dir = records.parse_marker(
         data, f"{storage.url.rstrip('/')}/{key}")
     winners[s] = token
-    rel = storage_lib.step_dirname(s) + (f"/{data_dir}" if data_dir else "")
+    rel = names_lib.step_dirname(s) + (f"/{data_dir}" if data_dir else "")
     t = metrics = None
     try:
       index = storage.read_bytes(storage.index_key(rel))
@@ -117,11 +118,11 @@ def _drop_bucket_records(storage: storage_lib.Storage) -> None:
   """POSIX: a root copied from a bucket holds that bucket's records, which
   nothing maintains on a disk; before its steps change here they go, so a
   copy back to a bucket is migrated instead of trusting stale ones."""
-  rec_dir = storage.root / storage_lib.RECORDS_DIR
+  rec_dir = storage.root / names_lib.RECORDS_DIR
   if not (rec_dir / "complete").is_file():
     return
   os.unlink(rec_dir / "complete")  # first: no false "complete" after a crash
-  pending = storage.root / storage_lib.PENDING_DIR
+  pending = storage.root / names_lib.PENDING_DIR
   if pending.is_dir() and all(records.PENDING_RE.match(p.name)
                               for p in pending.iterdir()):
     shutil.rmtree(pending, ignore_errors=True)
@@ -132,12 +133,12 @@ def _drop_bucket_records(storage: storage_lib.Storage) -> None:
 # ---- discovery --------------------------------------------------------------
 
 def is_committed(storage: storage_lib.Storage, step: int) -> bool:
-  name = storage_lib.step_dirname(step)
+  name = names_lib.step_dirname(step)
   if storage.is_posix:
     return posix_problem(storage, name) is None
   if records.records_complete(storage):
     return records.read_record(storage, step) is not None
-  return storage.exists(f"{name}/{storage_lib.COMMIT_MARKER}")
+  return storage.exists(f"{name}/{names_lib.COMMIT_MARKER}")
 
 
 def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
@@ -146,25 +147,25 @@ def posix_problem(storage: storage_lib.Storage, name: str) -> str | None:
   its index are both there (a stat each; a step copied from a bucket, whose
   index is in the attempt its marker names, reads the marker too)."""
   path = os.path.join(os.fspath(storage.root), name)
-  if not os.path.exists(os.path.join(path, storage_lib.COMMIT_MARKER)):
+  if not os.path.exists(os.path.join(path, names_lib.COMMIT_MARKER)):
     return ("has no commit marker (commit_success)" if os.path.isdir(path)
             else "does not exist")
   # Anything at the index's name counts: one that is not a regular file (a
   # FIFO, a link out of the step) is a corrupt step that reading refuses,
   # naming it, not a missing one.
-  if os.path.lexists(os.path.join(path, storage_lib.INDEX_NAME)):
+  if os.path.lexists(os.path.join(path, names_lib.INDEX_NAME)):
     return None
-  key = f"{name}/{storage_lib.COMMIT_MARKER}"
+  key = f"{name}/{names_lib.COMMIT_MARKER}"
   try:
     _, data_dir = records.parse_marker(storage.read_bytes(key) or b"",
-                                       f"{path}/{storage_lib.COMMIT_MARKER}")
+                                       f"{path}/{names_lib.COMMIT_MARKER}")
   except CheckpointError:
     data_dir = ""
   if data_dir and os.path.lexists(os.path.join(path, data_dir,
-                                               storage_lib.INDEX_NAME)):
+                                               names_lib.INDEX_NAME)):
     return None
   where = f"{data_dir}/" if data_dir else ""
-  return f"has a commit marker but no {where}{storage_lib.INDEX_NAME}"
+  return f"has a commit marker but no {where}{names_lib.INDEX_NAME}"
 
 
 def not_committed(storage: storage_lib.Storage, step: int,
@@ -186,7 +187,7 @@ def not_committed_reason(storage: storage_lib.Storage, step: int
   directory)."""
   if not storage.is_posix:
     return None
-  name = storage_lib.step_dirname(step)
+  name = names_lib.step_dirname(step)
   problem = posix_problem(storage, name)
   if problem is None or problem == "does not exist":
     return None
@@ -205,13 +206,13 @@ def step_of(name: str) -> int:
 
 def step_dir(storage: storage_lib.Storage, step: int) -> str:
   """The relative directory holding ``step``'s index and data."""
-  name = storage_lib.step_dirname(step)
+  name = names_lib.step_dirname(step)
   if records.records_complete(storage):
     rec = records.read_record(storage, step)
     if rec is None:
       raise not_committed(storage, step)
     return f"{name}/{rec['dir']}" if rec["dir"] else name
-  key = f"{name}/{storage_lib.COMMIT_MARKER}"
+  key = f"{name}/{names_lib.COMMIT_MARKER}"
   data = storage.read_bytes(key)
   if data is None:
     raise not_committed(storage, step)
@@ -227,7 +228,7 @@ def _commit_state(storage: storage_lib.Storage, step: int
     rec = records.read_record(storage, step)
     return rec is not None, rec and rec["attempt"]
   data = storage.read_bytes(
-      f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}")
+      f"{names_lib.step_dirname(step)}/{names_lib.COMMIT_MARKER}")
   return data is not None, records.marker_attempt(data)
 
 
@@ -240,11 +241,11 @@ def committed_attempt(storage: storage_lib.Storage, step: int) -> str | None:
 def own_step_dir(storage: storage_lib.Storage) -> str | None:
   """When the storage URL is itself one step's directory: its data
   directory ("" or "attempt-<token>"); else None."""
-  data = storage.read_bytes(storage_lib.COMMIT_MARKER)
+  data = storage.read_bytes(names_lib.COMMIT_MARKER)
   if data is not None:
     return records.parse_marker(data, f"{storage.url.rstrip('/')}/"
-                         f"{storage_lib.COMMIT_MARKER}")[1]
-  if storage.read_bytes(storage_lib.INDEX_NAME) is not None:
+                         f"{names_lib.COMMIT_MARKER}")[1]
+  if storage.read_bytes(names_lib.INDEX_NAME) is not None:
     return ""  # a step directory copied without its marker
   # A bucket's step directory copied without its marker: the one attempt
   # that holds an index, if there is exactly one.
@@ -253,10 +254,10 @@ def own_step_dir(storage: storage_lib.Storage) -> str | None:
       return None
     found = sorted(p.name for p in storage.root.iterdir()
                    if records.ATTEMPT_DIR_RE.match(p.name)
-                   and (p / storage_lib.INDEX_NAME).exists())
+                   and (p / names_lib.INDEX_NAME).exists())
   else:
     found = sorted({k.split("/")[0] for k in storage.list_keys(ATTEMPT_PREFIX)
-                    if k.endswith("/" + storage_lib.INDEX_NAME)
+                    if k.endswith("/" + names_lib.INDEX_NAME)
                     and records.ATTEMPT_DIR_RE.match(k.split("/")[0])
                     and k.count("/") == 1})
   if len(found) > 1:
@@ -274,7 +275,7 @@ def committed_steps(storage: storage_lib.Storage) -> list[int]:
   if storage.is_posix:
     if not storage.root.exists():
       return []
-    steps = [storage_lib.parse_step(p.name) for p in storage.root.iterdir()]
+    steps = [names_lib.parse_step(p.name) for p in storage.root.iterdir()]
     return sorted(s for s in steps if s is not None and is_committed(storage, s))
   names = [k[len(records.RECORDS):]
            for k in storage.list_keys(records.RECORDS)]
@@ -289,14 +290,14 @@ def _scan(storage: storage_lib.Storage):
   root whose records are not complete): (committed steps, {step: attempt
   tokens}, steps holding keys outside any attempt)."""
   committed, attempts, loose = set(), {}, set()
-  for key in storage.list_keys(storage_lib.STEP_PREFIX):
+  for key in storage.list_keys(names_lib.STEP_PREFIX):
     head, _, tail = key.partition("/")
-    s = storage_lib.parse_step(head)
+    s = names_lib.parse_step(head)
     if s is None or not tail:
       continue
     first, _, rest = tail.partition("/")
     m = records.ATTEMPT_DIR_RE.match(first)
-    if tail == storage_lib.COMMIT_MARKER:
+    if tail == names_lib.COMMIT_MARKER:
       committed.add(s)
     elif m and rest:
       attempts.setdefault(s, set()).add(m.group(1))

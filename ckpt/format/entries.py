@@ -24,10 +24,6 @@ from ckpt.format.inline_values import decode_value, encode_value
 from ckpt.store import ocdbt
 from ckpt.errors import CorruptCheckpointError
 
-SavedSharding = saved_sharding_lib.SavedSharding
-# The most OCDBT merge groups a step may have (defined in ckpt/store/ocdbt.py).
-MAX_OCDBT_GROUPS = ocdbt.MAX_GROUPS
-
 
 @dataclasses.dataclass(frozen=True)
 class ArrayEntry:
@@ -56,7 +52,7 @@ class ArrayEntry:
   # The sharding it was saved in, as a mesh and a PartitionSpec (kind
   # "mesh" or "device"); None in older indexes and for shardings that are
   # not recorded (see SavedSharding). ``sharding`` keeps the text.
-  saved_sharding: "SavedSharding | None" = None
+  saved_sharding: "saved_sharding_lib.SavedSharding | None" = None
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
@@ -82,7 +78,7 @@ class ValueEntry:
   prng_impl: str = ""  # as in ArrayEntry: ``value`` is then the key data
   # A small replicated jax.Array: the sharding it was saved in, as in
   # ArrayEntry (its mesh and PartitionSpec()); None for other values.
-  saved_sharding: "SavedSharding | None" = None
+  saved_sharding: "saved_sharding_lib.SavedSharding | None" = None
   # Saved from a host numpy array: a jax target without a sharding gets it
   # back as numpy, as saved (absent: a jax.Array's, or an older index's).
   host: bool = False
@@ -99,8 +95,7 @@ class ValueEntry:
     return out
 
 
-PackedEntry = pack_index.PackedEntry
-Entry = ArrayEntry | ValueEntry | PackedEntry
+Entry = ArrayEntry | ValueEntry | pack_index.PackedEntry
 
 
 def _decode_entry(e: Any, where: str) -> Entry:
@@ -171,8 +166,8 @@ def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
   impl = _prng_impl(e, where, shape, dtype, True)
   group = e.get("ocdbt_group")
   if group is not None and (type(group) is not int or
-                            not 0 <= group < MAX_OCDBT_GROUPS):
-    raise _bad(where, f"ocdbt_group an int in [0, {MAX_OCDBT_GROUPS})",
+                            not 0 <= group < ocdbt.MAX_GROUPS):
+    raise _bad(where, f"ocdbt_group an int in [0, {ocdbt.MAX_GROUPS})",
                group)
   saved = e.get("saved_sharding")
   if saved is not None:
@@ -267,7 +262,7 @@ KINDS = {k.name: k for k in (
         leaf=lambda e: (encode_value(e.value, e.path),),
         decoder=_value_decoder),
     index_codec.Kind(
-        pack_index.KIND, PackedEntry, (),
+        pack_index.KIND, pack_index.PackedEntry, (),
         key=lambda e: (e.shape, e.dtype, e.source_dtype, e.sharding,
                        e.prng_impl, e.saved_sharding),
         spec=_spec_of, leaf=lambda e: (), decoder=_packed_decoder),

@@ -22,19 +22,15 @@ import numpy as np
 from ckpt.format import index_codec
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import seal
+from ckpt.format.saved_sharding import (HOST_REPLICATED, REPLICATED_HOST,
+                                        REPLICATED_INLINE, SavedSharding)
 from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
-# Defined in ckpt/format/checks.py, inline_values.py and entries.py; callers
-# use them as index.X.
-from ckpt.format.checks import (  # noqa: F401
-    ALLOWED_DTYPES, MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DEPTH, MAX_LEAF_BYTES,
-    MAX_RANK, _REPR, _Where, _bad, _check_numbered_structure,
-    _check_structure, _dtype, _int, _keys_rank, _prng_impl, _shape,
-    check_extent, check_relpath, decode_saved_sharding)
-from ckpt.format.entries import (  # noqa: F401
-    KINDS, MAX_OCDBT_GROUPS, _KINDS_BY_CLASS, ArrayEntry, Entry, PackedEntry,
-    ValueEntry, _decode_entry)
-from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
+from ckpt.format.checks import (MAX_DEPTH, _Where, _bad,
+                                _check_numbered_structure, _check_structure,
+                                _int)
+from ckpt.format.entries import (KINDS, _KINDS_BY_CLASS, ArrayEntry, Entry,
+                                 ValueEntry, _decode_entry)
 
 FORMAT_NAME = "ckpt"
 # 5: "host_states", how many processes' host_state files the step holds (0:
@@ -86,15 +82,6 @@ MAX_CONTAINER_LEN = 1 << 20
 # refused while decoding, so a hostile index costs at most about 25 bytes of
 # python objects per byte (docs/untrusted.md).
 _LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
-
-
-# ---- the sharding a leaf was saved in (ckpt/format/saved_sharding.py) ------------
-HOST_REPLICATED = saved_sharding_lib.HOST_REPLICATED
-INLINE = saved_sharding_lib.INLINE
-MAX_MESH_AXES = saved_sharding_lib.MAX_MESH_AXES
-SavedSharding = saved_sharding_lib.SavedSharding
-REPLICATED_INLINE = saved_sharding_lib.REPLICATED_INLINE
-REPLICATED_HOST = saved_sharding_lib.REPLICATED_HOST
 
 
 def saved_sharding_of(entry: Entry) -> SavedSharding:

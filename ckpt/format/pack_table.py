@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from ckpt.errors import CorruptCheckpointError
 from ckpt.format import checks
 from ckpt.format import pack_index
 from ckpt.format import tree

@@ -30,15 +30,14 @@ from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore import readsplit
 from ckpt.restore import tasks
-# What the local tier calls as restore_lib.X (ckpt/tiers/local_tier.py,
-# multitier.py), defined in ckpt/restore/targets.py.
-from ckpt.restore.targets import (  # noqa: F401
-    AsSaved, _check_divides, _target_spec, concrete_target, out_dtype)
+from ckpt.restore.targets import (AsSaved, _check_divides, _target_spec,
+                                  out_dtype)
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.errors import (CheckpointNotFoundError,
                          MissingLeavesError, TreeMismatchError)
 from ckpt.store.limiter import ByteLimiter
+from ckpt.format import entries
 
 
 def resolve_step(storage: storage_lib.Storage, step: int | None,
@@ -75,7 +74,7 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
   for i, e in enumerate(index.leaves):
     if i in packed:
       leaf = packed[i]
-    elif isinstance(e, index_lib.ArrayEntry):
+    elif isinstance(e, entries.ArrayEntry):
       leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
     elif isinstance(e.value, (np.ndarray, np.generic)):
       leaf = lazy.LazyValue(e.value, tree.path_str(e.path),

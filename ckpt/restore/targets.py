@@ -95,7 +95,7 @@ class AsSaved:
 
   def __init__(self, index: index_lib.Index):
     self._index = index
-    self._built: dict[index_lib.SavedSharding, Any] = {}
+    self._built: dict[saved_sharding_lib.SavedSharding, Any] = {}
     self._replicated = None
 
   def sharding(self, name: str, src: Any) -> Any:
@@ -104,7 +104,7 @@ class AsSaved:
     if isinstance(src, jax.Array):  # a fallback array: where it is
       return src.sharding
     saved = getattr(src, "saved_sharding", None)
-    if saved == index_lib.REPLICATED_HOST:
+    if saved == saved_sharding_lib.REPLICATED_HOST:
       return None
     if saved is None:
       if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
@@ -113,7 +113,7 @@ class AsSaved:
             "sharding, so it would come back in its saved sharding, but a "
             f"restore transform made this leaf ({src!r}), which has none; "
             f"{_HOW}")
-      saved = index_lib.REPLICATED_INLINE  # a value given in memory
+      saved = saved_sharding_lib.REPLICATED_INLINE  # a value given in memory
     if saved.kind == "replicated":
       return self._replicated_sharding()
     built = self._build(saved)
@@ -125,7 +125,7 @@ class AsSaved:
       ) from None
     return built
 
-  def _build(self, saved: index_lib.SavedSharding) -> Any:
+  def _build(self, saved: saved_sharding_lib.SavedSharding) -> Any:
     built = self._built.get(saved)
     if built is None:
       try:
@@ -147,7 +147,7 @@ class AsSaved:
       self._replicated = (
           jax.sharding.NamedSharding(built.mesh, jax.sharding.PartitionSpec())
           if isinstance(built, jax.sharding.NamedSharding) else
-          index_lib.REPLICATED_INLINE.to_sharding())
+          saved_sharding_lib.REPLICATED_INLINE.to_sharding())
     return self._replicated
 
 

@@ -51,6 +51,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.commit import lease as lease_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Attempt:
   token: str        # chosen by process 0
   work_dir: str     # relative to the root
   timeout_s: float
-  lease_s: float = commit_lib.DEFAULT_LEASE_S
+  lease_s: float = lease_lib.DEFAULT_LEASE_S
   host_states: int | None = None  # agreed: the index's host_states
   # The barrier this process waits at now (one item, or none): a save
   # cancelled there leaves the waiting thread behind, which

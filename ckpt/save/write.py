@@ -43,6 +43,7 @@ from ckpt.format import tsspec
 from ckpt.format.crc import checksum, checksum_view
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.format import entries as entries_lib
 
 # Staging and checksumming a box this small runs on the event loop: a hop to
 # a worker thread and back (through the loop's self-pipe, under the GIL)
@@ -360,7 +361,7 @@ def make_index(plan: SavePlan, step: int, metrics: dict | None,
   entries = []
   for lp in plan.leaves:
     e = lp.entry
-    if (isinstance(e, index_lib.ArrayEntry) and checksum != "none" and
+    if (isinstance(e, entries_lib.ArrayEntry) and checksum != "none" and
         e.codec.get("checksum") != checksum):
       e = dataclasses.replace(e, codec={**e.codec, "checksum": checksum})
     entries.append(e)

@@ -71,14 +71,8 @@ from etils import epath
 import tensorstore as ts
 
 from ckpt.store import deadline as deadline_lib
-# The names and URL parsing of ckpt/store/names.py and ckpt/store/urls.py,
-# importable from here as before.
-from ckpt.store.names import (COMMIT_MARKER, INDEX_NAME, PENDING_DIR,  # pylint: disable=unused-import
-                              RECORDS_DIR, STEP_PREFIX, _describe,
-                              _describe_listing, broken_name, is_deletable,
-                              is_tmp_name, parse_broken, parse_step,
-                              step_dirname)
-from ckpt.store.urls import join, kvstore_for_url  # pylint: disable=unused-import
+from ckpt.store.names import INDEX_NAME, _describe, _describe_listing
+from ckpt.store.urls import join, kvstore_for_url
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.errors import StoreTimeoutError
 
