@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, _encode_py,
-                              _ST_CODES, _ST_DTYPES, iter_leaves,
+from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, encode_py,
+                              ST_CODES, ST_DTYPES, iter_leaves,
                               open_checkpoint)
 from ckpt.format import index as index_lib
 from ckpt.format import tree
@@ -101,19 +101,19 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
   for e in index.leaves:
     name = tree.path_str(e.path)
     if _is_py_value(e):
-      values[name] = _encode_py(name, e.value)
+      values[name] = encode_py(name, e.value)
       continue
     if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry)):
       shape, dtype = e.shape, np.dtype(e.dtype)
     else:
       shape, dtype = e.value.shape, e.value.dtype
     dtype = _widened(name, dtype, _ST_WIDEN, report)
-    if dtype.name not in _ST_CODES:
+    if dtype.name not in ST_CODES:
       raise ConvertError(
           f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot "
           "hold; export it to npz instead")
     n = math.prod(shape) * dtype.itemsize
-    header[name] = {"dtype": _ST_CODES[dtype.name], "shape": list(shape),
+    header[name] = {"dtype": ST_CODES[dtype.name], "shape": list(shape),
                     "data_offsets": [offset, offset + n]}
     offset += n
   meta = {"ckpt.step": str(index.step)}
@@ -126,7 +126,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
       spec = header.get(name)
       if spec is None:
         continue
-      arr = np.asarray(value).astype(_ST_DTYPES[spec["dtype"]], copy=False)
+      arr = np.asarray(value).astype(ST_DTYPES[spec["dtype"]], copy=False)
       begin, end = spec["data_offsets"]
       if arr.nbytes != end - begin:
         raise ConvertError(f"leaf {name!r}: read {arr.nbytes} bytes, the "

@@ -224,7 +224,7 @@ class ProcessChecksums:
         not isinstance(doc.get("boxes"), list)):
       raise CorruptCheckpointError(
           f"{where}: expected a map with 'process': {p} and a list of "
-          f"'boxes', found {checks._REPR.repr(doc)[:200]}")
+          f"'boxes', found {checks.SHORT_REPR.repr(doc)[:200]}")
     leaves = self.index.leaves
     for item in doc["boxes"]:
       if (not isinstance(item, list) or len(item) != 4 or
@@ -233,11 +233,11 @@ class ProcessChecksums:
           type(item[3]) is not int or not 0 <= item[3] < 2**32):
         raise CorruptCheckpointError(
             f"{where}: expected a record [array leaf number, start, stop, "
-            f"crc32c], found {checks._REPR.repr(item)[:200]}")
+            f"crc32c], found {checks.SHORT_REPR.repr(item)[:200]}")
       e = leaves[item[0]]
       name = f"{where}: leaf {item[0]} ({tree.path_str(e.path)})"
-      start = checks._shape(item[1], name)
-      stop = checks._shape(item[2], name)
+      start = checks.decode_shape(item[1], name)
+      stop = checks.decode_shape(item[2], name)
       shape = tuple(e.shape)
       if (len(start) != len(shape) or len(stop) != len(shape) or
           any(not a < b <= s for a, b, s in zip(start, stop, shape))):

@@ -30,7 +30,7 @@ from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore import readsplit
 from ckpt.restore import tasks
-from ckpt.restore.targets import (AsSaved, _check_divides, _target_spec,
+from ckpt.restore.targets import (AsSaved, check_divides, target_spec,
                                   out_dtype)
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
@@ -137,12 +137,12 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
   target's sharding; with no target (``target=None``, ``ckpt.load``) on
   jax's default device.
   """
-  shape, wanted, sharding, wants_array = _target_spec(tgt, name)
+  shape, wanted, sharding, wants_array = target_spec(tgt, name)
   if (sharding is None and isinstance(tgt, jax.ShapeDtypeStruct) and
       as_saved is not None and isinstance(
           src, (lazy.LazyLeaf, jax.Array, np.ndarray, np.generic))):
     sharding = as_saved.sharding(name, src)
-    _check_divides(name, shape, sharding)
+    check_divides(name, shape, sharding)
   if isinstance(src, jax.Array) and (not src.is_fully_addressable or
                                      prng.is_key_dtype(src.dtype)):
     # A fallback array spread over processes: place it, never gather it.

@@ -181,12 +181,12 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-        impl, x = _key_data(name, x)
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+        impl, x = key_data(name, x)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
       sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, np.ndarray):
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       sharding = partitioner(name, x.shape) if partitioner else None
       if sharding is None:
         where = placement_lib.host_replicated(x.shape, process, process_count)
@@ -196,7 +196,7 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       saved = _saved_sharding(sharding, x.ndim)
     else:  # a LeafSource (inline_leaf rejected anything else)
       impl = x.prng_impl
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = x.placement(process, process_count)
       sharding_text = _describe_sharding(x, x.sharding)
       saved = _saved_sharding(x.sharding, len(x.shape))
@@ -237,8 +237,8 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
     if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-      impl, x = _key_data(name, x)
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      impl, x = key_data(name, x)
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
       raise InvalidStateError(  # for the others, names it)
           f"leaf {name!r}: expected a live jax.Array, found one that has "
@@ -250,19 +250,19 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
   if isinstance(x, np.ndarray):
     if x.nbytes > options.inline_max_bytes:
       return None
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
     return LeafPlan(parts, None, entries.ValueEntry(parts, x.astype(stored),
                                                       host=True))
   if isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
     if not (x.inline_ok and x.nbytes <= options.inline_max_bytes):
       return None
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
     return LeafPlan(parts, None, entries.ValueEntry(
         parts, x.read_all().astype(stored), x.prng_impl))
   if isinstance(x, (bool, int, float, str, bytes, np.generic)):
     value = x
     if isinstance(x, np.generic):
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
       value = np.asarray(x).astype(stored)[()]
     # rejects what cannot be stored, now
     inline_values.encode_value(value, parts)
@@ -293,7 +293,7 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
         f"one of {sorted(checks.ALLOWED_DTYPES)}")
 
 
-def _leaf_dtype(name: str, dtype: Any, save_dtype, *,
+def leaf_dtype(name: str, dtype: Any, save_dtype, *,
                 inline: bool = False) -> np.dtype:
   """The dtype a leaf is stored in; InvalidStateError naming the leaf if
   it has none (a jax extended dtype, or one numpy does not know). Inline
@@ -315,7 +315,7 @@ def _leaf_dtype(name: str, dtype: Any, save_dtype, *,
   return stored
 
 
-def _key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
+def key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
   """(implementation name, key data) of a typed PRNG key array; the data is
   the keys' own buffers (no copy), sharded like the keys."""
   try:

@@ -64,8 +64,8 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   for name, x in leaves:
     if isinstance(x, jax.Array):
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-        info["prng"][name], x = save_lib._key_data(name, x)  # pylint: disable=protected-access
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+        info["prng"][name], x = save_lib.key_data(name, x)
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
       if x.sharding.device_set != job:
         if not x.is_fully_addressable:
           raise InvalidStateError(
@@ -91,11 +91,11 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
       arrays.append((name, x))
       info["arrays"][name] = [stored.name, list(x.shape)]
     elif isinstance(x, np.ndarray):
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
       host_vals[name] = inline_values.encode_value(x.astype(stored), (name,))
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       if isinstance(x, np.generic):
-        stored = save_lib._leaf_dtype(name, x.dtype, save_dtype, inline=True)  # pylint: disable=protected-access
+        stored = save_lib.leaf_dtype(name, x.dtype, save_dtype, inline=True)
         x = np.asarray(x).astype(stored)[()]
       host_vals[name] = inline_values.encode_value(x, (name,))
     else:
@@ -165,7 +165,7 @@ def _check_shardings(target_leaves) -> None:
   for name, t in target_leaves:
     sh = getattr(t, "sharding", None)
     if sh is not None and hasattr(t, "shape"):
-      targets._check_divides(name, tuple(t.shape), sh)  # pylint: disable=protected-access
+      targets.check_divides(name, tuple(t.shape), sh)
 
 
 def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
@@ -197,7 +197,7 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
                              [n for n, _ in target_leaves])
   plan = {}
   for name, t in target_leaves:
-    shape, wanted, sharding, wants_array = targets._target_spec(t, name)  # pylint: disable=protected-access
+    shape, wanted, sharding, wants_array = targets.target_spec(t, name)
     impl = impls.get(name) or None
     if impl is not None and not isinstance(impl, str):
       raise CorruptCheckpointError(

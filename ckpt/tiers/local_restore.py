@@ -144,8 +144,8 @@ class RestoreMixin:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
       if not mine:
-        host_bytes = multihost._wait_for_key(  # pylint: disable=protected-access
-            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+        host_bytes = multihost.wait_for_key(
+            multihost.coordination_client().blocking_key_value_get_bytes,
             f"{key}/host/{lay.dst[lay.pid]}", self.timeout_s,
             "this process's host values from its partner")
     own_host = host["own"] if mine else host_bytes

@@ -285,8 +285,8 @@ class SaveMixin:
       if error is None:
         partner_host = b""
         if self.layout.n > 1:  # posted before the round: no wait
-          partner_host = multihost._wait_for_key(  # pylint: disable=protected-access
-              multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
+          partner_host = multihost.wait_for_key(
+              multihost.coordination_client().blocking_key_value_get_bytes,
               f"{key}/host/{src}", self.timeout_s,
               f"the host values of process {src} for the local tier")
         for f in files.values():

@@ -693,12 +693,12 @@ def test_encode_counts_containers_as_msgpack_does(rng, state):
   idx = make_index(rng)
   structure = tree.encode_structure(state)
   doc = {"structure": structure, "leaves": index_codec.encode(
-      idx.leaves, entries_lib._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
+      idx.leaves, entries_lib.KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
   count = _HookCount()
   sealed.unpackb(sealed.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
   n = len(tree.flatten(state))
-  _, s_lists, s_longest = checks._check_numbered_structure(structure, "", n)
+  _, s_lists, s_longest = checks.check_numbered_structure(structure, "", n)
   lists, maps, longest = index_codec.containers({**doc, "structure": None})
   assert (lists + s_lists, maps, max(longest, s_longest)) == (
       count.lists, count.maps, count.longest)
