@@ -21,6 +21,7 @@ from absl import logging
 from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
 from ckpt.commit import steps as steps_lib
+from ckpt.commit import strategy
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import deletion
 from ckpt.store import deadline as deadline_lib
@@ -194,7 +195,7 @@ class SaveCalls:
     if not self.storage.is_posix and not records.records_complete(
         self.storage):
       try:
-        steps_lib._ensure_records(self.storage)  # pylint: disable=protected-access
+        strategy.MARKER.ensure_records(self.storage)
       except CheckpointError as e:
         logging.warning("ckpt: could not make the commit records of %s "
                         "complete: %s", self.storage.url, e)

@@ -17,6 +17,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
 from ckpt.commit.retention import RetentionPolicy
 from ckpt.store import names
+from ckpt.commit import rename
 
 DEFAULT_TMP_MIN_AGE_S = 3600
 
@@ -67,7 +68,7 @@ def cmd_gc(args) -> int:
                  "bytes": r["bytes"], "reason": "retention policy"})
   skipped = []
   watched = _watch(storage, args, tmp)
-  now = cleanup_lib.store_now(storage) if storage.is_posix and tmp else None
+  now = rename.store_now(storage) if storage.is_posix and tmp else None
   for r in tmp:
     age = r.get("age_s")
     if now is not None and r.get("time") is not None:

@@ -9,6 +9,7 @@ import os
 import time
 
 from ckpt.commit import steps as steps_lib
+from ckpt.commit import strategy
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli import convert
 from ckpt.cli.usage import EXIT_OK, UsageError
@@ -109,9 +110,9 @@ def list_entries(storage: storage_lib.Storage, progress=None,
       aside = names_lib.parse_broken(p)
       if s is not None and p not in rows:
         rows[p] = {"step": s, "name": p, "status": "incomplete",
-                   "problem": steps_lib.posix_problem(storage, p)}
+                   "problem": strategy.RENAME.problem(storage, p)}
       elif aside is not None:
-        problem = steps_lib.posix_problem(storage, p)
+        problem = strategy.RENAME.problem(storage, p)
         rows[p] = {"step": aside, "name": p, "status": "incomplete",
                    "problem": f"set aside by a later save of step {aside}"
                    + (f"; it {problem}" if problem else "")}

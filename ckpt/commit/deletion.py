@@ -113,10 +113,10 @@ def remove_step(storage: storage_lib.Storage, step: int) -> None:
 def drop_leftovers(storage: storage_lib.Storage, step: int) -> None:
   """The keys an earlier ckpt (no attempts) left in ``checkpoint_<step>/``
   beside no marker: a save that never committed, found by a full listing
-  of a root without records (``commit._abandoned_by_scan``). Only keys
-  outside the attempts' directories go, and nothing once a marker exists:
-  a save of that step by this ckpt, committed since that listing, keeps
-  its data, marker and record."""
+  of a root without records (``MarkerCommit.abandoned``,
+  ckpt/commit/marker.py). Only keys outside the attempts' directories go,
+  and nothing once a marker exists: a save of that step by this ckpt,
+  committed since that listing, keeps its data, marker and record."""
   if storage.exists(_marker_key(step)):
     return
   step_name = names.step_dirname(step)

@@ -230,3 +230,13 @@ def list_pending(storage: storage_lib.Storage) -> list[tuple[int, str]]:
   return sorted(out)
 
 
+def commit_state(storage: storage_lib.Storage, step: int
+                 ) -> tuple[bool, str | None]:
+  """(whether ``step`` is committed, the token of the attempt that
+  committed it): one read."""
+  if records_complete(storage):
+    rec = read_record(storage, step)
+    return rec is not None, rec and rec["attempt"]
+  data = storage.read_bytes(
+      f"{names.step_dirname(step)}/{names.COMMIT_MARKER}")
+  return data is not None, marker_attempt(data)

@@ -40,15 +40,7 @@ from ckpt.commit import lease as lease_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.errors import CheckpointError
 from ckpt.store import storage as storage_lib
-
-
-def removed_error(step: int, where: str, why: str) -> CheckpointError:
-  return CheckpointError(
-      f"cannot commit step {step}: its work was removed while the save was "
-      f"running ({why}; another job's cleanup of abandoned saves, `ckpt gc`, "
-      f"or a person?). Expected the lease {where}/{steps_lib.ATTEMPT_FILE} "
-      "as this save last wrote it; nothing was committed and the existing "
-      "checkpoints are untouched. Save again")
+from ckpt.commit import attempt
 
 
 class Renewal:
@@ -59,7 +51,7 @@ class Renewal:
     self.storage = storage
     self.step, self.token = step, token
     self.rel = steps_lib.work_dir(storage, step, token)
-    self.key = f"{self.rel}/{steps_lib.ATTEMPT_FILE}"
+    self.key = f"{self.rel}/{attempt.ATTEMPT_FILE}"
     self.where = f"{storage.url.rstrip('/')}/{self.rel}"
     self.interval_s = lease_lib.renew_interval(lease_s, storage.is_posix)
     self.request_s = max(lease_s, 10.0)  # one renewal's bound
@@ -96,10 +88,10 @@ class Renewal:
         except Exception as e:  # pylint: disable=broad-except
           raise CheckpointError(
               f"cannot commit step {self.step}: renewing its lease "
-              f"{self.where}/{steps_lib.ATTEMPT_FILE} before the commit "
+              f"{self.where}/{attempt.ATTEMPT_FILE} before the commit "
               f"failed: {type(e).__name__}: {e}") from e
       if self.lost is not None:
-        raise removed_error(self.step, self.where, self.lost)
+        raise attempt.removed_error(self.step, self.where, self.lost)
       return self._gen
 
   def _run(self) -> None:

@@ -20,7 +20,6 @@ import crc32c
 import msgpack
 import numpy as np
 
-from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
 from ckpt.tiers.local_exchange import _wait_ready
@@ -28,6 +27,7 @@ from ckpt.tiers.local_leaves import _prepare_leaves, flatten
 from ckpt.tiers.local_manifest import _DATA_FILES, FORMAT, VERSION, _index
 from ckpt.tiers.local_steps import _remove
 from ckpt.errors import BarrierTimeoutError, CheckpointError
+from ckpt.commit import attempt
 
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
 
@@ -307,7 +307,7 @@ class SaveMixin:
           manifest["files"][fname] = size
         storage_lib.write_file(os.path.join(work, "manifest.json"),
                     json.dumps(manifest).encode())
-        commit_lib.fsync_dir(work)
+        attempt.fsync_dir(work)
     except BaseException as e:  # pylint: disable=broad-except
       error = error or e
     finally:
@@ -350,6 +350,6 @@ class SaveMixin:
     if os.path.exists(final):  # saved again: the old one goes first
       _remove(final, self.dir, step)
     os.rename(work, final)
-    commit_lib.fsync_dir(self.dir)
+    attempt.fsync_dir(self.dir)
     self.last_save_stats["total_s"] = time.perf_counter() - t0
     self._retain()
