@@ -171,9 +171,8 @@ def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
   return records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
-def _removed(kind: strategy.RenameCommit | strategy.MarkerCommit,
-             storage: storage_lib.Storage, step: int, token: str,
-             renewal: renewal_lib.Renewal | None) -> bytes | None:
+def _removed(kind: strategy.Kind, storage: storage_lib.Storage, step: int,
+             token: str, renewal: renewal_lib.Renewal | None) -> bytes | None:
   """Before a commit: the attempt is whole, or the removed_error. With the
   attempt's ``renewal``: its last word (the lease's generation now); then
   (object stores) its ``pending/`` record is there too."""
