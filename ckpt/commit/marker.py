@@ -14,6 +14,7 @@ from typing import Callable
 
 from absl import logging
 import msgpack
+import tensorstore as ts
 
 from ckpt.commit import deletion
 from ckpt.commit import lease as lease_lib
@@ -57,14 +58,78 @@ class SightingsClock:
     self.seen.keep_only(self.dated)
 
 
+class ObjectLease:
+  """An attempt's lease on an object store (ckpt/commit/renewal.py renews
+  it): each renewal a write conditional on the generation of the last, so
+  a removed or replaced lease is seen."""
+
+  def __init__(self, storage: storage_lib.Storage, key: str, token: str,
+               request_s: float):
+    self.storage, self.key, self.token = storage, key, token
+    self.request_s = request_s  # one request's bound
+    self.generation: bytes | None = None
+    self._kv = None
+
+  def _open(self):
+    if self._kv is None:
+      self._kv = ts.KvStore.open(self.storage.spec,
+                                 context=self.storage.context()).result(
+                                     timeout=self.request_s)
+    return self._kv
+
+  def renew(self, data: bytes, count: int) -> str | None:
+    """Writes ``data`` (renewal ``count``); why the lease is lost, or None."""
+    kv = self._open()
+    if self.generation is None:  # the lease prepare wrote: read once
+      r = kv.read(self.key).result(timeout=self.request_s)
+      if r.state == "missing" or not self._mine(bytes(r.value), count,
+                                                first=True):
+        return "its lease is gone" if r.state == "missing" else (
+            "its lease names another attempt")
+      self.generation = bytes(r.stamp.generation)
+    w = kv.write(self.key, data, if_equal=self.generation).result(
+        timeout=self.request_s)
+    if w.generation:
+      self.generation = bytes(w.generation)
+      return None
+    # The condition failed: ours all the same (a retried request), or gone.
+    r = kv.read(self.key).result(timeout=self.request_s)
+    if r.state == "missing":
+      return "its lease is gone"
+    if not self._mine(bytes(r.value), count):
+      return "its lease was replaced"
+    self.generation = bytes(r.stamp.generation)
+    return None
+
+  def _mine(self, data: bytes, count: int, first: bool = False) -> bool:
+    lease = lease_lib.parse(data)
+    if lease is None or lease.get("token") != self.token:
+      return False
+    n = lease.get("renewal", 0)
+    return first or (type(n) is int and 0 <= n <= count)
+
+
 class MarkerCommit:
   """Object stores and ``memory://``: commit by a create-only marker and a
   flat record (module docstring; ckpt/commit/protocol.py for the records)."""
+
+  # The shortest time between two renewals of a lease (a request).
+  least_renewal_s = lease_lib.MIN_BUCKET_RENEWAL_S
+
+  def lease(self, storage: storage_lib.Storage, key: str, token: str,
+            request_s: float) -> ObjectLease:
+    return ObjectLease(storage, key, token, request_s)
 
   def work_dir(self, step: int, token: str) -> str:
     """The relative directory the attempt ``token`` at ``step`` writes into."""
     return (f"{names.step_dirname(step)}/{ATTEMPT_PREFIX}"
             f"{records.check_token(token)}")
+
+  def write_into_attempt(self, storage: storage_lib.Storage, work_dir: str,
+                         rel: str, data: bytes, what: str) -> None:
+    """A small object of this process into the attempt."""
+    del what  # storage.write_bytes names the key in its errors
+    storage.write_bytes(f"{work_dir}/{rel}", data)
 
   def is_committed(self, storage: storage_lib.Storage, step: int) -> bool:
     if records.records_complete(storage):

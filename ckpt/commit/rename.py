@@ -77,8 +77,45 @@ class FileClock:
     """Nothing to forget: a file's age is read from the file."""
 
 
+def _read(path: str) -> bytes | None:
+  try:
+    with open(path, "rb") as f:
+      return f.read(storage_lib.MAX_OBJECT_BYTES)
+  except OSError:
+    return None
+
+
+class FileLease:
+  """An attempt's lease on a disk, rewritten in place while it is there
+  (ckpt/commit/renewal.py renews it)."""
+
+  generation = None  # a file has none
+
+  def __init__(self, storage: storage_lib.Storage, key: str):
+    self.path = os.path.join(os.fspath(storage.root), key)
+
+  def renew(self, data: bytes, count: int) -> str | None:
+    """Writes ``data`` (renewal ``count``); why the lease is lost, or None."""
+    del count  # the file itself says whether it is still there
+    if lease_lib.parse(_read(self.path)) is None:
+      return "its lease is gone"
+    try:
+      storage_lib.write_file(self.path, data)
+    except FileNotFoundError:
+      return "its directory is gone"
+    return None
+
+
 class RenameCommit:
   """POSIX: commit by renaming the attempt's directory (module docstring)."""
+
+  # The shortest time between two renewals of a lease (a file write).
+  least_renewal_s = 0.05
+
+  def lease(self, storage: storage_lib.Storage, key: str, token: str,
+            request_s: float) -> FileLease:
+    del token, request_s  # a file write is local and names no attempt
+    return FileLease(storage, key)
 
   # How an expired lease's age reads in a reason.
   stale_lease = "its lease was last written {age:.0f} s ago"
@@ -141,6 +178,20 @@ class RenameCommit:
   def work_dir(self, step: int, token: str) -> str:
     """The relative directory the attempt ``token`` at ``step`` writes into."""
     return f"{names.step_dirname(step)}.tmp-{records.check_token(token)}"
+
+  def write_into_attempt(self, storage: storage_lib.Storage, work_dir: str,
+                         rel: str, data: bytes, what: str) -> None:
+    """A small file of this process into the attempt. Never recreates the
+    attempt's directory (if it was removed, the commit fails on its missing
+    attempt.json): only the per-process subdirectory."""
+    sub, name = rel.rsplit("/", 1)
+    folder = os.path.join(os.fspath(storage.root), work_dir, sub)
+    with storage.store_errors(f"writing {what} to"):
+      try:
+        os.mkdir(folder)
+      except FileExistsError:
+        pass
+      storage_lib.write_file(os.path.join(folder, name), data)
 
   def is_committed(self, storage: storage_lib.Storage, step: int) -> bool:
     return self.problem(storage, names.step_dirname(step)) is None
