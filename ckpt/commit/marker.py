@@ -381,7 +381,8 @@ class MarkerCommit:
     if not records.records_complete(storage):
       return  # without records, a marker is a commit
     key = f"{names.step_dirname(step)}/{names.COMMIT_MARKER}"
-    if not storage.exists(key) or records.read_record(storage, step) is not None:
+    if (not storage.exists(key)
+        or records.read_record(storage, step) is not None):
       return
     if storage.exists(deletion.name(step)):
       # Finish that deletion: it removes the marker only if it names the

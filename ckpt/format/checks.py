@@ -280,7 +280,8 @@ def plain_part(p: str) -> bool:
 # Errors show a bounded excerpt of what was found: repr() of a hostile
 # 30-million-element list alone takes seconds and gigabytes.
 SHORT_REPR = reprlib.Repr()
-SHORT_REPR.maxlevel, SHORT_REPR.maxlist, SHORT_REPR.maxdict, SHORT_REPR.maxtuple = 3, 12, 8, 12
+SHORT_REPR.maxlevel, SHORT_REPR.maxlist = 3, 12
+SHORT_REPR.maxdict, SHORT_REPR.maxtuple = 8, 12
 SHORT_REPR.maxstring = SHORT_REPR.maxother = SHORT_REPR.maxlong = 200
 
 

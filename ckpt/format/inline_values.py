@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from ckpt.format import tree
-from ckpt.format.checks import ALLOWED_DTYPES, DTYPE_NAMES, bad, decode_dtype, decode_shape
+from ckpt.format.checks import (ALLOWED_DTYPES, DTYPE_NAMES, bad, decode_dtype,
+                                decode_shape)
 from ckpt.errors import InvalidStateError
 
 

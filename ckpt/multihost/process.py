@@ -267,7 +267,8 @@ def await_announced(key: str, timeout_s: float) -> bool:
   if not is_multiprocess():
     return True
   try:
-    coordination_client().blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    client = coordination_client()
+    client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
     return True
   except Exception:  # pylint: disable=broad-except
     return False
@@ -282,7 +283,8 @@ def post_bytes(key: str, data: bytes,
   """This process's ``data`` under ``key``, for ``collect_bytes`` on
   process 0 after a barrier every process reaches once it has posted."""
   if is_multiprocess():
-    coordination_client(timeout_s).key_value_set_bytes(f"{key}/{process_index()}", data)
+    client = coordination_client(timeout_s)
+    client.key_value_set_bytes(f"{key}/{process_index()}", data)
 
 
 def collect_bytes(key: str, data: bytes, what: str = "data",
@@ -292,7 +294,8 @@ def collect_bytes(key: str, data: bytes, what: str = "data",
   ``data`` is this process's own (single process: the only one)."""
   if not is_multiprocess():
     return [data]
-  got = _by_process(coordination_client(timeout_s).key_value_dir_get_bytes(f"{key}/"))
+  client = coordination_client(timeout_s)
+  got = _by_process(client.key_value_dir_get_bytes(f"{key}/"))
   missing = [p for p in range(process_count()) if p not in got]
   if missing:
     raise BarrierTimeoutError(
@@ -335,7 +338,8 @@ def report_failure(key: str, message: str,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Tells the other processes, before a barrier, that this one failed."""
   if is_multiprocess():
-    coordination_client(timeout_s).key_value_set(f"{key}/{process_index()}", message[:4000])
+    client = coordination_client(timeout_s)
+    client.key_value_set(f"{key}/{process_index()}", message[:4000])
 
 
 def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -343,7 +347,8 @@ def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
   """After the barrier: {process: message} of those that reported failure."""
   if not is_multiprocess():
     return {}
-  return _by_process(coordination_client(timeout_s).key_value_dir_get(f"{key}/"))
+  client = coordination_client(timeout_s)
+  return _by_process(client.key_value_dir_get(f"{key}/"))
 
 
 def _by_process(items) -> dict:
