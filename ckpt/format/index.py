@@ -257,7 +257,7 @@ def _encode(index: Index) -> bytes:
         index.structure, "the tree structure", len(index.leaves),
         max_depth=_PACK_DEPTH)
     if depth > MAX_DEPTH:
-      raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+      raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "checks.MAX_DEPTH",
                         "Nest the state less deeply")
     placed = tree.leaf_paths(index.structure, len(index.leaves))
     if placed != [e.path for e in index.leaves]:  # each where flatten puts it
@@ -302,7 +302,7 @@ def _over_limit(index: "Index", what: str, found: int, limit: int,
       f"the index of step {index.step} ({n} leaves) would exceed a limit "
       f"that readers enforce, so nobody could read the checkpoint; nothing "
       f"was committed: {what} is {found}, the limit is {limit} "
-      f"(ckpt.format.index.{name}). "
+      f"(ckpt.format.{name}). "
       + (hint or "Save fewer, larger leaves (or fewer inline values)"))
 
 
@@ -314,7 +314,7 @@ def check_encoded(data: bytes, doc: Any, index: "Index",
   (lists, maps, longest) of a part left out of ``doc``)."""
   if len(data) > MAX_INDEX_BYTES:
     raise _over_limit(index, "the encoded size in bytes", len(data),
-                      MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
+                      MAX_INDEX_BYTES, "index.MAX_INDEX_BYTES")
   try:
     lists, maps, longest_found = index_codec.containers(doc)
     lists, maps = lists + more[0], maps + more[1]
@@ -326,15 +326,15 @@ def check_encoded(data: bytes, doc: Any, index: "Index",
   longest = min(MAX_CONTAINER_LEN, len(data))
   if longest_found > longest:
     raise _over_limit(index, "the longest list or map (e.g. the leaves)",
-                      longest_found, longest, "MAX_CONTAINER_LEN")
+                      longest_found, longest, "index.MAX_CONTAINER_LEN")
   if lists > budget.lists:
     raise _over_limit(index, f"the number of lists in {len(data)} bytes "
                       f"(at most one per {_LISTS_PER_BYTE} bytes)",
-                      lists, budget.lists, "_LISTS_PER_BYTE")
+                      lists, budget.lists, "index._LISTS_PER_BYTE")
   if maps > budget.maps:
     raise _over_limit(index, f"the number of maps in {len(data)} bytes "
                       f"(at most one per {_MAPS_PER_BYTE} bytes)",
-                      maps, budget.maps, "_MAPS_PER_BYTE")
+                      maps, budget.maps, "index._MAPS_PER_BYTE")
 
 
 class _ContainerBudget:

@@ -226,7 +226,7 @@ def storage_relpath(parts: PathParts) -> str:
 @functools.lru_cache(maxsize=1 << 16)
 def _safe_part(p: str) -> str:
   # A part starting with "." would be hidden and is refused on restore
-  # (index.check_relpath); escaping works on UTF-8 bytes so that it stays
+  # (checks.check_relpath); escaping works on UTF-8 bytes so that it stays
   # one-to-one ("\u20ac" and " AC" must not both become "%20AC").
   if not _SAFE_PART.match(p) or p.startswith("."):
     p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else

@@ -297,7 +297,7 @@ def leaf_dtype(name: str, dtype: Any, save_dtype, *,
                 inline: bool = False) -> np.dtype:
   """The dtype a leaf is stored in; InvalidStateError naming the leaf if
   it has none (a jax extended dtype, or one numpy does not know). Inline
-  scalars are checked by index.encode_value instead."""
+  scalars are checked by inline_values.encode_value instead."""
   if prng.is_extended_dtype(dtype):
     raise InvalidStateError(
         f"leaf {name!r} has the jax extended dtype {dtype}, which ckpt cannot "
