@@ -87,8 +87,7 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
     info = placement.make_mesh_info(names, ids, ids // per_process, me)
     layouts = []
     for parts, shape, spec, dtype in state:
-      where = placement.named(info, placement.spec_axes(spec, len(shape)),
-                              shape)
+      where = info.named(placement.spec_axes(spec, len(shape)), shape)
       itemsize = np.dtype(dtype).itemsize
       layouts.append(plan.leaf_layout(shape, itemsize, where,
                                       plan.DEFAULT_CHUNK_BYTES))
