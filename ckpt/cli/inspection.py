@@ -20,14 +20,16 @@ from ckpt.cli.output import (Progress, brief, emit, human_bytes, iso_utc,
 from ckpt.cli.usage import EXIT_FAIL, EXIT_OK, UsageError
 from ckpt.format import index as index_lib
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 
 # ---- inspect -----------------------------------------------------------------
 
-def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
+def leaf_info(e: entries.Entry) -> dict[str, Any]:
   from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   name = tree.path_str(e.path)
-  if isinstance(e, index_lib.ArrayEntry):
+  if isinstance(e, entries.ArrayEntry):
     grid = [math.ceil(s / c) if c else 0 for s, c in zip(e.shape, e.chunks)]
     return {"path": name, "kind": "array", "shape": list(e.shape),
             "dtype": e.dtype, "source_dtype": e.source_dtype,
@@ -36,7 +38,7 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
             "sharding": e.sharding, "relpath": e.relpath,
             "checksums": len(getattr(e, "checksums", ())),
             **_prng_info(e, e.shape)}
-  if isinstance(e, index_lib.PackedEntry):  # in the step's packs
+  if isinstance(e, pack_index.PackedEntry):  # in the step's packs
     return {"path": name, "kind": "packed", "shape": list(e.shape),
             "dtype": e.dtype, "source_dtype": e.source_dtype,
             "bytes": convert.leaf_nbytes(e), "sharding": e.sharding,
@@ -50,7 +52,7 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
           "repr": brief(v), **_prng_info(e, np.shape(v))}
 
 
-def _prng_info(e: index_lib.Entry, shape) -> dict[str, Any]:
+def _prng_info(e: entries.Entry, shape) -> dict[str, Any]:
   """``prng_impl``: the implementation of a typed PRNG key leaf (None for
   other leaves); a key leaf's ``shape`` and ``dtype`` are its stored key
   data's, ``keys_shape`` the shape of the key array it restores as."""
@@ -207,7 +209,8 @@ def _verify_one(args, step: int | None) -> dict[str, Any]:
   storage, step_dir, index = convert.open_checkpoint(
       args.path, step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
-  arrays = [e for e in index.leaves if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry))]
+  arrays = [e for e in index.leaves
+            if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry))]
   t0 = time.perf_counter()
   with Progress(args, f"verify step {index.step}", unit="leaf") as bar:
     problems = integrity.verify(args.path, step=step,

@@ -33,7 +33,9 @@ from absl import logging
 
 from ckpt.commit import records
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
 from ckpt.format import index as index_lib
+from ckpt.store import names
 from ckpt.store import storage as storage_lib
 
 KEEP_ALL = None  # ``marks``: nobody can say what is unreferenced
@@ -65,10 +67,10 @@ def _later_dirs(storage: storage_lib.Storage, step: int) -> list[str]:
       continue
     rec = records.read_record(storage, int(name))
     if rec is not None and rec["dir"]:
-      out.append(f"{storage_lib.step_dirname(int(name))}/{rec['dir']}")
+      out.append(f"{names.step_dirname(int(name))}/{rec['dir']}")
   for s, token in records.list_pending(storage):
     if s > step and token != records.DELETE:
-      out.append(f"{storage_lib.step_dirname(s)}/attempt-{token}")
+      out.append(f"{names.step_dirname(s)}/attempt-{token}")
   return out
 
 
@@ -80,7 +82,7 @@ def marks(storage: storage_lib.Storage, step: int, data_dir: str
   wrote (one request)."""
   if storage.is_posix or not records.ATTEMPT_DIR_RE.match(data_dir):
     return set()
-  where = f"{storage_lib.step_dirname(step)}/{data_dir}"
+  where = f"{names.step_dirname(step)}/{data_dir}"
   if not storage.exists(_flag(where)):
     return set()
   target, out = (step, data_dir), set()
@@ -128,7 +130,7 @@ def sweep(storage: storage_lib.Storage, targets: set[tuple[int, str]]
     rec = records.read_record(storage, step)
     if rec is not None and rec["dir"] == data_dir:
       continue  # still a step: its own deletion marks
-    where = f"{storage_lib.step_dirname(step)}/{data_dir}"
+    where = f"{names.step_dirname(step)}/{data_dir}"
     held = marks(storage, step, data_dir)
     storage.delete_keys(kept(storage.list_keys(f"{where}/"), where, held),
                         f"step {step}'s unreferenced data")
@@ -151,7 +153,7 @@ def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
   if rec is None or not rec["dir"]:
     raise CheckpointError(f"step {step} of {storage.url!r} is not a "
                           "committed step of a bucket")
-  where = f"{storage_lib.step_dirname(step)}/{rec['dir']}"
+  where = f"{names.step_dirname(step)}/{rec['dir']}"
   index = _index_of(storage, where)
   if index is None:
     raise CheckpointError(f"step {step} of {storage.url!r} has no index")
@@ -162,7 +164,7 @@ def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
     if ref is None:
       leaves.append(e)
       continue
-    src = f"{index_lib.held_dir(ref)}/{e.relpath}/"
+    src = f"{entries.held_dir(ref)}/{e.relpath}/"
     keys = storage.list_keys(src)
     if not keys:
       raise CheckpointError(

@@ -20,6 +20,7 @@ from absl import logging
 from ckpt.commit import records
 from ckpt.commit import retention_pass
 from ckpt.commit import steps as steps_lib
+from ckpt.commit import strategy
 from ckpt.commit.retention import RetentionPolicy
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import loop as loop_lib
@@ -86,7 +87,7 @@ class KnownSteps:
     if not self.storage.is_posix and not records.records_complete(
         self.storage):
       try:
-        steps_lib.ensure_records(self.storage)
+        strategy.MARKER.ensure_records(self.storage)
       except CheckpointError as e:
         logging.warning("ckpt: could not make the commit records of %s "
                         "complete: %s", self.storage.url, e)

@@ -31,9 +31,6 @@ from ckpt.save import schedule as schedule_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 
-UNKNOWN = known_lib.UNKNOWN
-
-
 class Queries:
   """What a Checkpointer answers about its directory (see the module
   docstring)."""
@@ -114,7 +111,7 @@ class Queries:
     """should_save_fn's ``last_saved_step``: listed the first time (kept
     when agreed), then known from the saves."""
     known = self._known
-    if known.last_saved is not UNKNOWN:
+    if known.last_saved is not known_lib.UNKNOWN:
       return known.last_saved
     last = ask(f"the newest step in {self.storage.url!r}",
                lambda: (lambda s: s[-1] if s else None)(

@@ -18,16 +18,12 @@ from ckpt.format import index_codec
 from ckpt.format import pack_index
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree
-from ckpt.format.checks import (_bad, _dtype, _keys_rank, _plain_part,
-                                _prng_impl, _shape, check_extent,
+from ckpt.format.checks import (bad, decode_dtype, keys_rank, plain_part,
+                                decode_prng_impl, decode_shape, check_extent,
                                 check_relpath, decode_saved_sharding)
 from ckpt.format.inline_values import decode_value, encode_value
 from ckpt.store import ocdbt
 from ckpt.errors import CorruptCheckpointError
-
-SavedSharding = saved_sharding_lib.SavedSharding
-# The most OCDBT merge groups a step may have (defined in ckpt/store/ocdbt.py).
-MAX_OCDBT_GROUPS = ocdbt.MAX_GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +53,7 @@ class ArrayEntry:
   # The sharding it was saved in, as a mesh and a PartitionSpec (kind
   # "mesh" or "device"); None in older indexes and for shardings that are
   # not recorded (see SavedSharding). ``sharding`` keeps the text.
-  saved_sharding: "SavedSharding | None" = None
+  saved_sharding: "saved_sharding_lib.SavedSharding | None" = None
   # Index version 6, a bucket's reuse_unchanged=True: the array (its
   # metadata and every chunk) is the one under ``relpath`` in the data
   # directory of an earlier step, ``(step, "attempt-<hex>")``, instead of
@@ -90,7 +86,7 @@ class ValueEntry:
   prng_impl: str = ""  # as in ArrayEntry: ``value`` is then the key data
   # A small replicated jax.Array: the sharding it was saved in, as in
   # ArrayEntry (its mesh and PartitionSpec()); None for other values.
-  saved_sharding: "SavedSharding | None" = None
+  saved_sharding: "saved_sharding_lib.SavedSharding | None" = None
   # Saved from a host numpy array: a jax target without a sharding gets it
   # back as numpy, as saved (absent: a jax.Array's, or an older index's).
   host: bool = False
@@ -107,16 +103,15 @@ class ValueEntry:
     return out
 
 
-PackedEntry = pack_index.PackedEntry
-Entry = ArrayEntry | ValueEntry | PackedEntry
+Entry = ArrayEntry | ValueEntry | pack_index.PackedEntry
 
 
-def _decode_entry(e: Any, where: str) -> Entry:
+def decode_entry(e: Any, where: str) -> Entry:
   if not isinstance(e, dict):
-    raise _bad(where, "a map", e)
+    raise bad(where, "a map", e)
   path = e.get("path")
   if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
-    raise _bad(where, "path as a list of strings", path)
+    raise bad(where, "path as a list of strings", path)
   path = tuple(path)
   where.path = path
   return _entry_of(e, path, where)
@@ -127,64 +122,64 @@ def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
   fields), validated, at ``path``."""
   if e.get("kind") == "value":
     value = decode_value(e.get("value"), where)
-    impl = "" if e.get("prng_impl", "") == "" else _prng_impl(
+    impl = "" if e.get("prng_impl", "") == "" else decode_prng_impl(
         e, where, np.shape(value),
         getattr(value, "dtype", type(value).__name__),
         isinstance(value, np.ndarray))
     saved = e.get("saved_sharding")
     if saved is not None:
       if not isinstance(value, (np.ndarray, np.generic)):
-        raise _bad(where, "no saved_sharding (a python value)", saved)
-      saved = decode_saved_sharding(saved, where, _keys_rank(
+        raise bad(where, "no saved_sharding (a python value)", saved)
+      saved = decode_saved_sharding(saved, where, keys_rank(
           np.shape(value), impl))
     host = e.get("host", False)
     if host is not False and (host is not True or saved is not None or impl
                               or not isinstance(value, np.ndarray)):
-      raise _bad(where, "host absent, or true on a numpy array value with "
+      raise bad(where, "host absent, or true on a numpy array value with "
                  "no saved_sharding and no prng_impl", host)
     return ValueEntry(path, value, impl, saved, host)
   if e.get("kind") != "array":
-    raise _bad(where, "kind 'array' or 'value'", e.get("kind"))
+    raise bad(where, "kind 'array' or 'value'", e.get("kind"))
   relpath = e.get("relpath")
   check_relpath(relpath, where)
-  shape = _shape(e.get("shape"), where)
-  chunks = _shape(e.get("chunks"), where)
+  shape = decode_shape(e.get("shape"), where)
+  chunks = decode_shape(e.get("chunks"), where)
   if len(chunks) != len(shape) or any(c < 1 for c in chunks):
-    raise _bad(where, f"{len(shape)} positive chunk extents", chunks)
+    raise bad(where, f"{len(shape)} positive chunk extents", chunks)
   dtype = e.get("dtype")
-  check_extent(shape, chunks, _dtype(dtype, where).itemsize, where)
+  check_extent(shape, chunks, decode_dtype(dtype, where).itemsize, where)
   source = e.get("source_dtype", dtype)
-  _dtype(source, where)
+  decode_dtype(source, where)
   codec = e.get("codec") or {}
   if not isinstance(codec, dict) or codec.get("compression") not in (None, "zstd"):
-    raise _bad(where, "codec compression None or 'zstd'", codec)
+    raise bad(where, "codec compression None or 'zstd'", codec)
   if codec.get("checksum", "none") not in ("none", "crc32c"):
-    raise _bad(where, "codec checksum absent, 'none' or 'crc32c'", codec)
+    raise bad(where, "codec checksum absent, 'none' or 'crc32c'", codec)
   sharding = e.get("sharding", "")
   if not isinstance(sharding, str):
-    raise _bad(where, "sharding as a string", sharding)
+    raise bad(where, "sharding as a string", sharding)
   sums = e.get("checksums", [])
   if not isinstance(sums, list):
-    raise _bad(where, "checksums as a list", sums)
+    raise bad(where, "checksums as a list", sums)
   checksums = []
   for item in sums:
     if (not isinstance(item, list) or len(item) != 3 or type(item[2]) is not int
         or not 0 <= item[2] < 2**32):
-      raise _bad(where, "a checksum [start, stop, crc32c]", item)
-    start, stop = _shape(item[0], where), _shape(item[1], where)
+      raise bad(where, "a checksum [start, stop, crc32c]", item)
+    start, stop = decode_shape(item[0], where), decode_shape(item[1], where)
     if (len(start) != len(shape) or len(stop) != len(shape) or
         any(not a < b <= n for a, b, n in zip(start, stop, shape))):
-      raise _bad(where, f"a checksummed box inside shape {shape}", item)
+      raise bad(where, f"a checksummed box inside shape {shape}", item)
     checksums.append((start, stop, item[2]))
-  impl = _prng_impl(e, where, shape, dtype, True)
+  impl = decode_prng_impl(e, where, shape, dtype, True)
   group = e.get("ocdbt_group")
   if group is not None and (type(group) is not int or
-                            not 0 <= group < MAX_OCDBT_GROUPS):
-    raise _bad(where, f"ocdbt_group an int in [0, {MAX_OCDBT_GROUPS})",
+                            not 0 <= group < ocdbt.MAX_GROUPS):
+    raise bad(where, f"ocdbt_group an int in [0, {ocdbt.MAX_GROUPS})",
                group)
   saved = e.get("saved_sharding")
   if saved is not None:
-    saved = decode_saved_sharding(saved, where, _keys_rank(shape, impl))
+    saved = decode_saved_sharding(saved, where, keys_rank(shape, impl))
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
                     tuple(checksums), prng_impl=impl, ocdbt_group=group,
                     saved_sharding=saved,
@@ -250,7 +245,7 @@ def _array_decoder(spec: dict, where: Any) -> index_codec.Builder:
     if relpath is None:  # the one its path gives, each part checked once
       relpath = "/".join(map(_stored_part, path)) if path else "_root"
       if len(relpath) > 4096:
-        raise _bad(where, "a relative path of at most 4096 characters",
+        raise bad(where, "a relative path of at most 4096 characters",
                    relpath)
     else:
       check_relpath(relpath, where)
@@ -266,7 +261,7 @@ def _stored_part(p: str) -> str:
   """The directory of path part ``p`` (tree.storage_relpath's), checked as
   check_relpath checks a part read from an index."""
   part = tree.storage_relpath((p,))
-  if not _plain_part(part):
+  if not plain_part(part):
     raise CorruptCheckpointError(f"path part {p!r} stored as {part!r} is "
                                  "not a plain relative path part")
   return part
@@ -319,9 +314,9 @@ KINDS = {k.name: k for k in (
         leaf=lambda e: (encode_value(e.value, e.path),),
         decoder=_value_decoder),
     index_codec.Kind(
-        pack_index.KIND, PackedEntry, (),
+        pack_index.KIND, pack_index.PackedEntry, (),
         key=lambda e: (e.shape, e.dtype, e.source_dtype, e.sharding,
                        e.prng_impl, e.saved_sharding),
         spec=_spec_of, leaf=lambda e: (), decoder=_packed_decoder),
 )}
-_KINDS_BY_CLASS = {k.cls: k for k in KINDS.values()}
+KINDS_BY_CLASS = {k.cls: k for k in KINDS.values()}

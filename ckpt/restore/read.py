@@ -30,15 +30,14 @@ from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore import readsplit
 from ckpt.restore import tasks
-# What the local tier calls as restore_lib.X (ckpt/tiers/local_tier.py,
-# multitier.py), defined in ckpt/restore/targets.py.
-from ckpt.restore.targets import (  # noqa: F401
-    AsSaved, _check_divides, _target_spec, concrete_target, out_dtype)
+from ckpt.restore.targets import (AsSaved, check_divides, target_spec,
+                                  out_dtype)
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          MissingLeavesError, TreeMismatchError)
 from ckpt.store.limiter import ByteLimiter
+from ckpt.format import entries
 
 
 def resolve_step(storage: storage_lib.Storage, step: int | None,
@@ -76,7 +75,7 @@ def step_leaves(index: index_lib.Index, storage: storage_lib.Storage,
   index.held_dir builds from a step number and a checked attempt name."""
   held = None
   if step_dir.startswith("checkpoint_"):  # opened from its root
-    held = lambda ref: storage.step_spec(index_lib.held_dir(ref))
+    held = lambda ref: storage.step_spec(entries.held_dir(ref))
   return checkpoint_leaves(index, storage.step_spec(step_dir), context,
                            budget, held)
 
@@ -94,7 +93,7 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
   for i, e in enumerate(index.leaves):
     if i in packed:
       leaf = packed[i]
-    elif isinstance(e, index_lib.ArrayEntry):
+    elif isinstance(e, entries.ArrayEntry):
       kvstore = step_kvstore
       if e.held_by is not None:
         if held is None:
@@ -167,12 +166,12 @@ async def _resolve(name: str, src: Any, tgt: Any, args: RestoreArgs,
   target's sharding; with no target (``target=None``, ``ckpt.load``) on
   jax's default device.
   """
-  shape, wanted, sharding, wants_array = _target_spec(tgt, name)
+  shape, wanted, sharding, wants_array = target_spec(tgt, name)
   if (sharding is None and isinstance(tgt, jax.ShapeDtypeStruct) and
       as_saved is not None and isinstance(
           src, (lazy.LazyLeaf, jax.Array, np.ndarray, np.generic))):
     sharding = as_saved.sharding(name, src)
-    _check_divides(name, shape, sharding)
+    check_divides(name, shape, sharding)
   if isinstance(src, jax.Array) and (not src.is_fully_addressable or
                                      prng.is_key_dtype(src.dtype)):
     # A fallback array spread over processes: place it, never gather it.

@@ -172,12 +172,12 @@ def host_boxes(plan: Any, writes: list) -> list[np.ndarray]:
                                     for sh in src.addressable_shards}
         shard = by_id[w.device]
         piece = shard.data
-        if w.box != w.shard and staging._cut_on_device(shard.device):
+        if w.box != w.shard and staging.cut_on_device(shard.device):
           piece = piece[w.box.relative_to(w.shard)]
-        if not staging._is_view(leaf, piece):
+        if not staging.is_view(leaf, piece):
           piece.copy_to_host_async()
       else:
-        piece = staging._device_piece(leaf, w)
+        piece = staging.device_piece(leaf, w)
       pieces.append(piece)
     except Exception as e:
       raise CheckpointError(

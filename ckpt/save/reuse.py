@@ -63,8 +63,8 @@ from ckpt.format.crc import checksum_view, digest
 from ckpt.save import reuse_held
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
-from ckpt.store import storage as storage_lib
 from ckpt.store import tsfuture
+from ckpt.store import names
 
 HASH_NAME = "xxh3_128"
 # The formats whose chunks are files of their own (so a link reuses one).
@@ -131,7 +131,7 @@ class SaveReuse:
     if storage.is_posix:
       self.work = os.path.join(os.fspath(storage.root), work_dir)
       self.source = (None if previous is None else os.path.join(
-          os.fspath(storage.root), storage_lib.step_dirname(previous.step)))
+          os.fspath(storage.root), names.step_dirname(previous.step)))
     self.layouts = {lp.entry.relpath: layout_of(fmt, lp.entry, checksum)
                     for lp in plan.leaves
                     if lp.layout is not None and not lp.packed}

@@ -32,9 +32,11 @@ from typing import Any
 
 import msgpack
 
+from ckpt.commit import attempt
 from ckpt.commit import deletion
 from ckpt.commit import steps as steps_lib
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
 from ckpt.format import index as index_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import tsfuture
@@ -45,7 +47,7 @@ class Held:
 
   def __init__(self, previous: Any, token: str, cap: int | None):
     self.previous = previous       # the reuse.Generation compared with
-    self.own = f"{steps_lib.ATTEMPT_PREFIX}{token}"
+    self.own = f"{attempt.ATTEMPT_PREFIX}{token}"
     # Staged copies held back (async saves): at most ``cap`` bytes, the
     # save's host-memory budget, beyond the boxes in flight; None: the
     # boxes are the caller's own arrays (a sync save), nothing is copied.
@@ -120,7 +122,7 @@ class Held:
       return index
     leaves = tuple(
         dataclasses.replace(e, held_by=self.reused[e.relpath])
-        if isinstance(e, index_lib.ArrayEntry) and e.relpath in self.reused
+        if isinstance(e, entries.ArrayEntry) and e.relpath in self.reused
         else e for e in index.leaves)
     return dataclasses.replace(index, leaves=leaves)
 

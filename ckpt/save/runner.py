@@ -37,6 +37,7 @@ import msgpack
 
 from ckpt.commit import protocol as commit_lib
 from ckpt.commit import cleanup as cleanup_lib
+from ckpt.commit import strategy
 from ckpt.store import deadline as deadline_lib
 from ckpt.format import index as index_lib
 from ckpt.format import seal
@@ -51,6 +52,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.commit import lease as lease_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Attempt:
   token: str        # chosen by process 0
   work_dir: str     # relative to the root
   timeout_s: float
-  lease_s: float = commit_lib.DEFAULT_LEASE_S
+  lease_s: float = lease_lib.DEFAULT_LEASE_S
   host_states: int | None = None  # agreed: the index's host_states
   # The barrier this process waits at now (one item, or none): a save
   # cancelled there leaves the waiting thread behind, which
@@ -260,19 +262,8 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     raise CheckpointError(
         f"{what} is {len(data)} bytes; readers accept at most "
         f"{index_lib.MAX_PROCESS_FILE_BYTES}")
-  if not storage.is_posix:
-    storage.write_bytes(f"{work_dir}/{rel}", data)
-    return
-  # Never recreates the attempt's directory (if it was removed, the commit
-  # fails on its missing attempt.json): only the per-process subdirectory.
-  sub, name = rel.rsplit("/", 1)
-  folder = os.path.join(os.fspath(storage.root), work_dir, sub)
-  with storage.store_errors(f"writing {what} to"):
-    try:
-      os.mkdir(folder)
-    except FileExistsError:
-      pass
-    storage_lib.write_file(os.path.join(folder, name), data)
+  strategy.for_storage(storage).write_into_attempt(storage, work_dir, rel,
+                                                   data, what)
 
 
 def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:

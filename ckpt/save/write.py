@@ -43,6 +43,7 @@ from ckpt.format import tsspec
 from ckpt.format.crc import checksum, checksum_view
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.format import entries as entries_lib
 
 # Staging and checksumming a box this small runs on the event loop: a hop to
 # a worker thread and back (through the loop's self-pipe, under the GIL)
@@ -268,7 +269,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   # caller (released once everything is staged) does not wait for writes
   # competing for the same cores; when the budget is full, the staged boxes
   # start writing and free it. Device-to-host copies of every box granted
-  # so far start together (``staging._device_piece``) and are waited for in order
+  # so far start together (``staging.device_piece``) and are waited for in order
   # (``land``), so the transfers of all local devices overlap.
   started: collections.deque[tuple[plan_lib.Write, Any, int]] = (
       collections.deque())  # copies in flight, oldest first
@@ -279,7 +280,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
       leaf = plan.leaves[w.leaf]
       data = (staging.host_box(leaf, w, piece, plan.borrow)
               if (w.nbytes <= INLINE_WORK_BYTES
-                  or staging._is_view(leaf, piece))
+                  or staging.is_view(leaf, piece))
               else await asyncio.to_thread(
                   staging.host_box, leaf, w, piece, plan.borrow))
       started.popleft()
@@ -309,7 +310,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
         grant = await limiter.acquire(w.nbytes)
       leaf = plan.leaves[w.leaf]
       try:
-        started.append((w, staging._device_piece(leaf, w), grant))
+        started.append((w, staging.device_piece(leaf, w), grant))
       except Exception as e:
         limiter.release(grant)
         raise CheckpointError(
@@ -360,7 +361,7 @@ def make_index(plan: SavePlan, step: int, metrics: dict | None,
   entries = []
   for lp in plan.leaves:
     e = lp.entry
-    if (isinstance(e, index_lib.ArrayEntry) and checksum != "none" and
+    if (isinstance(e, entries_lib.ArrayEntry) and checksum != "none" and
         e.codec.get("checksum") != checksum):
       e = dataclasses.replace(e, codec={**e.codec, "checksum": checksum})
     entries.append(e)

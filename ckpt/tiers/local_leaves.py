@@ -15,16 +15,17 @@ import numpy as np
 
 import jax
 
-from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.format import prng
-from ckpt.restore import read as restore_lib
 from ckpt.save import leaves as save_lib
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree as tree_lib
 from ckpt.tiers.local_manifest import box_index
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError)
+from ckpt.format import inline_values
+from ckpt.restore import keyshape
+from ckpt.restore import targets
 
 # ---- leaves -----------------------------------------------------------------
 
@@ -63,8 +64,8 @@ def prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   for name, x in leaves:
     if isinstance(x, jax.Array):
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-        info["prng"][name], x = save_lib._key_data(name, x)  # pylint: disable=protected-access
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+        info["prng"][name], x = save_lib.key_data(name, x)
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
       if x.sharding.device_set != job:
         if not x.is_fully_addressable:
           raise InvalidStateError(
@@ -72,7 +73,7 @@ def prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
               f"{len(job)} devices, spread over processes; the local tier "
               "stores arrays with a shard on every device, or held whole by "
               "each process")
-        host_vals[name] = index_lib.encode_value(
+        host_vals[name] = inline_values.encode_value(
             np.asarray(x).astype(stored), (name,))
         info["device"].append(name)  # restored as saved: on one device
         continue
@@ -90,13 +91,13 @@ def prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
       arrays.append((name, x))
       info["arrays"][name] = [stored.name, list(x.shape)]
     elif isinstance(x, np.ndarray):
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
-      host_vals[name] = index_lib.encode_value(x.astype(stored), (name,))
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
+      host_vals[name] = inline_values.encode_value(x.astype(stored), (name,))
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       if isinstance(x, np.generic):
-        stored = save_lib._leaf_dtype(name, x.dtype, save_dtype, inline=True)  # pylint: disable=protected-access
+        stored = save_lib.leaf_dtype(name, x.dtype, save_dtype, inline=True)
         x = np.asarray(x).astype(stored)[()]
-      host_vals[name] = index_lib.encode_value(x, (name,))
+      host_vals[name] = inline_values.encode_value(x, (name,))
     else:
       raise InvalidStateError(
           f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
@@ -164,7 +165,7 @@ def check_shardings(target_leaves) -> None:
   for name, t in target_leaves:
     sh = getattr(t, "sharding", None)
     if sh is not None and hasattr(t, "shape"):
-      restore_lib._check_divides(name, tuple(t.shape), sh)  # pylint: disable=protected-access
+      targets.check_divides(name, tuple(t.shape), sh)
 
 
 def restore_plan(blob: Any, target_leaves, restore_dtype, where: str
@@ -196,14 +197,14 @@ def restore_plan(blob: Any, target_leaves, restore_dtype, where: str
                              [n for n, _ in target_leaves])
   plan = {}
   for name, t in target_leaves:
-    shape, wanted, sharding, wants_array = restore_lib._target_spec(t, name)  # pylint: disable=protected-access
+    shape, wanted, sharding, wants_array = targets.target_spec(t, name)
     impl = impls.get(name) or None
     if impl is not None and not isinstance(impl, str):
       raise CorruptCheckpointError(
           f"{where}: leaf {name!r}: expected a PRNG implementation's name, "
           f"found {impl!r}")
     if name in values:
-      value = index_lib.decode_value(values[name], f"{where}: leaf {name!r}")
+      value = inline_values.decode_value(values[name], f"{where}: leaf {name!r}")
       if not isinstance(value, (np.ndarray, np.generic)):
         plan[name] = _Leaf("python", None, value=value)  # as saved
         continue
@@ -221,9 +222,9 @@ def restore_plan(blob: Any, target_leaves, restore_dtype, where: str
       # Shape and dtype only (a view of one element): what the checks read.
       src = lazy.LazyValue(np.broadcast_to(np.zeros((), dtype), stored_shape),
                            name, prng_impl=impl)
-    out = restore_lib.out_dtype(name, src, shape, wanted, wants_array,
+    out = targets.out_dtype(name, src, shape, wanted, wants_array,
                                 restore_dtype)
-    logical = lazy.logical_shape(src)
+    logical = keyshape.logical_shape(src)
     if sharding is None and name in arrays:  # usable() sends these elsewhere
       raise CheckpointError(
           f"{where}: leaf {name!r} has no sharding in the target; the local "

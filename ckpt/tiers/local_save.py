@@ -22,7 +22,6 @@ import crc32c
 import msgpack
 import numpy as np
 
-from ckpt.commit import protocol as commit_lib
 from ckpt.face import loop as loop_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
@@ -31,6 +30,7 @@ from ckpt.tiers.local_leaves import prepare_leaves, flatten
 from ckpt.tiers.local_manifest import DATA_FILES, FORMAT, VERSION, box_index
 from ckpt.tiers.local_steps import LocalSteps, remove_step
 from ckpt.errors import BarrierTimeoutError, CheckpointError
+from ckpt.commit import attempt
 
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
 
@@ -352,7 +352,7 @@ class LocalSaver:
           manifest["files"][fname] = size
         storage_lib.write_file(os.path.join(work, "manifest.json"),
                     json.dumps(manifest).encode())
-        commit_lib.fsync_dir(work)
+        attempt.fsync_dir(work)
     except BaseException as e:  # pylint: disable=broad-except
       error = error or e
     finally:
@@ -397,6 +397,6 @@ class LocalSaver:
     if os.path.exists(final):  # saved again: the old one goes first
       remove_step(final, home, step)
     os.rename(work, final)
-    commit_lib.fsync_dir(home)
+    attempt.fsync_dir(home)
     self.last_save_stats["total_s"] = time.perf_counter() - t0
     self._steps.retain()

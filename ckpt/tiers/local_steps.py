@@ -17,12 +17,12 @@ import shutil
 import crc32c
 from absl import logging
 
-from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import TierRounds
 from ckpt.tiers.local_manifest import (DATA_FILES, MAX_MANIFEST_BYTES,
                                        check_manifest)
 from ckpt.errors import CorruptCheckpointError
+from ckpt.commit import attempt
 
 _CRC_CHUNK = 64 << 20   # bytes read at a time to verify a shard
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -188,7 +188,7 @@ class LocalSteps:
                         f"step_{step}.del-{multihost.unique_token()}")
     os.rename(path, gone)
     try:
-      commit_lib.fsync_dir(self.dir)
+      attempt.fsync_dir(self.dir)
     except OSError as e:  # renamed: the step is hidden all the same
       logging.warning("ckpt: local tier could not fsync %s: %s", self.dir, e)
     return gone

@@ -17,13 +17,13 @@ from ckpt.tiers import local_leaves
 from ckpt.tiers import local_tier
 from ckpt.tiers import queries as tier_queries
 from ckpt.multihost import process as multihost
-from ckpt.restore import read as restore_lib
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
 from ckpt.face import known as known_lib
 from ckpt.errors import WaitTimeoutError
+from ckpt.restore import targets
 
 class PersistentTier(Checkpointer):
   """The persistent tier: a ``Checkpointer`` whose known steps the
@@ -379,7 +379,7 @@ class MultiTierCheckpointer:
     tier cannot be listed.
     """
     leaves = [] if target is None else local_leaves.flatten(
-        restore_lib.concrete_target(target))[0]
+        targets.concrete_target(target))[0]
     return self._choose(None, leaves)["step"]
 
   # -- restore --

@@ -17,6 +17,7 @@ from ckpt.cli import integrity
 from ckpt.commit import steps as steps_lib
 from ckpt.errors import CorruptCheckpointError
 from ckpt.restore import read as read_lib
+from ckpt.store import names
 from ckpt.store import storage as storage_lib
 
 CHUNK = 64 << 10
@@ -218,7 +219,7 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
     storage = storage_lib.Storage(url)
     try:
       for s in doomed:
-        cleanup.remove(storage, storage_lib.step_dirname(s))
+        cleanup.remove(storage, names.step_dirname(s))
       finished = True
     except _Killed:
       finished = False
