@@ -23,9 +23,10 @@ from ckpt.format import prng
 from ckpt.restore import transforms
 from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
-from ckpt.format.index import INLINE  # noqa: F401  (as before: Metadata's text)
 from ckpt.shards.partition import MeshPartitioner
 from ckpt.format.saved_sharding import HOST_REPLICATED, SavedSharding
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ def from_index(index: index_lib.Index) -> Metadata:
   source: dict[str, str] = {}
   for e in index.leaves:
     name = tree.path_str(e.path)
-    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+    if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry)):
       leaves[name] = _sds(e.shape, e.dtype, e.prng_impl)
       shardings[name] = index_lib.saved_sharding_of(e)
       source[name] = e.source_dtype

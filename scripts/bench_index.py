@@ -29,6 +29,9 @@ import numpy as np
 
 from ckpt.format import index as index_lib
 from ckpt.format import tree
+from ckpt.format import checks
+from ckpt.format import entries as entries_lib
+from ckpt.format import saved_sharding
 from scripts.benchlib import measure
 
 MESH = {"mesh_axes": ["data", "fsdp", "tensor"], "mesh_shape": [4, 64, 4]}
@@ -71,22 +74,22 @@ def build(n: int) -> index_lib.Index:
         if spec is None:
           value = (np.float32(0.125) if shape == () else
                    np.arange(shape[0], dtype=np.float32))
-          entries.append(index_lib.ValueEntry(parts, value))
+          entries.append(entries_lib.ValueEntry(parts, value))
         else:
-          saved = index_lib.decode_saved_sharding(
+          saved = checks.decode_saved_sharding(
               {**MESH, "spec": spec}, "", len(shape))
-          entries.append(index_lib.ArrayEntry(
+          entries.append(entries_lib.ArrayEntry(
               parts, tree.storage_relpath(parts), shape, "float32",
               _chunks(shape), CODEC, "bfloat16", str(saved),
               saved_sharding=saved))
     parts = ("rng", "layers", str(layer), "dropout_key")
-    entries.append(index_lib.ArrayEntry(
+    entries.append(entries_lib.ArrayEntry(
         parts, tree.storage_relpath(parts), (8, 2), "uint32", (8, 2),
-        CODEC, "uint32", index_lib.HOST_REPLICATED, prng_impl="threefry2x32"))
+        CODEC, "uint32", saved_sharding.HOST_REPLICATED, prng_impl="threefry2x32"))
     parts = ("counters", str(layer))
-    entries.append(index_lib.ValueEntry(parts, layer * 1000 + 7))
+    entries.append(entries_lib.ValueEntry(parts, layer * 1000 + 7))
     parts = ("schedule", str(layer))
-    entries.append(index_lib.ValueEntry(parts, 0.5 / (layer + 1)))
+    entries.append(entries_lib.ValueEntry(parts, 0.5 / (layer + 1)))
     layer += 1
   entries = entries[:n]
   for e in entries:
@@ -114,11 +117,11 @@ def _lists(node):
   return out
 
 
-def same(a: index_lib.Entry, b: index_lib.Entry) -> bool:
+def same(a: entries_lib.Entry, b: entries_lib.Entry) -> bool:
   """Entries equal, inline numpy values compared by dtype and bytes."""
   if type(a) is not type(b):
     return False
-  if isinstance(a, index_lib.ValueEntry):
+  if isinstance(a, entries_lib.ValueEntry):
     va, vb = a.value, b.value
     if isinstance(va, (np.ndarray, np.generic)):
       return (type(va) is type(vb) and va.dtype == vb.dtype and

@@ -355,7 +355,7 @@ def worker(conf: dict[str, Any]) -> None:
 
   # What the service costs with nothing else going on.
   empty, kv = [], []
-  client = multihost._client()  # pylint: disable=protected-access
+  client = multihost.coordination_client()
   together()
   for i in range(conf["empty_rounds"]):
     t = time.perf_counter()

@@ -28,6 +28,7 @@ import subprocess
 import sys
 
 from scripts.benchlib import measure
+from ckpt.format import entries as entries_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -86,8 +87,7 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
     info = placement.make_mesh_info(names, ids, ids // per_process, me)
     layouts = []
     for parts, shape, spec, dtype in state:
-      where = placement.named(info, placement.spec_axes(spec, len(shape)),
-                              shape)
+      where = info.named(placement.spec_axes(spec, len(shape)), shape)
       itemsize = np.dtype(dtype).itemsize
       layouts.append(plan.leaf_layout(shape, itemsize, where,
                                       plan.DEFAULT_CHUNK_BYTES))
@@ -98,7 +98,7 @@ def one(devices: int, leaves: int, per_process: int) -> dict:
       text = texts.get(spec)
       if text is None:
         text = texts[spec] = f"NamedSharding(mesh={sizes}, spec={spec})"
-      entries.append(index_lib.ArrayEntry(
+      entries.append(entries_lib.ArrayEntry(
           path=parts, relpath=tree.storage_relpath(parts), shape=lay.shape,
           dtype=dtype, chunks=lay.chunks, codec=codec, source_dtype=dtype,
           sharding=text))

@@ -21,6 +21,8 @@ from jax.sharding import SingleDeviceSharding
 import ckpt
 from ckpt.format import index as index_lib
 from ckpt.format import index_codec
+from ckpt.format import checks
+from ckpt.format import entries
 from tests.conftest import (AdamState, TrainState, mesh, named,
                             random_array, sharded)
 
@@ -448,7 +450,7 @@ def test_every_allowed_dtype_round_trips(make_ckptr, ckpt_dir, rng, fmt):
   # index accepts: a dtype TensorStore cannot store must be refused at plan
   # time instead.
   state = {}
-  for name in sorted(index_lib.ALLOWED_DTYPES):
+  for name in sorted(checks.ALLOWED_DTYPES):
     dtype = np.dtype(name)
     state[name] = {"array": rng.integers(0, 7, 1000).astype(dtype),
                    "inline": rng.integers(0, 7, 8).astype(dtype)}
@@ -460,7 +462,7 @@ def test_every_allowed_dtype_round_trips(make_ckptr, ckpt_dir, rng, fmt):
   for name in state:
     assert entry(idx, f"{name}/array").dtype == name
   uint4 = np.dtype(ml_dtypes.uint4)
-  if uint4.name not in index_lib.ALLOWED_DTYPES:
+  if uint4.name not in checks.ALLOWED_DTYPES:
     with pytest.raises(ckpt.InvalidStateError, match="'x'.*uint4"):
       ckptr.save(2, {"x": rng.integers(0, 7, 1000).astype(uint4)})
 
@@ -808,7 +810,7 @@ def test_corrupt_index(make_ckptr, ckpt_dir, rng, damage):
     doc = sealed.unpackb(data, raw=False)
     leaves = index_codec.rows(doc["leaves"])
     leaves[0]["relpath"] = "../../../etc"
-    doc["leaves"] = index_codec.columns(leaves, index_lib.KINDS)
+    doc["leaves"] = index_codec.columns(leaves, entries.KINDS)
     data = sealed.packb(doc, use_bin_type=True)
   path.write_bytes(data)
   with pytest.raises(ckpt.CorruptCheckpointError) as e:

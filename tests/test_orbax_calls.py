@@ -23,8 +23,8 @@ import ckpt
 from ckpt.cli import main as cli
 from ckpt.format import index as index_lib
 from ckpt.save import write as save_lib
-from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.store import names
 
 STATE = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "n": 5}
 
@@ -224,7 +224,7 @@ def test_custom_metadata_refused_before_anything_is_written(tmp_path, bad,
 def _index_with(tmp_path, value) -> bytes:
   with ckpt.Checkpointer(tmp_path) as c:
     c.save(1, STATE)
-  path = tmp_path / "checkpoint_1" / storage_lib.INDEX_NAME
+  path = tmp_path / "checkpoint_1" / names.INDEX_NAME
   doc = sealed.unpackb(path.read_bytes(), raw=False)
   assert "custom_metadata" not in doc  # optional: absent when not given
   doc["custom_metadata"] = value

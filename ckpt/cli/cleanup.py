@@ -16,6 +16,8 @@ from ckpt.commit import lease as lease_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
 from ckpt.commit.retention import RetentionPolicy
+from ckpt.store import names
+from ckpt.commit import rename
 
 DEFAULT_TMP_MIN_AGE_S = 3600
 
@@ -61,12 +63,12 @@ def cmd_gc(args) -> int:
   incomplete = [r for r in rows if r["status"] == "incomplete"]
   plan = []
   for s in doomed:
-    r = by_name[storage_lib.step_dirname(s)]
+    r = by_name[names.step_dirname(s)]
     plan.append({"name": r["name"], "step": s, "kind": "step",
                  "bytes": r["bytes"], "reason": "retention policy"})
   skipped = []
   watched = _watch(storage, args, tmp)
-  now = cleanup_lib.store_now(storage) if storage.is_posix and tmp else None
+  now = rename.store_now(storage) if storage.is_posix and tmp else None
   for r in tmp:
     age = r.get("age_s")
     if now is not None and r.get("time") is not None:

@@ -45,6 +45,8 @@ from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.checkpointer import Checkpointer
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 Progress = Callable[[int, int], None]  # (done, total), cumulative
 
@@ -52,7 +54,7 @@ VALUES_KEY = "ckpt.values"  # safetensors __metadata__: the non-array leaves
 MAX_HEADER_BYTES = 100 << 20
 
 # numpy dtype name <-> safetensors dtype code.
-_ST_CODES = {
+ST_CODES = {
     "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16",
     "int16": "I16", "uint32": "U32", "int32": "I32", "uint64": "U64",
     "int64": "I64", "float16": "F16", "bfloat16": "BF16", "float32": "F32",
@@ -60,7 +62,7 @@ _ST_CODES = {
     "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
     "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }
-_ST_DTYPES = {code: np.dtype(name) for name, code in _ST_CODES.items()}
+ST_DTYPES = {code: np.dtype(name) for name, code in ST_CODES.items()}
 
 
 class ConvertError(CheckpointError):
@@ -86,8 +88,8 @@ def open_checkpoint(path, step: int | None = None,
   return storage, step_dir, restore_lib.read_index(storage, step_dir)
 
 
-def leaf_nbytes(entry: index_lib.Entry) -> int:
-  if isinstance(entry, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+def leaf_nbytes(entry: entries.Entry) -> int:
+  if isinstance(entry, (entries.ArrayEntry, pack_index.PackedEntry)):
     return math.prod(entry.shape) * np.dtype(entry.dtype).itemsize
   return getattr(entry.value, "nbytes", 0)
 
@@ -99,8 +101,8 @@ def iter_leaves(storage: storage_lib.Storage, step_dir: str,
   """(leaf path, value) in index order, each read when the caller asks:
   arrays as numpy, inline leaves as saved (python or numpy values); typed
   PRNG keys as their key data (uint32), which is what other formats hold."""
-  leaves = restore_lib.checkpoint_leaves(
-      index, storage.step_spec(step_dir), storage.context(), budget)
+  leaves = restore_lib.step_leaves(
+      index, storage, step_dir, storage.context(), budget)
   total = sum(leaf_nbytes(e) for e in index.leaves)
   done = 0
   for e in index.leaves:
@@ -117,7 +119,7 @@ def iter_leaves(storage: storage_lib.Storage, step_dir: str,
 
 # ---- inline python values in safetensors metadata ---------------------------
 
-def _encode_py(name: str, v: Any) -> dict[str, Any]:
+def encode_py(name: str, v: Any) -> dict[str, Any]:
   if isinstance(v, bytes):
     return {"py": "bytes", "v": base64.b64encode(v).decode()}
   if isinstance(v, (bool, int, float, str)):
@@ -162,7 +164,7 @@ def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
   out = {}
   for key, spec in doc.items():
     try:
-      dtype = _ST_DTYPES[spec["dtype"]]
+      dtype = ST_DTYPES[spec["dtype"]]
       shape, offsets = spec["shape"], spec["data_offsets"]
     except (KeyError, TypeError):
       dtype = shape = offsets = None

@@ -15,17 +15,20 @@ from typing import Any
 
 import numpy as np
 
-from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, _encode_py,
-                              _ST_CODES, _ST_DTYPES, iter_leaves,
+from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, encode_py,
+                              ST_CODES, ST_DTYPES, iter_leaves,
                               open_checkpoint)
 from ckpt.format import index as index_lib
 from ckpt.format import tree
+from ckpt.format import checks
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 FORMATS = ("safetensors", "npz")
 # Exact widenings for dtypes a format cannot hold.
 _ST_WIDEN = {"int4": "int8", "float8_e4m3b11fnuz": "float32"}
 _NPZ_WIDEN = {"int4": "int8", "bfloat16": "float32",
-              **{n: "float32" for n in index_lib.ALLOWED_DTYPES
+              **{n: "float32" for n in checks.ALLOWED_DTYPES
                  if n.startswith("float8")}}
 
 
@@ -75,8 +78,8 @@ def _widened(name: str, dtype: np.dtype, table: dict[str, str],
   return dtype
 
 
-def _is_py_value(entry: index_lib.Entry) -> bool:
-  return isinstance(entry, index_lib.ValueEntry) and not isinstance(
+def _is_py_value(entry: entries.Entry) -> bool:
+  return isinstance(entry, entries.ValueEntry) and not isinstance(
       entry.value, (np.ndarray, np.generic))
 
 
@@ -98,19 +101,19 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
   for e in index.leaves:
     name = tree.path_str(e.path)
     if _is_py_value(e):
-      values[name] = _encode_py(name, e.value)
+      values[name] = encode_py(name, e.value)
       continue
-    if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry)):
+    if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry)):
       shape, dtype = e.shape, np.dtype(e.dtype)
     else:
       shape, dtype = e.value.shape, e.value.dtype
     dtype = _widened(name, dtype, _ST_WIDEN, report)
-    if dtype.name not in _ST_CODES:
+    if dtype.name not in ST_CODES:
       raise ConvertError(
           f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot "
           "hold; export it to npz instead")
     n = math.prod(shape) * dtype.itemsize
-    header[name] = {"dtype": _ST_CODES[dtype.name], "shape": list(shape),
+    header[name] = {"dtype": ST_CODES[dtype.name], "shape": list(shape),
                     "data_offsets": [offset, offset + n]}
     offset += n
   meta = {"ckpt.step": str(index.step)}
@@ -123,7 +126,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
       spec = header.get(name)
       if spec is None:
         continue
-      arr = np.asarray(value).astype(_ST_DTYPES[spec["dtype"]], copy=False)
+      arr = np.asarray(value).astype(ST_DTYPES[spec["dtype"]], copy=False)
       begin, end = spec["data_offsets"]
       if arr.nbytes != end - begin:
         raise ConvertError(f"leaf {name!r}: read {arr.nbytes} bytes, the "

@@ -20,14 +20,16 @@ from ckpt.cli.output import (Progress, brief, emit, human_bytes, iso_utc,
 from ckpt.cli.usage import EXIT_FAIL, EXIT_OK, UsageError
 from ckpt.format import index as index_lib
 from ckpt.errors import CheckpointError
+from ckpt.format import entries
+from ckpt.format import pack_index
 
 
 # ---- inspect -----------------------------------------------------------------
 
-def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
+def leaf_info(e: entries.Entry) -> dict[str, Any]:
   from ckpt.format import tree  # pylint: disable=g-import-not-at-top
   name = tree.path_str(e.path)
-  if isinstance(e, index_lib.ArrayEntry):
+  if isinstance(e, entries.ArrayEntry):
     grid = [math.ceil(s / c) if c else 0 for s, c in zip(e.shape, e.chunks)]
     return {"path": name, "kind": "array", "shape": list(e.shape),
             "dtype": e.dtype, "source_dtype": e.source_dtype,
@@ -36,7 +38,7 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
             "sharding": e.sharding, "relpath": e.relpath,
             "checksums": len(getattr(e, "checksums", ())),
             **_prng_info(e, e.shape)}
-  if isinstance(e, index_lib.PackedEntry):  # in the step's packs
+  if isinstance(e, pack_index.PackedEntry):  # in the step's packs
     return {"path": name, "kind": "packed", "shape": list(e.shape),
             "dtype": e.dtype, "source_dtype": e.source_dtype,
             "bytes": convert.leaf_nbytes(e), "sharding": e.sharding,
@@ -50,7 +52,7 @@ def leaf_info(e: index_lib.Entry) -> dict[str, Any]:
           "repr": brief(v), **_prng_info(e, np.shape(v))}
 
 
-def _prng_info(e: index_lib.Entry, shape) -> dict[str, Any]:
+def _prng_info(e: entries.Entry, shape) -> dict[str, Any]:
   """``prng_impl``: the implementation of a typed PRNG key leaf (None for
   other leaves); a key leaf's ``shape`` and ``dtype`` are its stored key
   data's, ``keys_shape`` the shape of the key array it restores as."""
@@ -111,8 +113,16 @@ def reuse_summary(storage, step_dir: str, index: index_lib.Index
       reused[src] = reused.get(src, 0) + n
   if not found:
     return None
+  held = {}  # a bucket: the arrays held by earlier steps (index version 6)
+  for e in index.leaves:
+    if getattr(e, "held_by", None) is not None:
+      n = int(np.prod(e.shape, dtype=np.int64)) * np.dtype(e.dtype).itemsize
+      held[e.held_by[0]] = held.get(e.held_by[0], 0) + n
+  if held:  # by the step that holds them, not the one compared with
+    reused = held
   return {"own_bytes": own, "reused_bytes": sum(reused.values()),
           "reused_from": {str(s): n for s, n in sorted(reused.items())},
+          "how": "held by reference" if held else "hard links",
           "unknown_processes": unknown}
 
 
@@ -120,7 +130,7 @@ def _reuse_text(r: dict[str, Any]) -> str:
   src = ", ".join(f"{human_bytes(n)} from step {s}"
                   for s, n in r["reused_from"].items())
   text = (f"stored    {human_bytes(r['own_bytes'])} its own, " +
-          (f"{human_bytes(r['reused_bytes'])} reused ({src}, hard links)"
+          (f"{human_bytes(r['reused_bytes'])} reused ({src}, {r['how']})"
            if src else "nothing reused"))
   if r["unknown_processes"]:
     text += f"; no record of process(es) {r['unknown_processes'][:10]}"
@@ -199,7 +209,8 @@ def _verify_one(args, step: int | None) -> dict[str, Any]:
   storage, step_dir, index = convert.open_checkpoint(
       args.path, step, args.storage_options)
   where = storage.url.rstrip("/") + (f"/{step_dir}" if step_dir else "")
-  arrays = [e for e in index.leaves if isinstance(e, (index_lib.ArrayEntry, index_lib.PackedEntry))]
+  arrays = [e for e in index.leaves
+            if isinstance(e, (entries.ArrayEntry, pack_index.PackedEntry))]
   t0 = time.perf_counter()
   with Progress(args, f"verify step {index.step}", unit="leaf") as bar:
     problems = integrity.verify(args.path, step=step,

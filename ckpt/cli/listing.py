@@ -9,6 +9,7 @@ import os
 import time
 
 from ckpt.commit import steps as steps_lib
+from ckpt.commit import strategy
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli import convert
 from ckpt.cli.usage import EXIT_OK, UsageError
@@ -18,6 +19,7 @@ from ckpt.cli.output import (Progress, emit, human_bytes, iso_utc, local_time,
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError
+from ckpt.store import names as names_lib
 
 
 def open_root(args, directory: str) -> storage_lib.Storage:
@@ -28,7 +30,7 @@ def open_root(args, directory: str) -> storage_lib.Storage:
       raise CheckpointError(f"{directory} does not exist")
     if not os.path.isdir(path):
       raise CheckpointError(f"{directory} is not a directory")
-  if storage.read_bytes(storage_lib.INDEX_NAME) is not None:
+  if storage.read_bytes(names_lib.INDEX_NAME) is not None:
     raise UsageError(f"{directory} is one checkpoint (a step directory), "
                      "not a root of checkpoint_<step> directories; run "
                      f"`ckpt inspect {directory}`")
@@ -56,7 +58,7 @@ def _object_counts(storage: storage_lib.Storage) -> dict[str, int]:
   """Objects per top-level ``checkpoint_*`` prefix of an object store."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   kv = ts.KvStore.open(storage.spec, context=storage.context()).result()
-  prefix = storage_lib.STEP_PREFIX
+  prefix = names_lib.STEP_PREFIX
   rng = ts.KvStore.KeyRange(prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1))
   counts: dict[str, int] = {}
   for key in kv.list(rng).result():
@@ -86,7 +88,7 @@ def list_entries(storage: storage_lib.Storage, progress=None,
   committed = steps_lib.committed_steps(storage)
   rows: dict[str, dict] = {}
   for s in committed:
-    name = storage_lib.step_dirname(s)
+    name = names_lib.step_dirname(s)
     row = {"step": s, "name": name, "status": "committed"}
     try:
       index = restore_lib.read_index(storage, steps_lib.step_dir(storage, s))
@@ -104,13 +106,13 @@ def list_entries(storage: storage_lib.Storage, progress=None,
     for p in os.listdir(storage.spec["path"]):
       if not os.path.isdir(os.path.join(storage.spec["path"], p)):
         continue  # a file named checkpoint_<n> is not ckpt's
-      s = storage_lib.parse_step(p)
-      aside = storage_lib.parse_broken(p)
+      s = names_lib.parse_step(p)
+      aside = names_lib.parse_broken(p)
       if s is not None and p not in rows:
         rows[p] = {"step": s, "name": p, "status": "incomplete",
-                   "problem": steps_lib.posix_problem(storage, p)}
+                   "problem": strategy.RENAME.problem(storage, p)}
       elif aside is not None:
-        problem = steps_lib.posix_problem(storage, p)
+        problem = strategy.RENAME.problem(storage, p)
         rows[p] = {"step": aside, "name": p, "status": "incomplete",
                    "problem": f"set aside by a later save of step {aside}"
                    + (f"; it {problem}" if problem else "")}

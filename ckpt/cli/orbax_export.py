@@ -53,6 +53,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.store import tsfuture
 from ckpt.store.limiter import ByteLimiter
 from ckpt.store.urls import join
+from ckpt.cli import orbax_tree
 
 ITEM = "default"
 METRICS_ITEM = "metrics"
@@ -195,8 +196,8 @@ async def _copy_arrays(storage, step_dir: str, index: index_lib.Index,
                        context: ts.Context, opts: _Copy,
                        report: OrbaxExportReport) -> None:
   """Every array and scalar, box by box, under one byte limiter."""
-  source = restore_lib.checkpoint_leaves(
-      index, storage.step_spec(step_dir), storage.context(), opts.budget)
+  source = restore_lib.step_leaves(
+      index, storage, step_dir, storage.context(), opts.budget)
   if opts.verify:  # every read checks what it reads (restore/verified.py)
     await checksums.attach(source, storage, step_dir, index)
   db = {**ocdbt.database(item_spec), "config": _OCDBT_CONFIG,
@@ -256,13 +257,13 @@ def _write_documents(dest: storage_lib.Storage, work: str,
   def put(rel: str, doc: Any) -> None:
     dest.write_bytes(rel, json.dumps(doc).encode())
 
-  put(f"{item}/{orbax_layout.TREE_METADATA}",
+  put(f"{item}/{orbax_tree.TREE_METADATA}",
       orbax_layout.tree_metadata(leaves))
-  put(f"{item}/{orbax_layout.SHARDINGS}", orbax_layout.shardings(leaves))
+  put(f"{item}/{orbax_tree.SHARDINGS}", orbax_layout.shardings(leaves))
   strings = orbax_layout.strings(leaves)
   if strings:
-    put(f"{item}/{orbax_layout.STRINGS}", strings)
-  put(f"{item}/{orbax_layout.ARRAY_METADATAS}/process_0",
+    put(f"{item}/{orbax_tree.STRINGS}", strings)
+  put(f"{item}/{orbax_tree.ARRAY_METADATAS}/process_0",
       orbax_layout.array_metadatas(leaves))
   handlers = {ITEM: PYTREE_HANDLER}
   metrics = dict(index.metrics)

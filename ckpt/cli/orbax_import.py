@@ -58,11 +58,11 @@ from ckpt.cli import orbax_tree
 from ckpt.errors import CheckpointError
 from ckpt.format import extras as save_extras
 from ckpt.store import storage as storage_lib
-from ckpt.cli.orbax_tree import OrbaxImportError, brief, read_json
+from ckpt.cli.orbax_tree import (LEGACY_AGGREGATE, TREE_METADATA, brief,
+                                 read_json)
+from ckpt.errors import OrbaxImportError
 
 STEP_METADATA = "_CHECKPOINT_METADATA"
-TREE_METADATA = orbax_tree.TREE_METADATA
-LEGACY_AGGREGATE = orbax_tree.LEGACY_AGGREGATE
 DEFAULT_ITEM = "default"
 METRICS_ITEM = "metrics"
 CUSTOM_METADATA = "custom_metadata"

@@ -42,9 +42,8 @@ from ckpt.format import index as index_lib
 from ckpt.format import tree
 from ckpt.format.saved_sharding import SavedSharding
 from ckpt.cli.convert import ConvertError
-from ckpt.cli.orbax_tree import (ARRAY_METADATAS, SHARDINGS, STRINGS,
-                                 TREE_METADATA)
 from ckpt.shards.plan import Box
+from ckpt.format import entries as entries_lib
 
 SEQUENCE, DICT = 1, 2  # Orbax's KeyType
 _EMPTY = {"dict": "Dict", "object": "Dict", "list": "List", "tuple": "Tuple",
@@ -128,9 +127,9 @@ def plan(index: index_lib.Index) -> list[Leaf]:
   return out
 
 
-def _leaf(keys, e: index_lib.Entry, i: int) -> Leaf:
+def _leaf(keys, e: entries_lib.Entry, i: int) -> Leaf:
   path = tree.path_str(tuple(k for k, _ in keys))
-  if isinstance(e, index_lib.ValueEntry) and not isinstance(
+  if isinstance(e, entries_lib.ValueEntry) and not isinstance(
       e.value, (np.ndarray, np.generic)):
     v = e.value
     if isinstance(v, str):
@@ -146,7 +145,7 @@ def _leaf(keys, e: index_lib.Entry, i: int) -> Leaf:
         f"leaf {path!r} is a {type(v).__name__}; an Orbax PyTree holds "
         "arrays, numbers and strings (export to npz, or drop the leaf with "
         "a save transform)")
-  if isinstance(e, index_lib.ValueEntry):
+  if isinstance(e, entries_lib.ValueEntry):
     shape, dtype, chunks = e.value.shape, e.value.dtype.name, ()
   else:
     shape, dtype = tuple(e.shape), e.dtype

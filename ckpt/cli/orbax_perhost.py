@@ -37,7 +37,8 @@ import re
 from typing import Any
 
 from ckpt.cli import orbax_bounds
-from ckpt.cli.orbax_tree import OrbaxImportError, list_files, read_json
+from ckpt.cli.orbax_tree import list_files, read_json
+from ckpt.errors import OrbaxImportError
 from ckpt.errors import InvalidStateError
 from ckpt.format import extras as save_extras
 from ckpt.format import index as index_lib

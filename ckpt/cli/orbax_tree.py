@@ -22,7 +22,8 @@ from ckpt.cli import orbax_bounds
 from ckpt.save import leafsource
 from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
-from ckpt.errors import OrbaxImportError  # pylint: disable=unused-import
+from ckpt.errors import OrbaxImportError
+from ckpt.store import urls
 
 TREE_METADATA = "_METADATA"
 SHARDINGS = "_sharding"
@@ -173,7 +174,7 @@ class ItemReader:
     shardings = self._read(base + SHARDINGS, "the saved shardings",
                            kind=dict) or {}
     impls = self._key_impls(base)
-    item_spec = storage_lib.join(self.storage.spec, rel)
+    item_spec = urls.join(self.storage.spec, rel)
     kv = ocdbt.database(item_spec) if meta.get("use_ocdbt") else None
     spec = {"driver": "zarr3" if meta.get("use_zarr3") else "zarr"}
     zmeta = "zarr.json" if meta.get("use_zarr3") else ".zarray"
@@ -181,7 +182,7 @@ class ItemReader:
       spec["fill_missing_data_reads"] = False  # a lost chunk is an error
     opening = [
         ts.open({**spec, "kvstore": {**kv, "path": name + "/"} if kv else
-                 storage_lib.join(item_spec, name)},
+                 urls.join(item_spec, name)},
                 open=True, read=True, context=self.context)
         for _, _, name, _ in arrays]
     scalars = []

@@ -26,9 +26,11 @@ import re
 
 from absl import logging
 
+from ckpt.commit import held
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CorruptCheckpointError
+from ckpt.store import names
 
 _NAME_RE = re.compile(r"^" + re.escape(records.PENDING)
                       + r"(0|[1-9][0-9]{0,18})\." + records.DELETE + "$")
@@ -47,7 +49,7 @@ def parse_name(rel: str) -> int | None:
 
 
 def _marker_key(step: int) -> str:
-  return f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
+  return f"{names.step_dirname(step)}/{names.COMMIT_MARKER}"
 
 
 def _where(storage: storage_lib.Storage, key: str) -> str:
@@ -112,13 +114,13 @@ def remove_step(storage: storage_lib.Storage, step: int) -> None:
 def drop_leftovers(storage: storage_lib.Storage, step: int) -> None:
   """The keys an earlier ckpt (no attempts) left in ``checkpoint_<step>/``
   beside no marker: a save that never committed, found by a full listing
-  of a root without records (``commit._abandoned_by_scan``). Only keys
-  outside the attempts' directories go, and nothing once a marker exists:
-  a save of that step by this ckpt, committed since that listing, keeps
-  its data, marker and record."""
+  of a root without records (``MarkerCommit.abandoned``,
+  ckpt/commit/marker.py). Only keys outside the attempts' directories go,
+  and nothing once a marker exists: a save of that step by this ckpt,
+  committed since that listing, keeps its data, marker and record."""
   if storage.exists(_marker_key(step)):
     return
-  step_name = storage_lib.step_dirname(step)
+  step_name = names.step_dirname(step)
   storage.delete_keys([k for k in storage.list_keys(f"{step_name}/")
                        if not _data_dir_of(k)], f"step {step}")
 
@@ -131,9 +133,19 @@ def _drop(storage: storage_lib.Storage, step: int,
   if data is not None and _named(storage, step, data) == target:
     storage.delete_key(marker, generation=gen)
   what = f"step {step}"
-  step_name = storage_lib.step_dirname(step)
+  step_name = names.step_dirname(step)
   if target[1]:
-    storage.delete_prefix(f"{step_name}/{target[1]}/", what)
+    # What later steps hold here stays (ckpt/commit/held.py); the arrays
+    # this step held elsewhere are swept once it is gone, its index last.
+    where = f"{step_name}/{target[1]}"
+    index_key = storage.index_key(where)
+    refers = held.referred(storage, where)
+    keys = held.kept(storage.list_keys(f"{where}/"), where,
+                     held.marks(storage, step, target[1]))
+    storage.delete_keys([k for k in keys if k != index_key], what)
+    held.sweep(storage, refers)
+    if index_key in keys:
+      storage.delete_keys([index_key], what)
   else:  # beside the marker: every key outside the attempts' directories
     storage.delete_keys([k for k in storage.list_keys(f"{step_name}/")
                          if k != marker and not _data_dir_of(k)], what)
@@ -184,7 +196,7 @@ def _finish_unnamed(storage: storage_lib.Storage, step: int) -> None:
   still pending, or named by the record, or dead; keys written after the
   listing are not touched."""
   marker = _marker_key(step)
-  keys = storage.list_keys(f"{storage_lib.step_dirname(step)}/")
+  keys = storage.list_keys(f"{names.step_dirname(step)}/")
   kept = {f"{_ATTEMPT_PREFIX}{t}" for s, t in records.list_pending(storage)
           if s == step and t != records.DELETE}
   rec = records.read_record(storage, step)

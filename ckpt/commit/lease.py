@@ -64,11 +64,12 @@ DEFAULT_LEASE_S = 30.0
 MIN_BUCKET_RENEWAL_S = 1.0
 
 
-def renew_interval(lease_s: float, posix: bool) -> float:
+def renew_interval(lease_s: float, least_s: float) -> float:
   """Seconds between two renewals of a lease that expires after
   ``lease_s``: six renewals a lease, so one or two late ones never let it
-  expire under a live save."""
-  return max(lease_s / 6, 0.05 if posix else MIN_BUCKET_RENEWAL_S)
+  expire under a live save; at least ``least_s`` (the medium's: a file
+  0.05 s, an object MIN_BUCKET_RENEWAL_S)."""
+  return max(lease_s / 6, least_s)
 
 
 def _read_text(path: str) -> str | None:

@@ -144,127 +144,51 @@ ckpt/commit/cleanup.py.
 
 from __future__ import annotations
 
-import os
-import secrets
-
-from absl import logging
-
-from ckpt.commit import deletion
 from ckpt.commit import lease as lease_lib
 from ckpt.commit import records
 from ckpt.commit import renewal as renewal_lib
 from ckpt.commit import cleanup as cleanup_lib
-from ckpt.commit import steps as steps_lib
-from ckpt.commit.steps import ATTEMPT_FILE, NO_VALUE
+from ckpt.commit import attempt
+from ckpt.commit import strategy
+from ckpt.commit.attempt import ATTEMPT_FILE
 from ckpt.store import storage as storage_lib
-from ckpt.errors import CheckpointError
-
-DEFAULT_LEASE_S = lease_lib.DEFAULT_LEASE_S
-
-
-def fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 # ---- an attempt's life ------------------------------------------------------
 
 def prepare(storage: storage_lib.Storage, step: int, token: str,
-            lease_s: float = DEFAULT_LEASE_S,
+            lease_s: float = lease_lib.DEFAULT_LEASE_S,
             seen: lease_lib.Sightings | None = None) -> str:
   """Process 0, before anyone writes: a fresh work directory holding only
   ``attempt.json`` (and, on object stores, its ``pending/`` record).
   Returns its relative path. ``lease_s``, ``seen``: see
-  ``_clear_stale_marker``."""
-  rel = steps_lib.work_dir(storage, step, token)
-  if storage.is_posix:
-    storage.root.mkdir(parents=True, exist_ok=True)
-    steps_lib._drop_bucket_records(storage)
-    _clear_uncommitted_dir(storage, step)
-    os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
-    storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
-  else:
-    try:
-      steps_lib._ensure_records(storage)
-    except CheckpointError as e:
-      # The root stays as it is (discovered by full listings); this save
-      # goes on, and the next one tries again.
-      logging.warning("ckpt: could not make the commit records of %s "
-                      "complete: %s", storage.url, e)
-    _clear_stale_marker(storage, step, lease_s, seen)
-    # first: cleanup can find the rest
-    records.write_pending(storage, step, token)
-    storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
-  return rel
-
-
-def _clear_uncommitted_dir(storage: storage_lib.Storage, step: int) -> None:
-  """POSIX, preparing a save of ``step``: an uncommitted
-  ``checkpoint_<step>/`` would make the commit rename fail on every try.
-  Without a commit marker it never was a checkpoint (a partial copy, say):
-  it goes. With a marker but no index it was one, and its arrays may be
-  worth recovering by hand: it is renamed ``checkpoint_<step>.broken-<id>``,
-  which nothing of ckpt reads or deletes, except ``ckpt gc --incomplete``."""
-  name = storage_lib.step_dirname(step)
-  path = os.path.join(os.fspath(storage.root), name)
-  problem = steps_lib.posix_problem(storage, name)
-  if problem is None or not os.path.isdir(path):
-    return
-  if not os.path.isfile(os.path.join(path, storage_lib.COMMIT_MARKER)):
-    cleanup_lib.remove(storage, name)
-    return
-  aside = storage_lib.broken_name(step, secrets.token_hex(4))
-  os.rename(path, os.path.join(os.fspath(storage.root), aside))
-  fsync_dir(os.fspath(storage.root))
-  logging.warning("ckpt: %s %s; a save of step %d needs its name, so it was "
-                  "set aside as %s (nothing deleted; `ckpt gc --incomplete "
-                  "--yes` deletes it)", path, problem, step, aside)
+  ``MarkerCommit.clear_stale_marker`` (ckpt/commit/strategy.py)."""
+  return strategy.for_storage(storage).start_attempt(
+      storage, step, token, lease_s, seen, cleanup_lib)
 
 
 def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
   return records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
-def _removed(storage: storage_lib.Storage, step: int, token: str,
-             renewal: renewal_lib.Renewal | None) -> bytes | None:
+def _removed(kind: strategy.Kind, storage: storage_lib.Storage, step: int,
+             token: str, renewal: renewal_lib.Renewal | None) -> bytes | None:
   """Before a commit: the attempt is whole, or the removed_error. With the
   attempt's ``renewal``: its last word (the lease's generation now); then
   (object stores) its ``pending/`` record is there too."""
-  rel = steps_lib.work_dir(storage, step, token)
+  rel = kind.work_dir(step, token)
   where = f"{storage.url.rstrip('/')}/{rel}"
   if renewal is not None:
     gen = renewal.final()
   elif _attempt_token(storage, rel) != token:
-    raise renewal_lib.removed_error(step, where,
-                                    "its lease is gone or names another "
-                                    "attempt")
+    raise attempt.removed_error(step, where,
+                                "its lease is gone or names another attempt")
   else:
     gen = None
-  if not storage.is_posix and not storage.exists(
-      records.pending_key(step, token)):
-    raise renewal_lib.removed_error(
-        step, where, f"its record {records.pending_key(step, token)} is gone")
+  why = kind.pending_gone(storage, step, token)
+  if why is not None:
+    raise attempt.removed_error(step, where, why)
   return gen
-
-
-def _still_whole(storage: storage_lib.Storage, step: int, token: str,
-                 lease_gen: bytes | None) -> str | None:
-  """Object stores, after the record is written: why the attempt is no
-  longer whole (None: it is). A cleaner removes the lease first and reads
-  the record after (ckpt/commit/cleanup.py): one of the two sees the other."""
-  rel = steps_lib.work_dir(storage, step, token)
-  data, gen = storage.read_generation(f"{rel}/{ATTEMPT_FILE}")
-  if data is None:
-    return "its lease was removed while it committed"
-  if lease_gen is not None and gen != lease_gen:
-    return "its lease was rewritten while it committed"
-  if not storage.exists(records.pending_key(step, token)):
-    return (f"its record {records.pending_key(step, token)} was removed "
-            "while it committed")
-  return None
 
 
 def commit(storage: storage_lib.Storage, step: int, token: str,
@@ -273,98 +197,6 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
   """Writes the index and makes ``step`` visible (see the module
   docstring). ``renewal``: the attempt's lease renewal (process 0 of a
   save), stopped here; its last renewal proves the lease is the attempt's."""
-  rel = steps_lib.work_dir(storage, step, token)
-  final = storage_lib.step_dirname(step)
-  where = f"{storage.url.rstrip('/')}/{rel}"
-  lease_gen = _removed(storage, step, token, renewal)
-  if storage.is_posix:
-    work = os.fspath(storage.root / rel)
-    try:
-      storage_lib.write_file(os.path.join(work, storage_lib.INDEX_NAME),
-                             index_data)
-      storage_lib.write_file(os.path.join(work, storage_lib.COMMIT_MARKER),
-                             records.marker(step, token, ""))
-    except FileNotFoundError as e:  # renamed away by a cleaner just now
-      raise renewal_lib.removed_error(step, where, "its directory is gone"
-                                      ) from e
-    for dirpath, _, _ in os.walk(work, topdown=False):
-      fsync_dir(dirpath)  # every entry the checkpoint consists of, durable
-    try:
-      os.rename(work, storage.root / final)
-    except OSError as e:
-      if not os.path.isdir(work):
-        raise renewal_lib.removed_error(step, where, "its directory is gone"
-                                        ) from e
-      if steps_lib.is_committed(storage, step):
-        raise CheckpointError(
-            f"cannot commit step {step} in {storage.url!r}: another attempt "
-            f"committed it first; this attempt ({where}) was not committed") from e
-      raise CheckpointError(
-          f"cannot commit step {step}: renaming {where} to {final} failed "
-          f"({type(e).__name__}: {e}); nothing was committed") from e
-    fsync_dir(os.fspath(storage.root))
-    return
-  storage.write_bytes(f"{rel}/{storage_lib.INDEX_NAME}", index_data)
-  marker_key = f"{final}/{storage_lib.COMMIT_MARKER}"
-  data_dir = rel.split("/", 1)[1]
-  with storage.store_errors(f"writing the commit marker of step {step} to"):
-    storage.result(storage.kv.write(
-        marker_key, records.marker(step, token, data_dir), if_equal=NO_VALUE))
-  # A write whose condition failed is not an error in TensorStore; a retried
-  # PUT of ours may also find our own marker. Read which attempt won.
-  won = records.marker_attempt(storage.read_bytes(marker_key))
-  if won != token:
-    raise CheckpointError(
-        f"cannot commit step {step} in {storage.url!r}: another attempt "
-        f"committed it first; this attempt ({where}) was not committed")
-  t, metrics = steps_lib._index_info(index_data)
-  # The record makes the step visible; then the attempt is no longer pending.
-  rec_gen = storage.write_bytes(
-      records.record_key(step), records.record(step, token, data_dir, t,
-                                               metrics))
-  why = _still_whole(storage, step, token, lease_gen)
-  if why is not None:  # undone: the record, then the marker, if still ours
-    storage.delete_key(records.record_key(step), generation=rec_gen)
-    data, gen = storage.read_generation(marker_key)
-    if records.marker_attempt(data) == token:
-      storage.delete_key(marker_key, generation=gen)
-    raise renewal_lib.removed_error(step, where, why)
-  try:
-    storage.delete_key(records.pending_key(step, token))
-  except CheckpointError as e:  # committed all the same; cleanup drops it
-    logging.warning("ckpt: step %d is committed, but removing %s failed: %s",
-                    step, records.pending_key(step, token), e)
-
-
-def _clear_stale_marker(storage: storage_lib.Storage, step: int,
-                        lease_s: float,
-                        seen: lease_lib.Sightings | None = None) -> None:
-  """Process 0, preparing a save of ``step`` (no record, records complete):
-  a marker left without a record (a commit or a deletion that died half
-  way) would make this attempt's commit fail. It goes when that is provably
-  no live commit: the step's deletion is pending, or the attempt the marker
-  names has no live lease (``seen``: this cleaner's earlier sightings of
-  leases, ckpt/commit/lease.py). One GET when there is no such marker."""
-  if not records.records_complete(storage):
-    return  # without records, a marker is a commit
-  key = f"{storage_lib.step_dirname(step)}/{storage_lib.COMMIT_MARKER}"
-  if not storage.exists(key) or records.read_record(storage, step) is not None:
-    return
-  if storage.exists(deletion.name(step)):
-    # Finish that deletion: it removes the marker only if it names the
-    # commit that deletion deletes.
-    deletion.finish(storage, step)
-    if not storage.exists(key):
-      return
-  data, gen = storage.read_generation(key)
-  won = records.marker_attempt(data)
-  if data is None or (won is not None and cleanup_lib.is_live(
-      storage, steps_lib.work_dir(storage, step, won), lease_s, seen)):
-    return  # maybe a commit in progress: if it is, ours fails, naming it
-  logging.warning("ckpt: step %d in %s has a commit marker but no commit "
-                  "record (a save that died while committing); removing "
-                  "that attempt (%s)", step, storage.url, won)
-  if won is None:
-    storage.delete_key(key, generation=gen)
-  else:
-    cleanup_lib.remove(storage, steps_lib.work_dir(storage, step, won))
+  kind = strategy.for_storage(storage)
+  lease_gen = _removed(kind, storage, step, token, renewal)
+  kind.publish(storage, step, token, index_data, lease_gen)

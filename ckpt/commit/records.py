@@ -22,12 +22,13 @@ from typing import Any
 
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
+from ckpt.store import names
 
 TOKEN_RE = re.compile(r"^[0-9a-f]{1,64}$")
 ATTEMPT_DIR_RE = re.compile(r"^attempt-([0-9a-f]{1,64})$")
-RECORDS = storage_lib.RECORDS_DIR + "/"
+RECORDS = names.RECORDS_DIR + "/"
 RECORDS_COMPLETE = RECORDS + "complete"
-PENDING = storage_lib.PENDING_DIR + "/"
+PENDING = names.PENDING_DIR + "/"
 RECORD_BYTES = 4096
 STEP_NAME_RE = re.compile(r"^(0|[1-9][0-9]{0,18})$")
 PENDING_RE = re.compile(r"^(0|[1-9][0-9]{0,18})\.([0-9a-f]{1,64}|delete)$")
@@ -229,3 +230,13 @@ def list_pending(storage: storage_lib.Storage) -> list[tuple[int, str]]:
   return sorted(out)
 
 
+def commit_state(storage: storage_lib.Storage, step: int
+                 ) -> tuple[bool, str | None]:
+  """(whether ``step`` is committed, the token of the attempt that
+  committed it): one read."""
+  if records_complete(storage):
+    rec = read_record(storage, step)
+    return rec is not None, rec and rec["attempt"]
+  data = storage.read_bytes(
+      f"{names.step_dirname(step)}/{names.COMMIT_MARKER}")
+  return data is not None, marker_attempt(data)

@@ -18,6 +18,7 @@ from ckpt.commit.retention import RetentionPolicy
 from ckpt.errors import CheckpointError
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import storage as storage_lib
+from ckpt.store import names
 
 
 class Retention:
@@ -153,7 +154,7 @@ class Retention:
           self._deleting.add(s)
         try:
           logging.info("ckpt: retention deletes step %d", s)
-          cleanup_lib.remove(self.storage, storage_lib.step_dirname(s))
+          cleanup_lib.remove(self.storage, names.step_dirname(s))
           deleted.append(s)
         except Exception as e:  # pylint: disable=broad-except
           logging.error("ckpt: retention could not delete step %d in %s: %s",
@@ -190,7 +191,7 @@ class Retention:
         raise steps_lib.not_committed(self.storage, step,
                                        f"cannot delete step {step}")
       logging.info("ckpt: deleting step %d (delete())", step)
-      cleanup_lib.remove(self.storage, storage_lib.step_dirname(step))
+      cleanup_lib.remove(self.storage, names.step_dirname(step))
 
 
 class _Keepalive:

@@ -3,7 +3,7 @@
 entries in ckpt/format/pack_index.py): shapes, dtypes, PRNG key
 implementations, relative paths, extents, the tree structure and saved
 shardings, each refused with a CorruptCheckpointError naming where in the
-index (``_bad``), and the limits they check against.
+index (``bad``), and the limits they check against.
 """
 
 from __future__ import annotations
@@ -44,22 +44,22 @@ ALLOWED_DTYPES = frozenset({
 })
 # Each allowed name's dtype, looked up once (not np.dtype() per leaf).
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
-_DTYPE_NAMES = {d: name for name, d in _DTYPES.items()}  # (dtype.name is slow)
+DTYPE_NAMES = {d: name for name, d in _DTYPES.items()}  # (dtype.name is slow)
 
 
 def decode_saved_sharding(d: Any, where: Any, rank: int
                           ) -> saved_sharding_lib.SavedSharding:
   """A leaf's ``saved_sharding`` field, validated (CorruptCheckpointError
   naming ``where``); see saved_sharding.decode."""
-  return saved_sharding_lib.decode(d, where, rank, _bad)
+  return saved_sharding_lib.decode(d, where, rank, bad)
 
 
-def _keys_rank(shape: tuple[int, ...], impl: str) -> int:
+def keys_rank(shape: tuple[int, ...], impl: str) -> int:
   """The rank a saved sharding is over: the keys' for key data."""
   return len(shape) - (len(prng.info(impl).key_shape) if impl else 0)
 
 
-def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,
+def decode_prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,
                is_array: bool) -> str:
   """The entry's PRNG implementation ("" if none), checked against jax's
   implementations and against the key data it describes."""
@@ -68,12 +68,12 @@ def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,
     return ""
   key = prng.info(name)
   if key is None:
-    raise _bad(where, "a PRNG implementation this jax knows (e.g. "
+    raise bad(where, "a PRNG implementation this jax knows (e.g. "
                "'threefry2x32', 'rbg')", name)
   k = len(key.key_shape)
   if (not is_array or np.dtype(dtype) != key.data_dtype or
       tuple(shape[len(shape) - k:]) != key.key_shape or len(shape) < k):
-    raise _bad(where, f"{name} key data ({key.data_dtype} with trailing "
+    raise bad(where, f"{name} key data ({key.data_dtype} with trailing "
                f"dimensions {key.key_shape})",
                f"{dtype} {'array' if is_array else 'value'} of shape {shape}")
   return name
@@ -82,8 +82,8 @@ def _prng_impl(e: dict, where: str, shape: tuple[int, ...], dtype: Any,
 def check_relpath(relpath: Any, where: str) -> str:
   """A path read from a checkpoint must stay inside the step directory."""
   if not isinstance(relpath, str) or not relpath or len(relpath) > 4096:
-    raise _bad(where, "a relative path", relpath)
-  if not all(map(_plain_part, relpath.split("/"))):
+    raise bad(where, "a relative path", relpath)
+  if not all(map(plain_part, relpath.split("/"))):
     raise CorruptCheckpointError(
         f"{where}: path {relpath!r} is not a plain relative path inside the "
         "checkpoint (absolute, '..', or unexpected characters); refusing it")
@@ -97,22 +97,22 @@ def check_extent(shape: tuple[int, ...], chunks: tuple[int, ...],
   anything is opened or allocated."""
   nbytes = math.prod(shape) * itemsize
   if nbytes > MAX_LEAF_BYTES:
-    raise _bad(where, f"an array of at most {MAX_LEAF_BYTES} bytes",
+    raise bad(where, f"an array of at most {MAX_LEAF_BYTES} bytes",
                f"shape {list(shape)} of {nbytes} bytes")
   if any(c > max(s, 1) for s, c in zip(shape, chunks)):
-    raise _bad(where, f"chunks no larger than the shape {list(shape)}",
+    raise bad(where, f"chunks no larger than the shape {list(shape)}",
                list(chunks))
   chunk_bytes = math.prod(chunks) * itemsize
   if chunk_bytes > MAX_CHUNK_BYTES:
-    raise _bad(where, f"chunks of at most {MAX_CHUNK_BYTES} bytes",
+    raise bad(where, f"chunks of at most {MAX_CHUNK_BYTES} bytes",
                f"chunks {list(chunks)} of {chunk_bytes} bytes")
   count = math.prod(-(-s // c) for s, c in zip(shape, chunks))
   if count > MAX_CHUNKS:
-    raise _bad(where, f"at most {MAX_CHUNKS} chunks",
+    raise bad(where, f"at most {MAX_CHUNKS} chunks",
                f"{count} chunks of {list(chunks)} in shape {list(shape)}")
 
 
-def _check_structure(structure: Any, where: str) -> list[str]:
+def check_structure(structure: Any, where: str) -> list[str]:
   """Validates a tree structure; returns the names of its leaves (one
   loop over the nodes, no recursion: 100,000 leaves are 200,000 nodes)."""
   leaves: list[str] = []
@@ -123,25 +123,25 @@ def _check_structure(structure: Any, where: str) -> list[str]:
     if depth > MAX_DEPTH:
       raise CorruptCheckpointError(f"{where}: tree deeper than {MAX_DEPTH}")
     if not isinstance(node, dict):
-      raise _bad(where, "a structure node map", node)
+      raise bad(where, "a structure node map", node)
     if "leaf" in node:
       if not isinstance(node["leaf"], str):
-        raise _bad(where, "a leaf name", node["leaf"])
+        raise bad(where, "a leaf name", node["leaf"])
       add(node["leaf"])
       continue
     kind = node.get("node")
     if kind not in ("none", "dict", "list", "tuple", "object"):
-      raise _bad(where, "a node kind", kind)
+      raise bad(where, "a node kind", kind)
     children = node.get("children", [])
     if not isinstance(children, list):
-      raise _bad(where, "a list of children", children)
+      raise bad(where, "a list of children", children)
     if kind in ("dict", "object"):
       keys = node.get("keys")
       if not isinstance(keys, list) or len(keys) != len(children):
-        raise _bad(where, f"{len(children)} keys", keys)
+        raise bad(where, f"{len(children)} keys", keys)
       key_types = (str, int) if kind == "dict" else (str,)
       if not set(map(type, keys)) <= set(key_types):
-        raise _bad(where, f"{kind} keys of type "
+        raise bad(where, f"{kind} keys of type "
                    f"{' or '.join(t.__name__ for t in key_types)}", keys)
     for c in children:  # the common case here: a leaf
       if (depth < MAX_DEPTH and type(c) is dict and len(c) == 1 and
@@ -152,12 +152,12 @@ def _check_structure(structure: Any, where: str) -> list[str]:
   return leaves
 
 
-def _check_numbered_structure(structure: Any, where: str, n: int,
+def check_numbered_structure(structure: Any, where: str, n: int,
                               max_depth: int = MAX_DEPTH
                               ) -> tuple[int, int, int]:
   """Validates a tree structure of index version 3 (tree.KEYED): each node
   a list of its kind and its (key and) children, each leaf its number
-  among the index's ``n`` leaves. The depth limit as _check_structure's (a
+  among the index's ``n`` leaves. The depth limit as check_structure's (a
   leaf one level below its node), and every number in range(n) exactly
   once. One loop over the nodes, a level of the tree at a time (100,000
   leaves are about as many nodes). Returns (depth, lists, longest): its
@@ -177,29 +177,29 @@ def _check_numbered_structure(structure: Any, where: str, n: int,
         add(node)
         continue
       if type(node) is not list or not node:
-        raise _bad(where, "a structure node (a list: its kind, then its "
+        raise bad(where, "a structure node (a list: its kind, then its "
                    "children) or a leaf number", node)
       if len(node) > longest:
         longest = len(node)
       kind = node[0]
       if kind == "dict":
         if not len(node) % 2:
-          raise _bad(where, "a dict node's keys and children in pairs",
+          raise bad(where, "a dict node's keys and children in pairs",
                      node)
         if not _DICT_KEYS.issuperset(map(type, node[1::2])):
-          raise _bad(where, "dict keys of type str or int", node[1::2])
+          raise bad(where, "dict keys of type str or int", node[1::2])
         extend(node[2::2])
       elif kind in _SEQUENCES:
         extend(node[1:])
       elif kind == "object":
         if len(node) % 2 or type(node[1]) is not str:
-          raise _bad(where, "an object node's type name, then its keys and "
+          raise bad(where, "an object node's type name, then its keys and "
                      "children in pairs", node)
         if not _OBJECT_KEYS.issuperset(map(type, node[2::2])):
-          raise _bad(where, "object keys of type str", node[2::2])
+          raise bad(where, "object keys of type str", node[2::2])
         extend(node[3::2])
       elif kind != "none" or len(node) != 1:
-        raise _bad(where, "a node kind (dict, list, tuple, object, or none "
+        raise bad(where, "a node kind (dict, list, tuple, object, or none "
                    "with no children)", node)
     lists += len(level) - (len(numbers) - leaves)
     level = below
@@ -225,27 +225,27 @@ _DICT_KEYS = frozenset({str, int})
 _OBJECT_KEYS = frozenset({str})
 
 
-def _int(v: Any, where: str) -> int:
+def decode_int(v: Any, where: str) -> int:
   if type(v) is not int or v < 0:
-    raise _bad(where, "a non-negative int", v)
+    raise bad(where, "a non-negative int", v)
   return v
 
 
-def _shape(v: Any, where: str) -> tuple[int, ...]:
+def decode_shape(v: Any, where: str) -> tuple[int, ...]:
   if (not isinstance(v, list) or len(v) > MAX_RANK or
       not all(type(d) is int and 0 <= d < 2**62 for d in v)):
-    raise _bad(where, f"a shape (list of at most {MAX_RANK} non-negative ints)", v)
+    raise bad(where, f"a shape (list of at most {MAX_RANK} non-negative ints)", v)
   return tuple(v)
 
 
-def _dtype(name: Any, where: str) -> np.dtype:
+def decode_dtype(name: Any, where: str) -> np.dtype:
   dtype = _DTYPES.get(name) if isinstance(name, str) else None
   if dtype is None:
-    raise _bad(where, "a known dtype name", name)
+    raise bad(where, "a known dtype name", name)
   return dtype
 
 
-class _Where:
+class Where:
   """Where an entry is, for error messages: formatted only if one is
   raised (an index of 100,000 leaves decodes each entry once)."""
 
@@ -261,7 +261,7 @@ class _Where:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _plain_part(p: str) -> bool:
+def plain_part(p: str) -> bool:
   """A part of a relative path that names a directory inside its parent:
   of a fixed character set, not starting with "."; percent escapes only
   as tree.storage_relpath writes them when they spell ".", "..", an empty
@@ -279,13 +279,14 @@ def _plain_part(p: str) -> bool:
 
 # Errors show a bounded excerpt of what was found: repr() of a hostile
 # 30-million-element list alone takes seconds and gigabytes.
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxtuple = 3, 12, 8, 12
-_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 200
+SHORT_REPR = reprlib.Repr()
+SHORT_REPR.maxlevel, SHORT_REPR.maxlist = 3, 12
+SHORT_REPR.maxdict, SHORT_REPR.maxtuple = 8, 12
+SHORT_REPR.maxstring = SHORT_REPR.maxother = SHORT_REPR.maxlong = 200
 
 
-def _bad(where: str, expected: str, found: Any) -> CorruptCheckpointError:
-  text = _REPR.repr(found)
+def bad(where: str, expected: str, found: Any) -> CorruptCheckpointError:
+  text = SHORT_REPR.repr(found)
   if len(text) > 200:
     text = text[:200] + "..."
   return CorruptCheckpointError(f"{where}: expected {expected}, found {text}")

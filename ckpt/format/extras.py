@@ -14,7 +14,8 @@ import msgpack
 import numpy as np
 
 from ckpt.format import index as index_lib
-from ckpt.errors import CheckpointError, InvalidStateError
+from ckpt.errors import (CheckpointError, CorruptCheckpointError,
+                         InvalidStateError)
 
 
 def check_metrics(metrics: dict | None) -> dict[str, float | int]:
@@ -148,7 +149,7 @@ def unpack_host_state(data: Any, where: str = "host_state") -> Any:
                            max_str_len=n, max_bin_len=n, max_array_len=n,
                            max_map_len=n, max_ext_len=n)
   except Exception as e:
-    raise index_lib.CorruptCheckpointError(
+    raise CorruptCheckpointError(
         f"{where} is not a valid msgpack value (truncated or corrupt?): {e}"
     ) from e
 
@@ -157,7 +158,6 @@ def unpack_host_state(data: Any, where: str = "host_state") -> Any:
 # step's index, which every query and restore reads (process 0, one GET on
 # a bucket, ``ckpt inspect``): a few notes and counters, not data (put
 # large things in the state, where they are sharded and read lazily).
-MAX_CUSTOM_METADATA_BYTES = index_lib.MAX_CUSTOM_METADATA_BYTES
 
 
 def check_custom_metadata(value: Any) -> str | None:
@@ -200,10 +200,10 @@ def check_custom_metadata(value: Any) -> str | None:
   walk("", value, 0)
   text = json.dumps(value, allow_nan=False, sort_keys=True,
                     separators=(",", ":"))
-  if len(text.encode()) > MAX_CUSTOM_METADATA_BYTES:
+  if len(text.encode()) > index_lib.MAX_CUSTOM_METADATA_BYTES:
     raise InvalidStateError(
         f"custom_metadata is {len(text.encode())} bytes as JSON; at most "
-        f"{MAX_CUSTOM_METADATA_BYTES} (ckpt.format.extras."
+        f"{index_lib.MAX_CUSTOM_METADATA_BYTES} (ckpt.format.index."
         "MAX_CUSTOM_METADATA_BYTES): it is kept in the step's index, which "
         "every query reads. Save large values as arrays of the state")
   return text

@@ -22,36 +22,33 @@ import numpy as np
 from ckpt.format import index_codec
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import seal
+from ckpt.format.saved_sharding import (HOST_REPLICATED, REPLICATED_HOST,
+                                        REPLICATED_INLINE, SavedSharding)
 from ckpt.format import tree
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
-# Defined in ckpt/format/checks.py, inline_values.py and entries.py; callers
-# use them as index.X.
-from ckpt.format.checks import (  # noqa: F401
-    ALLOWED_DTYPES, MAX_CHUNK_BYTES, MAX_CHUNKS, MAX_DEPTH, MAX_LEAF_BYTES,
-    MAX_RANK, _REPR, _Where, _bad, _check_numbered_structure,
-    _check_structure, _dtype, _int, _keys_rank, _prng_impl, _shape,
-    check_extent, check_relpath, decode_saved_sharding)
-from ckpt.format.entries import (  # noqa: F401
-    KINDS, MAX_OCDBT_GROUPS, _KINDS_BY_CLASS, ArrayEntry, Entry, PackedEntry,
-    ValueEntry, _decode_entry)
-from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
+from ckpt.format.checks import (MAX_DEPTH, Where, bad,
+                                check_numbered_structure, check_structure,
+                                decode_int)
+from ckpt.format.entries import (KINDS, KINDS_BY_CLASS, ArrayEntry, Entry,
+                                 ValueEntry, check_held,
+                                 decode_entry)
 
 FORMAT_NAME = "ckpt"
+# 6: an array may be "held_by" an earlier step's data directory, [step,
+# "attempt-<hex>"] (a bucket's reuse_unchanged=True; entries.py).
 # 5: "host_states", how many processes' host_state files the step holds (0:
-# saved without host_state, so host_state() is None on any process count;
-# an imported Orbax step's per-process items: as many as its processes).
-# Version 4's indexes have no such field: one file per saving process.
-# 4: sealed (below).
-# 3: in the tree structure a leaf is its number among the leaves (an int),
-# no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
-# and a node is one list, [kind, (key, child)...], no longer a map of
-# node/keys/children (ckpt/format/tree.py KEYED).
-# 2: the leaves as columns, repeated specs and path parts stored once
-# (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
-# 1: one map per leaf, arrays and values only. All three are read; in
-# memory (Index.structure) a leaf is its number whatever the version.
-VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)
+# none: host_state() is None on any process count). Version 4: one file per
+# saving process.
+# 4: sealed (below). 2: the leaves as columns, repeated specs and path parts
+# stored once (index_codec.py); leaves may be "packed" (pack_index.py).
+# 3: in the tree structure a leaf is its number among the leaves, no longer
+# {"leaf": "<path>"}, and a node is one list, [kind, (key, child)...]
+# (ckpt/format/tree.py KEYED).
+# 1: one map per leaf, arrays and values only. In memory (Index.structure)
+# a leaf is its number whatever the version.
+VERSION = 6
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
+HELD_FROM = 6  # held_by from this version on
 # Indexes from this version on, and their steps' per-process files, end with
 # a crc32c trailer (ckpt/format/seal.py).
 SEALED_FROM = 4
@@ -86,15 +83,6 @@ MAX_CONTAINER_LEN = 1 << 20
 # refused while decoding, so a hostile index costs at most about 25 bytes of
 # python objects per byte (docs/untrusted.md).
 _LISTS_PER_BYTE, _MAPS_PER_BYTE = 3, 8  # at most one per this many bytes
-
-
-# ---- the sharding a leaf was saved in (ckpt/format/saved_sharding.py) ------------
-HOST_REPLICATED = saved_sharding_lib.HOST_REPLICATED
-INLINE = saved_sharding_lib.INLINE
-MAX_MESH_AXES = saved_sharding_lib.MAX_MESH_AXES
-SavedSharding = saved_sharding_lib.SavedSharding
-REPLICATED_INLINE = saved_sharding_lib.REPLICATED_INLINE
-REPLICATED_HOST = saved_sharding_lib.REPLICATED_HOST
 
 
 def saved_sharding_of(entry: Entry) -> SavedSharding:
@@ -162,7 +150,7 @@ def _decode_custom_metadata(v: Any, where: str) -> str | None:
   if v is None:
     return None
   if not isinstance(v, str) or len(v.encode()) > MAX_CUSTOM_METADATA_BYTES:
-    raise _bad(where, "custom_metadata as JSON text of at most "
+    raise bad(where, "custom_metadata as JSON text of at most "
                f"{MAX_CUSTOM_METADATA_BYTES} bytes",
                v if not isinstance(v, str) else f"{len(v.encode())} bytes")
 
@@ -179,7 +167,7 @@ def _decode_custom_metadata(v: Any, where: str) -> str | None:
     raise CorruptCheckpointError(
         f"{where}: custom_metadata is not valid JSON: {e}") from None
   if not isinstance(doc, dict):
-    raise _bad(where, "custom_metadata as a JSON object", v[:80])
+    raise bad(where, "custom_metadata as a JSON object", v[:80])
   return v
 
 
@@ -208,7 +196,7 @@ MAX_PROCESS_FILE_BYTES = 32 << 20
 def host_state_count(v: Any, where: str) -> int:
   """An index's ``host_states``: an int in [0, MAX_PROCESSES]."""
   if type(v) is not int or not 0 <= v <= MAX_PROCESSES:
-    raise _bad(where, f"an int in [0, {MAX_PROCESSES}]", v)
+    raise bad(where, f"an int in [0, {MAX_PROCESSES}]", v)
   return v
 
 
@@ -266,11 +254,11 @@ def _encode(index: Index) -> bytes:
   # process 0 before the commit, so the save fails instead.
   try:  # the structure's nodes, and its leaves: the leaves, each once,
     # each where tree.flatten puts it
-    depth, lists, longest = _check_numbered_structure(
+    depth, lists, longest = check_numbered_structure(
         index.structure, "the tree structure", len(index.leaves),
         max_depth=_PACK_DEPTH)
     if depth > MAX_DEPTH:
-      raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "MAX_DEPTH",
+      raise _over_limit(index, "tree depth", depth, MAX_DEPTH, "checks.MAX_DEPTH",
                         "Nest the state less deeply")
     placed = tree.leaf_paths(index.structure, len(index.leaves))
     if placed != [e.path for e in index.leaves]:  # each where flatten puts it
@@ -285,7 +273,7 @@ def _encode(index: Index) -> bytes:
         f"the index of step {index.step} would be refused by readers: "
         f"{err}") from err
   try:  # checks each array spec's extent (once per distinct spec)
-    doc["leaves"] = index_codec.encode(index.leaves, _KINDS_BY_CLASS)
+    doc["leaves"] = index_codec.encode(index.leaves, KINDS_BY_CLASS)
   except CorruptCheckpointError as err:
     raise InvalidStateError(
         f"the index of step {index.step} would be refused by readers: "
@@ -315,7 +303,7 @@ def _over_limit(index: "Index", what: str, found: int, limit: int,
       f"the index of step {index.step} ({n} leaves) would exceed a limit "
       f"that readers enforce, so nobody could read the checkpoint; nothing "
       f"was committed: {what} is {found}, the limit is {limit} "
-      f"(ckpt.format.index.{name}). "
+      f"(ckpt.format.{name}). "
       + (hint or "Save fewer, larger leaves (or fewer inline values)"))
 
 
@@ -327,7 +315,7 @@ def check_encoded(data: bytes, doc: Any, index: "Index",
   (lists, maps, longest) of a part left out of ``doc``)."""
   if len(data) > MAX_INDEX_BYTES:
     raise _over_limit(index, "the encoded size in bytes", len(data),
-                      MAX_INDEX_BYTES, "MAX_INDEX_BYTES")
+                      MAX_INDEX_BYTES, "index.MAX_INDEX_BYTES")
   try:
     lists, maps, longest_found = index_codec.containers(doc)
     lists, maps = lists + more[0], maps + more[1]
@@ -339,15 +327,15 @@ def check_encoded(data: bytes, doc: Any, index: "Index",
   longest = min(MAX_CONTAINER_LEN, len(data))
   if longest_found > longest:
     raise _over_limit(index, "the longest list or map (e.g. the leaves)",
-                      longest_found, longest, "MAX_CONTAINER_LEN")
+                      longest_found, longest, "index.MAX_CONTAINER_LEN")
   if lists > budget.lists:
     raise _over_limit(index, f"the number of lists in {len(data)} bytes "
                       f"(at most one per {_LISTS_PER_BYTE} bytes)",
-                      lists, budget.lists, "_LISTS_PER_BYTE")
+                      lists, budget.lists, "index._LISTS_PER_BYTE")
   if maps > budget.maps:
     raise _over_limit(index, f"the number of maps in {len(data)} bytes "
                       f"(at most one per {_MAPS_PER_BYTE} bytes)",
-                      maps, budget.maps, "_MAPS_PER_BYTE")
+                      maps, budget.maps, "index._MAPS_PER_BYTE")
 
 
 class _ContainerBudget:
@@ -404,7 +392,7 @@ def _numbered_structure(structure: Any, where: str, names: list[str],
   """A version 1 or 2 structure (leaves ``{"leaf": "<path>"}``), validated
   against the leaves' distinct ``names`` and converted to today's form
   (leaves by number)."""
-  referenced = _check_structure(structure, where)
+  referenced = check_structure(structure, where)
   # names are distinct (above): as many and the same set is the same leaves
   if len(referenced) != len(names) or set(referenced) != unique:
     missing = sorted(set(referenced) - unique)
@@ -432,61 +420,62 @@ def _decode(data: bytes, where: str) -> Index:
         f"{where} is not a valid msgpack document (truncated or corrupt "
         f"index, or over ckpt's limits for an index?): {e}{damaged}") from e
   if not isinstance(doc, dict):
-    raise _bad(where, "a map", doc)
+    raise bad(where, "a map", doc)
   if doc.get("format") != FORMAT_NAME:
-    raise _bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
+    raise bad(where, f"format {FORMAT_NAME!r}", doc.get("format"))
   version = doc.get("version")
   if type(version) is not int or version not in READ_VERSIONS:
-    raise _bad(where, f"version {' or '.join(map(str, READ_VERSIONS))}",
+    raise bad(where, f"version {' or '.join(map(str, READ_VERSIONS))}",
                version)
   if (version >= SEALED_FROM) != sealed:
     raise CorruptCheckpointError(
         f"{where}: version {version} with{'' if sealed else 'out'} a crc32c "
         f"trailer; expected one exactly from version {SEALED_FROM} on: the "
         "index was damaged")
-  step = _int(doc.get("step"), f"{where}: step")
-  pc = _int(doc.get("process_count"), f"{where}: process_count")
+  step = decode_int(doc.get("step"), f"{where}: step")
+  pc = decode_int(doc.get("process_count"), f"{where}: process_count")
   t = doc.get("time")
   if not isinstance(t, (int, float)):
-    raise _bad(where, "a numeric time", t)
+    raise bad(where, "a numeric time", t)
   fmt = doc.get("storage_format")
   if fmt not in ("zarr", "zarr3", "ocdbt"):
-    raise _bad(where, "storage_format zarr, zarr3 or ocdbt", fmt)
+    raise bad(where, "storage_format zarr, zarr3 or ocdbt", fmt)
   metrics = doc.get("metrics") or {}
   if not isinstance(metrics, dict) or not all(
       isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()):
-    raise _bad(where, "metrics as a map of str to number", metrics)
+    raise bad(where, "metrics as a map of str to number", metrics)
   raw_leaves = doc.get("leaves")
   if version >= 2:
-    leaves = index_codec.decode(raw_leaves, where, KINDS, _bad, _Where)
+    leaves = index_codec.decode(raw_leaves, where, KINDS, bad, Where)
   elif not isinstance(raw_leaves, list):
-    raise _bad(where, "a list of leaves", raw_leaves)
+    raise bad(where, "a list of leaves", raw_leaves)
   else:
-    leaves = tuple(_decode_entry(e, _Where(where, i))
+    leaves = tuple(decode_entry(e, Where(where, i))
                    for i, e in enumerate(raw_leaves))
   if fmt == "zarr":
     for i, e in enumerate(leaves):
       if isinstance(e, ArrayEntry) and e.codec.get("checksum") == "crc32c":
-        raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+        raise bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                    "no checksum codec (format zarr v2 has none)", e.codec)
   if fmt != "ocdbt":
     for i, e in enumerate(leaves):
       if getattr(e, "ocdbt_group", None) is not None:
-        raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+        raise bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                    f"no ocdbt_group (format {fmt})", e.ocdbt_group)
+  check_held(leaves, version >= HELD_FROM, step, where)
   names = [tree.path_str(e.path) for e in leaves]
   if len(unique := set(names)) != len(names):
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     raise CorruptCheckpointError(f"{where}: duplicate leaf paths {dups[:10]}")
   structure = doc.get("structure")
   if version >= 3:
-    _check_numbered_structure(structure, where, len(leaves))
+    check_numbered_structure(structure, where, len(leaves))
   else:
     structure = _numbered_structure(structure, where, names, unique)
   host_state = doc.get("host_state")
   if host_state is not None and (not isinstance(host_state, list) or not all(
       isinstance(b, bytes) for b in host_state)):
-    raise _bad(where, "host_state as a list of msgpack blobs, one per process",
+    raise bad(where, "host_state as a list of msgpack blobs, one per process",
                host_state)
   return Index(step=step, time=float(t), storage_format=fmt, process_count=pc,
                structure=structure, leaves=leaves, metrics=dict(metrics),

@@ -21,7 +21,7 @@ A reader validates each spec once, when the first leaf using it is decoded
 leaf only its per-leaf fields; a spec no leaf uses is refused.
 
 Adding a kind of entry (or a per-leaf field): describe it with a ``Kind``
-in ``index.KINDS``: its spec's key and map, its per-leaf columns and a
+in ``entries.KINDS``: its spec's key and map, its per-leaf columns and a
 decoder that validates a spec once and returns the function that builds
 each leaf's entry from its path and per-leaf values. A field that is the
 same for many leaves belongs in the spec (stored once, validated once); one

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 from ckpt.format import tree
-from ckpt.format.checks import ALLOWED_DTYPES, _DTYPE_NAMES, _bad, _dtype, _shape
+from ckpt.format.checks import (ALLOWED_DTYPES, DTYPE_NAMES, bad, decode_dtype,
+                                decode_shape)
 from ckpt.errors import InvalidStateError
 
 
@@ -27,7 +28,7 @@ def encode_value(v: Any, path: tuple[str, ...]) -> dict[str, Any]:
           f"leaf {tree.path_str(path)!r}: int {v} does not fit in 64 bits")
     return {"py": kind.__name__, "v": v}
   arr = np.asarray(v)
-  name = _DTYPE_NAMES.get(arr.dtype) or arr.dtype.name
+  name = DTYPE_NAMES.get(arr.dtype) or arr.dtype.name
   if name not in ALLOWED_DTYPES:
     raise InvalidStateError(
         f"leaf {tree.path_str(path)!r}: dtype {arr.dtype} cannot be stored; "
@@ -45,18 +46,18 @@ _PY_KINDS = {"bool": bool, "int": int, "float": float, "str": str,
 
 def decode_value(d: Any, where: str) -> Any:
   if not isinstance(d, dict):
-    raise _bad(where, "an inline value map", d)
+    raise bad(where, "an inline value map", d)
   if "py" in d:
     kind = _PY_KINDS.get(d["py"]) if isinstance(d["py"], str) else None
     v = d.get("v")
     if kind is None or type(v) is not kind and not (kind is float and type(v) is int):
-      raise _bad(where, "a bool, int, float, str or bytes value", d)
+      raise bad(where, "a bool, int, float, str or bytes value", d)
     return kind(v)
-  dtype = _dtype(d.get("np"), where)
-  shape = _shape(d.get("shape"), where)
+  dtype = decode_dtype(d.get("np"), where)
+  shape = decode_shape(d.get("shape"), where)
   data = d.get("data")
   if not isinstance(data, bytes) or len(data) != math.prod(shape) * dtype.itemsize:
-    raise _bad(where, f"{math.prod(shape) * dtype.itemsize} data bytes",
+    raise bad(where, f"{math.prod(shape) * dtype.itemsize} data bytes",
                f"{len(data) if isinstance(data, bytes) else type(data).__name__}")
   arr = np.frombuffer(data, dtype=dtype).reshape(shape).copy()
   return arr[()] if d.get("scalar") is True else arr

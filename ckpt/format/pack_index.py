@@ -86,22 +86,22 @@ def decode_entry(e: dict, where: Any, path: tuple[str, ...]) -> PackedEntry:
   """A "packed" entry of an index, validated like an array's (shape,
   dtype, PRNG implementation, saved sharding); CorruptCheckpointError
   naming ``where``."""
-  shape = checks._shape(e.get("shape"), where)  # pylint: disable=protected-access
+  shape = checks.decode_shape(e.get("shape"), where)
   dtype = e.get("dtype")
-  itemsize = checks._dtype(dtype, where).itemsize  # pylint: disable=protected-access
+  itemsize = checks.decode_dtype(dtype, where).itemsize
   nbytes = 1
   for d in shape:
     nbytes *= d
   if nbytes * itemsize > MAX_PACKED_LEAF_BYTES:
-    raise checks._bad(where, f"a packed leaf of at most {MAX_PACKED_LEAF_BYTES} "  # pylint: disable=protected-access
+    raise checks.bad(where, f"a packed leaf of at most {MAX_PACKED_LEAF_BYTES} "
                       "bytes", f"shape {list(shape)} of {nbytes * itemsize} bytes")
   source = e.get("source_dtype", dtype)
-  checks._dtype(source, where)  # pylint: disable=protected-access
+  checks.decode_dtype(source, where)
   sharding = e.get("sharding", "")
   if not isinstance(sharding, str):
-    raise checks._bad(where, "sharding as a string", sharding)  # pylint: disable=protected-access
-  impl = checks._prng_impl(e, where, shape, dtype, True)  # pylint: disable=protected-access
+    raise checks.bad(where, "sharding as a string", sharding)
+  impl = checks.decode_prng_impl(e, where, shape, dtype, True)
   saved = e.get("saved_sharding")
   if saved is not None:
-    saved = checks.decode_saved_sharding(saved, where, checks._keys_rank(shape, impl))  # pylint: disable=protected-access
+    saved = checks.decode_saved_sharding(saved, where, checks.keys_rank(shape, impl))
   return PackedEntry(path, shape, dtype, source, sharding, impl, saved)

@@ -30,7 +30,6 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-from ckpt.errors import CorruptCheckpointError
 from ckpt.format import checks
 from ckpt.format import pack_index
 from ckpt.format import tree
@@ -114,7 +113,7 @@ def decode(doc: Any, process: int, leaves: Leaves, where: str) -> Table:
   """The pieces of a table read from a checkpoint (an unpacked msgpack
   document), validated; CorruptCheckpointError naming ``where`` or the
   first piece's leaf at fault."""
-  bad = checks._bad  # pylint: disable=protected-access
+  bad = checks.bad
   if not isinstance(doc, dict) or doc.get("process") != process:
     raise bad(where, f"a map with process {process}", doc)
   sizes = doc.get("packs")
@@ -134,7 +133,7 @@ def decode(doc: Any, process: int, leaves: Leaves, where: str) -> Table:
 
 
 def _columns(doc: dict, leaves: Leaves, where: str):
-  bad = checks._bad  # pylint: disable=protected-access
+  bad = checks.bad
   cols = []
   for name, dtype in _COLUMNS.items():
     raw = doc.get(name)
@@ -175,7 +174,7 @@ def _columns(doc: dict, leaves: Leaves, where: str):
 def _from_rows(pieces: Any, leaves: Leaves, where: str):
   """Version 1's rows as columns (each row's types checked here, the
   values with the columns')."""
-  bad = checks._bad  # pylint: disable=protected-access
+  bad = checks.bad
   if not isinstance(pieces, list):
     raise bad(where, "pieces as a list", pieces)
   n, width = len(pieces), leaves.shape.shape[1]
@@ -213,7 +212,7 @@ def _check_leaves(leaf: np.ndarray, leaves: Leaves, where: str) -> None:
   ok[ok] = leaves.rank[leaf[ok]] >= 0
   if not ok.all():
     i = int(np.argmin(ok))
-    raise checks._bad(where, "pieces of packed leaves of the index",  # pylint: disable=protected-access
+    raise checks.bad(where, "pieces of packed leaves of the index",
                       f"piece {i} of leaf number {int(leaf[i])}")
 
 
@@ -221,7 +220,7 @@ def _checked(process: int, sizes: np.ndarray, leaf, pack, offset, crc,
              start, stop, leaves: Leaves, where: str) -> Table:
   """The columns as a Table, once every piece is inside its leaf and its
   pack (vectorized; the first piece at fault is named)."""
-  bad = checks._bad  # pylint: disable=protected-access
+  bad = checks.bad
   shape = leaves.shape[leaf]
   in_shape = ((start >= 0) & (start < stop) & (stop <= shape)).all(axis=1)
   nbytes = np.prod(np.where(in_shape[:, None], stop - start, 0), axis=1,

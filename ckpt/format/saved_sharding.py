@@ -160,7 +160,7 @@ def decode(d: Any, where: Any, rank: int,
   names (strings), positive sizes, at most MAX_MESH_DEVICES devices, known
   axis types, and a spec of at most ``rank`` entries (each None, an axis
   name or a list of them) that uses only the mesh's axes, each once.
-  ``bad(where, expected, found)``: the error to raise (index._bad)."""
+  ``bad(where, expected, found)``: the error to raise (checks.bad)."""
   if not isinstance(d, dict):
     raise bad(where, "saved_sharding as a map", d)
   names, sizes = d.get("mesh_axes"), d.get("mesh_shape")
@@ -209,4 +209,4 @@ def _saved(names: tuple[str, ...], sizes: tuple[int, ...],
     types = ()
   out = SavedSharding("mesh" if names else "device", names, sizes,
                       PartitionSpec(*spec), types)
-  return dataclasses.replace(out, description=out._text())  # pylint: disable=protected-access
+  return dataclasses.replace(out, description=str(out))  # no description yet

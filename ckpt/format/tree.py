@@ -162,7 +162,7 @@ def iter_structure_leaves(encoded: Any) -> Iterator[int]:
 
 def leaf_paths(encoded: Any, n: int) -> list[PathParts]:
   """The path parts of leaves 0 to n - 1 of a well-formed structure
-  (checks._check_numbered_structure), each what ``flatten`` names the leaf
+  (checks.check_numbered_structure), each what ``flatten`` names the leaf
   at its place."""
   out: list[PathParts] = [()] * n
   if type(encoded) is int:
@@ -185,7 +185,7 @@ def leaf_paths(encoded: Any, n: int) -> list[PathParts]:
 
 def numbered(encoded: Any, number: dict[str, int]) -> Any:
   """Today's form of a structure of index version 1 or 2 (validated by
-  index._check_structure): its maps as lists, each leaf ``{"leaf":
+  checks.check_structure): its maps as lists, each leaf ``{"leaf":
   "<path>"}`` as ``number[path]``."""
   if "leaf" in encoded:
     return number[encoded["leaf"]]
@@ -226,7 +226,7 @@ def storage_relpath(parts: PathParts) -> str:
 @functools.lru_cache(maxsize=1 << 16)
 def _safe_part(p: str) -> str:
   # A part starting with "." would be hidden and is refused on restore
-  # (index.check_relpath); escaping works on UTF-8 bytes so that it stays
+  # (checks.check_relpath); escaping works on UTF-8 bytes so that it stays
   # one-to-one ("\u20ac" and " AC" must not both become "%20AC").
   if not _SAFE_PART.match(p) or p.startswith("."):
     p = "".join(c if re.match(r"[A-Za-z0-9_\-]", c) else

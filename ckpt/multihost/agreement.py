@@ -30,10 +30,11 @@ import numpy as np
 
 from ckpt import errors
 from ckpt.format import extras as save_extras
-from ckpt.format import index as index_lib
 from ckpt.multihost import process as multihost
 from ckpt.format import tree
 from ckpt.format.crc import checksum
+from ckpt.format import entries
+from ckpt.format import inline_values
 
 # Digests one process posts about its host values: at most this many, each
 # over a group of consecutive leaves, so a post stays small at any leaf count.
@@ -84,8 +85,8 @@ def host_values(leaves) -> list[tuple[str, int]]:
   partitioner sharding (``host_replicated``)."""
   out = []
   for lp in leaves:
-    if isinstance(lp.entry, index_lib.ValueEntry):
-      data = msgpack.packb(index_lib.encode_value(lp.entry.value, lp.parts),
+    if isinstance(lp.entry, entries.ValueEntry):
+      data = msgpack.packb(inline_values.encode_value(lp.entry.value, lp.parts),
                            use_bin_type=True)
     elif isinstance(lp.source, np.ndarray) and lp.host_replicated:
       data = lp.source

@@ -67,7 +67,7 @@ def process_count() -> int:
   return jax.process_count()
 
 
-def _client(timeout_s: float = DEFAULT_TIMEOUT_S):
+def coordination_client(timeout_s: float = DEFAULT_TIMEOUT_S):
   """The distributed client, each call timed and bounded (module
   docstring); ``timeout_s``: the timeout of the collective call it serves."""
   client = _distributed.global_state.client
@@ -76,7 +76,7 @@ def _client(timeout_s: float = DEFAULT_TIMEOUT_S):
 
 
 def is_multiprocess() -> bool:
-  return process_count() > 1 and _client() is not None
+  return process_count() > 1 and coordination_client() is not None
 
 
 def call_key(*parts) -> str:
@@ -108,7 +108,7 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
   """
   if not is_multiprocess():
     return decide({0: post})
-  client, pid = _client(timeout_s), process_index()
+  client, pid = coordination_client(timeout_s), process_index()
   with _naming(what or key):
     client.key_value_set(f"{key}/in/{pid}", post)
   barrier(f"{key}/in", timeout_s=timeout_s, what=what)
@@ -117,7 +117,7 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
       decision = decide(_by_process(client.key_value_dir_get(f"{key}/in/")))
       client.key_value_set(f"{key}/out", decision)
     return decision
-  return _wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
+  return wait_for_key(client.blocking_key_value_get, f"{key}/out", timeout_s,
                        f"the decision on {what or key} from process 0")
 
 
@@ -189,7 +189,7 @@ def forget(key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   so the coordination service does not grow with every save."""
   if is_multiprocess() and process_index() == 0:
     try:
-      _client(timeout_s).key_value_delete(f"{key}/")
+      coordination_client(timeout_s).key_value_delete(f"{key}/")
     except Exception as e:  # pylint: disable=broad-except
       from absl import logging  # pylint: disable=g-import-not-at-top
       logging.warning("ckpt: could not delete coordination keys %s/: %s", key, e)
@@ -201,7 +201,7 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
   if not is_multiprocess():
     return
   try:
-    _client(timeout_s).wait_at_barrier(name, int(timeout_s * 1000))
+    coordination_client(timeout_s).wait_at_barrier(name, int(timeout_s * 1000))
   except Exception as e:  # jaxlib raises its own XlaRuntimeError type
     if getattr(e, "late", None) is not None:  # a silent service
       silent = BarrierTimeoutError(f"barrier {name!r} ({what or 'ckpt'}): {e}")
@@ -223,7 +223,7 @@ def _late_processes(message: str) -> list[int]:
   return sorted({int(x) for x in re.findall(r"(?:task[:_ ]?)?(\d+)", m.group(1))})
 
 
-def _wait_for_key(get, key: str, timeout_s: float, what: str):
+def wait_for_key(get, key: str, timeout_s: float, what: str):
   try:
     return get(key, int(timeout_s * 1000))
   except Exception as e:  # jaxlib's own error type
@@ -238,12 +238,12 @@ def broadcast_str(key: str, make_value, *,
   """Process 0 computes ``make_value()``; every process returns it."""
   if not is_multiprocess():
     return make_value()
-  client = _client(timeout_s)
+  client = coordination_client(timeout_s)
   if process_index() == 0:
     value = make_value()
     client.key_value_set(key, value)
     return value
-  return _wait_for_key(client.blocking_key_value_get, key, timeout_s,
+  return wait_for_key(client.blocking_key_value_get, key, timeout_s,
                        f"{what or 'a value'} from process 0")
 
 
@@ -252,7 +252,7 @@ def announce(key: str, previous: str | None = None) -> None:
   and deletes ``previous`` (a signal nobody waits for any more)."""
   if not is_multiprocess() or process_index() != 0:
     return
-  client = _client()
+  client = coordination_client()
   client.key_value_set(key, "1")
   if previous is not None:
     try:
@@ -267,7 +267,8 @@ def await_announced(key: str, timeout_s: float) -> bool:
   if not is_multiprocess():
     return True
   try:
-    _client().blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+    client = coordination_client()
+    client.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
     return True
   except Exception:  # pylint: disable=broad-except
     return False
@@ -282,7 +283,16 @@ def post_bytes(key: str, data: bytes,
   """This process's ``data`` under ``key``, for ``collect_bytes`` on
   process 0 after a barrier every process reaches once it has posted."""
   if is_multiprocess():
-    _client(timeout_s).key_value_set_bytes(f"{key}/{process_index()}", data)
+    client = coordination_client(timeout_s)
+    client.key_value_set_bytes(f"{key}/{process_index()}", data)
+
+
+def read_post(key: str, process: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+              what: str = "data") -> bytes:
+  """What ``process`` posted under ``key`` with ``post_bytes``, waiting for
+  it at most ``timeout_s`` (BarrierTimeoutError naming ``what``)."""
+  return _wait_for_key(_client().blocking_key_value_get_bytes,
+                       f"{key}/{process}", timeout_s, what)
 
 
 def collect_bytes(key: str, data: bytes, what: str = "data",
@@ -292,7 +302,8 @@ def collect_bytes(key: str, data: bytes, what: str = "data",
   ``data`` is this process's own (single process: the only one)."""
   if not is_multiprocess():
     return [data]
-  got = _by_process(_client(timeout_s).key_value_dir_get_bytes(f"{key}/"))
+  client = coordination_client(timeout_s)
+  got = _by_process(client.key_value_dir_get_bytes(f"{key}/"))
   missing = [p for p in range(process_count()) if p not in got]
   if missing:
     raise BarrierTimeoutError(
@@ -335,7 +346,8 @@ def report_failure(key: str, message: str,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
   """Tells the other processes, before a barrier, that this one failed."""
   if is_multiprocess():
-    _client(timeout_s).key_value_set(f"{key}/{process_index()}", message[:4000])
+    client = coordination_client(timeout_s)
+    client.key_value_set(f"{key}/{process_index()}", message[:4000])
 
 
 def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
@@ -343,7 +355,8 @@ def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
   """After the barrier: {process: message} of those that reported failure."""
   if not is_multiprocess():
     return {}
-  return _by_process(_client(timeout_s).key_value_dir_get(f"{key}/"))
+  client = coordination_client(timeout_s)
+  return _by_process(client.key_value_dir_get(f"{key}/"))
 
 
 def _by_process(items) -> dict:

@@ -28,7 +28,6 @@ from typing import Any, Callable
 from ckpt.format import index as index_lib
 from ckpt.format import seal
 from ckpt.format import tsspec
-from ckpt.format.crc import checksum
 from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
 from ckpt.restore import verified
@@ -37,6 +36,8 @@ from ckpt.format import tree
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.store.limiter import ByteLimiter
 from ckpt.shards.plan import Box
+from ckpt.format import checks
+from ckpt.format import entries
 
 # At most this many bytes per read when verifying a leaf by reading it.
 READ_BOX_BYTES = 64 << 20
@@ -223,20 +224,20 @@ class ProcessChecksums:
         not isinstance(doc.get("boxes"), list)):
       raise CorruptCheckpointError(
           f"{where}: expected a map with 'process': {p} and a list of "
-          f"'boxes', found {index_lib._REPR.repr(doc)[:200]}")
+          f"'boxes', found {checks.SHORT_REPR.repr(doc)[:200]}")
     leaves = self.index.leaves
     for item in doc["boxes"]:
       if (not isinstance(item, list) or len(item) != 4 or
           type(item[0]) is not int or not 0 <= item[0] < len(leaves) or
-          not isinstance(leaves[item[0]], index_lib.ArrayEntry) or
+          not isinstance(leaves[item[0]], entries.ArrayEntry) or
           type(item[3]) is not int or not 0 <= item[3] < 2**32):
         raise CorruptCheckpointError(
             f"{where}: expected a record [array leaf number, start, stop, "
-            f"crc32c], found {index_lib._REPR.repr(item)[:200]}")
+            f"crc32c], found {checks.SHORT_REPR.repr(item)[:200]}")
       e = leaves[item[0]]
       name = f"{where}: leaf {item[0]} ({tree.path_str(e.path)})"
-      start = index_lib._shape(item[1], name)
-      stop = index_lib._shape(item[2], name)
+      start = checks.decode_shape(item[1], name)
+      stop = checks.decode_shape(item[2], name)
       shape = tuple(e.shape)
       if (len(start) != len(shape) or len(stop) != len(shape) or
           any(not a < b <= s for a, b, s in zip(start, stop, shape))):

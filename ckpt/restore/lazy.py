@@ -23,7 +23,6 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ckpt.format import index as index_lib
 from ckpt.store import ocdbt
 from ckpt.format import prng
 from ckpt.restore import readcount
@@ -36,10 +35,10 @@ from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.restore.assemble import materialize
 from ckpt.restore.hostmem import check_fits
 # logical_shape: callers' lazy.logical_shape (ckpt/restore/keyshape.py).
-from ckpt.restore.keyshape import logical_shape  # noqa: F401
 from ckpt.restore.tasks import run_sync
 from ckpt.store.limiter import ByteLimiter
 from ckpt.shards.plan import Box
+from ckpt.format import entries
 
 DEFAULT_READ_BUDGET = 1 << 30
 
@@ -273,7 +272,7 @@ def _copy(leaf: LazyLeaf) -> LazyLeaf:
 class LazyArray(LazyLeaf):
   """One stored array of a checkpoint."""
 
-  def __init__(self, entry: index_lib.ArrayEntry, storage_format: str,
+  def __init__(self, entry: entries.ArrayEntry, storage_format: str,
                step_kvstore: dict[str, Any], context: ts.Context):
     self.entry = entry
     self.path = tree.path_str(entry.path)

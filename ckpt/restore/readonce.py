@@ -55,7 +55,7 @@ from jax import tree_util
 from ckpt.multihost import process as multihost
 from ckpt.restore import readsplit
 # ReadCounter and counted: what the Checkpointer's restore counts with.
-from ckpt.restore.readcount import ReadCounter, counted  # noqa: F401
+from ckpt.restore.readcount import ReadCounter
 from ckpt.store import storemeter
 
 

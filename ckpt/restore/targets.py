@@ -1,5 +1,5 @@
 """Matching a restore's target: what each target leaf asks for
-(``_target_spec``: shape, dtype, sharding), a saved leaf checked against it
+(``target_spec``: shape, dtype, sharding), a saved leaf checked against it
 and the dtype to read it in (``out_dtype``: keys against keys, the same
 shape, only floating casts), target shardings on an abstract mesh put on
 this job's devices (``concrete_sharding``, ``concrete_target``) and the
@@ -41,7 +41,7 @@ def _out_dtype(name: str, saved: np.dtype, wanted: np.dtype | None,
       "with the saved dtype, or convert afterwards)")
 
 
-def _target_spec(x: Any, name: str = "<target>"):
+def target_spec(x: Any, name: str = "<target>"):
   """(shape, dtype, sharding, wants_array) of one target leaf; the dtype of
   a typed PRNG key target is its key dtype (numpy has none)."""
   if isinstance(x, (jax.ShapeDtypeStruct, jax.Array)):
@@ -55,7 +55,7 @@ def _target_spec(x: Any, name: str = "<target>"):
           f"leaf {name!r}: the target has dtype {x.dtype}, which ckpt cannot "
           "restore into; expected a numpy dtype or a typed PRNG key dtype"
       ) from e
-    _check_divides(name, tuple(x.shape), sharding)
+    check_divides(name, tuple(x.shape), sharding)
     return tuple(x.shape), dtype, sharding, True
   if isinstance(x, np.ndarray):
     return tuple(x.shape), np.dtype(x.dtype), None, True
@@ -95,7 +95,7 @@ class AsSaved:
 
   def __init__(self, index: index_lib.Index):
     self._index = index
-    self._built: dict[index_lib.SavedSharding, Any] = {}
+    self._built: dict[saved_sharding_lib.SavedSharding, Any] = {}
     self._replicated = None
 
   def sharding(self, name: str, src: Any) -> Any:
@@ -104,7 +104,7 @@ class AsSaved:
     if isinstance(src, jax.Array):  # a fallback array: where it is
       return src.sharding
     saved = getattr(src, "saved_sharding", None)
-    if saved == index_lib.REPLICATED_HOST:
+    if saved == saved_sharding_lib.REPLICATED_HOST:
       return None
     if saved is None:
       if not isinstance(src, (lazy.LazyValue, np.ndarray, np.generic)):
@@ -113,7 +113,7 @@ class AsSaved:
             "sharding, so it would come back in its saved sharding, but a "
             f"restore transform made this leaf ({src!r}), which has none; "
             f"{_HOW}")
-      saved = index_lib.REPLICATED_INLINE  # a value given in memory
+      saved = saved_sharding_lib.REPLICATED_INLINE  # a value given in memory
     if saved.kind == "replicated":
       return self._replicated_sharding()
     built = self._build(saved)
@@ -125,7 +125,7 @@ class AsSaved:
       ) from None
     return built
 
-  def _build(self, saved: index_lib.SavedSharding) -> Any:
+  def _build(self, saved: saved_sharding_lib.SavedSharding) -> Any:
     built = self._built.get(saved)
     if built is None:
       try:
@@ -147,7 +147,7 @@ class AsSaved:
       self._replicated = (
           jax.sharding.NamedSharding(built.mesh, jax.sharding.PartitionSpec())
           if isinstance(built, jax.sharding.NamedSharding) else
-          index_lib.REPLICATED_INLINE.to_sharding())
+          saved_sharding_lib.REPLICATED_INLINE.to_sharding())
     return self._replicated
 
 
@@ -190,7 +190,7 @@ def concrete_target(target: Any) -> Any:
   return tree_util.tree_map_with_path(leaf, target)
 
 
-def _check_divides(name: str, shape: tuple, sharding: Any) -> None:
+def check_divides(name: str, shape: tuple, sharding: Any) -> None:
   """A target sharding must split each dimension evenly (jax's own error,
   IndivisibleError, names no leaf)."""
   if sharding is None:
@@ -237,7 +237,7 @@ def _check_keys(name: str, src: lazy.LazyLeaf, impl: str, shape, wanted
 def out_dtype(name: str, src: Any, shape, wanted, wants_array: bool,
               restore_dtype) -> np.dtype:
   """A saved leaf (a LazyLeaf, or anything with its shape, dtype and
-  ``prng_impl``) against its target leaf (``_target_spec``): the dtype to
+  ``prng_impl``) against its target leaf (``target_spec``): the dtype to
   read it in, or TreeMismatchError naming the leaf (keys against non-keys,
   another shape, a cast restore does not make). Also the local tier's
   check (ckpt/tiers/local_tier.py), so both tiers refuse alike."""

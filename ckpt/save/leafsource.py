@@ -141,7 +141,7 @@ class LeafSource:
       if axes is not None:
         info = _mesh_info(tuple(s.mesh.axis_names), tuple(s.mesh.axis_sizes),
                           process, process_count)
-        got = placement_lib.named(info, axes, self.shape)
+        got = info.named(axes, self.shape)
         if got is not None:
           return got
     return placement_lib.host_replicated(self.shape, process, process_count)

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ckpt.format import index as index_lib
 from ckpt.save import leafsource
 from ckpt.multihost import process as multihost
 from ckpt.shards import merge_groups
@@ -26,6 +25,11 @@ from ckpt.format import prng
 from ckpt.format import tree
 from ckpt.format import tsspec
 from ckpt.errors import CorruptCheckpointError, InvalidStateError
+from ckpt.format import checks
+from ckpt.format import entries
+from ckpt.format import inline_values
+from ckpt.format import pack_index
+from ckpt.format import saved_sharding
 
 INLINE_MAX_BYTES = 256
 
@@ -41,20 +45,17 @@ class SaveOptions:
   max_item_bytes: int = 1 << 30
 
 
-HOST_REPLICATED = index_lib.HOST_REPLICATED
-
-
 @dataclasses.dataclass
 class LeafPlan:
   parts: tree.PathParts
   source: Any                       # the user's array (dropped after staging)
-  entry: index_lib.Entry
+  entry: entries.Entry
   layout: plan_lib.LeafLayout | None = None
 
   @property
   def packed(self) -> bool:
     """Stored in this step's packs (ckpt/save/pack.py), not as an array."""
-    return isinstance(self.entry, index_lib.PackedEntry)
+    return isinstance(self.entry, pack_index.PackedEntry)
 
   @property
   def host_replicated(self) -> bool:
@@ -62,9 +63,9 @@ class LeafPlan:
     the whole job, whose chunks each process writes from its own copy (so
     every process must hold the same value; ckpt/multihost/agreement.py checks)."""
     return (isinstance(self.source, np.ndarray)
-            and isinstance(self.entry, (index_lib.ArrayEntry,
-                                        index_lib.PackedEntry))
-            and self.entry.sharding == HOST_REPLICATED)
+            and isinstance(self.entry, (entries.ArrayEntry,
+                                        pack_index.PackedEntry))
+            and self.entry.sharding == saved_sharding.HOST_REPLICATED)
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:
 
 def _describe_sharding(x: Any, sharding) -> str:
   if sharding is None:
-    return HOST_REPLICATED
+    return saved_sharding.HOST_REPLICATED
   try:
     return _describe(sharding)
   except TypeError:  # not hashable
@@ -105,7 +106,7 @@ def _describe(sharding) -> str:
   return type(sharding).__name__
 
 
-def _saved_sharding(sharding, rank: int) -> index_lib.SavedSharding | None:
+def _saved_sharding(sharding, rank: int) -> saved_sharding.SavedSharding | None:
   """The sharding a leaf of ``rank`` dimensions is saved in, as the index
   records it (a mesh's axis names, sizes and types and a PartitionSpec; a
   single device), or None when it cannot be recorded: a sharding that is
@@ -122,7 +123,7 @@ def _saved_sharding(sharding, rank: int) -> index_lib.SavedSharding | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _record(sharding, rank: int) -> index_lib.SavedSharding | None:
+def _record(sharding, rank: int) -> saved_sharding.SavedSharding | None:
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
     doc = {"mesh_axes": [], "mesh_shape": [], "spec": []}
   elif (isinstance(sharding, jax.sharding.NamedSharding) and
@@ -149,7 +150,7 @@ def _record(sharding, rank: int) -> index_lib.SavedSharding | None:
   else:
     return None
   try:
-    return index_lib.decode_saved_sharding(doc, "", rank)
+    return checks.decode_saved_sharding(doc, "", rank)
   except CorruptCheckpointError:  # readers would refuse it: not recorded
     return None
 
@@ -184,12 +185,12 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-        impl, x = _key_data(name, x)
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+        impl, x = key_data(name, x)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
       sharding_text = _describe_sharding(x, x.sharding)
     elif isinstance(x, np.ndarray):
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       sharding = partitioner(name, x.shape) if partitioner else None
       if sharding is None:
         where = placement_lib.host_replicated(x.shape, process, process_count)
@@ -199,19 +200,19 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       saved = _saved_sharding(sharding, x.ndim)
     else:  # a LeafSource (inline_leaf rejected anything else)
       impl = x.prng_impl
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = x.placement(process, process_count)
       sharding_text = _describe_sharding(x, x.sharding)
       saved = _saved_sharding(x.sharding, len(x.shape))
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
     if pack_lib.packable(math.prod(layout.shape) * stored.itemsize):
-      entry = index_lib.PackedEntry(
+      entry = pack_index.PackedEntry(
           path=parts, shape=layout.shape, dtype=stored.name,
           source_dtype=np.dtype(x.dtype).name, sharding=sharding_text,
           prng_impl=impl, saved_sharding=saved)
     else:
-      entry = index_lib.ArrayEntry(
+      entry = entries.ArrayEntry(
           path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
           dtype=stored.name, chunks=layout.chunks,
           codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
@@ -240,35 +241,36 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
     if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-      impl, x = _key_data(name, x)
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
+      impl, x = key_data(name, x)
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
       raise InvalidStateError(  # for the others, names it)
           f"leaf {name!r}: expected a live jax.Array, found one that has "
           "been deleted (donated to a jitted call, or .delete()d) before "
           "save(); save the state before donating it")
     value = np.asarray(x).astype(stored)
-    return LeafPlan(parts, None, index_lib.ValueEntry(
+    return LeafPlan(parts, None, entries.ValueEntry(
         parts, value, impl, saved_sharding=saved))
   if isinstance(x, np.ndarray):
     if x.nbytes > options.inline_max_bytes:
       return None
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-    return LeafPlan(parts, None, index_lib.ValueEntry(parts, x.astype(stored),
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
+    return LeafPlan(parts, None, entries.ValueEntry(parts, x.astype(stored),
                                                       host=True))
   if isinstance(x, leafsource.LeafSource):  # ckpt import: read per box
     if not (x.inline_ok and x.nbytes <= options.inline_max_bytes):
       return None
-    stored = _leaf_dtype(name, x.dtype, options.save_dtype)
-    return LeafPlan(parts, None, index_lib.ValueEntry(
+    stored = leaf_dtype(name, x.dtype, options.save_dtype)
+    return LeafPlan(parts, None, entries.ValueEntry(
         parts, x.read_all().astype(stored), x.prng_impl))
   if isinstance(x, (bool, int, float, str, bytes, np.generic)):
     value = x
     if isinstance(x, np.generic):
-      stored = _leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
+      stored = leaf_dtype(name, x.dtype, options.save_dtype, inline=True)
       value = np.asarray(x).astype(stored)[()]
-    index_lib.encode_value(value, parts)  # rejects what cannot be stored, now
-    return LeafPlan(parts, None, index_lib.ValueEntry(parts, value))
+    # rejects what cannot be stored, now
+    inline_values.encode_value(value, parts)
+    return LeafPlan(parts, None, entries.ValueEntry(parts, value))
   raise InvalidStateError(
       f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
       "expected a jax.Array, numpy array, scalar, str, bytes or None. "
@@ -289,35 +291,35 @@ def _assign_ocdbt_groups(leaves: list[LeafPlan], process_count: int) -> None:
 
 
 def _check_dtype(name: str, dtype: np.dtype) -> None:
-  if dtype.name not in index_lib.ALLOWED_DTYPES:
+  if dtype.name not in checks.ALLOWED_DTYPES:
     raise InvalidStateError(
         f"leaf {name!r} has dtype {dtype}, which ckpt cannot store; expected "
-        f"one of {sorted(index_lib.ALLOWED_DTYPES)}")
+        f"one of {sorted(checks.ALLOWED_DTYPES)}")
 
 
-def _leaf_dtype(name: str, dtype: Any, save_dtype, *,
+def leaf_dtype(name: str, dtype: Any, save_dtype, *,
                 inline: bool = False) -> np.dtype:
   """The dtype a leaf is stored in; InvalidStateError naming the leaf if
   it has none (a jax extended dtype, or one numpy does not know). Inline
-  scalars are checked by index.encode_value instead."""
+  scalars are checked by inline_values.encode_value instead."""
   if prng.is_extended_dtype(dtype):
     raise InvalidStateError(
         f"leaf {name!r} has the jax extended dtype {dtype}, which ckpt cannot "
         "store; expected a numpy dtype or a typed PRNG key "
-        f"(jax.random.key), or one of {sorted(index_lib.ALLOWED_DTYPES)}")
+        f"(jax.random.key), or one of {sorted(checks.ALLOWED_DTYPES)}")
   try:
     stored = _stored_dtype(dtype, save_dtype)
   except TypeError as e:
     raise InvalidStateError(
         f"leaf {name!r} has dtype {dtype}, which ckpt cannot store (no numpy "
-        f"dtype: {e}); expected one of {sorted(index_lib.ALLOWED_DTYPES)}"
+        f"dtype: {e}); expected one of {sorted(checks.ALLOWED_DTYPES)}"
     ) from e
   if not inline:
     _check_dtype(name, stored)
   return stored
 
 
-def _key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
+def key_data(name: str, x: jax.Array) -> tuple[str, jax.Array]:
   """(implementation name, key data) of a typed PRNG key array; the data is
   the keys' own buffers (no copy), sharded like the keys."""
   try:

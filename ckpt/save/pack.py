@@ -236,7 +236,7 @@ def host_boxes(plan: Any, writes: list,
           continue
         piece = shards.piece(src, w)
       else:
-        piece = staging._device_piece(leaf, w)
+        piece = staging.device_piece(leaf, w)
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "

@@ -141,7 +141,7 @@ def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
       out.append(got)
       continue
     if key:  # stored as its key data, as plan_save does
-      _, x = leaves_lib._key_data(tree.path_str(lp.parts), x)  # pylint: disable=protected-access
+      _, x = leaves_lib.key_data(tree.path_str(lp.parts), x)
     out.append(leaves_lib.LeafPlan(lp.parts, x, lp.entry, lp.layout))
   return leaves_lib.SavePlan(old.structure, out, old.writes, old.options,
                              memo=old.memo)

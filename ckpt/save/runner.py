@@ -37,6 +37,7 @@ import msgpack
 
 from ckpt.commit import protocol as commit_lib
 from ckpt.commit import cleanup as cleanup_lib
+from ckpt.commit import strategy
 from ckpt.store import deadline as deadline_lib
 from ckpt.format import index as index_lib
 from ckpt.format import seal
@@ -51,6 +52,7 @@ from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.commit import lease as lease_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +63,7 @@ class Attempt:
   token: str        # chosen by process 0
   work_dir: str     # relative to the root
   timeout_s: float
-  lease_s: float = commit_lib.DEFAULT_LEASE_S
+  lease_s: float = lease_lib.DEFAULT_LEASE_S
   host_states: int | None = None  # agreed: the index's host_states
   # The barrier this process waits at now (one item, or none): a save
   # cancelled there leaves the waiting thread behind, which
@@ -133,11 +135,18 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     try:
       if reuse is not None:  # is the step linked from still ours?
         await asyncio.to_thread(reuse.check_source)
-      sums = await save_lib.write_owned(plan, step_kvstore, context,
-                                        ByteLimiter(budget), stats, on_staged,
-                                        reuse)
-      if reuse is not None:  # and still, now that every link is made?
-        await asyncio.to_thread(reuse.check_source)
+      try:
+        sums = await save_lib.write_owned(plan, step_kvstore, context,
+                                          ByteLimiter(budget), stats,
+                                          on_staged, reuse)
+        if reuse is not None:  # and still, now that every link is made?
+          await asyncio.to_thread(reuse.check_source)
+      except Exception:  # a bucket: which leaves are held by the previous
+        if reuse is not None:  # step (every process, failed or not)
+          await reuse.settle(f"{key}/reuse", attempt.timeout_s, True, stats)
+        raise
+      if reuse is not None:
+        await reuse.settle(f"{key}/reuse", attempt.timeout_s, False, stats)
         stats.chunks_reused = reuse.chunks_reused
         await _write_process_file(
             storage, attempt, index_lib.REUSE_DIR, pid,
@@ -190,6 +199,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         index = dataclasses.replace(index, time=retention_lib.now_s(clock),
                                     custom_metadata=custom_metadata,
                                     host_states=attempt.host_states)
+        if reuse is not None and reuse.held is not None:
+          index = reuse.held.apply(index)  # leaves held by an earlier step
         data = index_lib.encode(index)
         # Not cut by a cancel (Checkpointer.cancel): the task ends once
         # the commit has, so what cancel finds is committed or not.
@@ -200,6 +211,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         except asyncio.CancelledError:
           await asyncio.gather(committing, return_exceptions=True)
           raise
+        if reuse is not None and reuse.held is not None:  # still held?
+          await asyncio.to_thread(reuse.held.check_committed, storage, step)
       except Exception as e:  # pylint: disable=broad-except
         error = e
     # 9. the save is complete everywhere.
@@ -249,19 +262,8 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     raise CheckpointError(
         f"{what} is {len(data)} bytes; readers accept at most "
         f"{index_lib.MAX_PROCESS_FILE_BYTES}")
-  if not storage.is_posix:
-    storage.write_bytes(f"{work_dir}/{rel}", data)
-    return
-  # Never recreates the attempt's directory (if it was removed, the commit
-  # fails on its missing attempt.json): only the per-process subdirectory.
-  sub, name = rel.rsplit("/", 1)
-  folder = os.path.join(os.fspath(storage.root), work_dir, sub)
-  with storage.store_errors(f"writing {what} to"):
-    try:
-      os.mkdir(folder)
-    except FileExistsError:
-      pass
-    storage_lib.write_file(os.path.join(folder, name), data)
+  strategy.for_storage(storage).write_into_attempt(storage, work_dir, rel,
+                                                   data, what)
 
 
 def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:

@@ -16,7 +16,7 @@ from ckpt.format import tree
 from ckpt.save import leafsource
 from ckpt.shards import plan as plan_lib
 
-def _device_piece(leaf: Any, write: plan_lib.Write) -> Any:
+def device_piece(leaf: Any, write: plan_lib.Write) -> Any:
   """Stage 3a: where one owned box comes from, its device-to-host copy
   started.
 
@@ -35,7 +35,7 @@ def _device_piece(leaf: Any, write: plan_lib.Write) -> Any:
     return src[write.box.slices()]
   shard = next(s for s in src.addressable_shards if s.device.id == write.device)
   piece = shard.data
-  if write.box != write.shard and _cut_on_device(shard.device):
+  if write.box != write.shard and cut_on_device(shard.device):
     piece = piece[write.box.relative_to(write.shard)]  # only the box moves
   piece.copy_to_host_async()  # CPU: nothing to copy (np.asarray is a view)
   return piece
@@ -77,7 +77,7 @@ class ShardLookup:
       shards = src.addressable_shards
       got = self._by_layout[key] = (
           {s.device.id: i for i, s in enumerate(shards)},
-          all(not _cut_on_device(s.device) for s in shards))
+          all(not cut_on_device(s.device) for s in shards))
     return got
 
   def view(self, src: jax.Array, write: plan_lib.Write,
@@ -106,13 +106,13 @@ class ShardLookup:
     return piece
 
 
-def _cut_on_device(device) -> bool:
+def cut_on_device(device) -> bool:
   """Whether a box that is part of a shard is sliced on the device before
   its transfer (accelerators), not on the host (CPU: a view, no copy)."""
   return device.platform != "cpu"
 
 
-def _is_view(leaf: Any, piece: Any) -> bool:
+def is_view(leaf: Any, piece: Any) -> bool:
   """Whether ``_host_box`` of ``piece`` only takes a view (a CPU device
   buffer in the stored dtype): work too small for a worker thread."""
   return (isinstance(piece, jax.Array)
@@ -132,7 +132,7 @@ def _host_box(leaf: Any, write: plan_lib.Write, piece: Any,
   donate a buffer that has outside references (a jitted step that donates
   it allocates its output instead, with no error), so the data cannot
   change under the write; tests/save/test_zero_copy.py shows each case. From an
-  accelerator ``np.asarray`` waits for the transfer ``_device_piece``
+  accelerator ``np.asarray`` waits for the transfer ``device_piece``
   started and is ckpt's own copy; a cast makes a new array anyway. A host
   numpy leaf is mutable, so it is copied unless the caller waits for the
   whole save (``borrow``).

@@ -42,6 +42,7 @@ from ckpt.format import tsspec
 from ckpt.format.crc import checksum, checksum_view
 from ckpt.errors import CheckpointError
 from ckpt.store.limiter import ByteLimiter
+from ckpt.format import entries as entries_lib
 
 # Staging and checksumming a box this small runs on the event loop: a hop to
 # a worker thread and back (through the loop's self-pipe, under the GIL)
@@ -168,7 +169,7 @@ class OwnedWrites:
   caller (released once everything is staged) does not wait for writes
   competing for the same cores; when the budget is full, the staged boxes
   start writing and free it. Device-to-host copies of every box granted so
-  far start together (``staging._device_piece``) and are waited for in
+  far start together (``staging.device_piece``) and are waited for in
   order (``_land``), so the transfers of all local devices overlap.
   """
 
@@ -256,7 +257,7 @@ class OwnedWrites:
         grant = await self.limiter.acquire(w.nbytes)
       leaf = self.plan.leaves[w.leaf]
       try:
-        self.started.append((w, staging._device_piece(leaf, w), grant))
+        self.started.append((w, staging.device_piece(leaf, w), grant))
       except Exception as e:
         self.limiter.release(grant)
         raise CheckpointError(
@@ -271,7 +272,7 @@ class OwnedWrites:
       w, piece, grant = self.started[0]
       leaf = self.plan.leaves[w.leaf]
       borrow = self.plan.borrow
-      if w.nbytes <= INLINE_WORK_BYTES or staging._is_view(leaf, piece):
+      if w.nbytes <= INLINE_WORK_BYTES or staging.is_view(leaf, piece):
         data = staging.host_box(leaf, w, piece, borrow)
       else:
         data = await asyncio.to_thread(staging.host_box, leaf, w, piece,
@@ -431,7 +432,7 @@ def make_index(plan: SavePlan, step: int, metrics: dict | None,
   entries = []
   for lp in plan.leaves:
     e = lp.entry
-    if (isinstance(e, index_lib.ArrayEntry) and checksum != "none" and
+    if (isinstance(e, entries_lib.ArrayEntry) and checksum != "none" and
         e.codec.get("checksum") != checksum):
       e = dataclasses.replace(e, codec={**e.codec, "checksum": checksum})
     entries.append(e)

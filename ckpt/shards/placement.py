@@ -70,6 +70,18 @@ class MeshInfo:
     self._holders[used] = got
     return got
 
+  def named(self, axes: Axes, shape: tuple[int, ...]
+            ) -> plan_lib.Placement | None:
+    """The Placement of a NamedSharding-like layout (None: the shape does
+    not divide evenly, so the generic path decides); cached per mesh."""
+    key = (axes, shape)
+    got = self._placements.get(key)
+    if got is None:
+      got = _named(self, axes, shape)
+      if got is not None:
+        self._placements[key] = got
+    return got
+
 
 def mesh_info(mesh: Any, process: int) -> MeshInfo:
   """The MeshInfo of a ``jax.sharding.Mesh`` for ``process`` (cached)."""
@@ -118,14 +130,9 @@ def spec_axes(spec: tuple, ndim: int) -> Axes | None:
   return tuple(out)
 
 
-def named(info: MeshInfo, axes: Axes, shape: tuple[int, ...]
-          ) -> plan_lib.Placement | None:
-  """The Placement of a NamedSharding-like layout (None: the shape does not
-  divide evenly, so the generic path decides)."""
-  key = (axes, shape)
-  got = info._placements.get(key)  # pylint: disable=protected-access
-  if got is not None:
-    return got
+def _named(info: MeshInfo, axes: Axes, shape: tuple[int, ...]
+           ) -> plan_lib.Placement | None:
+  """MeshInfo.named, uncached."""
   sizes = info.sizes
   index = {a: i for i, a in enumerate(info.axis_names)}
   ways = [math.prod(sizes[a] for a in dim) for dim in axes]
@@ -147,11 +154,9 @@ def named(info: MeshInfo, axes: Axes, shape: tuple[int, ...]
       local[box] = plan_lib.LocalShard(box, device, by_pos[pos])
   unit = tuple(math.gcd(t, n) or max(n, 1) for t, n in zip(tile, shape))
   size = math.prod(tile)
-  got = plan_lib.Placement(
+  return plan_lib.Placement(
       unit, size // most if most > 1 else None,
       tuple(sorted(local.values(), key=lambda s: s.box.start)))
-  info._placements[key] = got  # pylint: disable=protected-access
-  return got
 
 
 def _device_key(device: Hashable):
@@ -182,7 +187,7 @@ def placement(sharding: Any, shape: tuple[int, ...], process: int
   if isinstance(sharding, jax.sharding.NamedSharding):
     axes = spec_axes(tuple(sharding.spec), len(shape))
     if axes is not None:
-      got = named(mesh_info(sharding.mesh, process), axes, shape)
+      got = mesh_info(sharding.mesh, process).named(axes, shape)
       if got is not None:
         return got
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):

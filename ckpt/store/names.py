@@ -59,7 +59,7 @@ RECORDS_DIR = "commits"
 PENDING_DIR = "pending"
 
 
-def _describe(rel: str) -> str:
+def describe(rel: str) -> str:
   """How an error names the key ``rel``: "the index of step 5", ..."""
   head, _, tail = rel.partition("/")
   if head == RECORDS_DIR and tail:
@@ -80,7 +80,7 @@ def _describe(rel: str) -> str:
   return f"{_KEY_NAMES.get(tail, repr(tail))} of step {m.group(1)}{where}"
 
 
-def _describe_listing(prefix: str) -> str:
+def describe_listing(prefix: str) -> str:
   """How an error names a listing of ``prefix``: "listing the steps of"."""
   if prefix == STEP_PREFIX:
     return "listing the steps of"

@@ -53,6 +53,7 @@ import tensorstore as ts
 from ckpt.store import storage as storage_lib
 from ckpt.store import tsfuture
 from ckpt.errors import CheckpointError
+from ckpt.store import urls
 
 PROCESS_DIR_PREFIX = "ocdbt.process_"
 GROUP_DIR_PREFIX = "ocdbt.group_"
@@ -93,7 +94,7 @@ def group_base(step_kvstore: dict[str, Any], group: int | None
     return step_kvstore
   if type(group) is not int or not 0 <= group < MAX_GROUPS:
     raise CheckpointError(f"invalid OCDBT merge group {group!r}")
-  return storage_lib.join(step_kvstore, f"{GROUP_DIR_PREFIX}{group}")
+  return urls.join(step_kvstore, f"{GROUP_DIR_PREFIX}{group}")
 
 
 def group_database(step_kvstore: dict[str, Any], group: int | None
@@ -105,7 +106,7 @@ def group_database(step_kvstore: dict[str, Any], group: int | None
 def process_database(step_kvstore: dict[str, Any], process: int,
                      group: int | None = None) -> dict[str, Any]:
   """Where ``process`` writes its arrays of ``group`` into ``step_kvstore``."""
-  return database(storage_lib.join(group_base(step_kvstore, group),
+  return database(urls.join(group_base(step_kvstore, group),
                                    process_dir(process)))
 
 

@@ -71,14 +71,8 @@ from etils import epath
 import tensorstore as ts
 
 from ckpt.store import deadline as deadline_lib
-# The names and URL parsing of ckpt/store/names.py and ckpt/store/urls.py,
-# importable from here as before.
-from ckpt.store.names import (COMMIT_MARKER, INDEX_NAME, PENDING_DIR,  # pylint: disable=unused-import
-                              RECORDS_DIR, STEP_PREFIX, _describe,
-                              _describe_listing, broken_name, is_deletable,
-                              is_tmp_name, parse_broken, parse_step,
-                              step_dirname)
-from ckpt.store.urls import join, kvstore_for_url  # pylint: disable=unused-import
+from ckpt.store.names import INDEX_NAME, describe, describe_listing
+from ckpt.store.urls import join, kvstore_for_url
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.errors import StoreTimeoutError
 
@@ -250,7 +244,7 @@ class Storage:
     ``limit`` on an object store; the length is checked again after the
     read, so an object replaced in between costs at most one read."""
     limit = MAX_OBJECT_BYTES if limit is None else limit
-    with self.store_errors(f"reading {_describe(rel)} from"):
+    with self.store_errors(f"reading {describe(rel)} from"):
       if self.is_posix:
         return self._read_file(rel, limit)
       self._check_object_size(rel, limit)
@@ -268,7 +262,7 @@ class Storage:
     ``read_bytes`` instead. The caller checks whether it got it whole."""
     if self.is_posix:
       return self.read_bytes(rel)
-    with self.store_errors(f"reading {_describe(rel)} from"):
+    with self.store_errors(f"reading {describe(rel)} from"):
       try:
         r = self.result(self._kv.read(rel, byte_range=slice(0, size)))
       except Exception as e:  # pylint: disable=broad-except
@@ -286,7 +280,7 @@ class Storage:
     most one byte on an object store."""
     if self.is_posix:
       return os.path.isfile(os.path.join(os.fspath(self.root), rel))
-    with self.store_errors(f"reading {_describe(rel)} from"):
+    with self.store_errors(f"reading {describe(rel)} from"):
       try:
         r = self.result(self._kv.read(rel, byte_range=slice(0, 1)))
       except Exception as e:  # pylint: disable=broad-except
@@ -303,7 +297,7 @@ class Storage:
     that read saw), for a later ``delete_key(rel, generation=...)``
     (object stores)."""
     limit = MAX_OBJECT_BYTES if limit is None else limit
-    with self.store_errors(f"reading {_describe(rel)} from"):
+    with self.store_errors(f"reading {describe(rel)} from"):
       self._check_object_size(rel, limit)
       r = self.result(self._kv.read(rel))
     if r.state == "missing":
@@ -325,7 +319,7 @@ class Storage:
     a HEAD with If-Match, then the DELETE (S3 has no conditional DELETE):
     a replacement between those two requests is not seen
     (ckpt/commit/deletion.py relies on this only where that is harmless)."""
-    with self.store_errors(f"deleting {_describe(rel)} from"):
+    with self.store_errors(f"deleting {describe(rel)} from"):
       if generation is None:
         self.result(self._kv.write(rel, None))
         return True
@@ -340,7 +334,7 @@ class Storage:
       return None
     if not stat.S_ISREG(st.st_mode):
       raise CorruptCheckpointError(
-          f"{self.url.rstrip('/')}/{rel} ({_describe(rel)}): expected a "
+          f"{self.url.rstrip('/')}/{rel} ({describe(rel)}): expected a "
           f"regular file, found file mode {stat.filemode(st.st_mode)}; "
           "refusing to read it")
     if st.st_size > limit:
@@ -371,7 +365,7 @@ class Storage:
 
   def _too_large(self, rel: str, size: int, limit: int, at_least=False):
     raise CorruptCheckpointError(
-        f"{self.url.rstrip('/')}/{rel} ({_describe(rel)}): "
+        f"{self.url.rstrip('/')}/{rel} ({describe(rel)}): "
         f"{'more than ' if at_least else ''}{size - at_least} bytes, over "
         f"the {limit}-byte limit; refusing to read it (not a ckpt index, "
         "or a hostile one)")
@@ -379,7 +373,7 @@ class Storage:
   def write_bytes(self, rel: str, data: bytes) -> bytes | None:
     """Writes a small object; returns its storage generation (object
     stores; None on POSIX)."""
-    with self.store_errors(f"writing {_describe(rel)} to"):
+    with self.store_errors(f"writing {describe(rel)} to"):
       if self.is_posix:
         p = self.root / rel
         p.parent.mkdir(parents=True, exist_ok=True)
@@ -400,7 +394,7 @@ class Storage:
     TensorStore's ``KvStore.list`` takes a key range but no delimiter and
     no page limit: the servers page it (about 1,000 keys a request)."""
     lo, hi = _prefix_range(prefix)
-    with self.store_errors(_describe_listing(prefix)):
+    with self.store_errors(describe_listing(prefix)):
       keys = [k.decode() for k in
               self.result(self._kv.list(ts.KvStore.KeyRange(lo, hi)))]
     outside = [k for k in keys if not lo <= k < hi]

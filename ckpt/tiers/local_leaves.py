@@ -1,8 +1,8 @@
 """The leaves of the local tier (ckpt/tiers/local_tier.py) as a
 ``Checkpointer`` treats them: ``flatten`` names them as the persistent tier
-names them, ``_prepare_leaves`` stores them as a save stores them (dtype
-casts, PRNG keys as key data, host values), and ``_restore_plan`` with its
-helpers (``_place``, ``_host_value``) restores each target leaf as a restore
+names them, ``prepare_leaves`` stores them as a save stores them (dtype
+casts, PRNG keys as key data, host values), and ``restore_plan`` with its
+helpers (``place``, ``host_value``) restores each target leaf as a restore
 does, with the same refusals naming the leaf.
 """
 
@@ -15,16 +15,17 @@ import numpy as np
 
 import jax
 
-from ckpt.format import index as index_lib
 from ckpt.restore import lazy
 from ckpt.format import prng
-from ckpt.restore import read as restore_lib
 from ckpt.save import leaves as save_lib
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree as tree_lib
-from ckpt.tiers.local_manifest import _index
+from ckpt.tiers.local_manifest import box_index
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError)
+from ckpt.format import inline_values
+from ckpt.restore import keyshape
+from ckpt.restore import targets
 
 # ---- leaves -----------------------------------------------------------------
 
@@ -35,7 +36,7 @@ def flatten(tree):
           jax.tree_util.tree_structure(tree))
 
 
-def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
+def prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   """The leaves of a local save, stored as a ``Checkpointer`` stores them
   (ckpt/save/write.py ``plan_save``), or refused with its error naming the leaf.
 
@@ -63,8 +64,8 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   for name, x in leaves:
     if isinstance(x, jax.Array):
       if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
-        info["prng"][name], x = save_lib._key_data(name, x)  # pylint: disable=protected-access
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
+        info["prng"][name], x = save_lib.key_data(name, x)
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
       if x.sharding.device_set != job:
         if not x.is_fully_addressable:
           raise InvalidStateError(
@@ -72,7 +73,7 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
               f"{len(job)} devices, spread over processes; the local tier "
               "stores arrays with a shard on every device, or held whole by "
               "each process")
-        host_vals[name] = index_lib.encode_value(
+        host_vals[name] = inline_values.encode_value(
             np.asarray(x).astype(stored), (name,))
         info["device"].append(name)  # restored as saved: on one device
         continue
@@ -90,13 +91,13 @@ def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
       arrays.append((name, x))
       info["arrays"][name] = [stored.name, list(x.shape)]
     elif isinstance(x, np.ndarray):
-      stored = save_lib._leaf_dtype(name, x.dtype, save_dtype)  # pylint: disable=protected-access
-      host_vals[name] = index_lib.encode_value(x.astype(stored), (name,))
+      stored = save_lib.leaf_dtype(name, x.dtype, save_dtype)
+      host_vals[name] = inline_values.encode_value(x.astype(stored), (name,))
     elif isinstance(x, (bool, int, float, str, bytes, np.generic)):
       if isinstance(x, np.generic):
-        stored = save_lib._leaf_dtype(name, x.dtype, save_dtype, inline=True)  # pylint: disable=protected-access
+        stored = save_lib.leaf_dtype(name, x.dtype, save_dtype, inline=True)
         x = np.asarray(x).astype(stored)[()]
-      host_vals[name] = index_lib.encode_value(x, (name,))
+      host_vals[name] = inline_values.encode_value(x, (name,))
     else:
       raise InvalidStateError(
           f"leaf {name!r} is a {type(x).__module__}.{type(x).__qualname__}; "
@@ -114,11 +115,11 @@ def _key_dims(dtype) -> tuple[int, ...]:
                               jax.ShapeDtypeStruct((), dtype)).shape)
 
 
-def _target_sig(t) -> tuple | None:
+def target_sig(t) -> tuple | None:
   """(stored shape, {device: stored index}) of a target leaf with a
   sharding (a key target: its key data's, with the key dimensions whole);
   None with no sharding, or one that cannot hold the shape (the restore
-  then raises for it as a Checkpointer does: _restore_plan)."""
+  then raises for it as a Checkpointer does: restore_plan)."""
   sh = getattr(t, "sharding", None)
   if sh is None or not hasattr(t, "shape"):
     return None
@@ -134,7 +135,7 @@ def _target_sig(t) -> tuple | None:
 
 
 class _Leaf(NamedTuple):
-  """How the local tier restores one target leaf (see _restore_plan)."""
+  """How the local tier restores one target leaf (see restore_plan)."""
   kind: str              # "array" (own.bin / partner.bin), "host", "python"
   sharding: Any          # the target's (None: a numpy value, as saved)
   shape: tuple = ()      # as stored (keys: their key data's shape)
@@ -153,10 +154,10 @@ class _Leaf(NamedTuple):
   def box(self, index) -> tuple:
     """The stored box of a device's index into the restored shape."""
     whole = (slice(None),) * (len(self.shape) - len(self.logical))
-    return _index(tuple(index) + whole, self.shape)
+    return box_index(tuple(index) + whole, self.shape)
 
 
-def _check_shardings(target_leaves) -> None:
+def check_shardings(target_leaves) -> None:
   """A target sharding that cannot hold its leaf's shape (uneven: a
   dimension the mesh axis does not divide) raises what a Checkpointer
   restore raises (TreeMismatchError naming the leaf). From the target
@@ -164,20 +165,20 @@ def _check_shardings(target_leaves) -> None:
   for name, t in target_leaves:
     sh = getattr(t, "sharding", None)
     if sh is not None and hasattr(t, "shape"):
-      restore_lib._check_divides(name, tuple(t.shape), sh)  # pylint: disable=protected-access
+      targets.check_divides(name, tuple(t.shape), sh)
 
 
-def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
+def restore_plan(blob: Any, target_leaves, restore_dtype, where: str
                   ) -> dict[str, _Leaf]:
   """What a ``Checkpointer`` restore does with each target leaf, from the
   saved leaves a host.msgpack part records (``values``, ``arrays``,
-  ``prng``: _prepare_leaves): ckpt/restore/read.py ``_resolve``'s checks, with
+  ``prng``: prepare_leaves): ckpt/restore/read.py ``_resolve``'s checks, with
   its functions, so the local tier refuses what it refuses with the same
   error (TreeMismatchError naming the leaf: a float32 leaf into an int32
   target, keys of another implementation, another shape), applies
   ``restore_dtype`` to the same (floating) leaves and casts only floating
   dtypes. Local: no I/O, no collective. (Uneven target shardings:
-  _check_shardings.)"""
+  check_shardings.)"""
   maps = [blob.get(k) if isinstance(blob, dict) else None
           for k in ("values", "arrays", "prng")]
   if not all(isinstance(x, dict) for x in maps):
@@ -196,14 +197,14 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
                              [n for n, _ in target_leaves])
   plan = {}
   for name, t in target_leaves:
-    shape, wanted, sharding, wants_array = restore_lib._target_spec(t, name)  # pylint: disable=protected-access
+    shape, wanted, sharding, wants_array = targets.target_spec(t, name)
     impl = impls.get(name) or None
     if impl is not None and not isinstance(impl, str):
       raise CorruptCheckpointError(
           f"{where}: leaf {name!r}: expected a PRNG implementation's name, "
           f"found {impl!r}")
     if name in values:
-      value = index_lib.decode_value(values[name], f"{where}: leaf {name!r}")
+      value = inline_values.decode_value(values[name], f"{where}: leaf {name!r}")
       if not isinstance(value, (np.ndarray, np.generic)):
         plan[name] = _Leaf("python", None, value=value)  # as saved
         continue
@@ -221,9 +222,9 @@ def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
       # Shape and dtype only (a view of one element): what the checks read.
       src = lazy.LazyValue(np.broadcast_to(np.zeros((), dtype), stored_shape),
                            name, prng_impl=impl)
-    out = restore_lib.out_dtype(name, src, shape, wanted, wants_array,
+    out = targets.out_dtype(name, src, shape, wanted, wants_array,
                                 restore_dtype)
-    logical = lazy.logical_shape(src)
+    logical = keyshape.logical_shape(src)
     if sharding is None and name in arrays:  # usable() sends these elsewhere
       raise CheckpointError(
           f"{where}: leaf {name!r} has no sharding in the target; the local "
@@ -255,7 +256,7 @@ def _assemble(p: _Leaf, bufs) -> jax.Array:
       dtype=prng.info(p.impl).dtype if p.impl else p.out)
 
 
-def _place(p: _Leaf, datas, devices) -> jax.Array:
+def place(p: _Leaf, datas, devices) -> jax.Array:
   """An array leaf from each local device's block as stored (numpy, or a
   jax.Array on that device): cast with numpy as a Checkpointer casts,
   typed keys wrapped around their data (no copy)."""
@@ -269,7 +270,7 @@ def _place(p: _Leaf, datas, devices) -> jax.Array:
   return _assemble(p, bufs)
 
 
-def _host_value(p: _Leaf) -> Any:
+def host_value(p: _Leaf) -> Any:
   """A host value restored as a Checkpointer restores an inline value
   (ckpt/restore/assemble.py ``materialize``): numpy (or typed keys on jax's default
   device) with no target sharding, else placed on the target's sharding."""

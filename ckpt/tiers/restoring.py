@@ -12,9 +12,9 @@ from absl import logging
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.restore import handle as handle_lib
-from ckpt.restore import read as restore_lib
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import local_leaves
+from ckpt.restore import targets
 
 
 def restore(persistent, local, choose: Callable, note: Callable,
@@ -24,7 +24,7 @@ def restore(persistent, local, choose: Callable, note: Callable,
   handle). ``choose(step, leaves, options)``: the agreed decision;
   ``note(tier, step, reason, restored)``: what came back."""
   if target is not None:  # jax.eval_shape's abstract meshes: on devices
-    target = restore_lib.concrete_target(target)
+    target = targets.concrete_target(target)
   leaves, treedef = (local_leaves.flatten(target) if target is not None else
                      (None, None))
   if restore_kwargs.get("path") is not None:  # another checkpoint's root

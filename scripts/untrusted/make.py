@@ -25,10 +25,10 @@ open(f"{C}/dups.msgpack", "wb").write(msgpack.packb(doc, use_bin_type=True))
 root, step = save("huge")
 path = f"{step}/index.msgpack"
 d = msgpack.unpackb(open(path, "rb").read(), raw=False)
-from ckpt.format import index as index_lib
 from ckpt.format import index_codec
+from ckpt.format import entries as entries_lib
 rows = index_codec.rows(d["leaves"]); e = rows[0]; e.update(shape=[2**40, 2**21], chunks=[1, 2**21], checksums=[])
-d["leaves"] = index_codec.columns(rows, index_lib.KINDS)
+d["leaves"] = index_codec.columns(rows, entries_lib.KINDS)
 open(path, "wb").write(msgpack.packb(d, use_bin_type=True))
 meta = json.load(open(f"{step}/w/.zarray")); meta.update(shape=[2**40, 2**21], chunks=[1, 2**21])
 json.dump(meta, open(f"{step}/w/.zarray", "w"))

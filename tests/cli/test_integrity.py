@@ -30,6 +30,8 @@ from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.format import tsspec
+from ckpt.format import entries
+from ckpt.shards import plan
 from tests.conftest import mesh, named, random_array, sharded
 
 
@@ -77,7 +79,7 @@ def _file_boxes(step_dir, idx):
 def test_checksums_cover_every_leaf(saved):
   _, step_dir, state = saved
   idx = index_lib.decode((step_dir / "index.msgpack").read_bytes())
-  arrays = [e for e in idx.leaves if isinstance(e, index_lib.ArrayEntry)]
+  arrays = [e for e in idx.leaves if isinstance(e, entries.ArrayEntry)]
   assert arrays and all(not e.checksums for e in arrays)  # not in the index
   if arrays[0].codec.get("checksum") == "crc32c":
     assert not (step_dir / index_lib.CHECKSUMS_DIR).exists()
@@ -306,7 +308,7 @@ def test_flipped_byte_in_a_checksummed_chunk(make_ckptr, rng, ckpt_dir, fmt,
 
 
 def test_verify_by_reading_splits_large_leaves():
-  box = checksums.Box((0, 0), (100, 64))
+  box = plan.Box((0, 0), (100, 64))
   parts = checksums.read_boxes(box, (10, 16), 4, 10 * 64 * 4 * 3)
   assert [p.start[0] for p in parts] == [0, 30, 60, 90]
   assert all(p.stop[1] == 64 for p in parts)
@@ -343,7 +345,7 @@ def _to_old_layout(step_dir, per_box_sums, host_states):
 def _boxes_of(state, idx):
   out = {}
   for i, e in enumerate(idx.leaves):
-    if isinstance(e, index_lib.ArrayEntry):
+    if isinstance(e, entries.ArrayEntry):
       whole = np.asarray(state[e.path[0]])
       # one box per row block of 16
       out[i] = [((a,) + (0,) * (whole.ndim - 1),
@@ -360,15 +362,17 @@ def test_old_index_with_checksums_and_host_state_still_works(
            "n": 7}
   c = make_ckptr(async_save=False, format=fmt, chunk_bytes=4096)
   if fmt == "zarr3":  # arrays as an older ckpt wrote them: no crc32c codec
-    c._options = dataclasses.replace(  # pylint: disable=protected-access
-        c._options, codec=tsspec.Codec(checksum="none"))  # pylint: disable=protected-access
+    saver = c._saver  # pylint: disable=protected-access
+    saver.settings = dataclasses.replace(saver.settings, options=(
+        dataclasses.replace(saver.settings.options,
+                            codec=tsspec.Codec(checksum="none"))))
   c.save(1, state, host_state={"rng": 11})
   step_dir = ckpt_dir / "checkpoint_1"
   idx = index_lib.decode((step_dir / "index.msgpack").read_bytes())
   _to_old_layout(step_dir, _boxes_of(state, idx), [{"rng": 11}])
   old = index_lib.decode((step_dir / "index.msgpack").read_bytes())
   assert old.host_state is not None and all(
-      e.checksums for e in old.leaves if isinstance(e, index_lib.ArrayEntry))
+      e.checksums for e in old.leaves if isinstance(e, entries.ArrayEntry))
   assert "checksum" not in old.leaves[0].codec
   c.reload()
   assert c.host_state(1) == {"rng": 11}
@@ -390,7 +394,7 @@ def test_checksum_records_of_every_process_are_held_compactly(tmp_path):
   80 bytes each (Python tuples took about 305)."""
   import asyncio  # pylint: disable=g-import-not-at-top
   import tracemalloc  # pylint: disable=g-import-not-at-top
-  leaves = tuple(index_lib.ArrayEntry(
+  leaves = tuple(entries.ArrayEntry(
       path=(f"l{i}",), relpath=f"l{i}", shape=(4096, 4096), dtype="float32",
       chunks=(64, 4096), codec={}, source_dtype="float32")
       for i in range(1000))

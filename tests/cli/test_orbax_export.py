@@ -16,7 +16,6 @@ import pytest
 
 import ckpt
 from ckpt.cli import convert
-from ckpt.cli import orbax_export
 from ckpt.cli import orbax_layout
 from ckpt.shards.plan import Box
 from tests.cli.test_cli import assert_one_line_error, in_process, same

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.cli import convert
+from ckpt.cli import orbax_import
 from ckpt.errors import OrbaxImportError
 from ckpt.multihost import local_cluster
 from tests.cli.test_cli import assert_one_line_error, in_process, json_in_process
@@ -128,7 +128,7 @@ def test_skip_leaves_a_step_without_per_process_state(tmp_path, capsys):
 def test_several_per_process_items_are_one_dict_per_process(tmp_path):
   src = orbax_step(tmp_path / "o", 1, **per_process_json())
   add_grain_item(src)
-  found = convert.orbax_import.read_step(src)
+  found = orbax_import.read_step(src)
   assert found.host_states == [
       {"data_iter": grain_state(i), "rng": {"seed": 100 + i}} for i in (0, 1)]
 
@@ -155,4 +155,4 @@ def test_a_bad_per_process_item_is_refused_by_name(tmp_path, capsys, case,
   assert_one_line_error(rc, out, err, *fragments)
   assert not (tmp_path / "c").exists()  # nothing written before it
   with pytest.raises(OrbaxImportError):
-    convert.orbax_import.read_step(src)
+    orbax_import.read_step(src)

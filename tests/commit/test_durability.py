@@ -27,6 +27,7 @@ import ckpt
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
+from ckpt.store import names
 from tests.conftest import random_array, record_fsync_and_rename
 
 
@@ -45,7 +46,7 @@ def hold(ckptr):
   def block():
     held.set()
     release.wait(60)
-  ckptr._loop.call_soon_threadsafe(block)  # pylint: disable=protected-access
+  ckptr._loop.call(block)  # pylint: disable=protected-access
   assert held.wait(10)
   try:
     yield
@@ -148,7 +149,7 @@ def die_deleting(url: str, step: int, after: str) -> None:
   a killed process stops: once it removed the step's record ("record") or
   its record and marker ("marker"); ``pending/<step>.delete`` stays."""
   storage = storage_lib.Storage(url)
-  marker = f"checkpoint_{step}/{storage_lib.COMMIT_MARKER}"
+  marker = f"checkpoint_{step}/{names.COMMIT_MARKER}"
   real = storage_lib.Storage.delete_key
 
   def delete_key(self, rel, *args, **kwargs):
@@ -163,7 +164,7 @@ def die_deleting(url: str, step: int, after: str) -> None:
     m.setattr(storage_lib.Storage, "delete_prefix", delete_prefix)
     m.setattr(storage_lib.Storage, "delete_keys", delete_prefix, raising=False)
     with pytest.raises(Killed):
-      cleanup_lib.remove(storage, storage_lib.step_dirname(step))
+      cleanup_lib.remove(storage, names.step_dirname(step))
 
 
 def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
@@ -187,7 +188,7 @@ def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
   with pytest.MonkeyPatch.context() as m:
     m.setattr(cleanup_lib, "abandoned", abandoned_then_pause)
     # What a writer's first save runs alongside its writes.
-    t = threading.Thread(target=cleaner._remove_abandoned, args=("",))  # pylint: disable=protected-access
+    t = threading.Thread(target=cleaner._saver.remove_abandoned, args=("",))  # pylint: disable=protected-access
     t.start()
     try:
       assert checked.wait(30), "the cleanup never looked"
@@ -210,12 +211,12 @@ def as_legacy_step(url: str, step: int) -> None:
   """Rewrites the committed ``step`` in the layout of ckpt < 0.2: its data
   beside the marker (no attempt directory), a marker naming no attempt."""
   store = storage_lib.Storage(url)
-  name = storage_lib.step_dirname(step)
+  name = names.step_dirname(step)
   data_dir = records.read_record(store, step)["dir"]
   for key in store.list_keys(f"{name}/{data_dir}/"):
     store.write_bytes(f"{name}/{key.split('/', 2)[2]}", store.read_bytes(key))
     store.delete_key(key)
-  store.write_bytes(f"{name}/{storage_lib.COMMIT_MARKER}",
+  store.write_bytes(f"{name}/{names.COMMIT_MARKER}",
                     f"{name} committed".encode())
   store.write_bytes(records.record_key(step),
                     records.record(step, None, "", None, None))
@@ -226,12 +227,12 @@ def die_deleting_as_before(url: str, step: int) -> None:
   ``pending/<step>.delete`` names no attempt), killed after it removed the
   record, the marker and some of the data."""
   store = storage_lib.Storage(url)
-  name = storage_lib.step_dirname(step)
+  name = names.step_dirname(step)
   store.write_bytes(records.pending_key(step, records.DELETE),
                     json.dumps({"step": step, "attempt": "delete",
                                 "time": time.time()}).encode())
   store.delete_key(records.record_key(step))
-  store.delete_key(f"{name}/{storage_lib.COMMIT_MARKER}")
+  store.delete_key(f"{name}/{names.COMMIT_MARKER}")
   keys = store.list_keys(f"{name}/")
   assert len(keys) > 2, keys
   for key in keys[:len(keys) // 2]:
@@ -358,9 +359,9 @@ def check_late_cleaner(make_ckptr, url, rng, die, old=None):
   # The old step's leftovers and its deletion's record are gone.
   store = storage_lib.Storage(url)
   keys = store.list_keys("checkpoint_5/")
-  marker = store.read_bytes(f"checkpoint_5/{storage_lib.COMMIT_MARKER}")
+  marker = store.read_bytes(f"checkpoint_5/{names.COMMIT_MARKER}")
   assert {k.split("/")[1] for k in keys} == {
-      storage_lib.COMMIT_MARKER, json.loads(marker)["dir"]}, keys
+      names.COMMIT_MARKER, json.loads(marker)["dir"]}, keys
   assert store.list_keys("pending/") == []
 
 

@@ -19,10 +19,11 @@ import time
 import numpy as np
 import pytest
 
-from ckpt.commit import steps as steps_lib
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import lease as lease_lib
+from ckpt.commit import strategy
 from ckpt.store import storage as storage_lib
+from ckpt.commit import attempt
 from tests.conftest import random_array
 
 # The child: prepares an attempt at step 3 in argv[1], writes a data file
@@ -120,7 +121,7 @@ def test_a_live_holders_attempt_stays(make_ckptr, ckpt_dir, rng):
 
 
 def _rewrite_lease(ckpt_dir, rel: str, **changes) -> None:
-  path = ckpt_dir / rel / steps_lib.ATTEMPT_FILE
+  path = ckpt_dir / rel / attempt.ATTEMPT_FILE
   lease = json.loads(path.read_bytes())
   lease.update(changes)
   storage_lib.write_file(os.fspath(path), json.dumps(lease).encode())
@@ -134,7 +135,7 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
   waits for its age."""
   proc, rel = _child(ckpt_dir, "04", "live")
   try:
-    lease = json.loads((ckpt_dir / rel / steps_lib.ATTEMPT_FILE).read_bytes())
+    lease = json.loads((ckpt_dir / rel / attempt.ATTEMPT_FILE).read_bytes())
     assert lease["pid"] == proc.pid and lease["host"] and lease["pid_start"]
     if what == "pid reused":
       _rewrite_lease(ckpt_dir, rel, pid_start=lease["pid_start"] - 1)
@@ -150,7 +151,7 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
     assert (ckpt_dir / rel / "data").exists()
     # Aged on the file system's clock (what cleanup reads: lease.py).
     old = os.stat(ckpt_dir).st_mtime - ckptr.lease_s - 1
-    os.utime(ckpt_dir / rel / steps_lib.ATTEMPT_FILE, (old, old))
+    os.utime(ckpt_dir / rel / attempt.ATTEMPT_FILE, (old, old))
     assert ckptr.save(2, _state(rng))
     assert not (ckpt_dir / rel).exists()
   finally:
@@ -159,9 +160,10 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
 
 
 def test_renewals_are_spaced_for_object_stores():
-  assert lease_lib.renew_interval(30.0, posix=True) == 5.0
-  assert lease_lib.renew_interval(1e-3, posix=True) == 0.05
-  assert lease_lib.renew_interval(1e-3, posix=False) == 1.0
+  disk, bucket = strategy.RENAME.least_renewal_s, strategy.MARKER.least_renewal_s
+  assert lease_lib.renew_interval(30.0, disk) == 5.0
+  assert lease_lib.renew_interval(1e-3, disk) == 0.05
+  assert lease_lib.renew_interval(1e-3, bucket) == 1.0
 
 
 def test_a_lease_names_its_holder():
@@ -179,7 +181,7 @@ def test_an_attempt_that_never_got_its_lease(make_ckptr, ckpt_dir, rng):
   ckpt_dir.mkdir()
   empty = ckpt_dir / "checkpoint_3.tmp-0badc0de"
   empty.mkdir()
-  (empty / f"{steps_lib.ATTEMPT_FILE}.partial-1234").write_bytes(b"{")
+  (empty / f"{attempt.ATTEMPT_FILE}.partial-1234").write_bytes(b"{")
   data = ckpt_dir / "checkpoint_4.tmp-0badf00d"
   data.mkdir()
   (data / "w").write_bytes(b"x")

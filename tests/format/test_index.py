@@ -19,6 +19,9 @@ from ckpt.format import index
 from ckpt.format import index_codec
 from ckpt.format import tsspec
 from ckpt.format import tree
+from ckpt.format import checks
+from ckpt.format import entries as entries_lib
+from ckpt.format import pack_index
 
 WHERE = "/ckpts/checkpoint_7/index.msgpack"
 
@@ -35,17 +38,17 @@ def make_index(rng):
   state_like = _State({"w": 0, "b": 0}, 0, 0, (None, {}))
   structure = tree.encode_structure(state_like)
   leaves = (
-      index.ArrayEntry(path=("params", "b"), relpath="params/b", shape=(16,),
+      entries_lib.ArrayEntry(path=("params", "b"), relpath="params/b", shape=(16,),
                        dtype="bfloat16", chunks=(16,),
                        codec={"compression": None, "level": 1},
                        source_dtype="float32",
                        sharding="NamedSharding(mesh={'x': 8}, spec=('x',))"),
-      index.ArrayEntry(path=("params", "w"), relpath="params/w",
+      entries_lib.ArrayEntry(path=("params", "w"), relpath="params/w",
                        shape=(64, 32), dtype="float32", chunks=(8, 32),
                        codec={"compression": "zstd", "level": 3},
                        source_dtype="float32"),
-      index.ValueEntry(path=("step",), value=np.int64(12345)),
-      index.ValueEntry(path=("name",),
+      entries_lib.ValueEntry(path=("step",), value=np.int64(12345)),
+      entries_lib.ValueEntry(path=("name",),
                        value=rng.standard_normal(3).astype(ml_dtypes.bfloat16)),
   )
   return index.Index(step=7, time=1.7e9, storage_format="zarr3",
@@ -65,7 +68,7 @@ def pack(doc):
   """The document as the index of today's version (edited leaf maps as
   columns, so the version-2 decoder meets them)."""
   if isinstance(doc, dict) and isinstance(doc.get("leaves"), list):
-    doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index.KINDS)}
+    doc = {**doc, "leaves": index_codec.columns(doc["leaves"], entries_lib.KINDS)}
   return sealed.packb(doc, use_bin_type=True)
 
 
@@ -143,8 +146,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 6, ["version 1 or 2 or 3 or 4 or 5", "6"]),
-    ("version", "1", ["version 1 or 2 or 3 or 4 or 5", "'1'"]),
+    ("version", 7, ["version 1 or 2 or 3 or 4 or 5 or 6", "7"]),
+    ("version", "1", ["version 1 or 2 or 3 or 4 or 5 or 6", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -289,7 +292,7 @@ def test_rejects_bad_columns(rng, edit, fragments):
 def test_specs_and_path_parts_are_stored_once(rng):
   """Leaves that differ only in their path share a spec; a relpath that
   the path gives is not stored; each path part is stored once."""
-  entries = tuple(index.ArrayEntry(
+  entries = tuple(entries_lib.ArrayEntry(
       path=("params", f"layer_{i:02d}", "w"), relpath=f"params/layer_{i:02d}/w",
       shape=(8, 4), dtype="float32", chunks=(8, 4), codec={"compression": None},
       source_dtype="float32") for i in range(50))
@@ -316,7 +319,7 @@ def test_a_relpath_derived_from_hostile_path_parts_stays_inside(rng):
   doc["leaves"][1]["path"] = ["..", "/etc", ".hidden", ""]
   e = index.decode(pack(doc), WHERE).leaves[1]
   assert e.relpath == "%2E%2E/%2Fetc/%2Ehidden/%"
-  index.check_relpath(e.relpath, "here")
+  checks.check_relpath(e.relpath, "here")
 
 
 def old_doc(doc, version):
@@ -331,7 +334,7 @@ def test_structure_leaves_are_leaf_numbers(rng):
   leaves (an int), its path only once (in the leaves)."""
   idx = make_index(rng)
   doc = sealed.unpackb(index.encode(idx), raw=False)
-  assert doc["version"] == index.VERSION == 5
+  assert doc["version"] == index.VERSION == 6
   assert doc["structure"] == [
       "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
       "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
@@ -476,7 +479,7 @@ def test_rejects_malformed_structure_in_older_versions(rng, structure,
 def test_rejects_too_deep_structure(rng, version):
   doc = doc_of(make_index(rng))
   node = {"node": "none"} if version < 3 else ["none"]
-  for _ in range(index.MAX_DEPTH + 5):
+  for _ in range(checks.MAX_DEPTH + 5):
     node = ({"node": "list", "children": [node]} if version < 3 else
             ["list", node])
   doc["version"], doc["structure"], doc["leaves"] = version, node, []
@@ -488,7 +491,7 @@ def test_depth_limit_counts_a_leaf_below_its_node(rng):
   MAX_DEPTH is read, one deeper is refused."""
   doc = doc_of(make_index(rng))
   doc["leaves"] = doc["leaves"][:1]
-  for depth, ok in ((index.MAX_DEPTH, True), (index.MAX_DEPTH + 1, False)):
+  for depth, ok in ((checks.MAX_DEPTH, True), (checks.MAX_DEPTH + 1, False)):
     node = 0
     for _ in range(depth):
       node = ["list", node]
@@ -503,7 +506,7 @@ def test_structure_with_int_keys_decodes(rng):
   state = {"layers": {0: 1, 1: 2}}
   doc = doc_of(make_index(rng))
   doc["structure"] = tree.encode_structure(state)
-  doc["leaves"] = [index.ValueEntry(p, v).to_json()
+  doc["leaves"] = [entries_lib.ValueEntry(p, v).to_json()
                    for p, v in tree.flatten(state)]
   out = index.decode(pack(doc), WHERE)
   values = [e.value for e in out.leaves]
@@ -534,16 +537,16 @@ def test_index_size_does_not_grow_with_process_count():
     idx = save_lib.make_index(plan, 5, {"loss": 1.0}, n)
     assert idx.host_state is None
     assert all(not e.checksums for e in idx.leaves
-               if isinstance(e, index.ArrayEntry))
+               if isinstance(e, entries_lib.ArrayEntry))
     sizes[n] = len(index.encode(dataclasses.replace(idx, time=0.0)))
   assert sizes[1] == sizes[2], sizes
   assert 0 <= sizes[1024] - sizes[2] <= 2, sizes
   assert sizes[1024] == sizes[4096], sizes
   out = index.decode(index.encode(save_lib.make_index(plan, 5, None, 1024)))
   assert out.process_count == 1024 and out.host_state is None
-  arrays = [e for e in out.leaves if isinstance(e, index.ArrayEntry)]
+  arrays = [e for e in out.leaves if isinstance(e, entries_lib.ArrayEntry)]
   assert arrays and all(e.codec["checksum"] == "crc32c" for e in arrays)
-  assert sum(isinstance(e, index.PackedEntry) for e in out.leaves) == 200
+  assert sum(isinstance(e, pack_index.PackedEntry) for e in out.leaves) == 200
 
 
 def test_zarr_v2_entries_have_no_checksum_codec():
@@ -581,7 +584,7 @@ def _value_index(n):
   return index.Index(
       step=3, time=0.0, storage_format="zarr", process_count=1,
       structure=tree.encode_structure(leaves),
-      leaves=tuple(index.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
+      leaves=tuple(entries_lib.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
 
 
 def test_encode_refuses_an_index_over_the_byte_limit(monkeypatch):
@@ -618,12 +621,12 @@ def test_encode_refuses_more_containers_than_decode_allows(monkeypatch, name):
 
 def test_encode_refuses_too_deep_a_tree():
   node = 0
-  for _ in range(index.MAX_DEPTH + 1):
+  for _ in range(checks.MAX_DEPTH + 1):
     node = ["list", node]
   idx = index.Index(step=4, time=0.0, storage_format="zarr", process_count=1,
-                    structure=node, leaves=(index.ValueEntry(("x",), 1),))
-  _refused(idx, "tree depth", f"is {index.MAX_DEPTH + 1}",
-           f"limit is {index.MAX_DEPTH}", "MAX_DEPTH")
+                    structure=node, leaves=(entries_lib.ValueEntry(("x",), 1),))
+  _refused(idx, "tree depth", f"is {checks.MAX_DEPTH + 1}",
+           f"limit is {checks.MAX_DEPTH}", "MAX_DEPTH")
 
 
 def test_a_save_over_the_limit_fails_and_keeps_earlier_checkpoints(
@@ -690,12 +693,12 @@ def test_encode_counts_containers_as_msgpack_does(rng, state):
   idx = make_index(rng)
   structure = tree.encode_structure(state)
   doc = {"structure": structure, "leaves": index_codec.encode(
-      idx.leaves, index._KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
+      idx.leaves, entries_lib.KINDS_BY_CLASS), "m": {"k": [1, (2, 3)]}}
   count = _HookCount()
   sealed.unpackb(sealed.packb(doc, use_bin_type=True), raw=False,
                   list_hook=count.list_hook, object_hook=count.object_hook)
   n = len(tree.flatten(state))
-  _, s_lists, s_longest = index._check_numbered_structure(structure, "", n)
+  _, s_lists, s_longest = checks.check_numbered_structure(structure, "", n)
   lists, maps, longest = index_codec.containers({**doc, "structure": None})
   assert (lists + s_lists, maps, max(longest, s_longest)) == (
       count.lists, count.maps, count.longest)
@@ -733,3 +736,52 @@ def test_host_states_round_trip(rng, count):
   doc = sealed.unpackb(index.encode(idx), raw=False)
   assert ("host_states" in doc) == (count is not None)
   assert index.decode(index.encode(idx)).host_states == count
+
+
+# ---- held_by (version 6): never trusted --------------------------------------
+
+def _held(rng, held, version=None):
+  """The test index, its array params/w held by ``held``, as bytes."""
+  doc = doc_of(make_index(rng))
+  w = next(e for e in doc["leaves"] if e["path"] == ["params", "w"])
+  w["held_by"] = held
+  if version is not None:
+    doc["version"] = version
+  return pack(doc)
+
+
+def test_held_by_round_trips(rng):
+  idx = make_index(rng)
+  leaves = tuple(dataclasses.replace(e, held_by=(3, "attempt-00ff"))
+                 if getattr(e, "relpath", "") == "params/w" else e
+                 for e in idx.leaves)
+  got = index.decode(index.encode(dataclasses.replace(idx, leaves=leaves)))
+  assert [getattr(e, "held_by", None) for e in got.leaves] == [
+      None, (3, "attempt-00ff"), None, None]
+  assert entries_lib.held_dir((3, "attempt-00ff")) == "checkpoint_3/attempt-00ff"
+  assert index.decode(_held(rng, [6, "attempt-ab"])).leaves[1].held_by == (
+      6, "attempt-ab")
+
+
+@pytest.mark.parametrize("held", [
+    [7, "attempt-ab"],            # its own step
+    [8, "attempt-ab"],            # a later one
+    [-1, "attempt-ab"],
+    [True, "attempt-ab"],
+    [1.0, "attempt-ab"],
+    [1, "../x"],
+    [1, "attempt-ab/../../x"],
+    [1, "attempt-AB"],
+    [1, ""],
+    [1, "checkpoint_1"],
+    [1],
+    "checkpoint_1/attempt-ab",
+    {"step": 1},
+])
+def test_held_by_refused(rng, held):
+  rejected(_held(rng, held), "held_by")
+
+
+def test_held_by_refused_before_version_6(rng):
+  rejected(_held(rng, [1, "attempt-ab"], version=5), "held_by",
+           "version 6")

@@ -20,6 +20,7 @@ import pytest
 import ckpt
 from ckpt.format import index as index_lib
 from ckpt.format import index_codec
+from ckpt.format import entries
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +49,7 @@ def saved(tmp_path_factory):
 
 def _check_decoded(idx: index_lib.Index):
   for e in idx.leaves:
-    if isinstance(e, index_lib.ArrayEntry):
+    if isinstance(e, entries.ArrayEntry):
       base = os.path.realpath("/ckpt/step")
       full = os.path.realpath(os.path.join(base, e.relpath))
       assert full.startswith(base + os.sep), e.relpath
@@ -128,7 +129,7 @@ def test_structural_mutations_of_leaf_maps(saved, data):
     container, key = spots[data.draw(st.integers(0, len(spots) - 1))]
     container[key] = data.draw(HOSTILE)
   try:
-    doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
+    doc["leaves"] = index_codec.columns(doc["leaves"], entries.KINDS)
     packed = sealed.packb(doc, use_bin_type=True)
   except (OverflowError, ValueError, TypeError):
     assume(False)
@@ -152,7 +153,7 @@ def test_restoring_a_hostile_index_raises_only_checkpoint_errors(saved, data):
   original = (step / "index.msgpack").read_bytes()
   try:
     try:
-      doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
+      doc["leaves"] = index_codec.columns(doc["leaves"], entries.KINDS)
       packed = sealed.packb(doc, use_bin_type=True)
     except (OverflowError, ValueError, TypeError):
       assume(False)

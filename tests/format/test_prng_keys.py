@@ -22,6 +22,7 @@ from ckpt.format import index_codec
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.restore import transforms
+from ckpt.format import entries as entries_lib
 from tests.conftest import mesh, named
 
 THREEFRY = jax.random.key(0).dtype
@@ -52,7 +53,7 @@ def read_index(directory, step: int = 1) -> index_lib.Index:
   return restore_lib.read_index(storage, step_dir)
 
 
-def entries(directory, step: int = 1) -> dict[str, index_lib.Entry]:
+def entries(directory, step: int = 1) -> dict[str, entries_lib.Entry]:
   return {"/".join(e.path): e for e in read_index(directory, step).leaves}
 
 
@@ -113,7 +114,7 @@ def test_sharded_split_keys_restore_onto_another_sharding(make_ckptr, ckpt_dir,
   c.save(1, {"rng": keys})
   c.wait_until_finished()
   e = entries(ckpt_dir)["rng"]
-  assert isinstance(e, index_lib.ArrayEntry)  # sharded: stored, not inline
+  assert isinstance(e, entries_lib.ArrayEntry)  # sharded: stored, not inline
   assert (e.shape, e.dtype, e.prng_impl) == ((8, 2), "uint32", "threefry2x32")
   # One process: each of the 2 distinct shards written once (replicas skip).
   assert c.last_save_stats.boxes_written == 2
@@ -176,7 +177,7 @@ def test_inline_and_stored_keys_keep_their_implementation(make_ckptr,
   c.save(1, state)
   c.wait_until_finished()
   e = entries(ckpt_dir)
-  kind = index_lib.ValueEntry if n == 1 else index_lib.ArrayEntry
+  kind = entries_lib.ValueEntry if n == 1 else entries_lib.ArrayEntry
   assert isinstance(e["fry"], kind) and isinstance(e["rbg"], kind)
   assert (e["fry"].prng_impl, e["rbg"].prng_impl) == ("threefry2x32", "rbg")
   out = c.restore(1)
@@ -315,7 +316,7 @@ def _index_doc(leaf: dict) -> bytes:
   doc = {"format": index_lib.FORMAT_NAME, "version": index_lib.VERSION,
          "step": 1, "time": 0.0, "storage_format": "zarr", "process_count": 1,
          "metrics": {}, "structure": 0,
-         "leaves": index_codec.columns([leaf], index_lib.KINDS),
+         "leaves": index_codec.columns([leaf], entries_lib.KINDS),
          "host_state": None}
   return sealed.packb(doc, use_bin_type=True)
 
@@ -345,7 +346,7 @@ def test_index_round_trip_and_old_indexes():
     assert again.prng_impl == impl and again.to_json() == entry.to_json()
     old = {k: v for k, v in leaf.items() if k != "prng_impl"}
     assert index_lib.decode(_index_doc(old)).leaves[0].prng_impl == ""
-  plain = index_lib.ValueEntry(("rng",), np.zeros(2, np.uint32)).to_json()
+  plain = entries_lib.ValueEntry(("rng",), np.zeros(2, np.uint32)).to_json()
   assert "prng_impl" not in plain  # non-key entries are as before
 
 

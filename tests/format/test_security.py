@@ -32,6 +32,7 @@ from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.format import tsspec
+from ckpt.format import entries as entries_lib
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,7 +88,7 @@ def index_doc(step):
 
 def write_index(step, doc):
   """Writes an edited document back as today's version (leaf columns)."""
-  doc = {**doc, "leaves": index_codec.columns(doc["leaves"], index_lib.KINDS)}
+  doc = {**doc, "leaves": index_codec.columns(doc["leaves"], entries_lib.KINDS)}
   (step / "index.msgpack").write_bytes(sealed.packb(doc, use_bin_type=True))
 
 
@@ -164,10 +165,10 @@ def test_real_index_decodes_within_the_budgets(tmp_path):
   idx = index_lib.Index(
       step=1, time=0.0, storage_format="zarr", process_count=1,
       structure=tree.encode_structure(leaves),
-      leaves=tuple(index_lib.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
+      leaves=tuple(entries_lib.ValueEntry(p, v) for p, v in tree.flatten(leaves)))
   assert len(index_lib.decode(index_lib.encode(idx)).leaves) == 3000
   boxes = tuple(((i,), (i + 1,), 0xFFFFFFFF) for i in range(100_000))
-  entry = index_lib.ArrayEntry(("w",), "w", (100_000,), "uint8", (1,),
+  entry = entries_lib.ArrayEntry(("w",), "w", (100_000,), "uint8", (1,),
                                {"compression": None}, "uint8",
                                checksums=boxes)
   idx = index_lib.Index(step=1, time=0.0, storage_format="zarr",

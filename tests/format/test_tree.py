@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.format import index
 from ckpt.format import tree
+from ckpt.format import checks
+from ckpt.format import inline_values
 from tests.conftest import AdamState, TrainState
 
 
@@ -138,7 +139,7 @@ def test_storage_relpath_keeps_plain_names():
 def test_storage_relpath_of_odd_names_is_accepted_by_the_index(part):
   rel = tree.storage_relpath(("top", part))
   assert rel.startswith("top/") and rel.count("/") == 1
-  assert index.check_relpath(rel, "here") == rel  # restore will accept it
+  assert checks.check_relpath(rel, "here") == rel  # restore will accept it
 
 
 def test_storage_relpath_is_one_to_one():
@@ -151,9 +152,9 @@ def test_storage_relpath_is_one_to_one():
 # ---- inline values ----------------------------------------------------------
 
 def value_roundtrip(v):
-  enc = index.encode_value(v, ("leaf",))
+  enc = inline_values.encode_value(v, ("leaf",))
   enc = msgpack.unpackb(msgpack.packb(enc, use_bin_type=True), raw=False)
-  return index.decode_value(enc, "leaf")
+  return inline_values.decode_value(enc, "leaf")
 
 
 @pytest.mark.parametrize("v", [
@@ -238,11 +239,11 @@ def random_array_of(rng, dtype):
 
 def test_inline_rejects_what_cannot_be_stored():
   with pytest.raises(ckpt.InvalidStateError, match="'a/b'.*64 bits"):
-    index.encode_value(2**64, ("a", "b"))
+    inline_values.encode_value(2**64, ("a", "b"))
   with pytest.raises(ckpt.InvalidStateError, match="'a'.*object"):
-    index.encode_value(np.array([object()]), ("a",))
+    inline_values.encode_value(np.array([object()]), ("a",))
   with pytest.raises(ckpt.InvalidStateError, match="'a'.*<U"):
-    index.encode_value(np.array(["text"]), ("a",))
+    inline_values.encode_value(np.array(["text"]), ("a",))
 
 
 @pytest.mark.parametrize("bad,fragment", [
@@ -260,5 +261,5 @@ def test_inline_rejects_what_cannot_be_stored():
 ])
 def test_inline_decode_rejects_garbage(bad, fragment):
   with pytest.raises(ckpt.CorruptCheckpointError) as e:
-    index.decode_value(bad, "leaf 'w/x'")
+    inline_values.decode_value(bad, "leaf 'w/x'")
   assert "leaf 'w/x'" in str(e.value) and fragment in str(e.value)

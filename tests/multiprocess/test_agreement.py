@@ -14,6 +14,7 @@ import pathlib
 import pytest
 
 from ckpt.multihost import local_cluster
+from ckpt.format import entries
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.agreement_worker"
@@ -146,7 +147,7 @@ def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
   step = tmp_path / "checkpoint_1"
   idx = index_lib.decode((step / "index.msgpack").read_bytes())
   groups = {e.ocdbt_group for e in idx.leaves
-            if isinstance(e, index_lib.ArrayEntry)}
+            if isinstance(e, entries.ArrayEntry)}
   assert groups == {0, 1}, groups
   names = sorted(p.name for p in step.iterdir())
   assert "ocdbt.group_0" in names and "ocdbt.group_1" in names, names

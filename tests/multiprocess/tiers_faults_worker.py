@@ -126,7 +126,7 @@ def main() -> None:
       _touch(os.path.join(conf["flags"], "p1_done"))
     out["3"] = save(3)  # both start it within milliseconds
   elif conf["scenario"] == "keys":
-    client = multihost._client()  # pylint: disable=protected-access
+    client = multihost.coordination_client()
     step = 0
     for k, n in enumerate(conf["phases"]):
       for _ in range(n):

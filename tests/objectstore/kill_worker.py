@@ -23,6 +23,7 @@ import signal
 import sys
 
 import numpy as np
+from ckpt.store import names
 
 BOX = (128, 128)           # one shard of "w" on the 2 x 4 mesh: 64 KiB
 BUDGET = 64 << 10          # one box: staging waits for writes
@@ -84,7 +85,7 @@ def main(argv: list[str]) -> None:
 
     def write_then_die(self, rel, data):
       plain_write(self, rel, data)
-      if rel.endswith(storage_lib.INDEX_NAME):
+      if rel.endswith(names.INDEX_NAME):
         print(f"process {me}: SIGKILL after writing {rel}", flush=True)
         _die()
 

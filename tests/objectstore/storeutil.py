@@ -14,11 +14,11 @@ import time
 import pytest
 import tensorstore as ts
 
-from ckpt.store import storage as storage_lib
+from ckpt.store import urls
 
 
 def kvstore(url: str) -> ts.KvStore:
-  spec, _ = storage_lib.kvstore_for_url(url)
+  spec, _ = urls.kvstore_for_url(url)
   return ts.KvStore.open(spec).result()
 
 

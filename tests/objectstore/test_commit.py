@@ -19,7 +19,7 @@ import pytest
 import ckpt
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.multihost import local_cluster
-from ckpt.store import storage as storage_lib
+from ckpt.store import names as names_lib
 from tests.objectstore import kill_worker
 from tests.objectstore import servers
 from tests.commit import test_durability as durability
@@ -163,7 +163,7 @@ def test_delete_removes_the_record_first(s3_bucket):
     ckptr.save(2, {"w": np.zeros(1000, np.float32)})
   storeutil.write_key(url, "pending/1.delete", b'{"step": 1, "time": 0}')
   storeutil.delete_key(url, "commits/1")
-  storeutil.delete_key(url, f"checkpoint_1/{storage_lib.COMMIT_MARKER}")
+  storeutil.delete_key(url, f"checkpoint_1/{names_lib.COMMIT_MARKER}")
   assert [k for k in storeutil.keys(url) if k.startswith("checkpoint_1/")]
   with ckpt.Checkpointer(url) as ckptr:
     assert ckptr.all_steps() == [2]

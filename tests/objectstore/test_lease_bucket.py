@@ -17,7 +17,7 @@ import pytest
 
 import ckpt
 from ckpt.cli import main as cli
-from ckpt.commit import steps as steps_lib
+from ckpt.commit import attempt
 from tests.objectstore import storeutil
 from tests.objectstore.proxy import Proxy
 
@@ -72,11 +72,11 @@ class LeaseWatch:
       if self.rel is None:
         keys = [k.decode() for k in kv.list().result()]
         found = [k for k in keys if k.startswith(f"checkpoint_{self.step}/")
-                 and k.endswith(f"/{steps_lib.ATTEMPT_FILE}")]
+                 and k.endswith(f"/{attempt.ATTEMPT_FILE}")]
         if not found:
           continue
         self.rel = found[0].rsplit("/", 1)[0]
-      r = kv.read(f"{self.rel}/{steps_lib.ATTEMPT_FILE}").result()
+      r = kv.read(f"{self.rel}/{attempt.ATTEMPT_FILE}").result()
       data = None if r.state == "missing" else bytes(r.value)
       if data != last and data is not None:
         self.changes.append(time.monotonic())
@@ -123,7 +123,7 @@ def test_an_attempt_removed_under_a_save_never_commits(slow_s3):
       assert cli.main(["gc", url, "--tmp-min-age", "0", "--yes",
                        "--json"]) == 0
       removed_at = time.monotonic()
-      assert storeutil.read_key(url, f"{rel}/{steps_lib.ATTEMPT_FILE}") is None
+      assert storeutil.read_key(url, f"{rel}/{attempt.ATTEMPT_FILE}") is None
       with pytest.raises(ckpt.CheckpointError,
                          match=r"cannot commit step 2: its work was removed"):
         c.wait_until_finished()

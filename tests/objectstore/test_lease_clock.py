@@ -26,7 +26,7 @@ import pytest
 
 import ckpt
 from ckpt.cli import main as cli
-from ckpt.commit import steps as steps_lib
+from ckpt.commit import attempt
 from tests.objectstore import storeutil
 
 _LIBS = [p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
@@ -91,7 +91,7 @@ def _state(step: int) -> dict:
 def _exists(url: str, rel: str, is_disk: bool) -> bool:
   if is_disk:
     return os.path.isdir(os.path.join(url, rel))
-  return storeutil.read_key(url, f"{rel}/{steps_lib.ATTEMPT_FILE}") is not None
+  return storeutil.read_key(url, f"{rel}/{attempt.ATTEMPT_FILE}") is not None
 
 
 @pytest.fixture(params=["disk", "s3"])

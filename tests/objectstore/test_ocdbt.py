@@ -12,7 +12,7 @@ import tensorstore as ts
 import ckpt
 from ckpt.shards import merge_groups
 from ckpt.store import ocdbt
-from ckpt.store import storage as storage_lib
+from ckpt.store import urls
 
 N_LEAVES = 10_000
 MAX_FILES = 48  # "a few dozen"
@@ -54,7 +54,7 @@ def test_merge_references_the_data_without_copying(tmp_path):
     ckptr.save(1, state)
     context = ckptr.storage.context()
   step = tmp_path / "checkpoint_1"
-  step_spec = storage_lib.kvstore_for_url(str(step))[0]
+  step_spec = urls.kvstore_for_url(str(step))[0]
   merged = ts.KvStore.open(ocdbt.database(step_spec), context=context).result()
   child = ts.KvStore.open(ocdbt.process_database(step_spec, 0),
                           context=context).result()

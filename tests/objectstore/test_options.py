@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ckpt
-from ckpt.store import storage as storage_lib
+from ckpt.store import urls
 from tests.objectstore import servers
 from tests.objectstore import storeutil
 
@@ -22,7 +22,7 @@ AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION",
 
 
 def spec(url, **opts):
-  return storage_lib.kvstore_for_url(url, opts or None)[0]
+  return urls.kvstore_for_url(url, opts or None)[0]
 
 
 def test_specs_come_from_the_url(restore_environ, tmp_path, monkeypatch):

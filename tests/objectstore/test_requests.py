@@ -31,6 +31,7 @@ from ckpt.commit import lease as lease_lib
 from ckpt.save import runner as finalize
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
+from ckpt.store import names
 from tests.objectstore import storeutil
 
 _LINE_RE = re.compile(r'"([A-Z]+) (\S+) HTTP/[0-9.]+" (\d{3})')
@@ -186,7 +187,7 @@ def test_a_deleted_step_is_unlisted_before_its_data_goes(
   real = storage_lib.Storage.delete_prefix
 
   def check_first(self, prefix, what):
-    step = storage_lib.parse_step(prefix.split("/")[0])
+    step = names.parse_step(prefix.split("/")[0])
     if step is not None:
       # Whoever lists the steps right now (another process, another job)
       # no longer sees the step whose data is about to go.

@@ -8,6 +8,7 @@ import pytest
 
 import ckpt
 from ckpt.store import storage as storage_lib
+from ckpt.format import entries
 from tests.objectstore import storeutil
 
 
@@ -49,14 +50,13 @@ class _Spy:
 def _edit_index(url: str, step: str, fn) -> None:
   """Rewrites the index of ``step`` under ``url`` through ``fn(doc)`` (its
   leaves as version 1's maps, written back as today's columns)."""
-  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
   from ckpt.format import index_codec  # pylint: disable=g-import-not-at-top
   from tests import sealed  # pylint: disable=g-import-not-at-top
   key = f"{step}/index.msgpack"
   doc = sealed.unpackb(storeutil.read_key(url, key), raw=False)
   doc["leaves"] = index_codec.rows(doc["leaves"])
   fn(doc)
-  doc["leaves"] = index_codec.columns(doc["leaves"], index_lib.KINDS)
+  doc["leaves"] = index_codec.columns(doc["leaves"], entries.KINDS)
   storeutil.write_key(url, key, sealed.packb(doc, use_bin_type=True))
 
 

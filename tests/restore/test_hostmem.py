@@ -12,7 +12,6 @@ import jax
 import numpy as np
 import pytest
 
-import ckpt
 from ckpt.restore import hostmem
 from tests.conftest import named, random_array, sharded
 

@@ -34,6 +34,9 @@ from ckpt.format import index_codec
 from ckpt.restore import transforms as T
 from ckpt.errors import CorruptCheckpointError, TreeMismatchError
 from ckpt.metadata import SavedSharding
+from ckpt.format import entries
+from ckpt.format import inline_values
+from ckpt.format import saved_sharding
 from tests.conftest import AdamState, TrainState, random_array, sharded
 from tests.golden import make_golden
 
@@ -273,7 +276,7 @@ def test_the_saved_kind_of_inline_values_is_recorded():
   """``host`` marks an inline value saved from host numpy; it round-trips
   and is refused where it cannot be (a hostile or broken index)."""
   def entry(**extra):
-    return {"path": ["w"], "kind": "value", "value": index_lib.encode_value(
+    return {"path": ["w"], "kind": "value", "value": inline_values.encode_value(
         np.arange(3, dtype=np.float32), ("w",)), **extra}
   assert index_lib.decode(_index(entry(host=True))).leaves[0].host is True
   assert index_lib.decode(_index(entry())).leaves[0].host is False
@@ -283,7 +286,7 @@ def test_the_saved_kind_of_inline_values_is_recorded():
     with pytest.raises(CorruptCheckpointError, match="host absent, or true"):
       index_lib.decode(_index(bad))
   scalar = {"path": ["w"], "kind": "value", "host": True,
-            "value": index_lib.encode_value(np.float32(1), ("w",))}
+            "value": inline_values.encode_value(np.float32(1), ("w",))}
   with pytest.raises(CorruptCheckpointError, match="host absent, or true"):
     index_lib.decode(_index(scalar))
 
@@ -346,7 +349,7 @@ def test_leaves_a_transform_made_and_values_given_in_memory(make_ckptr, rng):
 def test_an_unrecordable_sharding_asks_for_one(make_ckptr, rng):
   """A mesh beyond what the index records (more than MAX_MESH_AXES axes)
   is kept as text only; a target without a sharding then names the leaf."""
-  names = tuple(f"a{i}" for i in range(index_lib.MAX_MESH_AXES + 1))
+  names = tuple(f"a{i}" for i in range(saved_sharding.MAX_MESH_AXES + 1))
   big = Mesh(np.asarray(jax.devices()[:1]).reshape((1,) * len(names)), names)
   w = random_array(rng, (16, 16))  # over 256 bytes: stored, not inline
   make_ckptr(async_save=False).save(
@@ -454,7 +457,7 @@ def _index(entry: dict) -> bytes:
       "format": "ckpt", "version": index_lib.VERSION, "step": 1, "time": 0.0,
       "storage_format": "zarr", "process_count": 1, "metrics": {},
       "structure": ["dict", "w", 0],
-      "leaves": index_codec.columns([entry], index_lib.KINDS),
+      "leaves": index_codec.columns([entry], entries.KINDS),
       "host_state": None}, use_bin_type=True)
 
 
@@ -587,7 +590,7 @@ def test_the_field_on_key_and_inline_leaves_is_checked():
   with pytest.raises(CorruptCheckpointError, match="at most 1 entries"):
     index_lib.decode(_index(keys))
   value = {"path": ["w"], "kind": "value",
-           "value": index_lib.encode_value(3, ("w",)),
+           "value": inline_values.encode_value(3, ("w",)),
            "saved_sharding": {"mesh_axes": [], "mesh_shape": [], "spec": []}}
   with pytest.raises(CorruptCheckpointError, match="a python value"):
     index_lib.decode(_index(value))

@@ -25,6 +25,7 @@ from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
 from ckpt.restore import transforms as T
 from ckpt.format import tree
+from ckpt.shards import plan
 from tests.conftest import (AdamState, TrainState, mesh, named, random_array,
                             sharded)
 
@@ -401,7 +402,7 @@ def test_stack_layers_on_any_axis_and_unstack_round_trip(rng, axis):
   assert w.shape == want.shape
   assert same_bits(value(w), want)
   # A box that cuts the stacked axis and the others reads just that part.
-  box = lazy.Box(tuple(1 for _ in want.shape), want.shape)
+  box = plan.Box(tuple(1 for _ in want.shape), want.shape)
   got = asyncio.run(w.read_box(box))
   assert same_bits(got, want[box.slices()])
   back = T.unstack_layers(axis=axis)(out)

@@ -31,6 +31,7 @@ from ckpt.format import pack_index
 from ckpt.format import pack_table
 from ckpt.restore import pack_read
 from ckpt.errors import CorruptCheckpointError
+from ckpt.format import entries
 
 
 def _mesh(shape=(2, 4), axes=("data", "model")):
@@ -346,12 +347,12 @@ def _index_doc(entry, version=2):
                         {"node": "dict", "keys": ["x"],
                          "children": [{"leaf": "x"}]}),
           "leaves": ([entry] if version == 1 else
-                     index_codec.columns([entry], index_lib.KINDS)),
+                     index_codec.columns([entry], entries.KINDS)),
           "host_state": None}
 
 
 def test_packed_entry_round_trips_and_hostile_entries_are_refused():
-  e = index_lib.PackedEntry(("x",), (4, 4), "float32", "float32")
+  e = pack_index.PackedEntry(("x",), (4, 4), "float32", "float32")
   doc = e.to_json()
   assert doc["kind"] == "packed" and "relpath" not in doc
   got = index_lib.decode(sealed.packb(_index_doc(doc), use_bin_type=True))
@@ -367,8 +368,8 @@ def test_packed_entry_round_trips_and_hostile_entries_are_refused():
     index_lib.decode(sealed.packb(_index_doc(_entry(), 1),
                                    use_bin_type=True))
   with pytest.raises(CorruptCheckpointError,
-                     match="version 1 or 2 or 3 or 4 or 5"):
-    index_lib.decode(sealed.packb(_index_doc(_entry(), 6),
+                     match="version 1 or 2 or 3 or 4 or 5 or 6"):
+    index_lib.decode(sealed.packb(_index_doc(_entry(), 7),
                                    use_bin_type=True))
   # Version 3: the same leaf, its place in the structure by number.
   got = index_lib.decode(sealed.packb(_index_doc(doc, 3), use_bin_type=True))

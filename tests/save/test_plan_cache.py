@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckpt.format import index as index_lib
 from ckpt.save import plan_cache
 from ckpt.save import leaves as leaves_lib
 from ckpt.errors import InvalidStateError
+from ckpt.format import entries
 from tests.conftest import mesh, named, sharded
 
 
@@ -66,8 +66,8 @@ def _plans_equal(a, b):
   assert a.structure == b.structure
   assert len(a.leaves) == len(b.leaves)
   for x, y in zip(a.leaves, b.leaves):
-    if isinstance(x.entry, index_lib.ValueEntry):
-      assert type(y.entry) is index_lib.ValueEntry
+    if isinstance(x.entry, entries.ValueEntry):
+      assert type(y.entry) is entries.ValueEntry
       assert (x.entry.path, x.entry.prng_impl, x.entry.saved_sharding) == (
           y.entry.path, y.entry.prng_impl, y.entry.saved_sharding)
       assert type(x.entry.value) is type(y.entry.value)

@@ -148,7 +148,7 @@ def test_copies_to_the_host_start_together_within_the_budget(
   before the first one is waited for (transfers of all local devices
   overlap); started and not yet landed never exceeds the budget."""
   events = []
-  plain_start = staging._device_piece  # pylint: disable=protected-access
+  plain_start = staging.device_piece
   plain_land = staging._host_box  # pylint: disable=protected-access
 
   def start(leaf, write):
@@ -159,7 +159,7 @@ def test_copies_to_the_host_start_together_within_the_budget(
     events.append(("land", write.nbytes))
     return plain_land(leaf, write, piece, borrow)
 
-  monkeypatch.setattr(staging, "_device_piece", start)
+  monkeypatch.setattr(staging, "device_piece", start)
   monkeypatch.setattr(staging, "_host_box", land)
   m = mesh()
   # 8 devices x 2 leaves: 16 boxes of 1 MiB; a 4 MiB budget.
@@ -193,7 +193,7 @@ def test_boxes_cut_on_the_device_as_on_an_accelerator(rng, tmp_path,
     cuts.append(device.id)
     return True
 
-  monkeypatch.setattr(staging, "_cut_on_device", cut)
+  monkeypatch.setattr(staging, "cut_on_device", cut)
   m = mesh()
   state = {"w": sharded(random_array(rng, (512, 256)), named(m, "data")),
            "rep": sharded(random_array(rng, (256, 64)), named(m)),

@@ -57,7 +57,7 @@ def test_named_matches_devices_indices_map(mesh_shape, names,
     axes = placement.spec_axes(spec, 2)
     for p in range(8 // devices_per_process):
       info = placement.make_mesh_info(names, ids, ids // devices_per_process, p)
-      got = placement.named(info, axes, shape)
+      got = info.named(axes, shape)
       want = _reference(mesh, spec, shape, devices_per_process, p)
       assert got.unit == want.unit, spec
       assert got.split_elems == want.split_elems, spec
@@ -72,7 +72,7 @@ def test_named_matches_devices_indices_map(mesh_shape, names,
 def test_uneven_shape_and_odd_specs_take_the_generic_path():
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
   info = placement.mesh_info(mesh, 0)
-  assert placement.named(info, placement.spec_axes(("data",), 1), (6,)) is None
+  assert info.named(placement.spec_axes(("data",), 1), (6,)) is None
   assert placement.spec_axes((P.UNCONSTRAINED,), 1) is None
   assert placement.spec_axes(("data", None, None), 2) is None
 
@@ -92,8 +92,8 @@ def test_plan_save_plans_only_this_process_and_matches_the_global_plan():
   for p in range(n):
     info = placement.make_mesh_info(("data", "model"), ids, ids // 2, p)
     for name in specs:
-      pl = placement.named(info, placement.spec_axes(specs[name], len(shapes[name])),
-                           shapes[name])
+      pl = info.named(placement.spec_axes(specs[name], len(shapes[name])),
+                      shapes[name])
       lay = plan.leaf_layout(shapes[name], 4, pl, 1024)
       writes += [(name, w) for w in plan.assign_writes([lay], p)]
   for name, shape in shapes.items():
