@@ -43,6 +43,7 @@ from ckpt.format import seal
 from ckpt.commit import renewal as renewal_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
+from ckpt.save import durable
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
@@ -115,7 +116,9 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
   ckpt/save/reuse.py ``SaveReuse`` (reuse_unchanged=True), or None."""
   pid, n = multihost.process_index(), multihost.process_count()
   step, key = attempt.step, attempt.key
-  step_kvstore = storage.step_spec(attempt.work_dir)
+  # The driver's per-write fsyncs off; synced once below (durable.py).
+  step_kvstore = durable.deferred(plan.options.storage_format,
+                                  storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
   # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
   lease = (renewal_lib.Renewal(storage, step, attempt.token,
@@ -142,9 +145,12 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         await _write_process_file(
             storage, attempt, index_lib.REUSE_DIR, pid,
             reuse.record_file(pid, stats.bytes_written))
-      if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
-        await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
-            os.fspath(storage.root), attempt.work_dir))
+      if storage.is_posix:
+        work = os.path.join(os.fspath(storage.root), attempt.work_dir)
+        await asyncio.to_thread(durable.sync_written, plan, step_kvstore,
+                                work, pid, n)
+        if not plan.borrow:  # async: polite (polite.py)
+          await asyncio.to_thread(polite.drop_cached_pages, work)
     except Exception as e:  # told to every process at the barrier below
       error = e
     # Awaited even after a failure: past the barrier this process writes
