@@ -136,21 +136,28 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     try:
       if reuse is not None:  # is the step linked from still ours?
         await asyncio.to_thread(reuse.check_source)
-      sums = await save_lib.write_owned(plan, step_kvstore, context,
-                                        ByteLimiter(budget), stats, on_staged,
-                                        reuse)
+      syncer = (durable.Syncer.start(
+          plan, step_kvstore, os.path.join(os.fspath(storage.root),
+                                           attempt.work_dir), pid, n)
+                if storage.is_posix else None)
+      try:
+        sums = await save_lib.write_owned(
+            plan, step_kvstore, context, ByteLimiter(budget), stats,
+            on_staged, reuse, syncer and syncer.written)
+        if syncer is not None:  # durable before the "written" barrier
+          await asyncio.to_thread(syncer.finish)
+      finally:
+        if syncer is not None:
+          syncer.close()
       if reuse is not None:  # and still, now that every link is made?
         await asyncio.to_thread(reuse.check_source)
         stats.chunks_reused = reuse.chunks_reused
         await _write_process_file(
             storage, attempt, index_lib.REUSE_DIR, pid,
             reuse.record_file(pid, stats.bytes_written))
-      if storage.is_posix:
-        work = os.path.join(os.fspath(storage.root), attempt.work_dir)
-        await asyncio.to_thread(durable.sync_written, plan, step_kvstore,
-                                work, pid, n)
-        if not plan.borrow:  # async: polite (polite.py)
-          await asyncio.to_thread(polite.drop_cached_pages, work)
+      if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
+        await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
+            os.fspath(storage.root), attempt.work_dir))
     except Exception as e:  # told to every process at the barrier below
       error = e
     # Awaited even after a failure: past the barrier this process writes
