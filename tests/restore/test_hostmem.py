@@ -130,3 +130,66 @@ def test_auto_follows_the_machine(huge_pages):
   assert hostmem.use_huge_pages()
   hostmem.HUGE_PAGES = False
   assert not hostmem.use_huge_pages()
+
+
+class _Clock:
+  """A thread clock whose probes cost ``cost_s`` each."""
+
+  def __init__(self, cost_s: float):
+    self.cost_s, self.now = cost_s, 0.0
+
+  def __call__(self) -> float:
+    self.now += self.cost_s / 2
+    return self.now
+
+
+def _address(m) -> int:
+  view = np.frombuffer(m, np.uint8)
+  return view.ctypes.data
+
+
+@needs_smaps
+def test_a_cheap_probe_keeps_huge_pages_for_the_whole_buffer():
+  chooser = hostmem._Chooser(_Clock(0.0))  # pylint: disable=protected-access
+  m = chooser.allocate(16 << 20)
+  base = _address(m)
+  for offset in (0, 8 << 20, (16 << 20) - 1):
+    assert "hg" in _vm_flags(base + offset), offset
+  assert (chooser.probes, chooser.slow) == (1, 0)
+  assert chooser.huge_bytes == 16 << 20 and chooser.base_bytes == 0
+
+
+@needs_smaps
+def test_a_slow_probe_gives_base_pages_to_the_rest_and_the_next_buffers(
+    monkeypatch):
+  monkeypatch.setattr(hostmem, "BASE_BYTES", 24 << 20)
+  chooser = hostmem._Chooser(  # pylint: disable=protected-access
+      _Clock(10 * hostmem.SLOW_HUGE_FAULT_S))
+  first = chooser.allocate(16 << 20)
+  base = _address(first)
+  probed = base + (-base % (2 << 20))  # the huge page the probe touched
+  assert "hg" in _vm_flags(probed)
+  assert "nh" in _vm_flags(probed + (2 << 20))
+  assert "nh" in _vm_flags(base + (16 << 20) - 1)
+  assert (chooser.probes, chooser.slow) == (1, 1)
+  # The next 24 MiB of buffers: base pages, no probe.
+  for _ in range(3):
+    m = chooser.allocate(8 << 20)
+    assert "nh" in _vm_flags(_address(m))
+  assert chooser.probes == 1
+  chooser.allocate(8 << 20)  # then a probe again
+  assert (chooser.probes, chooser.slow) == (2, 2)
+
+
+def test_auto_probes_buffers_on_a_reporting_machine(huge_pages, monkeypatch):
+  """HUGE_PAGES None on a machine that reports: every large buffer goes
+  through the probe; its bytes are written and read back intact."""
+  hostmem.HUGE_PAGES = None
+  monkeypatch.setattr(hostmem, "_machine_reports_huge_pages", lambda: True)
+  chooser = hostmem._Chooser()  # pylint: disable=protected-access
+  monkeypatch.setattr(hostmem, "CHOOSER", chooser)
+  data = hostmem.aligned_empty((1024, 2048), np.float32, 64)
+  data[...] = 1.5
+  assert chooser.probes + chooser.base_bytes // (8 << 20) >= 1
+  assert chooser.huge_bytes + chooser.base_bytes >= data.nbytes
+  np.testing.assert_array_equal(data, np.full((1024, 2048), 1.5, np.float32))
