@@ -119,39 +119,48 @@ class _Chooser:
     self._base_left = 0
     self.probes = self.slow = self.huge_bytes = self.base_bytes = 0
 
-  def allocate(self, size: int) -> mmap.mmap:
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  def allocate(self, size: int) -> tuple[mmap.mmap, int]:
+    """A mapping of at least ``size`` bytes (a multiple of the page size)
+    and the offset of the buffer in it: a huge page's boundary when huge
+    pages were tried (a 4 MiB buffer is then two huge pages, not one and
+    2 MiB of base pages)."""
     with self._lock:
       probe = self._base_left <= 0
       if not probe:
         self._base_left -= size
         self.base_bytes += size
     if not probe:
+      m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
       m.madvise(_MADV_NOHUGEPAGE)
-      return m
+      return m, 0
+    # Room to start on a huge page's boundary (address space only: pages
+    # never touched cost nothing).
+    m = mmap.mmap(-1, size + _HUGE_PAGE - mmap.PAGESIZE,
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     m.madvise(_MADV_HUGEPAGE)
     view = np.frombuffer(m, np.uint8)
-    first = -view.ctypes.data % _HUGE_PAGE  # the first aligned huge page
-    if first + _HUGE_PAGE > size:
+    first = -view.ctypes.data % _HUGE_PAGE
+    end = first + size
+    if size < _HUGE_PAGE:
       del view
-      return m
+      return m, first
     start = self._clock()
     view[first] = 0  # faults in (and zeroes) the whole huge page
     slow = self._clock() - start > SLOW_HUGE_FAULT_S
     del view
-    if slow:  # what follows it gets base pages
-      m.madvise(_MADV_NOHUGEPAGE, first + _HUGE_PAGE,
-                size - first - _HUGE_PAGE)
+    rest = first + _HUGE_PAGE
+    if slow and end > rest:  # what follows it gets base pages
+      m.madvise(_MADV_NOHUGEPAGE, rest, len(m) - rest)
     with self._lock:
       self.probes += 1
       if slow:
         self.slow += 1
         self._base_left = BASE_BYTES
-        self.base_bytes += size - first - _HUGE_PAGE
-        self.huge_bytes += first + _HUGE_PAGE
+        self.base_bytes += max(0, end - rest)
+        self.huge_bytes += min(size, _HUGE_PAGE)
       else:
         self.huge_bytes += size
-    return m
+    return m, first
 
 
 CHOOSER = _Chooser()
@@ -165,12 +174,13 @@ def empty(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, np.uint8)
   size = math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
   if HUGE_PAGES is None:
-    m = CHOOSER.allocate(size)
+    m, offset = CHOOSER.allocate(size)
   else:
-    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m, offset = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE
+                          | mmap.MAP_ANONYMOUS), 0
     m.madvise(_MADV_NOHUGEPAGE)
   # The array's base keeps the mapping alive; it is unmapped with it.
-  return np.frombuffer(m, np.uint8, count=nbytes)
+  return np.frombuffer(m, np.uint8, count=nbytes, offset=offset)
 
 
 def aligned_empty(shape: Sequence[int], dtype, alignment: int) -> np.ndarray:

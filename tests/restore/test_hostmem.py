@@ -132,6 +132,14 @@ def test_auto_follows_the_machine(huge_pages):
   assert not hostmem.use_huge_pages()
 
 
+def _thp_enabled() -> bool:
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      return "[never]" not in f.read()
+  except OSError:
+    return False
+
+
 class _Clock:
   """A thread clock whose probes cost ``cost_s`` each."""
 
@@ -143,20 +151,41 @@ class _Clock:
     return self.now
 
 
-def _address(m) -> int:
+def _address(allocated) -> int:
+  m, offset = allocated
   view = np.frombuffer(m, np.uint8)
-  return view.ctypes.data
+  return view.ctypes.data + offset
+
+
+def _anon_huge_kb(address: int) -> int:
+  """AnonHugePages of the mapping that holds ``address`` (kB)."""
+  inside = False
+  with open("/proc/self/smaps") as f:
+    for line in f:
+      head = line.split()[0]
+      if "-" in head and not head.endswith(":"):
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo <= address < hi
+      elif inside and line.startswith("AnonHugePages:"):
+        return int(line.split()[1])
+  raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @needs_smaps
 def test_a_cheap_probe_keeps_huge_pages_for_the_whole_buffer():
   chooser = hostmem._Chooser(_Clock(0.0))  # pylint: disable=protected-access
-  m = chooser.allocate(16 << 20)
-  base = _address(m)
-  for offset in (0, 8 << 20, (16 << 20) - 1):
+  allocated = chooser.allocate((4 << 20) + 4096)  # a 4 MiB box and its slack
+  base = _address(allocated)
+  assert base % (2 << 20) == 0  # on a huge page's boundary
+  for offset in (0, 2 << 20, 4 << 20):
     assert "hg" in _vm_flags(base + offset), offset
   assert (chooser.probes, chooser.slow) == (1, 0)
-  assert chooser.huge_bytes == 16 << 20 and chooser.base_bytes == 0
+  assert chooser.huge_bytes == (4 << 20) + 4096 and chooser.base_bytes == 0
+  # Written whole, the 4 MiB are two huge pages where the kernel has them.
+  view = np.frombuffer(allocated[0], np.uint8)[allocated[1]:]
+  view[:4 << 20:4096] = 1
+  if _thp_enabled():
+    assert _anon_huge_kb(base) >= 4096
 
 
 @needs_smaps
@@ -166,11 +195,11 @@ def test_a_slow_probe_gives_base_pages_to_the_rest_and_the_next_buffers(
   chooser = hostmem._Chooser(  # pylint: disable=protected-access
       _Clock(10 * hostmem.SLOW_HUGE_FAULT_S))
   first = chooser.allocate(16 << 20)
-  base = _address(first)
-  probed = base + (-base % (2 << 20))  # the huge page the probe touched
+  probed = _address(first)  # the huge page the probe touched
+  assert probed % (2 << 20) == 0
   assert "hg" in _vm_flags(probed)
   assert "nh" in _vm_flags(probed + (2 << 20))
-  assert "nh" in _vm_flags(base + (16 << 20) - 1)
+  assert "nh" in _vm_flags(probed + (16 << 20) - 1)
   assert (chooser.probes, chooser.slow) == (1, 1)
   # The next 24 MiB of buffers: base pages, no probe.
   for _ in range(3):
