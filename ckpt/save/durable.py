@@ -3,18 +3,20 @@
 TensorStore's file driver, left to itself, makes every write durable on its
 own: it writes the chunk into a temporary file, fsyncs it, renames it over
 the chunk's name and fsyncs the directory, so a save of N chunk files paid
-about 2N fsyncs, each a journal commit on its own (measured with
-``strace -f -c -e trace=fsync`` on ``transformer_dp``: 2.5 per file, the
-sync save 1.56x the raw write of the same bytes). The commit then fsynced
-every directory of the attempt once more.
+about 2N fsyncs, and the commit fsynced every directory of the attempt once
+more. ``strace -f -c -e trace=fsync`` of one sync save of
+``transformer_dp`` (1030 files, 270 directories): 2328 fsyncs, 47.9 s of
+them summed over the threads; with this module 1304 (each file and
+directory once, the root and the lease), 4.1 s.
 
 Formats "zarr" and "zarr3" on a local file system write with the driver's
 sync off (``deferred``); each process fsyncs every file it wrote, each once,
 on several threads, as each write finishes (``Syncer``: the disk writes a
 box back while the next ones are written, as with the driver's sync; all
-of them at the end took 3.5 s more for 1025 files), and waits for them
-before the "written" barrier. The commit (ckpt/commit/protocol.py) then fsyncs every directory of the attempt
-once, the index and the marker, renames, and fsyncs the root. The order
+of them at the end took 2.3-3.5 s more for those 1030 files), and waits for
+them before the "written" barrier. The commit (ckpt/commit/protocol.py)
+then fsyncs every directory of the attempt once, the index and the marker,
+renames, and fsyncs the root. The order
 after a power loss is the one the driver's own fsyncs gave: no step is
 renamed into place before all of its files and directory entries are on
 disk, and nothing of an attempt that was not renamed is ever read.
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-from typing import Any, Iterable
+from typing import Any
 
 from ckpt.format import pack_index
 from ckpt.format import tsspec
