@@ -2,66 +2,59 @@
 
 Concurrency model (the only one in ckpt): the API is synchronous; inside,
 one asyncio event loop runs on one background thread owned by the
-Checkpointer. Every TensorStore call, barrier and retention step of a save
-runs there. At most one save is in flight: ``save`` first waits for the
-previous one's commit (not for its retention). ``save`` returns when its
-data is staged on the host (async mode) or when it is committed
-(``async_save=False``). A failure on the background thread is stored and
-re-raised by the next ``save``, ``wait_until_finished`` or ``close``.
+Checkpointer (ckpt/face/loop.py). Every TensorStore call, barrier and
+retention step of a save runs there. At most one save is in flight
+(ckpt/face/inflight.py): ``save`` first waits for the previous one's commit
+(not for its retention). ``save`` returns when its data is staged on the
+host (async mode) or when it is committed (``async_save=False``). A failure
+on the background thread is stored and re-raised by the next ``save``,
+``wait_until_finished`` or ``close``.
 
 Every collective call (save, restore, restore_async, delete, cancel)
 starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
-The bodies of the larger calls are in ckpt/calls_save.py,
-ckpt/calls_inflight.py, ckpt/calls_restore.py and ckpt/calls_lifecycle.py.
+Built from parts that own their state (ckpt/face/: BackgroundLoop,
+InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries) to which each
+public method hands its call; the query methods are in ckpt/query_calls.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import hashlib
-import json
 import os
-import threading
 import time
 from typing import Any, Callable, Sequence
 
-from ckpt.commit import protocol as commit_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
-from ckpt.save import runner as finalize
-from ckpt.commit import retention_pass
 from ckpt.multihost import process as multihost
-from ckpt.save import plan_cache
 from ckpt.save import schedule as schedule_lib
 from ckpt.save import reuse as reuse_lib
-from ckpt import calls_inflight
-from ckpt import calls_lifecycle
-from ckpt import calls_restore
-from ckpt import calls_save
-from ckpt import queries
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import known as known_lib
+from ckpt.face import loop as loop_lib
+from ckpt.face import queries as queries_lib
+from ckpt.face import restorer as restorer_lib
+from ckpt.face import rounds as rounds_lib
+from ckpt.face import saver as saver_lib
+from ckpt import query_calls
 from ckpt.restore import handle as handle_lib
 from ckpt.restore import readonce
-from ckpt.store import storemeter
 from ckpt.save import leaves as save_leaves
-from ckpt.save import write as save_lib
 from ckpt.store import storage as storage_lib
 from ckpt.format import tsspec
 from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
 from ckpt.commit.retention import RetentionPolicy
 
 DEFAULT_CONCURRENT_BYTES = 1 << 30
-_UNKNOWN = queries.UNKNOWN  # Checkpointer._newest before a listing
 # Bounds of whole operations against a store that stops answering
 # (ckpt/store/deadline.py): a save (and its retention pass), and a query.
 DEFAULT_SAVE_TIMEOUT_S = 120.0
 DEFAULT_QUERY_TIMEOUT_S = 60.0
+_READ_THROUGH = {"last_save_stats": "_saver", "last_restore_stats": "_restorer",
+                 "last_restore_step": "_restorer"}
 
 
-class Checkpointer(queries.Queries, calls_save.SaveCalls,
-                   calls_inflight.InFlight, calls_restore.RestoreCalls,
-                   calls_lifecycle.Lifecycle):
+class Checkpointer(query_calls.QueryCalls):
   """Saves and restores sharded JAX PyTrees under one directory.
 
   Args:
@@ -102,8 +95,8 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
       time). Default False: each chunk's crc32c is recorded at save and
       every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
-    reuse_unchanged: chunks equal to this Checkpointer's last committed
-      step's are hard-linked, not written (docs/format.md; POSIX, zarr/zarr3).
+    reuse_unchanged: unchanged chunks are hard-linked (disk) or their leaf
+      held by the earlier step (bucket), not written (docs/format.md).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (docs/multi-host.md):
       a process 0 that stops answering (frozen, stopped, dead) makes the
@@ -149,97 +142,78 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                reuse_unchanged: bool = False,
                barrier_timeout_s: float = multihost.DEFAULT_TIMEOUT_S,
-               lease_s: float = commit_lib.DEFAULT_LEASE_S,
+               lease_s: float = lease_lib.DEFAULT_LEASE_S,
                read_once: bool | None = None,
                save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
                query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S):
-    self._clock = clock if clock is not None else time.time
+    clock = clock if clock is not None else time.time
     self.policy = RetentionPolicy(
         keep, keep_period, best_metric, best_mode,
         keep_checkpoints_without_metrics, best_fn=best_fn,
         keep_time_interval=keep_time_interval,
-        keep_time_window=keep_time_window, clock=self._clock)
+        keep_time_window=keep_time_window, clock=clock)
     self.schedule = schedule_lib.SaveSchedule.of(
         save_interval_steps, save_on_steps, should_save_fn)
     self.save_interval_steps = self.schedule.interval  # Orbax's attributes
     self.save_on_steps = self.schedule.on_steps
     self.should_save_fn = self.schedule.fn
-    # The step of the last save of this Checkpointer (agreed: saves are
-    # collective), or the newest committed one before it; should_save_fn's
-    # second argument. _UNKNOWN until asked.
-    self._last_saved: Any = _UNKNOWN
-    # The step of this Checkpointer's last committed save, and the last one
-    # whose retention pass is known done (process 0 signals it: the other
-    # processes' queries wait for it, Queries._list_steps).
-    self._committed_save: int | None = None
-    self._retained: int | None = None
-    # The attempt of the save in flight (cancel() removes it).
-    self._attempt: finalize.Attempt | None = None
-    self._task: asyncio.Task | None = None
-    # Agreed facts the skip decision of save() rests on, the same on every
-    # process: the step reached_preemption said True for, and whether the
-    # directory holds a checkpoint (None: not asked yet).
-    self._preemption_step: int | None = None
-    self._has_checkpoint: bool | None = None
     if int(concurrent_bytes) <= 0:
       raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
-    self._options = save_leaves.SaveOptions(
-        storage_format=tsspec.check_format(format),
-        codec=tsspec.Codec(compression, checksum=tsspec.chunk_checksum(
-            format, chunk_checksums)), chunk_bytes=int(chunk_bytes),
-        save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes))
-    self.restore_dtype = restore_dtype
-    readonce.min_replicas(read_once, "")  # validates it
-    self.read_once = read_once
-    self.last_restore_stats = readonce.RestoreStats()
-    self.last_restore_step: int | None = None  # whose data came back
-    self.concurrent_bytes = int(concurrent_bytes)
-    self.async_save = async_save
-    self.partitioner = partitioner
-    # The last save's plan, reused while the state keeps its layout.
-    self._plan_cache = plan_cache.PlanCache()
-    self.barrier_timeout_s = barrier_timeout_s
-    self._readonce_key: str | None = None  # the last read-once restore's
-    # Read-once lazy leaves' rounds (made by the first restore needing them).
-    self._lazy_rounds: readonce.LazyRounds | None = None
-    self._pending_restore: handle_lib.RestoreHandle | None = None
     if not float(lease_s) > 0:
       raise ValueError(f"lease_s must be positive, got {lease_s!r}")
-    self.lease_s = float(lease_s)
+    readonce.min_replicas(read_once, "")  # validates it
+    timeouts = rounds_lib.Timeouts.of(barrier_timeout_s, save_timeout_s,
+                                      query_timeout_s)
+    save = saver_lib.SaveSettings(
+        options=save_leaves.SaveOptions(
+            storage_format=tsspec.check_format(format),
+            codec=tsspec.Codec(compression, checksum=tsspec.chunk_checksum(
+                format, chunk_checksums)), chunk_bytes=int(chunk_bytes),
+            save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes)),
+        concurrent_bytes=int(concurrent_bytes), async_save=async_save,
+        partitioner=partitioner, lease_s=float(lease_s), clock=clock)
+    restore = restorer_lib.RestoreSettings(
+        restore_dtype=restore_dtype, read_once=read_once,
+        concurrent_bytes=int(concurrent_bytes),
+        storage_options=storage_options)
+    # The options as given (Orbax's attributes; read, not changed, here).
+    self.restore_dtype, self.read_once = restore_dtype, read_once
+    self.concurrent_bytes = save.concurrent_bytes
+    self.async_save, self.partitioner = async_save, partitioner
+    self.barrier_timeout_s, self.lease_s = barrier_timeout_s, save.lease_s
+    self.save_timeout_s, self.query_timeout_s = timeouts.save_s, timeouts.query_s
+    self.storage = deadline_lib.call(
+        timeouts.query_deadline(), storage_lib.Storage, directory,
+        storage_options)
+    reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format)
+    # The parts (ckpt/face/), each the owner of its state.
+    self._rounds = rounds_lib.Rounds(self.storage.spec, self.storage.url,
+                                     timeouts)
+    self._inflight = inflight_lib.InFlightSave()
+    self._known = known_lib.KnownSteps(self.storage, self.policy,
+                                       self._inflight, self._rounds)
+    self._loop = loop_lib.BackgroundLoop("Checkpointer", on_exit=self.close)
     # What this Checkpointer's cleanups saw of other attempts' leases (the
     # clock that dates them on object stores: ckpt/commit/lease.py).
     self.lease_seen = lease_lib.Sightings()
-    self._storage_options = storage_options
-    self.save_timeout_s = deadline_lib.check_bound("save_timeout_s",
-                                                   save_timeout_s)
-    self.query_timeout_s = deadline_lib.check_bound("query_timeout_s",
-                                                    query_timeout_s)
-    self.storage = deadline_lib.call(
-        self._query_deadline(), storage_lib.Storage, directory,
-        storage_options)
-    self._context = self.storage.context()
-    self._reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format)
-    # Coordination keys name the directory, so every process derives the
-    # same ones from what it was given (see multihost.call_key).
-    self._key_base = "dir-" + hashlib.sha1(json.dumps(
-        self.storage.spec, sort_keys=True).encode()).hexdigest()[:16]
-    self._listed: tuple[list[int], float] | None = None  # (steps, when)
-    self._metrics_cache: dict[int, dict[str, float]] = {}
-    self._time_cache: dict[int, float] = {}
-    self._said_no_root = False  # a missing root is logged once (INFO)
-    self._lock = threading.Lock()
-    self._inflight: concurrent.futures.Future | None = None
-    self._inflight_step: int | None = None
-    # Process 0: the newest committed step (-1: none; _UNKNOWN: list to
-    # know), and what it will be once the save in flight commits; a save's
-    # refusal of a lower step rests on them (see _newest_bound).
-    self._newest: Any = _UNKNOWN
-    self._after_commit: Any = _UNKNOWN
-    self._retention = retention_pass.Retention(
-        self.storage, self.policy, self._read_metrics, self._read_time,
-        timeout_s=self.save_timeout_s, on_done=self._retention_done)
-    self.last_save_stats = save_lib.SaveStats()
-    self._start_loop()
+    self._saver = saver_lib.Saver(save, self.storage, reuser, self._rounds,
+                                  self._known, self._inflight, self._loop,
+                                  lambda: self.lease_seen)
+    self._restorer = restorer_lib.Restorer(
+        restore, self.storage, self._rounds, self._known, self._inflight,
+        self._loop)
+    self._queries = queries_lib.Queries(
+        self.storage, self.policy, self.schedule, self._known, self._rounds,
+        self._inflight, self._loop)
+
+  def __getattr__(self, name: str) -> Any:
+    """``last_save_stats``, ``last_restore_stats``, ``last_restore_step``:
+    the Saver's and the Restorer's (read through, as attributes)."""
+    part = _READ_THROUGH.get(name)
+    if part is None or part not in self.__dict__:
+      raise AttributeError(
+          f"'Checkpointer' object has no attribute {name!r}")
+    return getattr(self.__dict__[part], name)
 
   # ---- save -------------------------------------------------------------
 
@@ -307,9 +281,27 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     Collective: every process of the job calls it, in the same order as its
     other collective calls.
     """
-    return self._save(step, state, metrics=metrics, transforms=transforms,
-                      host_state=host_state, force=force,
-                      custom_metadata=custom_metadata, progress=progress)
+    step = rounds_lib.check_step(step)
+    refused = rounds_lib.failure_of(lambda: self._loop.enter(step))
+    try:
+      if not force and not self._queries.should_save(step, agreed=True):
+        # should_save decided from agreed facts only (no I/O and no round,
+        # but for its one first-step round). A skip does not wait for the
+        # save in flight either, so its failure comes from the next save
+        # that writes (the same one on every process).
+        return False
+      return self._saver.save(
+          step, state, refused, lambda: self._check_save(step), metrics=metrics,
+          transforms=transforms, host_state=host_state,
+          custom_metadata=custom_metadata, progress=progress)
+    finally:
+      if refused is None:  # a close() begun meanwhile waits for it
+        self._loop.leave()
+
+  def _check_save(self, step: int) -> None:
+    """This process's own checks of a save (its failure joins the round)."""
+    self._loop.check_open()
+    self._restorer.check_no_pending(f"save({step})")
 
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the
@@ -320,7 +312,14 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     by then; the save is not cancelled and stays tracked. Not collective:
     each process waits for its own part.
     """
-    self._wait_all(timeout)
+    if timeout is not None and not float(timeout) >= 0:
+      raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + float(timeout)
+    self._inflight.wait(timeout)
+    self._known.wait_for_retention(
+        self._loop,
+        None if deadline is None else max(0.0, deadline - time.monotonic()),
+        timeout)
 
   def check_for_errors(self) -> None:
     """Raises the failure of the last background save now, if it has
@@ -329,10 +328,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     ``wait_until_finished``, the next ``save`` or ``close`` comes first.
     Not collective: each process checks its own save (all processes'
     saves fail together: the failure travels with the save's barriers)."""
-    with self._lock:
-      fut = self._inflight
-    if fut is not None and fut.done():
-      self._wait_for_save()
+    self._inflight.check()
 
   def cancel(self) -> bool:
     """Abandons the save in flight on every process and removes its
@@ -348,7 +344,12 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     Checkpointer takes the next save as usual. Retention of an earlier
     save goes on (``wait_until_finished`` waits for it).
     """
-    return self._cancel()
+    cancelled = self._inflight.cancel(self._loop, self._rounds, self.storage,
+                                      self.lease_s)
+    self._known.forget_newest()
+    if cancelled:
+      self._known.cancelled()  # the step was not saved
+    return cancelled
 
   def is_saving_in_progress(self) -> bool:
     """True while the last save is not yet committed (or failed) on this
@@ -357,9 +358,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
 
     Never raises.
     """
-    with self._lock:
-      fut = self._inflight
-    return fut is not None and not fut.done()
+    return self._inflight.running()
 
   # ---- restore ----------------------------------------------------------
 
@@ -412,15 +411,10 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     (the latest, or checks that all asked for the same one) and every
     process restores that step.
     """
-    # Both keys first: nothing below may shift them on one process only.
-    read_key = self._read_key()
-    key = multihost.call_key(self._key_base, "readonce")  # every restore
-    t_start = time.perf_counter()
-    meter = storemeter.Meter()  # bytes fetched from the store, this process
-    with meter:
-      return self._restore(step, target, path, transforms, fallback_state,
-                           lazy, verify, read_once, read_key, key, t_start,
-                           meter, progress)
+    return self._restorer.restore(step, dict(
+        target=target, path=path, transforms=transforms,
+        fallback_state=fallback_state, lazy=lazy, verify=verify,
+        read_once=read_once, progress=progress))
 
   def restore_async(self, step: int | None = None, *, target: Any = None,
                     path: str | None = None,
@@ -447,12 +441,10 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     written or agreed); ``close()`` cancels the reads (``result()`` then
     raises ``CheckpointError``).
     """
-    read_key = self._read_key()
-    key = multihost.call_key(self._key_base, "readonce")  # every restore
-    return self._restore_async(step, target, path, transforms, fallback_state,
-                               lazy, verify, read_once, read_key, key,
-                               time.perf_counter(), storemeter.Meter(),
-                               progress)
+    return self._restorer.restore(step, dict(
+        target=target, path=path, transforms=transforms,
+        fallback_state=fallback_state, lazy=lazy, verify=verify,
+        read_once=read_once, progress=progress), start=True)
 
   # ---- preemption -------------------------------------------------------
 
@@ -475,7 +467,7 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
     preemption sync point: call it at every step on every process).
     """
     if multihost.reached_preemption_sync_point(step):
-      self._preemption_step = step  # should_save(step) is True for it
+      self._queries.note_preemption(step)  # should_save(step) is True
       return True
     return False
 
@@ -491,7 +483,10 @@ class Checkpointer(queries.Queries, calls_save.SaveCalls,
 
     Collective when a save is in flight (it waits at that save's barriers).
     """
-    return self._close()
+    def before_stop():
+      self._restorer.cancel_pending("close() was called before its result()")
+      self.wait_until_finished()
+    self._loop.close(before_stop)
 
   def __enter__(self) -> "Checkpointer":
     return self

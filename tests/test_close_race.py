@@ -1,4 +1,4 @@
-"""close() racing save() on another thread (ckpt/calls_lifecycle.py).
+"""close() racing save() on another thread (ckpt/face/loop.py).
 
 A save held at a known point (inside a save transform, before anything is
 written) while another thread calls close(): close waits for that save,

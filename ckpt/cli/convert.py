@@ -99,8 +99,8 @@ def iter_leaves(storage: storage_lib.Storage, step_dir: str,
   """(leaf path, value) in index order, each read when the caller asks:
   arrays as numpy, inline leaves as saved (python or numpy values); typed
   PRNG keys as their key data (uint32), which is what other formats hold."""
-  leaves = restore_lib.checkpoint_leaves(
-      index, storage.step_spec(step_dir), storage.context(), budget)
+  leaves = restore_lib.step_leaves(
+      index, storage, step_dir, storage.context(), budget)
   total = sum(leaf_nbytes(e) for e in index.leaves)
   done = 0
   for e in index.leaves:

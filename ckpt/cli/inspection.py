@@ -111,8 +111,16 @@ def reuse_summary(storage, step_dir: str, index: index_lib.Index
       reused[src] = reused.get(src, 0) + n
   if not found:
     return None
+  held = {}  # a bucket: the arrays held by earlier steps (index version 6)
+  for e in index.leaves:
+    if getattr(e, "held_by", None) is not None:
+      n = int(np.prod(e.shape, dtype=np.int64)) * np.dtype(e.dtype).itemsize
+      held[e.held_by[0]] = held.get(e.held_by[0], 0) + n
+  if held:  # by the step that holds them, not the one compared with
+    reused = held
   return {"own_bytes": own, "reused_bytes": sum(reused.values()),
           "reused_from": {str(s): n for s, n in sorted(reused.items())},
+          "how": "held by reference" if held else "hard links",
           "unknown_processes": unknown}
 
 
@@ -120,7 +128,7 @@ def _reuse_text(r: dict[str, Any]) -> str:
   src = ", ".join(f"{human_bytes(n)} from step {s}"
                   for s, n in r["reused_from"].items())
   text = (f"stored    {human_bytes(r['own_bytes'])} its own, " +
-          (f"{human_bytes(r['reused_bytes'])} reused ({src}, hard links)"
+          (f"{human_bytes(r['reused_bytes'])} reused ({src}, {r['how']})"
            if src else "nothing reused"))
   if r["unknown_processes"]:
     text += f"; no record of process(es) {r['unknown_processes'][:10]}"

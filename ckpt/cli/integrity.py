@@ -49,8 +49,8 @@ class Problem:
 async def _verify(storage: storage_lib.Storage, step_dir: str, budget: int,
                   progress: Callable[[int, int], None] | None) -> list[Problem]:
   index = await asyncio.to_thread(restore_lib.read_index, storage, step_dir)
-  leaves = restore_lib.checkpoint_leaves(
-      index, storage.step_spec(step_dir), storage.context(), budget)
+  leaves = restore_lib.step_leaves(
+      index, storage, step_dir, storage.context(), budget)
   await checksums.attach(leaves, storage, step_dir, index)
   arrays = [v for v in leaves.values()
             if isinstance(v, (lazy.LazyArray, pack_read.LazyPacked))]

@@ -31,7 +31,7 @@ from ckpt.cli import export as export_lib
 from ckpt.cli.cleanup import DEFAULT_TMP_MIN_AGE_S, cmd_gc
 from ckpt.cli.inspection import cmd_inspect, cmd_verify
 from ckpt.cli.listing import cmd_ls
-from ckpt.cli.transfer import cmd_export, cmd_import
+from ckpt.cli.transfer import cmd_detach, cmd_export, cmd_import
 from ckpt.cli.usage import EXIT_FAIL, EXIT_OK
 from ckpt.errors import CheckpointError
 
@@ -167,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--compression", choices=("zstd",),
                  help="--to orbax: compress chunks (default: raw)")
   p.set_defaults(func=cmd_export)
+
+  p = sub.add_parser("detach", parents=[common],
+                     help="make one step of a bucket self-contained: copy "
+                     "the arrays it holds by reference from earlier steps "
+                     "(reuse_unchanged=True)")
+  p.add_argument("dir", metavar="DIR")
+  p.add_argument("--step", type=_non_negative, help="default: the latest")
+  p.set_defaults(func=cmd_detach)
 
   p = sub.add_parser("import", parents=[common],
                      help="save an Orbax checkpoint (every item) or "

@@ -195,8 +195,8 @@ async def _copy_arrays(storage, step_dir: str, index: index_lib.Index,
                        context: ts.Context, opts: _Copy,
                        report: OrbaxExportReport) -> None:
   """Every array and scalar, box by box, under one byte limiter."""
-  source = restore_lib.checkpoint_leaves(
-      index, storage.step_spec(step_dir), storage.context(), opts.budget)
+  source = restore_lib.step_leaves(
+      index, storage, step_dir, storage.context(), opts.budget)
   if opts.verify:  # every read checks what it reads (restore/verified.py)
     await checksums.attach(source, storage, step_dir, index)
   db = {**ocdbt.database(item_spec), "config": _OCDBT_CONFIG,

@@ -9,6 +9,9 @@ import ctypes
 import os
 
 from ckpt.cli import convert
+from ckpt.cli.listing import open_root
+from ckpt.commit import held
+from ckpt.commit import steps as steps_lib
 from ckpt.cli import export as export_lib
 from ckpt.cli import orbax_export
 from ckpt.cli.output import Progress, emit, human_bytes
@@ -50,6 +53,25 @@ def cmd_export(args) -> int:
     lines.append(f"{len(report.values)} non-array leaves kept in the header "
                  f"metadata ({convert.VALUES_KEY}): {_some(report.values)}")
   emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK
+
+
+def cmd_detach(args) -> int:
+  """``ckpt detach DIR --step N``: the step holds its own copy of every
+  array it held by reference (reuse_unchanged=True on a bucket)."""
+  storage = open_root(args, args.dir)
+  step = args.step
+  if step is None:
+    step = steps_lib.committed_steps(storage)[-1:] or [None]
+    step = step[0]
+    if step is None:
+      raise UsageError(f"{args.dir} holds no committed checkpoint")
+  copied = held.detach(storage, step)
+  text = (f"step {step}: copied " + ", ".join(
+      f"{human_bytes(n)} held by step {s}" for s, n in sorted(copied.items()))
+          if copied else f"step {step} holds nothing by reference")
+  emit(args, {"step": step, "copied": {str(s): n for s, n in copied.items()}},
+       text)
   return EXIT_OK
 
 

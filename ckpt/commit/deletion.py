@@ -26,6 +26,7 @@ import re
 
 from absl import logging
 
+from ckpt.commit import held
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CorruptCheckpointError
@@ -133,7 +134,17 @@ def _drop(storage: storage_lib.Storage, step: int,
   what = f"step {step}"
   step_name = storage_lib.step_dirname(step)
   if target[1]:
-    storage.delete_prefix(f"{step_name}/{target[1]}/", what)
+    # What later steps hold here stays (ckpt/commit/held.py); the arrays
+    # this step held elsewhere are swept once it is gone, its index last.
+    where = f"{step_name}/{target[1]}"
+    index_key = storage.index_key(where)
+    refers = held.referred(storage, where)
+    keys = held.kept(storage.list_keys(f"{where}/"), where,
+                     held.marks(storage, step, target[1]))
+    storage.delete_keys([k for k in keys if k != index_key], what)
+    held.sweep(storage, refers)
+    if index_key in keys:
+      storage.delete_keys([index_key], what)
   else:  # beside the marker: every key outside the attempts' directories
     storage.delete_keys([k for k in storage.list_keys(f"{step_name}/")
                          if k != marker and not _data_dir_of(k)], what)

@@ -188,7 +188,7 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
     storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE), lease_lib.make(token))
   else:
     try:
-      steps_lib._ensure_records(storage)
+      steps_lib.ensure_records(storage)
     except CheckpointError as e:
       # The root stays as it is (discovered by full listings); this save
       # goes on, and the next one tries again.

@@ -5,7 +5,7 @@ layout): the names of attempts and their lease file, ``is_committed``,
 ``committed_steps``, ``step_dir`` and the reasons a step is not committed,
 the committed attempt of a step and the guard that a lazy restore keeps on
 it, and the flat commit records of object stores (their one-time migration
-from markers, ``_ensure_records``, and their removal from a root copied to a
+from markers, ``ensure_records``, and their removal from a root copied to a
 disk). Nothing here writes a step.
 """
 
@@ -70,7 +70,7 @@ def _index_info(index_data: bytes) -> tuple[float | None, dict | None]:
     return None, None
 
 
-def _ensure_records(storage: storage_lib.Storage) -> None:
+def ensure_records(storage: storage_lib.Storage) -> None:
   """Process 0, before a save writes anything: makes ``commits/`` complete
   (see "Compatibility" in the module docstring). Costs one GET once the
   root is migrated (then nothing, for this Storage)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Any
 
 import numpy as np
@@ -57,6 +58,11 @@ class ArrayEntry:
   # "mesh" or "device"); None in older indexes and for shardings that are
   # not recorded (see SavedSharding). ``sharding`` keeps the text.
   saved_sharding: "SavedSharding | None" = None
+  # Index version 6, a bucket's reuse_unchanged=True: the array (its
+  # metadata and every chunk) is the one under ``relpath`` in the data
+  # directory of an earlier step, ``(step, "attempt-<hex>")``, instead of
+  # this step's (ckpt/save/reuse.py). None: this step's own.
+  held_by: tuple[int, str] | None = None
 
   def to_json(self) -> dict[str, Any]:
     out = {"path": list(self.path), "kind": "array", "relpath": self.relpath,
@@ -71,6 +77,8 @@ class ArrayEntry:
       out["ocdbt_group"] = self.ocdbt_group
     if self.saved_sharding is not None:  # absent otherwise (older indexes)
       out["saved_sharding"] = self.saved_sharding.to_json()
+    if self.held_by is not None:  # version 6 only
+      out["held_by"] = list(self.held_by)
     return out
 
 
@@ -179,7 +187,47 @@ def _entry_of(e: dict, path: tuple[str, ...], where: Any) -> Entry:
     saved = decode_saved_sharding(saved, where, _keys_rank(shape, impl))
   return ArrayEntry(path, relpath, shape, dtype, chunks, codec, source, sharding,
                     tuple(checksums), prng_impl=impl, ocdbt_group=group,
-                    saved_sharding=saved)
+                    saved_sharding=saved,
+                    held_by=decode_held_by(e.get("held_by"), where))
+
+
+# The data directory a ``held_by`` names: a bucket's attempt directory only
+# (ckpt/commit/records.py ATTEMPT_DIR_RE): never a path read from a checkpoint.
+_HELD_DIR_RE = re.compile(r"^attempt-[0-9a-f]{1,64}$")
+
+
+def decode_held_by(v: Any, where: Any) -> tuple[int, str] | None:
+  """An array's ``held_by`` read from an index: None, or ``[step,
+  "attempt-<hex>"]`` (the index checks that the step is an earlier one)."""
+  if v is None:
+    return None
+  if (not isinstance(v, list) or len(v) != 2 or type(v[0]) is not int
+      or not 0 <= v[0] < 2**63 or not isinstance(v[1], str)
+      or not _HELD_DIR_RE.match(v[1])):
+    raise _bad(where, 'held_by as [step, "attempt-<hex>"]', v)
+  return v[0], v[1]
+
+
+def check_held(leaves, allowed: bool, step: int, where: str) -> None:
+  """``held_by`` only where the version allows it (6 on), and only naming
+  an earlier step: never the step itself or a later one."""
+  for i, e in enumerate(leaves):
+    held = getattr(e, "held_by", None)
+    if held is not None and (not allowed or held[0] >= step):
+      raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+                 f"held_by an earlier step than {step}, in an index of "
+                 "version 6 or later", list(held))
+
+
+def held_dir(held_by: tuple[int, str]) -> str:
+  """The directory, relative to the root, that holds a ``held_by`` array:
+  built from a step number and a checked attempt name, never read as a
+  path."""
+  step, data_dir = held_by
+  if type(step) is not int or step < 0 or not _HELD_DIR_RE.match(data_dir):
+    raise CorruptCheckpointError(f"held_by {held_by!r} is not a step's data "
+                                 "directory")
+  return f"checkpoint_{step}/{data_dir}"
 
 
 # ---- the kinds of entry in a version-2 index (ckpt/format/index_codec.py) --------
@@ -198,7 +246,7 @@ def _array_decoder(spec: dict, where: Any) -> index_codec.Builder:
   template = _entry_of({**spec, "relpath": "_"}, (), where)
 
   def build(path: tuple[str, ...], leaf: tuple, where: Any) -> Entry:
-    relpath = leaf[0]
+    relpath, held = leaf
     if relpath is None:  # the one its path gives, each part checked once
       relpath = "/".join(map(_stored_part, path)) if path else "_root"
       if len(relpath) > 4096:
@@ -206,7 +254,10 @@ def _array_decoder(spec: dict, where: Any) -> index_codec.Builder:
                    relpath)
     else:
       check_relpath(relpath, where)
-    return _with_path(template, path=path, relpath=relpath)
+    if held is None:
+      return _with_path(template, path=path, relpath=relpath)
+    return _with_path(template, path=path, relpath=relpath,
+                      held_by=decode_held_by(held, where))
   return build
 
 
@@ -239,7 +290,7 @@ def _array_spec(e: ArrayEntry) -> dict:
   readers would refuse."""
   check_extent(e.shape, e.chunks, np.dtype(e.dtype).itemsize,
                f"leaf {tree.path_str(e.path)!r}")
-  return _spec_of(e, "relpath")
+  return _spec_of(e, "relpath", "held_by")
 
 
 def _spec_of(e: Entry, *leaf_fields: str) -> dict:
@@ -251,14 +302,15 @@ def _spec_of(e: Entry, *leaf_fields: str) -> dict:
 
 KINDS = {k.name: k for k in (
     index_codec.Kind(
-        "array", ArrayEntry, ("relpath",),
+        "array", ArrayEntry, ("relpath", "held_by"),
         key=lambda e: (e.shape, e.dtype, e.chunks, tuple(e.codec.items()),
                        e.source_dtype, e.sharding, e.checksums, e.prng_impl,
                        e.ocdbt_group, e.saved_sharding),
         spec=_array_spec,
         # the relpath of nearly every leaf is the one its path gives
         leaf=lambda e: (None if e.relpath == tree.storage_relpath(e.path)
-                        else e.relpath,),
+                        else e.relpath,
+                        None if e.held_by is None else list(e.held_by)),
         decoder=_array_decoder),
     index_codec.Kind(
         "value", ValueEntry, ("value",),

@@ -33,25 +33,25 @@ from ckpt.format.checks import (  # noqa: F401
     check_extent, check_relpath, decode_saved_sharding)
 from ckpt.format.entries import (  # noqa: F401
     KINDS, MAX_OCDBT_GROUPS, _KINDS_BY_CLASS, ArrayEntry, Entry, PackedEntry,
-    ValueEntry, _decode_entry)
+    ValueEntry, _decode_entry, check_held, held_dir)
 from ckpt.format.inline_values import decode_value, encode_value  # noqa: F401
 
 FORMAT_NAME = "ckpt"
+# 6: an array may be "held_by" an earlier step's data directory, [step,
+# "attempt-<hex>"] (a bucket's reuse_unchanged=True; entries.py).
 # 5: "host_states", how many processes' host_state files the step holds (0:
-# saved without host_state, so host_state() is None on any process count;
-# an imported Orbax step's per-process items: as many as its processes).
-# Version 4's indexes have no such field: one file per saving process.
-# 4: sealed (below).
-# 3: in the tree structure a leaf is its number among the leaves (an int),
-# no longer {"leaf": "<path>"} (the paths are stored once, in the leaves),
-# and a node is one list, [kind, (key, child)...], no longer a map of
-# node/keys/children (ckpt/format/tree.py KEYED).
-# 2: the leaves as columns, repeated specs and path parts stored once
-# (ckpt/format/index_codec.py); leaves may be "packed" (ckpt/format/pack_index.py).
-# 1: one map per leaf, arrays and values only. All three are read; in
-# memory (Index.structure) a leaf is its number whatever the version.
-VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)
+# none: host_state() is None on any process count). Version 4: one file per
+# saving process.
+# 4: sealed (below). 2: the leaves as columns, repeated specs and path parts
+# stored once (index_codec.py); leaves may be "packed" (pack_index.py).
+# 3: in the tree structure a leaf is its number among the leaves, no longer
+# {"leaf": "<path>"}, and a node is one list, [kind, (key, child)...]
+# (ckpt/format/tree.py KEYED).
+# 1: one map per leaf, arrays and values only. In memory (Index.structure)
+# a leaf is its number whatever the version.
+VERSION = 6
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)
+HELD_FROM = 6  # held_by from this version on
 # Indexes from this version on, and their steps' per-process files, end with
 # a crc32c trailer (ckpt/format/seal.py).
 SEALED_FROM = 4
@@ -474,6 +474,7 @@ def _decode(data: bytes, where: str) -> Index:
       if getattr(e, "ocdbt_group", None) is not None:
         raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                    f"no ocdbt_group (format {fmt})", e.ocdbt_group)
+  check_held(leaves, version >= HELD_FROM, step, where)
   names = [tree.path_str(e.path) for e in leaves]
   if len(unique := set(names)) != len(names):
     dups = sorted(n for n, k in collections.Counter(names).items() if k > 1)

@@ -285,6 +285,14 @@ def post_bytes(key: str, data: bytes,
     _client(timeout_s).key_value_set_bytes(f"{key}/{process_index()}", data)
 
 
+def read_post(key: str, process: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+              what: str = "data") -> bytes:
+  """What ``process`` posted under ``key`` with ``post_bytes``, waiting for
+  it at most ``timeout_s`` (BarrierTimeoutError naming ``what``)."""
+  return _wait_for_key(_client().blocking_key_value_get_bytes,
+                       f"{key}/{process}", timeout_s, what)
+
+
 def collect_bytes(key: str, data: bytes, what: str = "data",
                   timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bytes]:
   """Process 0, after that barrier: every process's post in process order,

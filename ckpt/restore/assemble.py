@@ -11,8 +11,9 @@ of the leaf types (ckpt/restore/lazy.py imports it).
 
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,7 @@ async def materialize(leaf, out_dtype: np.dtype,
       check_fits(leaf.path, box.shape, out_dtype)
       data = _aligned_empty(box.shape, out_dtype)
       await leaf.read_into(box, data)
-      arrays = jax.device_put([data] * len(devices), list(devices))
-      jax.block_until_ready(arrays)
+      arrays = await put_on_devices(data, devices)
       if impl:  # a wrapper around each device's buffer: no copy, no program
         arrays = [prng.wrap(a, impl) for a in arrays]
       placed.update(zip(devices, arrays))
@@ -89,6 +89,28 @@ async def materialize(leaf, out_dtype: np.dtype,
   return jax.make_array_from_single_device_arrays(
       logical, sharding, [placed[d] for d in index_map],
       dtype=prng.info(impl).dtype if impl else out_dtype)
+
+
+async def off_loop(devices: Sequence[Any], place: Callable[[], Any]) -> Any:
+  """Runs ``place`` (a ``device_put`` or ``make_array_from_callback``)
+  until its arrays are ready: inline on CPU devices, where jax adopts
+  aligned host memory and nothing is copied, and on a worker thread on an
+  accelerator, where the host-to-device copy takes as long as the read and
+  would otherwise stop the event loop (every other read's completion and
+  the next read's start) while it runs."""
+  def run():
+    return jax.block_until_ready(place())
+  if all(d.platform == "cpu" for d in devices):
+    return run()
+  return await asyncio.to_thread(run)
+
+
+async def put_on_devices(data: np.ndarray, devices: Sequence[Any]) -> list:
+  """``data`` on each of ``devices`` (one batched ``device_put``), ready;
+  the copy off the event loop on an accelerator (``off_loop``)."""
+  devices = list(devices)
+  return await off_loop(devices, lambda: jax.device_put([data] * len(devices),
+                                                        devices))
 
 
 def _extra_bytes(leaf, box: Box) -> int:

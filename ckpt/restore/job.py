@@ -1,5 +1,5 @@
 """One restore between its agreed choice of step and its result
-(ckpt/calls_restore.py drives it): its state, and the small steps of
+(ckpt/face/restorer.py drives it): its state, and the small steps of
 waiting for and cancelling its reads on the background loop."""
 
 from __future__ import annotations

@@ -384,8 +384,10 @@ class LazyPacked(LazyLeaf):
         box = by_key.get(_key(index))
         return data[box if box is not None else Box.from_index(index, shape)]
 
-      return jax.make_array_from_callback(shape, sharding, get,
-                                          dtype=out_dtype)
+      return await assemble.off_loop(
+          list(sharding.addressable_devices),
+          lambda: jax.make_array_from_callback(shape, sharding, get,
+                                               dtype=out_dtype))
     finally:
       limiter.release(grant)
 

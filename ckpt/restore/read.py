@@ -36,7 +36,7 @@ from ckpt.restore.targets import (  # noqa: F401
     AsSaved, _check_divides, _target_spec, concrete_target, out_dtype)
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
-from ckpt.errors import (CheckpointNotFoundError,
+from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          MissingLeavesError, TreeMismatchError)
 from ckpt.store.limiter import ByteLimiter
 
@@ -67,16 +67,45 @@ def read_index(storage: storage_lib.Storage, step_dir: str) -> index_lib.Index:
   return index_lib.decode(data, where)
 
 
+def step_leaves(index: index_lib.Index, storage: storage_lib.Storage,
+                step_dir: str, context, budget: int
+                ) -> dict[tree.PathParts, Any]:
+  """``checkpoint_leaves`` of the step in ``step_dir`` of ``storage``: an
+  array held by an earlier step (index version 6, a bucket's
+  reuse_unchanged=True) is read from that step's data directory, which
+  index.held_dir builds from a step number and a checked attempt name."""
+  held = None
+  if step_dir.startswith("checkpoint_"):  # opened from its root
+    held = lambda ref: storage.step_spec(index_lib.held_dir(ref))
+  return checkpoint_leaves(index, storage.step_spec(step_dir), context,
+                           budget, held)
+
+
 def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
-                      context, budget: int) -> dict[tree.PathParts, Any]:
-  """path parts -> a LazyLeaf (arrays, stored or inline) or a python value."""
+                      context, budget: int,
+                      held: Callable[[tuple[int, str]], dict] | None = None
+                      ) -> dict[tree.PathParts, Any]:
+  """path parts -> a LazyLeaf (arrays, stored or inline) or a python value.
+  ``held(held_by)``: the kvstore of an earlier step's data directory
+  (None: the step was opened on its own, so an array held by another step
+  cannot be read)."""
   out: dict[tree.PathParts, Any] = {}
   packed = pack_read.lazy_leaves(index, step_kvstore, context)
   for i, e in enumerate(index.leaves):
     if i in packed:
       leaf = packed[i]
     elif isinstance(e, index_lib.ArrayEntry):
-      leaf = lazy.LazyArray(e, index.storage_format, step_kvstore, context)
+      kvstore = step_kvstore
+      if e.held_by is not None:
+        if held is None:
+          raise CheckpointError(
+              f"leaf {tree.path_str(e.path)!r} of step {index.step} is held "
+              f"by step {e.held_by[0]} (saved with reuse_unchanged=True on "
+              "a bucket): open the checkpoint's root directory, not the "
+              "step's, or make the step self-contained first (ckpt "
+              "transfer)")
+        kvstore = held(e.held_by)
+      leaf = lazy.LazyArray(e, index.storage_format, kvstore, context)
     elif isinstance(e.value, (np.ndarray, np.generic)):
       leaf = lazy.LazyValue(e.value, tree.path_str(e.path),
                             prng_impl=e.prng_impl or None)
@@ -304,8 +333,7 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
   index = await asyncio.to_thread(read_index, storage, step_dir)
   if stats is not None:
     stats.index_s = time.perf_counter() - t
-  leaves = checkpoint_leaves(index, storage.step_spec(step_dir), context,
-                             budget)
+  leaves = step_leaves(index, storage, step_dir, context, budget)
   if args.verify:  # every read checks what it reads (restore/verified.py)
     await checksums.attach(leaves, storage, step_dir, index)
   limiter = ByteLimiter(budget)

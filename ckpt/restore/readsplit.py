@@ -52,7 +52,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ckpt.restore.assemble import aligned_zeros, materialize
+from ckpt.restore.assemble import aligned_zeros, materialize, put_on_devices
 from ckpt.restore.hostmem import check_fits
 from ckpt.restore.tasks import gather_or_cancel
 from ckpt.store.limiter import ByteLimiter
@@ -310,8 +310,7 @@ class ChunkSplit:
     for key, devices in buffers.items():
       buf = data.pop(key)
       ints = buf.view(as_int).reshape((1,) + buf.shape)
-      arrays = jax.device_put([ints] * len(devices), list(devices))
-      jax.block_until_ready(arrays)
+      arrays = await put_on_devices(ints, devices)
       placed.update(zip(devices, arrays))
     for got in pieces.values():
       for key, b in got:

@@ -32,10 +32,11 @@ replaced meanwhile by another attempt (another job on the root, a rollback)
 fails the save, and nothing is committed. Paths are built from the save's
 own plan and step numbers, never read from a checkpoint.
 
-Where it applies: POSIX directories, formats "zarr" and "zarr3". On a
-bucket (no links), with format "ocdbt" (chunks live inside shared data
-files) and for packed small leaves everything is written in full; see
-docs/format.md, "Reusing unchanged chunks".
+Where it applies: formats "zarr" and "zarr3"; on a bucket (no links) a
+whole unchanged leaf is held by reference instead (ckpt/save/reuse_held.py).
+With format "ocdbt" (chunks live inside shared data files) and for packed
+small leaves everything is written in full; see docs/format.md, "Reusing
+unchanged chunks".
 
 Each process writes ``<step dir>/.reuse/<process>.msgpack``
 (index.process_file): ``[leaf, start, stop, xxh3-128 or nil]`` of every
@@ -59,6 +60,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import tsspec
 from ckpt.format.crc import checksum_view, digest
+from ckpt.save import reuse_held
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
 from ckpt.store import storage as storage_lib
@@ -86,6 +88,10 @@ class Generation:
   token: str
   layouts: dict[str, tuple]                      # relpath -> layout
   chunks: dict[tuple[str, tuple, tuple], Stored]  # (relpath, start, stop)
+  # A bucket's: relpath -> (step, "attempt-<hex>") whose data directory
+  # holds the array (its own, or the one it was held by).
+  holders: dict[str, tuple[int, str]] = dataclasses.field(
+      default_factory=dict)
 
 
 def layout_of(storage_format: str, entry: Any, checksum: str) -> tuple:
@@ -121,17 +127,24 @@ class SaveReuse:
     self.storage = storage
     self.format = fmt
     self.previous = previous
-    self.work = os.path.join(os.fspath(storage.root), work_dir)
-    self.source = (None if previous is None else os.path.join(
-        os.fspath(storage.root), storage_lib.step_dirname(previous.step)))
+    self.work = self.source = None  # POSIX: where links go, and from
+    if storage.is_posix:
+      self.work = os.path.join(os.fspath(storage.root), work_dir)
+      self.source = (None if previous is None else os.path.join(
+          os.fspath(storage.root), storage_lib.step_dirname(previous.step)))
     self.layouts = {lp.entry.relpath: layout_of(fmt, lp.entry, checksum)
                     for lp in plan.leaves
                     if lp.layout is not None and not lp.packed}
-    self.relpaths = [lp.entry.relpath for lp in plan.leaves]
+    self.relpaths = [getattr(lp.entry, "relpath", None) for lp in plan.leaves]
     self.generation = Generation(step, token, dict(self.layouts), {})
     self.bytes_reused = 0
     self.chunks_reused = 0
     self._records: list[list] = []
+    # A bucket (no links): whole boxes found unchanged wait here, and the
+    # save's agreement (reuse_held.settle) says which leaves are held by
+    # the previous step and which are written after all.
+    self.held = None if storage.is_posix else reuse_held.Held(
+        previous, token, None if plan.borrow else plan.options.max_item_bytes)
 
   def check_source(self) -> None:
     """Blocking: drops the previous step as a source if it is not the step
@@ -147,6 +160,9 @@ class SaveReuse:
         raise
       token = None  # unreadable: nothing is linked from it
     if token == self.previous.token:
+      return
+    if self.held is not None and linked:  # a bucket: nothing refers to it
+      self.held.lost = True  # yet; settle writes what was held back
       return
     if linked:
       if token is not None:
@@ -165,10 +181,15 @@ class SaveReuse:
     prev = self.previous
     if prev is None or prev.layouts.get(relpath) != self.layouts[relpath]:
       return None
+    if self.held is not None and prev.holders.get(
+        relpath, (self.generation.step,))[0] >= self.generation.step:
+      return None  # a bucket refers only to an earlier step's data
     return prev.chunks.get((relpath, box.start, box.stop))
 
   def _link(self, relpath: str, box: plan_lib.Box,
             chunks: tuple[int, ...]) -> bool:
+    if self.held is not None:  # a bucket: held back (reuse_held.settle)
+      return True
     name = tsspec.chunk_key(self.format,
                             [a // c for a, c in zip(box.start, chunks)])
     target = os.path.join(self.work, relpath, name)
@@ -247,13 +268,24 @@ class SaveReuse:
     else:
       outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
                                          link)
+    if link and self.held is not None and not all(
+        o.linked for o in outcomes):  # a bucket holds whole leaves only
+      outcomes = [dataclasses.replace(o, linked=False) for o in outcomes]
     if link:
       fresh = [o.box for o in outcomes if not o.linked]
       if len(fresh) == len(outcomes):
         fresh = [box]  # nothing linked: one write, as without reuse
+      elif self.held is not None:  # all unchanged: held back, or
+        if self.held.defer(leaf, store, box, data, len(outcomes)):
+          fresh = []
+        else:  # past the memory budget: written now (its leaf is written)
+          outcomes = [dataclasses.replace(o, linked=False) for o in outcomes]
+          fresh = [box]
       writes = [store[b.slices()].write(
           data if b == box else data[b.relative_to(box)],
           can_reference_source_data_indefinitely=True) for b in fresh]
+    if writes and self.held is not None:
+      self.held.written(leaf)
     for w in writes:
       await tsfuture.wait(w)
     linked = 0
@@ -270,6 +302,15 @@ class SaveReuse:
     self.chunks_reused += sum(o.linked for o in outcomes)
     sums = [(o.box, o.crc) for o in outcomes] if take_sums else []
     return sums, linked
+
+  async def settle(self, key: str, timeout_s: float, failed: bool,
+                   stats: Any) -> None:
+    """A bucket's agreement on the leaves held by the previous step, on
+    every process once it stopped writing (``failed``: with an error);
+    nothing on a disk (reuse_held.py)."""
+    if self.held is not None:
+      await self.held.settle(self, key, timeout_s, failed, stats)
+      self.chunks_reused = max(self.chunks_reused, 0)
 
   def record_file(self, process: int, bytes_written: int) -> bytes:
     """This process's ``.reuse`` file (msgpack, sealed by the caller).
@@ -291,10 +332,7 @@ class Reuser:
 
   def __init__(self, enabled: bool, storage: Any, storage_format: str):
     self.why_not = None
-    if enabled and not storage.is_posix:
-      self.why_not = ("the directory is not a POSIX filesystem (a bucket has "
-                      "no links)")
-    elif enabled and storage_format not in LINKED_FORMATS:
+    if enabled and storage_format not in LINKED_FORMATS:
       self.why_not = (f"format {storage_format!r} keeps chunks inside shared "
                       "data files")
     if self.why_not:  # once per Checkpointer

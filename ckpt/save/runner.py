@@ -146,11 +146,17 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
             on_staged, reuse, syncer and syncer.written)
         if syncer is not None:  # durable before the "written" barrier
           await asyncio.to_thread(syncer.finish)
+        if reuse is not None:  # and still, now that every link is made?
+          await asyncio.to_thread(reuse.check_source)
+      except Exception:  # a bucket: which leaves are held by the previous
+        if reuse is not None:  # step (every process, failed or not)
+          await reuse.settle(f"{key}/reuse", attempt.timeout_s, True, stats)
+        raise
       finally:
         if syncer is not None:
           syncer.close()
-      if reuse is not None:  # and still, now that every link is made?
-        await asyncio.to_thread(reuse.check_source)
+      if reuse is not None:
+        await reuse.settle(f"{key}/reuse", attempt.timeout_s, False, stats)
         stats.chunks_reused = reuse.chunks_reused
         await _write_process_file(
             storage, attempt, index_lib.REUSE_DIR, pid,
@@ -203,6 +209,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         index = dataclasses.replace(index, time=retention_lib.now_s(clock),
                                     custom_metadata=custom_metadata,
                                     host_states=attempt.host_states)
+        if reuse is not None and reuse.held is not None:
+          index = reuse.held.apply(index)  # leaves held by an earlier step
         data = index_lib.encode(index)
         # Not cut by a cancel (Checkpointer.cancel): the task ends once
         # the commit has, so what cancel finds is committed or not.
@@ -213,6 +221,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         except asyncio.CancelledError:
           await asyncio.gather(committing, return_exceptions=True)
           raise
+        if reuse is not None and reuse.held is not None:  # still held?
+          await asyncio.to_thread(reuse.held.check_committed, storage, step)
       except Exception as e:  # pylint: disable=broad-except
         error = e
     # 9. the save is complete everywhere.

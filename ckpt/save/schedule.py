@@ -1,7 +1,7 @@
 """When to save: the steps ``save_interval_steps``, ``save_on_steps`` and
 ``should_save_fn`` accept (Orbax's names). Pure: no I/O, no state; the
 rules that need the directory (a run's first step, ``should_save_fn``'s
-``last_saved_step``) are asked by its users (ckpt/queries.py,
+``last_saved_step``) are asked by its users (ckpt/face/queries.py,
 ckpt/tiers/multitier.py)."""
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ persistent tier's steps only (``_persistent_only``).
 
 from __future__ import annotations
 
-import json
-
+from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.errors import CheckpointError
@@ -25,7 +24,7 @@ def choose(mt, step: int | None, target_leaves,
   it holds no local step, so every process takes the same decision.
   ``persistent_only``: the restore options the local tier does not take
   (then only the persistent tier's steps can be chosen)."""
-  key = multihost.call_key(mt.local._key_base, "choose")  # pylint: disable=protected-access
+  key = mt.local.call_key("choose")
   try:  # a collective round of the persistent tier, on every process
     p_steps = mt.persistent.all_steps()
   except CheckpointError:
@@ -55,8 +54,7 @@ def choose(mt, step: int | None, target_leaves,
   dst = mt.local.layout.dst
   n = mt.local.layout.n
 
-  def decide(posts: dict[int, str]) -> str:
-    got = {p: json.loads(v) for p, v in posts.items()}
+  def decide(got: dict[int, dict]) -> dict:
     complete = tier_timeline.complete(got, dst, n)
     if persistent_only:
       return _persistent_only(step, complete, p_steps, persistent_only,
@@ -73,8 +71,7 @@ def choose(mt, step: int | None, target_leaves,
                 "replicas" if need else "")
       if why and need:
         reason += f" ({why})"
-      return json.dumps({"tier": "local", "step": s, "need": need,
-                         "reason": reason})
+      return {"tier": "local", "step": s, "need": need, "reason": reason}
     if complete:
       reason = (f"the newest persistent step {p_latest} is newer than the "
                 f"newest step the local tier can rebuild ({complete[0]})")
@@ -84,19 +81,19 @@ def choose(mt, step: int | None, target_leaves,
       reason = "the local tier holds no step every process can rebuild"
     if why:
       reason += f" ({why})"
-    return json.dumps({"tier": "persistent", "step": step if step is not None
-                       else p_latest, "reason": reason})
+    return {"tier": "persistent", "step": step if step is not None
+            else p_latest, "reason": reason}
 
-  out = multihost.agree(
-      key, json.dumps({"own": usable["own"], "partner": usable["partner"],
-                       "why": usable["why"]}), decide,
-      timeout_s=mt._timeout_s, what="the tier and step to restore")
+  out = rounds_lib.agree(
+      key, {"own": usable["own"], "partner": usable["partner"],
+            "why": usable["why"]}, decide,
+      timeout_s=mt.local.timeout_s, what="the tier and step to restore")
   mt.local.settle_keys(key)  # the keys of the calls before go
-  return json.loads(out)
+  return out
 
 
 def _persistent_only(step: int | None, complete: list[int],
-                     p_steps: list[int], options: str, url: str) -> str:
+                     p_steps: list[int], options: str, url: str) -> dict:
   """Process 0, in _choose's round, for restore options the local tier
   does not take: the persistent tier's newest step, or the given one if
   it has it; an error naming both tiers for a step only the local tier
@@ -107,15 +104,15 @@ def _persistent_only(step: int | None, complete: list[int],
     if complete and (not p_steps or complete[0] > p_steps[-1]):
       reason += (f"; the local tier's newer step {complete[0]} is not used "
                  "(restore it without these options)")
-    return json.dumps({"tier": "persistent", "reason": reason,
-                       "step": p_steps[-1] if p_steps else None})
+    return {"tier": "persistent", "reason": reason,
+            "step": p_steps[-1] if p_steps else None}
   if step in p_steps or step not in complete:
-    return json.dumps({"tier": "persistent", "step": step, "reason": why})
-  return json.dumps({"tier": "error", "not_found": True, "reason": (
+    return {"tier": "persistent", "step": step, "reason": why}
+  return {"tier": "error", "not_found": True, "reason": (
       f"step {step} is in the local tier only, which does not take the "
       f"restore options {options}; the persistent tier {url!r} holds steps "
       f"{p_steps}. Restore step {step} without these options, or one of the "
-      "persistent tier's steps with them")})
+      "persistent tier's steps with them")}
 
 
 # Restore options the local tier honours: it verifies every shard's crc32c

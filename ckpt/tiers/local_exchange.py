@@ -1,7 +1,9 @@
-"""The bounds of the local tier's partner exchange (ckpt/tiers/local_tier.py):
-``_Budget``, the bytes a save stages on the host for its writer thread, and
-``_wait_ready``, which waits for the arrays a ``ppermute`` with every process
-makes at most ``barrier_timeout_s`` (BarrierTimeoutError past it).
+"""The rounds and bounds of the local tier's partner exchange (ckpt/tiers/local_tier.py):
+``TierRounds``, the processes' layout (who is whose partner) and the keys of
+the tier's collective calls; ``Budget``, the bytes a save stages on the host
+for its writer thread; and ``wait_ready``, which waits for the arrays a
+``ppermute`` with every process makes at most ``barrier_timeout_s``
+(BarrierTimeoutError past it).
 """
 
 from __future__ import annotations
@@ -10,11 +12,49 @@ import threading
 import time
 
 from ckpt.multihost import process as multihost
+from ckpt.tiers import partner
 from ckpt.errors import BarrierTimeoutError
+
+
+class TierRounds:
+  """The local tier's processes and the keys of its collective calls."""
+
+  def __init__(self, key_base: str, timeout_s: float):
+    self.key_base = key_base  # the same on every process
+    self.timeout_s = timeout_s
+    self._layout: partner.Layout | None = None
+    self._round_keys: list[str] = []  # deleted at the next round
+
+  @property
+  def layout(self) -> partner.Layout:
+    if self._layout is None:
+      # Collective (the hosts' round): built at the first save or restore,
+      # which every process calls.
+      self._layout = partner.Layout(self.key_base, self.timeout_s)
+    return self._layout
+
+  def call_key(self, name: str, *parts) -> str:
+    """The coordination key of this tier's next collective call ``name``
+    (the same on every process: calls are made in the same order)."""
+    return multihost.call_key(self.key_base, name, *parts)
+
+  def settle_keys(self, key: str) -> None:
+    """The round of the collective call ``key`` passed here, so every
+    process has entered that call and is done with the keys of the calls
+    before it (each waits for its writer before a round): process 0
+    deletes those. ``key``'s own go at the next call's round, so the
+    coordination service does not grow with every call."""
+    done, self._round_keys = self._round_keys, [key]
+    for k in done:
+      multihost.forget(k)
+
+  def defer(self, key: str) -> None:
+    """A round of ``key`` failed: its keys go at the next round that passes."""
+    self._round_keys.append(key)
 
 # ---- a byte budget for the caller and the writer thread ------------------------
 
-class _Budget:
+class Budget:
   """Bytes staged on the host and not yet written. An item larger than the
   budget waits until nothing else is held, then proceeds alone."""
 
@@ -44,7 +84,7 @@ class _Budget:
       self._cv.notify_all()
 
 
-def _wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
+def wait_ready(arrays, deadline: float, timeout_s: float, what: str) -> None:
   """Returns once every array is ready; BarrierTimeoutError at
   ``deadline`` (time.monotonic()): a process did not join the collective
   that makes them."""

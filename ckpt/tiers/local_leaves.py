@@ -1,8 +1,8 @@
 """The leaves of the local tier (ckpt/tiers/local_tier.py) as a
 ``Checkpointer`` treats them: ``flatten`` names them as the persistent tier
-names them, ``_prepare_leaves`` stores them as a save stores them (dtype
-casts, PRNG keys as key data, host values), and ``_restore_plan`` with its
-helpers (``_place``, ``_host_value``) restores each target leaf as a restore
+names them, ``prepare_leaves`` stores them as a save stores them (dtype
+casts, PRNG keys as key data, host values), and ``restore_plan`` with its
+helpers (``place``, ``host_value``) restores each target leaf as a restore
 does, with the same refusals naming the leaf.
 """
 
@@ -22,7 +22,7 @@ from ckpt.restore import read as restore_lib
 from ckpt.save import leaves as save_lib
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import tree as tree_lib
-from ckpt.tiers.local_manifest import _index
+from ckpt.tiers.local_manifest import box_index
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          InvalidStateError, MissingLeavesError)
 
@@ -35,7 +35,7 @@ def flatten(tree):
           jax.tree_util.tree_structure(tree))
 
 
-def _prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
+def prepare_leaves(leaves, save_dtype, devices) -> tuple[list, dict, dict]:
   """The leaves of a local save, stored as a ``Checkpointer`` stores them
   (ckpt/save/write.py ``plan_save``), or refused with its error naming the leaf.
 
@@ -114,11 +114,11 @@ def _key_dims(dtype) -> tuple[int, ...]:
                               jax.ShapeDtypeStruct((), dtype)).shape)
 
 
-def _target_sig(t) -> tuple | None:
+def target_sig(t) -> tuple | None:
   """(stored shape, {device: stored index}) of a target leaf with a
   sharding (a key target: its key data's, with the key dimensions whole);
   None with no sharding, or one that cannot hold the shape (the restore
-  then raises for it as a Checkpointer does: _restore_plan)."""
+  then raises for it as a Checkpointer does: restore_plan)."""
   sh = getattr(t, "sharding", None)
   if sh is None or not hasattr(t, "shape"):
     return None
@@ -134,7 +134,7 @@ def _target_sig(t) -> tuple | None:
 
 
 class _Leaf(NamedTuple):
-  """How the local tier restores one target leaf (see _restore_plan)."""
+  """How the local tier restores one target leaf (see restore_plan)."""
   kind: str              # "array" (own.bin / partner.bin), "host", "python"
   sharding: Any          # the target's (None: a numpy value, as saved)
   shape: tuple = ()      # as stored (keys: their key data's shape)
@@ -153,10 +153,10 @@ class _Leaf(NamedTuple):
   def box(self, index) -> tuple:
     """The stored box of a device's index into the restored shape."""
     whole = (slice(None),) * (len(self.shape) - len(self.logical))
-    return _index(tuple(index) + whole, self.shape)
+    return box_index(tuple(index) + whole, self.shape)
 
 
-def _check_shardings(target_leaves) -> None:
+def check_shardings(target_leaves) -> None:
   """A target sharding that cannot hold its leaf's shape (uneven: a
   dimension the mesh axis does not divide) raises what a Checkpointer
   restore raises (TreeMismatchError naming the leaf). From the target
@@ -167,17 +167,17 @@ def _check_shardings(target_leaves) -> None:
       restore_lib._check_divides(name, tuple(t.shape), sh)  # pylint: disable=protected-access
 
 
-def _restore_plan(blob: Any, target_leaves, restore_dtype, where: str
+def restore_plan(blob: Any, target_leaves, restore_dtype, where: str
                   ) -> dict[str, _Leaf]:
   """What a ``Checkpointer`` restore does with each target leaf, from the
   saved leaves a host.msgpack part records (``values``, ``arrays``,
-  ``prng``: _prepare_leaves): ckpt/restore/read.py ``_resolve``'s checks, with
+  ``prng``: prepare_leaves): ckpt/restore/read.py ``_resolve``'s checks, with
   its functions, so the local tier refuses what it refuses with the same
   error (TreeMismatchError naming the leaf: a float32 leaf into an int32
   target, keys of another implementation, another shape), applies
   ``restore_dtype`` to the same (floating) leaves and casts only floating
   dtypes. Local: no I/O, no collective. (Uneven target shardings:
-  _check_shardings.)"""
+  check_shardings.)"""
   maps = [blob.get(k) if isinstance(blob, dict) else None
           for k in ("values", "arrays", "prng")]
   if not all(isinstance(x, dict) for x in maps):
@@ -255,7 +255,7 @@ def _assemble(p: _Leaf, bufs) -> jax.Array:
       dtype=prng.info(p.impl).dtype if p.impl else p.out)
 
 
-def _place(p: _Leaf, datas, devices) -> jax.Array:
+def place(p: _Leaf, datas, devices) -> jax.Array:
   """An array leaf from each local device's block as stored (numpy, or a
   jax.Array on that device): cast with numpy as a Checkpointer casts,
   typed keys wrapped around their data (no copy)."""
@@ -269,7 +269,7 @@ def _place(p: _Leaf, datas, devices) -> jax.Array:
   return _assemble(p, bufs)
 
 
-def _host_value(p: _Leaf) -> Any:
+def host_value(p: _Leaf) -> Any:
   """A host value restored as a Checkpointer restores an inline value
   (ckpt/restore/assemble.py ``materialize``): numpy (or typed keys on jax's default
   device) with no target sharding, else placed on the target's sharding."""

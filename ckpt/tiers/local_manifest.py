@@ -1,8 +1,8 @@
 """The manifest of a local step (ckpt/tiers/local_tier.py): its format and
 version, the data files it describes, ``check_manifest`` (every field checked
 before any is used, so a damaged manifest is a clean CorruptCheckpointError
-naming the file and field) and ``_mismatch`` (whether the shards a manifest
-records are those a target's shardings ask for); ``_index``, a shard's box.
+naming the file and field) and ``mismatch`` (whether the shards a manifest
+records are those a target's shardings ask for); ``box_index``, a shard's box.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ VERSION = 3   # 2: crc32c of every shard and of host.msgpack, file sizes, owner
 # holds each stored leaf's dtype and PRNG implementation, and host values
 # encoded as the persistent tier's index encodes inline values
 MAX_MANIFEST_BYTES = 32 << 20   # as MAX_INDEX_BYTES of the persistent tier
-_DATA_FILES = {"own": "own.bin", "partner": "partner.bin"}
+DATA_FILES = {"own": "own.bin", "partner": "partner.bin"}
 
 
-def _index(idx, shape) -> tuple:
+def box_index(idx, shape) -> tuple:
   return tuple((s.start or 0, shape[d] if s.stop is None else s.stop)
                for d, s in enumerate(idx))
 
@@ -61,7 +61,7 @@ def check_manifest(m: Any, step: int, pid: int, path: str) -> None:
           all(isinstance(n, str) for n in m["host_names"])):
     raise bad("host_names", "a list of leaf names", m.get("host_names"))
   files = m.get("files")
-  names = {"host.msgpack", *_DATA_FILES.values()}
+  names = {"host.msgpack", *DATA_FILES.values()}
   if (not isinstance(files, dict) or set(files) != names or
       not all(_is_int(v) for v in files.values())):
     raise bad("files", f"the sizes of {sorted(names)}", files)
@@ -69,7 +69,7 @@ def check_manifest(m: Any, step: int, pid: int, path: str) -> None:
   if not (isinstance(crcs, dict) and _is_int(crcs.get("host.msgpack"), 0,
                                                1 << 32)):
     raise bad("crc32c", "the crc32c of host.msgpack", crcs)
-  for part, fname in _DATA_FILES.items():
+  for part, fname in DATA_FILES.items():
     entries = m.get(part)
     if not isinstance(entries, dict):
       raise bad(part, "an object of leaves", entries)
@@ -109,7 +109,7 @@ def check_manifest(m: Any, step: int, pid: int, path: str) -> None:
                     f"crc32c] within {fname} ({files[fname]} bytes)", sh)
 
 
-def _mismatch(entries: dict, tsig: dict, devices) -> str:
+def mismatch(entries: dict, tsig: dict, devices) -> str:
   for name, (shape, imap) in tsig.items():
     e = entries.get(name)
     if e is None:
@@ -119,7 +119,7 @@ def _mismatch(entries: dict, tsig: dict, devices) -> str:
     for j, d in enumerate(devices):
       if d not in imap:
         return f"leaf {name} is not on every device in the target ({d})"
-      want = _index(imap[d], shape)
+      want = box_index(imap[d], shape)
       have = tuple(tuple(x) for x in e["shards"][e["slots"][j]][0])
       if want != have:
         return (f"leaf {name} is sharded differently from the save (device "

@@ -1,5 +1,5 @@
 """The restore path of the local tier (ckpt/tiers/local_tier.py):
-``RestoreMixin.usable`` says which local steps this process can serve for a
+``LocalRestorer.usable`` says which local steps this process can serve for a
 target (posted in MultiTierCheckpointer's round), ``restore`` reads this
 process's part of the chosen step, or gets it back from its partner with the
 inverse ``ppermute``, onto the target's shardings; ``_all_ok`` ends every
@@ -8,9 +8,9 @@ process alike when one refuses the target.
 
 from __future__ import annotations
 
-import json
 import os
 import time
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -18,19 +18,29 @@ from absl import logging
 
 import jax
 
+from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
-from ckpt.tiers.local_exchange import _wait_ready
-from ckpt.tiers.local_leaves import (_check_shardings, _host_value, _place,
-                                     _restore_plan, _target_sig)
-from ckpt.tiers.local_manifest import _mismatch
+from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
+from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
+                                     restore_plan, target_sig)
+from ckpt.tiers.local_manifest import mismatch
+from ckpt.tiers.local_steps import LocalSteps
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
 
 
-class RestoreMixin:
+class LocalRestorer:
   """LocalTier's restore: what this process can serve, and the restore."""
 
-  # -- restore --
+  def __init__(self, steps: LocalSteps, rounds: TierRounds, budget: Budget,
+               restore_dtype: Any):
+    self._steps = steps
+    self._rounds = rounds
+    self.budget = budget
+    # As the persistent tier's (Checkpointer restore_dtype): floating
+    # leaves cast after they are read.
+    self.restore_dtype = restore_dtype
+    self.last_restore_stats: dict = {}
 
   def usable(self, target_leaves, verify=lambda step: True) -> dict:
     """What this process can serve: local steps whose manifest is valid and
@@ -38,7 +48,7 @@ class RestoreMixin:
     partner replica match the target's shardings and, for the steps
     ``verify(step)`` names, whose files have the recorded sizes and crc32c.
     Local only (no collective): the caller posts the result in a round."""
-    lay = self.layout
+    lay = self._rounds.layout
     out = {"own": [], "partner": [], "why": ""}
     whys = []
 
@@ -50,18 +60,19 @@ class RestoreMixin:
     if target_leaves is not None:
       tsig = {}
       for name, t in target_leaves:
-        sig = _target_sig(t)
+        sig = target_sig(t)
         if sig is not None:
           tsig[name] = sig
         elif getattr(t, "sharding", None) is None:
           unsharded.add(name)
-    for s in reversed(self.committed_steps()):
+    steps = self._steps
+    for s in reversed(steps.committed_steps()):
       try:
-        m = self._manifest(s)
+        m = steps.manifest(s)
       except CorruptCheckpointError as e:
         skip(f"{e}; step skipped")
         continue
-      why = self._foreign(m)
+      why = steps.foreign(m)
       if why:
         skip(f"local step {s} is not restored: {why}")
         continue
@@ -78,7 +89,7 @@ class RestoreMixin:
         # Host values are placed from the host copy, on any sharding.
         hosts = set(m.get("host_names", ()))
         sig = {n: v for n, v in (tsig or {}).items() if n not in hosts}
-        why = _mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
+        why = mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
         flat = sorted(n for n in unsharded if n in m[part])
         if flat and not why:
           why = (f"leaves {flat[:4]} have no sharding in the target (the "
@@ -92,8 +103,8 @@ class RestoreMixin:
           why = f"step {s}: {why}"
         elif verify(s):
           if host_bad is None:
-            host_bad = self._verify(s, m, None)
-          why = host_bad or self._verify(s, m, part)
+            host_bad = steps.verify(s, m, None)
+          why = host_bad or steps.verify(s, m, part)
           if why:
             which = ("its own part" if part == "own" else
                      f"the replica of process {proc}")
@@ -108,25 +119,25 @@ class RestoreMixin:
   def restore(self, step: int, target_leaves, need_partner: list[int]):
     """Collective: this process's arrays of ``step`` onto the target's
     shardings (same topology as the save); {name: value}, host_state."""
-    key = multihost.call_key(self._key_base, "restore", step)
+    key = self._rounds.call_key("restore", step)
     t0 = time.perf_counter()
-    lay = self.layout
-    base = os.path.join(self.dir, f"step_{step}")
+    lay = self._rounds.layout
+    base = os.path.join(self._steps.dir, f"step_{step}")
     mine = lay.pid not in need_partner
     send_partner = lay.src[lay.pid] in need_partner
     host, own, replica, error, plans = {}, None, None, None, {}
     try:  # everything that can fail on this process alone, before the round
-      m = self._manifest(step) if (mine or send_partner) else None
+      m = self._steps.manifest(step) if (mine or send_partner) else None
       if m is not None:
         with open(os.path.join(base, "host.msgpack"), "rb") as f:
           host = msgpack.unpackb(f.read(), raw=False)
       # What a Checkpointer refuses for this target (dtype, shape, keys, a
       # sharding that cannot hold the leaf), from the saved leaves this
       # process holds (its own, its partner's), before the round.
-      _check_shardings(target_leaves)  # on every process
+      check_shardings(target_leaves)  # on every process
       for part, run in (("own", mine), ("partner", send_partner)):
         if run:
-          plans[part] = _restore_plan(
+          plans[part] = restore_plan(
               msgpack.unpackb(host[part], raw=False), target_leaves,
               self.restore_dtype, f"local step {step} ({part})")
       if mine:
@@ -138,21 +149,20 @@ class RestoreMixin:
     # A process that cannot read what it checked before the choice (the
     # files changed since) makes every process raise, before the exchange.
     _all_ok(f"{key}/read", error, f"local restore of step {step}",
-            self.timeout_s)
-    self.settle_keys(key)
+            self._rounds.timeout_s)
+    self._rounds.settle_keys(key)
     if need_partner:
       if lay.src[lay.pid] in need_partner:
         multihost.post_bytes(f"{key}/host", host["partner"])
       if not mine:
-        host_bytes = multihost._wait_for_key(  # pylint: disable=protected-access
-            multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
-            f"{key}/host/{lay.dst[lay.pid]}", self.timeout_s,
+        host_bytes = multihost.read_post(
+            f"{key}/host", lay.dst[lay.pid], self._rounds.timeout_s,
             "this process's host values from its partner")
     own_host = host["own"] if mine else host_bytes
     values = msgpack.unpackb(own_host, raw=False)
     # Checked before the round, by this process or, on these same bytes, by
     # the partner that sent them: the same plan on every process.
-    plan = plans["own"] if mine else _restore_plan(
+    plan = plans["own"] if mine else restore_plan(
         values, target_leaves, self.restore_dtype, f"local step {step}")
     out = {}
     arrays = [(n, t) for n, t in target_leaves if plan[n].kind == "array"]
@@ -173,12 +183,13 @@ class RestoreMixin:
       outs = lay.permute(stacked, inverse=True)
       # Bounded as the save's exchange: a peer that passed the round and
       # then never joins holds no one past barrier_timeout_s.
-      _wait_ready(outs, time.monotonic() + self.timeout_s, self.timeout_s,
+      timeout_s = self._rounds.timeout_s
+      wait_ready(outs, time.monotonic() + timeout_s, timeout_s,
                   f"the partner exchange of local restore step {step}")
       for (name, _), o in zip(batch, outs):
         if not mine:
           got = {s.device: s.data for s in o.addressable_shards}
-          out[name] = _place(plan[name], [got[d][0] for d in lay.local],
+          out[name] = place(plan[name], [got[d][0] for d in lay.local],
                              lay.local)
       batch.clear()
 
@@ -193,13 +204,13 @@ class RestoreMixin:
         batch_bytes += nb
       if mine:
         imap = p.sharding.devices_indices_map(p.logical)
-        out[name] = _place(p, [own[name]["index"](p.box(imap[d]))
+        out[name] = place(p, [own[name]["index"](p.box(imap[d]))
                                for d in lay.local], lay.local)
         read += own[name]["bytes"]
     flush()
     for name, _ in target_leaves:  # host values: local, after the exchange
       if plan[name].kind != "array":
-        out[name] = _host_value(plan[name])
+        out[name] = host_value(plan[name])
     self.last_restore_stats = {"step": step, "from_partner": not mine,
                                "total_s": time.perf_counter() - t0}
     return out, values.get("host_state")
@@ -242,12 +253,11 @@ def _all_ok(key: str, error: BaseException | None, what: str,
       type(error).__name__, str(error)[:4000],
       isinstance(error, TreeMismatchError)]
 
-  def decide(posts: dict[int, str]) -> str:
-    got = {p: json.loads(v) for p, v in sorted(posts.items())}
-    return json.dumps({p: g for p, g in got.items() if g})
+  def decide(got: dict[int, list | None]) -> dict:
+    return {p: g for p, g in got.items() if g}
 
-  failed = json.loads(multihost.agree(key, json.dumps(post), decide,
-                                      timeout_s=timeout_s, what=what))
+  failed = rounds_lib.agree(key, post, decide, timeout_s=timeout_s,
+                            what=what)
   if error is not None:
     raise error
   if not failed:

@@ -1,13 +1,15 @@
-"""The save path of the local tier (ckpt/tiers/local_tier.py): ``SaveMixin``
+"""The save path of the local tier (ckpt/tiers/local_tier.py): ``LocalSaver``
 prepares everything of a save that can fail on one process alone before the
 start round (the leaves, the plan, the step directory, the host values posted
 for the partner), dispatches the partner exchange and stages its own shards
 on the caller's thread, and writes, fsyncs, agrees and commits on the writer
-thread.
+thread, which runs on the tier's background loop (ckpt/face/loop.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import os
 import queue
@@ -21,44 +23,84 @@ import msgpack
 import numpy as np
 
 from ckpt.commit import protocol as commit_lib
+from ckpt.face import loop as loop_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
-from ckpt.tiers.local_exchange import _wait_ready
-from ckpt.tiers.local_leaves import _prepare_leaves, flatten
-from ckpt.tiers.local_manifest import _DATA_FILES, FORMAT, VERSION, _index
-from ckpt.tiers.local_steps import _remove
+from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
+from ckpt.tiers.local_leaves import prepare_leaves, flatten
+from ckpt.tiers.local_manifest import DATA_FILES, FORMAT, VERSION, box_index
+from ckpt.tiers.local_steps import LocalSteps, remove_step
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
 
 
-class SaveMixin:
+class LocalSaver:
   """LocalTier's save: the caller's part and the writer thread's."""
 
-  # -- save --
+  def __init__(self, steps: LocalSteps, rounds: TierRounds, budget: Budget,
+               save_dtype: Any):
+    self._steps = steps
+    self._rounds = rounds
+    self.budget = budget
+    # As the persistent tier's (Checkpointer save_dtype): floating leaves
+    # cast before they are stored.
+    self.save_dtype = save_dtype
+    # The writer of a save runs on this tier's own background loop (the
+    # one concurrency model, ckpt/face/loop.py), one save at a time.
+    self._loop = loop_lib.BackgroundLoop("LocalTier", name="ckpt-local")
+    self._fut: concurrent.futures.Future | None = None
+    self._broken = ""  # why this process saves no more (an abandoned exchange)
+    self.last_save_stats: dict = {}
 
   def wait(self) -> None:
+    """The save in flight ends; its failure is raised (once)."""
     fut, self._fut = self._fut, None
     if fut is not None:
       fut.result()
 
-  def save(self, step: int, state: Any, host_state: Any = None) -> None:
+  def running(self) -> bool:
+    """True while the last save's writer has not finished."""
+    fut = self._fut
+    return fut is not None and not fut.done()
+
+  def finish_within(self, timeout: float) -> bool:
+    """Whether the save in flight (if any) ends within ``timeout``
+    seconds; its failure is left for ``wait``."""
+    fut = self._fut
+    if fut is None:
+      return True
+    done, _ = concurrent.futures.wait([fut], timeout)
+    return bool(done)
+
+  def close(self) -> None:
+    """Waits for the writer, then stops the background loop."""
+    def before_stop():
+      fut = self._fut
+      if fut is not None:
+        concurrent.futures.wait([fut])
+    self._loop.close(before_stop)
+
+  def save(self, step: int, state: Any, host_state: Any = None,
+           newest: bool = False) -> None:
+    """Collective: saves ``step`` to every process's local directory
+    (``newest``: the job's newest step, see ``_retain``)."""
     # The key first: a failure below on one process (the previous save's
     # too) goes into the round, so no later key drifts.
-    key = multihost.call_key(self._key_base, "save", step)
+    key = self._rounds.call_key("save", step)
     t0 = time.perf_counter()
-    lay = self.layout
+    lay = self._rounds.layout
     token = multihost.unique_token()
-    work = os.path.join(self.dir, f"step_{step}.tmp-{token}")
+    work = os.path.join(self._steps.dir, f"step_{step}.tmp-{token}")
     src = lay.src[lay.pid]
     manifest = {"format": FORMAT, "version": VERSION, "step": step,
                 "process_count": lay.n, "process": lay.pid,
                 "local_devices": lay.L, "partner_src": src, "own": {},
-                "partner": {}, "host_names": [], "owner": self.owner}
+                "partner": {}, "host_names": [], "owner": self._steps.owner}
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
-      arrays, host_vals, info = _prepare_leaves(flatten(state)[0],
+      arrays, host_vals, info = prepare_leaves(flatten(state)[0],
                                                 self.save_dtype, lay.devs)
       manifest["host_names"] = sorted(host_vals)
       own_host = msgpack.packb({"host_state": host_state, "values": host_vals,
@@ -83,22 +125,25 @@ class SaveMixin:
     # exchange: a collective that one process never joins would hang.
     try:
       multihost.all_ok(f"{key}/start", error, f"local save of step {step}",
-                       self.timeout_s)
+                       self._rounds.timeout_s)
     except BaseException:
       for f in files.values():
         f.close()
       shutil.rmtree(work, ignore_errors=True)  # this save's own (token)
-      self._round_keys.append(key)  # deleted at the next round that passes
+      self._rounds.defer(key)  # deleted at the next round that passes
       raise
-    self.settle_keys(key)
+    self._rounds.settle_keys(key)
     # After the round, only what cannot fail on one process alone: the
     # exchange is dispatched, never waited for on this thread (the writer
     # waits for it, at most barrier_timeout_s), and staging waits only for
     # this process's writer to give budget back.
     q: queue.Queue = queue.Queue()
     failed = threading.Event()
-    self._fut = self._pool.submit(self._write, step, key, work, manifest, q,
-                                  failed, files, own_host, src, t0)
+    if newest:
+      self._steps.saving_newest(step)
+    self._fut = self._loop.submit(asyncio.to_thread(
+        self._write, step, key, work, manifest, q, failed, files, own_host,
+        src, t0))
     stats = {"step": step, "own_bytes": plan["own_bytes"],
              "partner_bytes": plan["partner_bytes"]}
     try:
@@ -123,13 +168,13 @@ class SaveMixin:
     """Before the round, the part of a save that can fail on this process
     alone: the plan, the step directory and its files (opened into
     ``files``), the host values posted for the partner."""
-    lay = self.layout
+    lay = self._rounds.layout
     if self._broken:
       raise CheckpointError(self._broken)
     plan = self._plan(arrays, manifest)
     try:
       os.makedirs(work)
-      for fname in _DATA_FILES.values():
+      for fname in DATA_FILES.values():
         files[fname] = open(os.path.join(work, fname), "wb")
     except OSError as e:
       raise CheckpointError(
@@ -144,7 +189,7 @@ class SaveMixin:
     ``manifest``; the exchange's inputs, made of the device buffers as
     they are (no copy), in batches within the budget. Raises
     CheckpointError naming the leaf for what the tier cannot save."""
-    lay = self.layout
+    lay = self._rounds.layout
     src_devs = lay.devices_of(lay.src[lay.pid])
     own, batches, batch, batch_bytes = [], [], [], 0
     own_off = partner_off = 0
@@ -163,7 +208,7 @@ class SaveMixin:
       seen: dict[tuple, int] = {}
       for d in lay.local:
         s = shards[d]
-        idx = _index(s.index, shape)
+        idx = box_index(s.index, shape)
         if idx not in seen:
           seen[idx] = len(entry["shards"])
           nb = int(np.prod(s.data.shape)) * itemsize
@@ -180,7 +225,7 @@ class SaveMixin:
       try:
         ss = tuple(arr.sharding.shard_shape(shape))
         imap = arr.sharding.devices_indices_map(shape)
-        boxes = [_index(imap[d], shape) for d in src_devs]
+        boxes = [box_index(imap[d], shape) for d in src_devs]
       except (ValueError, KeyError) as e:
         raise CheckpointError(
             f"leaf {name}: the local tier sends each process's shards to its "
@@ -220,12 +265,12 @@ class SaveMixin:
     Every batch is dispatched, also once the save failed here (the others
     wait for this process's part of the collective); the budget for what a
     batch receives is taken before it is dispatched."""
-    lay = self.layout
+    lay = self._rounds.layout
     for batch in batches:
       nb = sum(it[1] for _, items in batch for it in items)
       held = self.budget.acquire(nb, failed)
       outs = lay.permute([stacked for stacked, _ in batch])
-      deadline = time.monotonic() + self.timeout_s
+      deadline = time.monotonic() + self._rounds.timeout_s
       if not held:
         continue
       boxes = []
@@ -233,7 +278,8 @@ class SaveMixin:
         got = {s.device: s.data for s in out.addressable_shards}
         for offset, n, j, ss in items:
           boxes.append((offset, n, got[lay.local[j]], ss))
-      q.put(("wait", 0, ([b[2] for b in boxes], deadline, self.timeout_s,
+      q.put(("wait", 0, ([b[2] for b in boxes], deadline,
+                         self._rounds.timeout_s,
                          f"the partner exchange of local step {step}"), 0))
       for offset, n, data, ss in boxes:
         q.put(("partner.bin", offset, (data, ss), n))
@@ -247,8 +293,8 @@ class SaveMixin:
     crcs: dict[tuple[str, int], int] = {}  # (file, offset): crc32c
     drained = False
     try:
-      self._remove_leftovers(keep=os.path.basename(work))
-      self._remove_unusable()
+      self._steps.remove_leftovers(keep=os.path.basename(work))
+      self._steps.remove_unusable()
       while True:
         item = q.get()
         if item is None:
@@ -260,7 +306,7 @@ class SaveMixin:
           continue
         if kind == "wait":  # also after a failure: was it abandoned?
           try:
-            _wait_ready(*data)
+            wait_ready(*data)
           except BarrierTimeoutError as e:
             lost = e
             error = error or e
@@ -284,10 +330,9 @@ class SaveMixin:
           self.budget.release(nb)
       if error is None:
         partner_host = b""
-        if self.layout.n > 1:  # posted before the round: no wait
-          partner_host = multihost._wait_for_key(  # pylint: disable=protected-access
-              multihost._client().blocking_key_value_get_bytes,  # pylint: disable=protected-access
-              f"{key}/host/{src}", self.timeout_s,
+        if self._rounds.layout.n > 1:  # posted before the round: no wait
+          partner_host = multihost.read_post(
+              f"{key}/host", src, self._rounds.timeout_s,
               f"the host values of process {src} for the local tier")
         for f in files.values():
           f.flush()
@@ -298,7 +343,7 @@ class SaveMixin:
         storage_lib.write_file(os.path.join(work, "host.msgpack"), host)
         manifest["files"] = {"host.msgpack": len(host)}
         manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
-        for part, fname in _DATA_FILES.items():
+        for part, fname in DATA_FILES.items():
           size = 0
           for e in manifest[part].values():
             for sh in e["shards"]:
@@ -327,8 +372,9 @@ class SaveMixin:
       # device collectives may now be out of step with the others': it
       # saves no more local steps in this job.
       self._broken = (
-          f"process {self.layout.pid} abandoned the partner exchange of "
-          f"local step {step} after barrier_timeout_s = {self.timeout_s:g} s "
+          f"process {self._rounds.layout.pid} abandoned the partner exchange "
+          f"of local step {step} after barrier_timeout_s = "
+          f"{self._rounds.timeout_s:g} s "
           "(a process did not join it); its device collectives may be out "
           "of step with the other processes', so the local tier saves no "
           "more steps in this job: restart it")
@@ -337,7 +383,7 @@ class SaveMixin:
       raise error
     if error is not None:
       multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
-    multihost.barrier(f"{key}/written", timeout_s=self.timeout_s,
+    multihost.barrier(f"{key}/written", timeout_s=self._rounds.timeout_s,
                       what=f"the local tier's save of step {step}")
     failures = multihost.reported_failures(f"{key}/failed")
     if error is not None or failures:
@@ -346,10 +392,11 @@ class SaveMixin:
         raise error
       raise CheckpointError(f"local save of step {step} failed on process(es) "
                             f"{sorted(failures)}: {failures}")
-    final = os.path.join(self.dir, f"step_{step}")
+    home = self._steps.dir
+    final = os.path.join(home, f"step_{step}")
     if os.path.exists(final):  # saved again: the old one goes first
-      _remove(final, self.dir, step)
+      remove_step(final, home, step)
     os.rename(work, final)
-    commit_lib.fsync_dir(self.dir)
+    commit_lib.fsync_dir(home)
     self.last_save_stats["total_s"] = time.perf_counter() - t0
-    self._retain()
+    self._steps.retain()

@@ -1,9 +1,9 @@
 """The step directories of the local tier (ckpt/tiers/local_tier.py) on one
-process: ``StepsMixin`` lists the committed ``step_<N>`` directories, reads
+process: ``LocalSteps`` lists the committed ``step_<N>`` directories, reads
 and validates their manifests, verifies their files' sizes and crc32c,
 removes steps of another run and leftovers of crashed saves, applies
 retention, and hides / restores / drops a step for
-``MultiTierCheckpointer.delete``; ``_remove`` renames a step away before it
+``MultiTierCheckpointer.delete``; ``remove_step`` renames a step away before it
 deletes it.
 """
 
@@ -19,7 +19,8 @@ from absl import logging
 
 from ckpt.commit import protocol as commit_lib
 from ckpt.multihost import process as multihost
-from ckpt.tiers.local_manifest import (_DATA_FILES, MAX_MANIFEST_BYTES,
+from ckpt.tiers.local_exchange import TierRounds
+from ckpt.tiers.local_manifest import (DATA_FILES, MAX_MANIFEST_BYTES,
                                        check_manifest)
 from ckpt.errors import CorruptCheckpointError
 
@@ -28,10 +29,26 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_RE = re.compile(r"^step_\d+\.(tmp|del)-[0-9a-f]+$")
 
 
-class StepsMixin:
-  """LocalTier's step directories (listing, manifests, retention, delete)."""
+class LocalSteps:
+  """This process's step directories of the local tier (listing, manifests,
+  retention, delete)."""
 
-  # -- listing --
+  def __init__(self, root: str, keep: int, owner: str, rounds: TierRounds):
+    self.pid = multihost.process_index()
+    self.dir = os.path.join(root, f"process_{self.pid}")
+    os.makedirs(self.dir, exist_ok=True)
+    self.keep = keep
+    # The persistent tier this local tier belongs to: steps of another are
+    # never restored and are removed at the next save.
+    self.owner = owner
+    self._rounds = rounds
+    # The step saved last as the job's newest (retention keeps it, and
+    # removes the steps above it: MultiTierCheckpointer.save refused them).
+    self._newest_saved: int | None = None
+
+  def saving_newest(self, step: int) -> None:
+    """``step`` is the job's newest step (see ``retain``)."""
+    self._newest_saved = step
 
   def committed_steps(self) -> list[int]:
     try:
@@ -40,7 +57,7 @@ class StepsMixin:
       return []
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
 
-  def _manifest(self, step: int) -> dict:
+  def manifest(self, step: int) -> dict:
     """The validated manifest of ``step`` (this process's); raises
     CorruptCheckpointError naming the file, what was expected and found."""
     path = os.path.join(self.dir, f"step_{step}", "manifest.json")
@@ -63,9 +80,9 @@ class StepsMixin:
     check_manifest(m, step, self.pid, path)
     return m
 
-  def _foreign(self, m: dict) -> str:
+  def foreign(self, m: dict) -> str:
     """Why a valid manifest belongs to another run ('' if it is ours)."""
-    lay = self.layout
+    lay = self._rounds.layout
     if m["owner"] != self.owner:
       return (f"it was saved for the persistent tier {m['owner']!r}, this "
               f"job's is {self.owner!r} (a local directory left by another "
@@ -75,29 +92,29 @@ class StepsMixin:
               f"{m['local_devices']} devices, this job has {lay.n} x {lay.L}")
     return ""
 
-  def _remove_unusable(self) -> None:
+  def remove_unusable(self) -> None:
     """At a save (writer thread, local only): committed steps of another
     run (persistent root, topology) or with a bad manifest go: they are
     never restored, and retention must not keep them over this run's."""
     for s in self.committed_steps():
       try:
-        why = self._foreign(self._manifest(s))
+        why = self.foreign(self.manifest(s))
       except CorruptCheckpointError as e:
         why = str(e)
       if why:
         path = os.path.join(self.dir, f"step_{s}")
         logging.info("ckpt: local tier removes %s: %s", path, why)
         try:
-          _remove(path, self.dir, s)
+          remove_step(path, self.dir, s)
         except OSError as e:
           logging.warning("ckpt: local tier could not remove %s: %s", path, e)
 
-  def _verify(self, step: int, m: dict, part: str | None) -> str:
+  def verify(self, step: int, m: dict, part: str | None) -> str:
     """'' if the data file of ``part`` (None: host.msgpack) of ``step``
     has the size and every shard the crc32c its manifest records; else why
     (naming the file, what was expected and what was found)."""
     base = os.path.join(self.dir, f"step_{step}")
-    fname = "host.msgpack" if part is None else _DATA_FILES[part]
+    fname = "host.msgpack" if part is None else DATA_FILES[part]
     path = os.path.join(base, fname)
     want = m["files"][fname]
     try:
@@ -135,24 +152,24 @@ class StepsMixin:
       return f"local step {step}: cannot read {path}: {e}"
     return ""
 
-  def _retain(self) -> None:
+  def retain(self) -> None:
     """Keeps the ``keep`` newest steps up to the step saved last, never
     that step, whatever its number.
 
     The step saved last is set by MultiTierCheckpointer.save
-    (``_newest_saved``), which refused the save if the job could rebuild
+    (``saving_newest``), which refused the save if the job could rebuild
     any local step above it: steps above it here are parts of steps no
     restore can use (a host and its partner lost), and go too. Without it
     (the class alone): the highest steps are kept."""
     steps = self.committed_steps()
-    head = getattr(self, "_newest_saved", None)
+    head = self._newest_saved
     above = []
     if head in steps:
       above = [s for s in steps if s > head]
       steps = [s for s in steps if s <= head]
     for s in above + steps[:-self.keep]:
       try:
-        _remove(os.path.join(self.dir, f"step_{s}"), self.dir, s)
+        remove_step(os.path.join(self.dir, f"step_{s}"), self.dir, s)
       except OSError as e:
         logging.warning("ckpt: local tier could not delete step %d: %s", s, e)
 
@@ -183,7 +200,7 @@ class StepsMixin:
   def drop_hidden(hidden: str) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
-  def _remove_leftovers(self, keep: str) -> None:
+  def remove_leftovers(self, keep: str) -> None:
     for name in os.listdir(self.dir):
       if _TMP_RE.match(name) and name != keep:
         logging.info("ckpt: local tier removes leftover %s",
@@ -191,7 +208,7 @@ class StepsMixin:
         shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
 
-def _remove(path: str, parent: str, step: int) -> None:
+def remove_step(path: str, parent: str, step: int) -> None:
   """Renames a committed step away first, so it is never half-deleted."""
   gone = os.path.join(parent, f"step_{step}.del-{multihost.unique_token()}")
   os.rename(path, gone)

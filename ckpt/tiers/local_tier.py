@@ -51,8 +51,8 @@ newest persistent step, and every process restores the same one. Processes
 whose own part is missing get it back from their partner with the inverse
 ``ppermute``.
 
-Leaves mean what they mean to a ``Checkpointer`` (``_prepare_leaves``,
-``_restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
+Leaves mean what they mean to a ``Checkpointer`` (``prepare_leaves``,
+``restore_plan``): the same names, ``save_dtype`` / ``restore_dtype``
 casts of floating leaves (with numpy, so both tiers hold the same bits),
 typed PRNG keys stored as key data with their implementation, arrays one
 process holds whole (an uncommitted ``jnp.asarray(10)``) as host values, and
@@ -60,33 +60,35 @@ the same refusals (TreeMismatchError naming the leaf: a float32 leaf into an
 int32 target, another shape, keys of another implementation) raised by
 every process before the exchange, not a fall back to another step.
 
-``LocalTier`` is composed of: ckpt/tiers/local_steps.py (step directories,
-manifests read and verified, retention, delete), local_save.py (the save
-path), local_restore.py (what a process can serve, the restore path),
-local_manifest.py (the manifest's format and its checks), local_leaves.py
-(leaves as a Checkpointer treats them) and local_exchange.py (the byte
-budget, the bounded wait for the partner exchange).
+``LocalTier`` is built from parts that own their state: ``LocalSteps``
+(ckpt/tiers/local_steps.py: step directories, manifests read and verified,
+retention, delete), ``LocalSaver`` (local_save.py: the save path, its writer
+on a background loop), ``LocalRestorer`` (local_restore.py: what a process
+can serve, the restore path) and ``TierRounds`` (local_exchange.py: the
+partner layout, the keys of the tier's rounds; with the byte budget and the
+bounded wait for the partner exchange); local_manifest.py holds the
+manifest's format and its checks, local_leaves.py leaves as a Checkpointer
+treats them.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 import os
 from typing import Any
 
 from ckpt.multihost import process as multihost
 from ckpt.tiers import partner
-from ckpt.tiers.local_exchange import _Budget
-from ckpt.tiers.local_restore import RestoreMixin
-from ckpt.tiers.local_save import SaveMixin
-from ckpt.tiers.local_steps import StepsMixin
+from ckpt.tiers.local_exchange import Budget, TierRounds
+from ckpt.tiers.local_restore import LocalRestorer
+from ckpt.tiers.local_save import LocalSaver
+from ckpt.tiers.local_steps import LocalSteps
 from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
 
 
 # ---- the local tier ------------------------------------------------------------
 
-class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
+class LocalTier:
   """Per-host saves with a partner replica; see the module docstring."""
 
   def __init__(self, directory: str | os.PathLike, *, keep: int = 2,
@@ -97,53 +99,83 @@ class LocalTier(StepsMixin, SaveMixin, RestoreMixin):
     if keep is None or int(keep) < 2:
       raise ValueError(f"local_keep must be >= 2 (the newest step the job can "
                        f"rebuild may be the one before the newest), got {keep!r}")
-    self.keep = int(keep)
-    # The persistent tier this local tier belongs to: steps of another are
-    # never restored and are removed at the next save.
-    self.owner = str(owner)
-    # As the persistent tier's (Checkpointer save_dtype / restore_dtype):
-    # floating leaves cast before they are stored / after they are read.
-    self.save_dtype, self.restore_dtype = save_dtype, restore_dtype
     self.root = os.path.abspath(os.fspath(directory))
-    self.pid = multihost.process_index()
-    self.dir = os.path.join(self.root, f"process_{self.pid}")
-    os.makedirs(self.dir, exist_ok=True)
-    self.budget = _Budget(concurrent_bytes)
     self.timeout_s = barrier_timeout_s
-    # The same on every process (never hash(): it is salted per process).
-    self._key_base = "local-" + hashlib.sha1(
-        os.fspath(directory).encode()).hexdigest()[:16]
-    self._pool = concurrent.futures.ThreadPoolExecutor(
-        1, thread_name_prefix="ckpt-local")
-    self._fut: concurrent.futures.Future | None = None
-    self._layout: partner.Layout | None = None
-    self._round_keys: list[str] = []  # deleted at the next round
-    self._broken = ""  # why this process saves no more (an abandoned exchange)
-    self.last_save_stats: dict = {}
-    self.last_restore_stats: dict = {}
+    self.budget = Budget(concurrent_bytes)
+    # The same key base on every process (never hash(): it is salted per
+    # process).
+    self.rounds = TierRounds("local-" + hashlib.sha1(
+        os.fspath(directory).encode()).hexdigest()[:16], barrier_timeout_s)
+    self.steps = LocalSteps(self.root, int(keep), str(owner), self.rounds)
+    self.saver = LocalSaver(self.steps, self.rounds, self.budget, save_dtype)
+    self.restorer = LocalRestorer(self.steps, self.rounds, self.budget,
+                                  restore_dtype)
+
+  # -- what the parts hold --
 
   @property
   def layout(self) -> partner.Layout:
-    if self._layout is None:
-      # Collective (the hosts' round): built at the first save or restore,
-      # which every process calls.
-      self._layout = partner.Layout(self._key_base, self.timeout_s)
-    return self._layout
+    return self.rounds.layout
+
+  @property
+  def dir(self) -> str:
+    return self.steps.dir
+
+  @property
+  def last_save_stats(self) -> dict:
+    return self.saver.last_save_stats
+
+  @property
+  def last_restore_stats(self) -> dict:
+    return self.restorer.last_restore_stats
+
+  # -- the calls of MultiTierCheckpointer, handed to the parts --
 
   def call_key(self, name: str) -> str:
-    """The coordination key of this tier's next collective call ``name``
-    (the same on every process: calls are made in the same order)."""
-    return multihost.call_key(self._key_base, name)
+    return self.rounds.call_key(name)
 
   def settle_keys(self, key: str) -> None:
-    """The round of the collective call ``key`` passed here, so every
-    process has entered that call and is done with the keys of the calls
-    before it (each waits for its writer before a round): process 0
-    deletes those. ``key``'s own go at the next call's round, so the
-    coordination service does not grow with every call."""
-    done, self._round_keys = self._round_keys, [key]
-    for k in done:
-      multihost.forget(k)
+    self.rounds.settle_keys(key)
+
+  def save(self, step: int, state: Any, host_state: Any = None,
+           newest: bool = False) -> None:
+    self.saver.save(step, state, host_state, newest)
+
+  def wait(self) -> None:
+    self.saver.wait()
+
+  def running(self) -> bool:
+    return self.saver.running()
+
+  def finish_within(self, timeout: float) -> bool:
+    return self.saver.finish_within(timeout)
+
+  def close(self) -> None:
+    self.saver.close()
+
+  def usable(self, target_leaves, verify=lambda step: True) -> dict:
+    return self.restorer.usable(target_leaves, verify)
+
+  def restore(self, step: int, target_leaves, need_partner: list[int]):
+    return self.restorer.restore(step, target_leaves, need_partner)
+
+  def committed_steps(self) -> list[int]:
+    return self.steps.committed_steps()
+
+  def manifest(self, step: int) -> dict:
+    return self.steps.manifest(step)
+
+  def foreign(self, m: dict) -> str:
+    return self.steps.foreign(m)
+
+  def hide_step(self, step: int) -> str | None:
+    return self.steps.hide_step(step)
+
+  def unhide_step(self, step: int, hidden: str) -> None:
+    self.steps.unhide_step(step, hidden)
+
+  def drop_hidden(self, hidden: str) -> None:
+    self.steps.drop_hidden(hidden)
 
 
 def owner_of(spec: dict) -> str:

@@ -6,7 +6,6 @@ retention; restore takes the newest step the job can rebuild from either
 from __future__ import annotations
 
 import dataclasses
-import concurrent.futures
 import time
 from typing import Any, Callable, Sequence
 
@@ -23,7 +22,17 @@ from ckpt.format import extras as save_extras
 from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
+from ckpt.face import known as known_lib
 from ckpt.errors import WaitTimeoutError
+
+class PersistentTier(Checkpointer):
+  """The persistent tier: a ``Checkpointer`` whose known steps the
+  timeline asks (ckpt/tiers/timeline.py: ``newer_than``, ``delete``)."""
+
+  @property
+  def known_steps(self) -> known_lib.KnownSteps:
+    return self._known
+
 
 class MultiTierCheckpointer:
   """A ``Checkpointer`` with a fast local tier in front of it.
@@ -66,7 +75,7 @@ class MultiTierCheckpointer:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     self.local_interval = local_interval
     self.persistent_interval = persistent_interval
-    self.persistent = Checkpointer(
+    self.persistent = PersistentTier(
         persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
         barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
     self.local = local_tier.LocalTier(local, keep=local_keep,
@@ -205,8 +214,7 @@ class MultiTierCheckpointer:
     if to_local:
       # Retention keeps this step, whatever its number (LocalTier._retain);
       # no local save is in flight (_check_timeline waited for it).
-      self.local._newest_saved = step  # pylint: disable=protected-access
-      self.local.save(step, state, host_state)
+      self.local.save(step, state, host_state, newest=True)
       saved = True
     return saved
 
@@ -244,18 +252,12 @@ class MultiTierCheckpointer:
     try:
       self.persistent.wait_until_finished(timeout)
     finally:
-      fut = self.local._fut  # pylint: disable=protected-access
-      if fut is not None and deadline is not None:
-        try:
-          fut.result(max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-          if not fut.done():
-            raise WaitTimeoutError(  # pylint: disable=raise-missing-from
-                f"wait_until_finished(timeout={timeout}): the local tier's "
-                f"save was not finished after {timeout} s on process "
-                f"{multihost.process_index()}; it goes on in the background")
-        except Exception:  # pylint: disable=broad-except
-          pass  # raised (once) by wait() below
+      if deadline is not None and not self.local.finish_within(
+          max(0.0, deadline - time.monotonic())):
+        raise WaitTimeoutError(
+            f"wait_until_finished(timeout={timeout}): the local tier's "
+            f"save was not finished after {timeout} s on process "
+            f"{multihost.process_index()}; it goes on in the background")
       self.local.wait()
 
   def is_saving_in_progress(self) -> bool:
@@ -264,9 +266,7 @@ class MultiTierCheckpointer:
 
     Never raises.
     """
-    fut = self.local._fut  # pylint: disable=protected-access
-    return self.persistent.is_saving_in_progress() or (
-        fut is not None and not fut.done())
+    return self.persistent.is_saving_in_progress() or self.local.running()
 
   def check_for_errors(self) -> None:
     """Raises a failed background save of either tier now (once), without
@@ -275,8 +275,7 @@ class MultiTierCheckpointer:
     Not collective: never waits, each process raises its own tier's failure.
     """
     self.persistent.check_for_errors()
-    fut = self.local._fut  # pylint: disable=protected-access
-    if fut is not None and fut.done():
+    if self.local.finish_within(0):
       self.local.wait()
 
   def cancel(self) -> bool:
@@ -426,7 +425,7 @@ class MultiTierCheckpointer:
     """restore (``start``: restore_async) after the persistent tier's save
     in flight has ended (its failure stays for the next save or wait; the
     local tier's save ends in _choose)."""
-    self.persistent._settle()  # pylint: disable=protected-access
+    self.persistent.known_steps.settle()
     return tier_restore.restore(self.persistent, self.local, self._choose,
                                 self._note_restored, step, target,
                                 restore_kwargs, start=start)
@@ -480,7 +479,7 @@ class MultiTierCheckpointer:
       self.wait_until_finished()
     finally:
       self.persistent.close()
-      self.local._pool.shutdown(wait=True)  # pylint: disable=protected-access
+      self.local.close()
 
   def __enter__(self) -> "MultiTierCheckpointer":
     return self

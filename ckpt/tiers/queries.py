@@ -14,8 +14,7 @@ verifies it then).
 
 from __future__ import annotations
 
-import json
-
+from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import timeline as tier_timeline
 
@@ -39,13 +38,12 @@ def all_steps(mt) -> list[int]:
         f"{type(e).__name__}: {e}")[:1000]}
   dst, n = mt.local.layout.dst, mt.local.layout.n
 
-  def decide(posts: dict[int, str]) -> str:
-    got = {p: json.loads(v) for p, v in posts.items()}
-    return json.dumps(tier_timeline.complete(got, dst, n))
+  def decide(got: dict[int, dict]) -> list[int]:
+    return tier_timeline.complete(got, dst, n)
 
-  local = json.loads(multihost.agree(
-      key, json.dumps({"own": usable["own"], "partner": usable["partner"]}),
-      decide, timeout_s=mt.local.timeout_s,
-      what="the steps of both tiers (all_steps)"))
+  local = rounds_lib.agree(
+      key, {"own": usable["own"], "partner": usable["partner"]}, decide,
+      timeout_s=mt.local.timeout_s,
+      what="the steps of both tiers (all_steps)")
   mt.local.settle_keys(key)
   return sorted(set(p_steps) | set(local))

@@ -12,18 +12,15 @@ docs/multi-tier.md): which step a save may write, and ``delete``.
   step; if anything failed anywhere, every process puts its local step
   back and all raise the same error.
 """
-# pylint: disable=protected-access
 
 from __future__ import annotations
 
-import json
 
 from absl import logging
 
-from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
-from ckpt import queries
-from ckpt.calls_save import refusal
+from ckpt.face import rounds as rounds_lib
+from ckpt.face.saver import refusal
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 
@@ -35,40 +32,43 @@ def check(mt, step: int, prepare=None) -> None:
   above ``step`` (of this run) or its own failure (the previous local
   save's, say, or one of ``prepare()``, the save's own preparation);
   process 0 adds the persistent tier's and decides."""
-  key = multihost.call_key(mt.local._key_base, "timeline")
-  newer, error, dst, n = {"own": [], "partner": []}, None, [], 0
-  try:  # what can fail on one process alone goes into the round
-    step = queries.check_step(step)
+  key = mt.local.call_key("timeline")
+  mine = {"own": [], "partner": [], "dst": [], "n": 0}
+
+  def own_part() -> None:  # what can fail on one process alone
+    s = rounds_lib.check_step(step)
     if prepare is not None:
       prepare()
     mt.local.wait()  # the previous local save: its failure, its commit
-    newer = _local_newer(mt, step)
-    dst, n = mt.local.layout.dst, mt.local.layout.n
-  except Exception as e:  # pylint: disable=broad-except
-    error = e
-  err = _describe(error)
+    mine.update(_local_newer(mt, s), dst=mt.local.layout.dst,
+                n=mt.local.layout.n)
+  error = rounds_lib.failure_of(own_part)
+  dst, n = mine.pop("dst"), mine.pop("n")
+  if error is None:
+    step = rounds_lib.check_step(step)
 
-  def decide(posts: dict[int, str]) -> str:
+  def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
     if failed:
-      return json.dumps({"failed": failed})
+      return {"failed": failed}
     # The local steps a restore could use (as _choose counts them, from
     # the manifests): a step that some process holds but the job cannot
     # rebuild (a host and its partner lost) is never resumed, and goes
     # at this save's retention.
     local = sorted(complete(got, dst, n))
     try:
-      persistent = _persistent_newer(mt, step, fresh=bool(local))
+      persistent = mt.persistent.known_steps.newer_than(
+          step, fresh=bool(local))
     except Exception as e:  # pylint: disable=broad-except
-      return json.dumps({"failed": {0: (
+      return {"failed": {0: (
           f"listing the persistent tier {mt.persistent.storage.url!r}: "
-          f"{type(e).__name__}: {e}")[:2000]}})
-    return json.dumps({"local": local, "persistent": persistent})
+          f"{type(e).__name__}: {e}")[:2000]}}
+    return {"local": local, "persistent": persistent}
 
-  out = json.loads(multihost.agree(
-      key, json.dumps({**newer, "error": err}), _safe(decide),
-      timeout_s=mt._timeout_s,
-      what=f"whether step {step} can be saved (newer committed steps)"))
+  out = rounds_lib.agree(
+      key, {**mine, "error": rounds_lib.describe(error)}, _safe(decide),
+      timeout_s=mt.local.timeout_s,
+      what=f"whether step {step} can be saved (newer committed steps)")
   if "failed" in out:  # the same error on every process, the failed too
     raise CheckpointError(
         f"saving step {step} was refused before anything was written: it "
@@ -97,8 +97,8 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
     if s <= step:
       continue
     try:
-      m = mt.local._manifest(s)
-      why = mt.local._foreign(m)
+      m = mt.local.manifest(s)
+      why = mt.local.foreign(m)
     except CorruptCheckpointError as e:
       why = str(e)
     if why:  # never restored, removed by the next save
@@ -111,64 +111,47 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
   return out
 
 
-def _persistent_newer(mt, step: int, fresh: bool) -> list[int]:
-  """Process 0: the persistent tier's committed steps above ``step``, and
-  the step of its save in flight if above. No I/O when its Checkpointer
-  knows that none is (``_newest_bound``: the saves it committed since its
-  last listing); listed when one may be, or ``fresh`` (the local tier has
-  one: the message names them all), so a refusal rests on a listing."""
-  p = mt.persistent
-  deadline = p._query_deadline()
-  if not fresh and deadline_lib.call(deadline, p._newest_bound) <= step:
-    return []
-  with p._lock:
-    fut, flying = p._inflight, p._inflight_step
-  newer = [s for s in deadline_lib.call(deadline, p._committed_now)
-           if s > step]
-  if fut is not None and not fut.done() and flying is not None and (
-      flying > step):
-    newer = sorted({*newer, flying})
-  return newer
-
-
 def delete(mt, step: int) -> None:
   """MultiTierCheckpointer.delete (see its docstring)."""
-  key = multihost.call_key(mt.local._key_base, "delete")
-  given, hidden, error = step, None, None
-  try:  # what can fail on one process alone goes into the round
-    step = queries.check_step(step)
-    mt.local.wait()  # a local save in flight commits first
-    hidden = mt.local.hide_step(step)
-  except Exception as e:  # pylint: disable=broad-except
-    error = e
-  err = _describe(error)
+  key = mt.local.call_key("delete")
+  given, hid = step, []
 
-  def decide(posts: dict[int, str]) -> str:
+  def own_part() -> None:  # what can fail on one process alone
+    s = rounds_lib.check_step(step)
+    mt.local.wait()  # a local save in flight commits first
+    hid.append(mt.local.hide_step(s))
+  error = rounds_lib.failure_of(own_part)
+  hidden = hid[0] if hid else None
+  if error is None:
+    step = rounds_lib.check_step(step)
+
+  def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
     if failed:
-      return json.dumps({"failed": failed})
+      return {"failed": failed}
     local = [p for p, g in got.items() if g["hidden"]]
-    p = mt.persistent
     try:
-      deadline_lib.call(p._query_deadline(), p._delete_step, step)
+      known = mt.persistent.known_steps
+      known.bounded(lambda: known.delete(step))
       persistent = True
     except CheckpointNotFoundError as e:
       persistent, why = False, str(e)
     except Exception as e:  # pylint: disable=broad-except
-      return json.dumps({"error": [
-          type(e).__name__, f"deleting step {step}: {e}"[:4000]]})
+      return {"error": [
+          type(e).__name__, f"deleting step {step}: {e}"[:4000]]}
     if not (persistent or local):
-      return json.dumps({"error": ["CheckpointNotFoundError", (
+      return {"error": ["CheckpointNotFoundError", (
           f"cannot delete step {step}: neither tier holds it ({why}; no "
           f"process holds step_{step} in the local tier "
-          f"{mt.local.root!r})")[:4000]]})
-    return json.dumps({"persistent": persistent, "local": local})
+          f"{mt.local.root!r})")[:4000]]}
+    return {"persistent": persistent, "local": local}
 
   try:
-    out = json.loads(multihost.agree(
-        key, json.dumps({"hidden": hidden is not None, "error": err}),
-        _safe(decide), timeout_s=mt._timeout_s,
-        what=f"deleting step {given!r}"))
+    out = rounds_lib.agree(
+        key, {"hidden": hidden is not None,
+              "error": rounds_lib.describe(error)},
+        _safe(decide), timeout_s=mt.local.timeout_s,
+        what=f"deleting step {given!r}")
   except BaseException:
     if hidden is not None:
       logging.error("ckpt: delete(%s) did not complete: the local step on "
@@ -196,8 +179,7 @@ def delete(mt, step: int) -> None:
     mt.local.drop_hidden(hidden)
   logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
                "process(es) %s)", step, out["persistent"], out["local"])
-  mt.persistent._metrics_cache.pop(step, None)
-  mt.persistent._time_cache.pop(step, None)
+  mt.persistent.known_steps.deleted(step)
 
 
 def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
@@ -216,12 +198,12 @@ def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
 def _safe(decide):
   """``decide`` of a round that never raises (process 0 would then leave
   the others waiting): its failure is a decision naming process 0."""
-  def safe(posts: dict[int, str]) -> str:
+  def safe(posts: dict[int, dict]) -> dict:
     try:
       return decide(posts)
     except Exception as e:  # pylint: disable=broad-except
-      return json.dumps({"failed": {0: (
-          f"process 0 could not decide: {type(e).__name__}: {e}")[:2000]}})
+      return {"failed": {0: (
+          f"process 0 could not decide: {type(e).__name__}: {e}")[:2000]}}
   return safe
 
 
@@ -233,14 +215,8 @@ def _forget_previous(key: str) -> None:
     multihost.forget(f"{base}/{int(n) - 1}")
 
 
-def _describe(error: BaseException | None) -> str | None:
-  """What a process posts of its own failure in a round."""
-  return None if error is None else f"{type(error).__name__}: {error}"[:2000]
-
-
-def _read_posts(key: str, posts: dict[int, str]) -> tuple[dict, dict]:
+def _read_posts(key: str, got: dict[int, dict]) -> tuple[dict, dict]:
   """Process 0, in a round's decide: the earlier calls' keys go; every
   process's post, and the failures among them."""
   _forget_previous(key)
-  got = {p: json.loads(v) for p, v in sorted(posts.items())}
   return got, {p: g["error"] for p, g in got.items() if g["error"]}

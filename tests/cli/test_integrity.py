@@ -360,8 +360,10 @@ def test_old_index_with_checksums_and_host_state_still_works(
            "n": 7}
   c = make_ckptr(async_save=False, format=fmt, chunk_bytes=4096)
   if fmt == "zarr3":  # arrays as an older ckpt wrote them: no crc32c codec
-    c._options = dataclasses.replace(  # pylint: disable=protected-access
-        c._options, codec=tsspec.Codec(checksum="none"))  # pylint: disable=protected-access
+    saver = c._saver  # pylint: disable=protected-access
+    saver.settings = dataclasses.replace(saver.settings, options=(
+        dataclasses.replace(saver.settings.options,
+                            codec=tsspec.Codec(checksum="none"))))
   c.save(1, state, host_state={"rng": 11})
   step_dir = ckpt_dir / "checkpoint_1"
   idx = index_lib.decode((step_dir / "index.msgpack").read_bytes())

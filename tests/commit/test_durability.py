@@ -45,7 +45,7 @@ def hold(ckptr):
   def block():
     held.set()
     release.wait(60)
-  ckptr._loop.call_soon_threadsafe(block)  # pylint: disable=protected-access
+  ckptr._loop.call(block)  # pylint: disable=protected-access
   assert held.wait(10)
   try:
     yield
@@ -187,7 +187,7 @@ def late_cleaner(make_ckptr, url: str, step: int, new_save) -> list[str]:
   with pytest.MonkeyPatch.context() as m:
     m.setattr(cleanup_lib, "abandoned", abandoned_then_pause)
     # What a writer's first save runs alongside its writes.
-    t = threading.Thread(target=cleaner._remove_abandoned, args=("",))  # pylint: disable=protected-access
+    t = threading.Thread(target=cleaner._saver.remove_abandoned, args=("",))  # pylint: disable=protected-access
     t.start()
     try:
       assert checked.wait(30), "the cleanup never looked"

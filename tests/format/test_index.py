@@ -143,8 +143,8 @@ def test_rejects_non_map_document():
 @pytest.mark.parametrize("field,value,fragments", [
     ("format", "orbax", ["format 'ckpt'", "'orbax'"]),
     ("format", None, ["format 'ckpt'", "None"]),
-    ("version", 6, ["version 1 or 2 or 3 or 4 or 5", "6"]),
-    ("version", "1", ["version 1 or 2 or 3 or 4 or 5", "'1'"]),
+    ("version", 7, ["version 1 or 2 or 3 or 4 or 5 or 6", "7"]),
+    ("version", "1", ["version 1 or 2 or 3 or 4 or 5 or 6", "'1'"]),
     ("step", -1, ["step", "-1"]),
     ("step", 1.0, ["step", "1.0"]),
     ("step", True, ["step", "True"]),
@@ -331,7 +331,7 @@ def test_structure_leaves_are_leaf_numbers(rng):
   leaves (an int), its path only once (in the leaves)."""
   idx = make_index(rng)
   doc = sealed.unpackb(index.encode(idx), raw=False)
-  assert doc["version"] == index.VERSION == 5
+  assert doc["version"] == index.VERSION == 6
   assert doc["structure"] == [
       "object", "_State", "params", ["dict", "b", 0, "w", 1], "step", 2,
       "name", 3, "opt", ["tuple", ["none"], ["dict"]]]
@@ -733,3 +733,52 @@ def test_host_states_round_trip(rng, count):
   doc = sealed.unpackb(index.encode(idx), raw=False)
   assert ("host_states" in doc) == (count is not None)
   assert index.decode(index.encode(idx)).host_states == count
+
+
+# ---- held_by (version 6): never trusted --------------------------------------
+
+def _held(rng, held, version=None):
+  """The test index, its array params/w held by ``held``, as bytes."""
+  doc = doc_of(make_index(rng))
+  w = next(e for e in doc["leaves"] if e["path"] == ["params", "w"])
+  w["held_by"] = held
+  if version is not None:
+    doc["version"] = version
+  return pack(doc)
+
+
+def test_held_by_round_trips(rng):
+  idx = make_index(rng)
+  leaves = tuple(dataclasses.replace(e, held_by=(3, "attempt-00ff"))
+                 if getattr(e, "relpath", "") == "params/w" else e
+                 for e in idx.leaves)
+  got = index.decode(index.encode(dataclasses.replace(idx, leaves=leaves)))
+  assert [getattr(e, "held_by", None) for e in got.leaves] == [
+      None, (3, "attempt-00ff"), None, None]
+  assert index.held_dir((3, "attempt-00ff")) == "checkpoint_3/attempt-00ff"
+  assert index.decode(_held(rng, [6, "attempt-ab"])).leaves[1].held_by == (
+      6, "attempt-ab")
+
+
+@pytest.mark.parametrize("held", [
+    [7, "attempt-ab"],            # its own step
+    [8, "attempt-ab"],            # a later one
+    [-1, "attempt-ab"],
+    [True, "attempt-ab"],
+    [1.0, "attempt-ab"],
+    [1, "../x"],
+    [1, "attempt-ab/../../x"],
+    [1, "attempt-AB"],
+    [1, ""],
+    [1, "checkpoint_1"],
+    [1],
+    "checkpoint_1/attempt-ab",
+    {"step": 1},
+])
+def test_held_by_refused(rng, held):
+  rejected(_held(rng, held), "held_by")
+
+
+def test_held_by_refused_before_version_6(rng):
+  rejected(_held(rng, [1, "attempt-ab"], version=5), "held_by",
+           "version 6")

@@ -19,6 +19,8 @@ by today's code in one of:
            layout (checkpoint_<step>/attempt-<token>/..., the commit marker,
            commits/<step>, commits/complete), every key of the store dumped
            as a file (relative key = relative path)
+  bucket_reuse/  the same with reuse_unchanged=True: step 10's params/wide
+           is held by step 5 (held_by, from version 6)
 
 Next to the checkpoint, ``expected.json`` (JSON, never pickle) holds what a
 restore must give back, bit for bit: the tree, each array's dtype, shape,
@@ -76,6 +78,8 @@ GOLDENS = {
     "zarr3": (dict(format="zarr3", chunk_checksums=True), "posix"),
     "ocdbt": (dict(format="ocdbt", compression="zstd"), "posix"),
     "bucket": (dict(format="zarr"), "bucket"),
+    # Index version 6: params/wide of step 10 is held by step 5.
+    "bucket_reuse": (dict(format="zarr", reuse_unchanged=True), "bucket"),
 }
 MESH_SHAPE, MESH_AXES = (2, 4), ("x", "y")
 
@@ -102,8 +106,13 @@ def make_state(step: int) -> dict[str, Any]:
     return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
 
   kernel = put(normal((16, 8)), "x", None)
+  # The same at both steps (index version 6): "bucket_reuse"'s step 10
+  # holds none of it, step 5 holds it for both (held_by).
+  wide = put(np.random.default_rng(3000).standard_normal(
+      (16, 32), dtype=np.float32), "x", "y")
   if step != STEPS[-1]:
-    return {"params": {"dense": {"kernel": kernel}}, "step": step}
+    return {"params": {"dense": {"kernel": kernel}, "wide": wide},
+            "step": step}
   # Arrays over INLINE_MAX_BYTES (256) are stored as arrays, smaller ones
   # (and fully replicated small jax.Arrays) inline in the index.
   return {
@@ -113,7 +122,7 @@ def make_state(step: int) -> dict[str, Any]:
           "embed": put(normal((8, 16)), "y", None),        # 4 chunks
           # Index version 2: the arrays above are packed (_save packs
           # leaves of at most PACK_MAX_BYTES); this one is a zarr array.
-          "wide": put(normal((16, 32)), "x", "y"),         # 8 chunks
+          "wide": wide,                                    # 8 chunks
           "norm_bf16": put(normal((16, 16), ml_dtypes.bfloat16),
                            None, "x"),                     # 2 chunks
           "layers": [put(normal((4, 4)), None, None),      # inline

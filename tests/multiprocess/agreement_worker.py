@@ -168,10 +168,10 @@ def scenario_planned_differently(conf: dict) -> dict:
     plan_lib.assign_writes = lying
     # The planner must run (the plan cache would reuse the honest plan of
     # the step before), and its lie must not be reused by the next step.
-    ck._plan_cache.clear()  # pylint: disable=protected-access
+    ck._saver.forget_plan()  # pylint: disable=protected-access
     out[f"s{step}"] = _timed_save(ck, step, _state(step, mesh))
     plan_lib.assign_writes = honest
-    ck._plan_cache.clear()  # pylint: disable=protected-access
+    ck._saver.forget_plan()  # pylint: disable=protected-access
   out["s4"] = _timed_save(ck, 4, _state(4, mesh))
   out["steps"] = ck.all_steps()
   out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
@@ -276,7 +276,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   }
   for name, (call, again) in calls.items():
     if pid == 1:
-      _fail_once(ck, "_check_open", name)
+      _fail_once(ck._loop, "check_open", name)  # pylint: disable=protected-access
     out[name] = [_timed(call), _timed(again)]
   # Natural failures on process 1: a path it cannot open, a bad argument.
   out["bad_path"] = [_timed(lambda: ck.restore(

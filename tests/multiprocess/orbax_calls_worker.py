@@ -103,9 +103,9 @@ def _cancel(config: dict) -> dict:
   if pid == 1:
     assert held.wait(60), "the held save never reached its hold"
   else:
-    while not c._attempt.waiting and time.monotonic() < deadline:  # pylint: disable=protected-access
+    while not c._inflight.waiting() and time.monotonic() < deadline:  # pylint: disable=protected-access
       time.sleep(0.01)
-    out["p0_waiting"] = list(c._attempt.waiting)  # pylint: disable=protected-access
+    out["p0_waiting"] = c._inflight.waiting()  # pylint: disable=protected-access
   out["in_progress_before"] = c.is_saving_in_progress()
   out["work_dirs_before"] = sorted(n for n in os.listdir(root) if ".tmp-" in n)
   t0 = time.monotonic()

@@ -111,7 +111,7 @@ def main() -> None:
       for name, target in targets.items():
         label = f"{name}{'/wiped' if wiped else ''}"
         mt.last_restore_tier = None
-        mt.local.last_restore_stats = {}
+        mt.local.restorer.last_restore_stats = {}
         out[label] = {
             "ckptr": outcome(lambda t=target: c.restore(1, target=t)),
             "mt": outcome(lambda t=target: mt.restore(target=t)),

@@ -199,7 +199,7 @@ def integrity(conf, pid, ckptr, make, target, check) -> None:
       r["error"] = f"{type(e).__name__}: {e}"
     r.update(tier=ckptr.last_restore_tier, reason=ckptr.last_restore_reason,
              from_partner=ckptr.local.last_restore_stats.get("from_partner"))
-    ckptr.local.last_restore_stats = {}
+    ckptr.local.restorer.last_restore_stats = {}
     out.append(r)
   ckptr.close()
   # Another run: an empty persistent root, the local directory of this one.

@@ -1,7 +1,8 @@
-"""reuse_unchanged=True on buckets (S3 and GCS emulators): a bucket has no
-links, so every chunk is written (docs/format.md, "Reusing unchanged
-chunks", for the server-side-copy design); saves, retention and verify work
-as without it."""
+"""reuse_unchanged=True on buckets (S3 and GCS emulators): an unchanged
+leaf is held by an earlier step (index version 6, ckpt/save/reuse_held.py)
+instead of uploaded again; retention keeps what the kept steps hold
+(ckpt/commit/held.py); every kept step restores bit-exact and verifies,
+also after the whole root is copied elsewhere, and with 2 real processes."""
 
 from __future__ import annotations
 
@@ -11,24 +12,132 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
-from ckpt.cli import integrity
+from ckpt.cli import main as cli_main
+from ckpt.commit import steps as steps_lib
+from ckpt.store import storage as storage_lib
+from tests.multiprocess import reuse_worker as worker
+from tests.multiprocess.launch import launch
+
+MIB = 1 << 20
+
+
+def _stored_bytes(url: str, step: int) -> int:
+  """The bytes of every object in ``step``'s data directory (what its save
+  handed to the store), read back from the server."""
+  s = storage_lib.Storage(url)
+  where = steps_lib.step_dir(s, step)
+  return sum(len(s.read_bytes(k)) for k in s.list_keys(f"{where}/"))
+
+
+def _copy_root(src: str, dst: str) -> None:
+  a, b = storage_lib.Storage(src), storage_lib.Storage(dst)
+  for k in a.list_all():
+    b.write_bytes(k, a.read_bytes(k))
 
 
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gs_bucket"])
-def test_reuse_on_a_bucket_writes_everything(bucket, request):
+def test_reuse_on_a_bucket_holds_unchanged_leaves(bucket, request):
   url = request.getfixturevalue(bucket) + "/run"
   mesh = Mesh(np.array(jax.devices()).reshape(8), ("x",))
-  frozen = np.random.default_rng(0).standard_normal((256, 256), np.float32)
   sh = NamedSharding(mesh, P("x"))
-  with ckpt.Checkpointer(url, keep=1, reuse_unchanged=True, async_save=False,
-                         chunk_bytes=32 << 10) as c:
-    for step in range(2):
-      train = np.random.default_rng([1, step]).standard_normal(
-          (128, 256), np.float32)
+  frozen = np.random.default_rng(0).standard_normal((2048, 1024), np.float32)
+  trains = [np.random.default_rng([1, s]).standard_normal((256, 1024),
+                                                          np.float32)
+            for s in range(4)]
+  with ckpt.Checkpointer(url, keep=2, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=1 * MIB) as c:
+    for step in range(4):
       c.save(step, {"frozen": jax.device_put(frozen, sh),
-                    "train": jax.device_put(train, sh)})
-      assert c.last_save_stats.bytes_reused == 0
-      assert c.last_save_stats.bytes_written == frozen.nbytes + train.nbytes
-    assert c.all_steps() == [1]
-  assert ckpt.load(url, 1)["frozen"].tobytes() == frozen.tobytes()
-  assert integrity.verify(url, step=1) == []
+                    "train": jax.device_put(trains[step], sh)})
+      s = c.last_save_stats
+      stored = _stored_bytes(url, step)
+      if step == 0:
+        assert s.bytes_reused == 0 and stored > frozen.nbytes
+        continue
+      assert s.bytes_reused == frozen.nbytes
+      assert s.bytes_written == trains[step].nbytes
+      # What the store received for the step: the changing leaf, its
+      # index, metadata and per-process files (issue 39's bound).
+      assert stored <= 1.5 * trains[step].nbytes + 8 * MIB, stored
+    assert c.all_steps() == [2, 3]
+  moved = url.rsplit("/", 1)[0] + "/moved"
+  _copy_root(url, moved)
+  for root in (url, moved):
+    for step in (2, 3):
+      got = ckpt.load(root, step)
+      assert got["frozen"].tobytes() == frozen.tobytes()
+      assert got["train"].tobytes() == trains[step].tobytes()
+    assert cli_main.main(["verify", root, "--all"]) == 0
+
+
+def test_two_processes_reuse_across_retention_on_s3(s3_bucket):
+  """2 processes x 2 devices, keep=2, steps 0..3: every later step holds
+  the frozen leaves (each process its share of their boxes, agreed in one
+  round); steps 0 and 1 are gone but what 2 and 3 hold of them stays."""
+  url = s3_bucket + "/run"
+  out = launch("tests.multiprocess.reuse_worker",
+               {"scenario": "retention", "dir": url},
+               num_processes=2, devices_per_process=2)
+  worker.check_retention(out)
+  s = storage_lib.Storage(url)
+  assert not s.list_keys("checkpoint_1/")
+  assert s.list_keys("checkpoint_0/")  # holds the frozen leaves
+  for step in (2, 3):
+    got, want = ckpt.load(url, step), worker.state(step)
+    for k in worker.LEAVES:
+      assert got[k].tobytes() == want[k].tobytes(), (step, k)
+  assert cli_main.main(["verify", url, "--all"]) == 0
+
+
+def _check_bucket(url: str) -> list[int]:
+  """Every committed step restores bit-exact and verifies; returns them."""
+  steps = steps_lib.committed_steps(storage_lib.Storage(url))
+  for s in steps:
+    got, want = ckpt.load(url, s), worker.state(s)
+    for k in worker.LEAVES:
+      assert got[k].tobytes() == want[k].tobytes(), f"step {s} leaf {k}"
+  if steps:
+    assert cli_main.main(["verify", url, "--all"]) == 0
+  return steps
+
+
+def test_sigkill_during_saves_and_retention_on_s3(s3_bucket, tmp_path):
+  """2 processes save back to back (keep=3: every save's retention deletes
+  a step that the kept ones may hold leaves of) and are SIGKILLed at
+  random moments; after each kill every committed step restores bit-exact
+  and verifies; a last run resumes and holds again."""
+  import random  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
+  from tests.multiprocess.launch import REPO  # pylint: disable=g-import-not-at-top
+  from tests.multiprocess.test_reuse_mp import _wait_saved  # pylint: disable=g-import-not-at-top
+  rng = random.Random(20261127)
+  url, events = s3_bucket + "/run", tmp_path / "events"
+  events.mkdir()
+  conf = {"scenario": "killloop", "dir": url, "events": str(events),
+          "max_step": 10**6}
+  latest = None
+  for launch_no in range(3):
+    cluster = local_cluster.start("tests.multiprocess.reuse_worker",
+                                  dict(conf, launch=launch_no),
+                                  num_processes=2, devices_per_process=2,
+                                  cwd=str(REPO))
+    try:
+      _wait_saved(cluster, events, launch_no)
+      time.sleep(rng.uniform(0.5, 3.0))  # a few saves and retentions in
+      for v in rng.choice([[0], [1], [0, 1]]):
+        cluster.kill(v, signal.SIGKILL)
+    finally:
+      cluster.wait(0, grace_s=0)
+    steps = _check_bucket(url)
+    assert steps and (latest is None or steps[-1] >= latest), (latest, steps)
+    latest = steps[-1]
+    print(f"kill {launch_no}: committed steps {steps}")
+  final = latest + 4
+  out = launch("tests.multiprocess.reuse_worker",
+               dict(conf, launch=3, max_step=final), num_processes=2,
+               devices_per_process=2)
+  assert _check_bucket(url) == list(range(final - 3, final))
+  for i in range(1, len(out[0]["stats"])):
+    assert sum(r["stats"][i]["reused"] for r in out) == worker.frozen_bytes()

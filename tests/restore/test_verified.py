@@ -1,6 +1,6 @@
 """Every restore verified as it reads (ckpt/restore/verified.py), the
 sealed index and per-process files (ckpt/format/seal.py), and a resume that
-falls back past a damaged step (ckpt/calls_restore.py)."""
+falls back past a damaged step (ckpt/face/restorer.py)."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ def test_async_save_lowers_its_threads_priority(make_ckptr, rng, mesh8):
   c = make_ckptr(async_save=True)
   c.save(1, _state(rng, mesh8))
   c.wait_until_finished()
-  assert _nice(c._thread.native_id) >= polite.BACKGROUND_NICE  # pylint: disable=protected-access
+  assert _nice(c._loop.native_id) >= polite.BACKGROUND_NICE  # pylint: disable=protected-access
   ts = _ts_threads()
   assert ts, "no TensorStore worker thread found"
   assert all(_nice(t) >= polite.BACKGROUND_NICE for t in ts), [

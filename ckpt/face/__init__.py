@@ -1,0 +1,8 @@
+"""The parts of the public classes (ckpt/checkpointer.py's ``Checkpointer``, and through
+it tiers/multitier.py's): the background loop, the save in flight, what process 0 knows of
+the committed steps, the agreement rounds, the save, the restore and the queries. Each part
+creates its fields in its own ``__init__`` and is used through its public methods.
+
+May import: the wings below it (store, format, shards, multihost, commit, save, restore) and
+ckpt.errors; never the public classes (ckpt.checkpointer, ckpt.query_calls), tiers or cli.
+"""

@@ -1,0 +1,301 @@
+"""The save of a Checkpointer, from its agreement round to its commit.
+
+``Saver`` owns what a save needs besides the save in flight: the save's
+options, the plan cache (the last save's plan, reused while the state keeps
+its layout), the chunks reused from the last committed step, the leases seen
+by cleanups, the stats of the last save. ``save`` is the body of
+``Checkpointer.save`` after its schedule said yes: the agreement round (in
+which process 0 refuses a step lower than the newest committed one and makes
+a fresh attempt), then the save's run on the background loop
+(ckpt/save/runner.py) and the cleanup of abandoned attempts alongside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from ckpt.multihost import agreement
+from ckpt.commit import protocol as commit_lib
+from ckpt.commit import lease as lease_lib
+from ckpt.commit import steps as steps_lib
+from ckpt.commit import cleanup as cleanup_lib
+from ckpt.commit import deletion
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import known as known_lib
+from ckpt.face import loop as loop_lib
+from ckpt.face import rounds as rounds_lib
+from ckpt.store import deadline as deadline_lib
+from ckpt.store import names as names_lib
+from ckpt.store import progress as progress_lib
+from ckpt.save import runner as finalize
+from ckpt.multihost import process as multihost
+from ckpt.multihost import coordination
+from ckpt.save import leaves as save_leaves
+from ckpt.save import plan_cache
+from ckpt.save import polite
+from ckpt.save import reuse as reuse_lib
+from ckpt.store import storage as storage_lib
+from ckpt.save import write as save_lib
+from ckpt.format import extras as save_extras
+from ckpt.format import tree
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSettings:
+  """A Checkpointer's save options (see its docstring)."""
+  options: save_leaves.SaveOptions
+  concurrent_bytes: int
+  async_save: bool
+  partitioner: Callable | None
+  lease_s: float
+  clock: Callable[[], Any]
+
+
+class Saver:
+  """The saves of one Checkpointer (see the module docstring)."""
+
+  def __init__(self, settings: SaveSettings, storage: storage_lib.Storage,
+               reuser: reuse_lib.Reuser, rounds: rounds_lib.Rounds,
+               known: known_lib.KnownSteps,
+               inflight: inflight_lib.InFlightSave,
+               loop: loop_lib.BackgroundLoop,
+               lease_seen: Callable[[], lease_lib.Sightings]):
+    self.settings = settings
+    self.storage = storage
+    self._context = storage.context()
+    self._reuser = reuser
+    self._rounds = rounds
+    self._known = known
+    self._inflight = inflight
+    self._loop = loop
+    self._plan_cache = plan_cache.PlanCache()
+    self._lease_seen = lease_seen  # the Checkpointer's (it may replace it)
+    self.last_save_stats = save_lib.SaveStats()
+
+  def forget_plan(self) -> None:
+    """The next save plans afresh (not from the cached plan)."""
+    self._plan_cache.clear()
+
+  def save(self, step: int, state: Any,
+           refused: Exception | None, check: Callable[[], None], *,
+                    metrics: dict | None = None,
+                    transforms: Sequence[Callable] = (),
+                    host_state: Any = None, force: bool = False,
+                    custom_metadata: dict | None = None,
+                    progress: Any = None) -> bool:
+    """The save of ``step`` the schedule accepted; ``refused``: this
+    process refuses it (a close begun), ``check()``: this process's own
+    checks (open, no restore in flight). Their failure joins the round."""
+    # The key first: whatever fails below on one process goes into the
+    # round, so every process raises and no later key drifts.
+    key = self._rounds.key("save", step)
+    coord0 = coordination.coordination_stats()
+    t0 = time.perf_counter()
+    plan, host_files, values, error, plan_s = None, {}, [], None, 0.0
+    claim = None  # this process's host_state claim (extras.host_state_files)
+    report = None
+    planned = 0
+    custom = None
+    try:
+      if refused is not None:
+        raise refused
+      check()
+      self._inflight.wait()  # the previous save's failure, if any
+      metrics = save_extras.check_metrics(metrics)
+      custom = save_extras.check_custom_metadata(custom_metadata)
+      state = tree.transformed(state, transforms)
+      host_files, claim = save_extras.host_state_files(
+          host_state, multihost.process_index(), multihost.process_count())
+      t_plan = time.perf_counter()
+      plan, planned = self._plan_cache.plan(state, self.settings.options,
+                                            self.settings.partitioner)
+      plan_s = time.perf_counter() - t_plan
+      plan.borrow = not self.settings.async_save
+      values = agreement.host_values(plan.leaves)
+      report = progress_lib.reporter(
+          progress, f"ckpt save step {step}",
+          lambda: sum(w.nbytes for w in plan.writes))
+    except Exception as e:  # pylint: disable=broad-except
+      error = e  # every process hears of it in the round below
+    started: list = []  # process 0: the save's deadline, set at prepare
+    decision = agreement.save_round(
+        key, step, error, values, lambda: self._prepare_attempt(step, started),
+        timeout_s=self._rounds.barrier_s, host_claim=claim)
+    self._known.saved(step)  # agreed: committed already, or about to be
+    if decision.action == "skip":
+      logging.warning("ckpt: step %d is already committed in %s; not saving "
+                      "it again", step, self.storage.url)
+      self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
+      return False
+    attempt = finalize.Attempt(
+        step=step, key=key, token=decision.token,
+        work_dir=steps_lib.work_dir(self.storage, step, decision.token),
+        timeout_s=self._rounds.barrier_s, lease_s=self.settings.lease_s,
+        host_states=decision.value)
+    stats = save_lib.SaveStats(step=step, plan_s=plan_s,
+                               planned_leaves=planned)
+    self.last_save_stats = stats
+    staged = threading.Event()
+    fut = self._loop.submit(progress_lib.reported(
+        deadline_lib.bounded(
+            self._save_async(attempt, plan, metrics, host_files, stats,
+                             staged, t0, coord0, custom),
+            started[0] if started else self._rounds.save_deadline(step)),
+        report, lambda: stats.bytes_written))
+    self._inflight.start(fut, step, attempt)
+    if self.settings.async_save:
+      staged.wait()
+      stats.blocking_s = time.perf_counter() - t0
+      if fut.done():
+        self._inflight.wait()
+    else:
+      self._inflight.wait()
+      stats.blocking_s = stats.total_s
+    return True
+
+  def _prepare_attempt(self, step: int, started: list) -> str | None:
+    """Process 0, in the save round: None if ``step`` is committed, else the
+    token of a fresh, empty attempt directory. The save's deadline starts
+    here (appended to ``started``): its first request.
+
+    A step lower than the newest committed one is refused here
+    (``agreement.SaveRefused``, raised on every process), before anything
+    is written: see ``save``."""
+    deadline = self._rounds.save_deadline(step)
+    started.append(deadline)
+    retention = self._known.retention
+    with deadline_lib.scope(deadline):
+      newest = self._known.newest_bound()
+      damaged = retention.damaged()  # a resume fell back past them
+      if newest > step:  # confirmed by a fresh listing (then refused)
+        steps = self._known.committed_now()
+        newer = [s for s in steps if s > step and s not in damaged]
+        if newer:  # committed or not, it would not be the step resumed
+          raise agreement.SaveRefused(refusal(step, newer,
+                                              f"in {self.storage.url!r}"))
+        newest = max((s for s in steps if s not in damaged), default=-1)
+      if step in damaged:  # a resume found it damaged: saved again, anew
+        logging.warning("ckpt: replacing step %d in %s, which failed "
+                        "verification when this job resumed", step,
+                        self.storage.url)
+        cleanup_lib.remove(self.storage, names_lib.step_dirname(step))
+        retention.set_damaged(damaged - {step})
+      elif steps_lib.is_committed(self.storage, step):
+        return None
+      token = multihost.unique_token()
+      commit_lib.prepare(self.storage, step, token, self.settings.lease_s,
+                         self._lease_seen())
+      self._known.will_commit(step, newest)
+      return token
+
+  async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
+                        host_files: dict[int, bytes],
+                        stats: save_lib.SaveStats,
+                        staged: threading.Event, t0: float,
+                        coord0: coordination.CoordinationStats,
+                        custom: str | None = None) -> None:
+    cleanup = None
+    self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
+    async_save = self.settings.async_save
+    if async_save:  # the training job's cores first (ckpt/save/polite.py)
+      polite.lower_tensorstore_threads()
+    try:
+      if multihost.process_index() == 0:
+        # Abandoned work of crashed jobs and failed saves goes at every save
+        # (one listing of the root, or of pending/ on a bucket; never when a
+        # Checkpointer opens: a reader must not delete anything).
+        cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
+            asyncio.to_thread(self.remove_abandoned, attempt.work_dir))
+      try:
+        reuse = self._reuser.begin(plan, attempt.step, attempt.token,
+                                   attempt.work_dir)
+        await finalize.run_save(attempt, plan, self.storage, self._context,
+                                self.settings.concurrent_bytes, metrics,
+                                host_files, stats, staged.set,
+                                clock=self.settings.clock,
+                                custom_metadata=custom, reuse=reuse)
+      except BaseException:
+        # A failed save (its tiling found wrong, say) is planned afresh
+        # next time, never from the plan it failed with.
+        self._plan_cache.clear()
+        raise
+      _log_saved(attempt.step, self.storage.url, stats,
+                 time.perf_counter() - t0, async_save)
+      self._reuser.committed(reuse)  # the next save compares with it
+      self._known.committed(attempt.step, metrics)
+    finally:
+      if cleanup is not None:
+        await asyncio.gather(cleanup, return_exceptions=True)
+      staged.set()
+      stats.total_s = time.perf_counter() - t0
+      # Every call of this process in the meantime (the caller's other
+      # collective calls during an async save would count too).
+      coord = coordination.coordination_stats() - coord0
+      stats.coordination_s = coord.seconds
+      stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
+
+  def remove_abandoned(self, own: str) -> None:
+    reasons: dict[str, str] = {}
+    # The steps our retention deletes while we list, or after: their
+    # half-deleted leftovers are its to finish, not abandoned.
+    retention = self._known.retention
+    deleting = retention.deleting()
+    try:
+      names = cleanup_lib.abandoned(self.storage, self.settings.lease_s, reasons,
+                                    self._lease_seen())
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("ckpt: could not look for abandoned saves in %s: %s",
+                      self.storage.url, e)
+      return
+    deleting |= retention.deleting()
+    busy = {names_lib.step_dirname(s) for s in deleting}
+    for name in names:
+      if name == own or name.split(".tmp-del-")[0] in busy or (
+          deletion.parse_name(name) in deleting):
+        continue  # our own attempt, or a step our retention is deleting
+      logging.info("ckpt: removing abandoned %s in %s: %s", name,
+                   self.storage.url, reasons.get(name, "an unfinished deletion"))
+      try:
+        cleanup_lib.remove_abandoned(self.storage, name)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
+
+
+def size_text(n: float) -> str:
+  """``n`` bytes for a log line: "1.50 GiB"."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
+               total_s: float, async_save: bool) -> None:
+  """One INFO line per committed save, on every process (its own bytes)."""
+  rate = stats.bytes_written / total_s / 1e9 if total_s > 0 else 0.0
+  blocked = (f"; the caller was blocked {stats.blocking_s:.3f} s"
+             if async_save and stats.blocking_s else "")
+  logging.info("ckpt: saved step %d to %s: this process wrote %s in %.2f s "
+               "(%.2f GB/s)%s", step, url, size_text(stats.bytes_written),
+               total_s, rate, blocked)
+
+
+def refusal(step: int, newer: list[int], where: str) -> str:
+  """The message of a refused save of ``step``, lower than the committed
+  ``newer`` steps (``where``: in which directory or tier); the same for a
+  Checkpointer and both tiers of a MultiTierCheckpointer."""
+  shown = newer if len(newer) <= 20 else [*newer[:10], "...", *newer[-10:]]
+  return (
+      f"cannot save step {step}: newer committed step(s) {shown} exist "
+      f"({where}). A save of an older step would start a new timeline while "
+      "the newer steps stay, and latest_step()/restore() (a restarted job) "
+      "would resume them. To roll back deliberately, call delete(s) for each "
+      f"of {shown} (collective), then save step {step} again. Nothing was "
+      "written.")
