@@ -17,8 +17,9 @@ from ckpt.restore import hostmem
 from tests.conftest import named, random_array, sharded
 
 
-def _vm_flags(address: int) -> set[str]:
-  """The VmFlags of the mapping of this process that holds ``address``."""
+def _smaps_field(address: int, field: str) -> list[str]:
+  """The words of ``field`` ("VmFlags:", "AnonHugePages:") of the mapping
+  of this process that holds ``address`` (/proc/self/smaps)."""
   inside = False
   with open("/proc/self/smaps") as f:
     for line in f:
@@ -26,9 +27,14 @@ def _vm_flags(address: int) -> set[str]:
       if "-" in head and not head.endswith(":"):
         lo, hi = (int(x, 16) for x in head.split("-"))
         inside = lo <= address < hi
-      elif inside and line.startswith("VmFlags:"):
-        return set(line.split()[1:])
+      elif inside and line.startswith(field):
+        return line.split()[1:]
   raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> set[str]:
+  """The VmFlags of the mapping of this process that holds ``address``."""
+  return set(_smaps_field(address, "VmFlags:"))
 
 
 needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"),
@@ -159,16 +165,7 @@ def _address(allocated) -> int:
 
 def _anon_huge_kb(address: int) -> int:
   """AnonHugePages of the mapping that holds ``address`` (kB)."""
-  inside = False
-  with open("/proc/self/smaps") as f:
-    for line in f:
-      head = line.split()[0]
-      if "-" in head and not head.endswith(":"):
-        lo, hi = (int(x, 16) for x in head.split("-"))
-        inside = lo <= address < hi
-      elif inside and line.startswith("AnonHugePages:"):
-        return int(line.split()[1])
-  raise AssertionError(f"no mapping holds {address:#x}")
+  return int(_smaps_field(address, "AnonHugePages:")[0])
 
 
 @needs_smaps
