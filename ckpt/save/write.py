@@ -140,8 +140,13 @@ def chunk_sums(box: plan_lib.Box, chunks: tuple[int, ...], data: np.ndarray
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
                       on_staged: Callable[[], None],
-                      reuse: Any = None) -> list[list]:
+                      reuse: Any = None,
+                      on_written: Callable[[plan_lib.Write], None] | None = None
+                      ) -> list[list]:
   """Stages 3 and 4 for this process's boxes.
+
+  ``on_written(w)`` (on the event loop) once the array write ``w`` is done
+  (ckpt/save/durable.py syncs its files then).
 
   With ``reuse`` (a ckpt/save/reuse.py ``SaveReuse``) each array box's
   unchanged chunks are linked from the previous step, not written.
@@ -209,6 +214,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   async def write_one(w: plan_lib.Write, data: np.ndarray, grant: int):
     try:
       linked = await write_box(w, data)
+      if on_written is not None:
+        on_written(w)
       stats.bytes_written += data.nbytes - linked
       stats.bytes_reused += linked
       stats.boxes_written += linked < data.nbytes
