@@ -2,7 +2,7 @@
 
 Usage (from the repository root):
   python -m scripts.bench_train --preset large_f32_1g [--systems ckpt,orbax]
-      [--runs 5] [--steps 30] [--width 512] [--out F] [--dir D]
+      [--runs 5] [--steps 30] [--width 512] [--nice N] [--out F] [--dir D]
 
 Each system (ckpt, orbax: the ones with an async mode) runs in its own
 worker process holding the preset's random state (scripts/benchlib). There a
@@ -14,7 +14,13 @@ step is timed to ``block_until_ready``. Figures per run: the median and
 90th percentile step time without and during the save, their ratio (the
 slowdown a training job sees), the time the caller was blocked in
 ``save()`` and the save's total time; the table shows their medians (min-max)
-over the runs, interleaved across systems.
+over the runs, interleaved across systems. On a shared machine, where wall
+times mean little, the CPU figures say what the save costs the job: the
+process's CPU per step without and during the save, the save's own CPU
+(the process's CPU during the save less the steps' CPU at the idle rate)
+and that over the save's wall time (how many cores it kept busy), and in
+the JSON each group of threads' CPU during the save (``train_cpu_<name>_s``:
+``ts_pool_worker``, ``ckpt_fsync_``, ...).
 
 ``--width`` sets the step's time: 512 gives about 50-150 ms on 8 CPU devices
 over 2 cores.
@@ -49,6 +55,10 @@ ROWS = [
     ("train_save_blocked_s", "train: save() blocked (s)"),
     ("train_save_total_s", "train: async save until finished (s)"),
     ("train_steps_during", "train: steps during the save"),
+    ("train_cpu_step_idle_s", "train: process CPU per step, no save (s)"),
+    ("train_cpu_step_during_s", "train: process CPU per step during (s)"),
+    ("train_save_cpu_s", "train: the save's CPU (s)"),
+    ("train_save_cpu_share", "train: the save's CPU / its wall (cores)"),
 ]
 
 
@@ -101,7 +111,12 @@ def train(session, op) -> dict[str, Any]:
   if loop is None:
     loop = session.cache["train"] = TrainLoop(session.topo.save_mesh,
                                               op["width"])
-  idle = [loop.step() for _ in range(op["steps"])]
+  if op.get("nice") is not None:  # before the first save of this worker
+    from ckpt.save import polite  # pylint: disable=g-import-not-at-top
+    polite.BACKGROUND_NICE = op["nice"]
+  with measure.measure(interval_s=0) as idle_m:
+    idle = [loop.step() for _ in range(op["steps"])]
+  threads_before = measure.thread_cpu()
   with measure.measure(interval_s=0) as m:
     wait = session.system.save_async(op["dir"], session.state)
     if wait is None:
@@ -125,10 +140,22 @@ def train(session, op) -> dict[str, Any]:
       during.append(loop.step())
     thread.join()
     total = m.lap()
+  groups = measure.thread_cpu_by_name(threads_before, measure.thread_cpu())
   if "error" in end:
     raise end["error"]
   p90 = lambda v: float(np.percentile(v, 90))
-  return {"train_steps_idle": len(idle), "train_steps_during": len(during),
+  cpu_idle = idle_m.cpu_s / len(idle)
+  # What the process spent beyond the steps' own CPU: the save's work.
+  save_cpu = max(0.0, m.cpu_s - cpu_idle * len(during))
+  by_thread = {f"train_cpu_{name.replace('-', '_')}_s": g["user_s"] + g["sys_s"]
+               for name, g in groups.items()}
+  return {**by_thread,
+          "train_cpu_step_idle_s": cpu_idle,
+          "train_cpu_step_during_s": m.cpu_s / len(during),
+          "train_save_cpu_s": save_cpu,
+          "train_save_cpu_share": save_cpu / max(total, 1e-9),
+          "train_sys_s_during": m.sys_s,
+          "train_steps_idle": len(idle), "train_steps_during": len(during),
           "train_step_idle_s": float(np.median(idle)),
           "train_step_idle_p90_s": p90(idle),
           "train_step_during_s": float(np.median(during)),
@@ -148,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                       "during one")
   parser.add_argument("--width", type=int, default=512,
                       help="the MLP's width (hidden: 4x)")
+  parser.add_argument("--nice", type=int, default=None,
+                      help="ckpt.save.polite.BACKGROUND_NICE in the ckpt "
+                      "workers (default: the module's), for an A/B")
   args = parser.parse_args(argv)
   systems, notes = workers.pick_systems(parser, args, ("ckpt", "orbax"))
   preset = presets.load_preset(args.preset)
@@ -160,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
       path = os.path.join(where, f"{s}-r{r}")
       report.record(raw, s, worker.run({
           "fn": "scripts.bench_train:train", "dir": path,
-          "steps": args.steps, "width": args.width}))
+          "steps": args.steps, "width": args.width, "nice": args.nice}))
       shutil.rmtree(path, ignore_errors=True)
       print(f"  run {r + 1}/{args.runs} {s}: slowdown "
             f"{raw[s]['train_slowdown'][-1]:.2f}x", flush=True)

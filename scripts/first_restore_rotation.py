@@ -3,7 +3,7 @@ rotating which goes first (issue 37, item 1).
 
 Usage (from the repository root):
   python -m scripts.first_restore_rotation [--preset leaves64_f32_1g]
-      [--rounds 3] [--systems orbax,ckpt,raw] [--out F] [--dir D]
+      [--rounds 3] [--systems orbax,ckpt,raw] [--out F] [--dir D] [--fresh]
 
 The state is the preset's (default: 64 leaves of 1024x4096 random float32
 over a (data=2, model=4) mesh of 8 CPU devices), built once. Each round
@@ -22,9 +22,19 @@ Unlike scripts/bench.py (a fresh process per system), the systems share
 one process, as a job that restores right after it saves does: whoever
 goes first pays the process's first-use costs (page faults of fresh host
 memory, compilation, thread pools), so the rotation shows each system both
-first and later. Figures per operation: wall and CPU seconds
-(scripts/benchlib/measure.py), per round and as medians (min-max); the
-first round's restores are checked bit for bit, outside the timing.
+first and later. Figures per operation: wall, CPU and system seconds and
+minor page faults (scripts/benchlib/measure.py; fresh host memory shows in
+the last two), per round and as medians (min-max); for ckpt also how many
+restore buffers probed their first huge page and how many found it slow
+(ckpt/restore/hostmem.py). The first round's restores are checked bit for
+bit, outside the timing.
+
+``--fresh``: every system saves once in this process; then each round
+restores each system's checkpoint (onto the same shardings) in a fresh
+child process, rotating who goes first, after dropping the page cache
+(``sync; echo 3 > /proc/sys/vm/drop_caches``: root only, else said so and
+the cache is kept): the first restore of a process whose memory has been
+free for long, read from the disk.
 """
 
 from __future__ import annotations
@@ -34,7 +44,9 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Callable  # noqa: E402
 
@@ -48,7 +60,14 @@ SYSTEMS = ("orbax", "ckpt", "raw")
 ROWS = [(f"{op}_{fig}", f"{label}: {what}")
         for op, label in (("save", "save"), ("restore_same", "restore, same"),
                           ("restore_other", "restore, other mesh"))
-        for fig, what in (("s", "wall (s)"), ("cpu_s", "CPU (s)"))]
+        for fig, what in (("s", "wall (s)"), ("cpu_s", "CPU (s)"),
+                          ("sys_s", "system CPU (s)"),
+                          ("minflt", "minor faults"))]
+ROWS += [(f"{op}_{fig}", f"{label}: {what}")
+         for op, label in (("restore_same", "restore, same"),
+                           ("restore_other", "restore, other mesh"))
+         for fig, what in (("probes", "huge-page probes"),
+                           ("slow_probes", "slow probes"))]
 # An operation is (its name, a function of the state's targets).
 Protocol = list[tuple[str, Callable[[], Any]]]
 
@@ -83,26 +102,113 @@ def raw_protocol(path: str, state, targets) -> Protocol:
           ("restore_same", lambda: raw.restore(path, targets["same"]))]
 
 
+def restore_only(name: str, path: str, targets) -> Callable[[], Any]:
+  """The system's restore onto the same shardings of what it saved in
+  ``path`` (another process's save: ``--fresh``)."""
+  if name == "orbax":
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    return lambda: ocp.StandardCheckpointer().restore(
+        os.path.join(path, "1"), targets["same"])
+  if name == "ckpt":
+    import ckpt  # pylint: disable=g-import-not-at-top
+    return lambda: ckpt.Checkpointer(path).restore(step=1,
+                                                   target=targets["same"])
+  return lambda: systems_lib.RawSystem({"threads": 8}).restore(
+      path, targets["same"])
+
+
 PROTOCOLS = {"orbax": orbax_protocol, "ckpt": ckpt_protocol,
              "raw": raw_protocol}
 
 
 def run_protocol(name: str, path: str, preset, state, targets,
                  verify: bool) -> dict[str, float]:
-  """The system's operations in order; their wall and CPU seconds."""
-  import jax  # pylint: disable=g-import-not-at-top
+  """The system's operations in order; their figures (``timed``)."""
   out = {}
   for op, fn in PROTOCOLS[name](path, state, targets):
     if op == "close":
       fn()
       continue
-    with measure.measure(interval_s=0) as m:
-      value = fn()
-      jax.block_until_ready(value)
-    out[f"{op}_s"], out[f"{op}_cpu_s"] = m.wall_s, m.cpu_s
+    value, figures = timed(fn)
+    out.update({f"{op}_{k}": v for k, v in figures.items()})
     if verify and op.startswith("restore"):
       presets.verify(preset, value)
     del value
+  return out
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
+  """``fn()``, ready, and its figures (with the ckpt restore buffers'
+  huge-page probes it made)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import hostmem  # pylint: disable=g-import-not-at-top
+  probes, slow = hostmem.CHOOSER.probes, hostmem.CHOOSER.slow
+  with measure.measure(interval_s=0) as m:
+    value = fn()
+    jax.block_until_ready(value)
+  figures = {"s": m.wall_s, "cpu_s": m.cpu_s, "sys_s": m.sys_s,
+             "minflt": m.minor_faults}
+  if hostmem.CHOOSER.probes > probes:
+    figures["probes"] = hostmem.CHOOSER.probes - probes
+    figures["slow_probes"] = hostmem.CHOOSER.slow - slow
+  return value, figures
+
+
+def drop_page_cache() -> bool:
+  """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only): whether the
+  page cache was dropped."""
+  os.sync()
+  try:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+    return True
+  except OSError:
+    return False
+
+
+def child_restore(name: str, path: str, preset_name: str) -> int:
+  """``--restore-in-child``: one restore in this fresh process; its figures
+  as one JSON line on stdout."""
+  preset = presets.load_preset(preset_name)
+  topo = presets.Topology(preset)
+  targets = {"same": presets.abstract_state(preset, topo.save_mesh)}
+  value, figures = timed(restore_only(name, path, targets))
+  presets.verify(preset, value)
+  print("FIGURES " + json.dumps(
+      {f"restore_same_{k}": v for k, v in figures.items()}), flush=True)
+  return 0
+
+
+def fresh_rounds(names: list[str], where: str, preset, state, targets,
+                 rounds: int, preset_name: str, huge_pages: str,
+                 raw: dict) -> list[dict]:
+  """``--fresh``: each system saves here once; each round restores each
+  checkpoint in a fresh process, after the page cache is dropped."""
+  paths = {}
+  for s in names:
+    paths[s] = os.path.join(where, s)
+    for op, fn in PROTOCOLS[s](paths[s], state, targets):
+      if op in ("save", "close"):
+        fn()
+  out = []
+  for r in range(rounds):
+    line = []
+    for s in workers.rotated(names, r):
+      dropped = drop_page_cache()
+      proc = subprocess.run(
+          [sys.executable, "-m", "scripts.first_restore_rotation",
+           "--preset", preset_name, "--huge-pages", huge_pages,
+           "--restore-in-child", s, paths[s]],
+          capture_output=True, text=True, timeout=1800, check=True)
+      [figures] = [json.loads(l.split(" ", 1)[1])
+                   for l in proc.stdout.splitlines()
+                   if l.startswith("FIGURES ")]
+      report.record(raw, s, figures)
+      out.append({"round": r, "system": s, "cache_dropped": dropped,
+                  **figures})
+      line.append(f"{s} restore {figures['restore_same_s']:.2f} s"
+                  f"{'' if dropped else ' (page cache kept: not root)'}")
+    print(f"  fresh round {r + 1}: " + "; ".join(line), flush=True)
   return out
 
 
@@ -118,7 +224,21 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--dir", default=None,
                       help="where checkpoints are written (default: a new "
                       "temporary directory, removed at the end)")
+  parser.add_argument("--fresh", action="store_true",
+                      help="restore each round in fresh processes after "
+                      "dropping the page cache (see above)")
+  parser.add_argument("--huge-pages", choices=("auto", "on", "off"),
+                      default="auto",
+                      help="ckpt.restore.hostmem.HUGE_PAGES: None (auto), "
+                      "True or False, for an A/B of the restore's buffers")
+  parser.add_argument("--restore-in-child", nargs=2, metavar=("SYSTEM", "PATH"),
+                      help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  from ckpt.restore import hostmem  # pylint: disable=g-import-not-at-top
+  hostmem.HUGE_PAGES = {"auto": None, "on": True, "off": False}[
+      args.huge_pages]
+  if args.restore_in_child:
+    return child_restore(*args.restore_in_child, args.preset)
   names = [s for s in args.systems.split(",") if s]
   for s in names:
     if s not in SYSTEMS:
@@ -138,7 +258,10 @@ def main(argv: list[str] | None = None) -> int:
   raw: dict[str, dict[str, list]] = {}
   rounds = []
   with workers.workdir(args.dir) as where:
-    for r in range(args.rounds):
+    if args.fresh:
+      rounds = fresh_rounds(names, where, preset, state, targets, args.rounds,
+                            args.preset, args.huge_pages, raw)
+    for r in range(0 if args.fresh else args.rounds):
       order = workers.rotated(names, r)
       line = []
       for s in order:
@@ -158,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.out:
     report.write(args.out, {
         "preset": preset["name"], "rounds": rounds, "systems": figures,
-        "machine": report.machine(),
+        "fresh": args.fresh, "huge_pages": args.huge_pages, "machine": report.machine(),
         "command": report.command("scripts.first_restore_rotation", argv)})
   return 0
 

@@ -192,6 +192,12 @@ def main(argv=None) -> None:
                   default="auto", help="ckpt.restore.hostmem.HUGE_PAGES")
   args = ap.parse_args(argv)
   from ckpt.restore import hostmem  # pylint: disable=g-import-not-at-top
+  from ckpt.save import polite  # pylint: disable=g-import-not-at-top
+  # An async save drops the pages it wrote from the page cache (polite.py:
+  # a checkpoint is not read back by the job that wrote it); here every
+  # system's restore reads what it just saved, so all of them read from the
+  # same cache state: warm, or with --cold every cache dropped.
+  polite.DROP_WRITTEN_PAGES = False
   hostmem.HUGE_PAGES = {"auto": None, "on": True, "off": False}[
       args.huge_pages]
   print(json.dumps({"huge_pages": args.huge_pages,

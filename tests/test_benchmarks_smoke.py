@@ -50,6 +50,13 @@ def test_bench_train(tmp_path):
   assert (fig["train_save_total_s"]["median"] >=
           fig["train_save_blocked_s"]["median"])
   assert fig["train_steps_during"]["median"] >= 1
+  assert fig["train_cpu_step_idle_s"]["median"] > 0
+  assert fig["train_save_cpu_s"]["median"] >= 0
+  assert "train: the save's CPU (s)" in stdout
+  # CPU by thread group during the save: at least the steps' own threads.
+  assert any(k.startswith("train_cpu_") and k.endswith("_s")
+             and k not in ("train_cpu_step_idle_s", "train_cpu_step_during_s")
+             for k in fig), sorted(fig)
 
 
 @pytest.mark.timeout(240)
@@ -107,7 +114,24 @@ def test_first_restore_rotation(tmp_path):
   for r in rounds:
     assert r["save_s"] > 0 and r["restore_same_s"] > 0, r
     assert ("restore_other_s" in r) == (r["system"] == "ckpt"), r
+    assert r["restore_same_minflt"] >= 0 and r["restore_same_sys_s"] >= 0, r
+  assert "restore, same: minor faults" in stdout
   assert set(report["systems"]) == set(names)
+
+
+@pytest.mark.timeout(300)
+def test_first_restore_rotation_in_fresh_processes(tmp_path):
+  out = tmp_path / "fresh.json"
+  stdout = _run("first_restore_rotation", "--preset", "smoke", "--rounds",
+                "2", "--systems", "ckpt,raw", "--fresh", "--out", str(out),
+                timeout=280)
+  assert "fresh round 2:" in stdout, stdout
+  report = json.loads(out.read_text())
+  assert report["fresh"] is True
+  rounds = report["rounds"]
+  assert [r["system"] for r in rounds] == ["ckpt", "raw", "raw", "ckpt"]
+  for r in rounds:
+    assert r["restore_same_s"] > 0 and r["restore_same_minflt"] >= 0, r
 
 
 @pytest.mark.timeout(200)

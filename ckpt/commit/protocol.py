@@ -28,8 +28,8 @@ What a commit guarantees (``commit``):
   with a CheckpointError saying its work was removed.
 - On POSIX the index, the marker, every directory of the attempt and then
   the root are fsynced, in that order around the rename: after a power loss
-  a committed step comes back whole or not at all (TensorStore's file
-  driver fsyncs the data files it writes).
+  a committed step comes back whole or not at all (each process fsynced
+  the data files it wrote before the "written" barrier: ckpt/save/durable.py).
 - Two attempts at one step: the first commit wins; the other fails with an
   error saying the step was committed by another attempt (POSIX: the rename
   onto a non-empty directory fails; buckets: the marker is written only if

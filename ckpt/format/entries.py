@@ -199,7 +199,7 @@ def decode_held_by(v: Any, where: Any) -> tuple[int, str] | None:
   if (not isinstance(v, list) or len(v) != 2 or type(v[0]) is not int
       or not 0 <= v[0] < 2**63 or not isinstance(v[1], str)
       or not _HELD_DIR_RE.match(v[1])):
-    raise _bad(where, 'held_by as [step, "attempt-<hex>"]', v)
+    raise bad(where, 'held_by as [step, "attempt-<hex>"]', v)
   return v[0], v[1]
 
 
@@ -209,7 +209,7 @@ def check_held(leaves, allowed: bool, step: int, where: str) -> None:
   for i, e in enumerate(leaves):
     held = getattr(e, "held_by", None)
     if held is not None and (not allowed or held[0] >= step):
-      raise _bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
+      raise bad(f"{where}: leaf {i} ({tree.path_str(e.path)})",
                  f"held_by an earlier step than {step}, in an index of "
                  "version 6 or later", list(held))
 

@@ -291,8 +291,8 @@ def read_post(key: str, process: int, timeout_s: float = DEFAULT_TIMEOUT_S,
               what: str = "data") -> bytes:
   """What ``process`` posted under ``key`` with ``post_bytes``, waiting for
   it at most ``timeout_s`` (BarrierTimeoutError naming ``what``)."""
-  return _wait_for_key(_client().blocking_key_value_get_bytes,
-                       f"{key}/{process}", timeout_s, what)
+  get = coordination_client(timeout_s).blocking_key_value_get_bytes
+  return wait_for_key(get, f"{key}/{process}", timeout_s, what)
 
 
 def collect_bytes(key: str, data: bytes, what: str = "data",

@@ -9,18 +9,29 @@ On a virtual machine whose balloon device reports free pages to the
 hypervisor (virtio-balloon's free page reporting, VIRTIO_BALLOON_F_REPORTING:
 Firecracker, cloud-hypervisor, QEMU with ``free-page-reporting=on``), the
 guest hands every free block of ``page_reporting_order`` (2 MiB by default)
-back to the host a few seconds after it is freed, and a huge page is exactly
-such a block: the host must then back all of it again on the first touch.
-Measured on such a VM (2 cores, 1 GiB): touching fresh huge pages costs
-2.2-3.0 s of system time when the memory had been free for a few seconds,
-0.1 s when it was freed just before (the reason the first restore of a
-process was 4x slower than the next ones), and base (4 KiB) pages 0.5-0.7 s
-either way. There, restore buffers are allocated with base pages
-(``MADV_NOHUGEPAGE``); elsewhere numpy's huge pages stay (on bare metal a
-huge page is the cheaper fault).
+back to the host about two seconds after it is freed, and a huge page is
+exactly such a block: the host must then back all of it again on the first
+touch. Measured on such a VM (2 cores, 1 GiB, system time of the faulting
+thread): fresh huge pages 0.2 s when the memory was freed just before,
+1.0-1.9 s when it had been free for seconds; base (4 KiB) pages 0.7 s
+either way. Which one a restore meets depends on what the process did just
+before (a job that restores right after it freed its arrays, or another
+system's restore, gets just-freed memory; a fresh process gets reported
+memory), and the kernel hands out just-freed blocks first (reported ones go
+to the tail of the free lists), so neither choice alone is right.
 
-``HUGE_PAGES``: None (default) decides from the machine as above; True or
-False forces the choice (set it before restoring).
+There, each buffer is decided by what its first huge page cost
+(``_Chooser``): the buffer asks for huge pages and the thread that allocates
+it touches its first aligned 2 MiB, timed in that thread's CPU time (the
+host's backing of a reported block shows there, other threads' load does
+not). Cheaper than ``SLOW_HUGE_FAULT_S`` (base pages' cost for the same
+2 MiB): the block was not reported and the buffer keeps huge pages; slower:
+the rest of the buffer gets base pages (``MADV_NOHUGEPAGE``), and so do the
+next ``BASE_BYTES`` of buffers before the next probe. Elsewhere numpy's
+huge pages stay (on bare metal a huge page is the cheaper fault).
+
+``HUGE_PAGES``: None (default) decides as above; True or False forces the
+choice (set it before restoring).
 
 ``check_fits`` refuses, before allocating, a read of one box larger than
 this host's memory (``host_memory_bytes``).
@@ -33,7 +44,9 @@ import glob
 import math
 import mmap
 import os
-from typing import Sequence
+import threading
+import time
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -44,6 +57,13 @@ HUGE_PAGES: bool | None = None
 _REPORTING_BIT = 5  # VIRTIO_BALLOON_F_REPORTING
 _HUGE_PAGE_ORDER = 9  # a 2 MiB transparent huge page in 4 KiB pages
 _MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_HUGE_PAGE = 2 << 20
+# A huge page whose first touch costs more CPU than this (base pages for
+# the same 2 MiB: 512 faults, ~1.4 ms measured) was handed to the host.
+SLOW_HUGE_FAULT_S = 1e-3
+# After a slow probe, this many bytes of buffers get base pages unprobed.
+BASE_BYTES = 64 << 20
 # Below numpy's own huge-page threshold an allocation gets base pages
 # anyway: leave it to numpy's allocator (and its small-buffer cache).
 _MIN_BYTES = 4 << 20
@@ -81,23 +101,86 @@ def _machine_reports_huge_pages() -> bool:
 
 
 def use_huge_pages() -> bool:
-  """Whether restore buffers get transparent huge pages (``HUGE_PAGES``)."""
+  """Whether restore buffers get transparent huge pages without a probe
+  (``HUGE_PAGES``, else: this machine does not report free pages)."""
   if HUGE_PAGES is not None:
     return bool(HUGE_PAGES)
   return not _machine_reports_huge_pages()
 
 
+class _Chooser:
+  """Huge or base pages, buffer by buffer, from what the last probe cost
+  (module docstring). Its counts: ``probes``, ``slow`` (probes that found
+  a reported block), ``huge_bytes`` and ``base_bytes`` handed out."""
+
+  def __init__(self, clock: Callable[[], float] = time.thread_time):
+    self._clock = clock
+    self._lock = threading.Lock()
+    self._base_left = 0
+    self.probes = self.slow = self.huge_bytes = self.base_bytes = 0
+
+  def allocate(self, size: int) -> tuple[mmap.mmap, int]:
+    """A mapping of at least ``size`` bytes (a multiple of the page size)
+    and the offset of the buffer in it: a huge page's boundary when huge
+    pages were tried (a 4 MiB buffer is then two huge pages, not one and
+    2 MiB of base pages)."""
+    with self._lock:
+      probe = self._base_left <= 0
+      if not probe:
+        self._base_left -= size
+        self.base_bytes += size
+    if not probe:
+      m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+      m.madvise(_MADV_NOHUGEPAGE)
+      return m, 0
+    # Room to start on a huge page's boundary (address space only: pages
+    # never touched cost nothing).
+    m = mmap.mmap(-1, size + _HUGE_PAGE - mmap.PAGESIZE,
+                  flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(_MADV_HUGEPAGE)
+    view = np.frombuffer(m, np.uint8)
+    first = -view.ctypes.data % _HUGE_PAGE
+    end = first + size
+    if size < _HUGE_PAGE:
+      del view
+      return m, first
+    start = self._clock()
+    view[first] = 0  # faults in (and zeroes) the whole huge page
+    slow = self._clock() - start > SLOW_HUGE_FAULT_S
+    del view
+    rest = first + _HUGE_PAGE
+    if slow and end > rest:  # what follows it gets base pages
+      m.madvise(_MADV_NOHUGEPAGE, rest, len(m) - rest)
+    with self._lock:
+      self.probes += 1
+      if slow:
+        self.slow += 1
+        self._base_left = BASE_BYTES
+        self.base_bytes += max(0, end - rest)
+        self.huge_bytes += min(size, _HUGE_PAGE)
+      else:
+        self.huge_bytes += size
+    return m, first
+
+
+CHOOSER = _Chooser()
+
+
 def empty(nbytes: int) -> np.ndarray:
   """``nbytes`` of uninitialized, page-aligned (when large) host memory as
-  uint8; base pages when ``use_huge_pages()`` is false. The memory is
+  uint8; huge or base pages as the module docstring says. The memory is
   unmapped when the last view of the array goes."""
   if nbytes < _MIN_BYTES or use_huge_pages():
     return np.empty(nbytes, np.uint8)
   size = math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
-  m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-  m.madvise(_MADV_NOHUGEPAGE)
+  if HUGE_PAGES is None:
+    m, offset = CHOOSER.allocate(size)
+  else:
+    m, offset = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE
+                          | mmap.MAP_ANONYMOUS), 0
+    m.madvise(_MADV_NOHUGEPAGE)
   # The array's base keeps the mapping alive; it is unmapped with it.
-  return np.frombuffer(m, np.uint8, count=nbytes)
+  return np.frombuffer(m, np.uint8, count=nbytes, offset=offset)
 
 
 def aligned_empty(shape: Sequence[int], dtype, alignment: int) -> np.ndarray:

@@ -13,8 +13,8 @@ compete with the save for cores and page cache. Two measures:
   Lowering is one-way for an unprivileged process, and TensorStore's pool
   is shared by the process: its restores run at that priority too (which
   costs nothing when nothing else wants the cores).
-- Page cache: once an asynchronous save has written its files (TensorStore
-  fsyncs each data file it writes; ``commit`` fsyncs the rest), their pages
+- Page cache: once an asynchronous save has written its files (each
+  fsynced once: ckpt/save/durable.py; ``commit`` fsyncs the rest), their pages
   are dropped from the page cache (``posix_fadvise(DONTNEED)``), so that a
   checkpoint the job will not read again does not push the job's own
   cached files (its dataset, say) out of memory. Local files only.

@@ -44,6 +44,7 @@ from ckpt.format import seal
 from ckpt.commit import renewal as renewal_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
+from ckpt.save import durable
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
@@ -117,7 +118,9 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
   ckpt/save/reuse.py ``SaveReuse`` (reuse_unchanged=True), or None."""
   pid, n = multihost.process_index(), multihost.process_count()
   step, key = attempt.step, attempt.key
-  step_kvstore = storage.step_spec(attempt.work_dir)
+  # The driver's per-write fsyncs off; synced once below (durable.py).
+  step_kvstore = durable.deferred(plan.options.storage_format,
+                                  storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
   # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
   lease = (renewal_lib.Renewal(storage, step, attempt.token,
@@ -135,16 +138,25 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     try:
       if reuse is not None:  # is the step linked from still ours?
         await asyncio.to_thread(reuse.check_source)
+      syncer = (durable.Syncer.start(
+          plan, step_kvstore, os.path.join(os.fspath(storage.root),
+                                           attempt.work_dir), pid, n)
+                if storage.is_posix else None)
       try:
-        sums = await save_lib.write_owned(plan, step_kvstore, context,
-                                          ByteLimiter(budget), stats,
-                                          on_staged, reuse)
+        sums = await save_lib.write_owned(
+            plan, step_kvstore, context, ByteLimiter(budget), stats,
+            on_staged, reuse, syncer and syncer.written)
+        if syncer is not None:  # durable before the "written" barrier
+          await asyncio.to_thread(syncer.finish)
         if reuse is not None:  # and still, now that every link is made?
           await asyncio.to_thread(reuse.check_source)
       except Exception:  # a bucket: which leaves are held by the previous
         if reuse is not None:  # step (every process, failed or not)
           await reuse.settle(f"{key}/reuse", attempt.timeout_s, True, stats)
         raise
+      finally:
+        if syncer is not None:
+          syncer.close()
       if reuse is not None:
         await reuse.settle(f"{key}/reuse", attempt.timeout_s, False, stats)
         stats.chunks_reused = reuse.chunks_reused

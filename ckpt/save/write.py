@@ -139,8 +139,13 @@ def chunk_sums(box: plan_lib.Box, chunks: tuple[int, ...], data: np.ndarray
 async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
                       on_staged: Callable[[], None],
-                      reuse: Any = None) -> list[list]:
+                      reuse: Any = None,
+                      on_written: Callable[[plan_lib.Write], None] | None = None
+                      ) -> list[list]:
   """Stages 3 and 4 for this process's boxes (``OwnedWrites``).
+
+  ``on_written(w)`` (on the event loop) once the array write ``w`` is done
+  (ckpt/save/durable.py syncs its files then).
 
   With ``reuse`` (a ckpt/save/reuse.py ``SaveReuse``) each array box's
   unchanged chunks are linked from the previous step, not written.
@@ -154,7 +159,8 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   TensorStore writes it, off the caller's path. Empty for "zarr3" and
   "ocdbt", whose chunks carry their own crc32c (tsspec.default_checksum).
   """
-  writes = OwnedWrites(plan, step_kvstore, context, limiter, stats, reuse)
+  writes = OwnedWrites(plan, step_kvstore, context, limiter, stats, reuse,
+                       on_written)
   return await writes.run(on_staged)
 
 
@@ -174,13 +180,15 @@ class OwnedWrites:
   """
 
   def __init__(self, plan: SavePlan, step_kvstore: dict, context: ts.Context,
-               limiter: ByteLimiter, stats: SaveStats, reuse: Any = None):
+               limiter: ByteLimiter, stats: SaveStats, reuse: Any = None,
+               on_written: Callable[[plan_lib.Write], None] | None = None):
     self.plan = plan
     self.step_kvstore = step_kvstore
     self.context = context
     self.limiter = limiter
     self.stats = stats
     self.reuse = reuse
+    self.on_written = on_written  # told of each array write done
     self.process = multihost.process_index()
     self.take_sums = (plan.options.codec.resolved_checksum(
         plan.options.storage_format) == "none")
@@ -365,6 +373,8 @@ class OwnedWrites:
                        grant: int) -> None:
     try:
       linked = await self._write_box(w, data)
+      if self.on_written is not None:
+        self.on_written(w)
       self.stats.bytes_written += data.nbytes - linked
       self.stats.bytes_reused += linked
       self.stats.boxes_written += linked < data.nbytes

@@ -140,3 +140,44 @@ def evict(path: str) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
       finally:
         os.close(fd)
+
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_cpu() -> dict[int, tuple[str, float, float]]:
+  """Every thread of this process now: {thread id: (name, user s, system
+  s)} (Linux /proc/self/task; empty elsewhere)."""
+  out = {}
+  try:
+    tids = os.listdir("/proc/self/task")
+  except OSError:
+    return out
+  for tid in tids:
+    try:
+      with open(f"/proc/self/task/{tid}/stat") as f:
+        stat = f.read()
+    except OSError:  # ended meanwhile
+      continue
+    name = stat[stat.index("(") + 1:stat.rindex(")")]
+    fields = stat[stat.rindex(")") + 2:].split()
+    out[int(tid)] = (name, int(fields[11]) / _TICK, int(fields[12]) / _TICK)
+  return out
+
+
+def thread_cpu_by_name(before: dict, after: dict) -> dict[str, dict]:
+  """CPU seconds each group of threads (by name, trailing digits dropped:
+  ``ts_pool_worker``, ``ckpt-fsync_``) used between two ``thread_cpu()``;
+  threads that ended in between are not in ``after`` (their CPU is in the
+  process's total only)."""
+  groups: dict[str, dict] = {}
+  for tid, (name, user, sys_) in after.items():
+    _, user0, sys0 = before.get(tid, (name, 0.0, 0.0))
+    if user - user0 + sys_ - sys0 <= 0:
+      continue
+    g = groups.setdefault(name.rstrip("0123456789") or name,
+                          {"threads": 0, "user_s": 0.0, "sys_s": 0.0})
+    g["threads"] += 1
+    g["user_s"] += user - user0
+    g["sys_s"] += sys_ - sys0
+  return groups

@@ -38,7 +38,7 @@ def fmt(key: str, v: float) -> str:
   """A figure by its name: seconds, MiB of RSS and disk, ratios, counts."""
   if key.startswith("train_step"):
     return f"{v:.3f}"
-  if key.endswith("slowdown"):
+  if key.endswith(("slowdown", "_share")):
     return f"{v:.2f}"
   if key == "drift_ratio":
     return f"{100 * v:+.1f}%"

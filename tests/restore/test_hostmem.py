@@ -16,8 +16,9 @@ from ckpt.restore import hostmem
 from tests.conftest import named, random_array, sharded
 
 
-def _vm_flags(address: int) -> set[str]:
-  """The VmFlags of the mapping of this process that holds ``address``."""
+def _smaps_field(address: int, field: str) -> list[str]:
+  """The words of ``field`` ("VmFlags:", "AnonHugePages:") of the mapping
+  of this process that holds ``address`` (/proc/self/smaps)."""
   inside = False
   with open("/proc/self/smaps") as f:
     for line in f:
@@ -25,9 +26,14 @@ def _vm_flags(address: int) -> set[str]:
       if "-" in head and not head.endswith(":"):
         lo, hi = (int(x, 16) for x in head.split("-"))
         inside = lo <= address < hi
-      elif inside and line.startswith("VmFlags:"):
-        return set(line.split()[1:])
+      elif inside and line.startswith(field):
+        return line.split()[1:]
   raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _vm_flags(address: int) -> set[str]:
+  """The VmFlags of the mapping of this process that holds ``address``."""
+  return set(_smaps_field(address, "VmFlags:"))
 
 
 needs_smaps = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"),
@@ -129,3 +135,86 @@ def test_auto_follows_the_machine(huge_pages):
   assert hostmem.use_huge_pages()
   hostmem.HUGE_PAGES = False
   assert not hostmem.use_huge_pages()
+
+
+def _thp_enabled() -> bool:
+  try:
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+      return "[never]" not in f.read()
+  except OSError:
+    return False
+
+
+class _Clock:
+  """A thread clock whose probes cost ``cost_s`` each."""
+
+  def __init__(self, cost_s: float):
+    self.cost_s, self.now = cost_s, 0.0
+
+  def __call__(self) -> float:
+    self.now += self.cost_s / 2
+    return self.now
+
+
+def _address(allocated) -> int:
+  m, offset = allocated
+  view = np.frombuffer(m, np.uint8)
+  return view.ctypes.data + offset
+
+
+def _anon_huge_kb(address: int) -> int:
+  """AnonHugePages of the mapping that holds ``address`` (kB)."""
+  return int(_smaps_field(address, "AnonHugePages:")[0])
+
+
+@needs_smaps
+def test_a_cheap_probe_keeps_huge_pages_for_the_whole_buffer():
+  chooser = hostmem._Chooser(_Clock(0.0))  # pylint: disable=protected-access
+  allocated = chooser.allocate((4 << 20) + 4096)  # a 4 MiB box and its slack
+  base = _address(allocated)
+  assert base % (2 << 20) == 0  # on a huge page's boundary
+  for offset in (0, 2 << 20, 4 << 20):
+    assert "hg" in _vm_flags(base + offset), offset
+  assert (chooser.probes, chooser.slow) == (1, 0)
+  assert chooser.huge_bytes == (4 << 20) + 4096 and chooser.base_bytes == 0
+  # Written whole, the 4 MiB are two huge pages where the kernel has them.
+  view = np.frombuffer(allocated[0], np.uint8)[allocated[1]:]
+  view[:4 << 20:4096] = 1
+  if _thp_enabled():
+    assert _anon_huge_kb(base) >= 4096
+
+
+@needs_smaps
+def test_a_slow_probe_gives_base_pages_to_the_rest_and_the_next_buffers(
+    monkeypatch):
+  monkeypatch.setattr(hostmem, "BASE_BYTES", 24 << 20)
+  chooser = hostmem._Chooser(  # pylint: disable=protected-access
+      _Clock(10 * hostmem.SLOW_HUGE_FAULT_S))
+  first = chooser.allocate(16 << 20)
+  probed = _address(first)  # the huge page the probe touched
+  assert probed % (2 << 20) == 0
+  assert "hg" in _vm_flags(probed)
+  assert "nh" in _vm_flags(probed + (2 << 20))
+  assert "nh" in _vm_flags(probed + (16 << 20) - 1)
+  assert (chooser.probes, chooser.slow) == (1, 1)
+  # The next 24 MiB of buffers: base pages, no probe.
+  for _ in range(3):
+    m = chooser.allocate(8 << 20)
+    assert "nh" in _vm_flags(_address(m))
+  assert chooser.probes == 1
+  chooser.allocate(8 << 20)  # then a probe again
+  assert (chooser.probes, chooser.slow) == (2, 2)
+
+
+def test_auto_probes_buffers_on_a_reporting_machine(huge_pages, monkeypatch):
+  """HUGE_PAGES None on a machine that reports: every large buffer goes
+  through the probe; its bytes are written and read back intact."""
+  hostmem.HUGE_PAGES = None
+  monkeypatch.setattr(hostmem, "_machine_reports_huge_pages", lambda: True)
+  chooser = hostmem._Chooser()  # pylint: disable=protected-access
+  monkeypatch.setattr(hostmem, "CHOOSER", chooser)
+  data = hostmem.aligned_empty((1024, 2048), np.float32, 64)
+  data[...] = 1.5
+  assert chooser.probes + chooser.base_bytes // (8 << 20) >= 1
+  assert chooser.huge_bytes + chooser.base_bytes >= data.nbytes
+  np.testing.assert_array_equal(data, np.full((1024, 2048), 1.5, np.float32))
