@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from scripts.benchlib import measure
 from scripts.benchlib.report import markdown
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -325,11 +326,12 @@ def worker(conf: dict[str, Any]) -> None:
 
   profile = _Profile(conf["profile"] if pid == 0 else None,
                      jax.process_count())
-  threads0 = thread_cpu()
+  threads0 = measure.thread_cpu()
   with profile.of("save"):
     saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
-  threads = {k: (v - threads0.get(k, 0.0)) / conf["saves"]
-             for k, v in thread_cpu().items()}
+  threads = {k: (g["user_s"] + g["sys_s"]) / conf["saves"]
+             for k, g in measure.thread_cpu_by_name(
+                 threads0, measure.thread_cpu()).items()}
 
   restores = []
   for r in range(conf["restores"]):
@@ -373,29 +375,6 @@ def worker(conf: dict[str, Any]) -> None:
       "restores": restores,
       "empty_barrier_s": statistics.median(empty),
       "kv_set_s": statistics.median(kv)})
-
-
-def thread_cpu() -> dict[str, float]:
-  """CPU seconds of this process's threads so far, summed by thread name
-  (``/proc/self/task/*/comm``: "python" for Python's own threads, the
-  native pools by theirs); empty where there is no /proc."""
-  out: dict[str, float] = {}
-  tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-  try:
-    tasks = os.listdir("/proc/self/task")
-  except OSError:
-    return out
-  for t in tasks:
-    try:
-      with open(f"/proc/self/task/{t}/comm") as f:
-        name = f.read().strip()
-      with open(f"/proc/self/task/{t}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-      continue  # the thread ended meanwhile
-    name = name.rstrip("0123456789-_.:")  # one name per pool
-    out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-  return out
 
 
 # ---- the driver ---------------------------------------------------------------
