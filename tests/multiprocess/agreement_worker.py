@@ -1,9 +1,10 @@
 """One process of a job for tests/multiprocess/test_agreement.py.
 
 Run as ``python -m tests.multiprocess.agreement_worker <json config>`` by
-``ckpt.multihost.local_cluster``; ``config["scenario"]`` picks what to do. Each
-scenario makes one process behave differently from the others (fail, lag,
-hold other data) and reports what every process saw.
+``ckpt.multihost.local_cluster``: one job runs every scenario in turn
+(``scenario_all``). Each scenario makes one process behave differently from
+the others (fail, lag, hold other data) and reports what every process saw;
+the job must go on after each.
 """
 
 from __future__ import annotations
@@ -404,13 +405,44 @@ def scenario_each_call_fails_once(conf: dict) -> EachCall:
   return EachCall(**out)
 
 
-SCENARIOS = {"planned_differently": scenario_planned_differently,
-             "ocdbt_groups": scenario_ocdbt_groups,
-             "one_fails": scenario_one_fails,
-             "restore_race": scenario_restore_race,
-             "host_mismatch": scenario_host_mismatch,
-             "each_call_fails_once": scenario_each_call_fails_once}
+@dataclasses.dataclass(frozen=True)
+class All:
+  """Every scenario, one after the other in one job (each in its own
+  directory under ``conf["root"]``): one start-up of the job for all."""
+  one_fails: OneFails
+  restore_race: RestoreRace
+  host_mismatch: HostMismatch
+  planned_differently: PlannedDifferently
+  each_call: EachCall
+  ocdbt_groups: OcdbtGroups
+
+
+def scenario_all(conf: dict) -> All:
+  root, timeout_s = conf["root"], conf["timeout_s"]
+  out = {
+      "one_fails": scenario_one_fails(
+          {"dir": os.path.join(root, "one_fails"), "timeout_s": timeout_s}),
+      "restore_race": scenario_restore_race(
+          {"dir": os.path.join(root, "race", "run"),
+           "other": os.path.join(root, "race", "trainer")}),
+      "host_mismatch": scenario_host_mismatch(
+          {"dir": os.path.join(root, "mismatch"), "timeout_s": timeout_s}),
+      "planned_differently": scenario_planned_differently(
+          {"dir": os.path.join(root, "planned"), "timeout_s": timeout_s}),
+      "each_call": scenario_each_call_fails_once(
+          {"dir": os.path.join(root, "each_call", "ckpt"),
+           "persistent": os.path.join(root, "each_call", "persistent"),
+           "local": os.path.join(root, "each_call", "local"),
+           "timeout_s": timeout_s}),
+      # Last: it changes module globals (no packs, small merge groups).
+      "ocdbt_groups": scenario_ocdbt_groups(
+          {"dir": os.path.join(root, "ocdbt"), "timeout_s": timeout_s,
+           "keys_per_merge": conf["keys_per_merge"]}),
+  }
+  return All(**out)
+
+
 
 
 if __name__ == "__main__":
-  worker.main(SCENARIOS)
+  worker.main(scenario_all)

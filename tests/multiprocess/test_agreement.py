@@ -1,10 +1,11 @@
 """Processes that cannot disagree, whatever one of them does (real jobs).
 
-Each test runs 2 real ``jax.distributed`` processes x 2 CPU devices
-(``ckpt.multihost.local_cluster``) in which one process behaves differently: its
-save fails before writing, it lags behind while another job commits, or it
-holds other host values. Every process must take the same decision, and
-the job must go on checkpointing afterwards.
+One job of 2 real ``jax.distributed`` processes x 2 CPU devices
+(``ckpt.multihost.local_cluster``) runs every scenario in turn; in each, one
+process behaves differently: its save fails before writing, it lags behind
+while another job commits, or it holds other host values. Every process
+must take the same decision, and the job must go on checkpointing
+afterwards (also into the next scenario).
 """
 
 from __future__ import annotations
@@ -25,19 +26,20 @@ WORKER = "tests.multiprocess.agreement_worker"
 TIMEOUT_S = 30
 
 
-def _run(scenario: str, conf: dict, result: type) -> list:
-  """Each process's result, as ``result``."""
-  results = local_cluster.run(WORKER, dict(conf, scenario=scenario),
-                              num_processes=2, devices_per_process=2,
-                              timeout_s=240, cwd=REPO_ROOT)
-  return [worker.decode(result, r) for r in local_cluster.check(results)]
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> tuple[list[aw.All], pathlib.Path]:
+  """(each process's results, the job's root directory)."""
+  root = tmp_path_factory.mktemp("agreement")
+  results = local_cluster.run(
+      WORKER, {"root": str(root), "timeout_s": TIMEOUT_S,
+               "keys_per_merge": 8},
+      num_processes=2, devices_per_process=2, timeout_s=240, cwd=REPO_ROOT)
+  return [worker.decode(aw.All, r) for r in local_cluster.check(results)], root
 
 
 @pytest.fixture(scope="module")
-def one_fails(tmp_path_factory):
-  root = tmp_path_factory.mktemp("one_fails")
-  return _run("one_fails", {"dir": str(root), "timeout_s": TIMEOUT_S},
-              aw.OneFails)
+def one_fails(job):
+  return [r.one_fails for r in job[0]]
 
 
 def test_a_failure_on_one_process_fails_the_save_on_all(one_fails):
@@ -75,11 +77,8 @@ def test_host_state_or_plan_failing_on_one_process(one_fails):
 
 
 @pytest.fixture(scope="module")
-def restore_race(tmp_path_factory):
-  root = tmp_path_factory.mktemp("race")
-  return _run("restore_race", {"dir": str(root / "run"),
-                               "other": str(root / "trainer")},
-              aw.RestoreRace)
+def restore_race(job):
+  return [r.restore_race for r in job[0]]
 
 
 def test_restore_uses_one_step_for_every_process(restore_race):
@@ -101,10 +100,8 @@ def test_processes_asking_for_different_steps_all_raise(restore_race):
 
 
 @pytest.fixture(scope="module")
-def host_mismatch(tmp_path_factory):
-  root = tmp_path_factory.mktemp("mismatch")
-  return _run("host_mismatch", {"dir": str(root), "timeout_s": TIMEOUT_S},
-              aw.HostMismatch)
+def host_mismatch(job):
+  return [r.host_mismatch for r in job[0]]
 
 
 def test_host_leaves_that_differ_are_refused(host_mismatch):
@@ -121,15 +118,12 @@ def test_host_leaves_that_differ_are_refused(host_mismatch):
   assert [r.hs for r in host_mismatch] == [{"rng": 0}, {"rng": 1}]
 
 
-def test_processes_that_planned_differently_never_commit(tmp_path):
+def test_processes_that_planned_differently_never_commit(job):
   """One host's plan leaves a box unwritten (step 2) or writes one box
   twice and another never (step 3): process 0 finds the tiling wrong before
   the commit (ckpt/shards/tiling.py), the save fails on both processes, nothing is
   committed, and the next honest save works."""
-  runs = _run("planned_differently", {"dir": str(tmp_path),
-                                      "timeout_s": TIMEOUT_S},
-              aw.PlannedDifferently)
-  for r in runs:
+  for r in (r.planned_differently for r in job[0]):
     assert r.s1.ok and r.s4.ok, r
     for step, saved in ((2, r.s2), (3, r.s3)):
       err = saved.error
@@ -140,19 +134,18 @@ def test_processes_that_planned_differently_never_commit(tmp_path):
     assert r.tmp_left == []
 
 
-def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
+def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(job):
   """A step with more keys than one merge should take is split into merge
   groups, each merged by another process at once (ckpt/store/ocdbt.py); the
   arrays restore bit-exact on the job and in one process with no job."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
-  runs = _run("ocdbt_groups", {"dir": str(tmp_path), "timeout_s": TIMEOUT_S,
-                               "keys_per_merge": 8}, aw.OcdbtGroups)
-  for r in runs:
+  for r in (r.ocdbt_groups for r in job[0]):
     assert r.save.ok, r
     assert r.exact and r.exact_host, r
-  step = tmp_path / "checkpoint_1"
+  root = job[1] / "ocdbt"
+  step = root / "checkpoint_1"
   idx = index_lib.decode((step / "index.msgpack").read_bytes())
   groups = {e.ocdbt_group for e in idx.leaves
             if isinstance(e, entries.ArrayEntry)}
@@ -162,7 +155,7 @@ def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
   assert "manifest.ocdbt" not in names  # no database at the step's root
   for g in (0, 1):  # each group merged: its own manifest beside the writers'
     assert (step / f"ocdbt.group_{g}" / "manifest.ocdbt").exists()
-  loaded = ckpt.load(tmp_path)  # one process, no jax.distributed job
+  loaded = ckpt.load(root)  # one process, no jax.distributed job
   rng = np.random.default_rng(7)
   want = {f"w{i}": rng.standard_normal((32, 16)).astype(np.float32)
           for i in range(6)}
@@ -174,11 +167,8 @@ def test_large_ocdbt_steps_are_merged_in_groups_by_every_process(tmp_path):
 # ---- one process fails at the start of each collective call ----------------
 
 @pytest.fixture(scope="module")
-def each_call(tmp_path_factory):
-  root = tmp_path_factory.mktemp("each_call")
-  return _run("each_call_fails_once", {
-      "dir": str(root / "ckpt"), "persistent": str(root / "persistent"),
-      "local": str(root / "local"), "timeout_s": TIMEOUT_S}, aw.EachCall)
+def each_call(job):
+  return [r.each_call for r in job[0]]
 
 
 CALLS = ["save", "restore", "restore_path", "metadata", "delete",
