@@ -228,3 +228,22 @@ def test_reuse_cost():
                 "--dense-mib", "4", "--rounds", "1")
   assert "target: reuse hands 1.00 MiB to the disk" in stdout
   assert "dense overhead of reuse, cpu_s:" in stdout
+
+
+@pytest.mark.timeout(240)
+def test_untrusted(tmp_path):
+  """The hostile files of docs/untrusted.md, tiny: each is refused (never
+  read as data), each line has its seconds and peak RSS growth."""
+  stdout = _run("untrusted", "--preset", "smoke", "--dir", str(tmp_path),
+                "--items", "90")
+  lines = stdout.strip().splitlines()
+  assert [l.split(":")[0] for l in lines] == [
+      "nils", "dups", "huge", "bomb", "90 x1048512"], stdout
+  for line in lines:
+    assert re.search(r" [0-9.]+ s, cpu [0-9.]+ s, peak RSS \+\d+ MiB; ",
+                     line), line
+  for line in lines[:4]:
+    assert "; CorruptCheckpointError: " in line, line
+  assert "duplicate leaf paths" in lines[1], lines[1]
+  assert "leaf 'w'" in lines[3], lines[3]  # the bomb: refused at open
+  assert "more lists than a real index" in lines[4], lines[4]

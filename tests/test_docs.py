@@ -157,6 +157,8 @@ def _check_command(words: list[str], where: str):
           words[:2] == ["python", "-m"] and words[2].startswith("scripts.")):
     if words[1:2] == ["-m"]:
       script = ROOT / (words[2].replace(".", "/") + ".py")
+      if not script.exists():  # a package: -m runs its __main__.py
+        script = ROOT / words[2].replace(".", "/") / "__main__.py"
     else:
       script = ROOT / (words[0] if words[0] != "python" else words[1])
     assert script.exists(), f"{where}: {script} does not exist"

@@ -1,30 +1,70 @@
-"""One hostile case in a fresh process: prints seconds, peak RSS growth, outcome."""
-import os, sys, time, resource
-os.environ["JAX_PLATFORMS"] = "cpu"
-case, path = sys.argv[1], sys.argv[2]
-import numpy as np, msgpack
-import ckpt; print("using", ckpt.__file__)  # which checkout PYTHONPATH picked
-from ckpt.format import index as index_lib
-from ckpt.restore import read as restore_lib
-from ckpt.store import storage as storage_lib
-from ckpt.restore import lazy
-from ckpt.restore import tasks
-from ckpt.shards.plan import Box
-def rss(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-data = open(path, "rb").read() if case == "dups" else None
-base = rss(); t0 = time.perf_counter()
-try:
-  if case == "dups":
-    index_lib.decode(data); out = "decoded"
-  elif case == "bomb":
-    st = storage_lib.Storage(path)
-    idx = restore_lib.read_index(st, "checkpoint_1")
-    leaves = restore_lib.checkpoint_leaves(idx, st.step_spec("checkpoint_1"), st.context(), 1 << 30)
-    leaf = next(v for v in leaves.values() if isinstance(v, lazy.LazyArray))
+"""One hostile case of scripts/untrusted/cases.py, read in this process:
+
+    python -m scripts.untrusted.case CASE PATH
+
+prints ``CASE: <wall> s, cpu <cpu> s, peak RSS +<MiB> MiB; <outcome>``,
+measured by scripts/benchlib/measure.py around the one call a reader makes:
+``ckpt.load`` (nils, huge), ``ckpt.format.index.decode`` of the file (dups),
+or a lazy restore and the read of one row of its leaf (bomb). The outcome
+is what the call returned or the error it raised (its first 150 characters).
+Run it in a fresh process per case (``python -m scripts.untrusted`` does):
+the peak of one case must not hide another's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from scripts.benchlib import measure
+
+CASES = ("nils", "dups", "huge", "bomb")
+
+
+def _read_one_row(path: str) -> str:
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import tasks  # pylint: disable=g-import-not-at-top
+  from ckpt.shards.plan import Box  # pylint: disable=g-import-not-at-top
+  with ckpt.Checkpointer(path) as c:
+    leaf = c.restore(1, lazy=True)["w"]
     x = tasks.run_sync(leaf.read_box(Box((0, 0), (1, leaf.shape[1]))))
-    out = f"read a {x.shape} box"
-  else:
-    ckpt.load(path); out = "loaded"
-except BaseException as e:
-  out = f"{type(e).__name__}: {str(e)[:150]}"
-print(f"{case}: {time.perf_counter() - t0:.3f} s, peak RSS +{rss() - base:.0f} MiB; {out}")
+  return f"read a {x.shape} box"
+
+
+def reader(case: str, path: str) -> Callable[[], str]:
+  """The call a reader of ``case`` makes (what it prints when it returns);
+  the file of "dups" is read here, outside the measured call."""
+  import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
+  if case == "dups":
+    with open(path, "rb") as f:
+      data = f.read()
+    return lambda: (index_lib.decode(data), "decoded")[1]
+  if case == "bomb":
+    return lambda: _read_one_row(path)
+  return lambda: (ckpt.load(path), "loaded")[1]
+
+
+def run(case: str, path: str) -> str:
+  """The line this case prints."""
+  fn = reader(case, path)
+  m = measure.measure()
+  try:
+    with m:
+      out = fn()
+  except Exception as e:  # pylint: disable=broad-except
+    out = f"{type(e).__name__}: {str(e)[:150]}"
+  return (f"{case}: {m.wall_s:.3f} s, cpu {m.cpu_s:.3f} s, peak RSS "
+          f"+{m.extra_rss / 2**20:.0f} MiB; {out}")
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("case", choices=CASES)
+  ap.add_argument("path")
+  args = ap.parse_args()
+  print(run(args.case, args.path), flush=True)
+
+
+if __name__ == "__main__":
+  main()

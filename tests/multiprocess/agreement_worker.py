@@ -1,24 +1,23 @@
 """One process of a job for tests/multiprocess/test_agreement.py.
 
 Run as ``python -m tests.multiprocess.agreement_worker <json config>`` by
-``ckpt.multihost.local_cluster``; ``config["scenario"]`` picks what to do. Each
-scenario makes one process behave differently from the others (fail, lag,
-hold other data) and reports what every process saw.
+``ckpt.multihost.local_cluster``: one job runs every scenario in turn
+(``scenario_all``). Each scenario makes one process behave differently from
+the others (fail, lag, hold other data) and reports what every process saw;
+the job must go on after each.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
-
-def _err(e: BaseException | None) -> dict | None:
-  return None if e is None else {"type": type(e).__name__, "msg": str(e)}
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error, Outcome, timed
 
 
 def _state(step: int, mesh) -> dict:
@@ -36,17 +35,36 @@ def _mesh():
   return Mesh(np.array(jax.devices()), ("x",))
 
 
-def _timed_save(ck, step, state, **kw) -> tuple[dict | None, float, Any]:
-  t0 = time.monotonic()
-  try:
+def _timed_save(ck, step, state, **kw) -> Outcome:
+  """save then wait_until_finished: the Outcome's value is what save
+  returned."""
+  def save():
     ok = ck.save(step, state, **kw)
     ck.wait_until_finished()
-    return None, time.monotonic() - t0, ok
-  except Exception as e:  # pylint: disable=broad-except
-    return _err(e), time.monotonic() - t0, None
+    return ok
+  return timed(save)
 
 
-def scenario_one_fails(conf: dict) -> dict:
+def _tmp_left(root: str) -> list[str]:
+  """The work directories a save left in ``root``."""
+  return sorted(n for n in os.listdir(root) if ".tmp-" in n)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFails:
+  pid: int
+  s1: Outcome
+  s2: Outcome  # a save transform raises on process 1
+  s3: Outcome
+  s4: Outcome  # host_state process 1 cannot pack
+  s5: Outcome  # a leaf process 1 cannot plan
+  s6: Outcome
+  s6_again: Outcome  # a committed step saved again: skipped everywhere
+  steps: list[int]
+  tmp_left: list[str]
+
+
+def scenario_one_fails(conf: dict) -> OneFails:
   """Process 1 alone fails to prepare some saves; the job goes on."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -76,12 +94,22 @@ def scenario_one_fails(conf: dict) -> dict:
   # A committed step: every process skips it (process 0 decides).
   out["s6_again"] = _timed_save(ck, 6, _state(6, mesh))
   out["steps"] = ck.all_steps()
-  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  out["tmp_left"] = _tmp_left(conf["dir"])
   ck.close()
-  return out
+  return OneFails(**out)
 
 
-def scenario_restore_race(conf: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class RestoreRace:
+  pid: int
+  restored_step: int
+  w_matches_step: list[int]  # the step each local shard's values come from
+  latest: int
+  differ: Error | None  # processes asking for different steps
+  after: int  # the step the next restore returned
+
+
+def scenario_restore_race(conf: dict) -> RestoreRace:
   """Another job commits step 2 between two processes' restore calls."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -115,13 +143,25 @@ def scenario_restore_race(conf: dict) -> dict:
     ck.restore(1 if pid == 0 else 2, target=target)
     out["differ"] = None
   except ckpt.CheckpointError as e:
-    out["differ"] = _err(e)
+    out["differ"] = Error.of(e)
   out["after"] = ck.restore(1, target=target)["step"]
   ck.close()
-  return out
+  return RestoreRace(**out)
 
 
-def scenario_host_mismatch(conf: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class HostMismatch:
+  pid: int
+  equal: Outcome  # the same host values everywhere
+  array: Outcome  # a host array that differs
+  scalar: Outcome  # a host scalar that differs
+  host_state: Outcome  # per-process values in host_state
+  steps: list[int]
+  hs: Any  # host_state(4)
+  tmp_left: list[str]
+
+
+def scenario_host_mismatch(conf: dict) -> HostMismatch:
   """Host values saved once for the job differ between processes."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -140,12 +180,23 @@ def scenario_host_mismatch(conf: dict) -> dict:
   out["host_state"] = _timed_save(ck, 4, base, host_state={"rng": pid})
   out["steps"] = ck.all_steps()
   out["hs"] = ck.host_state(4)
-  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  out["tmp_left"] = _tmp_left(conf["dir"])
   ck.close()
-  return out
+  return HostMismatch(**out)
 
 
-def scenario_planned_differently(conf: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class PlannedDifferently:
+  pid: int
+  s1: Outcome
+  s2: Outcome  # process 1 leaves a box out
+  s3: Outcome  # process 1 writes a box twice, another never
+  s4: Outcome
+  steps: list[int]
+  tmp_left: list[str]
+
+
+def scenario_planned_differently(conf: dict) -> PlannedDifferently:
   """Process 1 plans its writes differently from the others (as a host
   running another ckpt version would): for step 2 it leaves out one box,
   for step 3 it writes one box twice instead of another."""
@@ -174,12 +225,20 @@ def scenario_planned_differently(conf: dict) -> dict:
     ck._saver.forget_plan()  # pylint: disable=protected-access
   out["s4"] = _timed_save(ck, 4, _state(4, mesh))
   out["steps"] = ck.all_steps()
-  out["tmp_left"] = sorted(n for n in os.listdir(conf["dir"]) if ".tmp-" in n)
+  out["tmp_left"] = _tmp_left(conf["dir"])
   ck.close()
-  return out
+  return PlannedDifferently(**out)
 
 
-def scenario_ocdbt_groups(conf: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class OcdbtGroups:
+  pid: int
+  save: Outcome
+  exact: bool  # restored onto the job's mesh bit-exact
+  exact_host: bool  # restored as host values bit-exact
+
+
+def scenario_ocdbt_groups(conf: dict) -> OcdbtGroups:
   """format "ocdbt" with merge groups (a tiny KEYS_PER_MERGE stands in for a
   step of millions of keys): each process merges its group."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -213,17 +272,7 @@ def scenario_ocdbt_groups(conf: dict) -> dict:
   whole = ck.restore(1)
   out["exact_host"] = all(np.array_equal(whole[k], host[k]) for k in host)
   ck.close()
-  return out
-
-
-def _timed(fn, *args, **kwargs) -> tuple[dict | None, float, Any]:
-  """(error or None, seconds, result) of one call."""
-  t0 = time.monotonic()
-  try:
-    out = fn(*args, **kwargs)
-    return None, time.monotonic() - t0, out
-  except Exception as e:  # pylint: disable=broad-except
-    return _err(e), time.monotonic() - t0, None
+  return OcdbtGroups(**out)
 
 
 def _fail_once(obj, name: str, what: str) -> None:
@@ -241,7 +290,35 @@ def _fail_once(obj, name: str, what: str) -> None:
   setattr(obj, name, once)
 
 
-def scenario_each_call_fails_once(conf: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Again:
+  """A call that fails on one process, then the same call again."""
+  first: Outcome
+  again: Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class TierRestore:
+  """A MultiTierCheckpointer.restore: its Outcome (value: the step), the
+  tier and reason it reported, the first value of each local shard of w."""
+  outcome: Outcome
+  tier: str | None
+  reason: str | None
+  first_w: list[float] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EachCall:
+  pid: int
+  setup: Outcome
+  calls: dict[str, Again]  # by call: save, restore, ..., latest_step
+  steps: list[int]
+  mt_setup: Outcome
+  mt_save: Again
+  mt_restore: list[TierRestore]  # with the failure, then without
+
+
+def scenario_each_call_fails_once(conf: dict) -> EachCall:
   """One process fails at the start of each collective call in turn; the
   call fails on every process within seconds, and the next call of the same
   kind works everywhere (no key drifted)."""
@@ -251,6 +328,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   pid = jax.process_index()
   mesh = _mesh()
   out: dict[str, Any] = {"pid": pid}
+  calls_out: dict[str, Again] = {}
   ck = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout_s"])
   sharding = _state(0, mesh)["w"].sharding
   target = {"w": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=sharding),
@@ -265,7 +343,7 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
     ck.wait_until_finished()
     return True
 
-  out["setup"] = _timed(saved, 1)
+  out["setup"] = timed(saved, 1)
   step_dir = os.path.join(conf["dir"], "checkpoint_1")
   calls = {  # name: (first call, with the failure; the same call again)
       "save": (lambda: saved(10), lambda: saved(3)),
@@ -277,26 +355,29 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   for name, (call, again) in calls.items():
     if pid == 1:
       _fail_once(ck._loop, "check_open", name)  # pylint: disable=protected-access
-    out[name] = [_timed(call), _timed(again)]
+    calls_out[name] = Again(timed(call), timed(again))
   # Natural failures on process 1: a path it cannot open, a bad argument.
-  out["bad_path"] = [_timed(lambda: ck.restore(
-      path=step_dir if pid == 0 else "nosuchscheme://bucket/x",
-      target=target)["step"]),
-                     _timed(lambda: ck.restore(path=step_dir,
-                                               target=target)["step"])]
-  out["bad_arg"] = [_timed(lambda: ck.restore(
-      target=target, read_once=None if pid == 0 else "sometimes")["step"]),
-                    _timed(lambda: ck.restore(target=target)["step"])]
+  calls_out["bad_path"] = Again(
+      timed(lambda: ck.restore(
+          path=step_dir if pid == 0 else "nosuchscheme://bucket/x",
+          target=target)["step"]),
+      timed(lambda: ck.restore(path=step_dir, target=target)["step"]))
+  calls_out["bad_arg"] = Again(
+      timed(lambda: ck.restore(
+          target=target, read_once=None if pid == 0 else "sometimes")["step"]),
+      timed(lambda: ck.restore(target=target)["step"]))
   # The read-only queries are not collective: each process lists for
   # itself, so a failure there is that process's alone (process 0's listing
   # for latest_step, process 1's for metadata), and the others answer.
   if pid == 0:
     _fail_once(steps_lib, "committed_steps", "latest_step")
-  out["latest_step"] = [_timed(ck.latest_step), _timed(ck.latest_step)]
+  calls_out["latest_step"] = Again(timed(ck.latest_step),
+                                   timed(ck.latest_step))
   if pid == 1:
     _fail_once(steps_lib, "committed_steps", "metadata")
-  out["metadata"] = [_timed(lambda: ck.metadata().step),
-                     _timed(lambda: ck.metadata().step)]
+  calls_out["metadata"] = Again(timed(lambda: ck.metadata().step),
+                                timed(lambda: ck.metadata().step))
+  out["calls"] = calls_out
   out["steps"] = ck.all_steps()
   ck.close()
 
@@ -304,38 +385,64 @@ def scenario_each_call_fails_once(conf: dict) -> dict:
   mt = ckpt.MultiTierCheckpointer(
       conf["persistent"], local=conf["local"], local_interval=1,
       barrier_timeout_s=conf["timeout_s"])
-  out["mt_setup"] = _timed(mt.save, 1, _state(1, mesh), force=True)
+  out["mt_setup"] = timed(mt.save, 1, _state(1, mesh), force=True)
   if pid == 1:
     _fail_once(mt.local, "wait", "the local save")
-  out["mt_save"] = [_timed(mt.save, 2, _state(2, mesh)),
-                    _timed(mt.save, 3, _state(3, mesh))]
+  out["mt_save"] = Again(timed(mt.save, 2, _state(2, mesh)),
+                        timed(mt.save, 3, _state(3, mesh)))
   restores = []
   for inject in (True, False):
     if inject and pid == 1:
       _fail_once(mt.local, "usable", "the multi-tier restore")
-    err, took, got = _timed(mt.restore, target=target)
-    restores.append([err, took, None if got is None else got["step"],
-                     mt.last_restore_tier, mt.last_restore_reason,
-                     None if got is None else first_w(got)])
+    got = timed(mt.restore, target=target)
+    restores.append(TierRestore(
+        dataclasses.replace(
+            got, value=None if got.value is None else got.value["step"]),
+        mt.last_restore_tier, mt.last_restore_reason,
+        None if got.value is None else first_w(got.value)))
   out["mt_restore"] = restores
   mt.close()
-  return out
+  return EachCall(**out)
 
 
-SCENARIOS = {"planned_differently": scenario_planned_differently,
-             "ocdbt_groups": scenario_ocdbt_groups,
-             "one_fails": scenario_one_fails,
-             "restore_race": scenario_restore_race,
-             "host_mismatch": scenario_host_mismatch,
-             "each_call_fails_once": scenario_each_call_fails_once}
+@dataclasses.dataclass(frozen=True)
+class All:
+  """Every scenario, one after the other in one job (each in its own
+  directory under ``conf["root"]``): one start-up of the job for all."""
+  one_fails: OneFails
+  restore_race: RestoreRace
+  host_mismatch: HostMismatch
+  planned_differently: PlannedDifferently
+  each_call: EachCall
+  ocdbt_groups: OcdbtGroups
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  conf = json.loads(sys.argv[1])
-  local_cluster.init_from_env()
-  local_cluster.write_result(SCENARIOS[conf["scenario"]](conf))
+def scenario_all(conf: dict) -> All:
+  root, timeout_s = conf["root"], conf["timeout_s"]
+  out = {
+      "one_fails": scenario_one_fails(
+          {"dir": os.path.join(root, "one_fails"), "timeout_s": timeout_s}),
+      "restore_race": scenario_restore_race(
+          {"dir": os.path.join(root, "race", "run"),
+           "other": os.path.join(root, "race", "trainer")}),
+      "host_mismatch": scenario_host_mismatch(
+          {"dir": os.path.join(root, "mismatch"), "timeout_s": timeout_s}),
+      "planned_differently": scenario_planned_differently(
+          {"dir": os.path.join(root, "planned"), "timeout_s": timeout_s}),
+      "each_call": scenario_each_call_fails_once(
+          {"dir": os.path.join(root, "each_call", "ckpt"),
+           "persistent": os.path.join(root, "each_call", "persistent"),
+           "local": os.path.join(root, "each_call", "local"),
+           "timeout_s": timeout_s}),
+      # Last: it changes module globals (no packs, small merge groups).
+      "ocdbt_groups": scenario_ocdbt_groups(
+          {"dir": os.path.join(root, "ocdbt"), "timeout_s": timeout_s,
+           "keys_per_merge": conf["keys_per_merge"]}),
+  }
+  return All(**out)
+
+
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(scenario_all)

@@ -16,23 +16,15 @@ parts, in order, and reports what every process saw:
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import sys
 import time
 from typing import Any
 
 import numpy as np
 
-
-def _err(e: BaseException | None) -> dict | None:
-  return None if e is None else {"type": type(e).__name__, "msg": str(e)}
-
-
-def _touch(path: str) -> None:
-  with open(path + ".partial", "w") as f:
-    f.write(str(time.time()))
-  os.replace(path + ".partial", path)
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error
 
 
 def _state(step: int, mesh) -> dict:
@@ -44,14 +36,23 @@ def _state(step: int, mesh) -> dict:
   return {"w": w, "step": step}
 
 
-def _call(fn) -> tuple[Any, dict | None]:
-  try:
-    return fn(), None
-  except Exception as e:  # pylint: disable=broad-except
-    return None, _err(e)
+@dataclasses.dataclass(frozen=True)
+class DeletePart:
+  metrics: dict[str, Any]  # metrics(3)
+  after_delete: list[int]  # steps after delete(2)
+  missing: Error | None  # delete(2) again
+  in_progress: bool  # is_saving_in_progress() while step 4 commits
+  inflight: Error | None  # delete(4) while step 4 commits
+  timeout: Error | None  # wait_until_finished(timeout=0.3) then
+  still_tracked: bool
+  done: bool  # not saving once wait_until_finished() returned
+  before_delete_4: list[int]
+  final: list[int]
+  restored_ok: bool  # restore onto abstract_target bit-exact
+  restored_spec: str
 
 
-def part_delete(conf: dict, mesh) -> dict:
+def part_delete(conf: dict, mesh) -> DeletePart:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -68,7 +69,7 @@ def part_delete(conf: dict, mesh) -> dict:
   out["metrics"] = ck.metrics(3)
   ck.delete(2)
   out["after_delete"] = ck.all_steps()
-  out["missing"] = _call(lambda: ck.delete(2))[1]
+  out["missing"] = worker.timed(ck.delete, 2).error
   # A save in flight: process 0's commit waits 3 s.
   commit = commit_lib.commit
 
@@ -80,8 +81,8 @@ def part_delete(conf: dict, mesh) -> dict:
   try:
     ck.save(4, _state(4, mesh))
     out["in_progress"] = ck.is_saving_in_progress()
-    out["inflight"] = _call(lambda: ck.delete(4))[1]
-    out["timeout"] = _call(lambda: ck.wait_until_finished(timeout=0.3))[1]
+    out["inflight"] = worker.timed(ck.delete, 4).error
+    out["timeout"] = worker.timed(ck.wait_until_finished, timeout=0.3).error
     out["still_tracked"] = ck.is_saving_in_progress()
     ck.wait_until_finished()
   finally:
@@ -100,10 +101,17 @@ def part_delete(conf: dict, mesh) -> dict:
       for s in got["w"].addressable_shards)
   out["restored_spec"] = str(got["w"].sharding.spec)
   ck.close()
-  return out
+  return DeletePart(**out)
 
 
-def part_interval(conf: dict, mesh) -> dict:
+@dataclasses.dataclass(frozen=True)
+class IntervalPart:
+  log: list[list[Any]]  # [step, what save returned, agreement rounds]
+  preempted_at: int | None
+  steps: list[int]
+
+
+def part_interval(conf: dict, mesh) -> IntervalPart:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
@@ -134,26 +142,28 @@ def part_interval(conf: dict, mesh) -> dict:
     state = inc(state)
     step += 1
     if step == 20:
-      _touch(os.path.join(conf["marks"], f"looping_{pid}"))
+      worker.touch(os.path.join(conf["marks"], f"looping_{pid}"))
     time.sleep(0.005)
   steps = ck.all_steps()
   ck.close()
   multihost.agree = agree
-  return {"log": log, "preempted_at": preempted_at, "steps": steps}
+  return IntervalPart(log, preempted_at, steps)
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  conf = json.loads(sys.argv[1])
-  local_cluster.init_from_env()
+@dataclasses.dataclass(frozen=True)
+class Result:
+  pid: int
+  delete: DeletePart
+  interval: IntervalPart
+
+
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
   mesh = Mesh(np.array(jax.devices()), ("x",))
-  out = {"pid": jax.process_index()}
-  out["delete"] = part_delete(conf, mesh)
-  out["interval"] = part_interval(conf, mesh)
-  local_cluster.write_result(out)
+  return Result(jax.process_index(), part_delete(conf, mesh),
+                part_interval(conf, mesh))
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

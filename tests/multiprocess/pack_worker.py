@@ -6,22 +6,22 @@ Run through ``ckpt.multihost.local_cluster`` as
 over every device of the job on its first dimension, from fixed seeds, so
 each process checks its shards bit for bit against the truth.
 
-``config["op"]``: ``save`` (step 1 into ``config["dir"]``); ``restore``:
-restores onto the saved sharding, then onto the other dimension, and
-reports, for each, the bytes this process fetched from the store
+One launch saves step 1 into ``config["dir"]`` (its own Checkpointer,
+closed), then restores it with a new Checkpointer onto the saved sharding,
+then onto the other dimension, and reports, for each, the bytes this process fetched from the store
 (``last_restore_stats.fetched_bytes``) and whether every shard is exact;
 also the bytes of this process's own packs and of all packs on disk.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import zlib
 from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
 
 LEAVES = 48
 SHAPE = (64, 32)  # 8 KiB of float32: packed
@@ -41,7 +41,7 @@ def _target(spec) -> dict[str, Any]:
           for i in range(LEAVES)}
 
 
-def _save(config: dict) -> dict:
+def _save(config: dict) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -51,7 +51,6 @@ def _save(config: dict) -> dict:
            for k, t in target.items()}
   with ckpt.Checkpointer(config["dir"], async_save=False) as c:
     c.save(1, state)
-  return {}
 
 
 def _restore(config: dict) -> dict:
@@ -76,14 +75,11 @@ def _restore(config: dict) -> dict:
   return out
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
-  result = {"save": _save, "restore": _restore}[config["op"]](config)
+def run(config: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result({"process": jax.process_index(), **result})
+  _save(config)
+  return {"process": jax.process_index(), **_restore(config)}
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

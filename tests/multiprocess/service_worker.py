@@ -441,6 +441,7 @@ def scenario_barrier_timeout(conf: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
 
+  started = time.monotonic()
   root, marks = conf["dir"], conf["marks"]
   timeout = conf["barrier_timeout_s"]
   pid = jax.process_index()
@@ -469,6 +470,7 @@ def scenario_barrier_timeout(conf: dict) -> dict:
           os.path.join(marks, f"phase{phase}_done"), 4 * timeout + 30)
     _sync(f"phase{phase}")
   out["committed"] = [ck1.all_steps(), ck2.all_steps()]
+  out["wall_s"] = time.monotonic() - started
   return out
 
 
@@ -816,7 +818,14 @@ def scenario_process_files(conf: dict) -> dict:
   return out
 
 
+def scenario_several(conf: dict) -> dict:
+  """``conf["parts"]``: [scenario, its config] pairs, run in turn in this
+  one job (one start-up for all); ``{scenario: its result}``."""
+  return {name: SCENARIOS[name](part) for name, part in conf["parts"]}
+
+
 SCENARIOS = {
+    "several": scenario_several,
     "process_files": scenario_process_files,
     "async": scenario_async,
     "bgfail": scenario_bgfail,

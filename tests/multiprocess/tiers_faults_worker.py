@@ -21,33 +21,47 @@ Every wait here is bounded.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import shutil
-import sys
 import time
 
 import numpy as np
 
-
-def _wait_for(path: str, timeout_s: float) -> bool:
-  deadline = time.monotonic() + timeout_s
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      return False
-    time.sleep(0.01)
-  return True
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 
-def _touch(path: str) -> None:
-  with open(path, "w") as f:
-    f.write(str(time.time()))
+@dataclasses.dataclass(frozen=True)
+class Save:
+  """A save and its wait: its Outcome and time.time() when it ended."""
+  outcome: Outcome
+  ended: float
 
 
-def main() -> None:
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """Process 0 after one phase of "keys"."""
+  latest: int
+  restored: list  # [step, bit-exact]
+  tier: str
+  keys: list[str]  # left in the coordination service
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """What a process saw; a scenario fills the fields it is about."""
+  saves: dict[str, Save]  # by step
+  local_steps: list[int] | None = None
+  entries: list[str] | None = None
+  restored: list | None = None  # [step, bit-exact]
+  tier: str | None = None
+  p1_done: bool | None = None
+  phases: list[Phase] | None = None
+
+
+def run(conf: dict) -> Result:
   from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+  cfg = local_cluster.config_from_env()
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -83,69 +97,71 @@ def main() -> None:
       persistent_interval=conf.get("persistent_interval"),
       barrier_timeout_s=conf["timeout_s"])
 
-  def save(step) -> tuple[str | None, float, float]:
-    """(error, seconds, time.time() at the end) of a save and its wait."""
-    t0 = time.perf_counter()
-    try:
+  saves: dict[str, Save] = {}
+
+  def save(step) -> Save:
+    def call():
       ckptr.save(step, make(step), host_state={"pos": step * 10 + pid})
       ckptr.wait_until_finished()
-      err = None
-    except Exception as e:  # pylint: disable=broad-except
-      err = f"{type(e).__name__}: {e}"
-    return err, time.perf_counter() - t0, time.time()
+    saves[str(step)] = Save(worker.timed(call), time.time())
+    return saves[str(step)]
 
-  out = {}
+  out = {"saves": saves}
   if conf["scenario"] == "mkdir":
-    out["1"] = save(1)
+    save(1)
     mine = os.path.join(conf["local"], f"process_{pid}")
     multihost.barrier("mkdir-1", timeout_s=60)
     if pid == 1:  # a file where the process's local directory should be
       os.rename(mine, mine + ".aside")
-      _touch(mine)
+      worker.touch(mine)
     multihost.barrier("mkdir-2", timeout_s=60)
-    out["2"] = save(2)
+    save(2)
     if pid == 1:
       os.remove(mine)
       os.rename(mine + ".aside", mine)
     multihost.barrier("mkdir-3", timeout_s=60)
-    out["3"] = save(3)
+    save(3)
     out["local_steps"] = ckptr.local.committed_steps()
     out["entries"] = sorted(os.listdir(mine))
     out["restored"] = exact(ckptr.restore(target=target))
     out["tier"] = ckptr.last_restore_tier
   elif conf["scenario"] == "stop":
-    out["1"] = save(1)
+    save(1)
     multihost.barrier("stop-1", timeout_s=60)
     if pid == 1:
-      _touch(os.path.join(conf["flags"], "before_2"))
-    out["2"] = save(2)
+      worker.touch(os.path.join(conf["flags"], "before_2"))
+    save(2)
     if pid == 0:
-      _touch(os.path.join(conf["flags"], "p0_done"))
-      out["p1_done"] = _wait_for(os.path.join(conf["flags"], "p1_done"), 90)
+      worker.touch(os.path.join(conf["flags"], "p0_done"))
+      out["p1_done"] = worker.wait_for(
+          os.path.join(conf["flags"], "p1_done"), 90)
     else:
-      _touch(os.path.join(conf["flags"], "p1_done"))
-    out["3"] = save(3)  # both start it within milliseconds
+      worker.touch(os.path.join(conf["flags"], "p1_done"))
+    save(3)  # both start it within milliseconds
   elif conf["scenario"] == "keys":
     client = multihost.coordination_client()
     step = 0
+    out["phases"] = []
     for k, n in enumerate(conf["phases"]):
       for _ in range(n):
         step += 1
-        err = save(step)[0]
-        assert err is None, err
+        saved = save(step).outcome
+        assert saved.ok, saved
       latest = ckptr.latest_step()
       restored = exact(ckptr.restore(target=target))
       step += 1
-      assert save(step)[0] is None
+      saved = save(step).outcome
+      assert saved.ok, saved
       multihost.barrier(f"keys-{k}", timeout_s=60)
       if pid == 0:
         keys = sorted(k for k, _ in client.key_value_dir_get_bytes("ckpt/"))
-        out[str(k)] = {"latest": latest, "restored": restored,
-                       "tier": ckptr.last_restore_tier, "keys": keys}
+        out["phases"].append(Phase(latest, restored, ckptr.last_restore_tier,
+                                   keys))
       multihost.barrier(f"keys-{k}-counted", timeout_s=60)
+    saves.clear()  # dozens of them: the phases say what they did
   ckptr.close()
-  local_cluster.write_result(out)
+  return Result(**out)
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)
