@@ -121,14 +121,17 @@ def test_store_dies_after_save_returned(proxied, flavour):
 
 def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   """The store refuses; each request gives up after its retries (about
-  6 s here), before the save's bound (10 s): the write fails first. A
+  3 s here), and the removal of the failed attempt, refused too, after
+  about as long again: both well before the save's bound (10 s), so the
+  write's error is the one raised (with retries of 6 s, write plus removal
+  came to 8-12 s, and the deadline's error replaced it). A
   refusing store answers (its answers are not a stall), so the save fails
   with the request's own error, naming the refusal, within the bound and
   its slack; the removal of the failed attempt, refused too, is logged and
   left to the next save's cleanup."""
   px, url = proxied
-  slow = {"s3_request_retries": {"max_retries": 3, "initial_delay": "2s",
-                                 "max_delay": "2s"}}
+  slow = {"s3_request_retries": {"max_retries": 2, "initial_delay": "1s",
+                                 "max_delay": "1s"}}
   settle_store(url)  # requests an earlier test abandoned have ended
   ckptr = ckpt.Checkpointer(url, storage_options=slow, **BOUNDS)
   ckptr.save(1, SMALL)
@@ -140,7 +143,7 @@ def test_a_request_that_failed_before_the_deadline_is_named(proxied):
   print(f"wait_until_finished() raised after {seconds:.1f} s: {error}")
   assert isinstance(error, ckpt.CheckpointError), repr(error)
   assert "step 2" in str(error), error
-  assert "All 3 retry attempts failed" in str(error), error
+  assert "All 2 retry attempts failed" in str(error), error
   assert seconds < SAVE_BOUND_S + SLACK_S, (seconds, error)
   ckptr.close()
   px.resume()
@@ -160,7 +163,17 @@ def test_next_save_after_the_store_came_back(proxied):
   known limit, docs/object-stores.md)."""
   px, url = proxied
   settle_store(url)  # requests an earlier test abandoned have ended
-  ckptr = ckpt.Checkpointer(url, save_timeout_s=5.0, query_timeout_s=5.0)
+  # Bounded retries: the requests this save abandons at its deadline end
+  # (land or fail) within a few seconds of the store's return, so the wait
+  # below sees them settle. With TensorStore's default retries (up to 32,
+  # backing off to 32 s), .zarray PUTs were seen landing after that wait,
+  # and that run's cleanup left the whole failed attempt (a late write of
+  # its lease would make it look alive: a leak a later save removes, not a
+  # loss; inferred, not traced).
+  quick = {"s3_request_retries": {"max_retries": 3, "initial_delay": "0.2s",
+                                  "max_delay": "0.5s"}}
+  ckptr = ckpt.Checkpointer(url, save_timeout_s=5.0, query_timeout_s=5.0,
+                            storage_options=quick)
   ckptr.save(1, SMALL)
   ckptr.wait_until_finished()
   ckptr.save(2, BIG)
@@ -179,7 +192,7 @@ def test_next_save_after_the_store_came_back(proxied):
   # now that the store answers (seen: a .zarray PUT after the cleanup): let
   # them settle first (bounded), else their keys would outlive the cleanup.
   settled, last, deadline = time.monotonic(), None, time.monotonic() + 30
-  while time.monotonic() < deadline and time.monotonic() - settled < 1.5:
+  while time.monotonic() < deadline and time.monotonic() - settled < 3.0:
     now = sorted(k for k in storeutil.keys(url) if k.startswith("checkpoint_2/"))
     if now != last:
       settled, last = time.monotonic(), now
