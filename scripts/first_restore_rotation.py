@@ -155,18 +155,6 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, dict[str, float]]:
   return value, figures
 
 
-def drop_page_cache() -> bool:
-  """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only): whether the
-  page cache was dropped."""
-  os.sync()
-  try:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-      f.write("3\n")
-    return True
-  except OSError:
-    return False
-
-
 def child_restore(name: str, path: str, preset_name: str) -> int:
   """``--restore-in-child``: one restore in this fresh process; its figures
   as one JSON line on stdout."""
@@ -195,7 +183,7 @@ def fresh_rounds(names: list[str], where: str, preset, state, targets,
   for r in range(rounds):
     line = []
     for s in workers.rotated(names, r):
-      dropped = drop_page_cache()
+      dropped = measure.drop_page_cache()
       proc = subprocess.run(
           [sys.executable, "-m", "scripts.first_restore_rotation",
            "--preset", preset_name, "--huge-pages", huge_pages,

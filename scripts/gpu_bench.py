@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from scripts.benchlib import measure
+
 
 def _state(gib: float, leaves: int, sharding):
   rows = 4096
@@ -63,9 +65,8 @@ def _fresh(state):
 def _drop_caches(cold: bool) -> None:
   if not cold:
     return
-  os.sync()
-  with open("/proc/sys/vm/drop_caches", "w") as f:
-    f.write("3")
+  if not measure.drop_page_cache():
+    raise SystemExit("--cold needs root (/proc/sys/vm/drop_caches)")
 
 
 _FAULTS = [0]

@@ -24,18 +24,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import shutil  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 from scripts.benchlib import measure  # noqa: E402
 from scripts.benchlib import presets  # noqa: E402
-
-
-def drop_caches() -> None:
-  subprocess.run(["sync"], check=True)
-  with open("/proc/sys/vm/drop_caches", "w") as f:
-    f.write("3\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
       for r in range(a.rounds):
         for verify in ((True, False) if r % 2 == 0 else (False, True)):
           if a.cold:
-            drop_caches()
+            if not measure.drop_page_cache():
+              raise SystemExit("--cold needs root (/proc/sys/vm/drop_caches)")
           with measure.measure(interval_s=0) as m:
             out = c.restore(1, target=target, verify=verify)
             jax.block_until_ready(out)

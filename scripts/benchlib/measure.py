@@ -43,6 +43,18 @@ def malloc_trim() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def drop_page_cache() -> bool:
+  """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only): whether the
+  page cache was dropped."""
+  os.sync()
+  try:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+    return True
+  except OSError:
+    return False
+
+
 def _reset_peak() -> bool:
   try:
     with open("/proc/self/clear_refs", "w") as f:
