@@ -26,6 +26,7 @@ import re
 
 from absl import logging
 
+from ckpt.commit import attempt
 from ckpt.commit import held
 from ckpt.commit import records
 from ckpt.store import storage as storage_lib
@@ -34,7 +35,6 @@ from ckpt.store import names
 
 _NAME_RE = re.compile(r"^" + re.escape(records.PENDING)
                       + r"(0|[1-9][0-9]{0,18})\." + records.DELETE + "$")
-_ATTEMPT_PREFIX = "attempt-"
 
 
 def name(step: int) -> str:
@@ -197,7 +197,7 @@ def _finish_unnamed(storage: storage_lib.Storage, step: int) -> None:
   listing are not touched."""
   marker = _marker_key(step)
   keys = storage.list_keys(f"{names.step_dirname(step)}/")
-  kept = {f"{_ATTEMPT_PREFIX}{t}" for s, t in records.list_pending(storage)
+  kept = {f"{attempt.ATTEMPT_PREFIX}{t}" for s, t in records.list_pending(storage)
           if s == step and t != records.DELETE}
   rec = records.read_record(storage, step)
   if rec is not None:

@@ -31,6 +31,7 @@ import dataclasses
 
 from absl import logging
 
+from ckpt.commit import attempt
 from ckpt.commit import records
 from ckpt.errors import CheckpointError
 from ckpt.format import entries
@@ -70,7 +71,7 @@ def _later_dirs(storage: storage_lib.Storage, step: int) -> list[str]:
       out.append(f"{names.step_dirname(int(name))}/{rec['dir']}")
   for s, token in records.list_pending(storage):
     if s > step and token != records.DELETE:
-      out.append(f"{names.step_dirname(s)}/attempt-{token}")
+      out.append(f"{names.step_dirname(s)}/{attempt.ATTEMPT_PREFIX}{token}")
   return out
 
 
