@@ -80,21 +80,29 @@ def _emit(rows: list, **row) -> None:
   rows.append(row)
 
 
-def _ckpt_round(root, state, target, rows, cold, budget=None, name="ckpt"):
+def _ckpt_round(root, state, target, rows, cold, budget=None, name="ckpt",
+                pinned=True):
   """``budget``: concurrent_bytes (None: ckpt's default, 1 GiB: an async
   save of a larger state then blocks until what is beyond the budget is
-  written; the state's size: staged whole, as Orbax does)."""
+  written; the state's size: staged whole, as Orbax does). ``pinned``:
+  ``ckpt.save.staging.PINNED_STAGING`` for this round's save."""
   import ckpt  # pylint: disable=g-import-not-at-top
+  from ckpt.save import staging  # pylint: disable=g-import-not-at-top
   path = os.path.join(root, name)
   opts = {} if budget is None else {"concurrent_bytes": budget}
-  with ckpt.Checkpointer(path, async_save=True, **opts) as c:
-    t0 = time.perf_counter()
-    c.save(1, state)
-    blocked = time.perf_counter() - t0
-    c.wait_until_finished()
-    total = time.perf_counter() - t0
-    st = c.last_save_stats
+  staging.PINNED_STAGING = pinned
+  try:
+    with ckpt.Checkpointer(path, async_save=True, **opts) as c:
+      t0 = time.perf_counter()
+      c.save(1, state)
+      blocked = time.perf_counter() - t0
+      c.wait_until_finished()
+      total = time.perf_counter() - t0
+      st = c.last_save_stats
+  finally:
+    staging.PINNED_STAGING = True
   _emit(rows, system=name, what="save", blocking_s=blocked, total_s=total,
+        pinned=pinned,
         stats_blocking_s=st.blocking_s, bytes=st.bytes_written)
   # The verified restore first (the figure compared with the others: the
   # first restore after the save), then an unverified one (warmer).
@@ -188,7 +196,8 @@ def main(argv=None) -> None:
   ap.add_argument("--dir", default=None)
   ap.add_argument("--systems", default="ckpt,orbax,raw",
                   help="ckpt (concurrent_bytes = the state's size), ckpt1g "
-                  "(ckpt's default budget, 1 GiB), orbax, raw")
+                  "(ckpt's default budget, 1 GiB), ckptpage (as ckpt, staged "
+                  "in pageable memory, not pinned), orbax, raw")
   ap.add_argument("--huge-pages", choices=("auto", "on", "off"),
                   default="auto", help="ckpt.restore.hostmem.HUGE_PAGES")
   args = ap.parse_args(argv)
@@ -231,6 +240,8 @@ def main(argv=None) -> None:
 
   runs = {"ckpt": functools.partial(_ckpt_round, budget=nbytes + (64 << 20)),
           "ckpt1g": functools.partial(_ckpt_round, name="ckpt1g"),
+          "ckptpage": functools.partial(_ckpt_round, budget=nbytes + (64 << 20),
+                                        name="ckptpage", pinned=False),
           "orbax": _orbax_round, "raw": _raw_round}
   systems = args.systems.split(",")
   root = tempfile.mkdtemp(dir=args.dir, prefix="gpu_bench.")

@@ -255,13 +255,13 @@ def test_gpu_bench_on_cpu(tmp_path):
   system saves, restores and gives back equal arrays, and the table has a
   row per system."""
   stdout = _run("gpu_bench", "--gib", "0.004", "--leaves", "2", "--rounds",
-                "2", "--systems", "ckpt,ckpt1g,raw", "--dir", str(tmp_path))
+                "2", "--systems", "ckpt,ckpt1g,ckptpage,raw", "--dir", str(tmp_path))
   rows = [json.loads(line) for line in stdout.splitlines()
           if line.startswith("{")]
   checks = [r for r in rows if r.get("what") == "check"]
-  assert len(checks) == 6 and all(r["equal"] for r in checks), checks
+  assert len(checks) == 8 and all(r["equal"] for r in checks), checks
   assert not [r for r in rows if r.get("what") == "error"], rows
-  for name in ("ckpt", "ckpt1g", "raw"):
+  for name in ("ckpt", "ckpt1g", "ckptpage", "raw"):
     assert re.search(rf"^\| {name} \| [0-9.]+ \|", stdout, re.M), stdout
   assert "unverified" in stdout
   assert not any(tmp_path.iterdir())  # it cleaned up

@@ -182,18 +182,32 @@ def test_copies_to_the_host_start_together_within_the_budget(
     np.testing.assert_array_equal(got[k], np.asarray(v))
 
 
+@pytest.mark.parametrize("pinned", [True, False])
 def test_boxes_cut_on_the_device_as_on_an_accelerator(rng, tmp_path,
-                                                      make_ckptr, monkeypatch):
+                                                      make_ckptr, monkeypatch,
+                                                      pinned):
   """The accelerator path (each chunk of a shard sliced on the device, then
-  copied to the host) saves the same bytes; forced here on CPU devices,
-  with shards cut into chunks by a small budget and spread over replicas."""
-  cuts = []
+  copied to the host: into pinned host memory, or with
+  ``copy_to_host_async``) saves the same bytes; forced here on CPU devices
+  (which have pinned host memory too), with shards cut into chunks by a
+  small budget and spread over replicas. The caller deletes its arrays as
+  soon as save() returns: the staged copies are ckpt's own."""
+  cuts, kinds = [], []
 
   def cut(device):
     cuts.append(device.id)
     return True
 
+  plain_copy = staging.start_host_copy
+
+  def copy(piece):
+    out = plain_copy(piece)
+    kinds.append(out.sharding.memory_kind)
+    return out
+
   monkeypatch.setattr(staging, "cut_on_device", cut)
+  monkeypatch.setattr(staging, "start_host_copy", copy)
+  monkeypatch.setattr(staging, "PINNED_STAGING", pinned)
   m = mesh()
   state = {"w": sharded(random_array(rng, (512, 256)), named(m, "data")),
            "rep": sharded(random_array(rng, (256, 64)), named(m)),
@@ -201,9 +215,13 @@ def test_boxes_cut_on_the_device_as_on_an_accelerator(rng, tmp_path,
                         named(m, None, "model"))}
   ckptr = make_ckptr(tmp_path / "c", async_save=True,
                      concurrent_bytes=64 << 10, chunk_bytes=32 << 10)
+  expected = {k: np.array(v) for k, v in state.items()}
   ckptr.save(1, state)
+  for v in state.values():
+    v.delete()
   ckptr.wait_until_finished()
   assert len(cuts) > 8  # boxes smaller than their shards were cut
+  assert kinds and set(kinds) == {"pinned_host" if pinned else "device"}
   got = ckpt.load(tmp_path / "c", 1)
-  for k, v in state.items():
-    np.testing.assert_array_equal(got[k], np.asarray(v), err_msg=k)
+  for k, v in expected.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
