@@ -73,9 +73,12 @@ _FAULTS = [0]
 
 
 def _emit(rows: list, **row) -> None:
-  """One measurement; ``faults``: minor page faults since the last one."""
+  """One measurement; ``faults``: minor page faults since the last one;
+  ``rss_mib``: the process's resident memory now (pinned staging buffers
+  that XLA keeps pooled between saves count here)."""
   faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   row["faults"], _FAULTS[0] = faults - _FAULTS[0], faults
+  row["rss_mib"] = round(measure.rss() / 2**20)
   print(json.dumps(row), flush=True)
   rows.append(row)
 
