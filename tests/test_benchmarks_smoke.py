@@ -73,6 +73,7 @@ def test_bench_small_leaves(tmp_path):
   asy = report["async"]
   assert 0 < asy["blocked_s"] <= asy["total_s"]
   assert 0 < asy["caller_cpu_s"] and asy["state_bytes"] == 20 * 4096
+  assert asy["blocked_cpu_s"] >= asy["caller_cpu_s"] > 0  # every thread
 
 
 @pytest.mark.timeout(240)

@@ -77,10 +77,21 @@ class FileClock:
     """Nothing to forget: a file's age is read from the file."""
 
 
+# A lease or marker is a few hundred bytes: read that much first, since
+# ``read(n)`` allocates n bytes before reading (32 MiB a read, at every
+# renewal and commit).
+_FIRST_READ = 64 << 10
+
+
 def _read(path: str) -> bytes | None:
+  """At most ``MAX_OBJECT_BYTES`` of the file, or None if it cannot be
+  read."""
   try:
     with open(path, "rb") as f:
-      return f.read(storage_lib.MAX_OBJECT_BYTES)
+      data = f.read(_FIRST_READ)
+      if len(data) == _FIRST_READ:
+        data += f.read(storage_lib.MAX_OBJECT_BYTES - _FIRST_READ)
+      return data
   except OSError:
     return None
 

@@ -118,7 +118,7 @@ class Saver:
                                             self.settings.partitioner)
       plan_s = time.perf_counter() - t_plan
       plan.borrow = not self.settings.async_save
-      values = agreement.host_values(plan.leaves)
+      values = agreement.host_values(plan.agreed_leaves())
       report = progress_lib.reporter(
           progress, f"ckpt save step {step}",
           lambda: sum(w.nbytes for w in plan.writes))

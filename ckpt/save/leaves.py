@@ -82,6 +82,18 @@ class SavePlan:
   memo: dict = dataclasses.field(default_factory=dict, compare=False,
                                  repr=False)
 
+  def agreed_leaves(self) -> list[LeafPlan]:
+    """The leaves whose values every process must hold alike
+    (``agreement.host_values``): values stored in the index and host numpy
+    leaves saved once for the job. Which they are depends on the layout
+    only: worked out once (``memo``)."""
+    got = self.memo.get("agreed")
+    if got is None:
+      got = self.memo["agreed"] = [
+          i for i, lp in enumerate(self.leaves)
+          if isinstance(lp.entry, entries.ValueEntry) or lp.host_replicated]
+    return [self.leaves[i] for i in got]
+
 
 def _stored_dtype(dtype: np.dtype, save_dtype) -> np.dtype:
   if save_dtype is not None and jnp.issubdtype(dtype, jnp.floating):

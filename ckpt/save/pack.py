@@ -24,6 +24,7 @@ aggregate small tensors; ckpt does too:
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any, Callable, Sequence
 
 import crc32c
@@ -43,8 +44,14 @@ from ckpt.store.limiter import ByteLimiter
 # Leaves of at most this many stored bytes are packed (0: none).
 DEFAULT_MAX_LEAF_BYTES = 64 << 10
 MAX_LEAF_BYTES = DEFAULT_MAX_LEAF_BYTES
-# One pack object holds at most this many bytes (and at most the budget).
-MAX_PACK_OBJECT_BYTES = 64 << 20
+# One pack object holds at most this many bytes (and at most the budget),
+# and at most PACKS_IN_FLIGHT packs are joined and being written at once.
+# A pack being written costs the host three to four times its size (the
+# joined bytes, then TensorStore's copies of them, which ``KvStore.write``
+# takes only as bytes): 20 MiB of packs written as one cost 59 MiB, as
+# packs of 4 MiB two at a time 16 MiB, in the same CPU time.
+MAX_PACK_OBJECT_BYTES = 4 << 20
+PACKS_IN_FLIGHT = 2
 # Each box starts at a multiple of this in its pack (aligned reads, views).
 ALIGN = 64
 
@@ -75,33 +82,76 @@ def group(writes: Sequence[Any], limit: int) -> list[list[Any]]:
   return out
 
 
+def split_writes(plan: Any) -> tuple[list, list]:
+  """(packed writes, the others) of ``plan`` (a leaves.SavePlan), in order;
+  worked out once per layout (``plan.memo``)."""
+  got = plan.memo.get("packed")
+  if got is None:
+    leaves = plan.leaves
+    packed = [w for w in plan.writes if leaves[w.leaf].packed]
+    got = plan.memo["packed"] = (packed, [
+        w for w in plan.writes if not leaves[w.leaf].packed]
+                                 if packed else plan.writes)
+  return got
+
+
+class _Pack:
+  """One pack of a layout (``batches``): its number, boxes, aligned size,
+  and how each box is staged (``staging.ShardLookup.recipe``; None until
+  the first save that stages it)."""
+
+  def __init__(self, k: int, writes: list, total: int):
+    self.k, self.writes, self.total = k, writes, total
+    self.recipes: list[tuple[int, int]] | None = None
+
+
+def batches(plan: Any, writes: list, limit: int) -> list[_Pack]:
+  """``writes`` (this process's packed boxes) cut into packs of at most
+  ``limit`` bytes, once per layout and limit (``plan.memo``)."""
+  key = ("packs", limit)
+  got = plan.memo.get(key)
+  if got is None:
+    got = plan.memo[key] = [
+        _Pack(k, batch, sum(_aligned(w.nbytes) for w in batch))
+        for k, batch in enumerate(group([w for w in writes if w.box.size],
+                                        limit))]
+  return got
+
+
 class PackWriter:
   """This process's packed boxes of one save, into packs and their table.
 
   Call sequence: ``await stage(writes)`` (every box on the host, as views
   of CPU device buffers or copies, under the byte limiter; the caller's
-  arrays are no longer needed once it returns), then ``flush()`` (each
-  staged pack joined, its crc32c's taken and its write started: the work
-  per box that needs no source any more, done after the caller was
-  released), then ``finish()`` (the table, written once every pack is).
-  ``stage`` flushes by itself when the budget is full, and a caller that
-  needs the budget for something else calls ``flush`` first. ``track``
-  is told of every write started, for the caller to wait for.
+  arrays are no longer needed once it returns), then ``flush()`` (the
+  staged packs queued to be joined, their crc32c's taken and written, in
+  order, at most ``PACKS_IN_FLIGHT`` at once: the work per box that needs
+  no source any more, done after the caller was released), then
+  ``finish()`` (the table, written once every pack is). ``stage`` flushes
+  by itself when the budget is full, and a caller that needs the budget
+  for something else calls ``flush`` first. ``track`` is told of every
+  task started, for the caller to wait for.
   """
 
-  def __init__(self, host_boxes: Callable[[list], list[np.ndarray]],
+  def __init__(self, plan: Any, shards: staging.ShardLookup,
                step_kvstore: dict, context: ts.Context, limiter: ByteLimiter,
                process: int, on_pack: Callable[[int, int], None],
                track: Callable[[asyncio.Future], None] = lambda t: None):
-    self.host_boxes = host_boxes
+    self.plan = plan  # a leaves.SavePlan
+    self.shards = shards
     self.step_kvstore = step_kvstore
     self.context = context
     self.limiter = limiter
     self.process = process
     self.on_pack = on_pack  # (boxes, bytes) of each pack written
-    self.track = track  # told of every write started
-    self.kv: ts.KvStore | None = None
-    self.staged: list[tuple[int, list, list, int]] = []  # k, writes, data, grant
+    self.track = track  # told of every task started
+    self.opening: asyncio.Future | None = None  # the step's ts.KvStore
+    self.staged: collections.deque[tuple[int, list, list, int]] = (
+        collections.deque())  # k, writes, data, grant: staged, then queued
+    self.queued = 0  # how many of the first ``staged`` are flushed
+    self.pump: asyncio.Future | None = None  # joins and writes the queued
+    self.slots = asyncio.Semaphore(PACKS_IN_FLIGHT)
+    self.failed = False  # a pack's write failed: join no more
     self.tasks: list[asyncio.Future] = []
     self.sizes: list[int] = []
     # The table's columns (ckpt/format/pack_table.py), a row per box.
@@ -111,43 +161,67 @@ class PackWriter:
     self.crcs: list[int] = []
     self.box: list[int] = []
 
-  async def stage(self, writes: Sequence[Any]) -> None:
-    self.kv = await tsfuture.wait(ts.KvStore.open(self.step_kvstore,
-                                                  context=self.context))
+  async def stage(self, writes: list) -> None:
+    # Opened while the boxes are staged: the caller does not wait for it.
+    self.opening = asyncio.ensure_future(tsfuture.wait(ts.KvStore.open(
+        self.step_kvstore, context=self.context)))
+    self._started(self.opening)
     limit = max(ALIGN, min(MAX_PACK_OBJECT_BYTES, self.limiter.budget))
-    for k, batch in enumerate(group([w for w in writes if w.box.size],
-                                    limit)):
-      total = sum(_aligned(w.nbytes) for w in batch)
-      grant = self.limiter.try_acquire(total)
+    for p in batches(self.plan, writes, limit):
+      if self.failed:
+        break  # a pack's write failed: raised at finish
+      grant = self.limiter.try_acquire(p.total)
       if grant is None:  # the packs staged so far free the budget
         self.flush()
-        grant = await self.limiter.acquire(total)
+        grant = await self.limiter.acquire(p.total)
       try:
-        data = self.host_boxes(batch)
+        if p.recipes is None:
+          p.recipes = [self.shards.recipe(self.plan.leaves[w.leaf], w)
+                       for w in p.writes]
+        data = host_boxes(self.plan, p.writes, self.shards, p.recipes)
       except BaseException:
         self.limiter.release(grant)
         raise
-      self.staged.append((k, batch, data, grant))
+      self.staged.append((p.k, p.writes, data, grant))
 
   def flush(self) -> None:
-    """Every staged pack joined and its write started."""
-    staged, self.staged = self.staged, []
-    for i, (k, batch, data, grant) in enumerate(staged):
+    """Every staged pack queued to be joined and written."""
+    self.queued = len(self.staged)
+    if self.queued and (self.pump is None or self.pump.done()):
+      self.pump = asyncio.ensure_future(self._pump())
+      self._started(self.pump)
+
+  async def _pump(self) -> None:
+    """The queued packs, in order: each joined once a slot is free (at
+    most PACKS_IN_FLIGHT joined and not yet written), then written."""
+    while self.queued and not self.failed:
+      await self.slots.acquire()
+      if not self.queued or self.failed:  # abandoned, or a write failed
+        self.slots.release()
+        break
+      k, batch, data, grant = self.staged.popleft()
+      self.queued -= 1
       try:
         buf = self._join(k, batch, data)
       except BaseException:
-        for _, _, _, g in staged[i:]:
-          self.limiter.release(g)
+        self.failed = True
+        self.slots.release()
+        self.limiter.release(grant)
+        self.abandon()
         raise
+      del data  # the views: their buffers may go once written
       self.sizes.append(len(buf))
       self._started(asyncio.ensure_future(self._put(
           k, buf, grant, len(batch), sum(w.nbytes for w in batch))))
+      del buf
+    if self.failed:
+      self.abandon()
 
   def _started(self, task: asyncio.Future) -> None:
     self.tasks.append(task)
     self.track(task)
 
-  def _join(self, k: int, batch: list, data: list[np.ndarray]) -> bytes:
+  def _join(self, k: int, batch: list, data: list) -> bytes:
     parts, offset = [], 0
     for w, d in zip(batch, data):
       flat = np.ascontiguousarray(d).reshape(-1).view(np.uint8)
@@ -167,26 +241,43 @@ class PackWriter:
   async def _put(self, k: int, buf: bytes, grant: int, count: int,
                  data_bytes: int) -> None:
     name = pack_index.pack_name(self.process, k)
+    size = len(buf)
     try:
-      await tsfuture.wait(self.kv.write(name, buf))
+      kv = await self.opening
+      written = kv.write(name, buf)
+      del buf  # TensorStore has its copy
+      await tsfuture.wait(written)
       self.on_pack(count, data_bytes)  # the boxes' bytes (not the alignment)
     except Exception as e:
+      self.failed = True
       raise CheckpointError(
           f"writing pack {name!r} ({count} boxes of small leaves, "
-          f"{len(buf)} bytes) failed: {e}") from e
+          f"{size} bytes) failed: {e}") from e
     finally:
+      self.slots.release()
       self.limiter.release(grant)
 
   def abandon(self) -> None:
-    """After a failure: the staged packs' bytes given back, unwritten."""
+    """After a failure: the bytes of the packs not yet joined given back,
+    unwritten."""
     for _, _, _, grant in self.staged:
       self.limiter.release(grant)
-    self.staged = []
+    self.staged.clear()
+    self.queued = 0
 
   def finish(self) -> None:
     """The rest flushed, and the table's write started (once every pack is
     written)."""
     self.flush()
+    if self.tasks:
+      table = asyncio.ensure_future(self._put_table())
+      self.track(table)
+
+  async def _put_table(self) -> None:
+    done = 0
+    while done < len(self.tasks):  # the packs first (the pump adds them)
+      done = len(self.tasks)
+      await asyncio.gather(*self.tasks[:done])
     if not self.leaf:
       return
     table = seal.seal(pack_table.encode(self.process, self.sizes, self.leaf,
@@ -197,46 +288,38 @@ class PackWriter:
           f"the pack table of process {self.process} is {len(table)} bytes; "
           f"readers accept at most {pack_index.MAX_TABLE_BYTES}: lower "
           "ckpt.save.pack.MAX_LEAF_BYTES")
-    self._started(asyncio.ensure_future(self._put_table(
-        table, list(self.tasks))))
-
-  async def _put_table(self, table: bytes, packs: list) -> None:
-    await asyncio.gather(*packs)  # the packs first
     name = pack_index.table_name(self.process)
     try:
-      await tsfuture.wait(self.kv.write(name, table))
+      await tsfuture.wait(self.opening.result().write(name, table))
     except Exception as e:
       raise CheckpointError(
           f"writing the pack table {name!r} failed: {e}") from e
 
 
-def host_boxes(plan: Any, writes: list,
-               shards: staging.ShardLookup | None = None) -> list[np.ndarray]:
-  """Stage 3 for a pack's boxes: every device-to-host copy started, then
-  each box on the host (ckpt/save/staging.py), safe to join into its pack
-  after the caller is released (a host numpy leaf copied unless
-  ``plan.borrow``). A box of a CPU device buffer in its stored dtype is a
-  view of it, taken at once (``ShardLookup.view``). ``plan``: a
-  leaves.SavePlan; ``shards``: the save's ShardLookup (one per call if
-  None)."""
-  shards = shards or staging.ShardLookup()
+def host_boxes(plan: Any, writes: list, shards: staging.ShardLookup,
+               recipes: list[tuple[int, int]]) -> list[Any]:
+  """Stage 3 for a pack's boxes, each staged as its recipe says
+  (``ShardLookup.recipe``): a box of a CPU device buffer in its stored
+  dtype is a view of it, taken at once (about 3 us: what an async save of
+  thousands of small leaves costs its caller per box); the others'
+  device-to-host copies are started, then each box landed on the host
+  (ckpt/save/staging.py, a host numpy leaf copied unless ``plan.borrow``).
+  Every box is safe to join into its pack after the caller is released.
+  ``plan``: a leaves.SavePlan."""
+  leaves = plan.leaves
   out: list[Any] = []
   pending = []  # (position, piece): copies started, landed below
-  dtypes: dict[str, np.dtype] = {}
-  for w in writes:
-    leaf = plan.leaves[w.leaf]
+  for w, (where, kind) in zip(writes, recipes):
+    leaf = leaves[w.leaf]
     try:
-      src = leaf.source
-      if staging.is_array(src):
-        name = leaf.entry.dtype
-        dtype = dtypes.get(name) or dtypes.setdefault(name, np.dtype(name))
-        view = shards.view(src, w, dtype)
-        if view is not None:
-          out.append(view)
-          continue
-        piece = shards.piece(src, w)
-      else:
-        piece = staging.device_piece(leaf, w)
+      if kind == staging.VIEW_BUFFER:  # the common case, inline
+        out.append(memoryview(leaf.source.addressable_data(where)))
+        continue
+      if kind < staging.PIECE:
+        out.append(staging.take(leaf, w, where, kind))
+        continue
+      piece = (shards.piece(leaf.source, w) if kind == staging.PIECE else
+               staging.device_piece(leaf, w))
     except Exception as e:
       raise CheckpointError(
           f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
@@ -246,5 +329,5 @@ def host_boxes(plan: Any, writes: list,
     out.append(None)
   for i, piece in pending:
     w = writes[i]
-    out[i] = staging.host_box(plan.leaves[w.leaf], w, piece, plan.borrow)
+    out[i] = staging.host_box(leaves[w.leaf], w, piece, plan.borrow)
   return out

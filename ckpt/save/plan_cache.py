@@ -58,12 +58,16 @@ def _signature(x: Any):
 
 @dataclasses.dataclass(eq=False)
 class _Template:
-  key: tuple
+  key: tuple  # (treedef, options, id(partitioner), partitioner, process, count)
+  signatures: list  # per leaf, ``_signature``
   plan: leaves_lib.SavePlan
   # Per leaf: True for a leaf stored in the index (its value read again at
   # every save), False for an array leaf; and whether it is a PRNG key array.
   inline: list[bool]
   keys: list[bool]
+  # Per leaf: a jax.Array leaf's concrete type, else None (``_replay``'s
+  # fast check: its type, shape, dtype and sharding, no tuple made).
+  types: list
 
 
 class PlanCache:
@@ -90,27 +94,30 @@ class PlanCache:
     process_count = process_count or multihost.process_count()
     process = multihost.process_index() if process is None else process
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    signatures = [_signature(x) for x in leaves]
-    key = None
-    if all(s is not None for s in signatures):
-      key = (treedef, signatures, options, id(partitioner), partitioner,
-             process, process_count)
+    key = (treedef, options, id(partitioner), partitioner, process,
+           process_count)
     with self._lock:
       template = self._template
-    if key is not None and template is not None and _same(template.key, key):
-      self.hits += 1
-      return _replay(template, leaves, options), 0
+    if template is not None and _same(template.key, key):
+      got = _replay(template, leaves, options)
+      if got is not None:
+        self.hits += 1
+        return got, 0
     plan = leaves_lib.plan_save(state, options, partitioner,
                               process_count=process_count, process=process)
     self.misses += 1
-    if key is not None and len(plan.leaves) == len(leaves):
+    signatures = [_signature(x) for x in leaves]
+    if (all(s is not None for s in signatures)
+        and len(plan.leaves) == len(leaves)):
       template = _Template(
-          key, dataclasses.replace(
+          key, signatures, dataclasses.replace(
               plan, leaves=[dataclasses.replace(lp, source=None)
                             for lp in plan.leaves]),
           [lp.layout is None for lp in plan.leaves],
           [isinstance(x, jax.Array) and prng.is_key_dtype(x.dtype)
-           for x in leaves])
+           for x in leaves],
+          [type(x) if s[0] is jax.Array else None
+           for x, s in zip(leaves, signatures)])
     else:
       template = None
     with self._lock:
@@ -121,27 +128,39 @@ class PlanCache:
 def _same(a: tuple, b: tuple) -> bool:
   # The partitioner is compared by identity (its id, and the object kept
   # alive so that the id is not reused).
-  return (a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[3] == b[3]
-          and a[5:] == b[5:])
+  return a[0] == b[0] and a[1] == b[1] and a[2] == b[2] and a[4:] == b[4:]
 
 
 def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
-            ) -> leaves_lib.SavePlan:
+            ) -> leaves_lib.SavePlan | None:
   """The cached plan with this save's arrays as sources and its inline
-  values read again."""
+  values read again, or None if a leaf's signature differs from the
+  cached one. One pass over the leaves: an array leaf of the cached type
+  is checked attribute by attribute (shape, dtype, sharding: the same
+  comparisons as its signature's, with no tuple made)."""
   old = template.plan
+  if len(leaves) != len(old.leaves):
+    return None
   out = []
-  for lp, x, inline, key in zip(old.leaves, leaves, template.inline,
-                                template.keys):
+  append = out.append
+  plan_of = leaves_lib.LeafPlan
+  for lp, x, sig, kind, inline, key in zip(
+      old.leaves, leaves, template.signatures, template.types,
+      template.inline, template.keys):
+    if kind is not None and type(x) is kind:  # a jax.Array, as cached
+      if x.shape != sig[1] or x.dtype != sig[2] or x.sharding != sig[3]:
+        return None
+    elif _signature(x) != sig:
+      return None
     if inline:
       got = leaves_lib.inline_leaf(lp.parts, x, options)
       if got is None:  # the signature decides this: a bug if it differs
         raise AssertionError(f"leaf {tree.path_str(lp.parts)!r}: the cached "
                              "plan stored it inline, the new one would not")
-      out.append(got)
+      append(got)
       continue
     if key:  # stored as its key data, as plan_save does
       _, x = leaves_lib.key_data(tree.path_str(lp.parts), x)
-    out.append(leaves_lib.LeafPlan(lp.parts, x, lp.entry, lp.layout))
+    append(plan_of(lp.parts, x, lp.entry, lp.layout))
   return leaves_lib.SavePlan(old.structure, out, old.writes, old.options,
                              memo=old.memo)

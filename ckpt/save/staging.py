@@ -98,14 +98,23 @@ class ShardLookup:
 
   ``addressable_shards`` builds a Shard object per device of every array
   (over 100 us a leaf on 8 devices, the largest per-leaf cost of saving
-  10,000 small leaves); ``addressable_data(i)`` costs a few us. Where each
+  10,000 small leaves); ``addressable_data(i)`` costs about 1 us. Where each
   device sits in that list, and whether the buffers are host views (CPU
   devices), depend on the sharding and the shape only: worked out once per
   pair, from the first array that has them.
+
+  A view of a CPU device buffer is taken with the buffer protocol
+  (``memoryview``, about 1 us): ``np.asarray`` goes through jax's
+  ``__array__`` and costs several times that, which an async save of
+  thousands of small leaves pays while the caller waits. Dtypes the
+  protocol refuses (bfloat16, the float8 types) take ``np.asarray``. Both
+  hold the buffer alive when the caller deletes or donates its array
+  (tests/save/test_zero_copy.py).
   """
 
   def __init__(self):
     self._by_layout: dict[tuple, tuple[dict, bool]] = {}
+    self._protocol: dict[np.dtype, bool] = {}  # dtype -> memoryview works
 
   def _layout(self, src: jax.Array) -> tuple[dict, bool]:
     key = (src.sharding, src.shape)
@@ -117,17 +126,26 @@ class ShardLookup:
           all(not cut_on_device(s.device) for s in shards))
     return got
 
-  def view(self, src: jax.Array, write: plan_lib.Write,
-           dtype: np.dtype) -> np.ndarray | None:
-    """The box as a read-only view of a CPU device buffer, when it is one
-    in the stored ``dtype`` (what ``_host_box`` would return), else None."""
+  def recipe(self, leaf: Any, write: plan_lib.Write) -> tuple[int, int]:
+    """How ``take`` stages ``write``'s box of ``leaf`` (a LeafPlan): (the
+    buffer's position in ``addressable_data``, or -1; one of the kinds
+    below). It depends on the layout only (the source's type, sharding,
+    shape and dtype, the stored dtype), so a save plan keeps it while the
+    state keeps its layout (ckpt/save/pack.py)."""
+    src = leaf.source
+    if not is_array(src):
+      return -1, OTHER
     where, on_host = self._layout(src)
-    if not on_host or src.dtype != dtype:
-      return None
-    host = np.asarray(src.addressable_data(where[write.device]))
-    if host.shape != write.box.shape:  # a box of the shard: a view of it
-      host = host[write.box.relative_to(write.shard)]
-    return host
+    i = where[write.device]
+    if not on_host or src.dtype != np.dtype(leaf.entry.dtype):
+      return i, PIECE
+    if write.box != write.shard:
+      return i, VIEW_CUT
+    protocol = self._protocol.get(src.dtype)
+    if protocol is None:
+      protocol = self._protocol[src.dtype] = _has_protocol(
+          src.addressable_data(i))
+    return i, VIEW_BUFFER if protocol else VIEW_ARRAY
 
   def piece(self, src: jax.Array, write: plan_lib.Write) -> Any:
     """The device buffer ``write`` reads (cut on the device first on an
@@ -135,11 +153,38 @@ class ShardLookup:
     where, on_host = self._layout(src)
     if on_host:  # a view of the buffer: any replica holds the same bytes
       return src.addressable_data(where[write.device])
-    shard = src.addressable_shards[where[write.device]]
-    piece = shard.data
+    piece = src.addressable_data(where[write.device])  # (no Shard objects)
     if write.box != write.shard:
       piece = piece[write.box.relative_to(write.shard)]  # only the box moves
     return start_host_copy(piece)
+
+
+def _has_protocol(buf: jax.Array) -> bool:
+  """Whether the buffer protocol exports ``buf`` (a CPU device buffer) in
+  its own dtype, as ``np.asarray`` would see it."""
+  try:
+    view = memoryview(buf)
+  except (BufferError, TypeError, ValueError):  # bfloat16: BufferError
+    return False
+  return np.asarray(view).dtype == buf.dtype and view.shape == buf.shape
+
+
+# How a box is staged (``ShardLookup.recipe``): a view of a CPU device buffer
+# (the whole buffer through the buffer protocol, as an ndarray, or a box cut
+# from it), its device-to-host copy started (``ShardLookup.piece``), or
+# another source (``device_piece``).
+VIEW_BUFFER, VIEW_ARRAY, VIEW_CUT, PIECE, OTHER = range(5)
+
+
+def take(leaf: Any, write: plan_lib.Write, where: int, kind: int) -> Any:
+  """The box of a view kind (``ShardLookup.recipe``): a read-only view of
+  the CPU device buffer at position ``where`` of ``leaf.source``."""
+  buf = leaf.source.addressable_data(where)
+  if kind == VIEW_BUFFER:
+    return memoryview(buf)
+  host = np.asarray(buf)
+  return host if kind == VIEW_ARRAY else host[
+      write.box.relative_to(write.shard)]
 
 
 def cut_on_device(device) -> bool:

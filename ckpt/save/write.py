@@ -214,13 +214,11 @@ class OwnedWrites:
     self.opening = asyncio.ensure_future(_open_arrays(
         plan, self.step_kvstore, self.context, self.process,
         multihost.process_count()))
-    packed = [w for w in plan.writes if plan.leaves[w.leaf].packed]
+    packed, others = pack_lib.split_writes(plan)
     try:
       if packed:
         await self._stage_packs(packed)
-      await self._stage_arrays(
-          [w for w in plan.writes if not plan.leaves[w.leaf].packed]
-          if packed else plan.writes)
+      await self._stage_arrays(others)
     except BaseException:
       await self._abandon()
       raise
@@ -245,11 +243,9 @@ class OwnedWrites:
   async def _stage_packs(self, packed: list[plan_lib.Write]) -> None:
     """Small leaves: staged for a few packs (ckpt/save/pack.py), which are
     joined and written once the caller is released."""
-    shards = staging.ShardLookup()
     self.packs = pack_lib.PackWriter(
-        lambda batch: pack_lib.host_boxes(self.plan, batch, shards),
-        self.step_kvstore, self.context, self.limiter, self.process,
-        self._counted, lambda t: self._track([t]))
+        self.plan, staging.ShardLookup(), self.step_kvstore, self.context,
+        self.limiter, self.process, self._counted, lambda t: self._track([t]))
     await self.packs.stage(packed)
 
   async def _stage_arrays(self, writes: list[plan_lib.Write]) -> None:
