@@ -88,13 +88,15 @@ def _other_files(plan: Any, work: str, process: int,
                   if n.startswith(f"{process}.")]
 
 
-def _fsync(path: str) -> bool:
+def _fsync(path: str, drop: bool = False) -> bool:
   try:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
   except FileNotFoundError:  # nothing written there: nothing to sync
     return False
   try:
     os.fsync(fd)
+    if drop:  # its pages are clean now: free them for the next writes
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
   finally:
     os.close(fd)
   return True
@@ -107,8 +109,9 @@ class Syncer:
   driver's own sync did; ``finish`` adds the arrays' metadata and the
   packs and waits for all. Each file once."""
 
-  def __init__(self, plan: Any, work: str, process: int, process_count: int):
-    self._plan, self._work = plan, work
+  def __init__(self, plan: Any, work: str, process: int, process_count: int,
+               drop: bool = False):
+    self._plan, self._work, self._drop = plan, work, drop
     self._process, self._count = process, process_count
     self._pool = concurrent.futures.ThreadPoolExecutor(
         _THREADS, thread_name_prefix="ckpt-fsync")
@@ -117,21 +120,26 @@ class Syncer:
 
   @classmethod
   def start(cls, plan: Any, step_kvstore: dict[str, Any], work: str,
-            process: int, process_count: int) -> "Syncer | None":
+            process: int, process_count: int,
+            drop: bool = False) -> "Syncer | None":
     """A Syncer where ``defers`` (else None: the driver syncs)."""
     if not defers(plan.options.storage_format, step_kvstore):
       return None
-    return cls(plan, work, process, process_count)
+    return cls(plan, work, process, process_count, drop)
 
-  def _queue(self, paths: list[str]) -> None:
+  def _queue(self, paths: list[str]) -> list[concurrent.futures.Future]:
+    out = []
     for p in paths:
       if p not in self._queued:  # a chunk two writes share: once
         self._queued.add(p)
-        self._futures.append(self._pool.submit(_fsync, p))
+        out.append(self._pool.submit(_fsync, p, self._drop))
+    self._futures.extend(out)
+    return out
 
-  def written(self, w: plan_lib.Write) -> None:
-    """Write ``w`` is done: its chunk files are queued for their fsync."""
-    self._queue(_chunk_files(self._plan, w, self._work))
+  def written(self, w: plan_lib.Write) -> list[concurrent.futures.Future]:
+    """Write ``w`` is done: its chunk files are queued for their fsync;
+    returns their futures."""
+    return self._queue(_chunk_files(self._plan, w, self._work))
 
   def finish(self) -> int:
     """Blocking: every file of this process synced (the first error is
