@@ -15,13 +15,13 @@ compete with the save for cores and page cache. Two measures:
   costs nothing when nothing else wants the cores).
 - Page cache: an asynchronous save drops each file's pages from the page
   cache (``posix_fadvise(DONTNEED)``) as soon as it is fsynced (each file
-  once: ckpt/save/durable.py), and starts an array write only while the
-  bytes written but not yet fsynced fit in ``WRITEBACK_WINDOW``. The save
-  then keeps at most about that much of the page cache, the next writes
-  reuse the pages the last ones freed, and a checkpoint the job will not
-  read again does not push the job's own cached files (its dataset, say)
-  out of memory. Local files only; format "ocdbt" (synced by its driver)
-  has its pages dropped once all are written.
+  once: ckpt/save/durable.py, which starts an array write only while the
+  bytes written and not yet fsynced fit in its window, ``WINDOW_BYTES``).
+  The save then keeps at most about that much of the page cache, the next
+  writes reuse the pages the last ones freed, and a checkpoint the job
+  will not read again does not push the job's own cached files (its
+  dataset, say) out of memory. Local files only; format "ocdbt" (synced by
+  its driver) has its pages dropped once all are written.
 
   On this VM (whose balloon takes back free memory) a fresh page-cache
   page is slow to fault in: writing 1 GiB as 64 files of 16 MiB, each
@@ -40,8 +40,7 @@ not cores); bounding TensorStore's threads (``data_copy_concurrency`` 1,
 neither is set (``storage_options`` sets them).
 
 ``BACKGROUND_NICE = 0`` and ``DROP_WRITTEN_PAGES = False`` turn them off
-(set before the Checkpointer is made / the save starts); the window goes
-with the dropped pages.
+(set before the Checkpointer is made / the save starts).
 """
 
 from __future__ import annotations
@@ -50,11 +49,8 @@ import logging
 import os
 import threading
 
-from ckpt.store.limiter import ByteLimiter
-
 BACKGROUND_NICE = 10
 DROP_WRITTEN_PAGES = True
-WRITEBACK_WINDOW = 128 << 20
 
 _TS_THREAD_NAME = "ts_pool_worker"
 _lock = threading.Lock()
@@ -106,12 +102,6 @@ def lower_tensorstore_threads() -> int:
         _reniced.add(tid)
         lowered += 1
   return lowered
-
-
-def writeback_window() -> ByteLimiter:
-  """The bound on one asynchronous save's bytes written and not yet
-  fsynced (``WRITEBACK_WINDOW``; ckpt/save/write.py ``write_owned``)."""
-  return ByteLimiter(WRITEBACK_WINDOW)
 
 
 def drop_cached_pages(root: str) -> int:

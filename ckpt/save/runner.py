@@ -148,7 +148,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         sums = await save_lib.write_owned(
             plan, step_kvstore, context, ByteLimiter(budget), stats,
             on_staged, reuse, syncer and syncer.written,
-            polite.writeback_window() if syncer and polite_drop else None)
+            syncer and syncer.window)
         if syncer is not None:  # durable before the "written" barrier
           await asyncio.to_thread(syncer.finish)
         if reuse is not None:  # and still, now that every link is made?
