@@ -59,7 +59,7 @@ def failing_save(monkeypatch):
   orig = save_lib.write_owned
 
   async def write_owned(plan, kv, context, limiter, stats, on_staged,
-                        reuse=None, on_written=None):
+                        reuse=None, on_written=None, window=None):
     on_staged()
     import asyncio  # pylint: disable=g-import-not-at-top
     assert await asyncio.to_thread(gate.wait, 60)
@@ -116,9 +116,9 @@ def test_cancel_then_save(tmp_path, monkeypatch):
   orig = save_lib.write_owned
 
   async def slow(plan, kv, context, limiter, stats, on_staged, reuse=None,
-                 on_written=None):
+                 on_written=None, window=None):
     out = await orig(plan, kv, context, limiter, stats, on_staged, reuse,
-                     on_written)
+                     on_written, window)
     import asyncio  # pylint: disable=g-import-not-at-top
     await asyncio.to_thread(gate.wait, 60)
     return out

@@ -138,14 +138,17 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
     try:
       if reuse is not None:  # is the step linked from still ours?
         await asyncio.to_thread(reuse.check_source)
+      polite_drop = (not plan.borrow and storage.is_posix  # async (polite.py)
+                     and polite.DROP_WRITTEN_PAGES)
       syncer = (durable.Syncer.start(
           plan, step_kvstore, os.path.join(os.fspath(storage.root),
-                                           attempt.work_dir), pid, n)
-                if storage.is_posix else None)
+                                           attempt.work_dir), pid, n,
+          drop=polite_drop) if storage.is_posix else None)
       try:
         sums = await save_lib.write_owned(
             plan, step_kvstore, context, ByteLimiter(budget), stats,
-            on_staged, reuse, syncer and syncer.written)
+            on_staged, reuse, syncer and syncer.written,
+            syncer and syncer.window)
         if syncer is not None:  # durable before the "written" barrier
           await asyncio.to_thread(syncer.finish)
         if reuse is not None:  # and still, now that every link is made?
@@ -163,7 +166,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         await _write_process_file(
             storage, attempt, index_lib.REUSE_DIR, pid,
             reuse.record_file(pid, stats.bytes_written))
-      if not plan.borrow and storage.is_posix:  # async: polite (polite.py)
+      if polite_drop and syncer is None:  # else dropped as each is synced
         await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
             os.fspath(storage.root), attempt.work_dir))
     except Exception as e:  # told to every process at the barrier below

@@ -140,12 +140,16 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       limiter: ByteLimiter, stats: SaveStats,
                       on_staged: Callable[[], None],
                       reuse: Any = None,
-                      on_written: Callable[[plan_lib.Write], None] | None = None
-                      ) -> list[list]:
+                      on_written: Callable[[plan_lib.Write], Any] | None = None,
+                      window: ByteLimiter | None = None) -> list[list]:
   """Stages 3 and 4 for this process's boxes (``OwnedWrites``).
 
   ``on_written(w)`` (on the event loop) once the array write ``w`` is done
-  (ckpt/save/durable.py syncs its files then).
+  (ckpt/save/durable.py syncs its files then); it returns the futures of
+  that durability (concurrent.futures), or None. With ``window`` an array
+  write starts only once its bytes fit in it, and they stay in it until
+  those futures are done: the bytes written but not yet durable (dirty in
+  the page cache) stay within the window (ckpt/save/polite.py).
 
   With ``reuse`` (a ckpt/save/reuse.py ``SaveReuse``) each array box's
   unchanged chunks are linked from the previous step, not written.
@@ -160,7 +164,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   "ocdbt", whose chunks carry their own crc32c (tsspec.default_checksum).
   """
   writes = OwnedWrites(plan, step_kvstore, context, limiter, stats, reuse,
-                       on_written)
+                       on_written, window)
   return await writes.run(on_staged)
 
 
@@ -181,7 +185,8 @@ class OwnedWrites:
 
   def __init__(self, plan: SavePlan, step_kvstore: dict, context: ts.Context,
                limiter: ByteLimiter, stats: SaveStats, reuse: Any = None,
-               on_written: Callable[[plan_lib.Write], None] | None = None):
+               on_written: Callable[[plan_lib.Write], Any] | None = None,
+               window: ByteLimiter | None = None):
     self.plan = plan
     self.step_kvstore = step_kvstore
     self.context = context
@@ -189,6 +194,7 @@ class OwnedWrites:
     self.stats = stats
     self.reuse = reuse
     self.on_written = on_written  # told of each array write done
+    self.window = window  # bytes written, not yet durable (write_owned)
     self.process = multihost.process_index()
     self.take_sums = (plan.options.codec.resolved_checksum(
         plan.options.storage_format) == "none")
@@ -367,14 +373,20 @@ class OwnedWrites:
 
   async def _write_one(self, w: plan_lib.Write, data: np.ndarray,
                        grant: int) -> None:
+    held = None  # the write's share of the window
     try:
+      if self.window is not None:
+        held = await self.window.acquire(w.nbytes)
       linked = await self._write_box(w, data)
-      if self.on_written is not None:
-        self.on_written(w)
+      durable = self.on_written(w) if self.on_written is not None else None
       self.stats.bytes_written += data.nbytes - linked
       self.stats.bytes_reused += linked
       self.stats.boxes_written += linked < data.nbytes
+      if held is not None and durable:  # a failure is raised by its owner
+        await asyncio.wait([asyncio.wrap_future(f) for f in durable])
     finally:
+      if held is not None:
+        self.window.release(held)
       self.limiter.release(grant)
 
   async def _write_batch(self, batch: list[tuple[plan_lib.Write, np.ndarray,

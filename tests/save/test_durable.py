@@ -9,10 +9,12 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 
+import ckpt
 from ckpt.save import durable
 from tests.conftest import named, random_array, record_fsync_and_rename, sharded
 
@@ -134,3 +136,53 @@ def test_ocdbt_and_object_stores_keep_the_driver_sync():
   assert durable.deferred("zarr", s3) == s3
   user = {**kv, "file_io_sync": True}
   assert durable.deferred("zarr", user)["file_io_sync"] is True
+
+
+def _data_files(root: str) -> set[str]:
+  """Files under the array folders of every attempt of ``root`` (what
+  TensorStore writes: chunks, temporary files, metadata)."""
+  out = set()
+  for d, _, fs in os.walk(root):
+    parts = os.path.relpath(d, root).split(os.sep)
+    if len(parts) >= 2 and parts[1].startswith("leaf"):
+      out.update(os.path.join(d, f) for f in fs
+                 if f not in (".zarray", "zarr.json"))
+  return out
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.parametrize("window_boxes, bounded", [(2, True), (64, False)])
+def test_unsynced_bytes_stay_within_the_window(
+    tmp_path, rng, monkeypatch, window_boxes, bounded, async_save):
+  """At every fsync of a save, the files written and not yet synced fit in
+  durable.WINDOW_BYTES (with a window of 64 boxes, the writes run ahead of
+  their fsyncs: the count can fail)."""
+  box = 256 * 1024 * 4  # one (256, 1024) float32 leaf: one chunk file
+  monkeypatch.setattr(durable, "WINDOW_BYTES", window_boxes * box)
+  synced: set[str] = set()
+  most = [0]
+  lock = threading.Lock()
+  real = durable._fsync  # pylint: disable=protected-access
+
+  def counting(path, drop=False):
+    with lock:
+      unsynced = _data_files(str(tmp_path)) - synced
+      most[0] = max(most[0], len(unsynced))
+    try:
+      return real(path, drop)
+    finally:
+      with lock:
+        synced.add(path)
+
+  monkeypatch.setattr(durable, "_fsync", counting)
+  state = {f"leaf{i}": random_array(rng, (256, 1024)) for i in range(24)}
+  with ckpt.Checkpointer(tmp_path, async_save=async_save) as c:
+    c.save(1, state)
+    c.wait_until_finished()
+    out = c.restore(1)
+  for k, v in state.items():
+    np.testing.assert_array_equal(out[k], v)
+  if bounded:  # those in the window, and one being written as one ends
+    assert 0 < most[0] <= window_boxes + 1, most[0]
+  else:  # the measurement sees writes that run ahead of their fsyncs
+    assert most[0] > 3, most[0]

@@ -9,6 +9,7 @@ the page cache from ``fincore`` (util-linux: mincore on each file).
 import os
 import shutil
 import subprocess
+import sys
 import threading
 
 import jax
@@ -61,20 +62,56 @@ def test_async_save_lowers_its_threads_priority(make_ckptr, rng, mesh8):
 
 
 @linux_only
-def test_a_thread_is_never_raised(monkeypatch):
+@pytest.mark.parametrize("start, expected", [(3, 8), (12, 17), (16, 19)])
+def test_a_thread_goes_below_the_one_that_started_it(monkeypatch, start,
+                                                    expected):
+  """BACKGROUND_NICE below the nice value it was started with, at most 19:
+  never raised, and below a thread that was niced already."""
   monkeypatch.setattr(polite, "BACKGROUND_NICE", 5)
   seen = {}
 
   def body():
     tid = threading.get_native_id()
-    os.setpriority(os.PRIO_PROCESS, tid, 12)
+    os.setpriority(os.PRIO_PROCESS, tid, start)
     polite.lower_this_thread()
     seen["after"] = _nice(tid)
 
   t = threading.Thread(target=body)
   t.start()
   t.join()
-  assert seen["after"] == 12
+  assert seen["after"] == expected
+
+
+_NICED_JOB = """
+import os, sys, threading
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.nice(6)  # the whole job, as `nice -n 6 python train.py`
+import numpy as np
+import ckpt
+from ckpt.save import polite
+
+with ckpt.Checkpointer(sys.argv[1], async_save=True) as c:
+  c.save(1, {"w": np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)})
+  c.wait_until_finished()
+  loop = os.getpriority(os.PRIO_PROCESS, c._loop.native_id)
+ts = []
+for t in os.listdir("/proc/self/task"):
+  with open(f"/proc/self/task/{t}/comm") as f:
+    if f.read().strip() == "ts_pool_worker":
+      ts.append(os.getpriority(os.PRIO_PROCESS, int(t)))
+print(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), loop,
+      min(ts), polite.BACKGROUND_NICE)
+"""
+
+
+@linux_only
+def test_a_job_niced_as_a_whole_saves_below_its_training(tmp_path):
+  out = subprocess.run([sys.executable, "-c", _NICED_JOB, str(tmp_path)],
+                       capture_output=True, text=True, timeout=120,
+                       check=True).stdout.split()
+  main, loop, ts, step = map(int, out)
+  assert main == 6
+  assert loop == ts == min(19, 6 + step), out
 
 
 def _fs_type(path) -> str:
@@ -130,3 +167,4 @@ def test_pages_stay_when_turned_off(tmp_path, rng, mesh8, monkeypatch):
     c.save(1, _state(rng, mesh8))
     c.wait_until_finished()
   assert _resident_bytes(str(tmp_path / "async" / "checkpoint_1")) > 0
+
