@@ -24,13 +24,17 @@ _memory_names = itertools.count()
 
 # pytest-timeout (signal method) fails a test stuck in Python after 300 s;
 # one stuck in native code never returns to Python, and the whole run would
-# stall until CI's limit. scripts/test sets three files:
-# - CKPT_HANG_DUMP: after HANG_EXIT_S in one test, every thread's stack goes
-#   there (with the test's name) and the run ends; scripts/test prints it;
+# stall until CI's limit. scripts/test sets:
+# - CKPT_HANG_DIR: a directory; each test process (the one process, or each
+#   pytest-xdist worker) keeps "<pid>" there, naming the test it runs; after
+#   HANG_EXIT_S in one test, every thread's stack goes there and that
+#   process ends (under xdist, the worker: xdist reports the test as crashed
+#   and starts another worker); scripts/test prints it;
 # - CKPT_DONE_LOG: "done <test>" for each finished test, "failed <test>" for
-#   each failure, so that a run cut by a hang is judged on what did run;
+#   each failure (appended by every process), so that a run cut by a hang is
+#   judged on what did run;
 # - CKPT_SKIP_DONE: a CKPT_DONE_LOG of a run cut by a hang: its finished
-#   tests are not run again (scripts/test runs the rest, the hung one first).
+#   tests are not run again (scripts/test runs the rest).
 HANG_EXIT_S = float(os.environ.get("CKPT_HANG_EXIT_S", 420))
 _hang_dump = None
 _done_log = None
@@ -58,16 +62,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-  if report.failed:
+  # Under xdist the controller sees every worker's report again (with
+  # .node set), and its own report of a crashed worker's test: each worker
+  # logs its own, and a hang is judged by scripts/test from CKPT_HANG_DIR.
+  if report.failed and getattr(report, "node", None) is None:
     _log_line(f"failed {report.nodeid}")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   global _hang_dump
-  path = os.environ.get("CKPT_HANG_DUMP")
-  if path and _hang_dump is None:
-    _hang_dump = open(path, "w")  # pylint: disable=consider-using-with
+  directory = os.environ.get("CKPT_HANG_DIR")
+  if directory and _hang_dump is None:
+    _hang_dump = open(  # pylint: disable=consider-using-with
+        os.path.join(directory, str(os.getpid())), "w")
   if _hang_dump is not None:
     _hang_dump.seek(0)
     _hang_dump.truncate()
