@@ -176,8 +176,7 @@ class PackWriter:
         grant = await self.limiter.acquire(p.total)
       try:
         if p.recipes is None:
-          p.recipes = [self.shards.recipe(self.plan.leaves[w.leaf], w)
-                       for w in p.writes]
+          p.recipes = recipes(self.plan, p.writes, self.shards)
         data = host_boxes(self.plan, p.writes, self.shards, p.recipes)
       except BaseException:
         self.limiter.release(grant)
@@ -296,6 +295,28 @@ class PackWriter:
           f"writing the pack table {name!r} failed: {e}") from e
 
 
+def _copy_failed(leaf: Any, w: Any, e: BaseException) -> CheckpointError:
+  """The error of a box whose staging could not start, naming its leaf."""
+  return CheckpointError(
+      f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
+      f"{w.box.start}..{w.box.stop} to the host failed (was the array "
+      f"deleted or donated before save() returned?): {e}")
+
+
+def recipes(plan: Any, writes: list,
+            shards: staging.ShardLookup) -> list[tuple[int, int]]:
+  """``ShardLookup.recipe`` of each write of a pack (a deleted array fails
+  here, named by its leaf, on the first save of a layout)."""
+  out = []
+  for w in writes:
+    leaf = plan.leaves[w.leaf]
+    try:
+      out.append(shards.recipe(leaf, w))
+    except Exception as e:
+      raise _copy_failed(leaf, w, e) from e
+  return out
+
+
 def host_boxes(plan: Any, writes: list, shards: staging.ShardLookup,
                recipes: list[tuple[int, int]]) -> list[Any]:
   """Stage 3 for a pack's boxes, each staged as its recipe says
@@ -321,10 +342,7 @@ def host_boxes(plan: Any, writes: list, shards: staging.ShardLookup,
       piece = (shards.piece(leaf.source, w) if kind == staging.PIECE else
                staging.device_piece(leaf, w))
     except Exception as e:
-      raise CheckpointError(
-          f"leaf {tree.path_str(leaf.parts)!r}: starting the copy of "
-          f"{w.box.start}..{w.box.stop} to the host failed (was the array "
-          f"deleted or donated before save() returned?): {e}") from e
+      raise _copy_failed(leaf, w, e) from e
     pending.append((len(out), piece))
     out.append(None)
   for i, piece in pending:
