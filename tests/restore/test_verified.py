@@ -72,7 +72,10 @@ def test_flipped_chunk_byte_is_refused_by_default(tmp_path, value, fmt):
 ])
 def test_verified_restore_onto_other_meshes(tmp_path, value, saved, restored):
   """A verified restore onto another mesh returns the exact data whether the
-  saved boxes lie inside the boxes read or straddle them."""
+  saved boxes lie inside the boxes read or straddle them, and reads each
+  stored byte once: target boxes that straddle the same stored boxes share
+  one read of them (each read and checked its own before: 2x the bytes
+  for (2, 4) -> (4, 2))."""
   x = jax.device_put(value, NamedSharding(_mesh(*saved), P("a", "b")))
   with ckpt.Checkpointer(tmp_path, async_save=False) as c:
     c.save(1, {"w": x})
@@ -81,9 +84,26 @@ def test_verified_restore_onto_other_meshes(tmp_path, value, saved, restored):
         SHAPE, np.float32, sharding=sharding)})["w"]
     assert got.sharding == sharding
     assert np.array_equal(np.asarray(got), value)
+    assert c.last_restore_stats.bytes_read == value.nbytes
     lazy = c.restore(1, target={"w": jax.ShapeDtypeStruct(
         SHAPE, np.float32, sharding=sharding)}, lazy=True)["w"]
     assert np.array_equal(np.asarray(lazy.read()), value)
+
+
+@pytest.mark.parametrize("at", [0.2, 0.5, 0.8])
+def test_damage_under_a_shared_read_fails_the_restore(tmp_path, value, at):
+  """Onto a finer mesh, the boxes that share one read of a damaged stored
+  box all fail: the restore raises, naming the box and its file."""
+  x = jax.device_put(value, NamedSharding(_mesh(2, 4), P("a", "b")))
+  with ckpt.Checkpointer(tmp_path, async_save=False) as c:
+    c.save(1, {"w": x})
+  for f in _chunk_files(tmp_path / "checkpoint_1"):
+    _flip(f, at)
+  sharding = NamedSharding(_mesh(4, 2), P("a", "b"))
+  target = {"w": jax.ShapeDtypeStruct(SHAPE, np.float32, sharding=sharding)}
+  with ckpt.Checkpointer(tmp_path) as c:
+    with pytest.raises(ckpt.CorruptCheckpointError, match=r"has crc32c"):
+      c.restore(1, target=target)
 
 
 def test_lazy_leaf_is_checked_when_read(tmp_path, value):
