@@ -47,21 +47,21 @@ def drop_page_cache() -> bool:
   """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root only): whether the
   page cache was dropped."""
   os.sync()
+  return _write_proc("/proc/sys/vm/drop_caches", "3\n")
+
+
+def _write_proc(path: str, text: str) -> bool:
+  """Writes ``text`` to a /proc file: whether it was allowed."""
   try:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-      f.write("3\n")
+    with open(path, "w") as f:
+      f.write(text)
     return True
   except OSError:
     return False
 
 
 def _reset_peak() -> bool:
-  try:
-    with open("/proc/self/clear_refs", "w") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
+  return _write_proc("/proc/self/clear_refs", "5")
 
 
 def _peak() -> int:
