@@ -37,8 +37,15 @@ def device_piece(leaf: Any, write: plan_lib.Write) -> Any:
   piece = shard.data
   if not cut_on_device(shard.device):
     return piece  # CPU: nothing to copy (np.asarray is a view)
+  return _box_to_host(piece, write)
+
+
+def _box_to_host(piece: jax.Array, write: plan_lib.Write) -> jax.Array:
+  """The box of an accelerator shard buffer (cut on the device first when
+  it is part of the shard: only the box moves), its copy to the host
+  started."""
   if write.box != write.shard:
-    piece = piece[write.box.relative_to(write.shard)]  # only the box moves
+    piece = piece[write.box.relative_to(write.shard)]
   return start_host_copy(piece)
 
 
@@ -153,10 +160,8 @@ class ShardLookup:
     where, on_host = self._layout(src)
     if on_host:  # a view of the buffer: any replica holds the same bytes
       return src.addressable_data(where[write.device])
-    piece = src.addressable_data(where[write.device])  # (no Shard objects)
-    if write.box != write.shard:
-      piece = piece[write.box.relative_to(write.shard)]  # only the box moves
-    return start_host_copy(piece)
+    # (addressable_data: no Shard objects)
+    return _box_to_host(src.addressable_data(where[write.device]), write)
 
 
 def _has_protocol(buf: jax.Array) -> bool:
