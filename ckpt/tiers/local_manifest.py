@@ -122,6 +122,13 @@ def mismatch(entries: dict, tsig: dict, devices) -> str:
       want = box_index(imap[d], shape)
       have = tuple(tuple(x) for x in e["shards"][e["slots"][j]][0])
       if want != have:
-        return (f"leaf {name} is sharded differently from the save (device "
-                f"{d.id}: saved {have}, target {want})")
+        return (f"leaf {name} is sharded differently from the save: saved "
+                f"in shards of {_extent(have)}, the target's are "
+                f"{_extent(want)} (device {d.id}: saved box {list(have)}, "
+                f"target box {list(want)})")
   return ""
+
+
+def _extent(box) -> list[int]:
+  """A shard's shape, from its box."""
+  return [int(b) - int(a) for a, b in box]

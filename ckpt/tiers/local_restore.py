@@ -52,8 +52,8 @@ class LocalRestorer:
     out = {"own": [], "partner": [], "why": ""}
     whys = []
 
-    def skip(why):
-      logging.info("ckpt: local tier on process %d: %s", lay.pid, why)
+    def skip(why):  # one line per step: the restore says it once
+      logging.vlog(1, "ckpt: local tier on process %d: %s", lay.pid, why)
       whys.append(why)
 
     tsig, unsharded = None, set()
@@ -113,7 +113,9 @@ class LocalRestorer:
           skip(why)
         else:
           out[part].append(s)
-    out["why"] = "; ".join(whys)[:1000]
+    # The first reason (the newest step's), and how many more there are.
+    out["why"] = (whys[0][:800] + (f" (and {len(whys) - 1} more)"
+                                   if len(whys) > 1 else "")) if whys else ""
     return out
 
   def restore(self, step: int, target_leaves, need_partner: list[int]):

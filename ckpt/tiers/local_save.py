@@ -100,6 +100,7 @@ class LocalSaver:
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
+      self._steps.drop_set_aside()  # before this step can commit
       arrays, host_vals, info = prepare_leaves(flatten(state)[0],
                                                 self.save_dtype, lay.devs)
       manifest["host_names"] = sorted(host_vals)

@@ -171,6 +171,9 @@ class LocalTier:
   def committed_steps(self) -> list[int]:
     return self.steps.committed_steps()
 
+  def set_aside_above(self, step: int) -> list[int]:
+    return self.steps.set_aside_above(step)
+
   def manifest(self, step: int) -> dict:
     return self.steps.manifest(step)
 
