@@ -26,7 +26,7 @@ def choose(mt, step: int | None, target_leaves,
   (then only the persistent tier's steps can be chosen)."""
   key = mt.local.call_key("choose")
   try:  # a collective round of the persistent tier, on every process
-    p_steps = mt.persistent.all_steps()
+    p_steps = persistent_steps(mt)
   except CheckpointError:
     p_steps = []
   p_latest = p_steps[-1] if p_steps else None
@@ -105,6 +105,15 @@ def choose(mt, step: int | None, target_leaves,
       timeout_s=mt.local.timeout_s, what="the tier and step to restore")
   mt.local.settle_keys(key)  # the keys of the calls before go
   return out
+
+
+def persistent_steps(mt) -> list[int]:
+  """Collective: the persistent tier's committed steps (its
+  ``all_steps``) but those a resume of this job found damaged and fell
+  back past: no query or restore of the job counts them again, as its
+  saves do not (the job's one timeline)."""
+  damaged = mt.persistent.known_steps.retention.damaged()
+  return [s for s in mt.persistent.all_steps() if s not in damaged]
 
 
 def _persistent_only(step: int | None, complete: list[int],
