@@ -204,6 +204,8 @@ class LocalRestorer:
           batch_bytes = 0
         batch.append((name, t))
         batch_bytes += nb
+        if not mine:  # what this process receives from its partner
+          read += nb
       if mine:
         imap = p.sharding.devices_indices_map(p.logical)
         out[name] = place(p, [own[name]["index"](p.box(imap[d]))
@@ -214,6 +216,7 @@ class LocalRestorer:
       if plan[name].kind != "array":
         out[name] = host_value(plan[name])
     self.last_restore_stats = {"step": step, "from_partner": not mine,
+                               "bytes_read": read,
                                "total_s": time.perf_counter() - t0}
     return out, values.get("host_state")
 

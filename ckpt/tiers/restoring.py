@@ -11,6 +11,7 @@ import jax
 from absl import logging
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.face.saver import rate_text, size_text
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.tiers import choice as tier_choice
@@ -85,8 +86,12 @@ def restore(persistent, local, choose: Callable, note: Callable,
 def _local(local, note: Callable, d: dict, leaves, treedef) -> Any:
   """The local tier's restore of the agreed step ``d["step"]``."""
   out, hs = local.restore(d["step"], leaves, d["need"])
-  logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
-               local.root, f": {d['reason']}" if d["reason"] else "")
+  st = local.last_restore_stats
+  logging.info("ckpt: restored step %d from the local tier %s: this process "
+               "read %s in %.2f s (%s)%s", d["step"], local.root,
+               size_text(st["bytes_read"]), st["total_s"],
+               rate_text(st["bytes_read"], st["total_s"]),
+               f"; {d['reason']}" if d["reason"] else "")
   note("local", d["step"], d.get("reason", ""), (d["step"], hs))
   return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
 
