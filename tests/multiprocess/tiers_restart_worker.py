@@ -1,7 +1,8 @@
 """One process of a job for tests/tiers/test_restart_drift.py: a LoRA
 fine-tuning job (a small Flax NNX model: a frozen base ``nnx.Linear`` and
 an ``nnx.LoRA`` adapter) checkpointed with a ``MultiTierCheckpointer``, its
-persistent tier on S3 (moto), killed and restarted.
+persistent tier on S3 (moto), killed and restarted. Every save and restore
+runs inside ``with jax.set_mesh(mesh):``, as docs/flax.md trains.
 
 ``config["phase"]``:
 
@@ -150,6 +151,30 @@ def run(conf: dict) -> Phase:
       local_keep=2, persistent_interval=20, barrier_timeout_s=60)
   out = Phase(pid, mt.local.committed_steps())
   xla = phase in ("first", "lost", "resume")  # the first job's shardings
+  # Inside the mesh, as docs/flax.md trains (issue 45 item 2: the local
+  # tier's save raised there).
+  with jax.set_mesh(mesh):
+    _steps(mt, out, phase, timeline, xla, state, target, check)
+  out.latest_end = worker.timed(mt.latest_step).value
+  out.local_end = mt.local.committed_steps()
+  out.warnings = [r.getMessage() for r in capture.records
+                  if r.levelno >= logging.WARNING]
+  out.reason_lines = sum("sharded differently" in r.getMessage()
+                         for r in capture.records
+                         if r.levelno < logging.WARNING)
+  if phase == "resume":
+    mt.close()
+    return out
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.write_result(worker.encode(out))
+  worker.touch(os.path.join(conf["marks"], f"done_{phase}_{pid}"))
+  time.sleep(150)  # killed by the test (SIGKILL) long before
+  return out
+
+
+def _steps(mt, out: Phase, phase: str, timeline: int, xla: bool, state,
+           target, check) -> None:
+  """What the job does: saves, or a resume and then saves."""
   if phase == "first":
     for step in range(5, 31, 5):
       out.saves[str(step)] = worker.timed(
@@ -168,21 +193,6 @@ def run(conf: dict) -> Phase:
       out.saves[str(step)] = worker.timed(
           mt.save, step, state(step, timeline, xla=xla))
   mt.wait_until_finished()
-  out.latest_end = worker.timed(mt.latest_step).value
-  out.local_end = mt.local.committed_steps()
-  out.warnings = [r.getMessage() for r in capture.records
-                  if r.levelno >= logging.WARNING]
-  out.reason_lines = sum("sharded differently" in r.getMessage()
-                         for r in capture.records
-                         if r.levelno < logging.WARNING)
-  if phase == "resume":
-    mt.close()
-    return out
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result(worker.encode(out))
-  worker.touch(os.path.join(conf["marks"], f"done_{phase}_{pid}"))
-  time.sleep(150)  # killed by the test (SIGKILL) long before
-  return out
 
 
 if __name__ == "__main__":

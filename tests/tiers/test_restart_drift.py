@@ -2,6 +2,8 @@
 other target shardings than the local tier saved (a real 2-process job, 2
 CPU devices each, a Flax NNX model with a frozen base and an adapter, the
 persistent tier on S3 served by moto; tests/multiprocess/tiers_restart_worker.py).
+Every save and restore runs inside ``with jax.set_mesh(mesh):`` (item 2:
+the local tier's save raised there).
 
 Before, the restart skipped local steps 25 and 30 (their shardings differ
 from the target's), restored persistent step 20, and its first save was
