@@ -11,6 +11,7 @@ import pathlib
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import ckpt
@@ -24,8 +25,9 @@ def _flip(path: pathlib.Path) -> None:
   path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("call", ["restore", "restore_async"])
 def test_a_damaged_newest_step_in_both_tiers_resumes_the_local_step_below(
-    tmp_path, caplog):
+    tmp_path, caplog, call):
   sharding = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 4),
                                 ("a", "b")), P("a", "b"))
   base = np.random.default_rng(0).standard_normal(SHAPE, dtype=np.float32)
@@ -54,7 +56,10 @@ def test_a_damaged_newest_step_in_both_tiers_resumes_the_local_step_below(
     _flip(p)
   with tiers() as mt:
     with caplog.at_level(logging.WARNING):
-      got = mt.restore(target=target)
+      if call == "restore":
+        got = mt.restore(target=target)
+      else:
+        got = mt.restore_async(target=target).result()
     assert (mt.last_restore_step, mt.last_restore_tier) == (3, "local")
     assert got["step"] == 3 and np.array_equal(np.asarray(got["w"]),
                                                 base + 3)
