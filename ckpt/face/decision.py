@@ -1,0 +1,114 @@
+"""The part of the save decision that process 0 takes for the whole job.
+
+``save_interval_secs`` (save once this many seconds passed since the last
+save, Levanter's ``save_interval``, Orbax's time-based save-decision
+policy) and ``skip_while_saving`` (a save while the previous one is still
+writing returns False at once, Orbax's continuous checkpointing) depend on
+a clock and on a save's progress, which differ between processes. So
+process 0 answers from its own clock and its own save in flight, in one
+read round (ckpt/multihost/agreement.py, the round ``should_save`` already
+makes for its first-step rule), and every process takes its answer: all
+save the same steps, whatever their clocks say.
+
+Call sequence: ``Queries.decide`` first asks the step rules (pure, or
+agreed: ckpt/save/schedule.py); then ``SaveDecision.decide(step,
+by_steps, exempt)``, which makes the round only when its answer can differ
+from the step rules' (a step they refuse with ``save_interval_secs``, any
+step they accept with ``skip_while_saving``); ``save`` then calls
+``saving()`` (process 0 restarts its timer: the interval runs from the
+last save, whatever decided it).
+
+A step saved only because the interval passed is *temporary* with
+``temporary_time_saves=True`` (its index says so; retention deletes it once
+a newer step commits: ckpt/commit/retention.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from ckpt.commit import retention
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import rounds as rounds_lib
+from ckpt.multihost import process as multihost
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  """Whether to save a step, and whether it is temporary."""
+  save: bool
+  temporary: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DecisionOptions:
+  """``save_interval_secs``, ``skip_while_saving``, ``temporary_time_saves``
+  (see Checkpointer), checked."""
+  interval_s: float | None = None
+  skip_while_saving: bool = False
+  temporary: bool = False
+
+  @classmethod
+  def of(cls, save_interval_secs: Any, skip_while_saving: Any,
+         temporary_time_saves: Any) -> "DecisionOptions":
+    for name, v in (("skip_while_saving", skip_while_saving),
+                    ("temporary_time_saves", temporary_time_saves)):
+      if type(v) is not bool:
+        raise ValueError(f"{name} must be True or False, got {v!r}")
+    interval = retention.seconds(save_interval_secs, "save_interval_secs")
+    if temporary_time_saves and interval is None:
+      raise ValueError("temporary_time_saves=True needs save_interval_secs "
+                       "(the steps it saves are the temporary ones)")
+    return cls(interval, skip_while_saving, temporary_time_saves)
+
+  @property
+  def active(self) -> bool:
+    return self.interval_s is not None or self.skip_while_saving
+
+
+class SaveDecision:
+  """Process 0's clock and save in flight, agreed (see the module
+  docstring)."""
+
+  def __init__(self, options: DecisionOptions, clock: Callable[[], Any],
+               inflight: inflight_lib.InFlightSave, rounds: rounds_lib.Rounds):
+    self.options = options
+    self._clock = clock
+    self._inflight = inflight
+    self._rounds = rounds
+    # Process 0: when the last save was decided; the interval first runs
+    # from when the Checkpointer was made (as Levanter's Checkpointer).
+    self._last_s = (retention.now_s(clock) if options.interval_s is not None
+                    and multihost.process_index() == 0 else None)
+
+  def decide(self, step: int, by_steps: bool, exempt: bool,
+             ask: Callable[[str, Callable[[], Any]], Any]) -> Verdict:
+    """``by_steps``: the step rules accept ``step``; ``exempt``: never
+    skipped (a forced or preemption save); ``ask(what, fn)``: the read
+    round in which process 0 computes ``fn()`` (Queries._asker)."""
+    o = self.options
+    if exempt or (by_steps and not o.skip_while_saving):
+      return Verdict(True)
+    if not by_steps and o.interval_s is None:
+      return Verdict(False)
+    save, temporary = ask(
+        f"whether to save step {step} (process 0's clock and save in flight)",
+        lambda: self._answer(by_steps))
+    return Verdict(bool(save), bool(temporary))
+
+  def _answer(self, by_steps: bool) -> list[bool]:
+    """Process 0: [save, temporary]."""
+    o = self.options
+    if o.skip_while_saving and self._inflight.running():
+      return [False, False]
+    if by_steps:
+      return [True, False]
+    due = (self._last_s is not None and
+           retention.now_s(self._clock) - self._last_s >= o.interval_s)
+    return [due, due and o.temporary]
+
+  def saving(self) -> None:
+    """A save goes ahead: process 0's interval runs from now."""
+    if self._last_s is not None:
+      self._last_s = retention.now_s(self._clock)
