@@ -46,9 +46,7 @@ class RootMetadataFile:
 
   def read(self) -> dict | None:
     """The dict the root holds (None: no file)."""
-    data = self.storage.read_bytes(
-        format_lib.NAME, limit=format_lib.MAX_ROOT_METADATA_BYTES + 256)
-    return None if data is None else format_lib.decode(data, self._where())
+    return format_lib.read(self.storage)
 
   def write_once(self) -> None:
     """Process 0, in the round of a save: writes the file unless the root

@@ -76,3 +76,12 @@ def decode(data: bytes, where: str) -> dict:
         f"{where}: version {doc.get('version')!r}; this ckpt reads version "
         f"{VERSION}: upgrade ckpt")
   return doc["custom_metadata"]
+
+
+def read(storage: Any) -> dict | None:
+  """The custom_metadata of the ``root_metadata`` file of ``storage``'s
+  root (a ckpt Storage); None when there is none."""
+  data = storage.read_bytes(NAME, limit=MAX_ROOT_METADATA_BYTES + 256)
+  if data is None:
+    return None
+  return decode(data, f"{storage.url.rstrip('/')}/{NAME}")
