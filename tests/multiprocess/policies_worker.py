@@ -1,0 +1,112 @@
+"""One process of a job for tests/multiprocess/test_policies_mp.py.
+
+Run as ``python -m tests.multiprocess.policies_worker <json config>`` by
+``ckpt.multihost.local_cluster`` (2 processes x 2 CPU devices); the test
+may start process 1 under libfaketime, its clock running 10 times faster.
+
+- "interval": a training loop calling ``should_save`` then ``save`` every
+  step with ``save_interval_steps`` and ``save_interval_secs`` (temporary
+  time saves); each process logs what both calls returned and its own
+  ``time.time()`` at each step.
+- "skip": ``skip_while_saving=True``; step 0's save is held in process
+  ``holder``'s progress callback while both processes call ``should_save``
+  and ``save`` for steps 1 and 2; then released; step 3 saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from tests.multiprocess import worker
+
+
+def _state(step: int, mesh) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  host = np.arange(32 * 8, dtype=np.float32).reshape(32, 8) + step
+  w = jax.make_array_from_callback(host.shape, NamedSharding(mesh, P("x")),
+                                   lambda i: host[i])
+  return {"w": w}
+
+
+def _mesh():
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+  asked: list[bool]  # should_save(step) for each step
+  saved: list[bool]  # save(step) for each step
+  clock: list[float]  # this process's time.time() at each step
+  committed: list[int]  # all_steps() at the end
+  temporary: list[int]  # committed steps whose index says temporary
+
+
+def interval(conf: dict) -> Interval:
+  import ckpt  # pylint: disable=g-import-not-at-top
+  mesh = _mesh()
+  asked, saved, clock = [], [], []
+  pause = threading.Event()  # never set: a pacing wait that works under
+  # libfaketime (its time.sleep fails when the monotonic clock is real)
+  with ckpt.Checkpointer(conf["dir"], save_interval_steps=conf["every"],
+                         save_interval_secs=conf["secs"],
+                         temporary_time_saves=True) as c:
+    for step in range(conf["steps"]):
+      clock.append(time.time())
+      ask = c.should_save(step)
+      asked.append(ask)
+      saved.append(c.save(step, _state(step, mesh)))
+      pause.wait(conf["step_s"])
+    c.wait_until_finished()
+    steps = c.all_steps()
+    temporary = [s for s in steps if _temporary(c, s)]
+  return Interval(asked, saved, clock, steps, temporary)
+
+
+def _temporary(c, step: int) -> bool:
+  from ckpt.commit import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import read as restore_lib  # pylint: disable=g-import-not-at-top
+  return restore_lib.read_index(
+      c.storage, steps_lib.step_dir(c.storage, step)).temporary
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+  during: list[bool]  # should_save(1), save(1), should_save(2), save(2)
+  after: list[bool]  # should_save(3), save(3)
+  committed: list[int]
+
+
+def skip(conf: dict) -> Skip:
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  mesh = _mesh()
+  writing, release = threading.Event(), threading.Event()
+  held = jax.process_index() == conf["holder"]
+
+  def hold(done, total):
+    writing.set()
+    if held:
+      release.wait(120)
+
+  with ckpt.Checkpointer(conf["dir"], skip_while_saving=True) as c:
+    assert c.save(0, _state(0, mesh), progress=hold)
+    writing.wait(120)
+    try:
+      during = [c.should_save(1), c.save(1, _state(1, mesh)),
+                c.should_save(2), c.save(2, _state(2, mesh))]
+    finally:
+      release.set()
+    c.wait_until_finished()
+    after = [c.should_save(3), c.save(3, _state(3, mesh))]
+    c.wait_until_finished()
+    return Skip(during, after, c.all_steps())
+
+
+if __name__ == "__main__":
+  worker.main({"interval": interval, "skip": skip})
