@@ -275,22 +275,27 @@ class Checkpointer(query_calls.QueryCalls):
     Collective: every process of the job calls it, in the same order as its
     other collective calls.
     """
+    return self._save_decided(
+        step, state, lambda: self._queries.decide(
+            step, agreed=True, force=force, restart=True),
+        dict(metrics=metrics, transforms=transforms, host_state=host_state,
+             custom_metadata=custom_metadata, progress=progress))
+
+  def _save_decided(self, step: int, state: Any,
+                    decide: Callable[[], Any], kwargs: dict) -> bool:
+    """``save`` once ``decide()`` (a ckpt/face/decision.py Verdict) said
+    whether to save and whether the step is temporary."""
     step = rounds_lib.check_step(step)
     refused = rounds_lib.failure_of(lambda: self._loop.enter(step))
     try:
-      verdict = self._queries.decide(step, agreed=True, force=force)
+      verdict = decide()
       if not verdict.save:
-        # Decided from agreed facts only (no I/O; no round but its first-step
-        # round, and process 0's decision round: ckpt/face/decision.py). A
-        # skip does not wait for the save in flight either, so its failure
-        # comes from the next save that writes (the same on every process).
+        # Agreed (ckpt/face/decision.py). A skip does not wait for the save
+        # in flight: its failure comes from the next save that writes.
         return False
-      self._decision.saving()  # process 0: save_interval_secs from now
       return self._saver.save(
-          step, state, refused, lambda: self._check_save(step), metrics=metrics,
-          transforms=transforms, host_state=host_state,
-          custom_metadata=custom_metadata, progress=progress,
-          temporary=verdict.temporary)
+          step, state, refused, lambda: self._check_save(step),
+          temporary=verdict.temporary, **kwargs)
     finally:
       if refused is None:  # a close() begun meanwhile waits for it
         self._loop.leave()

@@ -281,3 +281,84 @@ def test_root_metadata_checked():
     ckpt.Checkpointer("memory://y", custom_metadata={"x": object()})
   with pytest.raises(ValueError, match="at most 65536"):
     ckpt.Checkpointer("memory://y", custom_metadata={"x": "a" * (70 << 10)})
+
+
+# ---- the same policies through MultiTierCheckpointer -------------------------
+
+
+@pytest.fixture
+def make_multitier(tmp_path):
+  opened = []
+
+  def make(name="a", **kwargs):
+    m = ckpt.MultiTierCheckpointer(str(tmp_path / name / "persistent"),
+                                   local=str(tmp_path / name / "local"),
+                                   **kwargs)
+    opened.append(m)
+    return m
+
+  yield make
+  for m in opened:
+    try:
+      m.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
+
+
+def test_multitier_retention_options(make_multitier):
+  """keep_steps and keep_period_exact apply to the persistent tier's own
+  retention (the local tier keeps local_keep steps)."""
+  m = make_multitier(local_interval=1, persistent_interval=1,
+                     persistent_keep=3, keep_steps=[1, 3, 9],
+                     custom_metadata={"run": "tiers"})
+  for step in range(10):
+    m.save(step, state(step))
+  m.wait_until_finished()
+  assert m.persistent.all_steps() == [1, 3, 7, 8, 9]
+  assert m.root_metadata().custom_metadata == {"run": "tiers"}
+  m.close()
+  m = make_multitier("b", local_interval=5, save_on_steps=range(17, 37, 5),
+                     persistent_keep=3, keep_period=7, keep_period_exact=False)
+  for step in range(17, 37, 5):
+    m.save(step, state(step))
+  m.wait_until_finished()
+  assert m.persistent.all_steps() == [17, 22, 27, 32]
+
+
+def test_multitier_temporary_time_saves(make_multitier):
+  """Levanter's temporal test on the persistent tier: saved by time, each
+  deleted once the next one lands; the local tier saves by its interval."""
+  clock = Clock()
+  m = make_multitier(local_interval=1000, persistent_interval=None,
+                     save_interval_secs=TICK, temporary_time_saves=True,
+                     clock=clock)
+  assert not m.should_save(1) and not m.save(1, state(1))
+  clock.advance(TICK)
+  assert m.should_save(2)
+  assert m.save(2, state(2))
+  clock.advance(TICK)
+  assert m.save(3, state(3))
+  m.wait_until_finished()
+  assert m.persistent.all_steps() == [3]
+  assert m.persistent.metadata(3).step == 3
+
+
+def test_multitier_skip_while_saving(make_multitier):
+  m = make_multitier(local_interval=1000, persistent_interval=1,
+                     skip_while_saving=True)
+  writing, release = threading.Event(), threading.Event()
+
+  def hold(done, total):
+    writing.set()
+    release.wait(60)
+
+  assert m.save(1, state(1), progress=hold)
+  assert writing.wait(60)
+  try:
+    assert not m.should_save(2) and not m.save(2, state(2))
+  finally:
+    release.set()
+  m.wait_until_finished()
+  assert m.save(3, state(3))
+  m.wait_until_finished()
+  assert m.persistent.all_steps() == [1, 3]

@@ -12,11 +12,12 @@ save the same steps, whatever their clocks say.
 
 Call sequence: ``Queries.decide`` first asks the step rules (pure, or
 agreed: ckpt/save/schedule.py); then ``SaveDecision.decide(step,
-by_steps, exempt)``, which makes the round only when its answer can differ
-from the step rules' (a step they refuse with ``save_interval_secs``, any
-step they accept with ``skip_while_saving``); ``save`` then calls
-``saving()`` (process 0 restarts its timer: the interval runs from the
-last save, whatever decided it).
+by_steps, exempt, ask, restart)``, which makes the round only when its
+answer can differ from the step rules' (a step they refuse with
+``save_interval_secs``, any step they accept with ``skip_while_saving``).
+A save's decision (``restart``, not ``should_save``'s) restarts process
+0's timer when it saves: the interval runs from the last save, whatever
+decided it.
 
 A step saved only because the interval passed is *temporary* with
 ``temporary_time_saves=True`` (its index says so; retention deletes it once
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
+
+from absl import logging
 
 from ckpt.commit import retention
 from ckpt.face import inflight as inflight_lib
@@ -83,32 +86,46 @@ class SaveDecision:
                     and multihost.process_index() == 0 else None)
 
   def decide(self, step: int, by_steps: bool, exempt: bool,
-             ask: Callable[[str, Callable[[], Any]], Any]) -> Verdict:
+             ask: Callable[[str, Callable[[], Any]], Any],
+             restart: bool = False) -> Verdict:
     """``by_steps``: the step rules accept ``step``; ``exempt``: never
     skipped (a forced or preemption save); ``ask(what, fn)``: the read
-    round in which process 0 computes ``fn()`` (Queries._asker)."""
+    round in which process 0 computes ``fn()`` (Queries._asker);
+    ``restart``: a save's decision (not ``should_save``'s): process 0's
+    interval runs from now if it saves."""
     o = self.options
     if exempt or (by_steps and not o.skip_while_saving):
+      if restart:
+        self._restart()
       return Verdict(True)
     if not by_steps and o.interval_s is None:
       return Verdict(False)
     save, temporary = ask(
         f"whether to save step {step} (process 0's clock and save in flight)",
-        lambda: self._answer(by_steps))
+        lambda: self._answer(by_steps, restart))
     return Verdict(bool(save), bool(temporary))
 
-  def _answer(self, by_steps: bool) -> list[bool]:
-    """Process 0: [save, temporary]."""
+  def _answer(self, by_steps: bool, restart: bool) -> list[bool]:
+    """Process 0, in the round: [save, temporary]. A failure of the clock
+    here fails the round on every process alike."""
     o = self.options
     if o.skip_while_saving and self._inflight.running():
       return [False, False]
-    if by_steps:
-      return [True, False]
-    due = (self._last_s is not None and
-           retention.now_s(self._clock) - self._last_s >= o.interval_s)
-    return [due, due and o.temporary]
+    now = (retention.now_s(self._clock) if self._last_s is not None
+           else None)
+    due = by_steps or (now is not None and now - self._last_s >= o.interval_s)
+    if due and restart and now is not None:
+      self._last_s = now
+    return [due, due and not by_steps and o.temporary]
 
-  def saving(self) -> None:
-    """A save goes ahead: process 0's interval runs from now."""
-    if self._last_s is not None:
+  def _restart(self) -> None:
+    """Process 0, a save decided without a round: the interval runs from
+    now. A clock that fails here is logged (the save goes on, as on the
+    other processes) and the interval runs from the last good reading."""
+    if self._last_s is None:
+      return
+    try:
       self._last_s = retention.now_s(self._clock)
+    except Exception as e:  # pylint: disable=broad-except
+      logging.warning("ckpt: save_interval_secs: the clock failed (%s); the "
+                      "interval runs from the last save it timed", e)

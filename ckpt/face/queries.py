@@ -75,21 +75,28 @@ class Queries:
     """should_save (see ``decide``)."""
     return self.decide(step, agreed).save
 
-  def decide(self, step: int, agreed: bool, force: bool = False
-             ) -> decision_lib.Verdict:
+  def decide(self, step: int, agreed: bool, force: bool = False,
+             restart: bool = False) -> decision_lib.Verdict:
     """Whether to save ``step``: the step rules, then process 0's clock and
     save in flight (ckpt/face/decision.py: always agreed, in one round,
     when they may change the answer). ``agreed`` (``save``'s own decision):
     the directory facts of the step rules come from agreement rounds and
     are kept, so every process takes the same decision; else this process
     lists the directory itself and keeps nothing it learnt alone.
-    ``force``: saved whatever the rules say (never skipped)."""
+    ``force``: saved whatever the rules say (never skipped); ``restart``:
+    a save's decision (ckpt/face/decision.py)."""
     step = rounds_lib.check_step(step)
-    preempted = step == self._preemption_step
     by_steps = force or self._by_steps(step, agreed)
+    return self.verdict(step, by_steps, force, restart)
+
+  def verdict(self, step: int, by_steps: bool, force: bool = False,
+              restart: bool = False) -> decision_lib.Verdict:
+    """The decision past the step rules (``by_steps``: they accept it):
+    process 0's clock and save in flight, agreed (ckpt/face/decision.py);
+    the preemption step, like a forced one, is never skipped."""
     return self._decision.decide(
-        step, by_steps, force or preempted,
-        self._asker(f"should_save({step})", True))
+        step, by_steps, force or step == self._preemption_step,
+        self._asker(f"should_save({step})", True), restart)
 
   def _by_steps(self, step: int, agreed: bool) -> bool:
     """The step rules (``save_interval_steps``, ``save_on_steps``,
