@@ -297,7 +297,8 @@ class MultiTierCheckpointer:
     return self.persistent.best_step()
 
   def root_metadata(self) -> Any:
-    """The persistent tier's ``Checkpointer.root_metadata()``."""
+    """The persistent tier's ``Checkpointer.root_metadata()``; raises
+    what it raises. Not collective (any process)."""
     return self.persistent.root_metadata()
 
   def metadata(self, step: int | None = None) -> Any:
