@@ -45,6 +45,7 @@ class Interval:
   clock: list[float]  # this process's time.time() at each step
   committed: list[int]  # all_steps() at the end
   temporary: list[int]  # committed steps whose index says temporary
+  root: dict  # root_metadata().custom_metadata, read by this process
 
 
 def interval(conf: dict) -> Interval:
@@ -55,7 +56,8 @@ def interval(conf: dict) -> Interval:
   # libfaketime (its time.sleep fails when the monotonic clock is real)
   with ckpt.Checkpointer(conf["dir"], save_interval_steps=conf["every"],
                          save_interval_secs=conf["secs"],
-                         temporary_time_saves=True) as c:
+                         temporary_time_saves=True,
+                         custom_metadata={"run": "mp"}) as c:
     for step in range(conf["steps"]):
       clock.append(time.time())
       ask = c.should_save(step)
@@ -65,7 +67,9 @@ def interval(conf: dict) -> Interval:
     c.wait_until_finished()
     steps = c.all_steps()
     temporary = [s for s in steps if _temporary(c, s)]
-  return Interval(asked, saved, clock, steps, temporary)
+  with ckpt.Checkpointer(conf["dir"]) as reader:  # without the dict
+    root = reader.root_metadata().custom_metadata
+  return Interval(asked, saved, clock, steps, temporary, root)
 
 
 def _temporary(c, step: int) -> bool:
@@ -108,5 +112,37 @@ def skip(conf: dict) -> Skip:
     return Skip(during, after, c.all_steps())
 
 
+@dataclasses.dataclass(frozen=True)
+class ClockFails:
+  save: worker.Outcome  # save(1) while process 0's clock raises
+  should: worker.Outcome  # should_save(2)
+  after: worker.Outcome  # save(3, force=True): the Checkpointer still works
+  committed: list[int]
+
+
+def clock_fails(conf: dict) -> ClockFails:
+  """Process 0's clock raises inside the decision round (after the reading
+  that starts the interval): every process raises the same error, and the
+  Checkpointer takes the next save."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  mesh = _mesh()
+  calls = []
+
+  def clock() -> float:
+    calls.append(1)
+    if jax.process_index() == 0 and len(calls) == 2:
+      raise RuntimeError("the clock broke")
+    return time.time()
+
+  with ckpt.Checkpointer(conf["dir"], save_interval_secs=3600,
+                         clock=clock) as c:
+    save = worker.timed(c.save, 1, _state(1, mesh))
+    should = worker.timed(c.should_save, 2)
+    after = worker.timed(c.save, 3, _state(3, mesh), force=True)
+    c.wait_until_finished()
+    return ClockFails(save, should, after, c.all_steps())
+
+
 if __name__ == "__main__":
-  worker.main({"interval": interval, "skip": skip})
+  worker.main({"interval": interval, "skip": skip, "clockfail": clock_fails})

@@ -83,6 +83,8 @@ def test_interval_is_decided_by_process_0(tmp_path):
   want = [0, 25, 50] + ([last] if last % EVERY else [])
   assert p0.committed == p1.committed == want
   assert p0.temporary == ([last] if last % EVERY else [])
+  # The root metadata, written once by process 0, read by each process.
+  assert p0.root == p1.root == {"run": "mp"}
 
 
 @pytest.mark.parametrize("holder", [0, 1])
@@ -96,3 +98,19 @@ def test_skip_while_saving_is_agreed(tmp_path, holder):
     assert p.during == [False, False, False, False]
     assert p.after == [True, True]
     assert p.committed == [0, 3]
+
+
+def test_a_failing_clock_on_process_0_fails_the_decision_everywhere(tmp_path):
+  """Process 0's clock raises inside the decision round: save(1) raises the
+  same CheckpointError on both processes at once (no process waits for a
+  barrier timeout); the next calls work on both."""
+  conf = {"scenario": "clockfail", "dir": str(tmp_path / "ck")}
+  p0, p1 = (worker.decode(policies_worker.ClockFails, r) for r in _run(conf))
+  assert p0.save.error == p1.save.error
+  assert p0.save.error.type == "CheckpointError"
+  assert "the clock broke" in p0.save.error.msg
+  assert p0.save.seconds < 30 and p1.save.seconds < 30
+  for p in (p0, p1):
+    assert p.should.ok and p.should.value is False
+    assert p.after.ok and p.after.value is True
+    assert p.committed == [3]
