@@ -14,8 +14,9 @@ Every collective call (save, restore, restore_async, delete, cancel)
 starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
 Built from parts that own their state (ckpt/face/: BackgroundLoop,
-InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries) to which each
-public method hands its call; the query methods are in ckpt/query_calls.py.
+InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries, SaveDecision,
+RootMetadataFile) to which each public method hands its call; the query
+methods are in ckpt/query_calls.py, the options in ckpt/face/options.py.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ save the same steps, whatever their clocks say.
 
 Call sequence: ``Queries.decide`` first asks the step rules (pure, or
 agreed: ckpt/save/schedule.py); then ``SaveDecision.decide(step,
-by_steps, exempt, ask, restart)``, which makes the round only when its
-answer can differ from the step rules' (a step they refuse with
-``save_interval_secs``, any step they accept with ``skip_while_saving``).
+by_steps, exempt, ask, restart)``: with either option, one round per call
+(a ``save`` or ``should_save`` of any step), in which process 0 answers
+from its own step rules, clock and save in flight; without them, no round.
 A save's decision (``restart``, not ``should_save``'s) restarts process
 0's timer when it saves: the interval runs from the last save, whatever
 decided it.
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable
-
-from absl import logging
 
 from ckpt.commit import retention
 from ckpt.face import inflight as inflight_lib
@@ -92,40 +90,31 @@ class SaveDecision:
     skipped (a forced or preemption save); ``ask(what, fn)``: the read
     round in which process 0 computes ``fn()`` (Queries._asker);
     ``restart``: a save's decision (not ``should_save``'s): process 0's
-    interval runs from now if it saves."""
-    o = self.options
-    if exempt or (by_steps and not o.skip_while_saving):
-      if restart:
-        self._restart()
-      return Verdict(True)
-    if not by_steps and o.interval_s is None:
-      return Verdict(False)
+    interval runs from now if it saves.
+
+    With either option every call makes the round, whatever this process's
+    step rules said: what process 0's rules say is what counts, so a
+    process whose own view differs (a listing raced with a commit) still
+    takes part in the same round and follows."""
+    if not self.options.active:
+      return Verdict(by_steps or exempt)
     save, temporary = ask(
         f"whether to save step {step} (process 0's clock and save in flight)",
-        lambda: self._answer(by_steps, restart))
+        lambda: self._answer(by_steps, exempt, restart))
     return Verdict(bool(save), bool(temporary))
 
-  def _answer(self, by_steps: bool, restart: bool) -> list[bool]:
+  def _answer(self, by_steps: bool, exempt: bool,
+              restart: bool) -> list[bool]:
     """Process 0, in the round: [save, temporary]. A failure of the clock
     here fails the round on every process alike."""
     o = self.options
-    if o.skip_while_saving and self._inflight.running():
+    if not exempt and o.skip_while_saving and self._inflight.running():
       return [False, False]
     now = (retention.now_s(self._clock) if self._last_s is not None
            else None)
-    due = by_steps or (now is not None and now - self._last_s >= o.interval_s)
-    if due and restart and now is not None:
+    by_time = (not (by_steps or exempt) and now is not None and
+               now - self._last_s >= o.interval_s)
+    save = by_steps or exempt or by_time
+    if save and restart and now is not None:
       self._last_s = now
-    return [due, due and not by_steps and o.temporary]
-
-  def _restart(self) -> None:
-    """Process 0, a save decided without a round: the interval runs from
-    now. A clock that fails here is logged (the save goes on, as on the
-    other processes) and the interval runs from the last good reading."""
-    if self._last_s is None:
-      return
-    try:
-      self._last_s = retention.now_s(self._clock)
-    except Exception as e:  # pylint: disable=broad-except
-      logging.warning("ckpt: save_interval_secs: the clock failed (%s); the "
-                      "interval runs from the last save it timed", e)
+    return [save, by_time and o.temporary]
