@@ -144,5 +144,30 @@ def clock_fails(conf: dict) -> ClockFails:
     return ClockFails(save, should, after, c.all_steps())
 
 
+@dataclasses.dataclass(frozen=True)
+class Differ:
+  saved: list[bool]  # save(1..20)
+  committed: list[int]
+  round_s: float  # mean seconds of one save() call that skipped
+
+
+def differ(conf: dict) -> Differ:
+  """The step rules disagree between processes (process 1's should_save_fn
+  accepts every step, process 0's none: a misuse): with save_interval_secs
+  both take process 0's answer in the same round, none waits alone."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  mesh = _mesh()
+  mine = jax.process_index() == 1
+  with ckpt.Checkpointer(conf["dir"], save_interval_secs=3600,
+                         should_save_fn=lambda s, last: mine) as c:
+    t0 = time.monotonic()
+    saved = [c.save(s, _state(s, mesh)) for s in range(1, 21)]
+    took = (time.monotonic() - t0) / 20
+    c.wait_until_finished()
+    return Differ(saved, c.all_steps(), took)
+
+
 if __name__ == "__main__":
-  worker.main({"interval": interval, "skip": skip, "clockfail": clock_fails})
+  worker.main({"interval": interval, "skip": skip, "clockfail": clock_fails,
+               "differ": differ})

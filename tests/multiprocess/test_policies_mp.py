@@ -114,3 +114,16 @@ def test_a_failing_clock_on_process_0_fails_the_decision_everywhere(tmp_path):
     assert p.should.ok and p.should.value is False
     assert p.after.ok and p.after.value is True
     assert p.committed == [3]
+
+
+def test_processes_whose_rules_differ_follow_process_0(tmp_path, capsys):
+  """should_save_fn says yes on process 1 and no on process 0: with
+  save_interval_secs every save() makes the one round and both take
+  process 0's answer (nothing saved, nobody waits for a barrier)."""
+  conf = {"scenario": "differ", "dir": str(tmp_path / "ck")}
+  p0, p1 = (worker.decode(policies_worker.Differ, r) for r in _run(conf))
+  assert p0.saved == p1.saved == [False] * 20
+  assert p0.committed == p1.committed == []
+  with capsys.disabled():  # what one skipped save() costs (a read round)
+    print(f"\na save() skipped by process 0's decision: {p0.round_s * 1e3:.1f}"
+          f" / {p1.round_s * 1e3:.1f} ms (processes 0 / 1)")
