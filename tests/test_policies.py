@@ -362,3 +362,30 @@ def test_multitier_skip_while_saving(make_multitier):
   assert m.save(3, state(3))
   m.wait_until_finished()
   assert m.persistent.all_steps() == [1, 3]
+
+
+def test_temporary_field_is_sealed_and_checked(make_ckptr, ckpt_dir):
+  """The mark is an optional field of the sealed index: a permanent step's
+  index has no such key (older readers and golden indexes read the same),
+  a temporary one has true, and a value that is not a boolean is refused."""
+  import msgpack  # pylint: disable=g-import-not-at-top
+  from ckpt.format import index as index_lib  # pylint: disable=g-import-not-at-top
+  clock = Clock()
+  ck = make_ckptr(save_on_steps=[0], save_interval_secs=TICK,
+                  temporary_time_saves=True, clock=clock)
+  ck.save(0, state(0))
+  clock.advance(TICK)
+  ck.save(1, state(1))
+  ck.wait_until_finished()
+  ck.close()
+  docs = {}
+  for s in (0, 1):
+    path = ckpt_dir / f"checkpoint_{s}" / "index.msgpack"
+    docs[s] = index_lib.unpack(seal.unseal(path.read_bytes(), str(path)))
+  assert "temporary" not in docs[0] and docs[1]["temporary"] is True
+  assert index_lib.decode((ckpt_dir / "checkpoint_1" / "index.msgpack")
+                          .read_bytes()).temporary is True
+  docs[1]["temporary"] = 1
+  forged = seal.seal(msgpack.packb(docs[1], use_bin_type=True))
+  with pytest.raises(CorruptCheckpointError, match="temporary as true or false"):
+    index_lib.decode(forged)

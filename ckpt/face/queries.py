@@ -78,8 +78,8 @@ class Queries:
   def decide(self, step: int, agreed: bool, force: bool = False,
              restart: bool = False) -> decision_lib.Verdict:
     """Whether to save ``step``: the step rules, then process 0's clock and
-    save in flight (ckpt/face/decision.py: always agreed, in one round,
-    when they may change the answer). ``agreed`` (``save``'s own decision):
+    save in flight (ckpt/face/decision.py: one agreed round whenever
+    ``save_interval_secs`` or ``skip_while_saving`` is set). ``agreed`` (``save``'s own decision):
     the directory facts of the step rules come from agreement rounds and
     are kept, so every process takes the same decision; else this process
     lists the directory itself and keeps nothing it learnt alone.
