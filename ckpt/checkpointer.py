@@ -195,8 +195,8 @@ class Checkpointer(query_calls.QueryCalls):
     self._restorer = restorer_lib.Restorer(
         settings.restore, self.storage, self._rounds, self._known,
         self._inflight, self._loop)
-    self._decision = decision_lib.SaveDecision(
-        settings.decision, save.clock, self._inflight, self._rounds)
+    self._decision = decision_lib.SaveDecision(settings.decision, save.clock,
+                                               self._inflight)
     self._queries = queries_lib.Queries(
         self.storage, self.policy, self.schedule, self._known, self._rounds,
         self._inflight, self._loop, self._decision)

@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 from ckpt.commit import retention
 from ckpt.face import inflight as inflight_lib
-from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
 
 
@@ -73,11 +72,10 @@ class SaveDecision:
   docstring)."""
 
   def __init__(self, options: DecisionOptions, clock: Callable[[], Any],
-               inflight: inflight_lib.InFlightSave, rounds: rounds_lib.Rounds):
+               inflight: inflight_lib.InFlightSave):
     self.options = options
     self._clock = clock
     self._inflight = inflight
-    self._rounds = rounds
     # Process 0: when the last save was decided; the interval first runs
     # from when the Checkpointer was made (as Levanter's Checkpointer).
     self._last_s = (retention.now_s(clock) if options.interval_s is not None
