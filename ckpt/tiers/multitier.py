@@ -105,8 +105,8 @@ class MultiTierCheckpointer:
     Args:
       step: the step a ``save`` would get.
 
-    Raises as ``Checkpointer.should_save``; collective only for its first-step
-    round.
+    Raises as ``Checkpointer.should_save``; collective for its first-step
+    round, and always with ``save_interval_secs`` or ``skip_while_saving``.
     """
     return self._persistent_verdict(step).save
 
@@ -138,8 +138,8 @@ class MultiTierCheckpointer:
     Args:
       step: the step a ``save`` would get.
 
-    Never raises; collective only as ``Checkpointer.should_save`` (its
-    first-step round).
+    Never raises; collective as ``Checkpointer.should_save`` (its
+    first-step round; with ``save_interval_secs``/``skip_while_saving``).
     """
     return self.should_save_local(step) or self.should_save_persistent(step)
 
