@@ -14,8 +14,9 @@ Every collective call (save, restore, restore_async, delete, cancel)
 starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
 Built from parts that own their state (ckpt/face/: BackgroundLoop,
-InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries) to which each
-public method hands its call; the query methods are in ckpt/query_calls.py.
+InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries, SaveDecision,
+RootMetadataFile) to which each public method hands its call; the query
+methods are in ckpt/query_calls.py, the options in ckpt/face/options.py.
 """
 
 from __future__ import annotations
@@ -27,29 +28,23 @@ from typing import Any, Callable, Sequence
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
-from ckpt.save import schedule as schedule_lib
 from ckpt.save import reuse as reuse_lib
+from ckpt.face import decision as decision_lib
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
 from ckpt.face import queries as queries_lib
 from ckpt.face import restorer as restorer_lib
+from ckpt.face import options as options_lib
+from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
 from ckpt.face import saver as saver_lib
 from ckpt import query_calls
 from ckpt.restore import handle as handle_lib
-from ckpt.restore import readonce
-from ckpt.save import leaves as save_leaves
 from ckpt.store import storage as storage_lib
-from ckpt.format import tsspec
 from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
-from ckpt.commit.retention import RetentionPolicy
-
-DEFAULT_CONCURRENT_BYTES = 1 << 30
-# Bounds of whole operations against a store that stops answering
-# (ckpt/store/deadline.py): a save (and its retention pass), and a query.
-DEFAULT_SAVE_TIMEOUT_S = 120.0
-DEFAULT_QUERY_TIMEOUT_S = 60.0
+from ckpt.face.options import (DEFAULT_CONCURRENT_BYTES,
+                               DEFAULT_QUERY_TIMEOUT_S, DEFAULT_SAVE_TIMEOUT_S)
 _READ_THROUGH = {"last_save_stats": "_saver", "last_restore_stats": "_restorer",
                  "last_restore_step": "_restorer"}
 
@@ -66,7 +61,10 @@ class Checkpointer(query_calls.QueryCalls):
     keep_time_interval, keep_time_window: also keep one step per interval
       (seconds or timedelta) for the last window (None: forever), e.g.
       ``3600, 86400``: one per hour for the last day.
-    clock: "now" for the time rule and the save time written in the index
+    keep_steps: steps never deleted (Orbax's ``CustomSteps``).
+    keep_period_exact: False: ``keep_period`` keeps a step once that many
+      steps passed since the last one it kept (Flax's keep_every_n_steps).
+    clock: "now" for the time rules and the save time written in the index
       (``time.time`` by default; injectable for tests).
     save_interval_steps: ``save`` writes only the steps ``should_save``
       accepts (every N-th, the first, the preemption step); None: every
@@ -76,6 +74,16 @@ class Checkpointer(query_calls.QueryCalls):
     should_save_fn: ``fn(step, last_saved_step) -> bool`` (Orbax's
       signature), asked besides the two above; a pure function of its
       arguments (it runs on every process): see ``should_save``.
+    save_interval_secs: also save once this many seconds (or a timedelta)
+      passed since the last save: process 0's clock decides, every process
+      saves the same steps (``should_save`` is then collective).
+    temporary_time_saves: a step saved only by ``save_interval_secs`` is
+      deleted once a newer step commits (Levanter's temporary checkpoints).
+    skip_while_saving: ``save`` returns False at once while the previous
+      save is still writing (process 0's, agreed; Orbax's continuous
+      checkpointing); forced and preemption saves wait for it instead.
+    custom_metadata: a JSON-able dict for the whole directory (at most 64
+      KiB), written once by its first save; see ``root_metadata()``.
     save_dtype / restore_dtype: cast floating leaves before writing / after
       reading (e.g. ``"bfloat16"``).
     format: ``"zarr"`` (v2), ``"zarr3"`` or ``"ocdbt"`` (zarr3 inside OCDBT:
@@ -128,10 +136,15 @@ class Checkpointer(query_calls.QueryCalls):
                keep_checkpoints_without_metrics: bool = True,
                best_fn: Callable[[dict], float] | None = None,
                keep_time_interval: Any = None, keep_time_window: Any = None,
+               keep_steps: Any = None, keep_period_exact: bool = True,
                clock: Callable[[], Any] | None = None,
                save_interval_steps: int | None = None,
                save_on_steps: Any = None,
                should_save_fn: Callable[[int, int | None], bool] | None = None,
+               save_interval_secs: Any = None,
+               temporary_time_saves: bool = False,
+               skip_while_saving: bool = False,
+               custom_metadata: dict | None = None,
                save_dtype: Any = None, restore_dtype: Any = None,
                format: str = "zarr",  # noqa: A002 (the design's name)
                concurrent_bytes: int = DEFAULT_CONCURRENT_BYTES,
@@ -146,36 +159,14 @@ class Checkpointer(query_calls.QueryCalls):
                read_once: bool | None = None,
                save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
                query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S):
-    clock = clock if clock is not None else time.time
-    self.policy = RetentionPolicy(
-        keep, keep_period, best_metric, best_mode,
-        keep_checkpoints_without_metrics, best_fn=best_fn,
-        keep_time_interval=keep_time_interval,
-        keep_time_window=keep_time_window, clock=clock)
-    self.schedule = schedule_lib.SaveSchedule.of(
-        save_interval_steps, save_on_steps, should_save_fn)
+    given = {k: v for k, v in locals().items()
+             if k not in ("self", "directory")}  # every keyword, as given
+    settings = options_lib.Options(**given).settings()
+    self.policy, self.schedule = settings.policy, settings.schedule
     self.save_interval_steps = self.schedule.interval  # Orbax's attributes
     self.save_on_steps = self.schedule.on_steps
     self.should_save_fn = self.schedule.fn
-    if int(concurrent_bytes) <= 0:
-      raise ValueError(f"concurrent_bytes must be positive, got {concurrent_bytes}")
-    if not float(lease_s) > 0:
-      raise ValueError(f"lease_s must be positive, got {lease_s!r}")
-    readonce.min_replicas(read_once, "")  # validates it
-    timeouts = rounds_lib.Timeouts.of(barrier_timeout_s, save_timeout_s,
-                                      query_timeout_s)
-    save = saver_lib.SaveSettings(
-        options=save_leaves.SaveOptions(
-            storage_format=tsspec.check_format(format),
-            codec=tsspec.Codec(compression, checksum=tsspec.chunk_checksum(
-                format, chunk_checksums)), chunk_bytes=int(chunk_bytes),
-            save_dtype=save_dtype, max_item_bytes=int(concurrent_bytes)),
-        concurrent_bytes=int(concurrent_bytes), async_save=async_save,
-        partitioner=partitioner, lease_s=float(lease_s), clock=clock)
-    restore = restorer_lib.RestoreSettings(
-        restore_dtype=restore_dtype, read_once=read_once,
-        concurrent_bytes=int(concurrent_bytes),
-        storage_options=storage_options)
+    timeouts, save = settings.timeouts, settings.save
     # The options as given (Orbax's attributes; read, not changed, here).
     self.restore_dtype, self.read_once = restore_dtype, read_once
     self.concurrent_bytes = save.concurrent_bytes
@@ -196,15 +187,19 @@ class Checkpointer(query_calls.QueryCalls):
     # What this Checkpointer's cleanups saw of other attempts' leases (the
     # clock that dates them on object stores: ckpt/commit/lease.py).
     self.lease_seen = lease_lib.Sightings()
+    self._root_metadata = root_meta.RootMetadataFile(self.storage,
+                                                     settings.root_metadata)
     self._saver = saver_lib.Saver(save, self.storage, reuser, self._rounds,
                                   self._known, self._inflight, self._loop,
-                                  lambda: self.lease_seen)
+                                  lambda: self.lease_seen, self._root_metadata)
     self._restorer = restorer_lib.Restorer(
-        restore, self.storage, self._rounds, self._known, self._inflight,
-        self._loop)
+        settings.restore, self.storage, self._rounds, self._known,
+        self._inflight, self._loop)
+    self._decision = decision_lib.SaveDecision(settings.decision, save.clock,
+                                               self._inflight)
     self._queries = queries_lib.Queries(
         self.storage, self.policy, self.schedule, self._known, self._rounds,
-        self._inflight, self._loop)
+        self._inflight, self._loop, self._decision)
 
   def __getattr__(self, name: str) -> Any:
     """``last_save_stats``, ``last_restore_stats``, ``last_restore_step``:
@@ -281,19 +276,27 @@ class Checkpointer(query_calls.QueryCalls):
     Collective: every process of the job calls it, in the same order as its
     other collective calls.
     """
+    return self._save_decided(
+        step, state, lambda: self._queries.decide(
+            step, agreed=True, force=force, restart=True),
+        dict(metrics=metrics, transforms=transforms, host_state=host_state,
+             custom_metadata=custom_metadata, progress=progress))
+
+  def _save_decided(self, step: int, state: Any,
+                    decide: Callable[[], Any], kwargs: dict) -> bool:
+    """``save`` once ``decide()`` (a ckpt/face/decision.py Verdict) said
+    whether to save and whether the step is temporary."""
     step = rounds_lib.check_step(step)
     refused = rounds_lib.failure_of(lambda: self._loop.enter(step))
     try:
-      if not force and not self._queries.should_save(step, agreed=True):
-        # should_save decided from agreed facts only (no I/O and no round,
-        # but for its one first-step round). A skip does not wait for the
-        # save in flight either, so its failure comes from the next save
-        # that writes (the same one on every process).
+      verdict = decide()
+      if not verdict.save:
+        # Agreed (ckpt/face/decision.py). A skip does not wait for the save
+        # in flight: its failure comes from the next save that writes.
         return False
       return self._saver.save(
-          step, state, refused, lambda: self._check_save(step), metrics=metrics,
-          transforms=transforms, host_state=host_state,
-          custom_metadata=custom_metadata, progress=progress)
+          step, state, refused, lambda: self._check_save(step),
+          temporary=verdict.temporary, **kwargs)
     finally:
       if refused is None:  # a close() begun meanwhile waits for it
         self._loop.leave()

@@ -20,6 +20,8 @@ from typing import Any
 from ckpt import metadata as metadata_lib
 from ckpt.face import known as known_lib
 from ckpt.face import queries as queries_lib
+from ckpt.face import root_meta
+from ckpt.face import rounds as rounds_lib
 
 
 class QueryCalls:
@@ -28,6 +30,8 @@ class QueryCalls:
 
   _queries: queries_lib.Queries
   _known: known_lib.KnownSteps
+  _rounds: rounds_lib.Rounds
+  _root_metadata: root_meta.RootMetadataFile
 
   def all_steps(self) -> list[int]:
     """The committed steps of the directory, in increasing order.
@@ -88,6 +92,21 @@ class QueryCalls:
     """
     self._known.forget()
 
+  def root_metadata(self) -> "root_meta.RootMetadata":
+    """The directory's root metadata: ``.custom_metadata``, the dict given
+    as ``Checkpointer(custom_metadata=...)`` by the run that first saved
+    into it (written once, by process 0, with that first save; sealed;
+    never deleted by retention). Before any save wrote it, the dict this
+    Checkpointer was given ({} if none). A reopen with another dict keeps
+    the stored one (one WARNING at its first save). Any process: it reads
+    the file itself. Not collective.
+
+    Raises:
+      CorruptCheckpointError: the file is damaged (its crc32c, its JSON).
+      StoreTimeoutError: the store did not answer within ``query_timeout_s``.
+    """
+    return self._rounds.local(self._root_metadata.current)
+
   def should_save(self, step: int) -> bool:
     """Whether ``save(step, ...)`` writes ``step`` (``save_interval_steps``).
 
@@ -113,6 +132,16 @@ class QueryCalls:
     arguments, not of the clock or of process-local state) and must not
     raise, or processes that disagree wait for each other in ``save``
     until ``barrier_timeout_s``.
+
+    ``save_interval_secs`` / ``skip_while_saving``: a step the rules above
+    refuse is accepted once that many seconds passed since the last save,
+    and any step is refused while the previous save is still writing
+    (never the preemption step); both decided by process 0 (its clock, its
+    save in flight) in one agreement round, so with either option this
+    call is collective: every process calls it, as it calls ``save``. It
+    does not restart the interval (``save`` does). Without any rule but
+    ``save_interval_secs`` there is no first-step save (as Levanter: the
+    interval runs from when the Checkpointer was made).
 
     Args:
       step: the step a ``save`` would get.

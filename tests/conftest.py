@@ -24,49 +24,43 @@ _memory_names = itertools.count()
 
 # pytest-timeout (signal method) fails a test stuck in Python after 300 s;
 # one stuck in native code never returns to Python, and the whole run would
-# stall until CI's limit. scripts/test sets:
-# - CKPT_HANG_DIR: a directory; each test process (the one process, or each
-#   pytest-xdist worker) keeps "<pid>" there, naming the test it runs; after
-#   HANG_EXIT_S in one test, every thread's stack goes there and that
-#   process ends (under xdist, the worker: xdist reports the test as crashed
-#   and starts another worker); scripts/test prints it;
-# - CKPT_DONE_LOG: "done <test>" for each finished test, "failed <test>" for
-#   each failure (appended by every process), so that a run cut by a hang is
-#   judged on what did run;
-# - CKPT_SKIP_DONE: a CKPT_DONE_LOG of a run cut by a hang: its finished
-#   tests are not run again (scripts/test runs the rest).
+# stall until CI's limit. scripts/test sets CKPT_HANG_DIR, a directory: each
+# test process (the one process, or each pytest-xdist worker) keeps "<pid>"
+# there, naming the test it runs; after HANG_EXIT_S in one test, every
+# thread's stack goes there and that process ends (under xdist, the worker:
+# xdist reports the test as crashed and starts another worker); scripts/test
+# prints it and fails the run (a hang is a bug, never retried).
 HANG_EXIT_S = float(os.environ.get("CKPT_HANG_EXIT_S", 420))
 _hang_dump = None
-_done_log = None
 
 
-def _log_line(line: str) -> None:
-  global _done_log
-  path = os.environ.get("CKPT_DONE_LOG")
-  if path and _done_log is None:
-    _done_log = open(path, "a")  # pylint: disable=consider-using-with
-  if _done_log is not None:
-    _done_log.write(line + "\n")
-    _done_log.flush()
+def _hung_before(directory: str, nodeid: str) -> bool:
+  """Whether an earlier test process of this run hung in this test.
+
+  Under xdist, a crashed worker's file of tests goes back to the queue with
+  the test it crashed in, so the hung test would run again on the next
+  worker: it fails at once instead (a hang is never retried).
+  """
+  own = str(os.getpid())
+  for name in os.listdir(directory):
+    if name == own:
+      continue
+    try:
+      with open(os.path.join(directory, name)) as f:
+        text = f.read(1 << 16)
+    except OSError:
+      continue
+    if text.startswith(f"running {nodeid} (limit") and "\nTimeout (" in text:
+      return True
+  return False
 
 
-def pytest_collection_modifyitems(config, items):
-  path = os.environ.get("CKPT_SKIP_DONE")
-  if not path:
-    return
-  with open(path) as f:
-    done = {l.split(" ", 1)[1].strip() for l in f if l.startswith("done ")}
-  keep = [i for i in items if i.nodeid not in done]
-  config.hook.pytest_deselected(items=[i for i in items if i.nodeid in done])
-  items[:] = keep
-
-
-def pytest_runtest_logreport(report):
-  # Under xdist the controller sees every worker's report again (with
-  # .node set), and its own report of a crashed worker's test: each worker
-  # logs its own, and a hang is judged by scripts/test from CKPT_HANG_DIR.
-  if report.failed and getattr(report, "node", None) is None:
-    _log_line(f"failed {report.nodeid}")
+def pytest_runtest_setup(item):
+  directory = os.environ.get("CKPT_HANG_DIR")
+  if directory and _hung_before(directory, item.nodeid):
+    pytest.fail(f"{item.nodeid} hung in an earlier test process of this run "
+                "(stacks in scripts/test's log); a hang is not retried",
+                pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -89,7 +83,6 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
       faulthandler.cancel_dump_traceback_later()
       _hang_dump.seek(0)
       _hang_dump.truncate()
-    _log_line(f"done {item.nodeid}")
 
 
 @pytest.fixture(scope="session", autouse=True)

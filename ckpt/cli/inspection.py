@@ -22,6 +22,7 @@ from ckpt.format import index as index_lib
 from ckpt.errors import CheckpointError
 from ckpt.format import entries
 from ckpt.format import pack_index
+from ckpt.format import root_metadata
 
 
 # ---- inspect -----------------------------------------------------------------
@@ -148,6 +149,9 @@ def cmd_inspect(args) -> int:
          "process_count": index.process_count, "metrics": index.metrics,
          "array_bytes": sum(x["bytes"] for x in arrays), "leaves": leaves,
          "custom_metadata": index_lib.custom_metadata_of(index),
+         "temporary": index.temporary,
+         # The root's (a root was given): Checkpointer(custom_metadata=).
+         "root_metadata": (root_metadata.read(storage) if step_dir else None),
          "reuse": reuse_summary(storage, step_dir, index)}
   rows = []
   for x in leaves:
@@ -179,6 +183,9 @@ def cmd_inspect(args) -> int:
       f"{len(arrays)} arrays ({human_bytes(doc['array_bytes'])}), "
       f"{len(leaves) - len(arrays)} inline values",
   ]
+  if index.temporary:
+    head.append("temporary saved only by save_interval_secs: deleted once a "
+                "newer step commits (temporary_time_saves)")
   if doc["reuse"] is not None:
     head.append(_reuse_text(doc["reuse"]))
   keys = [x for x in leaves if x["prng_impl"]]
@@ -192,6 +199,11 @@ def cmd_inspect(args) -> int:
     custom = json.dumps(doc["custom_metadata"], sort_keys=True)
     head.append("custom    " + (custom if len(custom) <= 400 else
                                  f"{custom[:400]}... ({len(custom)} chars; "
+                                 "--json shows all)"))
+  if doc["root_metadata"]:
+    root = json.dumps(doc["root_metadata"], sort_keys=True)
+    head.append("root      " + (root if len(root) <= 400 else
+                                 f"{root[:400]}... ({len(root)} chars; "
                                  "--json shows all)"))
   text = "\n".join(head)
   if rows:

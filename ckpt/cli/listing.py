@@ -93,6 +93,7 @@ def list_entries(storage: storage_lib.Storage, progress=None,
     try:
       index = restore_lib.read_index(storage, steps_lib.step_dir(storage, s))
       row.update(time=index.time, metrics=index.metrics,
+                 temporary=index.temporary,
                  format=index.storage_format,
                  process_count=index.process_count, leaves=len(index.leaves),
                  data_bytes=sum(convert.leaf_nbytes(e) for e in index.leaves))
@@ -166,7 +167,8 @@ def cmd_ls(args) -> int:
   lines = []
   for r in rows:
     if r["status"] == "committed":
-      note = metrics_text(r.get("metrics"))
+      note = " ".join(x for x in ("temporary" if r.get("temporary") else "",
+                                  metrics_text(r.get("metrics"))) if x)
     elif r["status"] == "corrupt":
       note = r["error"]
     else:

@@ -323,16 +323,18 @@ class MarkerCommit:
       winners[s] = token
       rel = names.step_dirname(s) + (f"/{data_dir}" if data_dir else "")
       t = metrics = None
+      temporary = False
       try:
         index = storage.read_bytes(storage.index_key(rel))
         if index is not None:
-          t, metrics = index_info(index)
+          t, metrics, temporary = index_info(index)
       except CheckpointError as e:
         logging.warning("ckpt: migrating %s: the index of step %d is "
                         "unreadable (%s); its record holds no metrics",
                         storage.url, s, e)
       storage.write_bytes(records.record_key(s),
-                          records.record(s, token, data_dir, t, metrics))
+                          records.record(s, token, data_dir, t, metrics,
+                                         temporary))
     for s, tokens in sorted(attempts.items()):
       for t in sorted(tokens - {winners.get(s)}):
         # its attempt.json says more
@@ -422,12 +424,12 @@ class MarkerCommit:
     # retried PUT of ours may also find our own marker. Read which won.
     if records.marker_attempt(storage.read_bytes(marker_key)) != token:
       raise committed_elsewhere(storage, step, where)
-    t, metrics = index_info(index_data)
+    t, metrics, temporary = index_info(index_data)
     # The record makes the step visible; then the attempt is no longer
     # pending.
     rec_gen = storage.write_bytes(
         records.record_key(step), records.record(step, token, data_dir, t,
-                                                 metrics))
+                                                 metrics, temporary))
     why = self._still_whole(storage, step, token, lease_gen)
     if why is not None:  # undone: the record, then the marker, if still ours
       storage.delete_key(records.record_key(step), generation=rec_gen)
@@ -458,9 +460,10 @@ class MarkerCommit:
     return None
 
 
-def index_info(index_data: bytes) -> tuple[float | None, dict | None]:
-  """(time, metrics) from an encoded index, reading only its top-level map
-  up to them (best effort: None, None if it cannot)."""
+def index_info(index_data: bytes
+               ) -> tuple[float | None, dict | None, bool]:
+  """(time, metrics, temporary) from an encoded index, reading only its
+  top-level map (best effort: None, None, False if it cannot)."""
   found: dict = {}
   try:
     u = msgpack.Unpacker(raw=False, strict_map_key=False,
@@ -468,14 +471,15 @@ def index_info(index_data: bytes) -> tuple[float | None, dict | None]:
     u.feed(index_data)
     for _ in range(u.read_map_header()):
       k = u.unpack()
-      if k in ("time", "metrics"):
+      if k in ("time", "metrics", "temporary"):
         found[k] = u.unpack()
-        if len(found) == 2:
-          break
+      elif k == "structure":  # the three come before it (index.encode)
+        break
       else:
         u.skip()
     t = found.get("time")
     t = float(t) if type(t) in (int, float) and math.isfinite(t) else None
-    return t, records.check_metrics(found.get("metrics"), "the index")
+    return (t, records.check_metrics(found.get("metrics"), "the index"),
+            found.get("temporary") is True)
   except Exception:  # pylint: disable=broad-except
-    return None, None
+    return None, None, False

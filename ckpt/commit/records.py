@@ -96,9 +96,12 @@ def pending_key(step: int, token: str) -> str:
 
 
 def record(step: int, token: str | None, data_dir: str,
-            time_s: float | None, metrics: dict | None) -> bytes:
+            time_s: float | None, metrics: dict | None,
+            temporary: bool = False) -> bytes:
   doc = {"step": step, "attempt": token, "dir": data_dir, "time": time_s,
          "metrics": metrics}
+  if temporary:  # its index says so too (the record repeats it for retention)
+    doc["temporary"] = True
   data = (json.dumps(doc, sort_keys=True) + "\n").encode()
   return data + b" " * (RECORD_BYTES - len(data))  # nothing if longer
 
@@ -150,20 +153,21 @@ def parse_record(data: bytes, step: int, where: str) -> dict:
     raise CorruptCheckpointError(f"{where}: invalid save time {t!r}")
   return {"attempt": token, "dir": data_dir or "",
           "time": None if t is None else float(t),
-          "metrics": check_metrics(doc.get("metrics"), where)}
+          "metrics": check_metrics(doc.get("metrics"), where),
+          "temporary": doc.get("temporary") is True}
 
 
 def read_info(storage: storage_lib.Storage, step: int
-              ) -> tuple[dict, float | None] | None:
-  """(metrics, save time) of ``step`` from its commit record: one GET; None
-  where there is no record holding them (POSIX, a root not migrated yet,
-  a record written without them): then the index says."""
+              ) -> tuple[dict, float | None, bool] | None:
+  """(metrics, save time, temporary) of ``step`` from its commit record:
+  one GET; None where there is no record holding them (POSIX, a root not
+  migrated yet, a record written without them): then the index says."""
   if storage.is_posix or not records_complete(storage):
     return None
   rec = read_record(storage, step)
   if rec is None or rec["metrics"] is None:
     return None
-  return rec["metrics"], rec["time"]
+  return rec["metrics"], rec["time"], rec["temporary"]
 
 
 def records_complete(storage: storage_lib.Storage) -> bool:

@@ -57,12 +57,14 @@ class Retention:
                read_metrics: Callable[[int], dict],
                read_time: Callable[[int], float] | None = None,
                timeout_s: float | None = None,
-               on_done: Callable[[int], None] | None = None):
+               on_done: Callable[[int], None] | None = None,
+               read_temporary: Callable[[int], bool] | None = None):
     self.storage = storage
     self.timeout_s = timeout_s
     self.policy = policy
     self.read_metrics = read_metrics
     self.read_time = read_time  # the save time of a step (the time rule)
+    self.read_temporary = read_temporary  # its temporary mark
     # Called with the step after each pass (whatever its outcome): the
     # other processes' queries wait for it (Checkpointer._list_steps).
     self.on_done = on_done
@@ -125,7 +127,7 @@ class Retention:
 
   def apply(self, newest: int) -> list[int]:
     """Deletes what the policy drops; returns the deleted steps."""
-    if self.policy.keep is None:
+    if not self.policy.deletes:
       return []
     try:
       damaged = self.damaged()
@@ -138,9 +140,15 @@ class Retention:
       if self.policy.uses_times and self.read_time is not None:
         times = self._read_each(steps, self.read_time, "save time",
                                 "the time rule does not keep it")
+      temporary = frozenset()
+      if self.policy.temporary_time_saves and self.read_temporary is not None:
+        temporary = frozenset(s for s, t in self._read_each(
+            steps, self.read_temporary, "temporary mark",
+            "it counts as permanent").items() if t)
       with self._lock:
         protected = frozenset(self._protected) | {newest}
-      doomed = self.policy.to_delete(steps, metrics, protected, times)
+      doomed = self.policy.to_delete(steps, metrics, protected, times,
+                                     temporary)
     except Exception as e:  # pylint: disable=broad-except
       logging.error("ckpt: retention after step %d in %s failed: %s",
                     newest, self.storage.url, e)

@@ -54,6 +54,7 @@ class KnownSteps:
     self._listed: tuple[list[int], float] | None = None  # (steps, when)
     self._metrics: dict[int, dict[str, float]] = {}
     self._times: dict[int, float] = {}
+    self._temporary: dict[int, bool] = {}  # marked temporary in the index
     self._said_no_root = False  # a missing root is logged once (INFO)
     # The step of the last save of this Checkpointer (agreed: saves are
     # collective), or the newest committed one before it; UNKNOWN until
@@ -67,7 +68,8 @@ class KnownSteps:
     self._retained: int | None = None
     self.retention = retention_pass.Retention(
         storage, policy, self.read_metrics, self.read_time,
-        timeout_s=rounds.timeouts.save_s, on_done=self._retention_done)
+        timeout_s=rounds.timeouts.save_s, on_done=self._retention_done,
+        read_temporary=self.read_temporary)
     self._policy = policy
 
   # ---- process 0's newest step ------------------------------------------
@@ -150,12 +152,14 @@ class KnownSteps:
     """Process 0, in a save's round: ``step`` is saved over ``newest``."""
     self._newest, self._after_commit = UNKNOWN, max(newest, step)
 
-  def committed(self, step: int, metrics: dict) -> None:
+  def committed(self, step: int, metrics: dict,
+                temporary: bool = False) -> None:
     """On the loop, once this process's save of ``step`` committed."""
     self._committed_save = step
     if multihost.process_index() == 0:
       self._newest = self._after_commit  # committed: the newest known
       self._metrics[step] = dict(metrics)
+      self._temporary[step] = temporary
       self._times.pop(step, None)  # read from the new index
       self.retention.start(step)
 
@@ -221,12 +225,14 @@ class KnownSteps:
   def deleted(self, step: int) -> None:
     self._metrics.pop(step, None)
     self._times.pop(step, None)
+    self._temporary.pop(step, None)
     self._last_saved = UNKNOWN  # (it may have been the step deleted)
 
   def forget(self) -> None:
     """``Checkpointer.reload``: nothing cached is trusted any more."""
     self._metrics.clear()
     self._times.clear()
+    self._temporary.clear()
     self.forget_newest()
     self._last_saved = UNKNOWN
 
@@ -246,17 +252,25 @@ class KnownSteps:
       self._read_step_info(step)
     return self._times[step]
 
+  def read_temporary(self, step: int) -> bool:
+    """Whether ``step`` is marked temporary (temporary_time_saves)."""
+    if step not in self._temporary:
+      self._read_step_info(step)
+    return self._temporary[step]
+
   def _read_step_info(self, step: int) -> None:
-    """Process 0 (or one process alone): the step's metrics and save time,
-    from its commit record on an object store (one GET), else its index."""
+    """Process 0 (or one process alone): the step's metrics, save time and
+    temporary mark, from its commit record on an object store (one GET),
+    else its index."""
     info = records.read_info(self.storage, step)
     if info is not None and info[1] is not None:
-      self._metrics[step], self._times[step] = info
+      self._metrics[step], self._times[step], self._temporary[step] = info
       return
     index = restore_lib.read_index(self.storage,
                                    steps_lib.step_dir(self.storage, step))
     self._metrics[step] = dict(index.metrics)
     self._times[step] = index.time
+    self._temporary[step] = index.temporary
 
   # ---- retention ----------------------------------------------------------
 
@@ -269,7 +283,7 @@ class KnownSteps:
         pass
       return self.committed_now()
     last = self._committed_save
-    if (self._policy.keep is not None and last is not None and
+    if (self._policy.deletes and last is not None and
         last != self._retained):
       # Process 0 signals when its pass after that save is done.
       left = deadline_lib.time_left()

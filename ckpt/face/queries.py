@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from ckpt.commit import steps as steps_lib
 from ckpt.commit.retention import RetentionPolicy
+from ckpt.face import decision as decision_lib
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
@@ -39,8 +40,10 @@ class Queries:
                schedule: schedule_lib.SaveSchedule,
                known: known_lib.KnownSteps, rounds: rounds_lib.Rounds,
                inflight: inflight_lib.InFlightSave,
-               loop: loop_lib.BackgroundLoop):
+               loop: loop_lib.BackgroundLoop,
+               decision: decision_lib.SaveDecision):
     self.storage = storage
+    self._decision = decision
     self.policy = policy
     self.schedule = schedule
     self._known = known
@@ -69,14 +72,38 @@ class Queries:
     self._preemption_step = step
 
   def should_save(self, step: int, agreed: bool) -> bool:
-    """should_save; ``agreed`` (``save``'s own decision): the directory
-    facts come from agreement rounds and are kept, so every process takes
-    the same decision; else this process lists the directory itself and
-    keeps nothing it learnt alone."""
+    """should_save (see ``decide``)."""
+    return self.decide(step, agreed).save
+
+  def decide(self, step: int, agreed: bool, force: bool = False,
+             restart: bool = False) -> decision_lib.Verdict:
+    """Whether to save ``step``: the step rules, then process 0's clock and
+    save in flight (ckpt/face/decision.py: one agreed round whenever
+    ``save_interval_secs`` or ``skip_while_saving`` is set). ``agreed`` (``save``'s own decision):
+    the directory facts of the step rules come from agreement rounds and
+    are kept, so every process takes the same decision; else this process
+    lists the directory itself and keeps nothing it learnt alone.
+    ``force``: saved whatever the rules say (never skipped); ``restart``:
+    a save's decision (ckpt/face/decision.py)."""
     step = rounds_lib.check_step(step)
+    by_steps = force or self._by_steps(step, agreed)
+    return self.verdict(step, by_steps, force, restart)
+
+  def verdict(self, step: int, by_steps: bool, force: bool = False,
+              restart: bool = False) -> decision_lib.Verdict:
+    """The decision past the step rules (``by_steps``: they accept it):
+    process 0's clock and save in flight, agreed (ckpt/face/decision.py);
+    the preemption step, like a forced one, is never skipped."""
+    return self._decision.decide(
+        step, by_steps, force or step == self._preemption_step,
+        self._asker(f"should_save({step})", True), restart)
+
+  def _by_steps(self, step: int, agreed: bool) -> bool:
+    """The step rules (``save_interval_steps``, ``save_on_steps``,
+    ``should_save_fn``, the first step, the preemption step)."""
     sched = self.schedule
     if sched.every_step:
-      return True
+      return not self._decision.options.interval_s  # time alone: no step
     if sched.by_rule(step, self._preemption_step):
       return True
     ask = self._asker(f"should_save({step})", agreed)

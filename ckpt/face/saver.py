@@ -30,6 +30,7 @@ from ckpt.commit import deletion
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
+from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import names as names_lib
@@ -66,8 +67,10 @@ class Saver:
                known: known_lib.KnownSteps,
                inflight: inflight_lib.InFlightSave,
                loop: loop_lib.BackgroundLoop,
-               lease_seen: Callable[[], lease_lib.Sightings]):
+               lease_seen: Callable[[], lease_lib.Sightings],
+               root_metadata: root_meta.RootMetadataFile):
     self.settings = settings
+    self._root_metadata = root_metadata
     self.storage = storage
     self._context = storage.context()
     self._reuser = reuser
@@ -89,10 +92,11 @@ class Saver:
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
                     custom_metadata: dict | None = None,
-                    progress: Any = None) -> bool:
+                    progress: Any = None, temporary: bool = False) -> bool:
     """The save of ``step`` the schedule accepted; ``refused``: this
     process refuses it (a close begun), ``check()``: this process's own
-    checks (open, no restore in flight). Their failure joins the round."""
+    checks (open, no restore in flight). Their failure joins the round.
+    ``temporary``: the index marks the step temporary (saved by time)."""
     # The key first: whatever fails below on one process goes into the
     # round, so every process raises and no later key drifts.
     key = self._rounds.key("save", step)
@@ -146,7 +150,7 @@ class Saver:
     fut = self._loop.submit(progress_lib.reported(
         deadline_lib.bounded(
             self._save_async(attempt, plan, metrics, host_files, stats,
-                             staged, t0, coord0, custom),
+                             staged, t0, coord0, custom, temporary),
             started[0] if started else self._rounds.save_deadline(step)),
         report, lambda: stats.bytes_written))
     self._inflight.start(fut, step, attempt)
@@ -189,6 +193,7 @@ class Saver:
         retention.set_damaged(damaged - {step})
       elif steps_lib.is_committed(self.storage, step):
         return None
+      self._root_metadata.write_once()  # the first save writes it
       token = multihost.unique_token()
       commit_lib.prepare(self.storage, step, token, self.settings.lease_s,
                          self._lease_seen())
@@ -200,7 +205,8 @@ class Saver:
                         stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
                         coord0: coordination.CoordinationStats,
-                        custom: str | None = None) -> None:
+                        custom: str | None = None,
+                        temporary: bool = False) -> None:
     cleanup = None
     self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
     async_save = self.settings.async_save
@@ -220,7 +226,8 @@ class Saver:
                                 self.settings.concurrent_bytes, metrics,
                                 host_files, stats, staged.set,
                                 clock=self.settings.clock,
-                                custom_metadata=custom, reuse=reuse)
+                                custom_metadata=custom, reuse=reuse,
+                                temporary=temporary)
       except BaseException:
         # A failed save (its tiling found wrong, say) is planned afresh
         # next time, never from the plan it failed with.
@@ -229,7 +236,7 @@ class Saver:
       _log_saved(attempt.step, self.storage.url, stats,
                  time.perf_counter() - t0, async_save)
       self._reuser.committed(reuse)  # the next save compares with it
-      self._known.committed(attempt.step, metrics)
+      self._known.committed(attempt.step, metrics, temporary)
     finally:
       if cleanup is not None:
         await asyncio.gather(cleanup, return_exceptions=True)

@@ -123,6 +123,8 @@ class Index:
   # step of M processes' per-process items). None in indexes written before
   # the field: then process_count (every process that saved wrote one).
   host_states: int | None = None
+  # Saved only by time (temporary_time_saves); written only when True.
+  temporary: bool = False
   # The version it was read as (written: VERSION); from SEALED_FROM on its
   # per-process files are sealed (``sealed``).
   version: int = VERSION
@@ -241,6 +243,7 @@ def _encode(index: Index) -> bytes:
       "format": FORMAT_NAME, "version": VERSION, "step": index.step,
       "time": index.time, "storage_format": index.storage_format,
       "process_count": index.process_count, "metrics": index.metrics,
+      **({"temporary": True} if index.temporary else {}),  # optional
       "structure": index.structure,
       "leaves": None,
       "host_state": list(index.host_state) if index.host_state is not None else None,
@@ -483,6 +486,13 @@ def _decode(data: bytes, where: str) -> Index:
                custom_metadata=_decode_custom_metadata(
                    doc.get("custom_metadata"), where), version=version,
                host_states=None if doc.get("host_states") is None else
-               host_state_count(doc["host_states"], f"{where}: host_states"))
+               host_state_count(doc["host_states"], f"{where}: host_states"),
+               temporary=_temporary(doc.get("temporary", False), where))
+
+
+def _temporary(v: Any, where: str) -> bool:
+  if type(v) is not bool:
+    raise bad(where, "temporary as true or false", v)
+  return v
 
 

@@ -111,7 +111,7 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
                    stats: save_lib.SaveStats, on_staged: Callable[[], None],
                    clock: Callable[[], float] = time.time,
                    custom_metadata: str | None = None,
-                   reuse: Any = None) -> None:
+                   reuse: Any = None, temporary: bool = False) -> None:
   """Stages 3-7 and 9 on every process; returns once the step is committed
   everywhere, or raises the agreed failure. ``clock`` gives the save time
   recorded in the index (the time retention rule reads it). ``reuse``: a
@@ -213,7 +213,8 @@ async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
         index = save_lib.make_index(plan, step, metrics, n)
         index = dataclasses.replace(index, time=retention_lib.now_s(clock),
                                     custom_metadata=custom_metadata,
-                                    host_states=attempt.host_states)
+                                    host_states=attempt.host_states,
+                                    temporary=temporary)
         if reuse is not None and reuse.held is not None:
           index = reuse.held.apply(index)  # leaves held by an earlier step
         data = index_lib.encode(index)

@@ -20,19 +20,10 @@ from ckpt.multihost import process as multihost
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
-from ckpt.checkpointer import Checkpointer, DEFAULT_CONCURRENT_BYTES
-from ckpt.face import known as known_lib
+from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
+from ckpt.tiers.persistent import PersistentTier
 from ckpt.errors import WaitTimeoutError
 from ckpt.restore import targets
-
-class PersistentTier(Checkpointer):
-  """The persistent tier: a ``Checkpointer`` whose known steps the
-  timeline asks (ckpt/tiers/timeline.py: ``newer_than``, ``delete``)."""
-
-  @property
-  def known_steps(self) -> known_lib.KnownSteps:
-    return self._known
-
 
 class MultiTierCheckpointer:
   """A ``Checkpointer`` with a fast local tier in front of it.
@@ -48,8 +39,8 @@ class MultiTierCheckpointer:
     persistent_keep: ``keep`` of the persistent Checkpointer.
     concurrent_bytes: the host-memory budget of each tier's save.
     **checkpointer_kwargs: anything else ``ckpt.Checkpointer`` takes
-      (``format``, ``keep_period``, ``storage_options`` ...), for the
-      persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
+      (``format``, ``keep_period``, ``keep_steps``, ``save_interval_secs``,
+      ``custom_metadata`` ...), for the persistent tier; ``save_dtype`` and ``restore_dtype`` apply to the
       local tier too, as in the persistent one.
     barrier_timeout_s: how long a process waits for the others in any
       round, exchange or barrier of either tier.
@@ -114,14 +105,20 @@ class MultiTierCheckpointer:
     Args:
       step: the step a ``save`` would get.
 
-    Raises as ``Checkpointer.should_save``; collective only for its first-step
-    round.
+    Raises as ``Checkpointer.should_save``; collective for its first-step
+    round, and always with ``save_interval_secs`` or ``skip_while_saving``.
     """
+    return self._persistent_verdict(step).save
+
+  def _persistent_verdict(self, step: int, force: bool = False,
+                          restart: bool = False) -> Any:
+    """The persistent tier's step rules, then its ``save_interval_secs`` /
+    ``skip_while_saving`` (PersistentTier.verdict)."""
     p = self.persistent
     sched = dataclasses.replace(p.schedule, interval=self.persistent_interval)
-    if sched.by_rule(step, self._preemption_step):
-      return True
-    return sched.fn is not None and bool(sched.fn(step, p.last_saved_step()))
+    by_steps = force or sched.by_rule(step, self._preemption_step) or (
+        sched.fn is not None and bool(sched.fn(step, p.last_saved_step())))
+    return p.verdict(step, by_steps, force, restart)
 
   def last_saved_step(self, *, agreed: bool = True) -> int | None:
     """The persistent tier's ``last_saved_step`` (``should_save_fn``'s
@@ -141,8 +138,8 @@ class MultiTierCheckpointer:
     Args:
       step: the step a ``save`` would get.
 
-    Never raises; collective only as ``Checkpointer.should_save`` (its
-    first-step round).
+    Never raises; collective as ``Checkpointer.should_save`` (its
+    first-step round; with ``save_interval_secs``/``skip_while_saving``).
     """
     return self.should_save_local(step) or self.should_save_persistent(step)
 
@@ -196,7 +193,8 @@ class MultiTierCheckpointer:
       InvalidStateError: a leaf the local tier cannot store (naming it).
       BarrierTimeoutError: a peer did not arrive within ``barrier_timeout_s``.
     """
-    to_persistent = force or self.should_save_persistent(step)
+    verdict = self._persistent_verdict(step, force, restart=True)
+    to_persistent = verdict.save
     to_local = force or self.should_save_local(step)
     if not (to_persistent or to_local):
       return False
@@ -207,10 +205,9 @@ class MultiTierCheckpointer:
     state = prepared[0]
     saved = False
     if to_persistent:
-      saved |= bool(self.persistent.save(step, state, metrics=metrics,
-                                         host_state=host_state, force=True,
-                                         custom_metadata=custom_metadata,
-                                         progress=progress))
+      saved |= bool(self.persistent.save_as(
+          step, state, verdict, metrics=metrics, host_state=host_state,
+          custom_metadata=custom_metadata, progress=progress))
     if to_local:
       # Retention keeps this step, whatever its number (LocalTier._retain);
       # no local save is in flight (_check_timeline waited for it).
@@ -298,6 +295,11 @@ class MultiTierCheckpointer:
     Raises as ``Checkpointer.best_step``.
     """
     return self.persistent.best_step()
+
+  def root_metadata(self) -> Any:
+    """The persistent tier's ``Checkpointer.root_metadata()``; raises
+    what it raises. Not collective (any process)."""
+    return self.persistent.root_metadata()
 
   def metadata(self, step: int | None = None) -> Any:
     """``Checkpointer.metadata`` of the persistent tier's ``step``

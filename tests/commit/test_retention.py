@@ -152,12 +152,28 @@ def test_missing_metric_first_to_go():
                            keep_checkpoints_without_metrics=False)
   metrics = {1: {"loss": 3.0}, 2: {}, 3: {"loss": 1.0}, 4: {}, 5: {"loss": 2.0}}
   assert kept(policy, [1, 2, 3, 4, 5], metrics) == [3, 5]
-  # With too few scored steps, the newest unscored ones fill the rest.
+  # With too few scored steps, unscored ones do not fill the rest: only
+  # the newest (never deleted) stays among them.
   metrics = {1: {"loss": 3.0}, 2: {}, 3: {}, 4: {}}
   assert kept(policy, [1, 2, 3, 4], metrics) == [1, 4]
   policy = RetentionPolicy(keep=3, best_metric="loss",
                            keep_checkpoints_without_metrics=False)
-  assert kept(policy, [1, 2, 3, 4, 5], {1: {"loss": 3.0}, 5: {}}) == [1, 4, 5]
+  assert kept(policy, [1, 2, 3, 4, 5], {1: {"loss": 3.0}, 5: {}}) == [1, 5]
+
+
+def test_orbax_best_n_without_metrics():
+  """Orbax's preservation_policy_test.test_best_n_policy: BestN(n=4,
+  keep_checkpoints_without_metrics=False) over steps 0..4 with losses
+  [5, None, 4, None, 7] keeps [0, 2, 4] (before: [0, 2, 3, 4], step 3
+  filling the spare slot)."""
+  losses = [5, None, 4, None, 7]
+  metrics = {s: ({} if v is None else {"loss": v}) for s, v in enumerate(losses)}
+  policy = RetentionPolicy(keep=4, best_metric="loss",
+                           keep_checkpoints_without_metrics=False)
+  assert kept(policy, range(5), metrics) == [0, 2, 4]
+  # keep_checkpoints_without_metrics=True (its n=4 case): all five.
+  assert kept(RetentionPolicy(keep=4, best_metric="loss"), range(5),
+              metrics) == [0, 1, 2, 3, 4]
 
 
 def test_all_missing_metric():
@@ -250,3 +266,103 @@ def test_time_rule_keeps_oldest_of_each_bucket_in_window():
 def test_invalid_new_options(kwargs):
   with pytest.raises(ValueError):
     RetentionPolicy(keep=1, **kwargs)
+
+
+# ---- keep_steps (Orbax's CustomSteps) ----------------------------------------
+
+
+def test_keep_steps_with_latest_n():
+  """Orbax's v1 Checkpointer test_preservation: AnyPreservationPolicy of
+  LatestN(3) and CustomSteps([1, 3, 9]) over steps 0..9 keeps
+  [1, 3, 7, 8, 9]; the issue's {1, 3, 7} keeps the same."""
+  for pins in ([1, 3, 9], {1, 3, 7}):
+    policy = RetentionPolicy(keep=3, keep_steps=pins)
+    assert kept(policy, range(10)) == [1, 3, 7, 8, 9]
+
+
+def test_keep_steps_beside_every_other_rule():
+  """Orbax's checkpoint_manager_test.test_preservation_joint_policy:
+  BestN(2) + EveryNSteps(4) + CustomSteps([0, 3]) over 12 saves keeps
+  [0, 1, 3, 4, 8, 11]."""
+  losses = [5, 2, 4, 3, 7, 10, 11, 9, 8, 6, 12, 1]
+  metrics = {s: {"loss": v} for s, v in enumerate(losses)}
+  policy = RetentionPolicy(keep=2, best_metric="loss", keep_period=4,
+                           keep_steps=[0, 3])
+  assert kept(policy, range(12), metrics) == [0, 1, 3, 4, 8, 11]
+  # Pinned steps stay with keep=1 and after later saves, and a pin on a
+  # step not saved (yet) is harmless.
+  policy = RetentionPolicy(keep=1, keep_steps=[2, 50])
+  assert kept(policy, range(10)) == [2, 9]
+
+
+@pytest.mark.parametrize("bad", [[-1], ["a"], 3, [1.5]])
+def test_keep_steps_invalid(bad):
+  with pytest.raises(ValueError, match="keep_steps"):
+    RetentionPolicy(keep=1, keep_steps=bad)
+
+
+# ---- keep_period_exact=False (Flax's keep_every_n_steps) ---------------------
+
+
+def test_inexact_period_orbax():
+  """Orbax's test_every_n_steps_policy, EveryNSteps(3, exact_interval=False):
+  steps [0, 1, 2, 4, 5, 8, 9, 13, 14, 25] keep [0, 4, 8, 13, 25]; [0, 1, 2,
+  4] keep [0, 4]. The exact rule (default) keeps multiples only."""
+  steps = [0, 1, 2, 4, 5, 8, 9, 13, 14, 25]
+  inexact = RetentionPolicy(keep=1, keep_period=3, keep_period_exact=False)
+  assert kept(inexact, steps) == [0, 4, 8, 13, 25]
+  assert kept(inexact, [0, 1, 2, 4]) == [0, 4]
+  exact = RetentionPolicy(keep=1, keep_period=3)
+  assert kept(exact, [0, 1, 2, 4]) == [0, 4]  # 4: the newest
+  assert kept(exact, steps) == [0, 9, 25]
+
+
+def test_inexact_period_is_stable_step_by_step():
+  """Applied after each save (as retention is), the inexact rule keeps
+  what it kept over the whole list at once: [0, 4, 8, 13, 25]."""
+  policy = RetentionPolicy(keep=1, keep_period=3, keep_period_exact=False)
+  present: list[int] = []
+  for s in [0, 1, 2, 4, 5, 8, 9, 13, 14, 25]:
+    present = kept(policy, present + [s])
+  assert present == [0, 4, 8, 13, 25]
+
+
+def test_inexact_period_flax():
+  """Flax's checkpoints_test.test_keep (keep=3, keep_every_n_steps=7, saves
+  every 5 steps from 17 to 32): all of 17, 22, 27, 32 stay."""
+  policy = RetentionPolicy(keep=3, keep_period=7, keep_period_exact=False)
+  present: list[int] = []
+  for s in range(17, 37, 5):
+    present = kept(policy, present + [s])
+  assert present == [17, 22, 27, 32]
+  # The exact rule: 17 (not a multiple of 7, not among the 3 newest) goes.
+  exact = RetentionPolicy(keep=3, keep_period=7)
+  assert kept(exact, range(17, 37, 5)) == [22, 27, 32]
+
+
+def test_inexact_period_needs_keep_period():
+  with pytest.raises(ValueError, match="keep_period_exact"):
+    RetentionPolicy(keep=1, keep_period_exact=False)
+  with pytest.raises(ValueError, match="keep_period_exact"):
+    RetentionPolicy(keep=1, keep_period=2, keep_period_exact=0)
+
+
+# ---- temporary steps (Levanter's temporary checkpoints) ----------------------
+
+
+def temp_kept(policy, steps, temporary, metrics=None):
+  doomed = policy.to_delete(list(steps), metrics or {}, frozenset(),
+                            temporary=frozenset(temporary))
+  return sorted(set(steps) - set(doomed))
+
+
+def test_temporary_steps_go_once_a_newer_one_commits():
+  policy = RetentionPolicy(temporary_time_saves=True)  # keep=None: all else
+  assert temp_kept(policy, [2, 3], {3}) == [2, 3]  # the newest stays
+  assert temp_kept(policy, [2, 3, 4], {3}) == [2, 4]
+  assert temp_kept(policy, [2, 3, 5], {3, 5}) == [2, 5]
+  # keep counts permanent steps only; pins and protection still hold.
+  policy = RetentionPolicy(keep=2, temporary_time_saves=True, keep_steps=[3])
+  assert temp_kept(policy, [1, 2, 3, 4, 5, 6], {3, 5, 6}) == [2, 3, 4, 6]
+  # Without temporary_time_saves the marks are ignored.
+  assert temp_kept(RetentionPolicy(keep=2), [1, 2, 3], {2}) == [2, 3]
