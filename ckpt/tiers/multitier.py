@@ -376,6 +376,8 @@ class MultiTierCheckpointer:
     from the persistent tier: for ``restore()`` with no target, a target
     whose shardings differ from the save's, or restore options the local
     tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+    After such a resume, the steps it set aside no longer count: this is
+    the resumed step until the next save.
 
     Raises ``StoreTimeoutError`` / ``CheckpointError`` when the persistent
     tier cannot be listed.
