@@ -23,7 +23,7 @@ from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
 from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
                                      restore_plan, target_sig)
-from ckpt.tiers.local_manifest import mismatch
+from ckpt.tiers.local_manifest import covered, mismatch
 from ckpt.tiers.local_steps import LocalSteps
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
@@ -90,6 +90,9 @@ class LocalRestorer:
         hosts = set(m.get("host_names", ()))
         sig = {n: v for n, v in (tsig or {}).items() if n not in hosts}
         why = mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
+        if (why and part == "own" and "sharded differently" in why and
+            covered(m[part], sig, lay.devices_of(proc))):
+          why = ""  # every byte is here: restored from its own shards
         flat = sorted(n for n in unsharded if n in m[part])
         if flat and not why:
           why = (f"leaves {flat[:4]} have no sharding in the target (the "
@@ -208,7 +211,7 @@ class LocalRestorer:
           read += nb
       if mine:
         imap = p.sharding.devices_indices_map(p.logical)
-        out[name] = place(p, [own[name]["index"](p.box(imap[d]))
+        out[name] = place(p, [own[name]["box"](p.box(imap[d]))
                                for d in lay.local], lay.local)
         read += own[name]["bytes"]
     flush()
@@ -235,12 +238,30 @@ class LocalRestorer:
 
       by_index = {tuple(tuple(x) for x in sh[0]): k
                   for k, sh in enumerate(e["shards"])}
+
+      def box(want, e=e, dt=dt, shard=shard, by_index=by_index):
+        """The stored box ``want``: a saved shard, or (other target
+        shardings, usable() checked that every byte is here) assembled
+        from the saved shards it intersects."""
+        want = tuple(tuple(x) for x in want)
+        if want in by_index:
+          return shard(by_index[want])
+        out = np.empty([b - a for a, b in want], dt)
+        for k, sh in enumerate(e["shards"]):
+          lo = [max(a, h[0]) for (a, _), h in zip(want, sh[0])]
+          hi = [min(b, h[1]) for (_, b), h in zip(want, sh[0])]
+          if all(l < h for l, h in zip(lo, hi)):
+            out[tuple(slice(l - a, h - a) for l, h, (a, _) in
+                      zip(lo, hi, want))] = shard(k)[tuple(
+                          slice(l - h[0], u - h[0]) for l, u, h in
+                          zip(lo, hi, sh[0]))]
+        return out
+
       out[name] = {
           "dtype": e["dtype"],
           "bytes": sum(sh[2] for sh in e["shards"]),
           "slot": lambda j, e=e, shard=shard: shard(e["slots"][j]),
-          "index": lambda idx, shard=shard, by_index=by_index: shard(
-              by_index[tuple(tuple(x) for x in idx)]),
+          "box": box,
       }
     return out
 

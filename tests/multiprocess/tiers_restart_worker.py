@@ -7,13 +7,16 @@ runs inside ``with jax.set_mesh(mesh):``, as docs/flax.md trains.
 ``config["phase"]``:
 
 - "first": saves steps 5..30 (local every 5, persistent every 20) with the
-  adapter's ``lora_b`` sharded on ``model``, as XLA shards the output of a
-  train step for a leaf the model does not annotate;
+  adapter sharded as XLA shards the output of a train step for leaves the
+  model does not annotate (``lora_a`` on ``data``, across the processes;
+  ``lora_b`` on ``model``, within each);
 - "drift": a restart whose target comes from ``nnx.eval_shape`` under the
-  mesh (``lora_b`` replicated): it resumes, then saves 25 and 30 again;
+  mesh (the adapter replicated: half of ``lora_a`` is on the other
+  process): it resumes, then saves 25 and 30 again;
 - "lost": a restart after process 1 lost its local directory, with the
   first job's shardings again: it resumes, then saves 25 again;
-- "resume": a restart with the shardings of "lost": what it resumes.
+- "resume": a restart with ``lora_b`` replicated (each process holds all
+  of it): what it resumes, resharded from its own shards.
 
 Every phase but "resume" writes its result, marks ``done_<phase>_<pid>``
 and waits to be killed (SIGKILL, by the test). A step's values say which
@@ -107,38 +110,44 @@ def run(conf: dict) -> Phase:
     return base + np.asarray(step + 1000 * line if "lora" in name(path)
                              else 0, leaf.dtype)
 
-  def sharding(path, leaf, xla: bool):
-    """The target's sharding (nnx.eval_shape's), or with ``xla`` the one a
-    jitted train step gives its output: lora_b on "model"."""
-    if xla and "lora_b" in name(path):
+  def sharding(path, leaf, mode: str):
+    """The target's sharding: "eval" is nnx.eval_shape's (the adapter
+    replicated); "xla" the one a jitted train step gives its output for
+    the unannotated adapter (lora_a on "data": half of it on each
+    process; lora_b on "model": whole on each process); "half" lora_a as
+    "xla", lora_b replicated."""
+    if mode in ("xla", "half") and "lora_a" in name(path):
+      return NamedSharding(mesh, P("data", None))
+    if mode == "xla" and "lora_b" in name(path):
       return NamedSharding(mesh, P(None, "model"))
     return NamedSharding(mesh, leaf.sharding.spec)
 
-  def state(step: int, line: int, xla: bool):
+  def state(step: int, line: int, mode: str):
     def make(path, leaf):
       v = values(path, leaf, line, step)
       return jax.make_array_from_callback(
-          v.shape, sharding(path, leaf, xla), lambda i: v[i])
+          v.shape, sharding(path, leaf, mode), lambda i: v[i])
     return {"model": jax.tree_util.tree_map_with_path(make, abstract)}
 
-  def target(xla: bool):
+  def target(mode: str):
     return {"model": jax.tree_util.tree_map_with_path(
         lambda p, l: jax.ShapeDtypeStruct(l.shape, l.dtype,
-                                          sharding=sharding(p, l, xla)),
+                                          sharding=sharding(p, l, mode)),
         abstract)}
 
-  def check(got, xla: bool) -> Restored:
+  def check(got, mode: str) -> Restored:
     """Which job wrote ``got`` (from an adapter leaf), and whether every
     leaf is that job's, bit for bit, on the target's shardings."""
     flat = jax.tree_util.tree_flatten_with_path(got["model"])[0]
-    want = jax.tree_util.tree_flatten_with_path(target(xla)["model"])[0]
+    want = jax.tree_util.tree_flatten_with_path(target(mode)["model"])[0]
     lora = [x for p, x in flat if "lora_a" in name(p)][0]
-    first = np.asarray(lora.addressable_shards[0].data).reshape(-1)[0]
+    shard = lora.addressable_shards[0]
+    first = np.asarray(shard.data).reshape(-1)[0]
     ok, line, step = True, None, None
     for (p, x), (_, t) in zip(flat, want):
       ok &= x.sharding == t.sharding
       if step is None and "lora_a" in name(p):
-        base = values(p, t, 0, 0).reshape(-1)[0]
+        base = values(p, t, 0, 0)[shard.index].reshape(-1)[0]
         n = int(round(float(first - base)))
         line, step = n // 1000, n % 1000
       for s in x.addressable_shards:
@@ -150,11 +159,12 @@ def run(conf: dict) -> Phase:
       conf["persistent"], local=conf["local"], local_interval=5,
       local_keep=2, persistent_interval=20, barrier_timeout_s=60)
   out = Phase(pid, mt.local.committed_steps())
-  xla = phase in ("first", "lost", "resume")  # the first job's shardings
+  mode = {"first": "xla", "drift": "eval", "lost": "xla", "resume": "half"}[
+      phase]
   # Inside the mesh, as docs/flax.md trains (issue 45 item 2: the local
   # tier's save raised there).
   with jax.set_mesh(mesh):
-    _steps(mt, out, phase, timeline, xla, state, target, check)
+    _steps(mt, out, phase, timeline, mode, state, target, check)
   out.latest_end = worker.timed(mt.latest_step).value
   out.local_end = mt.local.committed_steps()
   out.warnings = [r.getMessage() for r in capture.records
@@ -172,26 +182,26 @@ def run(conf: dict) -> Phase:
   return out
 
 
-def _steps(mt, out: Phase, phase: str, timeline: int, xla: bool, state,
+def _steps(mt, out: Phase, phase: str, timeline: int, mode: str, state,
            target, check) -> None:
   """What the job does: saves, or a resume and then saves."""
   if phase == "first":
     for step in range(5, 31, 5):
       out.saves[str(step)] = worker.timed(
-          mt.save, step, state(step, timeline, xla=True))
+          mt.save, step, state(step, timeline, mode))
   else:
-    t = target(xla)
+    t = target(mode)
     out.latest_before = worker.timed(mt.latest_step).value
     out.latest_target_before = worker.timed(
         lambda: mt.latest_step(target=t)).value
-    got = check(mt.restore(target=t), xla)
+    got = check(mt.restore(target=t), mode)
     out.restore = dataclasses.replace(got, tier=mt.last_restore_tier)
     out.latest_after = worker.timed(mt.latest_step).value
     out.all_steps_after = worker.timed(mt.all_steps).value
     steps = {"drift": (25, 30), "lost": (25,), "resume": ()}[phase]
     for step in steps:  # the restored state, trained on: its shardings
       out.saves[str(step)] = worker.timed(
-          mt.save, step, state(step, timeline, xla=xla))
+          mt.save, step, state(step, timeline, mode))
   mt.wait_until_finished()
 
 

@@ -16,13 +16,16 @@ the leaf, both shard shapes and what to do, and the next save proceeds.
 
 The jobs, each killed with SIGKILL once it is done:
 
-1. first: local steps 5..30 (kept: 25, 30), persistent 20, ``lora_b``
-   sharded on ``model`` (as a jitted train step's output);
-2. drift: ``lora_b`` replicated in the target (``nnx.eval_shape``): resumes
-   20 from S3, saves 25 and 30 on the restored shardings;
+1. first: local steps 5..30 (kept: 25, 30), persistent 20, the adapter
+   sharded as a jitted train step's output (``lora_a`` on ``data``, across
+   the processes; ``lora_b`` on ``model``, within each);
+2. drift: the adapter replicated in the target (``nnx.eval_shape``; half
+   of ``lora_a`` is on the other process): resumes 20 from S3, saves 25
+   and 30 on the restored shardings;
 3. lost: process 1's local directory is gone, the first job's shardings
    again: resumes 20, saves 25;
-4. resume: what a restart with those shardings resumes (step 25 of job 3).
+4. resume: what a restart resumes (step 25 of job 3, ``lora_b`` resharded
+   from each process's own shards onto a replicated target).
 """
 
 from __future__ import annotations
@@ -111,8 +114,8 @@ def test_the_skipped_local_tier_is_one_warning_that_says_what_to_do(jobs):
   (w,) = [m for m in p0.warnings if "not used" in m]
   assert w.startswith("ckpt: resumed step 20 from the persistent tier s3://")
   assert "the local tier's newer step(s) [25, 30] were not used" in w, w
-  assert "leaf model/lora/lora_b/value is sharded differently" in w, w
-  assert "saved in shards of [4, 16], the target's are [4, 32]" in w, w
+  assert "leaf model/lora/lora_a/value is sharded differently" in w, w
+  assert "saved in shards of [8, 4], the target's are [16, 4]" in w, w
   assert "out_shardings" in w and "docs/multi-tier.md" in w, w
   assert "set aside: the next local save removes them" in w, w
   assert len(w) < 1500, len(w)
@@ -138,7 +141,10 @@ def test_a_restart_after_a_lost_local_directory_resumes_and_saves(jobs):
 
 def test_the_next_restart_resumes_the_new_timeline(jobs):
   """One timeline: the step the last job saved (25, written by job 3),
-  from the local tier, bit-exact; nothing of the abandoned steps is left."""
+  from the local tier, bit-exact; nothing of the abandoned steps is left.
+  Its target replicates lora_b, saved split on "model": each process
+  holds every byte of it, so the local tier reshards it from its own
+  shards (before: it resumed persistent step 20, losing 5 steps)."""
   for r in jobs["resume"]:
     assert r.local_before == [25], r
     assert r.latest_before == 25, r
