@@ -103,7 +103,8 @@ class LocalRestorer:
           if missing:
             why = f"leaves {missing[:4]} are not in the local tier"
         if why:
-          why = f"step {s}: {why}"
+          which = "" if part == "own" else f" (the replica of process {proc})"
+          why = f"step {s}{which}: {why}"
         elif verify(s):
           if host_bad is None:
             host_bad = steps.verify(s, m, None)
