@@ -44,14 +44,14 @@ def test_reuse_across_retention(tmp_path):
   root = tmp_path / "root"
   out = launch(WORKER, {"scenario": "retention", "dir": str(root)},
                num_processes=2, devices_per_process=2)
-  worker.check_retention(out)  # each later step linked the frozen chunks
-  # Steps 0 and 1, which wrote and first linked those files, are gone:
-  # steps 2 and 3 share them, whole.
+  worker.check_retention(out)  # steps 2 and 3 linked the frozen chunks
+  # Steps 0 and 1, which wrote those files, are gone: steps 2 and 3 hold
+  # one copy each (step 0's and step 1's), whole.
   two, three = root / "checkpoint_2", root / "checkpoint_3"
-  shared = [p for p in (three / "frozen").iterdir() if p.name[0].isdigit()]
-  assert len(shared) == 16
-  for p in shared:
-    assert p.stat().st_ino == (two / "frozen" / p.name).stat().st_ino
+  linked = [p for p in (three / "frozen").iterdir() if p.name[0].isdigit()]
+  assert len(linked) == 16
+  for p in linked:
+    assert p.stat().st_ino != (two / "frozen" / p.name).stat().st_ino
   assert _check_root(root) == [2, 3]
   moved = tmp_path / "moved"
   os.rename(root, moved)

@@ -1,0 +1,107 @@
+"""reuse_unchanged=True on a disk never costs the redundancy of keep=N
+(ckpt/save/reuse.py, ckpt/save/reuse_source.py): a stored chunk is
+re-checked against the crc32c of its file before it is linked, so damage
+found once is never linked into a new step, and two consecutive steps hold
+two physical copies of every chunk, so one damaged file never leaves a job
+with no restorable step."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import ckpt
+from ckpt.cli import integrity
+
+CHUNK = 64 << 10
+FROZEN = (512, 256)  # float32: 512 KiB, 8 chunks of 64 KiB
+
+
+def _frozen() -> np.ndarray:
+  return np.random.default_rng(99).standard_normal(FROZEN, np.float32)
+
+
+def _state(step: int) -> dict:
+  return {"frozen": _frozen(),
+          "train": np.random.default_rng(step).standard_normal(
+              (256, 256), np.float32),
+          "step": step}
+
+
+def _flip(path: pathlib.Path, at: int = 100) -> None:
+  """One byte flipped in place: every name of the file (hard links) sees it."""
+  with open(path, "r+b") as f:
+    f.seek(at)
+    b = f.read(1)
+    f.seek(at)
+    f.write(bytes([b[0] ^ 1]))
+
+
+def _restores_exactly(root: pathlib.Path) -> int:
+  """A restarted job's resume: the step it restores is bit-exact."""
+  with ckpt.Checkpointer(root) as c:
+    got = c.restore()
+  want = _state(int(got["step"]))
+  for k in ("frozen", "train"):
+    assert np.asarray(got[k]).tobytes() == want[k].tobytes(), k
+  return int(got["step"])
+
+
+def test_a_byte_flipped_in_a_frozen_chunk_is_never_linked_again(tmp_path):
+  """Issue 44, item 1: one byte flipped in a frozen chunk of step 3 while
+  the job runs; saves 4..8 with keep=2 all succeed, none of them links the
+  damaged file, and a restarted job restores step 8 bit-exact."""
+  root = tmp_path / "run"
+  with ckpt.Checkpointer(root, reuse_unchanged=True, keep=2,
+                         async_save=False, chunk_bytes=CHUNK) as c:
+    for step in range(4):
+      c.save(step, _state(step))
+    damaged = root / "checkpoint_3" / "frozen" / "0.0"
+    inode = damaged.stat().st_ino
+    _flip(damaged)
+    for step in range(4, 9):
+      c.save(step, _state(step))
+    assert c.all_steps() == [7, 8]
+  for step in (7, 8):  # neither kept step holds the damaged file
+    assert (root / f"checkpoint_{step}" / "frozen" / "0.0").stat().st_ino \
+        != inode
+    assert integrity.verify(str(root), step=step) == []
+  assert _restores_exactly(root) == 8
+
+
+@pytest.mark.parametrize("keep", [2, 3])
+def test_keep_n_spans_two_physical_copies(tmp_path, keep):
+  """No damage in flight: the kept steps hold two copies of every frozen
+  chunk, so a bad sector in the newest step's file (every step linking
+  that inode sees it) leaves an older kept step that restores exactly."""
+  root = tmp_path / "run"
+  with ckpt.Checkpointer(root, reuse_unchanged=True, keep=keep,
+                         async_save=False, chunk_bytes=CHUNK) as c:
+    for step in range(6):
+      c.save(step, _state(step))
+      assert c.last_save_stats.bytes_reused == (
+          _frozen().nbytes if step >= 2 else 0)
+    kept = c.all_steps()
+  inodes = {(root / f"checkpoint_{s}" / "frozen" / "0.0").stat().st_ino
+            for s in kept}
+  assert len(inodes) == 2
+  _flip(root / f"checkpoint_{kept[-1]}" / "frozen" / "0.0")
+  assert _restores_exactly(root) == kept[-2]
+
+
+def test_a_missing_source_chunk_is_written(tmp_path):
+  """The file a link would come from is gone (removed by hand): the chunk
+  is written, the save succeeds and the new step restores exactly."""
+  root = tmp_path / "run"
+  with ckpt.Checkpointer(root, reuse_unchanged=True, async_save=False,
+                         chunk_bytes=CHUNK) as c:
+    for step in range(2):
+      c.save(step, _state(step))
+    os.remove(root / "checkpoint_0" / "frozen" / "0.0")
+    c.save(2, _state(2))
+    assert c.last_save_stats.bytes_reused == _frozen().nbytes - CHUNK
+  assert integrity.verify(str(root), step=2) == []
+  assert _restores_exactly(root) == 2
