@@ -75,12 +75,9 @@ def object_stamp(storage: Any, key: str) -> bytes | None:
   """Blocking: the storage generation of the object ``key`` (None:
   missing, or the store did not answer), one request without a body."""
   try:
-    r = storage.result(storage.kv.read(key, byte_range=slice(0, 0)))
+    return storage.generation(key)
   except Exception:  # pylint: disable=broad-except
     return None
-  if r.state == "missing":
-    return None
-  return bytes(r.stamp.generation)
 
 
 def stamp_of(storage: Any, where: str) -> bytes | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -137,8 +138,11 @@ def test_verify_checks_held_chunks():
   s.write_bytes(key, bytes(data))
   assert [p.path for p in integrity.verify(url, step=2)] == ["frozen"]
   assert integrity.verify(url, step=1) == []  # the other copy
-  with pytest.raises(CorruptCheckpointError):
+  # The error names the holder's object, not the holding step's directory
+  # (issue 44, item 7).
+  with pytest.raises(CorruptCheckpointError, match=re.escape(f"{url}/{key}")):
     ckpt.load(url, 2)
+  assert f"{url}/{key}" in integrity.verify(url, step=2)[0].message
 
 
 def test_a_step_opened_alone_names_the_holder():
@@ -276,6 +280,31 @@ def test_detach_makes_a_step_self_contained(capsys):
   _check(url, [2])
   assert cli_main.main(["detach", url]) == 0
   assert "holds nothing by reference" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["lost", "damaged"])
+def test_detach_refuses_a_holder_that_lost_or_damaged_a_chunk(capsys, how):
+  """Issue 44, item 7: the holder of step 2's frozen leaf lost (or has a
+  damaged) chunk object: ``ckpt detach`` fails, naming it, and leaves the
+  index, the holder and the step exactly as they were."""
+  from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
+  url = _url()
+  _saved(url, 3)
+  holder = _held(url, 2)["frozen"]
+  s = storage_lib.Storage(url)
+  key = f"checkpoint_{holder[0]}/{holder[1]}/frozen/0.1"
+  if how == "lost":
+    s.delete_key(key)
+  else:
+    data = bytearray(s.read_bytes(key))
+    data[7] ^= 1
+    s.write_bytes(key, bytes(data))
+  before = {k: s.read_bytes(k) for k in s.list_all()}
+  assert cli_main.main(["detach", url, "--step", "2"]) != 0
+  err = capsys.readouterr().err
+  assert "fails verification" in err and "frozen" in err, err
+  assert {k: s.read_bytes(k) for k in s.list_all()} == before
+  assert _held(url, 2)["frozen"] == holder
 
 
 @pytest.mark.parametrize("budget,reused", [(4 << 20, True), (256 << 10, False)])
