@@ -214,8 +214,9 @@ class Saver:
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self.remove_abandoned, attempt.work_dir))
       try:
-        reuse = self._reuser.begin(plan, attempt.step, attempt.token,
-                                   attempt.work_dir)
+        reuse = await asyncio.to_thread(  # its first reads the records
+            self._reuser.begin, plan, attempt.step, attempt.token,
+            attempt.work_dir)
         await finalize.run_save(attempt, plan, self.storage, self._context,
                                 self.settings.concurrent_bytes, metrics,
                                 host_files, stats, staged.set,

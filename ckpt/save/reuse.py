@@ -69,14 +69,15 @@ from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import tsspec
 from ckpt.format.crc import checksum_view, digest
+from ckpt.multihost import process as multihost
 from ckpt.save import reuse_held
+from ckpt.save import reuse_records
 from ckpt.save import reuse_source
 from ckpt.save.reuse_source import Generation, Stored
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
 from ckpt.store import tsfuture
 
-HASH_NAME = "xxh3_128"
 # The formats whose chunks are files of their own (so a link reuses one).
 LINKED_FORMATS = ("zarr", "zarr3")
 
@@ -425,7 +426,7 @@ class SaveReuse:
     records = [[leaf_of[r], list(start), list(stop), s.digest, s.crc,
                 s.stamp]
                for (r, start, stop), s in self.generation.chunks.items()]
-    doc = {"process": process, "hash": HASH_NAME,
+    doc = {"process": process, "hash": reuse_records.HASH_NAME,
            "from": None if self.previous is None else self.previous.step,
            "written": bytes_written, "reused": self.bytes_reused,
            "chunks": records}
@@ -458,12 +459,23 @@ class Reuser:
     self._storage = storage
     self._last: Generation | None = None    # the newest committed save's
     self._before: Generation | None = None  # the one before it
+    self._loaded = False  # from the checkpoint's records (a restart)
 
   def begin(self, plan: Any, step: int, token: str,
             work_dir: str) -> SaveReuse | None:
-    """The reuse of the save of ``step`` into ``work_dir`` (None: off)."""
+    """Blocking: the reuse of the save of ``step`` into ``work_dir`` (None:
+    off). The first one of a Checkpointer starts from the records of the
+    newest committed steps (ckpt/save/reuse_records.py)."""
     if not self.enabled:
       return None
+    if not self._loaded:
+      self._loaded = True
+      gens = reuse_records.load(
+          self._storage, plan.options.storage_format, layout_of,
+          multihost.process_index(), multihost.process_count(), self.copies)
+      if gens and gens[-1] is not None:  # else nothing known of the newest
+        self._last = gens[-1]
+        self._before = gens[0] if len(gens) == 2 else None
     source = self._last if self.copies == 1 else self._before
     return SaveReuse(source, self._storage, plan, step, token, work_dir,
                      last=self._last)

@@ -105,3 +105,36 @@ def test_a_missing_source_chunk_is_written(tmp_path):
     assert c.last_save_stats.bytes_reused == _frozen().nbytes - CHUNK
   assert integrity.verify(str(root), step=2) == []
   assert _restores_exactly(root) == 2
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "zarr3"])
+def test_a_restarted_job_reuses_what_the_steps_hold(tmp_path, fmt):
+  """Issue 45, item 5: a new Checkpointer on the same root (a restart)
+  starts from the steps' .reuse records: its first save writes only the
+  changed leaf, links the frozen one (checked against the recorded
+  stamps, so a file damaged meanwhile is written) and restores exactly."""
+  root = tmp_path / "run"
+  kwargs = dict(format=fmt, reuse_unchanged=True, keep=2, async_save=False,
+                chunk_bytes=CHUNK)
+  with ckpt.Checkpointer(root, **kwargs) as c:
+    for step in range(3):
+      c.save(step, _state(step))
+  train = _state(0)["train"].nbytes
+  with ckpt.Checkpointer(root, **kwargs) as c:  # the restart
+    c.save(3, _state(3))
+    s = c.last_save_stats
+    assert (s.bytes_reused, s.bytes_written) == (_frozen().nbytes, train)
+    assert (root / "checkpoint_3" / "frozen" / _chunk(fmt)).stat().st_ino \
+        != (root / "checkpoint_2" / "frozen" / _chunk(fmt)).stat().st_ino
+  assert integrity.verify(str(root), step=3) == []
+  assert _restores_exactly(root) == 3
+  _flip(root / "checkpoint_2" / "frozen" / _chunk(fmt))  # the next source
+  with ckpt.Checkpointer(root, **kwargs) as c:  # another restart
+    c.save(4, _state(4))
+    assert c.last_save_stats.bytes_reused == _frozen().nbytes - CHUNK
+  assert integrity.verify(str(root), step=4) == []
+  assert _restores_exactly(root) == 4
+
+
+def _chunk(fmt: str) -> str:
+  return "0.0" if fmt == "zarr" else "c/0/0"
