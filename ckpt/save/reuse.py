@@ -360,7 +360,8 @@ class SaveReuse:
     if not link:  # as without reuse: written at once, summed alongside
       writes.append(store[box.slices()].write(
           data, can_reference_source_data_indefinitely=True))
-    if data.nbytes <= INLINE_WORK_BYTES and self.held is not None:
+    if data.nbytes <= INLINE_WORK_BYTES and (
+        self.held is not None or not link):  # no file read
       outcomes = self.sort(leaf, box, chunks, data, link)
     else:  # a disk reads the files it links
       outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
