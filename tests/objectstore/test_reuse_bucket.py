@@ -98,6 +98,41 @@ def test_a_restarted_job_reuses_its_steps_on_s3(s3_bucket):
   assert _check_bucket(url) == [2, 3]
 
 
+def test_a_chunk_only_process_1_holds_overwritten_on_s3(s3_bucket):
+  """2 processes: the holder object of a frozen chunk that only process 1
+  stores is overwritten between two jobs; the restarted job's save finds
+  it on process 1 alone, both processes agree to write that leaf (never
+  held from the damaged holder), and the step restores exactly."""
+  from ckpt.restore import read as read_lib  # pylint: disable=g-import-not-at-top
+  url = s3_bucket + "/run"
+  launch("tests.multiprocess.reuse_worker",
+         {"scenario": "resume", "dir": url, "steps": [0, 1, 2]},
+         num_processes=2, devices_per_process=2)
+  s = storage_lib.Storage(url)
+
+  def frozen_of(step):
+    where = steps_lib.step_dir(s, step)
+    e = next(e for e in read_lib.read_index(s, where).leaves
+             if e.relpath == "frozen")
+    return e.held_by or (step, where.split("/")[1])
+
+  holder = frozen_of(1)  # what the save of step 3 would hold
+  keys = [k for k in s.list_keys(f"checkpoint_{holder[0]}/{holder[1]}/frozen/")
+          if k.rsplit("/", 1)[1][0].isdigit()]
+  key = max(keys, key=lambda k: tuple(map(int, k.rsplit("/", 1)[1].split("."))))
+  data = bytearray(s.read_bytes(key))  # the last rows: process 1's
+  data[5] ^= 1
+  s.write_bytes(key, bytes(data))
+  out = launch("tests.multiprocess.reuse_worker",
+               {"scenario": "resume", "dir": url, "steps": [3]},
+               num_processes=2, devices_per_process=2)
+  assert all(r["exact"] for r in out), out
+  assert frozen_of(3) == (3, steps_lib.step_dir(s, 3).split("/")[1])
+  assert sum(r["stats"][0]["reused"] for r in out) == (
+      worker.frozen_bytes() - int(np.prod(worker.LEAVES["frozen"][0])) * 4)
+  assert _check_bucket(url) == [2, 3]
+
+
 def _check_bucket(url: str) -> list[int]:
   """Every committed step restores bit-exact and verifies; returns them."""
   steps = steps_lib.committed_steps(storage_lib.Storage(url))
