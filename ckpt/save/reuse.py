@@ -248,10 +248,12 @@ class SaveReuse:
     src = self._source()
     wheres = [src.where(relpath, [a // c for a, c in zip(o.box.start, chunks)])
               for o in outcomes]
+    meta = src.metadata(relpath)  # its array's metadata: still there?
     seen = await asyncio.gather(*(asyncio.to_thread(
-        reuse_source.stamp_of, self.storage, w) for w in wheres))
-    for w, o, s in zip(wheres, outcomes, seen):
-      if s != o.stamp:
+        reuse_source.stamp_of, self.storage, w) for w in [*wheres, meta]))
+    for w, want, s in zip([*wheres, meta],
+                          [o.stamp for o in outcomes] + [seen[-1]], seen):
+      if s is None or s != want:
         self._found_damaged(w)
         return False
     return True

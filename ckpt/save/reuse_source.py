@@ -110,8 +110,11 @@ class Source:
       return f"{names.step_dirname(self.gen.step)}/{relpath}/{name}"
     return f"{entries.held_dir(self.gen.holders[relpath])}/{relpath}/{name}"
 
-  def holder(self, relpath: str) -> tuple[int, str] | None:
-    return self.gen.holders.get(relpath)
+  def metadata(self, relpath: str) -> str:
+    """A bucket: the metadata object of the array that holds ``relpath``
+    (only its presence is checked: a reader refuses other metadata)."""
+    name = ".zarray" if self.format == "zarr" else "zarr.json"
+    return f"{entries.held_dir(self.gen.holders[relpath])}/{relpath}/{name}"
 
   def intact(self, where: str, rec: Stored) -> bool:
     """Blocking: whether the stored chunk at ``where`` is still what

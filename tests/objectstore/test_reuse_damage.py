@@ -52,7 +52,7 @@ def _restores_exactly(url: str) -> int:
   return int(got["step"])
 
 
-@pytest.mark.parametrize("how", ["deleted", "overwritten"])
+@pytest.mark.parametrize("how", ["deleted", "overwritten", "no metadata"])
 @pytest.mark.parametrize("bucket", ["s3_bucket", "gs_bucket"])
 def test_a_holder_object_deleted_or_overwritten_is_never_held_again(
     bucket, how, request):
@@ -70,6 +70,8 @@ def test_a_holder_object_deleted_or_overwritten_is_never_held_again(
     key = f"checkpoint_{damaged[0]}/{damaged[1]}/frozen/0.0"
     if how == "deleted":
       s.delete_key(key)
+    elif how == "no metadata":
+      s.delete_key(key.replace("/0.0", "/.zarray"))
     else:
       data = bytearray(s.read_bytes(key))
       data[100] ^= 1
