@@ -73,7 +73,8 @@ from ckpt.multihost import process as multihost
 from ckpt.save import reuse_held
 from ckpt.save import reuse_records
 from ckpt.save import reuse_source
-from ckpt.save.reuse_source import Generation, Stored
+from ckpt.save import reuse_unstaged
+from ckpt.save.reuse_source import Generation, Outcome, Stored
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
 from ckpt.store import tsfuture
@@ -90,16 +91,6 @@ def layout_of(storage_format: str, entry: Any, checksum: str) -> tuple:
                        if k != "checksum"))
   return (storage_format, tuple(entry.shape), str(entry.dtype),
           tuple(entry.chunks), codec, checksum)
-
-
-@dataclasses.dataclass
-class Outcome:
-  """One chunk of a box in this save."""
-  box: plan_lib.Box
-  digest: bytes | None
-  crc: int
-  linked: bool
-  stamp: bytes | None = None  # linked: the source's; else taken once written
 
 
 class SaveReuse:
@@ -134,7 +125,12 @@ class SaveReuse:
     self.relpaths = [getattr(lp.entry, "relpath", None) for lp in plan.leaves]
     self.chunk_shapes = [None if lp.layout is None else tuple(lp.layout.chunks)
                          for lp in plan.leaves]
-    self.generation = Generation(step, token, dict(self.layouts), {})
+    self.generation = Generation(step, token, dict(self.layouts), {}, {},
+                                 reuse_unstaged.objects(plan, self.layouts))
+    # A disk: boxes of the very arrays the previous step stored, linked
+    # without staging or hashing (reuse_unstaged.py).
+    self.unstaged = (reuse_unstaged.Unstaged(self)
+                     if storage.is_posix else None)
     self.bytes_reused = 0
     self.chunks_reused = 0
     self.damaged: list[str] = []  # stored chunks found not as recorded
@@ -144,7 +140,7 @@ class SaveReuse:
     self.held = None if storage.is_posix else reuse_held.Held(
         previous, token, None if plan.borrow else plan.options.max_item_bytes)
 
-  def _source(self) -> reuse_source.Source | None:
+  def source(self) -> reuse_source.Source | None:
     if self.previous is None:
       return None
     return reuse_source.Source(self.previous, self.storage, self.format)
@@ -178,7 +174,7 @@ class SaveReuse:
       return  # deleted meanwhile: the links made before are its bytes
     self.previous = None  # not ours: write everything
 
-  def _record(self, gen: Generation | None, relpath: str,
+  def record(self, gen: Generation | None, relpath: str,
               box: plan_lib.Box) -> Stored | None:
     """What this process stored for the same chunk of the same leaf, in
     the same layout, in step ``gen`` (None: nothing to compare)."""
@@ -189,7 +185,7 @@ class SaveReuse:
       return None  # a bucket refers only to an earlier step's data
     return gen.chunks.get((relpath, box.start, box.stop))
 
-  def _other_copy(self, relpath: str, src: str, index) -> bool:
+  def other_copy(self, relpath: str, src: str, index) -> bool:
     """Whether the chunk at ``src`` (of ``previous``) is another physical
     copy than the newest step's same chunk: another inode on a disk,
     another holder on a bucket."""
@@ -207,7 +203,7 @@ class SaveReuse:
     except OSError:  # the newest step has no such file: it is another
       return True
 
-  def _found_damaged(self, src: str) -> None:
+  def found_damaged(self, src: str) -> None:
     self.damaged.append(src)
     if len(self.damaged) == 1:
       logging.warning(
@@ -223,13 +219,13 @@ class SaveReuse:
     whose record is ``rec``, if it is another copy than the newest step's
     and, on a disk, still what was recorded (read and summed again)."""
     index = [a // c for a, c in zip(box.start, chunks)]
-    src = self._source().where(relpath, index)
-    if not self._other_copy(relpath, src, index):
+    src = self.source().where(relpath, index)
+    if not self.other_copy(relpath, src, index):
       return False  # a fresh copy: two consecutive steps, two copies
     if self.held is not None:  # a bucket: checked, then held back
       return rec.stamp is not None
-    if not self._source().intact(src, rec):
-      self._found_damaged(src)
+    if not self.source().intact(src, rec):
+      self.found_damaged(src)
       return False
     name = tsspec.chunk_key(self.format, index)
     target = os.path.join(os.fspath(self.storage.root), self.work_dir,
@@ -245,7 +241,7 @@ class SaveReuse:
                          outcomes: list[Outcome], chunks) -> bool:
     """A bucket: whether every chunk object that ``outcomes`` would hold
     is still the one recorded (one request each, without a body)."""
-    src = self._source()
+    src = self.source()
     wheres = [src.where(relpath, [a // c for a, c in zip(o.box.start, chunks)])
               for o in outcomes]
     meta = src.metadata(relpath)  # its array's metadata: still there?
@@ -254,7 +250,7 @@ class SaveReuse:
     for w, want, s in zip([*wheres, meta],
                           [o.stamp for o in outcomes] + [seen[-1]], seen):
       if s is None or s != want:
-        self._found_damaged(w)
+        self.found_damaged(w)
         return False
     return True
 
@@ -267,7 +263,7 @@ class SaveReuse:
     relpath = self.relpaths[leaf]
     for b in plan_lib.chunk_boxes(box, chunks):
       for gen in (self.previous, self.last):
-        old = self._record(gen, relpath, b)
+        old = self.record(gen, relpath, b)
         if old is not None and old.digest is not None:
           return True
     return False
@@ -296,10 +292,10 @@ class SaveReuse:
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
       view = data if b == box else data[b.relative_to(box)]
-      src = self._record(self.previous, relpath, b)
+      src = self.record(self.previous, relpath, b)
       if src is not None and src.nbytes != view.nbytes:
         src = None
-      newest = self._record(self.last, relpath, b)
+      newest = self.record(self.last, relpath, b)
       olds = [o for o in (src, newest)
               if o is not None and o.nbytes == view.nbytes]
       hashed = {o.digest for o in olds if o.digest is not None}

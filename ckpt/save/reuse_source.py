@@ -57,6 +57,18 @@ class Generation:
   # holds the array (its own, or the one it was held by).
   holders: dict[str, tuple[int, str]] = dataclasses.field(
       default_factory=dict)
+  # relpath -> weakref of the jax.Array this save stored (in memory only).
+  objects: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """One chunk of a box in this save."""
+  box: Any
+  digest: bytes | None
+  crc: int
+  linked: bool
+  stamp: bytes | None = None  # linked: the source's; else taken once written
 
 
 def file_stamp(path: str) -> bytes | None:

@@ -138,3 +138,55 @@ def test_a_restarted_job_reuses_what_the_steps_hold(tmp_path, fmt):
 
 def _chunk(fmt: str) -> str:
   return "0.0" if fmt == "zarr" else "c/0/0"
+
+
+def test_the_same_jax_array_is_linked_unstaged_and_unhashed(tmp_path,
+                                                            monkeypatch):
+  """Issue 47, item 5: the very jax.Array object the step linked from
+  stored is neither staged nor hashed; each link is still checked (a
+  byte flipped in the file it would link: staged, written); a new object
+  with the same bytes is staged and hashed, and linked."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ckpt.format import crc as crc_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import reuse as reuse_lib  # pylint: disable=g-import-not-at-top
+  from ckpt.save import staging  # pylint: disable=g-import-not-at-top
+  frozen = jax.numpy.asarray(_frozen())
+  staged, hashed = [], []
+  real_piece, real_digest = staging.device_piece, crc_lib.digest
+
+  def piece(leaf, w):
+    if leaf.parts == ("frozen",):
+      staged.append(w.box)
+    return real_piece(leaf, w)
+
+  def digest(view):
+    hashed.append(view.nbytes)
+    return real_digest(view)
+
+  monkeypatch.setattr(staging, "device_piece", piece)
+  monkeypatch.setattr(reuse_lib, "digest", digest)
+  root = tmp_path / "run"
+
+  def save(c, step, arr):
+    staged.clear()
+    hashed.clear()
+    c.save(step, {**_state(step), "frozen": arr})
+    return c.last_save_stats.bytes_reused
+
+  with ckpt.Checkpointer(root, reuse_unchanged=True, keep=2,
+                         async_save=False, chunk_bytes=CHUNK) as c:
+    save(c, 0, frozen)
+    save(c, 1, frozen)  # the second copy: staged, written
+    assert staged
+    train = _state(0)["train"].nbytes  # hashed or not, never frozen
+    for step in (2, 3):
+      assert save(c, step, frozen) == _frozen().nbytes
+      assert not staged and sum(hashed) <= train, (step, staged, hashed)
+    _flip(root / "checkpoint_2" / "frozen" / "0.0")  # step 4 links it
+    assert save(c, 4, frozen) == _frozen().nbytes - CHUNK
+    assert staged and sum(hashed) > train
+    assert save(c, 5, jax.numpy.asarray(_frozen())) == _frozen().nbytes
+    assert staged and sum(hashed) > train  # another object: staged, hashed
+  for step in (4, 5):
+    assert integrity.verify(str(root), step=step) == []
+  assert _restores_exactly(root) == 5
