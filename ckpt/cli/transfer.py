@@ -9,6 +9,7 @@ import ctypes
 import os
 
 from ckpt.cli import convert
+from ckpt.cli import integrity
 from ckpt.cli.listing import open_root
 from ckpt.commit import held
 from ckpt.commit import steps as steps_lib
@@ -66,7 +67,8 @@ def cmd_detach(args) -> int:
     step = step[0]
     if step is None:
       raise UsageError(f"{args.dir} holds no committed checkpoint")
-  copied = held.detach(storage, step)
+  copied = held.detach(storage, step, lambda: integrity.verify(
+      storage.url, step=step, storage_options=args.storage_options))
   text = (f"step {step}: copied " + ", ".join(
       f"{human_bytes(n)} held by step {s}" for s, n in sorted(copied.items()))
           if copied else f"step {step} holds nothing by reference")

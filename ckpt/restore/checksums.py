@@ -274,11 +274,14 @@ async def attach(leaves: dict, storage: Any, step_dir: str,
   if not need:
     return
   table = None
-  base = f"{storage.url.rstrip('/')}/{step_dir.strip('/')}".rstrip("/")
+  root = storage.url.rstrip('/')
+  base = f"{root}/{step_dir.strip('/')}".rstrip("/")
   key = _chunk_key(index.storage_format)
   for leaf in need:
     e = leaf.entry
     where = f"{base}/{e.relpath.strip('/')}"
+    if getattr(e, "held_by", None) is not None:  # another step's objects
+      where = f"{root}/{entries.held_dir(e.held_by)}/{e.relpath.strip('/')}"
     if index.storage_format == "ocdbt":
       where = f"{base} (OCDBT database) {e.relpath.strip('/')}"
     rank = len(e.shape)
