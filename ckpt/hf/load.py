@@ -1,0 +1,254 @@
+"""``load_safetensors``: safetensors files restored onto a target's shardings.
+
+The stages, as a ckpt restore's (ckpt/restore/read.py):
+
+1. open the source and read every file's header (ckpt/hf/files.py; each
+   header parsed as untrusted input, ckpt/hf/header.py);
+2. each tensor becomes a lazy leaf (ckpt/hf/leaves.py), placed by ``names``
+   (ckpt/hf/names.py): ``.T`` wraps it in a transposed view, ``[i]`` makes
+   it member i of a ``LazyStack`` (ckpt/restore/lazy_derived.py), so
+   per-layer tensors are read straight into their slice of the scanned
+   array, never gathered unstacked; then the ``transforms`` (as
+   ``Checkpointer.restore``'s: functions of the nested tree of lazy leaves);
+3. the leaves are matched to the target (ckpt/restore/targets.py: shape,
+   the floating cast, the sharding), and what is missing and left over is
+   refused together, naming keys and paths;
+4. each leaf is read as a restore reads it (``assemble.materialize``): only
+   the boxes this process's devices hold, each as the byte ranges of the
+   rows that cover it, under one ``ByteLimiter`` of ``concurrent_bytes``.
+   On an object store in a multi-process job, a leaf replicated across
+   processes is read once (ckpt/restore/readonce.py, the same policy as a
+   restore: each process reads a distinct part, then one jit program
+   all-gathers them).
+
+Collective when a target is given in a multi-process job: every process
+calls it with the same arguments; one round after the reads (and one
+before each read-once exchange) makes every process raise if any failed,
+naming it. ``target=None`` reads everything on this process, alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from jax import tree_util
+
+from ckpt.errors import TreeMismatchError
+from ckpt.format import tree
+from ckpt.hf import files as files_lib
+from ckpt.hf import leaves as leaves_lib
+from ckpt.hf import names as names_lib
+from ckpt.multihost import process as multihost
+from ckpt.restore import assemble
+from ckpt.restore import read as read_lib
+from ckpt.restore import readonce
+from ckpt.restore.lazy_derived import LazyStack
+from ckpt.restore.targets import out_dtype, target_spec
+from ckpt.restore.tasks import gather_or_cancel, run_sync
+from ckpt.store.limiter import ByteLimiter
+
+_SHOWN = 20  # names listed in an error, at most
+
+
+def _some(names: Sequence[str]) -> str:
+  names = sorted(names)
+  more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+  return ", ".join(repr(n) for n in names[:_SHOWN]) + more
+
+
+class _Source:
+  """What the files provide: target path -> (lazy leaf, the keys it
+  comes from), and the keys no rule placed."""
+
+  def __init__(self, source: files_lib.Source, rules: names_lib.Names):
+    headers = run_sync(source.headers())
+    tensors: dict[str, leaves_lib.Tensor] = {}
+    for name, head in headers.items():
+      for key, t in head.tensors.items():
+        if key in tensors:
+          raise TreeMismatchError(
+              f"tensor {key!r} is in both {tensors[key].file} and {name} of "
+              f"{source.src}")
+        tensors[key] = leaves_lib.Tensor(source, name, t, head.data_start)
+    self.left_over: list[str] = []
+    slots: dict[str, dict[int | None, tuple[str, Any]]] = {}
+    for key, t in tensors.items():
+      text = rules.forward(key)
+      if text is names_lib.UNMATCHED:
+        self.left_over.append(key)
+        continue
+      if text is None:
+        continue
+      place = names_lib.parse_place(text, key)
+      leaf = leaves_lib.Transposed(t, f"{key}.T") if place.transpose else t
+      slot = slots.setdefault(place.path, {})
+      if place.index in slot or (slot and (place.index is None) != (
+          None in slot)):
+        other = next(iter(slot.values()))[0]
+        raise TreeMismatchError(
+            f"names maps both {other!r} and {key!r} to {place.path!r} "
+            f"({text!r}); each target leaf takes one key, or one per index "
+            "[i] of its leading axis")
+      slot[place.index] = (key, leaf)
+    self.leaves: dict[str, Any] = {}
+    self.keys: dict[str, str] = {}
+    for path, slot in slots.items():
+      if None in slot:
+        key, self.leaves[path] = slot[None]
+        self.keys[path] = repr(key)
+        continue
+      have = sorted(slot)
+      gaps = sorted(set(range(have[-1] + 1)) - set(have))
+      if gaps:
+        raise TreeMismatchError(
+            f"{path!r} stacks keys at indices {have[:_SHOWN]}, but no key is "
+            f"placed at [{', '.join(map(str, gaps[:_SHOWN]))}] (e.g. "
+            f"{slot[have[0]][0]!r} is [{have[0]}])")
+      self.leaves[path] = LazyStack([slot[i][1] for i in have], 0, path)
+      self.keys[path] = (f"{slot[have[0]][0]!r}..{slot[have[-1]][0]!r} "
+                         f"({len(have)} keys stacked)")
+
+  def transform(self, transforms, target) -> None:
+    """Applies restore transforms to the nested tree of leaves."""
+    state = tree.nest({tuple(p.split("/")): v for p, v in self.leaves.items()})
+    target_tree = (None if target is None else
+                   tree.nest(dict(tree.flatten(target))))
+    for fn in transforms:
+      state = fn(state, target_tree, is_resuming=False)
+      if not isinstance(state, dict):
+        raise TypeError(f"transform {getattr(fn, '__name__', fn)!r} "
+                        f"returned a {type(state).__name__}, not the nested "
+                        "dict of leaves")
+    self.leaves = {tree.path_str(p): v for p, v in tree.unnest(state).items()}
+
+  def describe(self, path: str) -> str:
+    return self.keys.get(path) or "a transform"
+
+
+def load_safetensors(src, *, target: Any, names: Any = None,
+                     transforms: Sequence[Any] = (),
+                     concurrent_bytes: int = 1 << 30,
+                     storage_options: dict | None = None) -> Any:
+  """Restores safetensors weights onto ``target``'s shardings.
+
+  Args:
+    src: a ``.safetensors`` file, a ``model.safetensors.index.json``, or a
+      directory holding either (a path, ``file://``, ``gs://`` or ``s3://``).
+    target: a tree of ``jax.ShapeDtypeStruct`` (with shardings), jax or
+      numpy arrays: each leaf is read onto its sharding (without one: as
+      host numpy), cast to its dtype (floating casts). None: every tensor
+      as host numpy, in a flat dict keyed by the files' names (or the
+      paths ``names`` gives).
+    names: Hugging Face keys to target paths (ckpt/hf/names.py): None, a
+      dict, a list of ``(regex, replacement)`` pairs or a function; a path
+      may end in ``[i]`` (stacked at index i of the leading axis) and
+      ``.T`` (transposed).
+    transforms: restore transforms (``ckpt.transforms``), applied to the
+      nested tree of lazy leaves after ``names``.
+    concurrent_bytes: host memory for the reads in flight.
+    storage_options: merged into the TensorStore kvstore spec, as
+      ``Checkpointer(storage_options=...)``.
+
+  Raises:
+    CorruptCheckpointError: a file or index that is not what it claims
+      (naming the file and the tensor).
+    TreeMismatchError: keys and target leaves that do not match (every
+      missing and left-over name listed), a shape that differs (naming the
+      key and the path), a cast that is not floating.
+
+  Collective in a multi-process job when ``target`` is given.
+  """
+  if target is not None and multihost.is_multiprocess():
+    return _collective(src, target, names, transforms, concurrent_bytes,
+                       storage_options)
+  return _read(src, target, names, transforms, concurrent_bytes,
+               storage_options, None)
+
+
+def _collective(src, target, names, transforms, budget, storage_options):
+  key = multihost.call_key("load_safetensors", os.fspath(src))
+  what = f"load_safetensors({os.fspath(src)!r})"
+  timeout = multihost.DEFAULT_TIMEOUT_S
+  result, error = None, None
+  try:
+    result = _read(src, target, names, transforms, budget,
+                        storage_options, "collective")
+  except Exception as e:  # pylint: disable=broad-except
+    error = e
+  multihost.all_ok(f"{key}/read", error, what, timeout)
+  try:
+    return readonce.finish(
+        result,
+        lambda batch: run_sync(read_lib.read_parts(batch, budget)),
+        budget, readonce.RestoreStats(),
+        lambda i, e: multihost.all_ok(f"{key}/{i}", e, what, timeout))
+  finally:
+    multihost.forget(key)
+
+
+def _read(src, target, names, transforms, budget: int, storage_options,
+          mode: str | None) -> Any:
+  """The result; in a collective load, leaves to read once are
+  ``readonce.Deferred`` placeholders."""
+  source = files_lib.Source(src, storage_options)
+  found = _Source(source, names_lib.Names(names))
+  if transforms:
+    found.transform(transforms, target)
+  limiter = ByteLimiter(budget)
+  if target is None:
+    if found.left_over:
+      raise TreeMismatchError(
+          f"{source.src}: names places no key {_some(found.left_over)} "
+          "(map a key to None to drop it)")
+    paths = sorted(found.leaves)
+    values = run_sync(gather_or_cancel(*(
+        assemble.materialize(found.leaves[p], found.leaves[p].dtype, None,
+                             limiter) for p in paths)))
+    return dict(zip(paths, values))
+  named = tree.flatten(target)
+  _, treedef = tree_util.tree_flatten(target)
+  want = [tree.path_str(p) for p, _ in named]
+  missing = [p for p in want if p not in found.leaves]
+  extra = sorted(set(found.leaves) - set(want))
+  if missing or extra or found.left_over:
+    parts = []
+    if missing:
+      parts.append(f"missing (target leaves no key is placed at): "
+                   f"{_some(missing)}")
+    if extra:
+      parts.append("left over (placed at paths the target does not have): "
+                   + ", ".join(f"{p!r} from {found.describe(p)}"
+                               for p in extra[:_SHOWN]))
+    if found.left_over:
+      parts.append(f"left over (keys no rule of names places): "
+                   f"{_some(found.left_over)}")
+    raise TreeMismatchError(
+        f"load_safetensors({source.src!r}): the files and the target do not "
+        "match; " + "; ".join(parts) + ". Map a key to None to drop it.")
+  min_r = (readonce.min_replicas(None, source.storage.url)
+           if mode == "collective" else None)
+
+  async def one(i: int, name: str, tgt: Any) -> Any:
+    src_leaf = found.leaves[name]
+    label = f"{name} (from {found.describe(name)})"
+    shape, wanted, sharding, wants_array = target_spec(tgt, label)
+    if not wants_array:
+      raise TreeMismatchError(
+          f"target leaf {name!r} is a {type(tgt).__name__}; expected a "
+          "jax.ShapeDtypeStruct, a jax.Array or a numpy array")
+    if tuple(src_leaf.shape) != shape:
+      raise TreeMismatchError(
+          f"target leaf {name!r} has shape {shape}; {found.describe(name)} "
+          f"gives {tuple(src_leaf.shape)}")
+    dtype = out_dtype(label, src_leaf, shape, wanted, True, None)
+    if min_r is not None and sharding is not None:
+      later = readonce.deferred(label, src_leaf, dtype, sharding, min_r, i)
+      if later is not None:
+        return later
+    return await assemble.materialize(src_leaf, dtype, sharding, limiter)
+
+  values = run_sync(gather_or_cancel(*(
+      one(i, name, tgt) for i, (name, (_, tgt)) in
+      enumerate(zip(want, named)))))
+  return tree_util.tree_unflatten(treedef, values)
