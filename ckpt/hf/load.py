@@ -42,6 +42,7 @@ from ckpt.hf import names as names_lib
 from ckpt.multihost import process as multihost
 from ckpt.restore import assemble
 from ckpt.restore import read as read_lib
+from ckpt.restore import readcount
 from ckpt.restore import readonce
 from ckpt.restore.lazy_derived import LazyStack
 from ckpt.restore.targets import out_dtype, target_spec
@@ -171,6 +172,7 @@ def _collective(src, target, names, transforms, budget, storage_options):
   what = f"load_safetensors({os.fspath(src)!r})"
   timeout = multihost.DEFAULT_TIMEOUT_S
   result, error = None, None
+  counter = readcount.COUNTER.get()
   try:
     result = _read(src, target, names, transforms, budget,
                         storage_options, "collective")
@@ -180,7 +182,8 @@ def _collective(src, target, names, transforms, budget, storage_options):
   try:
     return readonce.finish(
         result,
-        lambda batch: run_sync(read_lib.read_parts(batch, budget)),
+        lambda batch: run_sync(readcount.counted(
+            read_lib.read_parts(batch, budget), counter)),
         budget, readonce.RestoreStats(),
         lambda i, e: multihost.all_ok(f"{key}/{i}", e, what, timeout))
   finally:
@@ -191,6 +194,9 @@ def _read(src, target, names, transforms, budget: int, storage_options,
           mode: str | None) -> Any:
   """The result; in a collective load, leaves to read once are
   ``readonce.Deferred`` placeholders."""
+  # The caller's read counter (readcount.COUNTER), if any, counts the reads
+  # of the private loop's thread too.
+  counter = readcount.COUNTER.get()
   source = files_lib.Source(src, storage_options)
   found = _Source(source, names_lib.Names(names))
   if transforms:
@@ -202,9 +208,9 @@ def _read(src, target, names, transforms, budget: int, storage_options,
           f"{source.src}: names places no key {_some(found.left_over)} "
           "(map a key to None to drop it)")
     paths = sorted(found.leaves)
-    values = run_sync(gather_or_cancel(*(
+    values = run_sync(readcount.counted(gather_or_cancel(*(
         assemble.materialize(found.leaves[p], found.leaves[p].dtype, None,
-                             limiter) for p in paths)))
+                             limiter) for p in paths)), counter))
     return dict(zip(paths, values))
   named = tree.flatten(target)
   _, treedef = tree_util.tree_flatten(target)
@@ -248,7 +254,10 @@ def _read(src, target, names, transforms, budget: int, storage_options,
         return later
     return await assemble.materialize(src_leaf, dtype, sharding, limiter)
 
-  values = run_sync(gather_or_cancel(*(
-      one(i, name, tgt) for i, (name, (_, tgt)) in
-      enumerate(zip(want, named)))))
+  try:
+    values = run_sync(readcount.counted(gather_or_cancel(*(
+        one(i, name, tgt) for i, (name, (_, tgt)) in
+        enumerate(zip(want, named)))), counter))
+  finally:
+    readcount.note_limiter(limiter)
   return tree_util.tree_unflatten(treedef, values)
