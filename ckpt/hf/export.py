@@ -23,6 +23,10 @@ object written whole, so host memory holds one shard there (pick
 ``max_shard_bytes`` to fit). An existing set in ``out_dir`` is refused,
 never overwritten.
 
+Reads are not checked against the step's checksums (as ``ckpt export``'s):
+a checked read holds each recorded box (a device's shard) whole, which is
+more than a slice; run ``ckpt verify`` on the step first.
+
 Run it on one process (``ckpt export`` or a script); to export from a
 multi-process job, save a step and export it.
 """
@@ -42,7 +46,6 @@ from ckpt.format import tree
 from ckpt.hf import files as files_lib
 from ckpt.hf import header as header_lib
 from ckpt.hf import names as names_lib
-from ckpt.restore import checksums
 from ckpt.restore import lazy
 from ckpt.restore import read as read_lib
 from ckpt.restore.tasks import run_sync
@@ -276,7 +279,6 @@ def export_safetensors(path, out_dir, *, step: int | None = None,
   index = read_lib.read_index(storage, step_dir)
   leaves = read_lib.step_leaves(index, storage, step_dir, storage.context(),
                                 lazy.DEFAULT_READ_BUDGET)
-  run_sync(checksums.attach(leaves, storage, step_dir, index))
   report = ExportReport(out_dir=os.fspath(out_dir), step=index.step)
   outs = _plan(index, leaves, names_lib.Names(names), report)
   shards = _shards(outs, max_shard_bytes)
