@@ -105,6 +105,8 @@ class Source:
   def _listed(self) -> list[str]:
     if self.storage.is_posix:
       root = os.fspath(self.storage.root)
+      if not os.path.exists(root):
+        raise CheckpointError(f"{self.src} does not exist")
       if not os.path.isdir(root):
         raise CheckpointError(f"{self.src} is neither a .safetensors file, "
                               "an index JSON nor a directory")

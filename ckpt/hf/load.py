@@ -168,7 +168,10 @@ def load_safetensors(src, *, target: Any, names: Any = None,
 
 
 def _collective(src, target, names, transforms, budget, storage_options):
-  key = multihost.call_key("load_safetensors", os.fspath(src))
+  # The key counts the calls (the same on every process), never the source:
+  # a process given another source still meets the others, and the round
+  # says that the sources differ.
+  key = multihost.call_key("load_safetensors")
   what = f"load_safetensors({os.fspath(src)!r})"
   timeout = multihost.DEFAULT_TIMEOUT_S
   result, error = None, None
@@ -178,16 +181,17 @@ def _collective(src, target, names, transforms, budget, storage_options):
                         storage_options, "collective")
   except Exception as e:  # pylint: disable=broad-except
     error = e
-  multihost.all_ok(f"{key}/read", error, what, timeout)
-  try:
-    return readonce.finish(
-        result,
-        lambda batch: run_sync(readcount.counted(
-            read_lib.read_parts(batch, budget), counter)),
-        budget, readonce.RestoreStats(),
-        lambda i, e: multihost.all_ok(f"{key}/{i}", e, what, timeout))
-  finally:
-    multihost.forget(key)
+  multihost.all_ok(f"{key}/read", error, what, timeout,
+                   same=f"source {os.fspath(src)!r}",
+                   differ="Every process must load the same source.")
+  # The round keys stay (a few bytes a call, as import's): a process may
+  # still be reading a decision when another returns, so none deletes them.
+  return readonce.finish(
+      result,
+      lambda batch: run_sync(readcount.counted(
+          read_lib.read_parts(batch, budget), counter)),
+      budget, readonce.RestoreStats(),
+      lambda i, e: multihost.all_ok(f"{key}/{i}", e, what, timeout))
 
 
 def _read(src, target, names, transforms, budget: int, storage_options,
