@@ -29,10 +29,13 @@ naming it. ``target=None`` reads everything on this process, alone.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Sequence
 
+import numpy as np
 from jax import tree_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ckpt.errors import TreeMismatchError
 from ckpt.format import tree
@@ -44,7 +47,7 @@ from ckpt.restore import assemble
 from ckpt.restore import read as read_lib
 from ckpt.restore import readcount
 from ckpt.restore import readonce
-from ckpt.restore.lazy_derived import LazyStack
+from ckpt.restore import readsplit
 from ckpt.restore.targets import out_dtype, target_spec
 from ckpt.restore.tasks import gather_or_cancel, run_sync
 from ckpt.store.limiter import ByteLimiter
@@ -106,7 +109,7 @@ class _Source:
             f"{path!r} stacks keys at indices {have[:_SHOWN]}, but no key is "
             f"placed at [{', '.join(map(str, gaps[:_SHOWN]))}] (e.g. "
             f"{slot[have[0]][0]!r} is [{have[0]}])")
-      self.leaves[path] = LazyStack([slot[i][1] for i in have], 0, path)
+      self.leaves[path] = leaves_lib.Stacked([slot[i][1] for i in have], path)
       self.keys[path] = (f"{slot[have[0]][0]!r}..{slot[have[-1]][0]!r} "
                          f"({len(have)} keys stacked)")
 
@@ -194,6 +197,37 @@ def _collective(src, target, names, transforms, budget, storage_options):
       lambda i, e: multihost.all_ok(f"{key}/{i}", e, what, timeout))
 
 
+def _read_once(name: str, leaf, dtype, sharding, min_r: int, order: int
+               ) -> readonce.Deferred | None:
+  """The leaf read once over its replica processes (ckpt/restore/readonce.py),
+  each reading an even part along a dimension of whole rows of the files'
+  tensors (``leaves.row_dims``: a stack's layers, a weight's rows), so no
+  process fetches rows another one fetches; else as a restore splits it;
+  None: not read once."""
+  got = readsplit.replica_axes(sharding, leaf.ndim, min_r)
+  if got is None:
+    return None
+  spec, axes, r = got
+  mesh = sharding.mesh
+
+  def names(entry) -> tuple:
+    return () if entry is None else (
+        tuple(entry) if isinstance(entry, (tuple, list)) else (entry,))
+  ways = [math.prod(mesh.shape[a] for a in names(e)) for e in spec]
+  for d in leaves_lib.row_dims(leaf):
+    if leaf.shape[d] % (ways[d] * r) == 0:
+      break
+  else:
+    return readonce.deferred(name, leaf, dtype, sharding, min_r, order)
+  new = list(spec)
+  new[d] = names(spec[d]) + tuple(axes)
+  split = readsplit.EvenSplit(sharding, r, NamedSharding(
+      mesh, PartitionSpec(*new), memory_kind=sharding.memory_kind))
+  return readonce.Deferred(
+      name, leaf, np.dtype(dtype), sharding, split, readsplit.per_process_bytes(
+          split, tuple(leaf.shape), np.dtype(dtype).itemsize))
+
+
 def _read(src, target, names, transforms, budget: int, storage_options,
           mode: str | None) -> Any:
   """The result; in a collective load, leaves to read once are
@@ -253,7 +287,7 @@ def _read(src, target, names, transforms, budget: int, storage_options,
           f"gives {tuple(src_leaf.shape)}")
     dtype = out_dtype(label, src_leaf, shape, wanted, True, None)
     if min_r is not None and sharding is not None:
-      later = readonce.deferred(label, src_leaf, dtype, sharding, min_r, i)
+      later = _read_once(label, src_leaf, dtype, sharding, min_r, i)
       if later is not None:
         return later
     return await assemble.materialize(src_leaf, dtype, sharding, limiter)

@@ -134,7 +134,10 @@ def counting():
   return counter
 
 
-def test_a_row_block_is_one_ranged_read(tmp_path):
+def test_a_row_block_is_one_ranged_read(tmp_path, monkeypatch):
+  # Pieces of at most 1 KiB (or the largest box): each device's rows (a
+  # row block of 2 KiB) come in one ranged read, exactly its bytes.
+  monkeypatch.setattr(leaves_lib, "PIECE_BYTES", 1 << 10)
   x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   save_file({"w": x}, str(tmp_path / "m.safetensors"))
   tgt = {"w": jax.ShapeDtypeStruct(
@@ -142,11 +145,16 @@ def test_a_row_block_is_one_ranged_read(tmp_path):
   counter = counting()
   out = ckpt.load_safetensors(str(tmp_path), target=tgt)
   assert np.array_equal(np.asarray(out["w"]), x)
-  assert counter.reads == 8  # one per device's rows
+  assert counter.reads == 8
   assert counter.bytes_read == counter.chunk_bytes_read == x.nbytes
 
 
-def test_a_column_block_reads_the_rows_that_cover_it(tmp_path):
+def test_columns_read_the_rows_covering_them_once_per_process(
+    tmp_path, monkeypatch):
+  # 8 boxes of 32 rows x 8 columns: every row is needed by 4 devices, and
+  # fetched once (in 8 pieces of 8 rows: 1 KiB, the largest box), never
+  # once per device.
+  monkeypatch.setattr(leaves_lib, "PIECE_BYTES", 1 << 10)
   x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
   save_file({"w": x}, str(tmp_path / "m.safetensors"))
   tgt = {"w": jax.ShapeDtypeStruct(
@@ -154,11 +162,18 @@ def test_a_column_block_reads_the_rows_that_cover_it(tmp_path):
   counter = counting()
   out = ckpt.load_safetensors(str(tmp_path), target=tgt)
   assert np.array_equal(np.asarray(out["w"]), x)
-  assert counter.bytes_read == x.nbytes
-  # Each of the 8 boxes (32 rows x 8 columns) fetched its 32 whole rows, in
-  # one read.
+  assert counter.bytes_read == counter.chunk_bytes_read == x.nbytes
   assert counter.reads == 8
-  assert counter.chunk_bytes_read == 4 * x.nbytes
+
+
+def test_the_whole_tensor_in_one_process_is_one_read(tmp_path):
+  x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+  save_file({"w": x}, str(tmp_path / "m.safetensors"))
+  tgt = {"w": jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh(), P("data", "model")))}
+  counter = counting()
+  ckpt.load_safetensors(str(tmp_path), target=tgt)
+  assert counter.reads == 1 and counter.chunk_bytes_read == x.nbytes
 
 
 def test_host_memory_stays_within_concurrent_bytes(model):
