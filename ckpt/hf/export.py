@@ -269,6 +269,13 @@ def export_safetensors(path, out_dir, *, step: int | None = None,
     An ExportReport (files written, tensors, total_size, widened and
     skipped leaves).
 
+  Raises:
+    CheckpointNotFoundError: no such committed step.
+    CheckpointError: ``out_dir`` already holds a set, or a leaf of a dtype
+      safetensors cannot hold.
+    TreeMismatchError: ``names`` that cannot be reversed (a function, a
+      regex of more than literal text and groups, two keys for one path).
+
   Not collective: run it on one process.
   """
   if max_shard_bytes <= 0:

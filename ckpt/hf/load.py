@@ -144,10 +144,10 @@ def load_safetensors(src, *, target: Any, names: Any = None,
       host numpy), cast to its dtype (floating casts). None: every tensor
       as host numpy, in a flat dict keyed by the files' names (or the
       paths ``names`` gives).
-    names: Hugging Face keys to target paths (ckpt/hf/names.py): None, a
-      dict, a list of ``(regex, replacement)`` pairs or a function; a path
-      may end in ``[i]`` (stacked at index i of the leading axis) and
-      ``.T`` (transposed).
+    names: Hugging Face keys to target paths (docs/huggingface.md "The
+      names rules"): None, a dict, a list of ``(regex, replacement)``
+      pairs or a function; a path may end in ``[i]`` (stacked at index i
+      of the leading axis) and ``.T`` (transposed); None drops a key.
     transforms: restore transforms (``ckpt.transforms``), applied to the
       nested tree of lazy leaves after ``names``.
     concurrent_bytes: host memory for the reads in flight.
