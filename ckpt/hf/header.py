@@ -61,7 +61,7 @@ ST_WIDEN = {"int4": "int8", "float8_e4m3b11fnuz": "float32"}
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensor:
+class Entry:
   """One tensor of a file: its data is bytes [begin, end) after the header."""
   key: str
   dtype: np.dtype
@@ -76,7 +76,7 @@ class Header:
   (8 + N), ``data_end`` the largest end offset (the data bytes the file
   must hold)."""
   where: str
-  tensors: dict[str, Tensor]
+  tensors: dict[str, Entry]
   metadata: dict[str, str]
   data_start: int
   data_end: int
@@ -136,7 +136,7 @@ def _int_list(v: Any, most: int) -> bool:
           all(type(x) is int and x >= 0 for x in v))
 
 
-def _tensor(where: str, key: str, spec: Any) -> Tensor:
+def _entry(where: str, key: str, spec: Any) -> Entry:
   if not isinstance(spec, dict):
     raise CorruptCheckpointError(
         f"{where}: tensor {key[:200]!r}: expected an object with dtype, "
@@ -162,7 +162,7 @@ def _tensor(where: str, key: str, spec: Any) -> Tensor:
     raise CorruptCheckpointError(
         f"{where}: tensor {key[:200]!r}: data_offsets [{begin}, {end}] hold "
         f"{end - begin} bytes; shape {shape} of {code} is {want} bytes")
-  return Tensor(key, dtype, tuple(shape), begin, end)
+  return Entry(key, dtype, tuple(shape), begin, end)
 
 
 def parse(doc: bytes, where: str) -> Header:
@@ -174,7 +174,7 @@ def parse(doc: bytes, where: str) -> Header:
     raise CorruptCheckpointError(
         f"{where}: __metadata__ is not an object of strings: "
         f"{str(meta)[:200]}")
-  tensors = {k: _tensor(where, k, v) for k, v in raw.items()}
+  tensors = {k: _entry(where, k, v) for k, v in raw.items()}
   # No two tensors share a byte (empty tensors share none).
   spans = sorted((t.begin, t.end, t.key) for t in tensors.values()
                  if t.end > t.begin)

@@ -209,7 +209,7 @@ class _Composite(LazyLeaf):
 class Tensor(_Composite):
   """One tensor of one safetensors file of a ``files.Source``."""
 
-  def __init__(self, source, name: str, t: header_lib.Tensor,
+  def __init__(self, source, name: str, t: header_lib.Entry,
                data_start: int):
     self.source, self.file = source, name
     self.path = t.key

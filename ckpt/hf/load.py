@@ -24,7 +24,15 @@ The stages, as a ckpt restore's (ckpt/restore/read.py):
 Collective when a target is given in a multi-process job: every process
 calls it with the same arguments; one round after the reads (and one
 before each read-once exchange) makes every process raise if any failed,
-naming it. ``target=None`` reads everything on this process, alone.
+naming it, or if they load different sources (rounds of ckpt/multihost/
+process.py, bounded by its DEFAULT_TIMEOUT_S: a process that never comes
+fails the others' round, naming it). ``target=None`` reads everything on
+this process, alone.
+
+Counting: a ``readcount.ReadCounter`` set as ``readcount.COUNTER`` by the
+caller counts every tensor read (the bytes its boxes asked, the whole rows
+fetched) and the byte limiter's peak, as a restore's reads count
+(tests/hf, scripts/bench_safetensors.py).
 """
 
 from __future__ import annotations
