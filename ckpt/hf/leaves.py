@@ -166,17 +166,20 @@ async def place(leaf, out_dtype, sharding, limiter) -> jax.Array:
   for b in boxes:
     check_fits(leaf.path, b.shape, out_dtype)
     data[b] = assemble.aligned_empty(b.shape, out_dtype)
-  ps = []
+  ps, others = [], []
   for b in boxes:
     got = parts(leaf, b, data[b])
-    if got is None:
-      await leaf.read_into(b, data[b])
+    if got is None:  # a member of another kind (a transform's stack)
+      others.append(b)
     else:
       ps += got
   grant = await limiter.acquire(
-      sum(b.size for b in boxes) * out_dtype.itemsize + extra_bytes(ps))
+      sum(b.size for b in boxes) * out_dtype.itemsize + extra_bytes(ps) +
+      sum(int(leaf.read_bytes(b)) for b in others))
   try:
     await read_parts(ps)
+    for b in others:
+      await leaf.read_into(b, data[b])
 
     def get(index):
       return data[Box.from_index(index, shape)]

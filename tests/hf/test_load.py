@@ -251,3 +251,20 @@ def test_an_index_naming_a_key_its_file_lacks(model, tmp_path):
   with pytest.raises(CorruptCheckpointError,
                      match="'lm_head.weight' to model-00001"):
     ckpt.load_safetensors(str(tmp_path), target=None)
+
+
+def test_a_restore_transform_stacks_per_layer_leaves(model):
+  # names keeps one leaf per layer; ckpt.transforms.stack_layers stacks them
+  # (a LazyStack of the files' transposed tensors), read onto the mesh.
+  d, t = model
+  names = [(r"model\.layers\.(\d+)\.mlp\.up_proj\.weight",
+            r"params/layers_\1/up/kernel.T"), (r".*", None)]
+  want = llama.expected(t)["params/layers/mlp/up/kernel"]
+  tgt = {"params": {"layers": {"up": {"kernel": jax.ShapeDtypeStruct(
+      want.shape, want.dtype,
+      sharding=NamedSharding(mesh(), P("data", None, "model")))}}}}
+  out = ckpt.load_safetensors(d, target=tgt, names=names,
+                              transforms=[ckpt.transforms.stack_layers()])
+  got = out["params"]["layers"]["up"]["kernel"]
+  assert got.sharding == tgt["params"]["layers"]["up"]["kernel"].sharding
+  assert np.array_equal(np.asarray(got), want)
