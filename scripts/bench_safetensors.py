@@ -11,10 +11,11 @@ A synthetic Llama-shaped model (random bf16; ``--layers`` layers, hidden
 head, MLP 2.75x hidden, ``--vocab`` tokens; about 0.85 GB at the
 defaults) is written as ``--shards`` files and their index JSON with the
 ``safetensors`` library. For each layout P x D (P real processes of D CPU
-devices, a mesh ("fsdp", "tp") of shape (P * D / 4 or 2, ...), fsdp
-spanning the processes) every process loads it onto a transformer sharding
-(kernels (in, out) over (fsdp, tp), the layers scanned: names with [i] and
-.T), then the plain way: ``safetensors.numpy.load_file`` of every file,
+devices; a mesh ("fsdp", "tp") of shape (P, D), one process: (2, 4)) every
+process loads it onto a transformer sharding (the layers scanned: names
+with [i] and .T; ``--fsdp-on out``: kernels (in, out) over (tp, fsdp), so
+fsdp splits the files' rows; ``in``: over (fsdp, tp), the files' columns;
+the embedding and head alike, the norms replicated), then the plain way: ``safetensors.numpy.load_file`` of every file,
 the same stacking and transposing in numpy, and each device's shard put
 on it (``jax.make_array_from_callback``: a ``device_put`` without its
 cross-process check) onto the same shardings (the limit). Per process: wall seconds, the bytes its boxes
@@ -134,8 +135,11 @@ def _target(conf: dict, mesh):
                                 sharding=NamedSharding(mesh, P(*spec)))
   h, n = conf["hidden"], conf["layers"]
   # "out": fsdp (across processes) splits every weight's out axis, the rows
-  # of the files' tensors; "in": its in axis (their columns).
-  kernel = ("tp", "fsdp") if conf["fsdp_on"] == "out" else ("fsdp", "tp")
+  # of the files' tensors; "in": its in axis (their columns); "none": no
+  # weight is split over fsdp (each held whole by every process: read once
+  # on a bucket).
+  kernel = {"out": ("tp", "fsdp"), "in": ("fsdp", "tp"),
+            "none": (None, "tp")}[conf["fsdp_on"]]
   tgt = {"embed": leaf((conf["vocab"], h), *reversed(kernel)),
          "norm": leaf((h,)), "lm_head": leaf((h, conf["vocab"]), *kernel),
          "layers": {}}
@@ -177,7 +181,8 @@ def worker(conf: dict) -> dict:
   from scripts.benchlib.measure import measure  # pylint: disable=g-import-not-at-top
   me = jax.process_index()
   devices = np.array(jax.devices())
-  tp = 4 if devices.size % 4 == 0 and devices.size >= 8 else 2
+  # tp: a process's devices (one process: 4); fsdp: across the processes.
+  tp = jax.local_device_count() if jax.process_count() > 1 else 4
   mesh = jax.sharding.Mesh(devices.reshape(-1, tp), ("fsdp", "tp"))
   tgt, recipe = _target(conf, mesh)
   out = {"process": me}
@@ -356,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--fsdp-on", default="out",
                       help="comma-separated: out (fsdp, across processes, "
                       "splits the weights' out axis: the files' rows), in "
-                      "(their in axis: the files' columns)")
+                      "(their in axis: the files' columns), none (the "
+                      "weights replicated over the processes)")
   parser.add_argument("--no-export", dest="export", action="store_false")
   parser.add_argument("--dir", default=None, help="where to write (tmp)")
   parser.add_argument("--out", default=None, help="the JSON report")
