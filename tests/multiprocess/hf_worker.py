@@ -20,8 +20,10 @@ and the whole rows fetched, readcount.ReadCounter), ``fetched`` (bytes
 TensorStore's kvstore drivers read, storemeter: headers included),
 ``peak`` (the byte limiter's most in use) and ``bad`` (leaves not
 bit-exact or not in the target's sharding). With ``config["bad_process"]``
-that process loads a source that does not exist, and every process reports
-the error it got (``error``) and how long it took.
+that process loads a source that does not exist (with
+``config["other_process"]``, ``config["other_src"]``: another valid one),
+and every process reports the error it got (``error``) and how long it
+took.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ def run(conf: dict) -> dict:
   src = conf["src"]
   if conf.get("bad_process") == me:
     src = src.rstrip("/") + "-missing"
+  if conf.get("other_process") == me:  # a copy: valid, but another source
+    src = conf["other_src"]
   counter = readcount.ReadCounter()
   readcount.COUNTER.set(counter)
   meter = storemeter.Meter()

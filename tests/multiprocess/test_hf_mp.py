@@ -1,9 +1,12 @@
 """load_safetensors across 2 real ``jax.distributed`` processes x 4 CPU
 devices (tests/multiprocess/hf_worker.py) from sharded safetensors files on
 the local disk: each process reads its half of the model, bit-exact on the
-target's shardings; one process failing makes both raise, naming it."""
+target's shardings; one process failing makes both raise, naming it, and so do
+processes given different sources."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -47,3 +50,13 @@ def test_one_process_failing_makes_both_raise_naming_it(src):
   assert "does not exist" in out[1]["error"], out[1]
   assert "failed on process(es) [1]" in out[0]["error"], out[0]
   assert all(r["seconds"] < 60 for r in out), out
+
+
+def test_processes_loading_different_sources_all_raise(src, tmp_path):
+  other = str(tmp_path / "copy")
+  shutil.copytree(src, other)
+  out = launch({"src": src, "layout": "shard", "other_process": 0,
+                "other_src": other})
+  for r in out:
+    assert "the processes are not doing the same thing" in r["error"], r
+    assert "Every process must load the same source" in r["error"], r
