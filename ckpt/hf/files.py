@@ -10,14 +10,14 @@ range: the 8 bytes of a header's length, the header, one probe of the last
 byte the header claims (the file must hold it), and then only the ranges of
 the tensors' rows a process needs (ckpt/hf/leaves.py).
 
-File names come from an untrusted index JSON: each must be a plain name
-(``[A-Za-z0-9_.-]``, ending in ``.safetensors``, no directory), so no read
-leaves the directory.
+File names come from an untrusted index JSON (at most 32 MiB, decoded
+within the bounds of ckpt/hf/header.py's headers): each must be a plain
+name (``[A-Za-z0-9_.-]``, ending in ``.safetensors``, no directory), so no
+read leaves the directory.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any
@@ -53,12 +53,8 @@ def split_source(src) -> tuple[str, str | None]:
 
 def parse_index(data: bytes, where: str) -> dict[str, str]:
   """{tensor key: file name} of an index JSON, its names checked."""
-  try:
-    doc = json.loads(data)
-  except (ValueError, RecursionError) as e:
-    raise CorruptCheckpointError(f"{where} is not JSON: {str(e)[:300]}"
-                                 ) from None
-  weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+  doc = header_lib.decode_json(data, where, "index JSON")
+  weight_map = doc.get("weight_map")
   if not isinstance(weight_map, dict):
     raise CorruptCheckpointError(f"{where} has no weight_map object")
   for key, name in weight_map.items():

@@ -107,14 +107,17 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
   return out
 
 
-def _decode(doc: bytes, where: str) -> dict:
+def decode_json(doc: bytes, where: str, what: str = "safetensors header"
+                ) -> dict:
+  """A JSON object from untrusted bytes, counted before it is decoded
+  (the docstring's bounds)."""
   n = len(doc)
   containers = doc.count(b"[") + doc.count(b"{")
   strings = doc.count(b'"') // 2
   if (containers > n // _BYTES_PER_CONTAINER + _SLACK or
       strings > n // _BYTES_PER_STRING + _SLACK):
     raise CorruptCheckpointError(
-        f"{where}: the safetensors header ({n} bytes) holds {containers} "
+        f"{where}: the {what} ({n} bytes) holds {containers} "
         f"JSON containers and {strings} strings, more than a header holds "
         f"(at most one container per {_BYTES_PER_CONTAINER} bytes and one "
         f"string per {_BYTES_PER_STRING}); refused before decoding")
@@ -122,12 +125,10 @@ def _decode(doc: bytes, where: str) -> dict:
     out = json.loads(doc, object_pairs_hook=_no_duplicates)
   except (ValueError, RecursionError) as e:
     raise CorruptCheckpointError(
-        f"{where}: the safetensors header is not valid JSON: "
-        f"{str(e)[:300]}") from None
+        f"{where}: the {what} is not valid JSON: {str(e)[:300]}") from None
   if not isinstance(out, dict):
     raise CorruptCheckpointError(
-        f"{where}: the safetensors header is a JSON {type(out).__name__}, "
-        "not an object")
+        f"{where}: the {what} is a JSON {type(out).__name__}, not an object")
   return out
 
 
@@ -167,7 +168,7 @@ def _entry(where: str, key: str, spec: Any) -> Entry:
 
 def parse(doc: bytes, where: str) -> Header:
   """The header whose JSON is ``doc`` (the N bytes after the length)."""
-  raw = _decode(doc, where)
+  raw = decode_json(doc, where)
   meta = raw.pop("__metadata__", None) or {}
   if not isinstance(meta, dict) or not all(
       isinstance(v, str) for v in meta.values()):

@@ -160,3 +160,13 @@ def test_a_good_file_next_to_these_still_loads(tmp_path):
   assert got["w"].tolist() == [1.0, 2.0]
   assert os.path.getsize(f) == 8 + len(json.dumps(
       {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})) + 8
+
+
+@pytest.mark.parametrize("doc,match", [
+    (b"[" * 300_000 + b"]" * 300_000, "index JSON .* refused before decoding"),
+    (b"{", "index JSON is not valid JSON"),
+    (b'{"weight_map": 3}', "no weight_map object"),
+])
+def test_an_index_json_that_is_not_one(tmp_path, doc, match):
+  (tmp_path / "model.safetensors.index.json").write_bytes(doc)
+  check_bounded(*refused(str(tmp_path), match))
