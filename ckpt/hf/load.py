@@ -24,7 +24,8 @@ The stages, as a ckpt restore's (ckpt/restore/read.py):
 Collective when a target is given in a multi-process job: every process
 calls it with the same arguments; one round after the reads (and one
 before each read-once exchange) makes every process raise if any failed,
-naming it, or if they load different sources (rounds of ckpt/multihost/
+naming it, or if their files hold different tensors (names, dtypes,
+shapes; the paths may differ from host to host) (rounds of ckpt/multihost/
 process.py, bounded by its DEFAULT_TIMEOUT_S: a process that never comes
 fails the others' round, naming it). ``target=None`` reads everything on
 this process, alone.
@@ -37,6 +38,7 @@ fetched) and the byte limiter's peak, as a restore's reads count
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from typing import Any, Sequence
@@ -83,6 +85,13 @@ class _Source:
               f"tensor {key!r} is in both {tensors[key].file} and {name} of "
               f"{source.src}")
         tensors[key] = leaves_lib.Tensor(source, name, t, head.data_start)
+    # What every process of a collective load must agree on: the tensors
+    # (names, dtypes, shapes), not the path, which may differ per host.
+    digest = hashlib.sha256()
+    for key in sorted(tensors):
+      t = tensors[key]
+      digest.update(f"{key}|{t.dtype.name}|{t.shape};".encode())
+    self.signature = f"{len(tensors)} tensors, digest {digest.hexdigest()[:16]}"
     self.left_over: list[str] = []
     slots: dict[str, dict[int | None, tuple[str, Any]]] = {}
     for key, t in tensors.items():
@@ -175,7 +184,7 @@ def load_safetensors(src, *, target: Any, names: Any = None,
     return _collective(src, target, names, transforms, concurrent_bytes,
                        storage_options)
   return _read(src, target, names, transforms, concurrent_bytes,
-               storage_options, None)
+               storage_options, None)[0]
 
 
 def _collective(src, target, names, transforms, budget, storage_options):
@@ -185,16 +194,17 @@ def _collective(src, target, names, transforms, budget, storage_options):
   key = multihost.call_key("load_safetensors")
   what = f"load_safetensors({os.fspath(src)!r})"
   timeout = multihost.DEFAULT_TIMEOUT_S
-  result, error = None, None
+  result, error, signature = None, None, ""
   counter = readcount.COUNTER.get()
   try:
-    result = _read(src, target, names, transforms, budget,
-                        storage_options, "collective")
+    result, signature = _read(src, target, names, transforms, budget,
+                              storage_options, "collective")
   except Exception as e:  # pylint: disable=broad-except
     error = e
   multihost.all_ok(f"{key}/read", error, what, timeout,
-                   same=f"source {os.fspath(src)!r}",
-                   differ="Every process must load the same source.")
+                   same=f"files of {signature}",
+                   differ="Every process must load the same tensors (the "
+                   "same model, at any path).")
   # The round keys stay (a few bytes a call, as import's): a process may
   # still be reading a decision when another returns, so none deletes them.
   return readonce.finish(
@@ -237,9 +247,9 @@ def _read_once(name: str, leaf, dtype, sharding, min_r: int, order: int
 
 
 def _read(src, target, names, transforms, budget: int, storage_options,
-          mode: str | None) -> Any:
-  """The result; in a collective load, leaves to read once are
-  ``readonce.Deferred`` placeholders."""
+          mode: str | None) -> tuple[Any, str]:
+  """(the result, the files' signature); in a collective load, leaves to
+  read once are ``readonce.Deferred`` placeholders."""
   # The caller's read counter (readcount.COUNTER), if any, counts the reads
   # of the private loop's thread too.
   counter = readcount.COUNTER.get()
@@ -257,7 +267,7 @@ def _read(src, target, names, transforms, budget: int, storage_options,
     values = run_sync(readcount.counted(gather_or_cancel(*(
         assemble.materialize(found.leaves[p], found.leaves[p].dtype, None,
                              limiter) for p in paths)), counter))
-    return dict(zip(paths, values))
+    return dict(zip(paths, values)), found.signature
   named = tree.flatten(target)
   _, treedef = tree_util.tree_flatten(target)
   want = [tree.path_str(p) for p, _ in named]
@@ -306,4 +316,4 @@ def _read(src, target, names, transforms, budget: int, storage_options,
         enumerate(zip(want, named)))), counter))
   finally:
     readcount.note_limiter(limiter)
-  return tree_util.tree_unflatten(treedef, values)
+  return tree_util.tree_unflatten(treedef, values), found.signature

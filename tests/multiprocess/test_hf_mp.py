@@ -2,12 +2,13 @@
 devices (tests/multiprocess/hf_worker.py) from sharded safetensors files on
 the local disk: each process reads its half of the model, bit-exact on the
 target's shardings; one process failing makes both raise, naming it, and so do
-processes given different sources."""
+processes given different models (another path to the same one is fine)."""
 
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 
 from tests.hf import llama
@@ -52,11 +53,20 @@ def test_one_process_failing_makes_both_raise_naming_it(src):
   assert all(r["seconds"] < 60 for r in out), out
 
 
-def test_processes_loading_different_sources_all_raise(src, tmp_path):
-  other = str(tmp_path / "copy")
-  shutil.copytree(src, other)
+def test_another_path_to_the_same_model_is_fine_another_model_is_not(
+    src, tmp_path):
+  # Process 0 loads a copy at another path (hosts with their own disks).
+  same = str(tmp_path / "same")
+  shutil.copytree(src, same)
   out = launch({"src": src, "layout": "shard", "other_process": 0,
-                "other_src": other})
+                "other_src": same})
+  assert all(r["error"] is None and r["bad"] == [] for r in out), out
+  # A model with one tensor in another dtype: every process raises.
+  t = llama.tensors(seed=SEED)
+  t["model.norm.weight"] = t["model.norm.weight"].astype(np.float32)
+  llama.write(str(tmp_path / "other"), t, shards=3)
+  out = launch({"src": src, "layout": "shard", "other_process": 0,
+                "other_src": str(tmp_path / "other")})
   for r in out:
     assert "the processes are not doing the same thing" in r["error"], r
-    assert "Every process must load the same source" in r["error"], r
+    assert "Every process must load the same tensors" in r["error"], r
