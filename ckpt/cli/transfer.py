@@ -6,6 +6,7 @@ a step of a ckpt root), with what they report: widened dtypes, kept values, impo
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 
 from ckpt.cli import convert
@@ -17,6 +18,7 @@ from ckpt.cli import export as export_lib
 from ckpt.cli import orbax_export
 from ckpt.cli.output import Progress, emit, human_bytes
 from ckpt.cli.usage import EXIT_OK, UsageError
+from ckpt.hf import export as hf_export
 
 
 def _some(names: list[str], n: int = 4) -> str:
@@ -34,6 +36,13 @@ def cmd_export(args) -> int:
     fmt = ext
   if fmt == "orbax":
     return _export_orbax(args)
+  if fmt == "safetensors" and (args.max_shard_size is not None or
+                               args.names is not None or
+                               not args.out.endswith(".safetensors")):
+    return _export_set(args)
+  if args.max_shard_size is not None or args.names is not None:
+    raise UsageError("--max-shard-size and --names are options of --to "
+                     "safetensors into a directory")
   if args.concurrent_bytes is not None or args.compression is not None:
     raise UsageError("--concurrent-bytes and --compression are options of "
                      "--to orbax")
@@ -53,6 +62,40 @@ def cmd_export(args) -> int:
   if report.values and fmt == "safetensors":
     lines.append(f"{len(report.values)} non-array leaves kept in the header "
                  f"metadata ({convert.VALUES_KEY}): {_some(report.values)}")
+  emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK
+
+
+def _export_set(args) -> int:
+  """``ckpt export PATH OUT_DIR --to safetensors``: a Hub-ready set."""
+  if args.concurrent_bytes is not None or args.compression is not None:
+    raise UsageError("--concurrent-bytes and --compression are options of "
+                     "--to orbax")
+  if args.storage_options:
+    raise UsageError("--to safetensors into a directory reads the "
+                     "checkpoint with the standard environment variables "
+                     "(AWS_*, STORAGE_EMULATOR_HOST), not --storage-options")
+  names = None
+  if args.names is not None:
+    try:
+      with open(args.names, encoding="utf-8") as f:
+        names = json.load(f)
+    except (OSError, ValueError) as e:
+      raise UsageError(f"--names {args.names}: {e}") from None
+    if isinstance(names, list):
+      names = [tuple(r) if isinstance(r, list) else r for r in names]
+  report = hf_export.export_safetensors(
+      args.path, args.out, step=args.step, names=names,
+      max_shard_bytes=args.max_shard_size or 5 << 30)
+  lines = [f"wrote {report.out_dir}: step {report.step}, {report.tensors} "
+           f"tensors in {len(report.files)} shards, "
+           f"{human_bytes(report.total_size)}"]
+  if report.widened:
+    lines.append(f"widened {len(report.widened)} leaves (exact): "
+                 f"{_some(sorted(report.widened))}")
+  if report.skipped:
+    lines.append(f"left out {len(report.skipped)} leaves (no name rule "
+                 f"reaches them, or not arrays): {_some(report.skipped)}")
   emit(args, report.to_json(), "\n".join(lines))
   return EXIT_OK
 
