@@ -177,7 +177,6 @@ class Checkpointer(query_calls.QueryCalls):
     self.storage = deadline_lib.call(
         timeouts.query_deadline(), storage_lib.Storage, directory,
         storage_options)
-    # Two physical copies of every reused chunk unless one step is kept.
     reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format,
                               copies=1 if keep == 1 else 2)
     # The parts (ckpt/face/), each the owner of its state.
