@@ -225,7 +225,9 @@ def outcome_round(key: str, error: BaseException | None, what: str, *,
   process whose own error is not a ckpt error (its own code raised in a
   transform) re-raises it as it is. A process whose error only relays
   another's (``relayed_from``: an earlier round of the same restore) is not
-  named as failed when the one it relays is."""
+  named as failed when the one it relays is. When every process failed
+  with the same error (a target that does not fit the checkpoint), each
+  raises its own, as it is."""
   post = None
   if error is not None:
     post = [type(error).__name__, str(error)[:2000],
@@ -237,6 +239,9 @@ def outcome_round(key: str, error: BaseException | None, what: str, *,
     failed = {p: g for p, g in sorted(got.items()) if g is not None}
     if not failed:
       return {}
+    if len(failed) == len(got) and len({(g[0], g[1]) for g in
+                                        failed.values()}) == 1:
+      return {"own": True}  # the same error everywhere: each raises its own
     own = {p: g for p, g in failed.items() if not g[3]} or failed
     first = next(iter(own.values()))[0]
     name = ("CorruptCheckpointError" if any(g[2] for g in failed.values())
@@ -259,8 +264,8 @@ def outcome_round(key: str, error: BaseException | None, what: str, *,
       key, json.dumps(post), lambda posts: json.dumps(decide(
           {p: json.loads(v) for p, v in posts.items()})),
       timeout_s=timeout_s, what=f"the outcome of the {what}"))
-  if not out:
-    if error is not None:  # cannot be: it posted its failure
+  if not out or out.get("own"):
+    if error is not None:  # (none and no decision: it posted no failure)
       raise error
     return
   if error is not None and not isinstance(error, errors.CheckpointError):
