@@ -9,6 +9,8 @@ from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          WaitTimeoutError)
 from ckpt.cli import integrity
 from ckpt.cli.orbax_export import export_orbax
+from ckpt.hf.export import export_safetensors
+from ckpt.hf.load import load_safetensors
 from ckpt.restore import transforms
 from ckpt.restore.lazy import LazyLeaf
 from ckpt.metadata import Metadata, abstract_target
@@ -17,7 +19,7 @@ from ckpt.restore.read import load
 from ckpt.tiers.multitier import MultiTierCheckpointer
 
 __all__ = [
-    "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "export_orbax", "integrity", "load", "transforms", "BarrierTimeoutError",
+    "Checkpointer", "MultiTierCheckpointer", "LazyLeaf", "MeshPartitioner", "Metadata", "abstract_target", "export_orbax", "export_safetensors", "integrity", "load", "load_safetensors", "transforms", "BarrierTimeoutError",
     "CheckpointError", "CheckpointNotFoundError", "CorruptCheckpointError",
     "InvalidStateError", "MissingLeavesError", "OrbaxImportError", "StoreTimeoutError",
     "TreeMismatchError", "WaitTimeoutError",

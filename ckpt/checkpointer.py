@@ -104,7 +104,8 @@ class Checkpointer(query_calls.QueryCalls):
       every restore checks what it reads (``restore(verify=...)``).
     chunk_bytes: target size of one stored chunk.
     reuse_unchanged: unchanged chunks are hard-linked (disk) or their leaf
-      held by the earlier step (bucket), not written (docs/format.md).
+      held by an earlier step (bucket), not written; two consecutive steps
+      hold two copies unless ``keep=1`` (docs/format.md).
     barrier_timeout_s: how long a process waits for the others at a barrier.
       Every coordination call is bounded by it (docs/multi-host.md):
       a process 0 that stops answering (frozen, stopped, dead) makes the
@@ -176,7 +177,8 @@ class Checkpointer(query_calls.QueryCalls):
     self.storage = deadline_lib.call(
         timeouts.query_deadline(), storage_lib.Storage, directory,
         storage_options)
-    reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format)
+    reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format,
+                              copies=1 if keep == 1 else 2)
     # The parts (ckpt/face/), each the owner of its state.
     self._rounds = rounds_lib.Rounds(self.storage.spec, self.storage.url,
                                      timeouts)

@@ -21,7 +21,7 @@ loopback, started and stopped here), where the bytes handed to the store
 are counted from the server: the sizes of the objects of each new step's
 data directory, read back after the save.
 
-Every save after the first is measured (scripts/benchlib/measure.py): CPU
+Every save after the first two (which write two copies) is measured (scripts/benchlib/measure.py): CPU
 seconds of this process (the figure to compare on a shared machine), wall
 seconds, and the bytes handed to the kernel by write calls (``wchar`` of
 /proc/self/io: the bytes to the disk). The dense pair alternates its order
@@ -142,9 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     return jax.device_put(x, sh)
 
   frozen = put(_leaf(a.frozen_mib, 0))
-  trains = [put(_leaf(a.train_mib, [1, i])) for i in range(a.rounds + 1)]
+  trains = [put(_leaf(a.train_mib, [1, i])) for i in range(a.rounds + 2)]
   denses = [put(_leaf(0 if a.url else a.dense_mib, [2, i]))
-            for i in range(a.rounds + 1)]
+            for i in range(a.rounds + 2)]
   base = a.url or tempfile.mkdtemp(dir=a.dir, prefix="reuse-cost-")
   names = [("dense, reuse", True), ("dense, no reuse", False)]
   if a.url:  # a bucket: the bytes to the store, not the dense pair
@@ -154,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
               ("train alone", False)]
   runs = {n: Run(n, base, a.format, reuse) for n, reuse in names}
   try:
-    for i in range(a.rounds + 1):
-      record = i > 0  # the first save of each writes everything
+    for i in range(a.rounds + 2):
+      record = i > 1  # the first two write everything (two copies)
       if not a.dense_only:
         for n in ("frozen+train, reuse", "frozen+train, no reuse"):
           if n in runs:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
   train_bytes = trains[0].nbytes
   print(f"format {a.format}; frozen {frozen.nbytes / MIB:.1f} MiB, train "
         f"{train_bytes / MIB:.1f} MiB, dense {denses[0].nbytes / MIB:.1f} "
-        f"MiB; medians of {a.rounds} saves after the first")
+        f"MiB; medians of {a.rounds} saves after the first two")
   print(f"{'run':24} {'CPU s':>7} {'wall s':>7} "
         f"{'to store MiB' if a.url else 'to disk MiB':>12} "
         f"{'written MiB':>12} {'reused MiB':>11}")

@@ -277,3 +277,26 @@ def test_gpu_d2h_on_cpu():
   ways = {r["way"] for r in rows if r.get("equal")}
   assert ways == {"device_get", "async_then_asarray", "pinned_host"}, rows
   assert len(rows) == 9 and all(r["equal"] and r["wall_s"] > 0 for r in rows)
+
+
+@pytest.mark.timeout(240)
+def test_bench_safetensors(tmp_path):
+  out = tmp_path / "st.json"
+  stdout = _run("bench_safetensors", "--hidden", "128", "--layers", "2",
+                "--vocab", "256", "--layouts", "1x8,2x2", "--fsdp-on",
+                "out,in", "--out", str(out), "--dir", str(tmp_path))
+  assert "load_file + device_put" in stdout and "ckpt export" in stdout
+  rep = json.loads(out.read_text())
+  rows = {(r["layout"], r["fsdp_on"], r["system"]): r for r in rep["rows"]}
+  assert len(rows) == 8
+  total = rep["model_bytes"]
+  one = rows[("1x8", "out", "load_safetensors")]
+  assert one["asked"] == [total] and one["wall_s"] > 0
+  two = rows[("2x2", "out", "load_safetensors")]
+  # fsdp across the 2 processes splits the files' rows: each asks and
+  # fetches about half (the norms, replicated, are read by both).
+  assert all(a < 0.6 * total for a in two["fetched"]), two
+  assert all(0 < p <= (256 << 20) for p in two["peak"]), two
+  assert [r["system"] for r in rep["export"]] == ["ckpt export",
+                                                  "ckpt.load + save_file"]
+  assert rep["export"][0]["written"] == total

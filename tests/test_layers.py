@@ -20,7 +20,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "ckpt"
 # Lowest first. save and restore share a floor and never import each other.
 FLOORS = [("errors",), ("store",), ("format",), ("shards",), ("multihost",),
           ("commit",), ("save", "restore"), ("top",), ("face",), ("public",),
-          ("tiers",),
+          ("tiers", "hf"),
           ("cli",)]
 FLOOR = {wing: i for i, wings in enumerate(FLOORS) for wing in wings}
 FACE = {"ckpt", "ckpt.__main__"}  # the public face may gather every wing

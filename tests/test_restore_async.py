@@ -49,6 +49,28 @@ def test_save_and_restore_are_refused_until_result(saved):
     assert c.all_steps() == [1, 2, 3]
 
 
+def test_a_dropped_handle_holds_nothing(saved, caplog):
+  """A handle dropped without result() (no reference left, or only a
+  reference cycle) releases its claim: the next save and restore work,
+  with a WARNING saying its reads were cancelled (before, both were
+  refused until close())."""
+  root, v = saved
+  with ckpt.Checkpointer(root, async_save=False) as c:
+    c.restore_async(1)  # dropped at once
+    assert np.array_equal(c.restore(2)["w"], v + 1)
+    h = c.restore_async(1)
+    cycle = {"handle": h}
+    cycle["self"] = cycle  # held by a cycle only, once h goes
+    del h, cycle
+    c.save(3, {"w": v})
+    assert c.all_steps() == [1, 2, 3]
+    held = c.restore_async(2)  # still referenced: refused, as before
+    with pytest.raises(ckpt.CheckpointError, match="is in flight"):
+      c.save(4, {"w": v})
+    assert np.array_equal(held.result()["w"], v + 1)
+  assert "was dropped without its result()" in caplog.text
+
+
 def test_close_cancels_it(saved):
   root, _ = saved
   c = ckpt.Checkpointer(root)

@@ -44,25 +44,14 @@ from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.checkpointer import Checkpointer
-from ckpt.errors import CheckpointError
+from ckpt.errors import CheckpointError, CorruptCheckpointError
 from ckpt.format import entries
 from ckpt.format import pack_index
+from ckpt.hf import header as st_header
 
 Progress = Callable[[int, int], None]  # (done, total), cumulative
 
 VALUES_KEY = "ckpt.values"  # safetensors __metadata__: the non-array leaves
-MAX_HEADER_BYTES = 100 << 20
-
-# numpy dtype name <-> safetensors dtype code.
-ST_CODES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16",
-    "int16": "I16", "uint32": "U32", "int32": "I32", "uint64": "U64",
-    "int64": "I64", "float16": "F16", "bfloat16": "BF16", "float32": "F32",
-    "float64": "F64", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
-    "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
-ST_DTYPES = {code: np.dtype(name) for name, code in ST_CODES.items()}
 
 
 class ConvertError(CheckpointError):
@@ -141,48 +130,28 @@ def _decode_py(name: str, d: Any) -> Any:
 
 def read_safetensors(path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
   """(tensors by key, header metadata) of one file; arrays are read-only
-  views of a memory map (read when used)."""
+  views of a memory map (read when used). The header is parsed as
+  untrusted input (ckpt/hf/header.py)."""
   path = os.fspath(path)
   size = os.path.getsize(path)
-  with open(path, "rb") as f:
-    head = f.read(8)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    if n < 2 or n > min(MAX_HEADER_BYTES, size - 8):
-      raise ConvertError(f"{path} is not a safetensors file (header size "
-                         f"{n} in a file of {size} bytes)")
-    try:
-      doc = json.loads(f.read(n))
-    except ValueError as e:
-      raise ConvertError(f"{path}: the safetensors header is not JSON: {e}"
-                         ) from None
-  if not isinstance(doc, dict):
-    raise ConvertError(f"{path}: the safetensors header is not a JSON object")
-  meta = doc.pop("__metadata__", None) or {}
+  try:
+    with open(path, "rb") as f:
+      n = st_header.header_length(f.read(8), path)
+      if n > size - 8:
+        raise ConvertError(f"{path}: the safetensors header claims {n} "
+                           f"bytes in a file of {size}")
+      head = st_header.parse(f.read(n), path)
+  except CorruptCheckpointError as e:
+    raise ConvertError(str(e)) from None
   body = size - 8 - n
+  if head.data_end > body:
+    raise ConvertError(f"{path}: its tensors end at data byte "
+                       f"{head.data_end}, outside the file's {body} bytes")
   data = (np.memmap(path, np.uint8, "r", offset=8 + n, shape=(body,))
           if body else np.zeros(0, np.uint8))
-  out = {}
-  for key, spec in doc.items():
-    try:
-      dtype = ST_DTYPES[spec["dtype"]]
-      shape, offsets = spec["shape"], spec["data_offsets"]
-    except (KeyError, TypeError):
-      dtype = shape = offsets = None
-    if (dtype is None or not _int_list(shape) or not _int_list(offsets) or
-        len(offsets) != 2):
-      raise ConvertError(f"{path}: tensor {key!r} has an unreadable or "
-                         f"unsupported header entry {str(spec)[:200]}")
-    shape, (begin, end) = tuple(shape), offsets
-    if (any(d < 0 for d in shape) or not 0 <= begin <= end <= body or
-        end - begin != math.prod(shape) * dtype.itemsize):
-      raise ConvertError(f"{path}: tensor {key!r}: offsets {begin}..{end} do "
-                         f"not hold {shape} {dtype.name} inside {body} bytes")
-    out[key] = data[begin:end].view(dtype.newbyteorder("<")).reshape(shape)
-  return out, meta
-
-
-def _int_list(v: Any) -> bool:
-  return isinstance(v, list) and all(type(x) is int for x in v)
+  out = {key: data[t.begin:t.end].view(t.dtype.newbyteorder("<")).reshape(
+      t.shape) for key, t in head.tensors.items()}
+  return out, dict(head.metadata)
 
 
 def safetensors_files(src) -> list[str]:

@@ -16,17 +16,16 @@ from typing import Any
 import numpy as np
 
 from ckpt.cli.convert import (VALUES_KEY, ConvertError, Progress, encode_py,
-                              ST_CODES, ST_DTYPES, iter_leaves,
-                              open_checkpoint)
+                              iter_leaves, open_checkpoint)
 from ckpt.format import index as index_lib
 from ckpt.format import tree
 from ckpt.format import checks
 from ckpt.format import entries
 from ckpt.format import pack_index
+from ckpt.hf.header import ST_CODES, ST_DTYPES, ST_WIDEN, header_bytes
 
 FORMATS = ("safetensors", "npz")
 # Exact widenings for dtypes a format cannot hold.
-_ST_WIDEN = {"int4": "int8", "float8_e4m3b11fnuz": "float32"}
 _NPZ_WIDEN = {"int4": "int8", "bfloat16": "float32",
               **{n: "float32" for n in checks.ALLOWED_DTYPES
                  if n.startswith("float8")}}
@@ -107,7 +106,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
       shape, dtype = e.shape, np.dtype(e.dtype)
     else:
       shape, dtype = e.value.shape, e.value.dtype
-    dtype = _widened(name, dtype, _ST_WIDEN, report)
+    dtype = _widened(name, dtype, ST_WIDEN, report)
     if dtype.name not in ST_CODES:
       raise ConvertError(
           f"leaf {name!r} has dtype {dtype.name}, which safetensors cannot "
@@ -121,7 +120,7 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
     meta[VALUES_KEY] = json.dumps(values, sort_keys=True)
   report.values = sorted(values)
   with open(out, "wb") as f:
-    f.write(_header_bytes(header, meta))
+    f.write(header_bytes(header, meta))
     for name, value in leaves:
       spec = header.get(name)
       if spec is None:
@@ -133,13 +132,6 @@ def _export_safetensors(index: index_lib.Index, leaves, out: str,
                            f"index says {end - begin}")
       f.write(_le_bytes(arr))
       report.tensors += 1
-
-
-def _header_bytes(header: dict[str, Any], meta: dict[str, str]) -> bytes:
-  doc = json.dumps({"__metadata__": meta, **header},
-                   separators=(",", ":")).encode()
-  doc += b" " * (-len(doc) % 8)  # the data starts 8-byte aligned
-  return len(doc).to_bytes(8, "little") + doc
 
 
 def _export_npz(leaves, out: str, report: ExportReport) -> None:

@@ -89,14 +89,25 @@ def reuse_summary(storage, step_dir: str, index: index_lib.Index
   from an earlier step (``reused_from``: {step: bytes}), from the
   ``.reuse`` files of ``reuse_unchanged=True`` (ckpt/save/reuse.py); None
   if the step was saved without it. A process whose file is missing or
-  unreadable is counted in ``unknown_processes``."""
+  unreadable is counted in ``unknown_processes`` (the first 100 missing:
+  the files there are come from one listing, never one read per process
+  the index claims, ckpt/restore/listed.py)."""
   from ckpt.format import seal  # pylint: disable=g-import-not-at-top
+  from ckpt.restore import listed  # pylint: disable=g-import-not-at-top
   own, reused, unknown, found = 0, {}, [], 0
-  for p in range(min(index.process_count, index_lib.MAX_PROCESSES)):
+  count = min(index.process_count, index_lib.MAX_PROCESSES)
+  present = listed.process_numbers(listed.list_names(
+      storage, f"{step_dir}/{index_lib.REUSE_DIR}".lstrip("/")),
+      ".msgpack", count)
+  have = set(present)
+  missing = (p for p in range(count) if p not in have)
+  unknown = [p for _, p in zip(range(100 if len(have) < count else 0),
+                               missing)]
+  for p in present:
     rel = index_lib.process_file(index_lib.REUSE_DIR, p, step_dir)
     try:
       data = storage.read_bytes(rel, limit=index_lib.MAX_PROCESS_FILE_BYTES)
-      if data is None:
+      if data is None:  # deleted since the listing
         unknown.append(p)
         continue
       doc = index_lib.unpack(seal.maybe_unseal(data, rel, index.sealed))
@@ -124,7 +135,7 @@ def reuse_summary(storage, step_dir: str, index: index_lib.Index
   return {"own_bytes": own, "reused_bytes": sum(reused.values()),
           "reused_from": {str(s): n for s, n in sorted(reused.items())},
           "how": "held by reference" if held else "hard links",
-          "unknown_processes": unknown}
+          "unknown_processes": sorted(unknown)}
 
 
 def _reuse_text(r: dict[str, Any]) -> str:

@@ -5,7 +5,9 @@
   ckpt verify PATH [--step S|--all]  every stored byte against its checksum
   ckpt gc DIR --keep N [...]         what retention would delete; --yes deletes
   ckpt export PATH OUT [--to FMT]    one safetensors or npz file, or
-                                     (--to orbax) a step of an Orbax root
+                                     (--to orbax) a step of an Orbax root,
+                                     or (--to safetensors OUT_DIR) a
+                                     Hub-ready sharded set
   ckpt import SRC DIR --step S       from an Orbax checkpoint or safetensors
 
 PATH is a checkpoint root (then ``--step``, default the latest committed) or
@@ -166,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
                  "(e.g. 256M; default 1G)")
   p.add_argument("--compression", choices=("zstd",),
                  help="--to orbax: compress chunks (default: raw)")
+  p.add_argument("--max-shard-size", type=_byte_size, metavar="SIZE",
+                 help="--to safetensors into a directory OUT (a Hub-ready "
+                 "set: shards and model.safetensors.index.json): the most "
+                 "bytes of one shard (e.g. 5GB, powers of 1024; default 5G)")
+  p.add_argument("--names", metavar="FILE",
+                 help="--to safetensors into a directory: a JSON file of the "
+                 "name rules, {leaf path: key} reversed as load_safetensors' "
+                 "names (a dict of key -> path, or [[regex, replacement], "
+                 "...])")
   p.set_defaults(func=cmd_export)
 
   p = sub.add_parser("detach", parents=[common],

@@ -6,9 +6,11 @@ a step of a ckpt root), with what they report: widened dtypes, kept values, impo
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 
 from ckpt.cli import convert
+from ckpt.cli import integrity
 from ckpt.cli.listing import open_root
 from ckpt.commit import held
 from ckpt.commit import steps as steps_lib
@@ -16,6 +18,7 @@ from ckpt.cli import export as export_lib
 from ckpt.cli import orbax_export
 from ckpt.cli.output import Progress, emit, human_bytes
 from ckpt.cli.usage import EXIT_OK, UsageError
+from ckpt.hf import export as hf_export
 
 
 def _some(names: list[str], n: int = 4) -> str:
@@ -33,6 +36,13 @@ def cmd_export(args) -> int:
     fmt = ext
   if fmt == "orbax":
     return _export_orbax(args)
+  if fmt == "safetensors" and (args.max_shard_size is not None or
+                               args.names is not None or
+                               not args.out.endswith(".safetensors")):
+    return _export_set(args)
+  if args.max_shard_size is not None or args.names is not None:
+    raise UsageError("--max-shard-size and --names are options of --to "
+                     "safetensors into a directory")
   if args.concurrent_bytes is not None or args.compression is not None:
     raise UsageError("--concurrent-bytes and --compression are options of "
                      "--to orbax")
@@ -56,6 +66,40 @@ def cmd_export(args) -> int:
   return EXIT_OK
 
 
+def _export_set(args) -> int:
+  """``ckpt export PATH OUT_DIR --to safetensors``: a Hub-ready set."""
+  if args.concurrent_bytes is not None or args.compression is not None:
+    raise UsageError("--concurrent-bytes and --compression are options of "
+                     "--to orbax")
+  if args.storage_options:
+    raise UsageError("--to safetensors into a directory reads the "
+                     "checkpoint with the standard environment variables "
+                     "(AWS_*, STORAGE_EMULATOR_HOST), not --storage-options")
+  names = None
+  if args.names is not None:
+    try:
+      with open(args.names, encoding="utf-8") as f:
+        names = json.load(f)
+    except (OSError, ValueError) as e:
+      raise UsageError(f"--names {args.names}: {e}") from None
+    if isinstance(names, list):
+      names = [tuple(r) if isinstance(r, list) else r for r in names]
+  report = hf_export.export_safetensors(
+      args.path, args.out, step=args.step, names=names,
+      max_shard_bytes=args.max_shard_size or 5 << 30)
+  lines = [f"wrote {report.out_dir}: step {report.step}, {report.tensors} "
+           f"tensors in {len(report.files)} shards, "
+           f"{human_bytes(report.total_size)}"]
+  if report.widened:
+    lines.append(f"widened {len(report.widened)} leaves (exact): "
+                 f"{_some(sorted(report.widened))}")
+  if report.skipped:
+    lines.append(f"left out {len(report.skipped)} leaves (no name rule "
+                 f"reaches them, or not arrays): {_some(report.skipped)}")
+  emit(args, report.to_json(), "\n".join(lines))
+  return EXIT_OK
+
+
 def cmd_detach(args) -> int:
   """``ckpt detach DIR --step N``: the step holds its own copy of every
   array it held by reference (reuse_unchanged=True on a bucket)."""
@@ -66,7 +110,8 @@ def cmd_detach(args) -> int:
     step = step[0]
     if step is None:
       raise UsageError(f"{args.dir} holds no committed checkpoint")
-  copied = held.detach(storage, step)
+  copied = held.detach(storage, step, lambda: integrity.verify(
+      storage.url, step=step, storage_options=args.storage_options))
   text = (f"step {step}: copied " + ", ".join(
       f"{human_bytes(n)} held by step {s}" for s, n in sorted(copied.items()))
           if copied else f"step {step} holds nothing by reference")

@@ -28,6 +28,7 @@ read per newer step, per deletion.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from absl import logging
 
@@ -137,14 +138,20 @@ def sweep(storage: storage_lib.Storage, targets: set[tuple[int, str]]
                         f"step {step}'s unreferenced data")
 
 
-def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
+def detach(storage: storage_lib.Storage, step: int,
+           verify: Callable[[], list]) -> dict[int, int]:
   """Makes the committed ``step`` of a bucket self-contained (``ckpt
   detach``): copies every array it holds by reference into its own data
   directory, then rewrites its index without ``held_by`` (one PUT: a
   reader sees the old index, reading the holder, or the new one, reading
   the copy), then sweeps what nobody refers to any more. Returns {holder
-  step: bytes copied}. A holder deleted meanwhile fails the copy before the
-  index changes."""
+  step: bytes copied}.
+
+  Nothing damaged is copied: the generation of every object to copy is
+  taken, then ``verify()`` (the step's problems, checked against its
+  crc32c records: ``ckpt verify``) must find none, and each object copied
+  must still have that generation. Else it raises, having removed the
+  copies it made: the index, the holder and the step are as they were."""
   if storage.is_posix:
     raise CheckpointError(
         f"{storage.url!r} is a disk: reuse there hard-links (each step is "
@@ -158,12 +165,10 @@ def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
   index = _index_of(storage, where)
   if index is None:
     raise CheckpointError(f"step {step} of {storage.url!r} has no index")
-  copied: dict[int, int] = {}
-  leaves = []
+  todo = []  # (entry, holder, {key: generation})
   for e in index.leaves:
     ref = getattr(e, "held_by", None)
     if ref is None:
-      leaves.append(e)
       continue
     src = f"{entries.held_dir(ref)}/{e.relpath}/"
     keys = storage.list_keys(src)
@@ -171,14 +176,36 @@ def detach(storage: storage_lib.Storage, step: int) -> dict[int, int]:
       raise CheckpointError(
           f"leaf {e.relpath!r} of step {step} is held by step {ref[0]}, "
           f"which holds nothing under {src!r}: it cannot be restored")
-    for k in keys:
-      data = storage.read_bytes(k)
-      if data is None:
-        raise CheckpointError(f"{k} disappeared while step {step} was "
-                              "detached; nothing was changed")
-      storage.write_bytes(f"{where}/{e.relpath}/{k[len(src):]}", data)
-      copied[ref[0]] = copied.get(ref[0], 0) + len(data)
-    leaves.append(dataclasses.replace(e, held_by=None))
+    todo.append((e, ref, {k: storage.generation(k) for k in keys}))
+  if not todo:
+    return {}
+  if problems := verify():
+    raise CheckpointError(
+        f"step {step} of {storage.url!r} fails verification, so it is not "
+        "detached (nothing was changed): " + "; ".join(
+            getattr(p, "message", str(p)) for p in problems))
+  copied: dict[int, int] = {}
+  made: list[str] = []
+  try:
+    for e, ref, gens in todo:
+      src = f"{entries.held_dir(ref)}/{e.relpath}/"
+      for k, gen in sorted(gens.items()):
+        data, now = storage.read_generation(k)
+        if data is None or now != gen:
+          raise CheckpointError(
+              f"{storage.url.rstrip('/')}/{k} (leaf {e.relpath!r}, held by "
+              f"step {ref[0]}) {'disappeared' if data is None else 'changed'} "
+              f"after step {step} was verified: not detached, nothing was "
+              "changed")
+        made.append(f"{where}/{e.relpath}/{k[len(src):]}")
+        storage.write_bytes(made[-1], data)
+        copied[ref[0]] = copied.get(ref[0], 0) + len(data)
+  except BaseException:
+    storage.delete_keys(made, f"the copies detaching step {step} made")
+    raise
+  leaves = [dataclasses.replace(e, held_by=None)
+            if getattr(e, "held_by", None) is not None else e
+            for e in index.leaves]
   if copied:
     storage.write_bytes(storage.index_key(where), index_lib.encode(
         dataclasses.replace(index, leaves=tuple(leaves))))

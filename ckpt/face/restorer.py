@@ -13,11 +13,13 @@ Its reads stall at most ``query_timeout_s`` (ckpt/store/deadline.py).
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import time
+import weakref
 
 from absl import logging
-from typing import Any
+from typing import Any, Callable
 
 
 from ckpt.commit import steps as steps_lib
@@ -28,6 +30,7 @@ from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import progress as progress_lib
 from ckpt.store import storemeter
+from ckpt.multihost import agreement
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.restore import job as job_lib
@@ -65,10 +68,15 @@ class Restorer:
     self._loop = loop
     self.last_restore_stats = readonce.RestoreStats()
     self.last_restore_step: int | None = None  # whose data came back
-    self._readonce_key: str | None = None  # the last read-once restore's
+    # The keys of earlier attempts' rounds, forgotten once a later round
+    # passed (_passed): every process has read their decisions by then.
+    self._round_keys: list[str] = []
     # Read-once lazy leaves' rounds (made by the first restore needing them).
     self._lazy_rounds: readonce.LazyRounds | None = None
-    self._pending: handle_lib.RestoreHandle | None = None
+    # restore_async's handle in flight (weakly: one dropped without
+    # result() releases its claim, _pending_handle), and what ends it then.
+    self._pending: weakref.ref | None = None
+    self._orphan: Callable[[], None] | None = None
 
   def restore(self, step, options: dict, start: bool = False) -> Any:
     """The body of ``Checkpointer.restore`` (``start``: of
@@ -92,9 +100,30 @@ class Restorer:
 
   def cancel_pending(self, why: str) -> None:
     """close(): a restore_async whose result() was not taken is cancelled."""
-    pending = self._pending
+    pending = self._pending_handle()
     if pending is not None and not pending.finished:
       pending.cancel(why)
+
+  def _pending_handle(self) -> handle_lib.RestoreHandle | None:
+    """restore_async's handle whose result() was not taken, or None. One
+    no longer referenced anywhere (dropped without result()) is ended
+    here: its reads cancelled, its step's claim released, with a WARNING;
+    the caller (the next save, restore or close) goes on."""
+    if self._pending is None:
+      return None
+    h = self._pending()
+    if h is not None and not h.finished:
+      del h
+      gc.collect()  # one held only by a reference cycle is dropped too
+      h = self._pending()
+    if h is not None:
+      if h.finished:
+        h = self._pending = self._orphan = None
+      return h
+    orphan, self._pending, self._orphan = self._orphan, None, None
+    if orphan is not None:
+      orphan()
+    return None
 
   def _restore_async(self, step, target, path, transforms, fallback_state,
                      lazy, verify, read_once, read_key, key, t_start, meter,
@@ -108,7 +137,6 @@ class Restorer:
       job = self._begin(step, target, path, transforms, fallback_state, lazy,
                         verify, read_once, read_key, key, t_start, meter,
                         progress)
-      job.agree_outcome = multihost.is_multiprocess()
       fut = self._start_reads(job)
     except BaseException:
       meter.__exit__(None, None, None)
@@ -122,17 +150,33 @@ class Restorer:
         self._loop.run(job_lib.cancelled(job))
       self._release(job)
 
-    h = handle_lib.RestoreHandle(finish, fut, cancel,
-                                 lambda: meter.__exit__(None, None, None),
-                                 f"restore_async of step {job.step}")
-    self._pending = h
+    ended = []  # once the handle has finished
+
+    def leave():
+      ended.append(True)
+      meter.__exit__(None, None, None)
+
+    what = f"restore_async of step {job.step}"
+
+    def orphan():  # the handle was dropped without result()
+      if ended:
+        return
+      logging.warning("ckpt: the handle of %s was dropped without its "
+                      "result(); its reads are cancelled", what)
+      try:
+        cancel()
+      finally:
+        leave()
+
+    h = handle_lib.RestoreHandle(finish, fut, cancel, leave, what)
+    self._pending, self._orphan = weakref.ref(h), orphan
     return h
 
   def check_no_pending(self, call: str) -> None:
     """save/restore while a restore_async's result() has not been taken:
     refused, on every process alike (each made the same calls)."""
-    h = self._pending
-    if h is not None and not h.finished:
+    h = self._pending_handle()
+    if h is not None:
       raise CheckpointError(
           f"{call} refused: {h.what} is in flight; call its result() "
           "first (restore_async is collective: every process takes its "
@@ -188,7 +232,10 @@ class Restorer:
         # process alike: _fallback_round); an explicit step or path raises.
         may_fall_back=(verify and not lazy and path is None and
                        step_arg is None),
-        find_s=time.perf_counter() - t_find, report=report)
+        find_s=time.perf_counter() - t_find, report=report,
+        # An explicit step or path: one outcome round, so that a failure
+        # on one process is every process's (a resume: _fallback_round).
+        agree_outcome=multihost.is_multiprocess())
 
   def _start_reads(self, job: "job_lib.RestoreJob"):
     """Starts this attempt's reads on the background loop; returns their
@@ -256,18 +303,20 @@ class Restorer:
         result, error = None, e
       self._release(job)
       if job.agree_outcome and not job.may_fall_back:
-        # restore_async: a failure on one process is every process's.
+        # A failure on one process is every process's, named alike.
         t = time.perf_counter()
         try:
-          multihost.all_ok(f"{job.run_key}/outcome", error,
-                           f"restore of step {job.step}",
-                           self._rounds.barrier_s)
+          agreement.outcome_round(f"{job.run_key}/outcome", error,
+                                  f"restore of {job.reading}",
+                                  timeout_s=self._rounds.barrier_s)
+          self._passed(job.run_key)
         finally:
           job.stats.rounds_s += time.perf_counter() - t
       if job.may_fall_back:
         t = time.perf_counter()
         older = self._fallback_round(f"{job.run_key}/verified", error,
                                      job.step)
+        self._passed(job.run_key)
         job.stats.rounds_s += time.perf_counter() - t
         if older is not None:
           job.damaged.append(job.step)
@@ -276,7 +325,9 @@ class Restorer:
           if multihost.process_index() == 0:
             job.protected = job.step  # _fallback_round protected it
           job.attempt += 1
-          job.run_key = f"{job.key}/fallback{job.attempt}"
+          # Not under job.key: that attempt's keys go while this one's
+          # rounds are still read (_passed).
+          job.run_key = f"{job.key}-fallback{job.attempt}"
           fut = self._start_reads(job)
           job_lib.wait_reads(fut, None, job)
           continue
@@ -293,6 +344,16 @@ class Restorer:
           f"; fell back past damaged step(s) {job.damaged}"
           if job.damaged else "")
       return result
+
+  def _passed(self, key: str) -> None:
+    """A round of the attempt ``key`` passed its barrier on every process,
+    so each has read the decisions of every earlier attempt's (and
+    restore's) rounds: process 0 forgets those keys. Never ``key``'s own:
+    a process may not have read this round's decision yet."""
+    for k in self._round_keys:
+      if k != key:
+        multihost.forget(k)
+    self._round_keys = [key]
 
   def _release(self, job: "job_lib.RestoreJob") -> None:
     if job.protected is not None:
@@ -326,9 +387,7 @@ class Restorer:
       if rounds:
         # Every process reached this restore's first round, so each is done
         # with the previous restore's rounds: their keys can go.
-        if self._readonce_key is not None:
-          multihost.forget(self._readonce_key)
-        self._readonce_key = key
+        self._passed(key)
       # The exchange: collectives on this (the caller's) thread; the reads
       # of each batch on the background thread.
       result = readonce.finish(

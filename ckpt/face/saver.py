@@ -220,8 +220,9 @@ class Saver:
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
             asyncio.to_thread(self.remove_abandoned, attempt.work_dir))
       try:
-        reuse = self._reuser.begin(plan, attempt.step, attempt.token,
-                                   attempt.work_dir)
+        reuse = None if not self._reuser.enabled else await asyncio.to_thread(
+            self._reuser.begin, plan, attempt.step, attempt.token,
+            attempt.work_dir)  # its first reads the steps' records
         await finalize.run_save(attempt, plan, self.storage, self._context,
                                 self.settings.concurrent_bytes, metrics,
                                 host_files, stats, staged.set,

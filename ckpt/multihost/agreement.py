@@ -209,6 +209,71 @@ def save_round(key: str, step: int, local_error: BaseException | None,
   return decision
 
 
+# ---- the outcome of a restore ----------------------------------------------
+
+def outcome_round(key: str, error: BaseException | None, what: str, *,
+                  timeout_s: float) -> None:
+  """After a restore's reads: every process says how its part ended; if
+  any failed, every process raises, the same class with the same message
+  naming each failed process and its error (the chunk a crc32c mismatch
+  names), instead of the others returning while it raises (and then
+  waiting in their next collective for a process that never comes).
+
+  The class is CorruptCheckpointError if any process found damaged data,
+  else the first failed process's if it is one of ckpt's, else
+  CheckpointError; the failed process's own error is its ``__cause__``. A
+  process whose own error is not a ckpt error (its own code raised in a
+  transform) re-raises it as it is. A process whose error only relays
+  another's (``relayed_from``: an earlier round of the same restore) is not
+  named as failed when the one it relays is. When every process failed
+  with the same error (a target that does not fit the checkpoint), each
+  raises its own, as it is."""
+  post = None
+  if error is not None:
+    post = [type(error).__name__, str(error)[:2000],
+            isinstance(error, errors.CorruptCheckpointError) or
+            "CorruptCheckpointError" in str(error)[:2000],
+            getattr(error, "relayed_from", None) is not None]
+
+  def decide(got: dict[int, Any]) -> dict:
+    failed = {p: g for p, g in sorted(got.items()) if g is not None}
+    if not failed:
+      return {}
+    if len(failed) == len(got) and len({(g[0], g[1]) for g in
+                                        failed.values()}) == 1:
+      return {"own": True}  # the same error everywhere: each raises its own
+    own = {p: g for p, g in failed.items() if not g[3]} or failed
+    first = next(iter(own.values()))[0]
+    name = ("CorruptCheckpointError" if any(g[2] for g in failed.values())
+            else first if first in _ERRORS else "CheckpointError")
+    if len(own) == 1:
+      (p, g), = own.items()
+      said = f"process {p} of {len(got)}: {g[0]}: {g[1]}"
+    else:
+      shown = "; ".join(f"process {p}: {g[0]}: {g[1]}"
+                        for p, g in list(own.items())[:8])
+      more = f" (and {len(own) - 8} more)" if len(own) > 8 else ""
+      said = f"processes {sorted(own)} of {len(got)}: {shown}{more}"
+    return {"type": name, "message": f"{what} failed on {said}"}
+
+  if not multihost.is_multiprocess():
+    if error is not None:
+      raise error
+    return
+  out = json.loads(multihost.agree(
+      key, json.dumps(post), lambda posts: json.dumps(decide(
+          {p: json.loads(v) for p, v in posts.items()})),
+      timeout_s=timeout_s, what=f"the outcome of the {what}"))
+  if not out or out.get("own"):
+    if error is not None:  # (none and no decision: it posted no failure)
+      raise error
+    return
+  if error is not None and not isinstance(error, errors.CheckpointError):
+    raise error  # its own code's error, as it is; the others name it
+  raise _ERRORS.get(out["type"], errors.CheckpointError)(
+      out["message"]) from error
+
+
 # ---- read rounds ------------------------------------------------------------
 
 def read_round(key: str, request: str, answer: Callable[[], Any], *,

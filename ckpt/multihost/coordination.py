@@ -128,12 +128,17 @@ class BoundedClient:
     end = time.monotonic() + own + GRACE_S
     while not call.done.wait(max(0.0, min(self._answer_s,
                                           end - time.monotonic()))):
-      if time.monotonic() >= end:
+      left = end - time.monotonic()
+      if left <= 0:
         raise call.unanswered(f"{name}({str(first)[:200]!r})",
                               own + GRACE_S)
-      # Is the service there at all? (NOT_FOUND is its answer.)
+      # Is the service there at all? (NOT_FOUND is its answer.) The
+      # question waits no longer than the call's own bound has left.
       probe = Call(self._client.key_value_try_get, (_PROBE_KEY,), {})
-      if not probe.done.wait(self._answer_s):
+      if not probe.done.wait(min(self._answer_s, left)):
+        if left < self._answer_s:  # the call's bound came first
+          raise call.unanswered(f"{name}({str(first)[:200]!r})",
+                                own + GRACE_S)
         raise probe.unanswered(
             f"a question (key_value_try_get) asked while {name}"
             f"({str(first)[:200]!r}) waited", self._answer_s)

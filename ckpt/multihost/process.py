@@ -179,9 +179,11 @@ def all_ok(key: str, error: BaseException | None, what: str,
     raise error
   if "failed" in out:
     failures = out["failed"]
-    raise CheckpointError(
+    relay = CheckpointError(
         f"{what} failed on process(es) {sorted(int(p) for p in failures)}: "
         + "; ".join(f"process {p}: {m}" for p, m in failures.items()))
+    relay.relayed_from = sorted(int(p) for p in failures)
+    raise relay
   if "differ" in out:
     said = out["differ"]
     first = said.get("0", next(iter(said.values())))

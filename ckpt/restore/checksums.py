@@ -30,6 +30,7 @@ from ckpt.format import seal
 from ckpt.format import tsspec
 from ckpt.restore import lazy
 from ckpt.restore import lazy_derived
+from ckpt.restore import listed
 from ckpt.restore import verified
 from ckpt.restore.tasks import gather_or_cancel
 from ckpt.format import tree
@@ -145,8 +146,10 @@ class ProcessChecksums:
   """The checksum files of one zarr v2 step (one per saving process), read
   once, when the first leaf is verified; every leaf then finds its boxes.
 
-  File names come from the index's process count (checked), never from the
-  files; every record is checked against the index before it is used."""
+  File names come from the index's process count (checked, and compared
+  with one listing of the files before any is read: ckpt/restore/listed.py),
+  never from the files; every record is checked against the index before
+  it is used."""
 
   def __init__(self, storage: Any, step_dir: str, index: index_lib.Index):
     self.storage = storage
@@ -188,6 +191,22 @@ class ProcessChecksums:
       raise CorruptCheckpointError(
           f"the index says {n} processes saved the step; expected 1 to "
           f"{index_lib.MAX_PROCESSES}")
+    # What the step holds first (one listing): a count the files do not
+    # bear out is refused before any per-process work.
+    rel_dir = f"{self.step_dir}/{index_lib.CHECKSUMS_DIR}".lstrip("/")
+    present = listed.process_numbers(
+        await asyncio.to_thread(listed.list_names, self.storage, rel_dir),
+        ".msgpack", n)
+    missing = listed.first_missing(present, n)
+    if missing is not None:
+      rel = index_lib.process_file(index_lib.CHECKSUMS_DIR, missing,
+                                   self.step_dir)
+      raise CorruptCheckpointError(
+          f"the checksum file of process {missing} "
+          f"({self.storage.url.rstrip('/')}/{rel}) is missing, so the boxes "
+          f"that process wrote cannot be verified (the index says {n} "
+          f"processes saved the step; {rel_dir!r} holds the files of "
+          f"{len(present)})")
     sem = asyncio.Semaphore(_FILE_READS)
     out: dict[str, array.array] = {}
     chunk_counts: dict[str, int] = {}
@@ -274,11 +293,14 @@ async def attach(leaves: dict, storage: Any, step_dir: str,
   if not need:
     return
   table = None
-  base = f"{storage.url.rstrip('/')}/{step_dir.strip('/')}".rstrip("/")
+  root = storage.url.rstrip('/')
+  base = f"{root}/{step_dir.strip('/')}".rstrip("/")
   key = _chunk_key(index.storage_format)
   for leaf in need:
     e = leaf.entry
     where = f"{base}/{e.relpath.strip('/')}"
+    if getattr(e, "held_by", None) is not None:  # another step's objects
+      where = f"{root}/{entries.held_dir(e.held_by)}/{e.relpath.strip('/')}"
     if index.storage_format == "ocdbt":
       where = f"{base} (OCDBT database) {e.relpath.strip('/')}"
     rank = len(e.shape)

@@ -21,7 +21,9 @@ class RestoreHandle:
   the restore's error; the same on every call after the first. With a
   ``timeout``, ``WaitTimeoutError`` if the reads are not done by then (they
   go on: call ``result()`` again). Collective like ``restore``: every
-  process calls ``result()`` before its next save or restore.
+  process calls ``result()`` before its next save or restore, or drops the
+  handle (no reference left): then the next save, restore or close()
+  cancels its reads, with a WARNING, and goes on.
   """
 
   def __init__(self, finish: Callable[[float | None], Any], reads,

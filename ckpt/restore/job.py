@@ -38,7 +38,7 @@ class RestoreJob:
   meter: Any
   may_fall_back: bool
   find_s: float = 0.0
-  agree_outcome: bool = False  # restore_async: one outcome round
+  agree_outcome: bool = False  # multi-process, no fallback: one outcome round
   report: Any = None  # progress (ckpt/store/progress.py)
   damaged: list = dataclasses.field(default_factory=list)
   attempt: int = 0

@@ -35,6 +35,7 @@ from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.errors import CorruptCheckpointError
 from ckpt.restore import assemble
+from ckpt.restore import listed
 from ckpt.restore.hostmem import check_fits
 from ckpt.restore.lazy import LazyLeaf
 from ckpt.shards.plan import Box
@@ -93,11 +94,22 @@ class PackSet:
     kv = self._kv()
     n = self.index.process_count
     leaves = pack_table.Leaves.of(self.index.leaves)
-    names = [pack_index.table_name(p) for p in range(n)]
+    # A process with no packed box writes no table: the tables there are,
+    # from one listing (never one read per process the index claims).
+    lo, hi = f"{pack_index.PACK_DIR}/", f"{pack_index.PACK_DIR}0"
+    try:
+      keys = kv.list(ts.KvStore.KeyRange(lo, hi)).result()
+    except Exception as e:
+      raise CorruptCheckpointError(
+          f"{self._where}: listing the pack tables failed: {e}") from e
+    procs = listed.process_numbers(
+        (k.decode(errors="replace")[len(lo):] for k in keys), ".msgpack", n)
+    names = {p: pack_index.table_name(p) for p in procs}
     tables = []
-    for lo in range(0, n, _TABLE_READS):
-      futures = [kv.read(name) for name in names[lo:lo + _TABLE_READS]]
-      for p, f in zip(range(lo, lo + _TABLE_READS), futures):
+    for i in range(0, len(procs), _TABLE_READS):
+      batch = procs[i:i + _TABLE_READS]
+      futures = [kv.read(names[p]) for p in batch]
+      for p, f in zip(batch, futures):
         try:
           got = f.result()
         except Exception as e:
@@ -105,7 +117,7 @@ class PackSet:
               f"{self._where}: reading the pack table {names[p]!r} failed: "
               f"{e}") from e
         if got.state != "value":
-          continue  # a process with no packed box
+          continue  # deleted since the listing: as if it had no packed box
         tables.append(self._decode(p, names[p], got.value, leaves))
     table = pack_table.concat(tables, leaves.shape.shape[1])
     every = np.arange(len(self.index.leaves))

@@ -2,17 +2,26 @@
 
 Fine-tuning with frozen towers, LoRA, many RL and distillation setups save
 a state whose bytes mostly never change. With reuse on, each process keeps,
-in memory, what it stored in the newest step this Checkpointer committed
-(``Generation``: per stored chunk its 128-bit xxh3 hash and its crc32c
-record). A chunk of the next save is *unchanged* when the same leaf (its
+in memory, what it stored in the two newest steps this Checkpointer
+committed (``Generation``, ckpt/save/reuse_source.py: per stored chunk its
+128-bit xxh3 hash, its crc32c record and its stamp). A chunk of the next save is *unchanged* when the same leaf (its
 relative path) has the same format, shape, dtype, chunk shape and codec,
 the chunk is the same box, and its stored bytes have the same crc32c and
 the same 128-bit hash (each chunk is read once in the steady state: a
 frozen chunk is hashed, a changing one only checksummed, as at every save;
 see ``SaveReuse.sort``; the 32-bit crc32c alone could collide). An unchanged
 chunk's file is hard-linked (``os.link``) from that step's directory into
-the new attempt instead of being written; its crc32c record is carried over
-into the new step's checksum file, so ``verify`` checks it like any other.
+the new attempt instead of being written, once the file is found still
+what was stored (its stamp: reuse_source.py); its crc32c record is carried
+over into the new step's checksum file, so ``verify`` checks it like any
+other.
+
+Why keep=N keeps two copies: a save links only from the step before the
+newest, and only where that step's file is another inode than the newest
+step's (on a bucket: another holder), else it writes the chunk (the second
+save, a chunk found damaged): every two consecutive steps hold two
+physical copies. With ``keep=1`` (``Reuser(copies=1)``) it links from the
+newest step.
 Anything else is written in full: another layout, a step of another
 Checkpointer or run, a failed or uncommitted save, a step deleted or
 replaced since.
@@ -39,8 +48,8 @@ small leaves everything is written in full; see docs/format.md, "Reusing
 unchanged chunks".
 
 Each process writes ``<step dir>/.reuse/<process>.msgpack``
-(index.process_file): ``[leaf, start, stop, xxh3-128 or nil]`` of every
-chunk it stored, the step it linked from, and its bytes written and reused
+(index.process_file): ``[leaf, start, stop, xxh3-128 or nil, crc32c,
+stamp or nil]`` of every chunk it stored, the step it linked from, and its bytes written and reused
 (``ckpt inspect`` sums them).
 """
 
@@ -60,55 +69,28 @@ from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import tsspec
 from ckpt.format.crc import checksum_view, digest
+from ckpt.multihost import process as multihost
 from ckpt.save import reuse_held
+from ckpt.save import reuse_records
+from ckpt.save import reuse_source
+from ckpt.save import reuse_unstaged
+from ckpt.save.reuse_source import Generation, Outcome, Stored
 from ckpt.save.write import INLINE_WORK_BYTES
 from ckpt.shards import plan as plan_lib
 from ckpt.store import tsfuture
-from ckpt.store import names
 
-HASH_NAME = "xxh3_128"
 # The formats whose chunks are files of their own (so a link reuses one).
 LINKED_FORMATS = ("zarr", "zarr3")
 
 
-@dataclasses.dataclass(frozen=True)
-class Stored:
-  """One chunk a process stored in a step."""
-  digest: bytes | None  # xxh3-128 of its stored bytes (after the save_dtype
-                        # cast); None: it changed (compared by crc32c first)
-  crc: int              # crc32c of the same bytes (carried when reused)
-  nbytes: int
-
-
-@dataclasses.dataclass
-class Generation:
-  """What this process stored in one step: the next save compares with it
-  once the step is committed."""
-  step: int
-  token: str
-  layouts: dict[str, tuple]                      # relpath -> layout
-  chunks: dict[tuple[str, tuple, tuple], Stored]  # (relpath, start, stop)
-  # A bucket's: relpath -> (step, "attempt-<hex>") whose data directory
-  # holds the array (its own, or the one it was held by).
-  holders: dict[str, tuple[int, str]] = dataclasses.field(
-      default_factory=dict)
-
-
 def layout_of(storage_format: str, entry: Any, checksum: str) -> tuple:
   """Everything besides the bytes that makes a stored chunk file what it
-  is: the same bytes under another layout are another file."""
-  codec = tuple(sorted((k, repr(v)) for k, v in entry.codec.items()))
+  is: the same bytes under another layout are another file. (The checksum
+  codec is ``checksum``, whether or not ``entry`` names it yet.)"""
+  codec = tuple(sorted((k, repr(v)) for k, v in entry.codec.items()
+                       if k != "checksum"))
   return (storage_format, tuple(entry.shape), str(entry.dtype),
           tuple(entry.chunks), codec, checksum)
-
-
-@dataclasses.dataclass
-class Outcome:
-  """One chunk of a box in this save."""
-  box: plan_lib.Box
-  digest: bytes | None
-  crc: int
-  linked: bool
 
 
 class SaveReuse:
@@ -118,33 +100,50 @@ class SaveReuse:
   before the first box; ``write`` for each box (instead of a plain write);
   ``check_source`` again once every box is written; ``record_file`` for the
   process's ``.reuse`` file; once the step is committed everywhere, the
-  owner (``Reuser``) keeps ``generation`` for the next save."""
+  owner (``Reuser``) keeps ``generation`` for the next save.
+
+  ``previous``: the step linked (held) from; ``last``: the newest step
+  this job committed (the same one with ``copies=1``). With ``copies=2`` a
+  chunk is linked only from ``previous`` (the step before the newest) and
+  only where the newest step's chunk is another physical copy (another
+  inode; on a bucket, another holder): so any two consecutive steps hold
+  two copies of every chunk."""
 
   def __init__(self, previous: Generation | None, storage: Any,
-               plan: Any, step: int, token: str, work_dir: str):
+               plan: Any, step: int, token: str, work_dir: str,
+               last: Generation | None = None):
     fmt = plan.options.storage_format
     checksum = plan.options.codec.resolved_checksum(fmt)
     self.storage = storage
     self.format = fmt
     self.previous = previous
-    self.work = self.source = None  # POSIX: where links go, and from
-    if storage.is_posix:
-      self.work = os.path.join(os.fspath(storage.root), work_dir)
-      self.source = (None if previous is None else os.path.join(
-          os.fspath(storage.root), names.step_dirname(previous.step)))
+    self.last = last if last is not None else previous
+    self.work_dir = work_dir
     self.layouts = {lp.entry.relpath: layout_of(fmt, lp.entry, checksum)
                     for lp in plan.leaves
                     if lp.layout is not None and not lp.packed}
     self.relpaths = [getattr(lp.entry, "relpath", None) for lp in plan.leaves]
-    self.generation = Generation(step, token, dict(self.layouts), {})
+    self.chunk_shapes = [None if lp.layout is None else tuple(lp.layout.chunks)
+                         for lp in plan.leaves]
+    self.generation = Generation(step, token, dict(self.layouts), {}, {},
+                                 reuse_unstaged.objects(plan, self.layouts))
+    # A disk: boxes of the very arrays the previous step stored, linked
+    # without staging or hashing (reuse_unstaged.py).
+    self.unstaged = (reuse_unstaged.Unstaged(self)
+                     if storage.is_posix else None)
     self.bytes_reused = 0
     self.chunks_reused = 0
-    self._records: list[list] = []
+    self.damaged: list[str] = []  # stored chunks found not as recorded
     # A bucket (no links): whole boxes found unchanged wait here, and the
     # save's agreement (reuse_held.settle) says which leaves are held by
     # the previous step and which are written after all.
     self.held = None if storage.is_posix else reuse_held.Held(
         previous, token, None if plan.borrow else plan.options.max_item_bytes)
+
+  def source(self) -> reuse_source.Source | None:
+    if self.previous is None:
+      return None
+    return reuse_source.Source(self.previous, self.storage, self.format)
 
   def check_source(self) -> None:
     """Blocking: drops the previous step as a source if it is not the step
@@ -173,44 +172,100 @@ class SaveReuse:
             f"{self.previous.token}) while it was read: nothing was "
             "committed; save again (it writes those chunks in full)")
       return  # deleted meanwhile: the links made before are its bytes
-    self.previous = self.source = None  # not ours: write everything
+    self.previous = None  # not ours: write everything
 
-  def _previous(self, relpath: str, box: plan_lib.Box) -> Stored | None:
+  def record(self, gen: Generation | None, relpath: str,
+              box: plan_lib.Box) -> Stored | None:
     """What this process stored for the same chunk of the same leaf, in
-    the same layout, in the previous step (None: nothing to compare)."""
-    prev = self.previous
-    if prev is None or prev.layouts.get(relpath) != self.layouts[relpath]:
+    the same layout, in step ``gen`` (None: nothing to compare)."""
+    if gen is None or gen.layouts.get(relpath) != self.layouts[relpath]:
       return None
-    if self.held is not None and prev.holders.get(
+    if self.held is not None and gen.holders.get(
         relpath, (self.generation.step,))[0] >= self.generation.step:
       return None  # a bucket refers only to an earlier step's data
-    return prev.chunks.get((relpath, box.start, box.stop))
+    return gen.chunks.get((relpath, box.start, box.stop))
 
-  def _link(self, relpath: str, box: plan_lib.Box,
-            chunks: tuple[int, ...]) -> bool:
-    if self.held is not None:  # a bucket: held back (reuse_held.settle)
+  def other_copy(self, relpath: str, src: str, index) -> bool:
+    """Whether the chunk at ``src`` (of ``previous``) is another physical
+    copy than the newest step's same chunk: another inode on a disk,
+    another holder on a bucket."""
+    if self.last is self.previous:
       return True
-    name = tsspec.chunk_key(self.format,
-                            [a // c for a, c in zip(box.start, chunks)])
-    target = os.path.join(self.work, relpath, name)
+    if self.held is not None:
+      return (self.previous.holders.get(relpath) !=
+              self.last.holders.get(relpath))
+    newest = reuse_source.Source(self.last, self.storage,
+                                 self.format).where(relpath, index)
+    root = os.fspath(self.storage.root)
+    try:
+      return not os.path.samefile(os.path.join(root, src),
+                                  os.path.join(root, newest))
+    except OSError:  # the newest step has no such file: it is another
+      return True
+
+  def found_damaged(self, src: str) -> None:
+    self.damaged.append(src)
+    if len(self.damaged) == 1:
+      logging.warning(
+          "ckpt: %s/%s is not what step %d stored there (its %s differs or "
+          "it is gone): not reused by step %d, written again; check step %d "
+          "with `ckpt verify`", self.storage.url.rstrip("/"), src,
+          self.previous.step, "crc32c" if self.held is None else
+          "generation", self.generation.step, self.previous.step)
+
+  def _link(self, relpath: str, box: plan_lib.Box, chunks: tuple[int, ...],
+            rec: Stored) -> bool:
+    """Links (a bucket: may hold) the chunk ``box`` from ``previous``,
+    whose record is ``rec``, if it is another copy than the newest step's
+    and, on a disk, still what was recorded (read and summed again)."""
+    index = [a // c for a, c in zip(box.start, chunks)]
+    src = self.source().where(relpath, index)
+    if not self.other_copy(relpath, src, index):
+      return False  # a fresh copy: two consecutive steps, two copies
+    if self.held is not None:  # a bucket: checked, then held back
+      return rec.stamp is not None
+    if not self.source().intact(src, rec):
+      self.found_damaged(src)
+      return False
+    name = tsspec.chunk_key(self.format, index)
+    target = os.path.join(os.fspath(self.storage.root), self.work_dir,
+                          relpath, name)
     try:
       os.makedirs(os.path.dirname(target), exist_ok=True)
-      os.link(os.path.join(self.source, relpath, name), target)
+      os.link(os.path.join(os.fspath(self.storage.root), src), target)
     except OSError:  # gone (deleted), or a link not allowed: written
       return False
     return True
 
+  async def _held_intact(self, relpath: str,
+                         outcomes: list[Outcome], chunks) -> bool:
+    """A bucket: whether every chunk object that ``outcomes`` would hold
+    is still the one recorded (one request each, without a body)."""
+    src = self.source()
+    wheres = [src.where(relpath, [a // c for a, c in zip(o.box.start, chunks)])
+              for o in outcomes]
+    meta = src.metadata(relpath)  # its array's metadata: still there?
+    seen = await asyncio.gather(*(asyncio.to_thread(
+        reuse_source.stamp_of, self.storage, w) for w in [*wheres, meta]))
+    for w, want, s in zip([*wheres, meta],
+                          [o.stamp for o in outcomes] + [seen[-1]], seen):
+      if s is None or s != want:
+        self.found_damaged(w)
+        return False
+    return True
+
   def _expects_unchanged(self, leaf: int, box: plan_lib.Box,
                          chunks: tuple[int, ...]) -> bool:
-    """Whether a chunk of ``box`` was hashed at the previous save (it was
+    """Whether a chunk of ``box`` was hashed at an earlier save (it was
     unchanged or new then): the box is then sorted before it is written;
     else (a box that changed) it is written at once, as without reuse, and
     summed while it is written (no pass over its bytes more)."""
     relpath = self.relpaths[leaf]
     for b in plan_lib.chunk_boxes(box, chunks):
-      old = self._previous(relpath, b)
-      if old is not None and old.digest is not None:
-        return True
+      for gen in (self.previous, self.last):
+        old = self.record(gen, relpath, b)
+        if old is not None and old.digest is not None:
+          return True
     return False
 
   def sort(self, leaf: int, box: plan_lib.Box, chunks: tuple[int, ...],
@@ -219,10 +274,12 @@ class SaveReuse:
     into unchanged ones, linked here, and the others, reading each chunk
     once where its history says what to expect:
 
-    - it was unchanged (or new) at the previous save, so it has a 128-bit
-      hash: hashed first; equal, it is linked and its crc32c record carried
-      over; else its crc32c is taken (one more pass) and it is written;
-    - it changed at the previous save (no hash kept): its crc32c is taken
+    - it was unchanged (or new) at an earlier save, so it has a 128-bit
+      hash: hashed first; equal to the previous step's, it is linked (if
+      that copy is intact and another than the newest step's) and its
+      crc32c record carried over; else its crc32c is taken (one more pass)
+      and it is written;
+    - it changed at the earlier saves (no hash kept): its crc32c is taken
       first (its record for verify, taken at every save anyway); a
       different one means changed, not hashed: dense training pays no
       hash; an equal one is hashed, for the next save to compare with;
@@ -235,22 +292,59 @@ class SaveReuse:
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
       view = data if b == box else data[b.relative_to(box)]
-      old = self._previous(relpath, b)
-      if old is not None and old.nbytes != view.nbytes:
-        old = None
-      if link and old is not None and old.digest is not None:
+      src = self.record(self.previous, relpath, b)
+      if src is not None and src.nbytes != view.nbytes:
+        src = None
+      newest = self.record(self.last, relpath, b)
+      olds = [o for o in (src, newest)
+              if o is not None and o.nbytes == view.nbytes]
+      hashed = {o.digest for o in olds if o.digest is not None}
+      if link and hashed:
         d = digest(view)
-        if d == old.digest and self._link(relpath, b, chunks):
-          out.append(Outcome(b, d, old.crc, True))
-        else:  # changed: compared by its crc32c next time
-          out.append(Outcome(b, None, checksum_view(view), False))
+        if (src is not None and d == src.digest and
+            self._link(relpath, b, chunks, src)):
+          out.append(Outcome(b, d, src.crc, True, src.stamp))
+        else:  # written: as a copy (unchanged), or changed (compared
+          crc = checksum_view(view)  # by its crc32c next time)
+          same = d in hashed or any(o.crc == crc for o in olds)
+          out.append(Outcome(b, d if same else None, crc, False))
         continue
       crc = checksum_view(view)
-      if old is not None and old.crc != crc:
+      if olds and all(o.crc != crc for o in olds):
         out.append(Outcome(b, None, crc, False))  # changed, not hashed
       else:
         out.append(Outcome(b, digest(view), crc, False))
     return out
+
+  async def _stamp(self, relpath: str, outcomes: list[Outcome],
+                   chunks: tuple[int, ...]) -> list[Outcome]:
+    """The stamps of the chunks just written that a later save may link
+    (those hashed): read back once (ckpt/save/reuse_source.py)."""
+    todo = [i for i, o in enumerate(outcomes)
+            if not o.linked and o.digest is not None]
+    if not todo:
+      return outcomes
+
+    def where(o):
+      name = tsspec.chunk_key(self.format,
+                              [a // c for a, c in zip(o.box.start, chunks)])
+      return f"{self.work_dir}/{relpath}/{name}"
+
+    def stamps():
+      return [reuse_source.stamp_of(self.storage, where(outcomes[i]))
+              for i in todo]
+
+    got = await asyncio.to_thread(stamps)
+    out = list(outcomes)
+    for i, s in zip(todo, got):
+      out[i] = dataclasses.replace(out[i], stamp=s)
+    return out
+
+  def keep(self, relpath: str, outcomes: list[Outcome], itemsize: int) -> None:
+    """Records ``outcomes`` in this save's generation."""
+    for o in outcomes:
+      self.generation.chunks[(relpath, o.box.start, o.box.stop)] = Stored(
+          o.digest, o.crc, o.box.size * itemsize, o.stamp)
 
   async def write_box(self, store: Any, leaf: int, box: plan_lib.Box,
                   chunks: tuple[int, ...], data: np.ndarray,
@@ -259,18 +353,22 @@ class SaveReuse:
     array in the attempt) and links the others. Returns the crc32c records
     of every chunk (format "zarr", else empty) and the bytes linked."""
     link = self._expects_unchanged(leaf, box, chunks)
+    relpath = self.relpaths[leaf]
     writes = []
     if not link:  # as without reuse: written at once, summed alongside
       writes.append(store[box.slices()].write(
           data, can_reference_source_data_indefinitely=True))
-    if data.nbytes <= INLINE_WORK_BYTES:
+    if data.nbytes <= INLINE_WORK_BYTES and (
+        self.held is not None or not link):  # no file read
       outcomes = self.sort(leaf, box, chunks, data, link)
-    else:
+    else:  # a disk reads the files it links
       outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
                                          link)
-    if link and self.held is not None and not all(
-        o.linked for o in outcomes):  # a bucket holds whole leaves only
-      outcomes = [dataclasses.replace(o, linked=False) for o in outcomes]
+    if link and self.held is not None and not (
+        all(o.linked for o in outcomes) and
+        await self._held_intact(relpath, outcomes, chunks)):
+      outcomes = [dataclasses.replace(o, linked=False, stamp=None)
+                  for o in outcomes]  # a bucket holds whole leaves only
     if link:
       fresh = [o.box for o in outcomes if not o.linked]
       if len(fresh) == len(outcomes):
@@ -279,7 +377,8 @@ class SaveReuse:
         if self.held.defer(leaf, store, box, data, len(outcomes)):
           fresh = []
         else:  # past the memory budget: written now (its leaf is written)
-          outcomes = [dataclasses.replace(o, linked=False) for o in outcomes]
+          outcomes = [dataclasses.replace(o, linked=False, stamp=None)
+                      for o in outcomes]
           fresh = [box]
       writes = [store[b.slices()].write(
           data if b == box else data[b.relative_to(box)],
@@ -288,20 +387,24 @@ class SaveReuse:
       self.held.written(leaf)
     for w in writes:
       await tsfuture.wait(w)
-    linked = 0
-    relpath = self.relpaths[leaf]
-    for o in outcomes:
-      n = o.box.size * data.itemsize
-      self.generation.chunks[(relpath, o.box.start, o.box.stop)] = Stored(
-          o.digest, o.crc, n)
-      self._records.append([leaf, list(o.box.start), list(o.box.stop),
-                            o.digest])
-      if o.linked:
-        linked += n
+    outcomes = await self._stamp(relpath, outcomes, chunks)
+    self.keep(relpath, outcomes, data.itemsize)
+    linked = sum(o.box.size * data.itemsize for o in outcomes if o.linked)
     self.bytes_reused += linked
     self.chunks_reused += sum(o.linked for o in outcomes)
     sums = [(o.box, o.crc) for o in outcomes] if take_sums else []
     return sums, linked
+
+  async def written_after_all(self, leaf: int, box: plan_lib.Box,
+                              itemsize: int) -> None:
+    """A bucket: a box held back, then written (its leaf is this step's
+    own after all): its chunks' stamps are this step's objects'."""
+    relpath, chunks = self.relpaths[leaf], self.chunk_shapes[leaf]
+    outcomes = [Outcome(b, old.digest, old.crc, False)
+                for b in plan_lib.chunk_boxes(box, chunks)
+                if (old := self.generation.chunks.get(
+                    (relpath, b.start, b.stop))) is not None]
+    self.keep(relpath, await self._stamp(relpath, outcomes, chunks), itemsize)
 
   async def settle(self, key: str, timeout_s: float, failed: bool,
                    stats: Any) -> None:
@@ -313,13 +416,19 @@ class SaveReuse:
       self.chunks_reused = max(self.chunks_reused, 0)
 
   def record_file(self, process: int, bytes_written: int) -> bytes:
-    """This process's ``.reuse`` file (msgpack, sealed by the caller).
-    Its chunk list is left out (nil) where it would pass the size readers
-    accept (a million chunks and more on one process): the totals stay."""
-    doc = {"process": process, "hash": HASH_NAME,
+    """This process's ``.reuse`` file (msgpack, sealed by the caller):
+    per chunk ``[leaf, start, stop, xxh3-128 or nil, crc32c, stamp or
+    nil]``. Its chunk list is left out (nil) where it would pass the size
+    readers accept (a million chunks and more on one process): the totals
+    stay."""
+    leaf_of = {r: i for i, r in enumerate(self.relpaths) if r is not None}
+    records = [[leaf_of[r], list(start), list(stop), s.digest, s.crc,
+                s.stamp]
+               for (r, start, stop), s in self.generation.chunks.items()]
+    doc = {"process": process, "hash": reuse_records.HASH_NAME,
            "from": None if self.previous is None else self.previous.step,
            "written": bytes_written, "reused": self.bytes_reused,
-           "chunks": self._records}
+           "chunks": records}
     data = msgpack.packb(doc, use_bin_type=True)
     if len(data) > index_lib.MAX_PROCESS_FILE_BYTES - 64:
       data = msgpack.packb({**doc, "chunks": None}, use_bin_type=True)
@@ -328,9 +437,15 @@ class SaveReuse:
 
 class Reuser:
   """The part of a Checkpointer that owns reuse: whether it is on where it
-  is saving, and the ``Generation`` of its newest committed save."""
+  is saving, and the ``Generation`` of its newest committed saves.
 
-  def __init__(self, enabled: bool, storage: Any, storage_format: str):
+  ``copies``: 2 (unless the Checkpointer keeps one step): a save links
+  (holds) only from the step before the newest, and only a copy other than
+  the newest step's (SaveReuse), so that every two consecutive steps hold
+  two physical copies of every chunk; 1: from the newest step."""
+
+  def __init__(self, enabled: bool, storage: Any, storage_format: str,
+               copies: int = 2):
     self.why_not = None
     if enabled and storage_format not in LINKED_FORMATS:
       self.why_not = (f"format {storage_format!r} keeps chunks inside shared "
@@ -339,18 +454,33 @@ class Reuser:
       logging.info("ckpt: reuse_unchanged=True writes every chunk in %s: %s",
                    storage.url, self.why_not)
     self.enabled = bool(enabled) and self.why_not is None
+    self.copies = copies
     self._storage = storage
-    self._last: Generation | None = None
+    self._last: Generation | None = None    # the newest committed save's
+    self._before: Generation | None = None  # the one before it
+    self._loaded = False  # from the checkpoint's records (a restart)
 
   def begin(self, plan: Any, step: int, token: str,
             work_dir: str) -> SaveReuse | None:
-    """The reuse of the save of ``step`` into ``work_dir`` (None: off)."""
+    """Blocking: the reuse of the save of ``step`` into ``work_dir`` (None:
+    off). The first one of a Checkpointer starts from the records of the
+    newest committed steps (ckpt/save/reuse_records.py)."""
     if not self.enabled:
       return None
-    return SaveReuse(self._last, self._storage, plan, step, token, work_dir)
+    if not self._loaded:
+      self._loaded = True
+      gens = reuse_records.load(
+          self._storage, plan.options.storage_format, layout_of,
+          multihost.process_index(), multihost.process_count(), self.copies)
+      if gens and gens[-1] is not None:  # else nothing known of the newest
+        self._last = gens[-1]
+        self._before = gens[0] if len(gens) == 2 else None
+    source = self._last if self.copies == 1 else self._before
+    return SaveReuse(source, self._storage, plan, step, token, work_dir,
+                     last=self._last)
 
   def committed(self, reuse: SaveReuse | None) -> None:
     """The save ``reuse`` belonged to is committed on every process: the
     next save compares with it."""
     if reuse is not None:
-      self._last = reuse.generation
+      self._before, self._last = self._last, reuse.generation

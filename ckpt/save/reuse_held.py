@@ -99,6 +99,7 @@ class Held:
       for store, box, data, chunks in boxes:  # written after all
         await tsfuture.wait(store[box.slices()].write(
             data, can_reference_source_data_indefinitely=True))
+        await reuse.written_after_all(leaf, box, data.itemsize)
         stats.bytes_written += data.nbytes
         stats.bytes_reused -= data.nbytes
         stats.boxes_written += 1

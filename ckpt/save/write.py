@@ -260,6 +260,10 @@ class OwnedWrites:
         continue  # a zero-size shard: nothing to store
       if self.failed:
         break  # a write failed: stop staging, report it at _finish
+      unstaged = self.reuse and self.reuse.unstaged
+      if unstaged and unstaged.same_object(w.leaf) and (
+          await self._link_unstaged(unstaged, w)):
+        continue  # the very array its previous step stored: linked
       grant = self.limiter.try_acquire(w.nbytes)  # stored bytes, after cast
       if grant is None:
         await self._land()
@@ -275,6 +279,24 @@ class OwnedWrites:
             f"{w.box.start}..{w.box.stop} to the host failed (was the array "
             f"deleted or donated before save() returned?): {e}") from e
     await self._land()
+
+  async def _link_unstaged(self, unstaged: Any, w: plan_lib.Write) -> bool:
+    """Links box ``w`` of the very array object the previous step stored
+    (ckpt/save/reuse_unstaged.py): neither staged nor hashed."""
+    lp = self.plan.leaves[w.leaf]
+    itemsize = w.nbytes // w.box.size
+    outcomes = await asyncio.to_thread(unstaged.link_box, w.leaf, w.box,
+                                       lp.layout.chunks, itemsize)
+    if outcomes is None:
+      return False
+    crcs, linked = unstaged.linked(w.leaf, outcomes, itemsize, self.take_sums)
+    self._add_sums(w, crcs)
+    self.stats.bytes_reused += linked
+    durable = self.on_written(w) if self.on_written is not None else None
+    if durable:  # the links' fsyncs, like any written box's
+      self._track([asyncio.ensure_future(asyncio.wait(
+          [asyncio.wrap_future(f) for f in durable]))])
+    return True
 
   async def _land(self) -> None:
     """Every started copy on the host, in order, staged for writing."""

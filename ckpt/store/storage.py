@@ -307,6 +307,14 @@ class Storage:
       self._too_large(rel, len(data), limit)
     return data, bytes(r.stamp.generation)
 
+  def generation(self, rel: str) -> bytes | None:
+    """The storage generation of the object ``rel`` (S3 ETag, GCS
+    generation; object stores), None if it is missing: one request
+    without a body."""
+    with self.store_errors(f"reading {describe(rel)} from"):
+      r = self.result(self._kv.read(rel, byte_range=slice(0, 0)))
+    return None if r.state == "missing" else bytes(r.stamp.generation)
+
   def delete_key(self, rel: str, generation: bytes | None = None) -> bool:
     """Deletes one key (object stores; a missing key is not an error).
 

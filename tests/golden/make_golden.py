@@ -284,6 +284,11 @@ def _save_steps(url: str, options: dict[str, Any]) -> None:
   with ckpt.Checkpointer(url, async_save=False, chunk_bytes=CHUNK_BYTES,
                          clock=lambda: SAVE_TIME, **options) as c:
     for s in STEPS:
+      if s == STEPS[-1] and options.get("reuse_unchanged"):
+        # reuse keeps two copies: the step after the first writes the
+        # second one; the next holds the first (and this one goes).
+        c.save(s - 1, make_state(s))
+        c.delete(s - 1)
       c.save(s, make_state(s), metrics=make_metrics(s),
              host_state=make_host_state(s))
 

@@ -3,7 +3,9 @@ BarrierTimeoutError naming process 0 in bounded time (not wait until JAX's
 heartbeat aborts it). ``first``: "frozen" (process 1 enters save(2) once
 process 0 is stopped: its first call, a key-value set, meets a silent
 service) or "waiting" (process 1 is in save(2) first, waiting at the
-save round's barrier, when process 0 stops)."""
+save round's barrier, when process 0 stops) or "restore" (process 0
+stops inside a resume, in a restore transform, once process 1 has posted
+its part of the restore's next round and waits at its barrier)."""
 
 import json
 import os
@@ -43,16 +45,36 @@ def main():
     os.kill(os.getpid(), signal.SIGSTOP)
     return tree
 
-  if pid == 0:
+  def freeze_in_restore(tree, target, *, is_resuming):
+    del target, is_resuming
+    from jax._src import distributed  # pylint: disable=g-import-not-at-top
+    client = distributed.global_state.client
+    end = time.monotonic() + 60
+    while not any(k.endswith("/verified/in/1")
+                  for k, _ in client.key_value_dir_get("ckpt/")):
+      if time.monotonic() > end:
+        raise RuntimeError("process 1 never posted its part of the round")
+      time.sleep(0.01)
+    return freeze(tree)
+
+  if conf["first"] == "restore":
+    if pid == 0:
+      c.restore(transforms=[freeze_in_restore])
+      return  # never reached: the test kills it
+    call = c.restore
+  elif pid == 0:
     c.save(2, state, transforms=[freeze])
     return  # never reached: the test kills it
+  else:
+    def call():
+      c.save(2, state)
+      c.wait_until_finished()
   if conf["first"] == "frozen":
     wait_for(os.path.join(sync, "stopped"))  # the test saw process 0 stop
   else:
     open(os.path.join(sync, "entering"), "w").close()
   try:
-    c.save(2, state)
-    c.wait_until_finished()
+    call()
     out = {"type": None, "error": None}
   except Exception as e:  # pylint: disable=broad-except
     out = {"type": type(e).__name__, "error": str(e),

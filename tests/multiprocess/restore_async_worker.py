@@ -8,6 +8,8 @@ Steps 1 and 2 of a leaf sharded by rows (each process holds half); then:
 - failure: a chunk of step 2 that only process 1 reads is damaged;
   restore_async(2).result() raises on both processes (process 1 its
   CorruptCheckpointError, process 0 an error naming process 1);
+- dropped: restore_async handles dropped without result(); the next
+  restore and save work on both processes;
 - close: close() while a restore_async is in flight; result() raises the
   cancellation on both, and nothing hangs.
 """
@@ -64,6 +66,17 @@ def main():
   except ckpt.CheckpointError as e:
     out["failure"] = f"{type(e).__name__}: {e}"
   out["failure_s"] = time.monotonic() - t
+
+  c.restore_async(1, target=target)  # its handle dropped at once
+  h = c.restore_async(1, target=target)
+  del h  # dropped, its reads maybe still running
+  dropped = {"restore_exact": leaf.exact(c.restore(1, target=target))}
+  try:
+    c.save(4, leaf.state())
+    dropped["save"] = None
+  except ckpt.CheckpointError as e:
+    dropped["save"] = str(e)
+  out["dropped"] = dropped
 
   h = c.restore_async(1, target=target)
   c.close()

@@ -98,20 +98,55 @@ def scenario_killloop(conf: dict) -> dict:
   return {"process": pid, "stats": stats, "steps": steps}
 
 
+def scenario_resume(conf: dict) -> dict:
+  """A job (a new Checkpointer, new processes) saves ``conf["steps"]``
+  with keep=2, then restores the last one."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import ckpt  # pylint: disable=g-import-not-at-top
+  stats = []
+  with ckpt.Checkpointer(conf["dir"], keep=2, reuse_unchanged=True,
+                         async_save=False, chunk_bytes=CHUNK_BYTES) as c:
+    for step in conf["steps"]:
+      c.save(step, _arrays(step))
+      stats.append(_stats(c))
+    got, want = c.restore(conf["steps"][-1]), state(conf["steps"][-1])
+    exact = all(np.asarray(got[k]).tobytes() == want[k].tobytes()
+                for k in LEAVES)
+  return {"process": jax.process_index(), "stats": stats, "exact": exact}
+
+
+def check_resumed(url: str, launch: Any) -> None:
+  """Steps 0..2 saved by one job, then step 3 by a restarted one: its
+  first save writes only the changing leaf (summed over the processes),
+  reuses every frozen byte, and restores exactly."""
+  launch("tests.multiprocess.reuse_worker",
+         {"scenario": "resume", "dir": url, "steps": [0, 1, 2]},
+         num_processes=2, devices_per_process=2)
+  out = launch("tests.multiprocess.reuse_worker",
+               {"scenario": "resume", "dir": url, "steps": [3]},
+               num_processes=2, devices_per_process=2)
+  assert all(r["exact"] for r in out), out
+  assert sum(r["stats"][0]["written"] for r in out) == 256 * 1024 * 4, out
+  assert sum(r["stats"][0]["reused"] for r in out) == frozen_bytes(), out
+
+
 def check_retention(out: list) -> None:
   """The results of the "retention" scenario's processes: steps 2 and 3
-  kept, exact; step 0 wrote everything, each later one reused every frozen
-  byte (each process its share) and wrote only the changing leaf."""
+  kept, exact; steps 0 and 1 wrote everything (two copies), steps 2 and 3
+  reused every frozen byte (each process its share) and wrote only the
+  changing leaf."""
   for r in out:
     assert r["steps"] == [2, 3]
     assert all(r["exact"].values()) and len(r["exact"]) == 2, r
-  assert sum(r["stats"][0]["reused"] for r in out) == 0
-  for i in (1, 2, 3):
+  for i in (0, 1):
+    assert sum(r["stats"][i]["reused"] for r in out) == 0
+  for i in (2, 3):
     assert sum(r["stats"][i]["reused"] for r in out) == frozen_bytes()
     assert sum(r["stats"][i]["written"] for r in out) == 256 * 1024 * 4
 
 
-SCENARIOS = {"retention": scenario_retention, "killloop": scenario_killloop}
+SCENARIOS = {"retention": scenario_retention, "killloop": scenario_killloop,
+             "resume": scenario_resume}
 
 
 def main() -> None:

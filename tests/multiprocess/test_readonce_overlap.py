@@ -61,4 +61,4 @@ def test_a_read_failing_on_one_process_during_an_exchange_fails_all(
     assert r["overlapped"][:2] == [True, True], r["overlapped"]
     assert r["again_bad"] == [], r["again_bad"]
   assert out[0]["error"].startswith("CheckpointError"), out[0]["error"]
-  assert "process(es) [1]" in out[0]["error"], out[0]["error"]
+  assert "failed on process 1 of 2" in out[0]["error"], out[0]["error"]

@@ -13,7 +13,9 @@ def test_resume_falls_back_on_every_process(tmp_path):
   for r in out:
     assert r["step"] == 1 and r["exact"], out
     assert r["steps"] == [2, 3], r
-  # Only process 1 reads the damaged chunk: it names it.
-  assert out[0]["explicit"] is None
+  # Only process 1 reads the damaged chunk; an explicit restore(2) raises
+  # on both (tests/multiprocess/test_restore_agree.py), naming it.
+  assert out[0]["explicit"] == out[1]["explicit"], out
   assert "leaf 'w'" in out[1]["explicit"] and "checkpoint_2/w/1.0" in out[1][
       "explicit"] and "crc32c" in out[1]["explicit"]
+  assert "failed on process 1 of 2" in out[1]["explicit"]

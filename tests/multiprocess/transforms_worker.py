@@ -347,8 +347,8 @@ def _restore(config: dict, layout: str, mesh) -> dict:
                  "lazy_leaves": sorted(tree.path_str(p) for p, _ in pairs),
                  "not_lazy": eager}
 
-  # corrupt: a layer this process needs is gone (no fallback: no collective
-  # runs, so each process fails on its own).
+  # corrupt: a layer this process needs is gone from its own copy; every
+  # process raises the same error, naming each process's missing layer.
   leaf = "attn/w"
   gone = f"params/layers_{held[leaf][0]}/{leaf}"
   shutil.rmtree(os.path.join(mine, *gone.split("/")))
@@ -358,7 +358,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
                       target, ("params", "layers", "attn", "w"))}}}})
     out["corrupt"] = {"deleted": gone, "error": None}
   except ckpt.CorruptCheckpointError as e:
-    out["corrupt"] = {"deleted": gone, "error": str(e)[:500]}
+    out["corrupt"] = {"deleted": gone, "error": str(e)[:20000]}
 
   if config.get("resave"):
     # The stacked state, saved from this layout: a checkpoint written by all

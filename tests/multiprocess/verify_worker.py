@@ -1,8 +1,8 @@
 """Worker: 2 processes save steps 1 and 2 of a leaf sharded by rows (each
 process holds half); process 0 then damages a chunk of step 2 that only
 process 1 reads. A resume (restore() with no step) must fall back to step 1
-on both processes; an explicit restore(2) raises on process 1 (the one that
-reads the damaged chunk)."""
+on both processes; an explicit restore(2) raises on both, naming process 1
+(the one that reads the damaged chunk)."""
 
 import json
 import sys

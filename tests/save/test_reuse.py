@@ -58,18 +58,21 @@ def test_unchanged_chunks_are_linked_and_every_step_stays_whole(
       c.save(step, _state(step, frozen, mesh))
       stats.append(c.last_save_stats)
     assert c.all_steps() == [2, 3]  # retention removed steps 0 and 1
-  assert stats[0].bytes_reused == 0
-  for s in stats[1:]:  # the frozen leaf linked, the changing one written
+  # Step 1 writes a second copy of the frozen leaf; from step 2 on each
+  # step links the copy of the step before the newest.
+  assert stats[0].bytes_reused == stats[1].bytes_reused == 0
+  for s in stats[2:]:  # the frozen leaf linked, the changing one written
     assert s.bytes_reused == frozen.nbytes
     assert s.chunks_reused == frozen.nbytes // CHUNK
     assert s.bytes_written == np.prod(TRAIN) * 4
-  # Step 3's frozen chunks are the files step 0 wrote: one inode each,
-  # still whole once the steps that wrote them were deleted.
+  # Step 3's frozen chunks are the files step 1 wrote, step 2's those of
+  # step 0: the two kept steps hold two physical copies, each whole once
+  # the steps that wrote them were deleted.
   three = _chunk_files(root / "checkpoint_3", "frozen")
   two = _chunk_files(root / "checkpoint_2", "frozen")
   assert len(three) == frozen.nbytes // CHUNK
   for name, st in three.items():
-    assert st.st_ino == two[name].st_ino and st.st_nlink == 2
+    assert st.st_ino != two[name].st_ino and st.st_nlink == 1
   assert not set(_chunk_files(root / "checkpoint_3", "train")) & {
       n for n, st in _chunk_files(root / "checkpoint_2", "train").items()
       if st.st_nlink > 1}
@@ -90,16 +93,16 @@ def test_unchanged_chunks_are_linked_and_every_step_stays_whole(
 def test_inspect_shows_own_and_reused_bytes(tmp_path, frozen, capsys):
   with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
                          chunk_bytes=CHUNK) as c:
-    for step in range(2):
+    for step in range(3):
       c.save(step, _state(step, frozen))
-  assert cli_main.main(["inspect", str(tmp_path), "--step", "1",
+  assert cli_main.main(["inspect", str(tmp_path), "--step", "2",
                         "--json"]) == 0
   doc = json.loads(capsys.readouterr().out)
   assert doc["reuse"] == {"own_bytes": np.prod(TRAIN) * 4,
                           "reused_bytes": frozen.nbytes,
                           "reused_from": {"0": frozen.nbytes},
                           "how": "hard links", "unknown_processes": []}
-  assert cli_main.main(["inspect", str(tmp_path), "--step", "1"]) == 0
+  assert cli_main.main(["inspect", str(tmp_path), "--step", "2"]) == 0
   assert "512.0 KiB reused (512.0 KiB from step 0, hard links)" in (
       capsys.readouterr().out)
 
@@ -110,7 +113,9 @@ def test_another_layout_or_dtype_is_written_in_full(tmp_path, frozen):
     c.save(0, _state(0, frozen))
     c.save(1, _state(1, frozen[:, :128]))  # another shape
     assert c.last_save_stats.bytes_reused == 0
-    c.save(2, _state(2, frozen[:, :128]))
+    c.save(2, _state(2, frozen[:, :128]))  # its second copy
+    assert c.last_save_stats.bytes_reused == 0
+    c.save(3, _state(3, frozen[:, :128]))
     assert c.last_save_stats.bytes_reused == frozen.nbytes // 2
   with ckpt.Checkpointer(tmp_path / "b", reuse_unchanged=True,
                          async_save=False, chunk_bytes=CHUNK,
@@ -118,8 +123,10 @@ def test_another_layout_or_dtype_is_written_in_full(tmp_path, frozen):
     c.save(0, _state(0, frozen))
     flipped = frozen[::-1].copy()
     # Other bytes: written (their crc32c differs, so they are not hashed);
-    # then the same bytes again: written, now hashed; then linked.
-    for step, reused in ((1, 0), (2, 0), (3, frozen.nbytes // 2)):  # bf16
+    # then the same bytes again: written, now hashed; then a second copy;
+    # then linked.
+    for step, reused in ((1, 0), (2, 0), (3, 0),
+                         (4, frozen.nbytes // 2)):  # bf16
       c.save(step, {**_state(step, frozen), "frozen": flipped})
       assert c.last_save_stats.bytes_reused == reused, step
 
@@ -137,9 +144,11 @@ def test_a_step_of_another_checkpointer_is_never_linked(tmp_path, frozen):
       b.save(0, _state(0, other))
     a.save(1, _state(1, frozen))  # bytes equal to a's step 0
     assert a.last_save_stats.bytes_reused == 0
-    a.save(2, _state(2, frozen))
+    a.save(2, _state(2, frozen))  # would link step 0: b's, written
+    assert a.last_save_stats.bytes_reused == 0
+    a.save(3, _state(3, frozen))
     assert a.last_save_stats.bytes_reused == frozen.nbytes
-  for step, want in ((0, other), (1, frozen), (2, frozen)):
+  for step, want in ((0, other), (1, frozen), (2, frozen), (3, frozen)):
     assert ckpt.load(str(tmp_path), step)["frozen"].tobytes() == \
         want.tobytes()
 
@@ -147,18 +156,18 @@ def test_a_step_of_another_checkpointer_is_never_linked(tmp_path, frozen):
 def test_verify_checks_reused_chunks(tmp_path, frozen):
   with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
                          chunk_bytes=CHUNK) as c:
-    for step in range(2):
+    for step in range(3):
       c.save(step, _state(step, frozen))
-  chunk = tmp_path / "checkpoint_1" / "frozen" / "0.0"
+  chunk = tmp_path / "checkpoint_2" / "frozen" / "0.0"
   data = bytearray(chunk.read_bytes())
   data[100] ^= 1
   chunk.unlink()  # a new file: step 0's link keeps the good bytes
   chunk.write_bytes(bytes(data))
   assert integrity.verify(str(tmp_path), step=0) == []
-  problems = integrity.verify(str(tmp_path), step=1)
+  problems = integrity.verify(str(tmp_path), step=2)
   assert [p.path for p in problems] == ["frozen"]
   with pytest.raises(CorruptCheckpointError):
-    ckpt.load(str(tmp_path), 1)
+    ckpt.load(str(tmp_path), 2)
 
 
 def test_ocdbt_writes_everything(tmp_path, frozen):
@@ -184,13 +193,13 @@ def test_multitier_persistent_tier_reuses(tmp_path, frozen):
       persistent_interval=1, reuse_unchanged=True, async_save=False,
       chunk_bytes=CHUNK)
   try:
-    for step in range(2):
+    for step in range(3):
       mt.save(step, _state(step, frozen))
     mt.wait_until_finished(timeout=60)
     assert mt.persistent.last_save_stats.bytes_reused == frozen.nbytes
   finally:
     mt.close()
-  assert ckpt.load(str(tmp_path / "p"), 1)["frozen"].tobytes() == \
+  assert ckpt.load(str(tmp_path / "p"), 2)["frozen"].tobytes() == \
       frozen.tobytes()
 
 
@@ -203,10 +212,10 @@ def test_a_reuse_file_too_large_keeps_its_totals(tmp_path, monkeypatch,
   leaf = np.random.default_rng(5).standard_normal((640, 64), np.float32)
   with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
                          chunk_bytes=4 << 10) as c:
-    for step in range(2):
+    for step in range(3):
       c.save(step, {"frozen": leaf})
     assert c.last_save_stats.chunks_reused == 64
-  assert (tmp_path / "checkpoint_1" / ".reuse" / "0.msgpack").stat().st_size \
+  assert (tmp_path / "checkpoint_2" / ".reuse" / "0.msgpack").stat().st_size \
       < 1500
   assert cli_main.main(["inspect", str(tmp_path), "--json"]) == 0
   assert json.loads(capsys.readouterr().out)["reuse"]["reused_bytes"] == \
@@ -216,7 +225,8 @@ def test_a_reuse_file_too_large_keeps_its_totals(tmp_path, monkeypatch,
 def test_a_save_failing_between_links_leaves_the_steps_whole(
     tmp_path, frozen, monkeypatch):
   """The 4th link raises: the save fails and its attempt (with the links
-  made) is removed; step 0 is whole, and the next save links from it."""
+  made) is removed; steps 0 and 1 are whole, and the next save links from
+  step 0."""
   real_link, calls = os.link, []
 
   def link(src, dst):
@@ -228,26 +238,27 @@ def test_a_save_failing_between_links_leaves_the_steps_whole(
   with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
                          chunk_bytes=CHUNK) as c:
     c.save(0, _state(0, frozen))
+    c.save(1, _state(1, frozen))
     monkeypatch.setattr(reuse_lib.os, "link", link)
     with pytest.raises(ckpt.CheckpointError, match="the disk went away"):
-      c.save(1, _state(1, frozen))
+      c.save(2, _state(2, frozen))
     monkeypatch.setattr(reuse_lib.os, "link", real_link)
-    assert c.all_steps() == [0]
+    assert c.all_steps() == [0, 1]
     assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
     assert integrity.verify(str(tmp_path), step=0) == []
-    c.save(1, _state(1, frozen))
+    c.save(2, _state(2, frozen))
     assert c.last_save_stats.bytes_reused == frozen.nbytes
-  assert ckpt.load(str(tmp_path), 1)["frozen"].tobytes() == frozen.tobytes()
-  assert integrity.verify(str(tmp_path), step=1) == []
+  assert ckpt.load(str(tmp_path), 2)["frozen"].tobytes() == frozen.tobytes()
+  assert integrity.verify(str(tmp_path), step=2) == []
 
 
 def test_inline_leaves_beside_reused_ones(tmp_path, frozen):
   """Values stored in the index (no relative path) next to linked arrays."""
   with ckpt.Checkpointer(tmp_path, reuse_unchanged=True, async_save=False,
                          chunk_bytes=CHUNK) as c:
-    for step in range(2):
+    for step in range(3):
       c.save(step, {**_state(step, frozen), "step": step,
                     "lr": np.float32(0.5)})
     assert c.last_save_stats.bytes_reused == frozen.nbytes
-  got = ckpt.load(str(tmp_path), 1)
-  assert got["step"] == 1 and got["frozen"].tobytes() == frozen.tobytes()
+  got = ckpt.load(str(tmp_path), 2)
+  assert got["step"] == 2 and got["frozen"].tobytes() == frozen.tobytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -74,26 +75,28 @@ def _keys(url: str, prefix: str) -> list[str]:
 def test_unchanged_leaves_are_held_across_retention_and_swept_after():
   url = _url()
   with _checkpointer(url, keep=2) as c:
-    c.save(0, _state(0))
-    first = c.last_save_stats
-    assert first.bytes_reused == 0
-    for step in range(1, 5):
+    for step in range(2):  # two copies of the frozen leaf: steps 0 and 1
+      c.save(step, _state(step))
+      assert c.last_save_stats.bytes_reused == 0
+    for step in range(2, 5):  # each holds the copy the step before holds
       c.save(step, _state(step))
       s = c.last_save_stats
       assert s.bytes_reused == _frozen().nbytes
       assert s.bytes_written == 256 * 256 * 4  # the changing leaf only
       assert s.chunks_reused == 8
     assert c.all_steps() == [3, 4]
-    holder = _held(url, 4)["frozen"]
-    assert holder[0] == 0 and _held(url, 3)["frozen"] == holder
+    four, three = _held(url, 4)["frozen"], _held(url, 3)["frozen"]
+    assert (four[0], three[0]) == (0, 1)  # two copies
     assert _held(url, 4)["train"] is None
-    # Step 0 was deleted by retention: only the array steps 3 and 4 hold
-    # (and its .reuse files) are left of it.
-    left = _keys(url, "checkpoint_0/")
-    assert left and all(k.startswith((f"checkpoint_0/{holder[1]}/frozen/",
-                                      f"checkpoint_0/{holder[1]}/.reuse/"))
-                        for k in left), left
-    assert not _keys(url, "checkpoint_1/") and not _keys(url, "checkpoint_2/")
+    # Steps 0 and 1 were deleted by retention: only the arrays steps 3 and
+    # 4 hold (and their .reuse files) are left of them.
+    for holder in (four, three):
+      where = f"checkpoint_{holder[0]}/{holder[1]}"
+      left = _keys(url, f"checkpoint_{holder[0]}/")
+      assert left and all(k.startswith((f"{where}/frozen/",
+                                        f"{where}/.reuse/"))
+                          for k in left), left
+    assert not _keys(url, "checkpoint_2/")
     _check(url, [3, 4])
     # The frozen leaf changes: written in full, held by nobody, and once
     # retention removed the steps referring to step 0, nothing of it stays.
@@ -111,13 +114,13 @@ def test_delete_and_rollback_keep_what_later_steps_hold():
   with _checkpointer(url) as c:
     for step in range(3):
       c.save(step, _state(step))
-    c.delete(0)  # holds frozen for steps 1 and 2
+    c.delete(0)  # holds frozen for step 2
     _check(url, [1, 2])
-    c.delete(2)  # a rollback: the newest goes, then is saved again;
-    c.save(2, _state(2))  # it was the step compared with: written in full
-    assert _held(url, 2)["frozen"] is None
-    c.save(3, _state(3))
-    assert _held(url, 3)["frozen"][0] == 2
+    c.delete(2)  # a rollback: the newest goes, then is saved again,
+    c.save(2, _state(2))  # holding step 1's copy (step 0's is gone)
+    assert _held(url, 2)["frozen"][0] == 1
+    c.save(3, _state(3))  # would hold the step 2 deleted: writes in full
+    assert _held(url, 3)["frozen"] is None
     _check(url, [1, 2, 3])
     for step in (2, 1, 3):
       c.delete(step)
@@ -126,38 +129,42 @@ def test_delete_and_rollback_keep_what_later_steps_hold():
 
 def test_verify_checks_held_chunks():
   url = _url()
-  _saved(url, 2)
-  holder = _held(url, 1)["frozen"]
+  _saved(url, 3)
+  holder = _held(url, 2)["frozen"]
   s = storage_lib.Storage(url)
   key = f"checkpoint_0/{holder[1]}/frozen/0.0"
   data = bytearray(s.read_bytes(key))
   data[100] ^= 1
   s.write_bytes(key, bytes(data))
-  assert [p.path for p in integrity.verify(url, step=1)] == ["frozen"]
-  with pytest.raises(CorruptCheckpointError):
-    ckpt.load(url, 1)
+  assert [p.path for p in integrity.verify(url, step=2)] == ["frozen"]
+  assert integrity.verify(url, step=1) == []  # the other copy
+  # The error names the holder's object, not the holding step's directory
+  # (issue 44, item 7).
+  with pytest.raises(CorruptCheckpointError, match=re.escape(f"{url}/{key}")):
+    ckpt.load(url, 2)
+  assert f"{url}/{key}" in integrity.verify(url, step=2)[0].message
 
 
 def test_a_step_opened_alone_names_the_holder():
   url = _url()
-  _saved(url, 2)
+  _saved(url, 3)
   with pytest.raises(ckpt.CheckpointError, match="held by step 0"):
-    ckpt.load(f"{url}/checkpoint_1")
+    ckpt.load(f"{url}/checkpoint_2")
 
 
 def test_a_previous_step_deleted_before_the_save_is_not_referred_to():
-  """Another job deletes the step this Checkpointer compares with: the
-  next save writes in full."""
+  """Another job deletes the step this Checkpointer would hold from (the
+  one before its newest): the next save writes in full."""
   url = _url()
   with _checkpointer(url) as c:
     for step in range(2):
       c.save(step, _state(step))
     with ckpt.Checkpointer(url) as other:
-      other.delete(1)
+      other.delete(0)
     c.save(2, _state(2))
     assert c.last_save_stats.bytes_reused == 0
     assert _held(url, 2)["frozen"] is None
-    _check(url, [0, 2])
+    _check(url, [1, 2])
 
 
 def test_a_previous_step_deleted_while_committing_fails_the_save(
@@ -176,19 +183,19 @@ def test_a_previous_step_deleted_while_committing_fails_the_save(
       out = real_commit(storage, step, *args, **kwargs)
       if step == 2:
         with ckpt.Checkpointer(url) as other:
-          other.delete(1)
+          other.delete(0)
       return out
 
     monkeypatch.setattr(runner.commit_lib, "commit", commit)
     with pytest.raises(ckpt.CheckpointError, match="was deleted or replaced"):
       c.save(2, _state(2))
     monkeypatch.setattr(runner.commit_lib, "commit", real_commit)
-    assert c.all_steps() == [0]
+    assert c.all_steps() == [1]
     c.save(2, _state(2))
     assert c.last_save_stats.bytes_reused == 0
     c.save(3, _state(3))
     assert c.last_save_stats.bytes_reused == _frozen().nbytes
-  _check(url, [0, 2, 3])
+  _check(url, [1, 2, 3])
 
 
 class _Killed(BaseException):
@@ -198,7 +205,8 @@ class _Killed(BaseException):
 @pytest.mark.parametrize("doomed", [[0], [0, 1, 2]])
 def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
                                                            doomed):
-  """Deleting ``doomed`` (steps 1..3 hold step 0's frozen leaf) dies at its
+  """Deleting ``doomed`` (steps 2 and 3 hold the frozen leaf of steps 0 and
+  1) dies at its
   k-th delete request, for every k: each step kept restores bit-exact and
   verifies; the next save's cleanup finishes the deletion, and once every
   step is gone, nothing is left."""
@@ -232,8 +240,18 @@ def test_a_kill_at_any_request_of_a_deletion_loses_nothing(monkeypatch,
       c.save(4, _state(4))  # its cleanup finishes the deletion
     _check(url, [4])
     assert not _keys(url, "pending/"), k
+    # Step 4 holds the frozen leaf of the newest step before it (a new
+    # Checkpointer starts from the steps' records): only that is left.
+    holder = _held(url, 4)["frozen"]
     for s in range(4):
-      assert not _keys(url, f"checkpoint_{s}/"), (k, s)
+      left = _keys(url, f"checkpoint_{s}/")
+      if holder is not None and s == holder[0]:
+        where = f"checkpoint_{s}/{holder[1]}"
+        assert left and all(x.startswith((f"{where}/frozen/",
+                                          f"{where}/.reuse/"))
+                            for x in left), (k, s, left)
+      else:
+        assert not left, (k, s)
     if finished:
       assert k > 0
       break
@@ -265,13 +283,38 @@ def test_detach_makes_a_step_self_contained(capsys):
     assert cli_main.main(["detach", url, "--step", "2"]) == 0
     assert "held by step 0" in capsys.readouterr().out
     assert _held(url, 2)["frozen"] is None
-    c.delete(0)  # still held for step 1
-    assert _keys(url, "checkpoint_0/")
-    c.delete(1)  # nobody refers to step 0 now: swept
+    c.delete(0)  # nobody refers to step 0 now: gone
     assert not _keys(url, "checkpoint_0/")
+    c.delete(1)
+    assert not _keys(url, "checkpoint_1/")
   _check(url, [2])
   assert cli_main.main(["detach", url]) == 0
   assert "holds nothing by reference" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("how", ["lost", "damaged"])
+def test_detach_refuses_a_holder_that_lost_or_damaged_a_chunk(capsys, how):
+  """Issue 44, item 7: the holder of step 2's frozen leaf lost (or has a
+  damaged) chunk object: ``ckpt detach`` fails, naming it, and leaves the
+  index, the holder and the step exactly as they were."""
+  from ckpt.cli import main as cli_main  # pylint: disable=g-import-not-at-top
+  url = _url()
+  _saved(url, 3)
+  holder = _held(url, 2)["frozen"]
+  s = storage_lib.Storage(url)
+  key = f"checkpoint_{holder[0]}/{holder[1]}/frozen/0.1"
+  if how == "lost":
+    s.delete_key(key)
+  else:
+    data = bytearray(s.read_bytes(key))
+    data[7] ^= 1
+    s.write_bytes(key, bytes(data))
+  before = {k: s.read_bytes(k) for k in s.list_all()}
+  assert cli_main.main(["detach", url, "--step", "2"]) != 0
+  err = capsys.readouterr().err
+  assert "fails verification" in err and "frozen" in err, err
+  assert {k: s.read_bytes(k) for k in s.list_all()} == before
+  assert _held(url, 2)["frozen"] == holder
 
 
 @pytest.mark.parametrize("budget,reused", [(4 << 20, True), (256 << 10, False)])
