@@ -50,9 +50,25 @@ class MissingLeavesError(TreeMismatchError):
       return
     super().__init__(
         f"{len(missing)} target leaves are missing from the checkpoint: "
-        f"{', '.join(missing)}. The checkpoint has: {_shown(available)}. Pass "
+        f"{', '.join(missing)}. {_did_you_mean(self.missing, available)}"
+        f"The checkpoint has: {_shown(available)}. Pass "
         "fallback_state= or a restore transform that provides them."
     )
+
+
+def _did_you_mean(missing: list[str], available: list[str]) -> str:
+  """'Did you mean ...?' for each top-level key of the missing leaves
+  that the checkpoint lacks and that is close to one it has (a misspelt
+  key: "parms" for "params"); '' if none is."""
+  import difflib  # pylint: disable=g-import-not-at-top
+  have = sorted({n.split("/", 1)[0] for n in available})
+  guesses = []
+  for key in sorted({m.split("/", 1)[0] for m in missing} - set(have)):
+    close = difflib.get_close_matches(key, have, n=1, cutoff=0.6)
+    if close:
+      guesses.append(f"{close[0]!r} for the target's {key!r}")
+  return f"Did you mean {', '.join(guesses[:5])} (a top-level key)? " if (
+      guesses) else ""
 
 
 def _shown(names, n: int = 20) -> str:

@@ -76,3 +76,13 @@ def test_the_readme_links_to_pages_that_exist():
   assert len(links) >= 15
   for link in links:
     assert (ROOT / link).is_file(), link
+
+
+def test_the_readme_lists_every_page_of_the_site():
+  """Issue 45 item 8: the README's list of pages missed the Flax page."""
+  nav = re.findall(r"^  - [^:]+: ([\w-]+\.md)$",
+                   (ROOT / "mkdocs.yml").read_text(), re.M)
+  assert "flax.md" in nav
+  listed = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", README))
+  missing = [p for p in nav if p != "index.md" and p not in listed]
+  assert not missing, missing

@@ -39,7 +39,7 @@ from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.face.saver import size_text
+from ckpt.face.saver import rate_text, size_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,10 +338,9 @@ class Restorer:
       stats.total_s = time.perf_counter() - job.t_start
       logging.info(
           "ckpt: restored step %s from %s: this process read %s in %.2f s "
-          "(%.2f GB/s; %s)%s", job.step, job.storage.url,
+          "(%s; %s)%s", job.step, job.storage.url,
           size_text(stats.bytes_read), stats.total_s,
-          stats.bytes_read / stats.total_s / 1e9 if stats.total_s > 0
-          else 0.0, stats.stages_text(),
+          rate_text(stats.bytes_read, stats.total_s), stats.stages_text(),
           f"; fell back past damaged step(s) {job.damaged}"
           if job.damaged else "")
       return result

@@ -285,14 +285,23 @@ def size_text(n: float) -> str:
   return f"{n:.2f} TiB"
 
 
+def rate_text(n: float, seconds: float) -> str:
+  """``n`` bytes in ``seconds`` for a log line: "1.52 GB/s", or in MB/s
+  below 1 GB/s ("3.4 MB/s": a small save never reads "0.00 GB/s")."""
+  rate = n / seconds if seconds > 0 else 0.0
+  if rate >= 1e9:
+    return f"{rate / 1e9:.2f} GB/s"
+  return f"{rate / 1e6:.3g} MB/s" if rate >= 1e5 else f"{rate / 1e6:.2f} MB/s"
+
+
 def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
                total_s: float, async_save: bool) -> None:
   """One INFO line per committed save, on every process (its own bytes)."""
-  rate = stats.bytes_written / total_s / 1e9 if total_s > 0 else 0.0
+  rate = rate_text(stats.bytes_written, total_s)
   blocked = (f"; the caller was blocked {stats.blocking_s:.3f} s"
              if async_save and stats.blocking_s else "")
   logging.info("ckpt: saved step %d to %s: this process wrote %s in %.2f s "
-               "(%.2f GB/s)%s", step, url, size_text(stats.bytes_written),
+               "(%s)%s", step, url, size_text(stats.bytes_written),
                total_s, rate, blocked)
 
 

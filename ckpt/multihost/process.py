@@ -54,6 +54,15 @@ from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.multihost import coordination
 
 DEFAULT_TIMEOUT_S = 600.0
+# Why a process waits that long (said where the wait ends): a peer may be
+# arriving late for a good reason, which ckpt cannot tell from a call that
+# some process never makes.
+WAIT_WHY = ("(barrier_timeout_s, 600 s by default, is how long a process "
+            "waits for the others: long enough for a peer still busy with "
+            "its previous work, such as a compile, an evaluation or a "
+            "synchronous save of a large state; a Checkpointer with a "
+            "smaller barrier_timeout_s reports a call missing on some "
+            "process sooner.)")
 ANSWER_S, GRACE_S = coordination.ANSWER_S, coordination.GRACE_S
 _calls: collections.Counter[str] = collections.Counter()
 _calls_lock = threading.Lock()
@@ -215,7 +224,7 @@ def barrier(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
         f"on process {process_index()} of {process_count()}; processes that "
         f"did not arrive: {late or 'unknown'}. Check that every process "
         f"called the same save/restore with the same step, and look at the "
-        f"logs of the late processes. Cause: {e}") from e
+        f"logs of the late processes. {WAIT_WHY} Cause: {e}") from e
 
 
 def _late_processes(message: str) -> list[int]:

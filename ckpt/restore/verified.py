@@ -145,7 +145,9 @@ def check(sums: BoxSums, rows: np.ndarray, data: np.ndarray, at: Box,
           f"leaf {path!r}: box {list(b.start)}..{list(b.stop)} (stored in "
           f"{sums.describe(i)}) has crc32c {found:#010x}, expected "
           f"{want:#010x} (recorded when it was written): the stored data "
-          "was changed or damaged after the save")
+          "was changed or damaged after the save. To resume from the newest "
+          "step that verifies, restore without a step (restore(target=...)):"
+          " it falls back past a damaged step")
 
 
 async def read_into(sums: BoxSums, box: Box, out: np.ndarray, path: str,

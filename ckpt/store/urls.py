@@ -30,6 +30,14 @@ def _env_s3_options() -> dict[str, Any]:
   region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
   if region:
     out["aws_region"] = region
+  if (os.environ.get("AWS_ACCESS_KEY_ID") and
+      os.environ.get("AWS_SECRET_ACCESS_KEY") and
+      not os.environ.get("CKPT_DEBUG")):
+    # The credentials come from the environment, which the default chain
+    # reads first anyway: reading them alone spares every process the AWS
+    # SDK's native ERROR lines about a missing ~/.aws/config (10 per
+    # Checkpointer). storage_options' aws_credentials wins.
+    out["aws_credentials"] = {"type": "environment"}
   return out
 
 

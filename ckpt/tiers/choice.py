@@ -26,7 +26,7 @@ def choose(mt, step: int | None, target_leaves,
   (then only the persistent tier's steps can be chosen)."""
   key = mt.local.call_key("choose")
   try:  # a collective round of the persistent tier, on every process
-    p_steps = mt.persistent.all_steps()
+    p_steps = persistent_steps(mt)
   except CheckpointError:
     p_steps = []
   p_latest = p_steps[-1] if p_steps else None
@@ -40,8 +40,10 @@ def choose(mt, step: int | None, target_leaves,
       return s == step
     return p_latest is None or s >= p_latest
 
+  held: list[int] = []
   try:
     mt.local.wait()
+    held = mt.local.committed_steps()
     if target_leaves is None:
       usable = {"own": [], "partner": [], "why": "no target was given "
                 "(the local tier restores onto the target's shardings)"}
@@ -55,6 +57,15 @@ def choose(mt, step: int | None, target_leaves,
   n = mt.local.layout.n
 
   def decide(got: dict[int, dict]) -> dict:
+    out = _decide(got)
+    # The local steps some process holds (those a resume passes over are
+    # named in its warning), and the first reason one was not usable.
+    out["held"] = sorted(set().union(*(g["held"] for g in got.values())))
+    out["first_why"] = next((f"process {p}: {got[p]['why']}" for p in
+                             sorted(got) if got[p]["why"]), "")[:1000]
+    return out
+
+  def _decide(got: dict[int, dict]) -> dict:
     complete = tier_timeline.complete(got, dst, n)
     if persistent_only:
       return _persistent_only(step, complete, p_steps, persistent_only,
@@ -81,15 +92,28 @@ def choose(mt, step: int | None, target_leaves,
       reason = "the local tier holds no step every process can rebuild"
     if why:
       reason += f" ({why})"
+    # The local steps a resume falls back to, newest first, should the
+    # persistent tier's newer steps fail verification (they are checked
+    # again, as a restore of that step checks them, before one is used).
+    older = [s for s in complete if step is None and s < (p_latest or 0)]
     return {"tier": "persistent", "step": step if step is not None
-            else p_latest, "reason": reason}
+            else p_latest, "reason": reason, "older": older}
 
   out = rounds_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"],
-            "why": usable["why"]}, decide,
+            "why": usable["why"], "held": held}, decide,
       timeout_s=mt.local.timeout_s, what="the tier and step to restore")
   mt.local.settle_keys(key)  # the keys of the calls before go
   return out
+
+
+def persistent_steps(mt) -> list[int]:
+  """Collective: the persistent tier's committed steps (its
+  ``all_steps``) but those a resume of this job found damaged and fell
+  back past: no query or restore of the job counts them again, as its
+  saves do not (the job's one timeline)."""
+  damaged = mt.persistent.known_steps.retention.damaged()
+  return [s for s in mt.persistent.all_steps() if s not in damaged]
 
 
 def _persistent_only(step: int | None, complete: list[int],

@@ -122,6 +122,41 @@ def mismatch(entries: dict, tsig: dict, devices) -> str:
       want = box_index(imap[d], shape)
       have = tuple(tuple(x) for x in e["shards"][e["slots"][j]][0])
       if want != have:
-        return (f"leaf {name} is sharded differently from the save (device "
-                f"{d.id}: saved {have}, target {want})")
+        return (f"leaf {name} is sharded differently from the save: saved "
+                f"in shards of {_extent(have)}, the target's are "
+                f"{_extent(want)} (device {d.id}: saved box {list(have)}, "
+                f"target box {list(want)})")
   return ""
+
+
+def _extent(box) -> list[int]:
+  """A shard's shape, from its box."""
+  return [int(b) - int(a) for a, b in box]
+
+
+def covered(entries: dict, tsig: dict, devices) -> bool:
+  """Whether the shards a part records hold every byte each of
+  ``devices`` needs for the target (``tsig``, as ``mismatch`` takes it),
+  in whatever boxes they were saved: then this process can restore its
+  part onto the target's shardings from its own shards (a reshard, no
+  exchange). Shards of a NamedSharding are equal or disjoint, so a box is
+  covered when its intersections with the distinct saved boxes add up to
+  it."""
+  for name, (shape, imap) in tsig.items():
+    e = entries.get(name)
+    if e is None:
+      return False
+    if list(e["shape"]) != shape:
+      continue  # the restore refuses it as a Checkpointer does
+    saved = {tuple(tuple(x) for x in sh[0]) for sh in e["shards"]}
+    for d in devices:
+      if d not in imap:
+        return False
+      want = box_index(imap[d], shape)
+      need = int(np.prod([b - a for a, b in want]))
+      got = sum(int(np.prod([max(0, min(b, hb) - max(a, ha))
+                             for (a, b), (ha, hb) in zip(want, have)]))
+                for have in saved)
+      if got != need:
+        return False
+  return True

@@ -23,7 +23,7 @@ from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
 from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
                                      restore_plan, target_sig)
-from ckpt.tiers.local_manifest import mismatch
+from ckpt.tiers.local_manifest import covered, mismatch
 from ckpt.tiers.local_steps import LocalSteps
 from ckpt.errors import (CheckpointError, CorruptCheckpointError,
                          TreeMismatchError)
@@ -52,8 +52,8 @@ class LocalRestorer:
     out = {"own": [], "partner": [], "why": ""}
     whys = []
 
-    def skip(why):
-      logging.info("ckpt: local tier on process %d: %s", lay.pid, why)
+    def skip(why):  # one line per step: the restore says it once
+      logging.vlog(1, "ckpt: local tier on process %d: %s", lay.pid, why)
       whys.append(why)
 
     tsig, unsharded = None, set()
@@ -90,6 +90,9 @@ class LocalRestorer:
         hosts = set(m.get("host_names", ()))
         sig = {n: v for n, v in (tsig or {}).items() if n not in hosts}
         why = mismatch(m[part], sig, lay.devices_of(proc)) if sig else ""
+        if (why and part == "own" and "sharded differently" in why and
+            covered(m[part], sig, lay.devices_of(proc))):
+          why = ""  # every byte is here: restored from its own shards
         flat = sorted(n for n in unsharded if n in m[part])
         if flat and not why:
           why = (f"leaves {flat[:4]} have no sharding in the target (the "
@@ -100,7 +103,8 @@ class LocalRestorer:
           if missing:
             why = f"leaves {missing[:4]} are not in the local tier"
         if why:
-          why = f"step {s}: {why}"
+          which = "" if part == "own" else f" (the replica of process {proc})"
+          why = f"step {s}{which}: {why}"
         elif verify(s):
           if host_bad is None:
             host_bad = steps.verify(s, m, None)
@@ -113,7 +117,9 @@ class LocalRestorer:
           skip(why)
         else:
           out[part].append(s)
-    out["why"] = "; ".join(whys)[:1000]
+    # The first reason (the newest step's), and how many more there are.
+    out["why"] = (whys[0][:800] + (f" (and {len(whys) - 1} more)"
+                                   if len(whys) > 1 else "")) if whys else ""
     return out
 
   def restore(self, step: int, target_leaves, need_partner: list[int]):
@@ -202,9 +208,11 @@ class LocalRestorer:
           batch_bytes = 0
         batch.append((name, t))
         batch_bytes += nb
+        if not mine:  # what this process receives from its partner
+          read += nb
       if mine:
         imap = p.sharding.devices_indices_map(p.logical)
-        out[name] = place(p, [own[name]["index"](p.box(imap[d]))
+        out[name] = place(p, [own[name]["box"](p.box(imap[d]))
                                for d in lay.local], lay.local)
         read += own[name]["bytes"]
     flush()
@@ -212,6 +220,7 @@ class LocalRestorer:
       if plan[name].kind != "array":
         out[name] = host_value(plan[name])
     self.last_restore_stats = {"step": step, "from_partner": not mine,
+                               "bytes_read": read,
                                "total_s": time.perf_counter() - t0}
     return out, values.get("host_state")
 
@@ -230,12 +239,30 @@ class LocalRestorer:
 
       by_index = {tuple(tuple(x) for x in sh[0]): k
                   for k, sh in enumerate(e["shards"])}
+
+      def box(want, e=e, dt=dt, shard=shard, by_index=by_index):
+        """The stored box ``want``: a saved shard, or (other target
+        shardings, usable() checked that every byte is here) assembled
+        from the saved shards it intersects."""
+        want = tuple(tuple(x) for x in want)
+        if want in by_index:
+          return shard(by_index[want])
+        out = np.empty([b - a for a, b in want], dt)
+        for k, sh in enumerate(e["shards"]):
+          lo = [max(a, h[0]) for (a, _), h in zip(want, sh[0])]
+          hi = [min(b, h[1]) for (_, b), h in zip(want, sh[0])]
+          if all(l < h for l, h in zip(lo, hi)):
+            out[tuple(slice(l - a, h - a) for l, h, (a, _) in
+                      zip(lo, hi, want))] = shard(k)[tuple(
+                          slice(l - h[0], u - h[0]) for l, u, h in
+                          zip(lo, hi, sh[0]))]
+        return out
+
       out[name] = {
           "dtype": e["dtype"],
           "bytes": sum(sh[2] for sh in e["shards"]),
           "slot": lambda j, e=e, shard=shard: shard(e["slots"][j]),
-          "index": lambda idx, shard=shard, by_index=by_index: shard(
-              by_index[tuple(tuple(x) for x in idx)]),
+          "box": box,
       }
     return out
 

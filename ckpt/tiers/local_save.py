@@ -22,7 +22,10 @@ import crc32c
 import msgpack
 import numpy as np
 
+from absl import logging
+
 from ckpt.face import loop as loop_lib
+from ckpt.face.saver import rate_text, size_text
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
@@ -100,6 +103,7 @@ class LocalSaver:
     host_vals, arrays, error = {}, [], None
     try:
       self.wait()
+      self._steps.drop_set_aside()  # before this step can commit
       arrays, host_vals, info = prepare_leaves(flatten(state)[0],
                                                 self.save_dtype, lay.devs)
       manifest["host_names"] = sorted(host_vals)
@@ -398,5 +402,12 @@ class LocalSaver:
       remove_step(final, home, step)
     os.rename(work, final)
     attempt.fsync_dir(home)
-    self.last_save_stats["total_s"] = time.perf_counter() - t0
+    total_s = time.perf_counter() - t0
+    self.last_save_stats["total_s"] = total_s
     self._steps.retain()
+    own, replica = manifest["files"]["own.bin"], manifest["files"][
+        "partner.bin"]
+    logging.info("ckpt: saved step %d to the local tier %s: this process "
+                 "wrote %s (%s of it its partner's replica) in %.2f s (%s)",
+                 step, home, size_text(own + replica), size_text(replica),
+                 total_s, rate_text(own + replica, total_s))

@@ -45,17 +45,53 @@ class LocalSteps:
     # The step saved last as the job's newest (retention keeps it, and
     # removes the steps above it: MultiTierCheckpointer.save refused them).
     self._newest_saved: int | None = None
+    # A resume returned this step: the steps above it are set aside
+    # (``set_aside_above``) until the next local save removes them.
+    self._aside_above: int | None = None
 
   def saving_newest(self, step: int) -> None:
     """``step`` is the job's newest step (see ``retain``)."""
     self._newest_saved = step
 
   def committed_steps(self) -> list[int]:
+    """The committed steps of this process, but those a resume set aside
+    (``set_aside_above``)."""
+    steps = self._on_disk()
+    if self._aside_above is None:
+      return steps
+    return [s for s in steps if s <= self._aside_above]
+
+  def _on_disk(self) -> list[int]:
     try:
       names = os.listdir(self.dir)
     except FileNotFoundError:
       return []
     return sorted(int(m.group(1)) for m in map(_STEP_RE.match, names) if m)
+
+  def set_aside_above(self, step: int) -> list[int]:
+    """A resume returned ``step`` (every process, the same): the committed
+    steps above it (returned) no longer count for this job (its queries,
+    restores and save refusals: one timeline, the restored one), and the
+    next local save removes them (``drop_set_aside``). Local, no I/O but
+    a listing."""
+    above = [s for s in self._on_disk() if s > step]
+    self._aside_above = step if above else None
+    return above
+
+  def drop_set_aside(self) -> None:
+    """At a local save, before its start round (caller's thread): the
+    steps a resume set aside are renamed away (atomic; the writer's
+    ``remove_leftovers`` deletes them), so no restart resumes them once
+    a step of the restored timeline is committed. Raises OSError."""
+    floor = self._aside_above
+    if floor is None:
+      return
+    for s in self._on_disk():
+      if s > floor:
+        logging.info("ckpt: local tier removes step %d, set aside when the "
+                     "job resumed step %d", s, floor)
+        self.hide_step(s)
+    self._aside_above = None
 
   def manifest(self, step: int) -> dict:
     """The validated manifest of ``step`` (this process's); raises

@@ -77,6 +77,8 @@ import hashlib
 import os
 from typing import Any
 
+import jax
+
 from ckpt.multihost import process as multihost
 from ckpt.tiers import partner
 from ckpt.tiers.local_exchange import Budget, TierRounds
@@ -137,9 +139,15 @@ class LocalTier:
   def settle_keys(self, key: str) -> None:
     self.rounds.settle_keys(key)
 
+  # The tier's device work (the partner exchange over its own mesh, a 0-d
+  # block given an axis, a received block indexed) runs with the caller's
+  # context mesh set aside (``jax.set_mesh(None)``, this thread only): jax
+  # refuses one-device arguments and other meshes under ``jax.set_mesh``.
+
   def save(self, step: int, state: Any, host_state: Any = None,
            newest: bool = False) -> None:
-    self.saver.save(step, state, host_state, newest)
+    with jax.set_mesh(None):
+      self.saver.save(step, state, host_state, newest)
 
   def wait(self) -> None:
     self.saver.wait()
@@ -157,10 +165,14 @@ class LocalTier:
     return self.restorer.usable(target_leaves, verify)
 
   def restore(self, step: int, target_leaves, need_partner: list[int]):
-    return self.restorer.restore(step, target_leaves, need_partner)
+    with jax.set_mesh(None):
+      return self.restorer.restore(step, target_leaves, need_partner)
 
   def committed_steps(self) -> list[int]:
     return self.steps.committed_steps()
+
+  def set_aside_above(self, step: int) -> list[int]:
+    return self.steps.set_aside_above(step)
 
   def manifest(self, step: int) -> dict:
     return self.steps.manifest(step)

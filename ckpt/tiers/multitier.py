@@ -376,6 +376,8 @@ class MultiTierCheckpointer:
     from the persistent tier: for ``restore()`` with no target, a target
     whose shardings differ from the save's, or restore options the local
     tier does not take (``transforms``, ``fallback_state``, ``lazy=True``).
+    After such a resume, the steps it set aside no longer count: this is
+    the resumed step until the next save.
 
     Raises ``StoreTimeoutError`` / ``CheckpointError`` when the persistent
     tier cannot be listed.
@@ -394,8 +396,11 @@ class MultiTierCheckpointer:
     or its partner holds a replica of it, and the process count, devices
     and the target's shardings are those of the save; else from the
     persistent tier (``restore_kwargs`` go to ``Checkpointer.restore``),
-    with an info log saying why. ``last_restore_step``,
-    ``last_restore_tier`` and ``last_restore_reason`` say what it did.
+    logging why. ``last_restore_step``, ``last_restore_tier`` and
+    ``last_restore_reason`` say what it did. A resume (no ``step``) that
+    passes over newer local steps says so in one WARNING and sets them
+    aside: no query, restore or save refusal of this job sees them again,
+    and the next local save removes them (docs/multi-tier.md).
 
     Restore options the local tier does not take (``transforms``,
     ``fallback_state``, ``lazy=True``) choose among the persistent tier's

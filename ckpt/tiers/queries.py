@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
+from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import timeline as tier_timeline
 
 
@@ -24,7 +25,7 @@ def all_steps(mt) -> list[int]:
   and the local steps the job can rebuild (one round: every process posts
   the local steps it can serve, process 0 keeps those every process can
   get back), merged, in increasing order, the same on every process."""
-  p_steps = mt.persistent.all_steps()
+  p_steps = tier_choice.persistent_steps(mt)
   p_latest = p_steps[-1] if p_steps else None
   key = mt.local.call_key("all_steps")
   try:

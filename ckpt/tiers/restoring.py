@@ -11,6 +11,8 @@ import jax
 from absl import logging
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
+from ckpt.face.saver import rate_text, size_text
+from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import local_leaves
@@ -38,11 +40,9 @@ def restore(persistent, local, choose: Callable, note: Callable,
     raise (CheckpointNotFoundError if d["not_found"] else CheckpointError)(
         d["reason"])
   if d["tier"] == "local":
-    out, hs = local.restore(d["step"], leaves, d["need"])
-    logging.info("ckpt: restored step %d from the local tier %s%s", d["step"],
-                 local.root, f": {d['reason']}" if d["reason"] else "")
-    note("local", d["step"], d.get("reason", ""), (d["step"], hs))
-    state = jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
+    state = _local(local, note, d, leaves, treedef)
+    if step is None:
+      _resumed(local, d, d["step"], "local", local.root)
     return _done(state, f"restore of step {d['step']}") if start else state
   reason = d.get("reason") or "restore options the local tier does not take"
   logging.info("ckpt: restoring step %s from the persistent tier %s: %s",
@@ -54,12 +54,25 @@ def restore(persistent, local, choose: Callable, note: Callable,
 
   def finish(state):
     s = persistent.last_restore_step
+    for c in d.get("older", ()):  # it fell back past a local step: take
+      if s is not None and c > s:  # the newest the local tier can rebuild
+        d2 = choose(c, leaves, options)
+        if d2["tier"] == "local":
+          logging.warning(
+              "ckpt: the persistent tier fell back to step %s; the local "
+              "tier's step %d is newer: resuming it instead", s, c)
+          del state  # the persistent step's arrays, before the local read
+          got = _local(local, note, d2, leaves, treedef)
+          _resumed(local, d, c, "local", local.root)
+          return got
     try:
       hs = persistent.host_state(s)
     except CheckpointError as e:
       logging.info("ckpt: no host_state in persistent step %s: %s", s, e)
       hs = None
     note("persistent", s, reason, (s, hs))
+    if step is None and s is not None:
+      _resumed(local, d, s, "persistent", persistent.storage.url)
     return state
   if not start:
     return finish(persistent.restore(which, target=target, **restore_kwargs))
@@ -68,6 +81,42 @@ def restore(persistent, local, choose: Callable, note: Callable,
       lambda timeout: finish(inner.result(timeout)), inner,
       lambda: inner.cancel("the MultiTierCheckpointer was closed"),
       lambda: None, inner.what)
+
+
+def _local(local, note: Callable, d: dict, leaves, treedef) -> Any:
+  """The local tier's restore of the agreed step ``d["step"]``."""
+  out, hs = local.restore(d["step"], leaves, d["need"])
+  st = local.last_restore_stats
+  logging.info("ckpt: restored step %d from the local tier %s: this process "
+               "read %s in %.2f s (%s)%s", d["step"], local.root,
+               size_text(st["bytes_read"]), st["total_s"],
+               rate_text(st["bytes_read"], st["total_s"]),
+               f"; {d['reason']}" if d["reason"] else "")
+  note("local", d["step"], d.get("reason", ""), (d["step"], hs))
+  return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
+
+
+def _resumed(local, d: dict, step: int, tier: str, where: str) -> None:
+  """After a resume returned ``step`` (every process): the local steps
+  above it are set aside (one timeline: no query, restore or save refusal
+  of this job sees them; the next local save removes them), and process 0
+  says once, as a WARNING, which local steps the resume passed over, the
+  first reason and what to do."""
+  local.set_aside_above(step)
+  newer = [s for s in d.get("held", ()) if s > step]
+  if not newer or multihost.process_index() != 0:
+    return
+  why = d.get("first_why") or d.get("reason") or "not usable"
+  advice = ""
+  if "sharded differently" in why:
+    advice = (" To resume from the local tier, restore onto the shardings "
+              "the state was saved with: give the target the shardings "
+              "the train step's outputs have (its out_shardings; see "
+              "docs/multi-tier.md, 'Restore onto the saved shardings').")
+  logging.warning(
+      "ckpt: resumed step %d from the %s tier %s; the local tier's newer "
+      "step(s) %s were not used (%s). They are set aside: the next local "
+      "save removes them.%s", step, tier, where, newer, why[:600], advice)
 
 
 def _done(value: Any, what: str) -> handle_lib.RestoreHandle:

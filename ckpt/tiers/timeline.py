@@ -56,9 +56,10 @@ def check(mt, step: int, prepare=None) -> None:
     # rebuild (a host and its partner lost) is never resumed, and goes
     # at this save's retention.
     local = sorted(complete(got, dst, n))
-    try:
-      persistent = mt.persistent.known_steps.newer_than(
-          step, fresh=bool(local))
+    try:  # but those a resume fell back past (damaged: never resumed)
+      damaged = mt.persistent.known_steps.retention.damaged()
+      persistent = [s for s in mt.persistent.known_steps.newer_than(
+          step, fresh=bool(local)) if s not in damaged]
     except Exception as e:  # pylint: disable=broad-except
       return {"failed": {0: (
           f"listing the persistent tier {mt.persistent.storage.url!r}: "

@@ -139,10 +139,21 @@ def main() -> None:
   out["all_steps"] = attempt(m.all_steps)  # issue 36 item 6: both tiers
   out["latest_fit"] = attempt(lambda: m.latest_step(target=t))
   out["latest_other"] = attempt(lambda: m.latest_step(target=t_other))
-  out["restore_other"] = restored(m, lambda: m.restore(target=t_other), other)
+
+  def probe(fn, sh=shard):
+    """A resume that returns an older step than the local tier's newest
+    sets the newer local steps aside for the job that made it (issue 45
+    item 1): each such probe runs on a MultiTierCheckpointer of its own,
+    as another job's resume would, so ``m`` keeps them."""
+    p = tiers()
+    try:
+      return restored(p, lambda: fn(p), sh)
+    finally:
+      p.close()
+  out["restore_other"] = probe(lambda p: p.restore(target=t_other), other)
   # Item 5: restore options the local tier does not take, and verify.
-  out["lazy"] = restored(m, lambda: m.restore(target=t, lazy=True))
-  out["transforms"] = restored(m, lambda: m.restore(
+  out["lazy"] = probe(lambda p: p.restore(target=t, lazy=True))
+  out["transforms"] = probe(lambda p: p.restore(
       target=t, transforms=[lambda c, t_, *, is_resuming: c]))
   out["lazy_local_only_step"] = restored(
       m, lambda: m.restore(21, target=t, lazy=True))
