@@ -1,0 +1,210 @@
+"""How many bytes of data this process has moved to and from its stores, for
+the stall bound of ckpt/store/deadline.py: a number that grows while data
+moves and never grows for a lease renewal.
+
+Two measures, added:
+
+- completed requests, as TensorStore's base kvstore drivers count them
+  (``/tensorstore/kvstore/<driver>/bytes_written`` and ``bytes_read``,
+  counted when a request completes; drivers that read and write through
+  another kvstore, ocdbt, are left out so nothing counts twice);
+- bytes in flight on the wire (Linux): the bytes acknowledged by the peer
+  and received from it (``TCP_INFO``'s ``bytes_acked`` and
+  ``bytes_received``) on this process's TCP connections to the endpoints of
+  the object stores it opened (``watch``): a request that takes longer than
+  the bound, a 16 MiB chunk through 1 MiB/s, counts as it goes. TensorStore
+  counts no bytes before a request completes (checked with 0.1.86: its
+  ``/tensorstore/http/request_bytes`` is a histogram recorded as a request
+  starts), so the sockets are read directly: every file descriptor of the
+  process that is a TCP socket whose peer is such an endpoint (the
+  endpoint's addresses as resolved when it was watched, or an HTTP(S)
+  proxy the environment names).
+
+A lease renewal (ckpt/commit/renewal.py) is not progress of the save it
+keeps alive: a store that swallows large uploads but answers small ones
+would keep the save alive forever. Each of its requests is announced
+before it is sent (``aside``), with more bytes than it can move (its body
+twice, plus ``ASIDE_OVERHEAD`` for headers and TLS), and ``moved()`` is the
+measures less everything announced so: a renewal lowers it at most, data
+raises it. A caller takes "moved more than ever before" as progress.
+
+Both measures are per process, not per operation: while two operations of
+this process move data through the same driver or to the same endpoint at
+once, each sees the other's bytes. A store reached through a name whose
+addresses change (DNS rotation) may be reached at an address not resolved
+here; its bytes in flight are then not seen, and only completed requests
+count for it (the granularity before this module).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+
+import tensorstore as ts
+
+_BYTES = ("/bytes_written", "/bytes_read")
+_ADAPTERS = ("ocdbt",)  # read and write through a base kvstore, counted there
+# Headers, signatures and TLS records of one announced request, both ways.
+ASIDE_OVERHEAD = 16 << 10
+# struct tcp_info (linux/tcp.h): tcpi_bytes_acked, tcpi_bytes_received.
+_TCP_INFO_BYTES = 120
+_TCP_INFO_LEN = 136
+_SCAN_S = 0.1  # a scan of the sockets serves every caller for this long
+_DEFAULT_HOSTS = {"s3": "s3.amazonaws.com", "gcs": "storage.googleapis.com"}
+
+
+class _Traffic:
+  """The process's measures (one instance, ``_TRAFFIC``)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._peers: set[tuple[str, int]] = set()
+    self._watched: set[tuple[str, int]] = set()
+    self._sockets: dict[int, int] = {}  # inode -> bytes seen on it
+    self._wire = 0
+    self._scanned = -1.0
+    self._aside = 0
+
+  def watch(self, host: str, port: int) -> None:
+    if (host, port) in self._watched:
+      return
+    try:
+      infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
+    except OSError:
+      return  # unknown now: its bytes in flight are not seen
+    with self._lock:
+      self._watched.add((host, port))
+      self._peers.update((info[4][0], port) for info in infos)
+
+  def aside(self, nbytes: int) -> None:
+    with self._lock:
+      self._aside += 2 * max(0, int(nbytes)) + ASIDE_OVERHEAD
+
+  def moved(self) -> int:
+    data = _completed() + self._on_wire()
+    # Read last: a renewal's bytes in ``data`` were announced before it was
+    # sent, so before they were counted; one announced since lowers it.
+    with self._lock:
+      return data - self._aside
+
+  def _on_wire(self) -> int:
+    with self._lock:
+      now = time.monotonic()
+      if not self._peers or now - self._scanned < _SCAN_S:
+        return self._wire
+      self._scanned = now
+      seen = _scan(self._peers)
+      # A connection first seen now is new since the last scan: all of its
+      # bytes moved since.
+      self._wire += sum(max(0, n - self._sockets.get(inode, 0))
+                        for inode, n in seen.items())
+      self._sockets = seen
+      return self._wire
+
+
+_TRAFFIC = _Traffic()
+
+
+def watch(spec: dict) -> None:
+  """Counts the bytes in flight to the store of the kvstore ``spec`` (s3,
+  gcs; an ``endpoint`` member or TensorStore's environment variable, else
+  the public endpoint; an HTTP(S) proxy named by the environment too)."""
+  driver = spec.get("driver")
+  if driver not in _DEFAULT_HOSTS:
+    return
+  urls = []
+  if driver == "s3":
+    urls.append(spec.get("endpoint") or f"https://{_DEFAULT_HOSTS['s3']}")
+    if not spec.get("endpoint"):
+      urls.append(f"https://{spec.get('bucket')}.{_DEFAULT_HOSTS['s3']}")
+  else:
+    urls.append(os.environ.get("TENSORSTORE_GCS_HTTP_URL")
+                or f"https://{_DEFAULT_HOSTS['gcs']}")
+  for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY",
+               "all_proxy", "ALL_PROXY"):
+    if os.environ.get(name):
+      urls.append(os.environ[name])
+  for url in urls:
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parsed.hostname:
+      try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+      except ValueError:
+        continue
+      _TRAFFIC.watch(parsed.hostname, port)
+
+
+def aside(nbytes: int) -> None:
+  """A request that is not data (a lease renewal) is about to move a body
+  of ``nbytes``: ``moved()`` discounts it (module docstring)."""
+  _TRAFFIC.aside(nbytes)
+
+
+def moved() -> int:
+  """Bytes of data moved so far, less what was announced ``aside``: it
+  grows while data moves; compare it with the largest value seen before."""
+  return _TRAFFIC.moved()
+
+
+def _completed() -> int:
+  """Bytes TensorStore's base kvstore drivers of this process wrote and
+  read in completed requests (0 where it has no metrics)."""
+  try:
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
+  except Exception:  # pylint: disable=broad-except
+    return 0
+  total = 0
+  for m in metrics:
+    name = m["name"]
+    if not name.endswith(_BYTES) or name.split("/")[3] in _ADAPTERS:
+      continue
+    total += sum(int(v.get("value", 0)) for v in m["values"])
+  return total
+
+
+def _scan(peers: set[tuple[str, int]]) -> dict[int, int]:
+  """{socket inode: bytes acknowledged + received} of this process's TCP
+  connections to ``peers`` (empty where there is no /proc or TCP_INFO)."""
+  out: dict[int, int] = {}
+  try:
+    fds = os.listdir("/proc/self/fd")
+  except OSError:
+    return out
+  for name in fds:
+    try:
+      link = os.readlink(f"/proc/self/fd/{name}")
+    except OSError:
+      continue  # closed meanwhile
+    if not link.startswith("socket:["):
+      continue
+    try:
+      fd = os.dup(int(name))
+    except OSError:
+      continue
+    try:
+      sock = socket.socket(fileno=fd)
+    except OSError:
+      os.close(fd)
+      continue
+    try:
+      # The descriptor may have been closed and reused since the readlink.
+      if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+          or sock.type != socket.SOCK_STREAM
+          or f"socket:[{os.fstat(sock.fileno()).st_ino}]" != link
+          or sock.getpeername()[:2] not in peers):
+        continue
+      info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO,
+                             _TCP_INFO_LEN)
+      if len(info) >= _TCP_INFO_LEN:
+        acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
+        out[int(link[8:-1])] = acked + received
+    except OSError:
+      continue  # not connected (yet), or closed meanwhile
+    finally:
+      sock.close()
+  return out
