@@ -38,6 +38,7 @@ count for it (the granularity before this module).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import struct
@@ -71,14 +72,27 @@ class _Traffic:
     self._aside = 0
 
   def watch(self, host: str, port: int) -> None:
-    if (host, port) in self._watched:
-      return
-    try:
-      infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)
-    except OSError:
-      return  # unknown now: its bytes in flight are not seen
+    """Adds the addresses of ``host`` to the peers, resolved on a thread
+    of its own (a slow resolver never holds up the caller)."""
     with self._lock:
+      if (host, port) in self._watched:
+        return
       self._watched.add((host, port))
+    try:  # an address already: no resolver
+      self._resolve(host, port, socket.AI_NUMERICHOST)
+    except OSError:
+      threading.Thread(target=self._resolve, args=(host, port), daemon=True,
+                       name="ckpt-traffic-resolve").start()
+
+  def _resolve(self, host: str, port: int, flags: int = 0) -> None:
+    try:
+      infos = socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP,
+                                 flags=flags)
+    except OSError:
+      if flags:
+        raise
+      return  # unknown: its bytes in flight are not seen
+    with self._lock:
       self._peers.update((info[4][0], port) for info in infos)
 
   def aside(self, nbytes: int) -> None:
@@ -118,10 +132,15 @@ def watch(spec: dict) -> None:
   if driver not in _DEFAULT_HOSTS:
     return
   urls = []
-  if driver == "s3":
-    urls.append(spec.get("endpoint") or f"https://{_DEFAULT_HOSTS['s3']}")
-    if not spec.get("endpoint"):
-      urls.append(f"https://{spec.get('bucket')}.{_DEFAULT_HOSTS['s3']}")
+  if driver == "s3" and spec.get("endpoint"):
+    urls.append(spec["endpoint"])
+  elif driver == "s3":  # virtual-host names, global and regional
+    bucket, region = spec.get("bucket"), spec.get("aws_region")
+    urls += [f"https://{_DEFAULT_HOSTS['s3']}",
+             f"https://{bucket}.{_DEFAULT_HOSTS['s3']}"]
+    if region:
+      urls += [f"https://s3.{region}.amazonaws.com",
+               f"https://{bucket}.s3.{region}.amazonaws.com"]
   else:
     urls.append(os.environ.get("TENSORSTORE_GCS_HTTP_URL")
                 or f"https://{_DEFAULT_HOSTS['gcs']}")
@@ -169,42 +188,77 @@ def _completed() -> int:
 
 def _scan(peers: set[tuple[str, int]]) -> dict[int, int]:
   """{socket inode: bytes acknowledged + received} of this process's TCP
-  connections to ``peers`` (empty where there is no /proc or TCP_INFO)."""
-  out: dict[int, int] = {}
+  connections to ``peers`` (empty where there is no /proc or TCP_INFO).
+
+  The connections are found in /proc/self/net/tcp{,6} (by inode and
+  peer) before any socket object is made, and the flags of the ones made
+  are put back: making one of a descriptor sets it non-blocking when
+  ``socket.setdefaulttimeout`` was called, and a duplicate shares that
+  flag with the original."""
+  mine: dict[int, str] = {}  # inode -> descriptor
   try:
     fds = os.listdir("/proc/self/fd")
   except OSError:
-    return out
+    return {}
   for name in fds:
     try:
       link = os.readlink(f"/proc/self/fd/{name}")
     except OSError:
       continue  # closed meanwhile
-    if not link.startswith("socket:["):
-      continue
+    if link.startswith("socket:["):
+      mine[int(link[8:-1])] = name
+  wanted = {inode: mine[inode] for inode, peer in _connections()
+            if inode in mine and peer in peers}
+  out: dict[int, int] = {}
+  for inode, name in wanted.items():
     try:
       fd = os.dup(int(name))
     except OSError:
       continue
+    if os.fstat(fd).st_ino != inode:  # closed and reused since
+      os.close(fd)
+      continue
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
       sock = socket.socket(fileno=fd)
     except OSError:
       os.close(fd)
       continue
     try:
-      # The descriptor may have been closed and reused since the readlink.
-      if (sock.family not in (socket.AF_INET, socket.AF_INET6)
-          or sock.type != socket.SOCK_STREAM
-          or f"socket:[{os.fstat(sock.fileno()).st_ino}]" != link
-          or sock.getpeername()[:2] not in peers):
-        continue
+      if fcntl.fcntl(fd, fcntl.F_GETFL) != flags:  # (see the docstring)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
       info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO,
                              _TCP_INFO_LEN)
       if len(info) >= _TCP_INFO_LEN:
         acked, received = struct.unpack_from("QQ", info, _TCP_INFO_BYTES)
-        out[int(link[8:-1])] = acked + received
+        out[inode] = acked + received
     except OSError:
-      continue  # not connected (yet), or closed meanwhile
+      continue
     finally:
       sock.close()
   return out
+
+
+def _connections():
+  """(inode, (peer address, peer port)) of every TCP socket in this
+  process's network namespace (/proc/self/net/tcp and tcp6)."""
+  for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    try:
+      with open(f"/proc/self/net/{table}") as f:
+        lines = f.read().splitlines()[1:]
+    except OSError:
+      continue
+    for line in lines:
+      fields = line.split()
+      try:
+        address, port = fields[2].split(":")
+        raw = bytes.fromhex(address)
+        # Each 32-bit word in the host's byte order.
+        words = struct.unpack(f"={len(raw) // 4}I", raw)
+        packed = struct.pack(f"!{len(words)}I", *words)
+        peer = socket.inet_ntop(family, packed)
+        if family == socket.AF_INET6 and peer.startswith("::ffff:"):
+          peer = peer[7:]  # an IPv4 peer of a dual-stack socket
+        yield int(fields[9]), (peer, int(port, 16))
+      except (IndexError, ValueError, OSError):
+        continue
