@@ -17,7 +17,8 @@ Usage::
 
   python -m scripts.stall_figures [swallow] [slow] [gaps]
 
-Each prints one line. About 15 s, 70 s and 30 s.
+Each prints one line. About 20 s, 70 s and 30 s (the swallowing store's
+save is given at most ``LIMIT_S``: before issue 44 it never ended).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from tests.objectstore import servers
 from tests.objectstore.httpproxy import HttpProxy
 
 MIB = 1 << 20
+LIMIT_S = 150.0  # how long the swallowing store's save is given
 
 
 def _state(nbytes: int) -> dict:
@@ -50,11 +52,18 @@ def swallow(server, bucket: str) -> None:
                           save_timeout_s=15, lease_s=30, chunk_bytes=16 * MIB,
                           storage_options={"endpoint": px.endpoint})
     t0 = time.monotonic()
-    try:
-      c.save(1, _state(64 * MIB))
-      outcome = "committed (wrong)"
-    except ckpt.CheckpointError as e:
-      outcome = f"{type(e).__name__}"
+    out = []
+
+    def save() -> None:
+      try:
+        c.save(1, _state(64 * MIB))
+        out.append("committed (wrong)")
+      except ckpt.CheckpointError as e:
+        out.append(type(e).__name__)
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    thread.join(LIMIT_S)
+    outcome = out[0] if out else "no end"
     renewals = sum(1 for r in px.requests if r[1] == "PUT"
                    and r[2].endswith("/attempt.json")) - 1
     print(f"swallow: {outcome} after {time.monotonic() - t0:.1f} s "

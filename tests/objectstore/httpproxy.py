@@ -171,8 +171,8 @@ class HttpProxy:
             return
           size -= len(piece)
           await self._send(upstream, piece)
-    except (ConnectionError, OSError):
-      return
+    except (ConnectionError, OSError, asyncio.CancelledError):
+      return  # (cancelled: by close(), which ends every task)
     finally:
       if answers is not None:
         answers.cancel()
@@ -187,7 +187,7 @@ class HttpProxy:
     try:
       while piece := await reader.read(PIECE):
         await self._send(writer, piece)
-    except (ConnectionError, OSError):
+    except (ConnectionError, OSError, asyncio.CancelledError):
       pass
     finally:
       _reset(writer)
