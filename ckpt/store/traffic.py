@@ -67,6 +67,7 @@ class _Traffic:
     self._peers: set[tuple[str, int]] = set()
     self._watched: set[tuple[str, int]] = set()
     self._sockets: dict[int, int] = {}  # inode -> bytes seen on it
+    self._kinds: dict[int, bool | int] = {}  # see _scan
     self._wire = 0
     self._scanned = -1.0
     self._aside = 0
@@ -94,6 +95,7 @@ class _Traffic:
       return  # unknown: its bytes in flight are not seen
     with self._lock:
       self._peers.update((info[4][0], port) for info in infos)
+      self._kinds.clear()  # a socket found no peer may be one now
 
   def aside(self, nbytes: int) -> None:
     with self._lock:
@@ -112,7 +114,7 @@ class _Traffic:
       if not self._peers or now - self._scanned < _SCAN_S:
         return self._wire
       self._scanned = now
-      seen = _scan(self._peers)
+      seen = _scan(self._peers, self._kinds)
       # A connection first seen now is new since the last scan: all of its
       # bytes moved since.
       self._wire += sum(max(0, n - self._sockets.get(inode, 0))
@@ -186,9 +188,19 @@ def _completed() -> int:
   return total
 
 
-def _scan(peers: set[tuple[str, int]]) -> dict[int, int]:
+def _scan(peers: set[tuple[str, int]], kinds: dict[int, bool | int]
+          ) -> dict[int, int]:
   """{socket inode: bytes acknowledged + received} of this process's TCP
   connections to ``peers`` (empty where there is no /proc or TCP_INFO).
+
+  ``kinds`` remembers, per socket inode of the process, whether it is a
+  connection to a peer (True) or not (False), or how many scans did not
+  find it connected yet (an int): /proc/self/net/tcp lists every socket
+  of the network namespace and takes milliseconds to read (16 ms with
+  340), so it is read only when the process has a socket not known yet.
+  A socket found unconnected twice (a Unix socket, a listening one) is
+  known to be no connection to a store; once is not enough, since curl
+  creates a socket before it connects it.
 
   The connections are found in /proc/self/net/tcp{,6} (by inode and
   peer) before any socket object is made, and the flags of the ones made
@@ -207,8 +219,19 @@ def _scan(peers: set[tuple[str, int]]) -> dict[int, int]:
       continue  # closed meanwhile
     if link.startswith("socket:["):
       mine[int(link[8:-1])] = name
-  wanted = {inode: mine[inode] for inode, peer in _connections()
-            if inode in mine and peer in peers}
+  for inode in [i for i in kinds if i not in mine]:
+    del kinds[inode]  # closed
+  unknown = [i for i in mine if not isinstance(kinds.get(i), bool)]
+  if unknown:
+    connected = dict(_connections())
+    for inode in unknown:
+      peer = connected.get(inode)
+      if peer is not None and peer[1] != 0:
+        kinds[inode] = peer in peers
+      else:
+        misses = kinds.get(inode, 0) + 1
+        kinds[inode] = False if misses >= 2 else misses
+  wanted = {i: name for i, name in mine.items() if kinds.get(i) is True}
   out: dict[int, int] = {}
   for inode, name in wanted.items():
     try:
