@@ -26,7 +26,10 @@ would keep the save alive forever. Each of its requests is announced
 before it is sent (``aside``), with more bytes than it can move (its body
 twice, plus ``ASIDE_OVERHEAD`` for headers and TLS), and ``moved()`` is the
 measures less everything announced so: a renewal lowers it at most, data
-raises it. A caller takes "moved more than ever before" as progress.
+raises it. A caller takes "moved more than ever before" as progress; so
+after each renewal (one every ``lease_s / 6``) the data has to make up the
+renewal's unused allowance, some 17 KiB, before it counts again: a save
+moving less than about 4 KiB/s (lease_s 30) is taken for stalled.
 
 Both measures are per process, not per operation: while two operations of
 this process move data through the same driver or to the same endpoint at
