@@ -5,10 +5,17 @@ is safe): ``abandoned`` names the attempts whose holder is provably dead or
 whose lease expired (ckpt/commit/lease.py) and the half-done deletions;
 ``remove`` removes one such name, re-reading what it removes so that a step
 committed meanwhile is never touched; ``remove_attempt`` removes one known
-attempt (a cancelled save).
+attempt (a cancelled save); ``OwnFailures`` keeps a Checkpointer's own failed
+attempts until its next save removes them.
 """
 
 from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from absl import logging
 
 from ckpt.commit import attempt
 from ckpt.commit import lease as lease_lib
@@ -23,6 +30,12 @@ from ckpt.store import names as names_lib
 # that died between creating it and writing its lease (microseconds on a
 # live one): once it is this old, nobody can be about to write its lease.
 UNFINISHED_PREPARE_S = 2.0
+# How often OwnFailures.sweep looks whether the save it runs beside ended.
+POLL_S = 0.1
+# How long after a failed save a request of it may still land: TensorStore's
+# retries of one request with ckpt's STORE_RETRIES (1+2+4+8+4*16 s of
+# backoff, up to 1 s of jitter each) and the request itself.
+QUIET_S = 120.0
 
 
 def _live(storage: storage_lib.Storage, rel: str, lease_s: float,
@@ -122,3 +135,70 @@ def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
 def remove_attempt(storage: storage_lib.Storage, step: int, token: str) -> None:
   """Deletes one attempt that did not commit (never a committed step)."""
   remove(storage, steps_lib.work_dir(storage, step, token))
+
+
+class OwnFailures:
+  """The attempts of one Checkpointer's saves that failed (process 0),
+  removed by its next saves (``sweep``) whatever their lease says: their
+  holder, this Checkpointer, knows they are dead. Before, a failed save
+  whose removal failed too (the store was down) left its attempt to the
+  lease rule, which a live holder's fresh lease keeps for ``lease_s``
+  (and a lease first seen then is not old); and a removal that succeeded
+  could be followed by a late write of the failed save.
+
+  Late writes: a TensorStore write of many chunks fails at its first
+  failed chunk while the requests of the others go on inside TensorStore
+  (their retries), and a write the deadline abandoned goes on too. Seen
+  on moto: one chunk of the failed save landed after the store came back,
+  after the failed attempt was removed, and stayed. So an attempt is
+  removed at the start of the next save and again at its end, and by
+  every later save until it is quiet: ``QUIET_S`` after the failure (the
+  longest TensorStore retries a request with ckpt's ``STORE_RETRIES``)
+  and once ``settled()`` (the requests the deadline abandoned, if any,
+  have all ended). Thread-safe."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._attempts: dict[tuple[int, str], tuple[float, Callable]] = {}
+
+  def failed(self, step: int, token: str,
+             settled: Callable[[], bool] = lambda: True) -> None:
+    with self._lock:
+      self._attempts[step, token] = (time.monotonic() + QUIET_S, settled)
+
+  def sweep(self, storage: storage_lib.Storage) -> list[str]:
+    """Removes every failed attempt now; forgets each one removed that was
+    quiet. Returns the relative directories it removed."""
+    return self._pass(storage)
+
+  def sweep_after(self, storage: storage_lib.Storage,
+                  running: Callable[[], bool]) -> list[str]:
+    """``sweep`` again once ``running()`` is False (the save it runs
+    beside ended), if any attempt is left: the late writes that landed
+    meanwhile."""
+    with self._lock:
+      if not self._attempts:
+        return []
+    while running():
+      time.sleep(POLL_S)
+    return self._pass(storage)
+
+  def _pass(self, storage: storage_lib.Storage) -> list[str]:
+    with self._lock:
+      attempts = dict(self._attempts)
+    removed = []
+    for (step, token), (quiet_at, settled) in attempts.items():
+      quiet = time.monotonic() >= quiet_at and settled()  # before removing
+      try:
+        remove_attempt(storage, step, token)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("ckpt: could not remove the failed attempt %s of "
+                        "step %d in %s (again at the next save): %s", token,
+                        step, storage.url, e)
+        continue
+      removed.append(steps_lib.work_dir(storage, step, token))
+      if quiet:
+        with self._lock:
+          if self._attempts.get((step, token)) == (quiet_at, settled):
+            del self._attempts[step, token]
+    return removed

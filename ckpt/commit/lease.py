@@ -59,6 +59,9 @@ import time
 from typing import Any, Callable
 
 DEFAULT_LEASE_S = 30.0
+# What a lease holds at most, for what its reads are announced as
+# (ckpt/store/traffic.py): make() writes some 400 bytes.
+MAX_LEASE_BYTES = 4096
 # GCS allows about one update a second of one object: renewals never come
 # faster than this on an object store, whatever lease_s says.
 MIN_BUCKET_RENEWAL_S = 1.0

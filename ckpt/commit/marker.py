@@ -23,6 +23,7 @@ from ckpt.commit.attempt import (ATTEMPT_FILE, ATTEMPT_PREFIX, NO_VALUE,
                                  Cleaner, committed_elsewhere, removed_error)
 from ckpt.store import names
 from ckpt.store import storage as storage_lib
+from ckpt.store import traffic
 from ckpt.errors import CheckpointError
 
 
@@ -72,32 +73,46 @@ class ObjectLease:
 
   def _open(self):
     if self._kv is None:
-      self._kv = ts.KvStore.open(self.storage.spec,
-                                 context=self.storage.context()).result(
-                                     timeout=self.request_s)
+      traffic.aside(0)  # (opening may ask for the bucket's region)
+      self._kv = ts.KvStore.open(
+          self.storage.spec, context=self.storage.context(own_queue=True)
+      ).result(timeout=self.request_s)
     return self._kv
 
   def renew(self, data: bytes, count: int) -> str | None:
-    """Writes ``data`` (renewal ``count``); why the lease is lost, or None."""
+    """Writes ``data`` (renewal ``count``); why the lease is lost, or None.
+    Each request is announced as no progress of the save (traffic.aside),
+    and goes through a request queue of its own (Storage.context)."""
     kv = self._open()
-    if self.generation is None:  # the lease prepare wrote: read once
-      r = kv.read(self.key).result(timeout=self.request_s)
-      if r.state == "missing" or not self._mine(bytes(r.value), count,
-                                                first=True):
-        return "its lease is gone" if r.state == "missing" else (
-            "its lease names another attempt")
-      self.generation = bytes(r.stamp.generation)
+    if self.generation is None:
+      lost = self.prime()
+      if lost is not None:
+        return lost
+    traffic.aside(len(data))
     w = kv.write(self.key, data, if_equal=self.generation).result(
         timeout=self.request_s)
     if w.generation:
       self.generation = bytes(w.generation)
       return None
     # The condition failed: ours all the same (a retried request), or gone.
+    traffic.aside(len(data))
     r = kv.read(self.key).result(timeout=self.request_s)
     if r.state == "missing":
       return "its lease is gone"
     if not self._mine(bytes(r.value), count):
       return "its lease was replaced"
+    self.generation = bytes(r.stamp.generation)
+    return None
+
+  def prime(self) -> str | None:
+    """Reads the generation of the lease prepare wrote (once, before the
+    first renewal is due); why the lease is lost, or None."""
+    kv = self._open()
+    traffic.aside(lease_lib.MAX_LEASE_BYTES)
+    r = kv.read(self.key).result(timeout=self.request_s)
+    if r.state == "missing" or not self._mine(bytes(r.value), 0, first=True):
+      return "its lease is gone" if r.state == "missing" else (
+          "its lease names another attempt")
     self.generation = bytes(r.stamp.generation)
     return None
 

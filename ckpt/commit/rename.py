@@ -105,6 +105,10 @@ class FileLease:
   def __init__(self, storage: storage_lib.Storage, key: str):
     self.path = os.path.join(os.fspath(storage.root), key)
 
+  def prime(self) -> str | None:
+    """Nothing to read ahead on a disk (see ObjectLease.prime)."""
+    return None
+
   def renew(self, data: bytes, count: int) -> str | None:
     """Writes ``data`` (renewal ``count``); why the lease is lost, or None."""
     del count  # the file itself says whether it is still there

@@ -80,6 +80,9 @@ class Saver:
     self._loop = loop
     self._plan_cache = plan_cache.PlanCache()
     self._lease_seen = lease_seen  # the Checkpointer's (it may replace it)
+    # Process 0: this Checkpointer's failed attempts, removed at its next
+    # save (ckpt/commit/cleanup.py).
+    self._own_failures = cleanup_lib.OwnFailures()
     self.last_save_stats = save_lib.SaveStats()
 
   def forget_plan(self) -> None:
@@ -208,6 +211,7 @@ class Saver:
                         custom: str | None = None,
                         temporary: bool = False) -> None:
     cleanup = None
+    ended = threading.Event()  # this save no longer runs
     self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
     async_save = self.settings.async_save
     if async_save:  # the training job's cores first (ckpt/save/polite.py)
@@ -218,7 +222,8 @@ class Saver:
         # (one listing of the root, or of pending/ on a bucket; never when a
         # Checkpointer opens: a reader must not delete anything).
         cleanup = asyncio.ensure_future(  # alongside, not ahead of staging
-            asyncio.to_thread(self.remove_abandoned, attempt.work_dir))
+            asyncio.to_thread(self.remove_abandoned, attempt.work_dir,
+                              lambda: not ended.is_set()))
       try:
         reuse = None if not self._reuser.enabled else await asyncio.to_thread(
             self._reuser.begin, plan, attempt.step, attempt.token,
@@ -229,16 +234,18 @@ class Saver:
                                 clock=self.settings.clock,
                                 custom_metadata=custom, reuse=reuse,
                                 temporary=temporary)
-      except BaseException:
+      except BaseException as e:
         # A failed save (its tiling found wrong, say) is planned afresh
         # next time, never from the plan it failed with.
         self._plan_cache.clear()
+        self._failed(attempt, e)
         raise
       _log_saved(attempt.step, self.storage.url, stats,
                  time.perf_counter() - t0, async_save)
       self._reuser.committed(reuse)  # the next save compares with it
       self._known.committed(attempt.step, metrics, temporary)
     finally:
+      ended.set()
       if cleanup is not None:
         await asyncio.gather(cleanup, return_exceptions=True)
       staged.set()
@@ -249,7 +256,37 @@ class Saver:
       stats.coordination_s = coord.seconds
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 
-  def remove_abandoned(self, own: str) -> None:
+  def _failed(self, attempt: finalize.Attempt, error: BaseException) -> None:
+    """Process 0: the save of ``attempt`` failed; the next saves remove
+    what is left of it (ckpt/commit/cleanup.py ``OwnFailures``), until
+    the writes a deadline abandoned on this process have ended too; not
+    when another process's deadline may have left writes of its own in
+    flight, which this one cannot see end (the lease rule then, as for
+    any other job's attempt)."""
+    if multihost.process_index() != 0:
+      return
+    if not deadline_lib.abandoned(error):
+      self._own_failures.failed(attempt.step, attempt.token)
+      return
+    deadline = deadline_lib.current()
+    if multihost.process_count() == 1 and deadline is not None:
+      self._own_failures.failed(attempt.step, attempt.token,
+                                deadline.settled)
+
+  def remove_abandoned(self, own: str,
+                       running: Callable[[], bool] = lambda: False) -> None:
+    """Process 0, alongside the save of ``own``: this Checkpointer's own
+    failed attempts, at once and again once the save is no longer
+    ``running()`` (the late writes of the failed save, see
+    cleanup_lib.OwnFailures), and in between the attempts of other jobs
+    the lease rule finds abandoned."""
+    self._own_failures.sweep(self.storage)
+    try:
+      self._remove_others(own)
+    finally:
+      self._own_failures.sweep_after(self.storage, running)
+
+  def _remove_others(self, own: str) -> None:
     reasons: dict[str, str] = {}
     # The steps our retention deletes while we list, or after: their
     # half-deleted leftovers are its to finish, not abandoned.

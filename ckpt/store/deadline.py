@@ -23,23 +23,30 @@ passed with no progress, where progress is any of
 
 - a wait of this operation for the store that ended well (``tsfuture.wait``,
   ``result``);
-- a request to the store that completed in this process, as TensorStore's
-  kvstore drivers count them (bytes written or read,
-  ``/tensorstore/kvstore/<driver>/bytes_*``, polled at most every
-  ``POLL_S``): the requests inside one TensorStore write or read of many
-  chunks count one by one;
+- data moving between this process and its stores
+  (ckpt/store/traffic.py, polled at most every ``POLL_S``): requests that
+  completed, as TensorStore's kvstore drivers count them (the requests
+  inside one TensorStore write or read of many chunks count one by one),
+  and, on object stores, the bytes of the requests in flight, as the
+  kernel counts them on the connections to the store. A lease renewal
+  (ckpt/commit/renewal.py) is none: each of its requests is announced
+  (``traffic.aside``) and discounted;
 and the time the operation spends waiting for other processes (a
 barrier, which has its own bound, ``barrier_timeout_s``) does not count
 (``exclude``).
 
-So a healthy save of any size at any steady rate commits, while a store that
-stops answering fails it ``bound_s`` after its last answer. The granularity
-is one request: one round of concurrent requests (chunk size x request
-concurrency / bandwidth) must finish within the bound (at 120 s, 32 requests
-of 64 MiB each need 18 MB/s; a slower link wants smaller chunks,
-``chunk_bytes``, or a larger bound). TensorStore's counters are process-wide:
-requests of another operation of this process through the same driver count
-as progress too.
+So a healthy save or restore of any size at any steady rate completes,
+even when one request takes longer than the bound (measured: chunks of
+768 KiB through 256 KiB/s against a bound of 2 s, no renewal during the
+save, tests/objectstore/test_own_progress.py), while a store that stops
+answering fails it ``bound_s`` after its last byte moved, and so does a
+store that swallows the uploads but answers the renewals (2.1 s with a
+bound of 2 s and a renewal every second; before, the renewals kept such a
+save alive forever, and a request longer than the bound failed a healthy
+one). On a disk, where no bytes are seen in flight, the granularity is one
+request. The counts are per process: another operation of this process
+moving data through the same driver or to the same store counts as
+progress too.
 
 Every wait for the store checks it:
 
@@ -75,16 +82,13 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import tensorstore as ts
-
 from ckpt.errors import StoreTimeoutError
+from ckpt.store import traffic
 
 _CURRENT: contextvars.ContextVar["Deadline | None"] = contextvars.ContextVar(
     "ckpt_deadline", default=None)
 # How often a wait looks at TensorStore's counters (and the clock).
 POLL_S = 0.5
-_BYTES = ("/bytes_written", "/bytes_read")
-_ADAPTERS = ("ocdbt",)  # read and write through a base kvstore, counted there
 
 
 class Deadline:
@@ -102,9 +106,10 @@ class Deadline:
     self.operation = operation
     self._lock = threading.Lock()
     self._last = time.monotonic()  # the last progress
-    self._seen = _completed()      # TensorStore's counters then
+    self._seen = traffic.moved()   # the most data moved, seen at a poll
     self._polled = self._last
     self.expired = False           # a wait gave up: every later one does
+    self._abandoned: list = []     # TensorStore futures given up on
 
   @classmethod
   def start(cls, bound_s: float | None, option: str,
@@ -135,9 +140,9 @@ class Deadline:
     with self._lock:
       poll = now - self._polled >= POLL_S or now - self._last >= self.bound_s
     if poll:
-      seen = _completed()
+      seen = traffic.moved()
       with self._lock:
-        if seen != self._seen:
+        if seen > self._seen:
           # It happened after the previous look, maybe just after it: the
           # earliest time counts, so a store that died is given up within
           # the bound of its last answer, never a poll's slice later.
@@ -146,6 +151,20 @@ class Deadline:
         self._polled = now
     with self._lock:
       return self._last + self.bound_s - now
+
+  def abandon(self, future: Any) -> None:
+    """A wait gave up on ``future`` (a TensorStore future), which goes on
+    inside TensorStore until its retries end."""
+    with self._lock:
+      self._abandoned = [f for f in self._abandoned if not f.done()]
+      self._abandoned.append(future)
+
+  def settled(self) -> bool:
+    """Whether every request this process gave up on has ended (so no
+    late write of the operation can still land)."""
+    with self._lock:
+      self._abandoned = [f for f in self._abandoned if not f.done()]
+      return not self._abandoned
 
   def slice(self, left: float) -> float:
     """How long a wait sleeps before it looks again, ``left`` seconds
@@ -167,7 +186,7 @@ class Deadline:
     what = self.operation or doing or "an operation on the store"
     message = (f"{what} stalled: nothing it waited for from the store "
                f"completed for {self.stalled_s():.1f} s (no request "
-               f"completed, no byte written or read), more than the "
+               f"completed, no byte of its data moved), more than the "
                f"{self.bound_s:g} s allowed without progress")
     if self.operation and doing:
       message += f" (it was waiting for {doing})"
@@ -180,22 +199,6 @@ class Deadline:
     e = StoreTimeoutError(message)
     e.deadline, e.doing = self, doing
     return e
-
-
-def _completed() -> int:
-  """Bytes TensorStore's base kvstore drivers of this process wrote and
-  read in completed requests (0 where it has no metrics)."""
-  try:
-    metrics = ts.experimental_collect_matching_metrics("/tensorstore/kvstore/")
-  except Exception:  # pylint: disable=broad-except
-    return 0
-  total = 0
-  for m in metrics:
-    name = m["name"]
-    if not name.endswith(_BYTES) or name.split("/")[3] in _ADAPTERS:
-      continue
-    total += sum(int(v.get("value", 0)) for v in m["values"])
-  return total
 
 
 def current() -> Deadline | None:
@@ -280,6 +283,7 @@ def result(future: Any) -> Any:
   while True:
     left = d.left()
     if left <= 0:
+      d.abandon(future)
       raise d.error() from None
     try:
       got = future.result(timeout=d.slice(left))

@@ -84,6 +84,7 @@ async def wait(future: Any) -> Any:
       left = deadline.left()
       if left <= 0:
         out.add_done_callback(_drop_error)  # abandoned: see _drop_error
+        deadline.abandon(future)
         raise deadline.error()
       await asyncio.wait([out], timeout=deadline.slice(left))
     got = out.result()
@@ -97,6 +98,8 @@ async def wait(future: Any) -> Any:
     while not out.done() and (deadline is None or deadline.left() > 0):
       await asyncio.wait([out], timeout=None if deadline is None
                          else deadline.slice(deadline.left()))
+    if not out.done():
+      deadline.abandon(future)
     raise
 
 
