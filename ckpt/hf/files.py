@@ -122,7 +122,7 @@ class Source:
             ts.KvStore.open(self.storage.spec, context=self.context))
     return self._kv
 
-  async def read(self, name: str, begin: int, end: int) -> bytes:
+  async def read_range(self, name: str, begin: int, end: int) -> bytes:
     """Bytes [begin, end) of file ``name`` (exactly that many, or an
     error naming the file)."""
     kv = await self.kv()
@@ -149,12 +149,12 @@ class Source:
 
   async def header(self, name: str) -> header_lib.Header:
     where = self.where(name)
-    n = header_lib.header_length(await self.read(name, 0, 8), where)
-    head = header_lib.parse(await self.read(name, 8, 8 + n), where)
+    n = header_lib.header_length(await self.read_range(name, 0, 8), where)
+    head = header_lib.parse(await self.read_range(name, 8, 8 + n), where)
     if head.data_end:  # the file holds the last byte its header claims
       last = head.data_start + head.data_end
       try:
-        await self.read(name, last - 1, last)
+        await self.read_range(name, last - 1, last)
       except CorruptCheckpointError:
         worst = max(head.tensors.values(), key=lambda t: t.end)
         raise CorruptCheckpointError(

@@ -228,7 +228,7 @@ class Tensor(_Composite):
     """Reads the rows ``ps`` (parts of this tensor) need, piece by piece."""
     counter = readcount.COUNTER.get()
     if not self.shape:  # a scalar
-      data = await self.source.read(self.file, self.offset,
+      data = await self.source.read_range(self.file, self.offset,
                                     self.offset + self.dtype.itemsize)
       value = np.frombuffer(data, self._le).reshape(())
       for p in ps:
@@ -240,7 +240,7 @@ class Tensor(_Composite):
     for lo, hi in _runs(ps):
       for a in range(lo, hi, step):
         b = min(hi, a + step)
-        data = await self.source.read(
+        data = await self.source.read_range(
             self.file, self.offset + a * self.row_bytes,
             self.offset + b * self.row_bytes)
         rows = np.frombuffer(data, self._le).reshape((b - a,) + self.shape[1:])

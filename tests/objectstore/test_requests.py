@@ -112,10 +112,13 @@ def test_lists_do_not_grow_with_chunks_or_steps(s3_server, s3_bucket):
   longer = lists_per_operation(s3_server, f"{s3_bucket}/longer", chunks=8,
                                steps=6)
   # One listing of commits/ per discovery, one of pending/ per save (its
-  # cleanup of abandoned attempts); ls and gc list both (committed steps,
+  # cleanup of abandoned attempts), one of the step's .checksums/ per
+  # restore (what the index claims is compared with what the step holds
+  # before any per-process read: ckpt/restore/listed.py); ls and gc list
+  # both (committed steps,
   # abandoned attempts), never the chunks (`ckpt ls --objects` does:
   # test_ls_counts_objects_on_request).
-  want = {"save": 1, "restore": 1, "metrics": 1, "first_save": 1, "ls": 2,
+  want = {"save": 1, "restore": 2, "metrics": 1, "first_save": 1, "ls": 2,
           "gc": 2}
   assert few == want, few
   assert many == want, many
