@@ -248,6 +248,8 @@ class Saver:
       ended.set()
       if cleanup is not None:
         await asyncio.gather(cleanup, return_exceptions=True)
+      if async_save:  # workers the pool started mid-save (polite.py)
+        polite.lower_tensorstore_threads()
       staged.set()
       stats.total_s = time.perf_counter() - t0
       # Every call of this process in the meantime (the caller's other

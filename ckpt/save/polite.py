@@ -96,7 +96,13 @@ def lower_this_thread() -> None:
 def lower_tensorstore_threads() -> int:
   """Lowers the priority of TensorStore's worker threads of this process
   (Linux: found by name in /proc/self/task); returns how many it lowered
-  now. The pool grows on demand, so this runs at every asynchronous save."""
+  now. The pool grows on demand, and TensorStore starts its new workers
+  from a thread of its own, made by the process's first TensorStore call
+  and so at that caller's priority (shown with TensorStore 0.1.86: workers
+  started while a thread at nice 10 submitted work came out at nice 0), so
+  a worker started mid-save runs at the job's priority until the next call
+  of this: an asynchronous save calls it as it starts, once its writes
+  started and once it ended."""
   if BACKGROUND_NICE <= 0 or not hasattr(os, "setpriority"):
     return 0
   try:
