@@ -11,23 +11,15 @@ that both processes agree) and says so.
 
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 
 from ckpt.multihost import local_cluster
 from tests.multiprocess import launch
 from tests.multiprocess import policies_worker
 from tests.multiprocess import worker
+from tests import faketime
 
 WORKER = "tests.multiprocess.policies_worker"
-_LIBS = [p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
-                     "/usr/lib", "/usr/local/lib", "/usr/lib64")
-         for p in glob.glob(f"{d}/faketime/libfaketime.so.1")]
-needs_faketime = pytest.mark.skipif(
-    not _LIBS, reason="libfaketime is not installed (apt-get install "
-    "faketime)")
 EVERY, SECS, STEPS = 25, 0.6, 60
 
 
@@ -35,7 +27,7 @@ def _fast_clock(pid: int) -> list[str]:
   """Process 1's clock runs 10x (its monotonic clock stays real)."""
   if pid != 1:
     return []
-  return ["env", f"LD_PRELOAD={_LIBS[0]}", "FAKETIME=+0 x10",
+  return ["env", f"LD_PRELOAD={faketime.LIBS[0]}", "FAKETIME=+0 x10",
           "FAKETIME_DONT_FAKE_MONOTONIC=1"]
 
 
@@ -57,7 +49,7 @@ def _alone(clock: list[float]) -> list[int]:
   return saved
 
 
-@needs_faketime
+@faketime.needs_faketime
 def test_interval_is_decided_by_process_0(tmp_path):
   conf = {"scenario": "interval", "dir": str(tmp_path / "ck"), "every": EVERY,
           "secs": SECS, "steps": STEPS, "step_s": 0.05}

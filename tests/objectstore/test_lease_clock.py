@@ -14,7 +14,6 @@ these tests skip.
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -28,13 +27,8 @@ import ckpt
 from ckpt.cli import main as cli
 from ckpt.commit import attempt
 from tests.objectstore import storeutil
+from tests import faketime
 
-_LIBS = [p for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
-                     "/usr/lib", "/usr/local/lib", "/usr/lib64")
-         for p in glob.glob(f"{d}/faketime/libfaketime.so.1")]
-needs_faketime = pytest.mark.skipif(
-    not _LIBS, reason="libfaketime is not installed (apt-get install "
-    "faketime)")
 
 # The holder: prepares an attempt at step 3 of argv[1] and prints its
 # directory and its own time.time(). "live": renews the lease (what a save
@@ -69,7 +63,7 @@ OFFSETS = {"behind": ("-2m", -120.0), "ahead": ("+1y", 365 * 86400.0)}
 
 
 def _holder(url: str, mode: str, offset: str, tag: str):
-  env = dict(os.environ, PYTHONPATH=os.getcwd(), LD_PRELOAD=_LIBS[0],
+  env = dict(os.environ, PYTHONPATH=os.getcwd(), LD_PRELOAD=faketime.LIBS[0],
              FAKETIME=OFFSETS[offset][0], FAKETIME_DONT_FAKE_MONOTONIC="1")
   t0 = time.time()
   proc = subprocess.Popen([sys.executable, "-c", _HOLDER, url, mode, tag],
@@ -101,7 +95,7 @@ def root(request, tmp_path):
   return request.getfixturevalue("s3_bucket") + "/clock", False
 
 
-@needs_faketime
+@faketime.needs_faketime
 def test_a_live_holder_behind_keeps_its_attempt(root):
   """The holder's clock is 2 minutes behind; it renews every 0.2 s; saves
   with lease_s=1.5 over 2 s never take its attempt."""
@@ -122,7 +116,7 @@ def test_a_live_holder_behind_keeps_its_attempt(root):
     proc.wait(30)
 
 
-@needs_faketime
+@faketime.needs_faketime
 @pytest.mark.parametrize("cleaner", ["save", "gc"])
 def test_a_dead_holder_ahead_is_removed(root, cleaner):
   """The holder's clock is a year ahead and it died on "another host": its
