@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from ckpt.commit import steps as steps_lib
 from ckpt.commit.retention import RetentionPolicy
 from ckpt.face import known as known_lib
 from ckpt.store import deadline as deadline_lib
@@ -106,3 +107,28 @@ def test_scored_takes_the_best_and_the_newest_of_ties():
   policy = RetentionPolicy(best_metric="loss", best_mode="min")
   assert known_lib.scored(policy, [1, 2, 3, 4, 5], metrics.__getitem__) == 3
   assert known_lib.scored(policy, [4, 5], metrics.__getitem__) is None
+
+
+def test_a_save_begun_or_committed_during_a_listing_is_not_overwritten(
+    storage, monkeypatch):
+  """The listing's newest is noted only if no save began, committed or was
+  forgotten while it listed (the caller saw no save in flight)."""
+  save_steps(storage.url, [1, 2])
+  known = known_lib.KnownSteps(storage)
+  listing = steps_lib.committed_steps
+
+  def listing_while(change):
+    def list_steps(storage_):
+      steps = listing(storage_)
+      change()  # on another thread, between the listing and the noting
+      return steps
+    return list_steps
+
+  monkeypatch.setattr(steps_lib, "committed_steps",
+                      listing_while(lambda: known.will_commit(5, 2)))
+  assert known.committed_now(None) == [1, 2]
+  assert known.newest_bound(5) == 5
+  monkeypatch.setattr(steps_lib, "committed_steps",
+                      listing_while(lambda: known.committed(5, {})))
+  known.committed_now(None)
+  assert known.newest_bound(None) == 5  # the commit's, not the listing's 2
