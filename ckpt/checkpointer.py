@@ -26,7 +26,7 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
@@ -279,8 +279,8 @@ class Checkpointer(query_calls.QueryCalls):
                     decide: Callable[[], Any], kwargs: dict) -> bool:
     """``save`` once ``decide()`` (a ckpt/face/decision.py Verdict) said
     whether to save and whether the step is temporary."""
-    step = posts.check_step(step)
-    refused = posts.failure_of(lambda: self._loop.enter(step))
+    step = posts_lib.check_step(step)
+    refused = posts_lib.failure_of(lambda: self._loop.enter(step))
     try:
       verdict = decide()
       if not verdict.save:

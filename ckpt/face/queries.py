@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.commit.retention import RetentionPolicy
 from ckpt.face import decision as decision_lib
@@ -103,7 +103,7 @@ class Queries:
     lists the directory itself and keeps nothing it learnt alone.
     ``force``: saved whatever the rules say (never skipped); ``restart``:
     a save's decision (ckpt/face/decision.py)."""
-    step = posts.check_step(step)
+    step = posts_lib.check_step(step)
     by_steps = force or self._by_steps(step, agreed)
     return self.verdict(step, by_steps, force, restart)
 
@@ -169,10 +169,10 @@ class Queries:
     """The body of ``Checkpointer.delete`` (see its docstring)."""
     given = step
     # A failure on one process fails the round on all.
-    error = posts.failure_of(
-        lambda: (self._loop.check_open(), posts.check_step(step)))
+    error = posts_lib.failure_of(
+        lambda: (self._loop.check_open(), posts_lib.check_step(step)))
     if error is None:
-      step = posts.check_step(step)
+      step = posts_lib.check_step(step)
     self._rounds.agreed(
         f"delete({given!r})", lambda: self.delete_now(step),
         f"the deletion of step {given!r} in {self.storage.url!r}",

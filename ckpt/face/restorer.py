@@ -22,7 +22,7 @@ from absl import logging
 from typing import Any, Callable
 
 
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import known as known_lib
@@ -204,7 +204,7 @@ class Restorer:
       if path is not None:
         got["storage"] = storage_lib.Storage(path,
                                              self.settings.storage_options)
-    error = posts.failure_of(own_checks)
+    error = posts_lib.failure_of(own_checks)
     storage, report = got["storage"], got["report"]
     self._inflight.settle()
     t_find = time.perf_counter()
@@ -420,17 +420,17 @@ class Restorer:
     corrupt = isinstance(error, CorruptCheckpointError) or (
         isinstance(error, CheckpointError) and
         "CorruptCheckpointError" in str(error))  # another's, via all_ok
-    verdict = (posts.Verdict.CORRUPT if corrupt else
-               posts.Verdict.ERROR if error else posts.Verdict.OK)
+    verdict = (posts_lib.Verdict.CORRUPT if corrupt else
+               posts_lib.Verdict.ERROR if error else posts_lib.Verdict.OK)
     post = [verdict.value, "" if error is None else str(error)[:2000]]
     retention = self._retention
 
     def decide(got: dict[int, list]) -> dict:
       bad = [(p, g[1]) for p, g in got.items()
-             if g[0] == posts.Verdict.CORRUPT.value]
+             if g[0] == posts_lib.Verdict.CORRUPT.value]
       if not bad:
         failed = {p: g[1] for p, g in got.items()
-                  if g[0] == posts.Verdict.ERROR.value}
+                  if g[0] == posts_lib.Verdict.ERROR.value}
         return {"failed": failed} if failed else {}
       p, why = bad[0]
       try:

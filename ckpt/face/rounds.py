@@ -17,7 +17,7 @@ import json
 from typing import Any, Callable
 
 from ckpt.multihost import agreement
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import deadline as deadline_lib
 
@@ -70,8 +70,8 @@ class Rounds:
   def agree(self, key: str, post: Any, decide: Callable[[dict], Any],
             what: str) -> Any:
     """``agree`` within ``barrier_timeout_s``."""
-    return posts.agree(key, post, decide, timeout_s=self.barrier_s,
-                       what=what)
+    return posts_lib.agree(key, post, decide, timeout_s=self.barrier_s,
+                           what=what)
 
   def local(self, answer: Callable[[], Any]) -> Any:
     """``answer()`` on this process alone, within ``query_timeout_s``."""

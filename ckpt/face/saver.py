@@ -41,7 +41,7 @@ from ckpt.store.progress import rate_text, size_text
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.save import leaves as save_leaves
 from ckpt.save import plan_cache
 from ckpt.save import polite
@@ -195,8 +195,8 @@ class Saver:
                                           damaged)
         newer = [s for s in steps if s > step and s not in damaged]
         if newer:  # committed or not, it would not be the step resumed
-          raise agreement.SaveRefused(posts.refusal(step, newer,
-                                              f"in {self.storage.url!r}"))
+          raise agreement.SaveRefused(posts_lib.refusal(
+              step, newer, f"in {self.storage.url!r}"))
         newest = max((s for s in steps if s not in damaged), default=-1)
       if step in damaged:  # a resume found it damaged: saved again, anew
         logging.warning("ckpt: replacing step %d in %s, which failed "

@@ -9,7 +9,7 @@ persistent tier's steps only (``_persistent_only``).
 
 from __future__ import annotations
 
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.errors import CheckpointError
@@ -99,7 +99,7 @@ def choose(mt, step: int | None, target_leaves,
     return {"tier": "persistent", "step": step if step is not None
             else p_latest, "reason": reason, "older": older}
 
-  out = posts.agree(
+  out = posts_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"],
             "why": usable["why"], "held": held}, decide,
       timeout_s=mt.local.timeout_s, what="the tier and step to restore")

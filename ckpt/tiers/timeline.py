@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from absl import logging
 
-from ckpt.multihost import posts
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
@@ -35,16 +35,16 @@ def check(mt, step: int, prepare=None) -> None:
   mine = {"own": [], "partner": [], "dst": [], "n": 0}
 
   def own_part() -> None:  # what can fail on one process alone
-    s = posts.check_step(step)
+    s = posts_lib.check_step(step)
     if prepare is not None:
       prepare()
     mt.local.wait()  # the previous local save: its failure, its commit
     mine.update(_local_newer(mt, s), dst=mt.local.layout.dst,
                 n=mt.local.layout.n)
-  error = posts.failure_of(own_part)
+  error = posts_lib.failure_of(own_part)
   dst, n = mine.pop("dst"), mine.pop("n")
   if error is None:
-    step = posts.check_step(step)
+    step = posts_lib.check_step(step)
 
   def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
@@ -63,8 +63,8 @@ def check(mt, step: int, prepare=None) -> None:
           f"{type(e).__name__}: {e}")[:2000]}}
     return {"local": local, "persistent": persistent}
 
-  out = posts.agree(
-      key, {**mine, "error": posts.describe(error)}, _safe(decide),
+  out = posts_lib.agree(
+      key, {**mine, "error": posts_lib.describe(error)}, _safe(decide),
       timeout_s=mt.local.timeout_s,
       what=f"whether step {step} can be saved (newer committed steps)")
   if "failed" in out:  # the same error on every process, the failed too
@@ -80,7 +80,7 @@ def check(mt, step: int, prepare=None) -> None:
         f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
             ("persistent", mt.persistent.storage.url, out["persistent"]),
             ("local", mt.local.root, out["local"])) if steps)
-    raise CheckpointError(posts.refusal(
+    raise CheckpointError(posts_lib.refusal(
         step, sorted(set(out["local"]) | set(out["persistent"])), where))
 
 
@@ -115,13 +115,13 @@ def delete(mt, step: int) -> None:
   given, hid = step, []
 
   def own_part() -> None:  # what can fail on one process alone
-    s = posts.check_step(step)
+    s = posts_lib.check_step(step)
     mt.local.wait()  # a local save in flight commits first
     hid.append(mt.local.hide_step(s))
-  error = posts.failure_of(own_part)
+  error = posts_lib.failure_of(own_part)
   hidden = hid[0] if hid else None
   if error is None:
-    step = posts.check_step(step)
+    step = posts_lib.check_step(step)
 
   def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
@@ -144,9 +144,9 @@ def delete(mt, step: int) -> None:
     return {"persistent": persistent, "local": local}
 
   try:
-    out = posts.agree(
+    out = posts_lib.agree(
         key, {"hidden": hidden is not None,
-              "error": posts.describe(error)},
+              "error": posts_lib.describe(error)},
         _safe(decide), timeout_s=mt.local.timeout_s,
         what=f"deleting step {given!r}")
   except BaseException:
