@@ -14,9 +14,10 @@ Every collective call (save, restore, restore_async, delete, cancel)
 starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
 Built from parts that own their state (ckpt/face/: BackgroundLoop,
-InFlightSave, KnownSteps, Rounds, Saver, Restorer, Queries, SaveDecision,
-RootMetadataFile) to which each public method hands its call; the query
-methods are in ckpt/query_calls.py, the options in ckpt/face/options.py.
+InFlightSave, KnownSteps, Retention, SaveHistory, Rounds, Saver, Restorer,
+Queries, SaveDecision, RootMetadataFile) to which each public method hands
+its call; the query methods are in ckpt/query_calls.py, the options in
+ckpt/face/options.py.
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ import os
 import time
 from typing import Any, Callable, Sequence
 
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
 from ckpt.save import reuse as reuse_lib
 from ckpt.face import decision as decision_lib
 from ckpt.face import inflight as inflight_lib
+from ckpt.face import history as history_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
 from ckpt.face import queries as queries_lib
 from ckpt.face import restorer as restorer_lib
+from ckpt.face import retention as retention_lib
 from ckpt.face import options as options_lib
 from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
@@ -183,25 +187,29 @@ class Checkpointer(query_calls.QueryCalls):
     self._rounds = rounds_lib.Rounds(self.storage.spec, self.storage.url,
                                      timeouts)
     self._inflight = inflight_lib.InFlightSave()
-    self._known = known_lib.KnownSteps(self.storage, self.policy,
-                                       self._inflight, self._rounds)
+    self._known = known_lib.KnownSteps(self.storage)
+    self._history = history_lib.SaveHistory()
     self._loop = loop_lib.BackgroundLoop("Checkpointer", on_exit=self.close)
+    self._retention = retention_lib.Retention(
+        self.storage, self.policy, self._known, self._rounds.key_base,
+        timeouts.save_s, self._loop)
     # What this Checkpointer's cleanups saw of other attempts' leases (the
     # clock that dates them on object stores: ckpt/commit/lease.py).
     self.lease_seen = lease_lib.Sightings()
     self._root_metadata = root_meta.RootMetadataFile(self.storage,
                                                      settings.root_metadata)
     self._saver = saver_lib.Saver(save, self.storage, reuser, self._rounds,
-                                  self._known, self._inflight, self._loop,
+                                  self._known, self._retention, self._history,
+                                  self._inflight, self._loop,
                                   lambda: self.lease_seen, self._root_metadata)
     self._restorer = restorer_lib.Restorer(
         settings.restore, self.storage, self._rounds, self._known,
-        self._inflight, self._loop)
+        self._retention, self._inflight, self._loop)
     self._decision = decision_lib.SaveDecision(settings.decision, save.clock,
                                                self._inflight)
     self._queries = queries_lib.Queries(
-        self.storage, self.policy, self.schedule, self._known, self._rounds,
-        self._inflight, self._loop, self._decision)
+        self.storage, self.policy, self.schedule, self._known, self._retention,
+        self._history, self._rounds, self._inflight, self._loop, self._decision)
 
   def __getattr__(self, name: str) -> Any:
     """``last_save_stats``, ``last_restore_stats``, ``last_restore_step``:
@@ -213,23 +221,6 @@ class Checkpointer(query_calls.QueryCalls):
     return getattr(self.__dict__[part], name)
 
   # ---- save -------------------------------------------------------------
-
-  @property
-  def directory(self) -> Any:
-    """The checkpoint root: an ``etils.epath.Path`` for a local directory
-    (a path or ``file://`` URL, made absolute), as Orbax's
-    ``CheckpointManager.directory``; the URL string for ``gs://``, ``s3://``
-    and ``memory://`` (ckpt reads those with TensorStore, not epath).
-
-    Never raises. Not collective (no I/O).
-    """
-    # pylint: disable=g-import-not-at-top
-    from etils import epath
-    url = self.storage.url
-    if self.storage.is_posix:
-      path = url[len("file://"):] if url.startswith("file://") else url
-      return epath.Path(os.path.abspath(path))
-    return url
 
   def save(self, step: int, state: Any, *, metrics: dict | None = None,
            transforms: Sequence[Callable] = (), host_state: Any = None,
@@ -288,8 +279,8 @@ class Checkpointer(query_calls.QueryCalls):
                     decide: Callable[[], Any], kwargs: dict) -> bool:
     """``save`` once ``decide()`` (a ckpt/face/decision.py Verdict) said
     whether to save and whether the step is temporary."""
-    step = rounds_lib.check_step(step)
-    refused = rounds_lib.failure_of(lambda: self._loop.enter(step))
+    step = posts_lib.check_step(step)
+    refused = posts_lib.failure_of(lambda: self._loop.enter(step))
     try:
       verdict = decide()
       if not verdict.save:
@@ -321,8 +312,7 @@ class Checkpointer(query_calls.QueryCalls):
       raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
     deadline = None if timeout is None else time.monotonic() + float(timeout)
     self._inflight.wait(timeout)
-    self._known.wait_for_retention(
-        self._loop,
+    self._retention.wait(
         None if deadline is None else max(0.0, deadline - time.monotonic()),
         timeout)
 
@@ -353,7 +343,7 @@ class Checkpointer(query_calls.QueryCalls):
                                       self.lease_s)
     self._known.forget_newest()
     if cancelled:
-      self._known.cancelled()  # the step was not saved
+      self._history.forget()  # the step was not saved
     return cancelled
 
   def is_saving_in_progress(self) -> bool:

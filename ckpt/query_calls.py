@@ -2,9 +2,9 @@
 
 ``QueryCalls`` is the one base of ``ckpt.Checkpointer`` (ckpt/checkpointer.py):
 the public query methods with their docstrings, each handing the call to the
-Checkpointer's parts (``ckpt.face.queries.Queries``, ``KnownSteps``). It holds
-no state of its own; it is a separate module so that the public class, with
-every docstring, stays within the module size limit.
+Checkpointer's parts (``ckpt.face.queries.Queries``), and ``directory``. It
+holds no state of its own; it is a separate module so that the public class,
+with every docstring, stays within the module size limit.
 
 The read-only queries (``all_steps``, ``latest_step``, ``best_step``,
 ``metrics``, ``metadata``, ``host_state``, ``should_save``) may be called by
@@ -15,23 +15,41 @@ never leaves the other processes waiting. ``delete`` is collective.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ckpt import metadata as metadata_lib
-from ckpt.face import known as known_lib
 from ckpt.face import queries as queries_lib
 from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
+from ckpt.store import storage as storage_lib
 
 
 class QueryCalls:
   """The queries of ``ckpt.Checkpointer`` (see the module docstring); the
-  Checkpointer makes ``_queries`` and ``_known``."""
+  Checkpointer makes ``_queries``."""
 
   _queries: queries_lib.Queries
-  _known: known_lib.KnownSteps
   _rounds: rounds_lib.Rounds
   _root_metadata: root_meta.RootMetadataFile
+  storage: storage_lib.Storage
+
+  @property
+  def directory(self) -> Any:
+    """The checkpoint root: an ``etils.epath.Path`` for a local directory
+    (a path or ``file://`` URL, made absolute), as Orbax's
+    ``CheckpointManager.directory``; the URL string for ``gs://``, ``s3://``
+    and ``memory://`` (ckpt reads those with TensorStore, not epath).
+
+    Never raises. Not collective (no I/O).
+    """
+    # pylint: disable=g-import-not-at-top
+    from etils import epath
+    url = self.storage.url
+    if self.storage.is_posix:
+      path = url[len("file://"):] if url.startswith("file://") else url
+      return epath.Path(os.path.abspath(path))
+    return url
 
   def all_steps(self) -> list[int]:
     """The committed steps of the directory, in increasing order.
@@ -90,7 +108,7 @@ class QueryCalls:
 
     Never raises. Not collective.
     """
-    self._known.forget()
+    self._queries.forget()
 
   def root_metadata(self) -> "root_meta.RootMetadata":
     """The directory's root metadata: ``.custom_metadata``, the dict given

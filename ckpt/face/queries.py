@@ -9,19 +9,23 @@ leaves the other processes waiting. Every process sees the same committed
 steps, except a step committed or deleted while it asks (a save or a
 retention pass in flight on process 0). ``delete`` is collective: process 0
 deletes, in an agreement round (ckpt/multihost/agreement.py). It owns the
-agreed preemption step; what is known of the steps is ``KnownSteps``'.
+agreed preemption step; what is known of the steps is ``KnownSteps``', of
+the saves ``SaveHistory``'s, and the deletions are ``Retention``'s.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.commit.retention import RetentionPolicy
 from ckpt.face import decision as decision_lib
 from ckpt.face import inflight as inflight_lib
+from ckpt.face import history as history_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
+from ckpt.face import retention as retention_lib
 from ckpt.face import rounds as rounds_lib
 from ckpt.format import extras as save_extras
 from ckpt.format import index as index_lib
@@ -29,6 +33,7 @@ from ckpt.format import seal
 from ckpt.multihost import process as multihost
 from ckpt.restore import read as restore_lib
 from ckpt.save import schedule as schedule_lib
+from ckpt.store import deadline as deadline_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
 
@@ -38,7 +43,9 @@ class Queries:
 
   def __init__(self, storage: storage_lib.Storage, policy: RetentionPolicy,
                schedule: schedule_lib.SaveSchedule,
-               known: known_lib.KnownSteps, rounds: rounds_lib.Rounds,
+               known: known_lib.KnownSteps,
+               retention: retention_lib.Retention,
+               history: history_lib.SaveHistory, rounds: rounds_lib.Rounds,
                inflight: inflight_lib.InFlightSave,
                loop: loop_lib.BackgroundLoop,
                decision: decision_lib.SaveDecision):
@@ -47,6 +54,8 @@ class Queries:
     self.policy = policy
     self.schedule = schedule
     self._known = known
+    self._retention = retention
+    self._history = history
     self._rounds = rounds
     self._inflight = inflight
     self._loop = loop
@@ -54,13 +63,22 @@ class Queries:
     self._preemption_step: int | None = None
 
   def all_steps(self) -> list[int]:
-    return self._rounds.local(lambda: self._known.list_steps(self._loop))
+    return self._rounds.local(self.list_steps)
+
+  def list_steps(self) -> list[int]:
+    """The committed steps, as retention left them after the last save
+    (within the query bound of the caller)."""
+    self._retention.settle()
+    if multihost.process_index() == 0:
+      return self._known.committed_now(self._inflight.step_running(),
+                                       self._retention.damaged())
+    return steps_lib.committed_steps(self.storage)
 
   def best_step(self) -> int | None:
     def best() -> int | None:
       if not self.policy.ranks_by_metrics:
         return None
-      return known_lib.scored(self.policy, self._known.list_steps(self._loop),
+      return known_lib.scored(self.policy, self.list_steps(),
                               self._known.read_metrics)
     return self._rounds.local(best)
 
@@ -85,7 +103,7 @@ class Queries:
     lists the directory itself and keeps nothing it learnt alone.
     ``force``: saved whatever the rules say (never skipped); ``restart``:
     a save's decision (ckpt/face/decision.py)."""
-    step = rounds_lib.check_step(step)
+    step = posts_lib.check_step(step)
     by_steps = force or self._by_steps(step, agreed)
     return self.verdict(step, by_steps, force, restart)
 
@@ -112,11 +130,11 @@ class Queries:
         return True
       if sched.interval is None and sched.on_steps is None:
         return False  # as Orbax: no first-step rule with it
-    if self._known.has_checkpoint is None:
+    if self._history.has_checkpoint is None:
       empty = ask(f"whether {self.storage.url!r} holds a checkpoint yet",
                   lambda: not steps_lib.committed_steps(self.storage))
       if not empty and agreed:
-        self._known.agreed_not_empty()
+        self._history.agreed_not_empty()
       return bool(empty)
     return False
 
@@ -137,29 +155,56 @@ class Queries:
   def _last_saved_step(self, ask, agreed: bool) -> int | None:
     """should_save_fn's ``last_saved_step``: listed the first time (kept
     when agreed), then known from the saves."""
-    known = self._known
-    if known.last_saved is not known_lib.UNKNOWN:
-      return known.last_saved
+    history = self._history
+    if history.last_saved is not history_lib.UNKNOWN:
+      return history.last_saved
     last = ask(f"the newest step in {self.storage.url!r}",
                lambda: (lambda s: s[-1] if s else None)(
                    steps_lib.committed_steps(self.storage)))
     if agreed:
-      known.agreed_last_saved(last)
+      history.agreed_last_saved(last)
     return last
 
   def delete(self, step: int) -> None:
     """The body of ``Checkpointer.delete`` (see its docstring)."""
     given = step
     # A failure on one process fails the round on all.
-    error = rounds_lib.failure_of(
-        lambda: (self._loop.check_open(), rounds_lib.check_step(step)))
+    error = posts_lib.failure_of(
+        lambda: (self._loop.check_open(), posts_lib.check_step(step)))
     if error is None:
-      step = rounds_lib.check_step(step)
+      step = posts_lib.check_step(step)
     self._rounds.agreed(
-        f"delete({given!r})", lambda: self._known.delete(step),
+        f"delete({given!r})", lambda: self.delete_now(step),
         f"the deletion of step {given!r} in {self.storage.url!r}",
         error=error)
+    self.deleted(step)
+
+  def delete_now(self, step: int) -> bool:
+    """Process 0, in a delete round (within the query bound, as the
+    round's answer): deletes ``step`` within ``save_timeout_s`` (a step of
+    many keys may take longer than a query); refused for the step of the
+    save in flight."""
+    if self._inflight.step_running() == step:
+      raise CheckpointError(
+          f"cannot delete step {step} in {self.storage.url!r}: it is being "
+          "saved (call wait_until_finished() first)")
+    with deadline_lib.scope(self._rounds.save_deadline(
+        step, "deleting step {} from")):
+      try:
+        self._retention.delete(step)
+      finally:  # it may have been the newest: list again to know
+        self._known.forget_newest()
+    return True
+
+  def forget(self) -> None:
+    """``Checkpointer.reload``: nothing cached is trusted any more."""
+    self._known.forget()
+    self._history.forget()
+
+  def deleted(self, step: int) -> None:
+    """Every process, once the round deleted ``step``."""
     self._known.deleted(step)
+    self._history.forget()  # (it may have been the step deleted)
 
   def index(self, step: int | None) -> index_lib.Index:
     """The index of ``step`` (default: latest), read by this process."""

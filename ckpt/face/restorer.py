@@ -22,10 +22,12 @@ from absl import logging
 from typing import Any, Callable
 
 
+from ckpt.multihost import posts as posts_lib
 from ckpt.commit import steps as steps_lib
 from ckpt.face import inflight as inflight_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
+from ckpt.face import retention as retention_lib
 from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import progress as progress_lib
@@ -39,7 +41,7 @@ from ckpt.restore import readonce
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.errors import CheckpointError, CorruptCheckpointError
-from ckpt.face.saver import rate_text, size_text
+from ckpt.store.progress import rate_text, size_text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Restorer:
   def __init__(self, settings: RestoreSettings,
                storage: storage_lib.Storage, rounds: rounds_lib.Rounds,
                known: known_lib.KnownSteps,
+               retention: retention_lib.Retention,
                inflight: inflight_lib.InFlightSave,
                loop: loop_lib.BackgroundLoop):
     self.settings = settings
@@ -64,6 +67,7 @@ class Restorer:
     self._context = storage.context()
     self._rounds = rounds
     self._known = known
+    self._retention = retention
     self._inflight = inflight
     self._loop = loop
     self.last_restore_stats = readonce.RestoreStats()
@@ -200,7 +204,7 @@ class Restorer:
       if path is not None:
         got["storage"] = storage_lib.Storage(path,
                                              self.settings.storage_options)
-    error = rounds_lib.failure_of(own_checks)
+    error = posts_lib.failure_of(own_checks)
     storage, report = got["storage"], got["report"]
     self._inflight.settle()
     t_find = time.perf_counter()
@@ -263,7 +267,7 @@ class Restorer:
     if job.lazy and job.path is None:
       guard = steps_lib.guard(job.storage, job.step)
       if job.protected is not None:  # the step outlives this call
-        keepalive = self._known.retention.keepalive(job.step)
+        keepalive = self._retention.keepalive(job.step)
     args = restore_lib.RestoreArgs(
         target=job.target, restore_dtype=self.settings.restore_dtype,
         transforms=job.transforms, fallback_state=job.fallback_state,
@@ -320,7 +324,7 @@ class Restorer:
         job.stats.rounds_s += time.perf_counter() - t
         if older is not None:
           job.damaged.append(job.step)
-          self._known.retention.set_damaged(job.damaged)
+          self._retention.set_damaged(job.damaged)
           job.step, job.step_dir = older
           if multihost.process_index() == 0:
             job.protected = job.step  # _fallback_round protected it
@@ -357,7 +361,7 @@ class Restorer:
 
   def _release(self, job: "job_lib.RestoreJob") -> None:
     if job.protected is not None:
-      self._known.retention.release(job.protected)
+      self._retention.release(job.protected)
       job.protected = None
 
   def _finish_step(self, job: "job_lib.RestoreJob", fut) -> Any:
@@ -416,21 +420,22 @@ class Restorer:
     corrupt = isinstance(error, CorruptCheckpointError) or (
         isinstance(error, CheckpointError) and
         "CorruptCheckpointError" in str(error))  # another's, via all_ok
-    verdict = (rounds_lib.Verdict.CORRUPT if corrupt else
-               rounds_lib.Verdict.ERROR if error else rounds_lib.Verdict.OK)
+    verdict = (posts_lib.Verdict.CORRUPT if corrupt else
+               posts_lib.Verdict.ERROR if error else posts_lib.Verdict.OK)
     post = [verdict.value, "" if error is None else str(error)[:2000]]
-    retention = self._known.retention
+    retention = self._retention
 
     def decide(got: dict[int, list]) -> dict:
       bad = [(p, g[1]) for p, g in got.items()
-             if g[0] == rounds_lib.Verdict.CORRUPT.value]
+             if g[0] == posts_lib.Verdict.CORRUPT.value]
       if not bad:
         failed = {p: g[1] for p, g in got.items()
-                  if g[0] == rounds_lib.Verdict.ERROR.value}
+                  if g[0] == posts_lib.Verdict.ERROR.value}
         return {"failed": failed} if failed else {}
       p, why = bad[0]
       try:
-        older = [s for s in self._known.committed_now() if s < step]
+        older = [s for s in self._known.committed_now(
+            self._inflight.step_running(), retention.damaged()) if s < step]
         choice = None
         if older:
           choice = older[-1]
@@ -468,10 +473,11 @@ class Restorer:
     """Process 0: [step, its directory, whether it is the latest], with the
     step protected from retention until the restore ends. A resume uses a
     listing made just before (``_recent_steps``): one listing per resume."""
-    steps = (self._known.recent_steps() if step is None else None) or (
-        self._known.committed_now())
+    flying = self._inflight.step_running()
+    steps = (self._known.recent_steps(flying) if step is None else None) or (
+        self._known.committed_now(flying, self._retention.damaged()))
     step = restore_lib.resolve_step(self.storage, step, steps)
-    retention = self._known.retention
+    retention = self._retention
     retention.protect(step)
     try:
       step_dir = steps_lib.step_dir(self.storage, step)  # gone if deleted meanwhile

@@ -6,23 +6,18 @@ derives the same ones), the bound of a barrier (``barrier_timeout_s``), of a
 query and of a save (ckpt/store/deadline.py), and the read round in which
 process 0 answers and every process gets the answer (``agreed``).
 
-Posts and decisions of a round are typed: ``agree`` encodes what a process
-posts and what process 0 decides once, each side a plain dict; ``Verdict``
-names what a process found (ok, failed, found corrupt data). ``failure_of``
-is the one way a process's own failure joins a round: it is returned, not
-raised, so the process still posts it and every process raises together.
+Posts and decisions of a round are typed (ckpt/multihost/posts.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import json
-import operator
 from typing import Any, Callable
 
 from ckpt.multihost import agreement
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import deadline as deadline_lib
 
@@ -45,58 +40,6 @@ class Timeouts:
     """The deadline of a query, from now; the store call in flight names
     the operation ("listing the steps of 's3://...'")."""
     return deadline_lib.Deadline.start(self.query_s, "query_timeout_s")
-
-
-class Verdict(enum.Enum):
-  """What one process posts of its part of a call (its ``value``)."""
-  OK = "ok"
-  ERROR = "error"
-  CORRUPT = "corrupt"
-
-
-def encode(value: Any) -> str:
-  return json.dumps(value)
-
-
-def decode(text: str) -> Any:
-  return json.loads(text)
-
-
-def agree(key: str, post: Any, decide: Callable[[dict[int, Any]], Any], *,
-          timeout_s: float, what: str) -> Any:
-  """``multihost.agree`` over typed values: every process posts ``post``
-  (JSON-able); process 0's ``decide({process: post})`` is what every
-  process gets back."""
-  def decide_text(posts: dict[int, str]) -> str:
-    return encode(decide({p: decode(v) for p, v in sorted(posts.items())}))
-  return decode(multihost.agree(key, encode(post), decide_text,
-                                timeout_s=timeout_s, what=what))
-
-
-def failure_of(fn: Callable[[], Any]) -> BaseException | None:
-  """Runs ``fn`` (this process's own checks before a round); its failure,
-  returned so that it joins the round (None if it passed)."""
-  try:
-    fn()
-  except Exception as e:  # pylint: disable=broad-except
-    return e
-  return None
-
-
-def describe(error: BaseException | None) -> str | None:
-  """What a process posts of its own failure in a round."""
-  return None if error is None else f"{type(error).__name__}: {error}"[:2000]
-
-
-def check_step(step: Any) -> int:
-  given = step
-  try:
-    step = operator.index(step)
-  except TypeError:
-    step = -1
-  if step < 0:
-    raise ValueError(f"step must be a non-negative int, got {given!r}")
-  return step
 
 
 class Rounds:
@@ -127,7 +70,8 @@ class Rounds:
   def agree(self, key: str, post: Any, decide: Callable[[dict], Any],
             what: str) -> Any:
     """``agree`` within ``barrier_timeout_s``."""
-    return agree(key, post, decide, timeout_s=self.barrier_s, what=what)
+    return posts_lib.agree(key, post, decide, timeout_s=self.barrier_s,
+                           what=what)
 
   def local(self, answer: Callable[[], Any]) -> Any:
     """``answer()`` on this process alone, within ``query_timeout_s``."""

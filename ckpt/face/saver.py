@@ -28,16 +28,20 @@ from ckpt.commit import strategy
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import deletion
 from ckpt.face import inflight as inflight_lib
+from ckpt.face import history as history_lib
 from ckpt.face import known as known_lib
 from ckpt.face import loop as loop_lib
+from ckpt.face import retention as retention_lib
 from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
+from ckpt.store.progress import rate_text, size_text
 from ckpt.save import runner as finalize
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
+from ckpt.multihost import posts as posts_lib
 from ckpt.save import leaves as save_leaves
 from ckpt.save import plan_cache
 from ckpt.save import polite
@@ -65,6 +69,8 @@ class Saver:
   def __init__(self, settings: SaveSettings, storage: storage_lib.Storage,
                reuser: reuse_lib.Reuser, rounds: rounds_lib.Rounds,
                known: known_lib.KnownSteps,
+               retention: retention_lib.Retention,
+               history: history_lib.SaveHistory,
                inflight: inflight_lib.InFlightSave,
                loop: loop_lib.BackgroundLoop,
                lease_seen: Callable[[], lease_lib.Sightings],
@@ -76,6 +82,8 @@ class Saver:
     self._reuser = reuser
     self._rounds = rounds
     self._known = known
+    self._retention = retention
+    self._history = history
     self._inflight = inflight
     self._loop = loop
     self._plan_cache = plan_cache.PlanCache()
@@ -135,7 +143,7 @@ class Saver:
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
         timeout_s=self._rounds.barrier_s, host_claim=claim)
-    self._known.saved(step)  # agreed: committed already, or about to be
+    self._history.saved(step)  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
@@ -177,16 +185,18 @@ class Saver:
     is written: see ``save``."""
     deadline = self._rounds.save_deadline(step)
     started.append(deadline)
-    retention = self._known.retention
+    retention = self._retention
     with deadline_lib.scope(deadline):
-      newest = self._known.newest_bound()
       damaged = retention.damaged()  # a resume fell back past them
+      newest = self._known.newest_bound(self._inflight.step_running(),
+                                        damaged)
       if newest > step:  # confirmed by a fresh listing (then refused)
-        steps = self._known.committed_now()
+        steps = self._known.committed_now(self._inflight.step_running(),
+                                          damaged)
         newer = [s for s in steps if s > step and s not in damaged]
         if newer:  # committed or not, it would not be the step resumed
-          raise agreement.SaveRefused(refusal(step, newer,
-                                              f"in {self.storage.url!r}"))
+          raise agreement.SaveRefused(posts_lib.refusal(
+              step, newer, f"in {self.storage.url!r}"))
         newest = max((s for s in steps if s not in damaged), default=-1)
       if step in damaged:  # a resume found it damaged: saved again, anew
         logging.warning("ckpt: replacing step %d in %s, which failed "
@@ -243,7 +253,9 @@ class Saver:
       _log_saved(attempt.step, self.storage.url, stats,
                  time.perf_counter() - t0, async_save)
       self._reuser.committed(reuse)  # the next save compares with it
-      self._known.committed(attempt.step, metrics, temporary)
+      if multihost.process_index() == 0:
+        self._known.committed(attempt.step, metrics, temporary)
+      self._retention.committed(attempt.step)
     finally:
       ended.set()
       if cleanup is not None:
@@ -292,7 +304,7 @@ class Saver:
     reasons: dict[str, str] = {}
     # The steps our retention deletes while we list, or after: their
     # half-deleted leftovers are its to finish, not abandoned.
-    retention = self._known.retention
+    retention = self._retention
     deleting = retention.deleting()
     try:
       names = cleanup_lib.abandoned(self.storage, self.settings.lease_s, reasons,
@@ -315,24 +327,6 @@ class Saver:
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
 
 
-def size_text(n: float) -> str:
-  """``n`` bytes for a log line: "1.50 GiB"."""
-  for unit in ("B", "KiB", "MiB", "GiB"):
-    if n < 1024 or unit == "GiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-    n /= 1024
-  return f"{n:.2f} TiB"
-
-
-def rate_text(n: float, seconds: float) -> str:
-  """``n`` bytes in ``seconds`` for a log line: "1.52 GB/s", or in MB/s
-  below 1 GB/s ("3.4 MB/s": a small save never reads "0.00 GB/s")."""
-  rate = n / seconds if seconds > 0 else 0.0
-  if rate >= 1e9:
-    return f"{rate / 1e9:.2f} GB/s"
-  return f"{rate / 1e6:.3g} MB/s" if rate >= 1e5 else f"{rate / 1e6:.2f} MB/s"
-
-
 def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
                total_s: float, async_save: bool) -> None:
   """One INFO line per committed save, on every process (its own bytes)."""
@@ -343,16 +337,3 @@ def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
                "(%s)%s", step, url, size_text(stats.bytes_written),
                total_s, rate, blocked)
 
-
-def refusal(step: int, newer: list[int], where: str) -> str:
-  """The message of a refused save of ``step``, lower than the committed
-  ``newer`` steps (``where``: in which directory or tier); the same for a
-  Checkpointer and both tiers of a MultiTierCheckpointer."""
-  shown = newer if len(newer) <= 20 else [*newer[:10], "...", *newer[-10:]]
-  return (
-      f"cannot save step {step}: newer committed step(s) {shown} exist "
-      f"({where}). A save of an older step would start a new timeline while "
-      "the newer steps stay, and latest_step()/restore() (a restarted job) "
-      "would resume them. To roll back deliberately, call delete(s) for each "
-      f"of {shown} (collective), then save step {step} again. Nothing was "
-      "written.")

@@ -77,3 +77,21 @@ async def reported(coro, report: Callable[[int], None] | None,
     ticker.cancel()
     await asyncio.gather(ticker, return_exceptions=True)
     call()
+
+
+def size_text(n: float) -> str:
+  """``n`` bytes for a log line: "1.50 GiB"."""
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return f"{n:.2f} TiB"
+
+
+def rate_text(n: float, seconds: float) -> str:
+  """``n`` bytes in ``seconds`` for a log line: "1.52 GB/s", or in MB/s
+  below 1 GB/s ("3.4 MB/s": a small save never reads "0.00 GB/s")."""
+  rate = n / seconds if seconds > 0 else 0.0
+  if rate >= 1e9:
+    return f"{rate / 1e9:.2f} GB/s"
+  return f"{rate / 1e6:.3g} MB/s" if rate >= 1e5 else f"{rate / 1e6:.2f} MB/s"

@@ -9,7 +9,7 @@ persistent tier's steps only (``_persistent_only``).
 
 from __future__ import annotations
 
-from ckpt.face import rounds as rounds_lib
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.errors import CheckpointError
@@ -99,7 +99,7 @@ def choose(mt, step: int | None, target_leaves,
     return {"tier": "persistent", "step": step if step is not None
             else p_latest, "reason": reason, "older": older}
 
-  out = rounds_lib.agree(
+  out = posts_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"],
             "why": usable["why"], "held": held}, decide,
       timeout_s=mt.local.timeout_s, what="the tier and step to restore")
@@ -112,7 +112,7 @@ def persistent_steps(mt) -> list[int]:
   ``all_steps``) but those a resume of this job found damaged and fell
   back past: no query or restore of the job counts them again, as its
   saves do not (the job's one timeline)."""
-  damaged = mt.persistent.known_steps.retention.damaged()
+  damaged = mt.persistent.damaged_steps()
   return [s for s in mt.persistent.all_steps() if s not in damaged]
 
 

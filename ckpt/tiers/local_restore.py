@@ -18,7 +18,7 @@ from absl import logging
 
 import jax
 
-from ckpt.face import rounds as rounds_lib
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready
 from ckpt.tiers.local_leaves import (check_shardings, host_value, place,
@@ -283,8 +283,8 @@ def _all_ok(key: str, error: BaseException | None, what: str,
   def decide(got: dict[int, list | None]) -> dict:
     return {p: g for p, g in got.items() if g}
 
-  failed = rounds_lib.agree(key, post, decide, timeout_s=timeout_s,
-                            what=what)
+  failed = posts_lib.agree(key, post, decide, timeout_s=timeout_s,
+                           what=what)
   if error is not None:
     raise error
   if not failed:

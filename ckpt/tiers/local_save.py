@@ -25,7 +25,7 @@ import numpy as np
 from absl import logging
 
 from ckpt.face import loop as loop_lib
-from ckpt.face.saver import rate_text, size_text
+from ckpt.store.progress import rate_text, size_text
 from ckpt.multihost import process as multihost
 from ckpt.store import storage as storage_lib
 from ckpt.tiers.local_exchange import Budget, TierRounds, wait_ready

@@ -432,7 +432,7 @@ class MultiTierCheckpointer:
     """restore (``start``: restore_async) after the persistent tier's save
     in flight has ended (its failure stays for the next save or wait; the
     local tier's save ends in _choose)."""
-    self.persistent.known_steps.settle()
+    self.persistent.settle()
     return tier_restore.restore(self.persistent, self.local, self._choose,
                                 self._note_restored, step, target,
                                 restore_kwargs, start=start)

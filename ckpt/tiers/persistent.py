@@ -1,6 +1,6 @@
 """The persistent tier of a MultiTierCheckpointer: a ``Checkpointer`` whose
 known steps the timeline asks (ckpt/tiers/timeline.py: ``newer_than``,
-``delete``) and whose save decision past the tiers' step rules
+``delete_now``) and whose save decision past the tiers' step rules
 (``save_interval_secs``, ``skip_while_saving``: ckpt/face/decision.py) the
 MultiTierCheckpointer asks before it saves a step there."""
 
@@ -10,15 +10,38 @@ from typing import Any
 
 from ckpt.checkpointer import Checkpointer
 from ckpt.face import decision as decision_lib
-from ckpt.face import known as known_lib
 
 
 class PersistentTier(Checkpointer):
   """A ``Checkpointer`` as the persistent tier (see the module docstring)."""
 
-  @property
-  def known_steps(self) -> known_lib.KnownSteps:
-    return self._known
+  def damaged_steps(self) -> frozenset[int]:
+    """The steps a resume of this job fell back past (never resumed)."""
+    return self._retention.damaged()
+
+  def newer_than(self, step: int, fresh: bool = False) -> list[int]:
+    """Process 0: the committed steps above ``step`` and the step of the
+    save in flight if above, but the damaged ones, within the query bound
+    (ckpt/face/known.py ``newer_than``)."""
+    damaged = self._retention.damaged()
+    return [s for s in self._known.newer_than(
+        step, self._inflight.step_running(),
+        self._rounds.timeouts.query_deadline(), damaged, fresh)
+            if s not in damaged]
+
+  def delete_now(self, step: int) -> bool:
+    """Process 0, in a delete round: deletes ``step`` (within the query
+    bound, as the round's answer)."""
+    return self._rounds.local(lambda: self._queries.delete_now(step))
+
+  def deleted(self, step: int) -> None:
+    """Every process, once the round deleted ``step``."""
+    self._queries.deleted(step)
+
+  def settle(self) -> None:
+    """Lets the save in flight end (its failure stays for the next save
+    or wait): a restore of the latest step wants its commit."""
+    self._inflight.settle()
 
   def verdict(self, step: int, by_steps: bool, force: bool,
               restart: bool) -> decision_lib.Verdict:

@@ -14,7 +14,7 @@ verifies it then).
 
 from __future__ import annotations
 
-from ckpt.face import rounds as rounds_lib
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import timeline as tier_timeline
@@ -42,7 +42,7 @@ def all_steps(mt) -> list[int]:
   def decide(got: dict[int, dict]) -> list[int]:
     return tier_timeline.complete(got, dst, n)
 
-  local = rounds_lib.agree(
+  local = posts_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"]}, decide,
       timeout_s=mt.local.timeout_s,
       what="the steps of both tiers (all_steps)")

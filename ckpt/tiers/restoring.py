@@ -11,7 +11,7 @@ import jax
 from absl import logging
 
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
-from ckpt.face.saver import rate_text, size_text
+from ckpt.store.progress import rate_text, size_text
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.tiers import choice as tier_choice

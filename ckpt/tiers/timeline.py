@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from absl import logging
 
+from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
-from ckpt.face import rounds as rounds_lib
-from ckpt.face.saver import refusal
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
 
@@ -36,16 +35,16 @@ def check(mt, step: int, prepare=None) -> None:
   mine = {"own": [], "partner": [], "dst": [], "n": 0}
 
   def own_part() -> None:  # what can fail on one process alone
-    s = rounds_lib.check_step(step)
+    s = posts_lib.check_step(step)
     if prepare is not None:
       prepare()
     mt.local.wait()  # the previous local save: its failure, its commit
     mine.update(_local_newer(mt, s), dst=mt.local.layout.dst,
                 n=mt.local.layout.n)
-  error = rounds_lib.failure_of(own_part)
+  error = posts_lib.failure_of(own_part)
   dst, n = mine.pop("dst"), mine.pop("n")
   if error is None:
-    step = rounds_lib.check_step(step)
+    step = posts_lib.check_step(step)
 
   def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
@@ -57,17 +56,15 @@ def check(mt, step: int, prepare=None) -> None:
     # at this save's retention.
     local = sorted(complete(got, dst, n))
     try:  # but those a resume fell back past (damaged: never resumed)
-      damaged = mt.persistent.known_steps.retention.damaged()
-      persistent = [s for s in mt.persistent.known_steps.newer_than(
-          step, fresh=bool(local)) if s not in damaged]
+      persistent = mt.persistent.newer_than(step, fresh=bool(local))
     except Exception as e:  # pylint: disable=broad-except
       return {"failed": {0: (
           f"listing the persistent tier {mt.persistent.storage.url!r}: "
           f"{type(e).__name__}: {e}")[:2000]}}
     return {"local": local, "persistent": persistent}
 
-  out = rounds_lib.agree(
-      key, {**mine, "error": rounds_lib.describe(error)}, _safe(decide),
+  out = posts_lib.agree(
+      key, {**mine, "error": posts_lib.describe(error)}, _safe(decide),
       timeout_s=mt.local.timeout_s,
       what=f"whether step {step} can be saved (newer committed steps)")
   if "failed" in out:  # the same error on every process, the failed too
@@ -83,7 +80,7 @@ def check(mt, step: int, prepare=None) -> None:
         f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
             ("persistent", mt.persistent.storage.url, out["persistent"]),
             ("local", mt.local.root, out["local"])) if steps)
-    raise CheckpointError(refusal(
+    raise CheckpointError(posts_lib.refusal(
         step, sorted(set(out["local"]) | set(out["persistent"])), where))
 
 
@@ -118,13 +115,13 @@ def delete(mt, step: int) -> None:
   given, hid = step, []
 
   def own_part() -> None:  # what can fail on one process alone
-    s = rounds_lib.check_step(step)
+    s = posts_lib.check_step(step)
     mt.local.wait()  # a local save in flight commits first
     hid.append(mt.local.hide_step(s))
-  error = rounds_lib.failure_of(own_part)
+  error = posts_lib.failure_of(own_part)
   hidden = hid[0] if hid else None
   if error is None:
-    step = rounds_lib.check_step(step)
+    step = posts_lib.check_step(step)
 
   def decide(posts: dict[int, dict]) -> dict:
     got, failed = _read_posts(key, posts)
@@ -132,8 +129,7 @@ def delete(mt, step: int) -> None:
       return {"failed": failed}
     local = [p for p, g in got.items() if g["hidden"]]
     try:
-      known = mt.persistent.known_steps
-      known.bounded(lambda: known.delete(step))
+      mt.persistent.delete_now(step)
       persistent = True
     except CheckpointNotFoundError as e:
       persistent, why = False, str(e)
@@ -148,9 +144,9 @@ def delete(mt, step: int) -> None:
     return {"persistent": persistent, "local": local}
 
   try:
-    out = rounds_lib.agree(
+    out = posts_lib.agree(
         key, {"hidden": hidden is not None,
-              "error": rounds_lib.describe(error)},
+              "error": posts_lib.describe(error)},
         _safe(decide), timeout_s=mt.local.timeout_s,
         what=f"deleting step {given!r}")
   except BaseException:
@@ -180,7 +176,7 @@ def delete(mt, step: int) -> None:
     mt.local.drop_hidden(hidden)
   logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
                "process(es) %s)", step, out["persistent"], out["local"])
-  mt.persistent.known_steps.deleted(step)
+  mt.persistent.deleted(step)
 
 
 def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:
