@@ -41,6 +41,7 @@ from ckpt.face import rounds as rounds_lib
 from ckpt.face import saver as saver_lib
 from ckpt import query_calls
 from ckpt.restore import handle as handle_lib
+from ckpt.restore import job as job_lib
 from ckpt.store import storage as storage_lib
 from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
 from ckpt.face.options import (DEFAULT_CONCURRENT_BYTES,
@@ -416,10 +417,9 @@ class Checkpointer(query_calls.QueryCalls):
     (the latest, or checks that all asked for the same one) and every
     process restores that step.
     """
-    return self._restorer.restore(step, dict(
-        target=target, path=path, transforms=transforms,
-        fallback_state=fallback_state, lazy=lazy, verify=verify,
-        read_once=read_once, progress=progress))
+    return self._restorer.start(job_lib.RestoreRequest(
+        step, target, path, transforms, fallback_state, lazy, verify,
+        read_once, progress)).result()
 
   def restore_async(self, step: int | None = None, *, target: Any = None,
                     path: str | None = None,
@@ -446,10 +446,9 @@ class Checkpointer(query_calls.QueryCalls):
     written or agreed); ``close()`` cancels the reads (``result()`` then
     raises ``CheckpointError``).
     """
-    return self._restorer.restore(step, dict(
-        target=target, path=path, transforms=transforms,
-        fallback_state=fallback_state, lazy=lazy, verify=verify,
-        read_once=read_once, progress=progress), start=True)
+    return self._restorer.start(job_lib.RestoreRequest(
+        step, target, path, transforms, fallback_state, lazy, verify,
+        read_once, progress))
 
   # ---- preemption -------------------------------------------------------
 
