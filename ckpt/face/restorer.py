@@ -134,6 +134,8 @@ class Restorer:
     def leave():
       ended.append(True)
       meter.__exit__(None, None, None)
+      if self._orphan is orphan:  # holds the reads (their value) no longer
+        self._pending = self._orphan = None
 
     what = f"restore_async of step {job.step}"
 
