@@ -3,7 +3,9 @@
 ``Restorer`` owns what a restore needs: its options (``restore_dtype``,
 ``read_once``, the byte budget), the restore in flight (``restore_async``'s
 handle), the rounds of read-once lazy leaves, the stats and step of the last
-restore. ``restore`` is the body of ``Checkpointer.restore``: the agreed
+restore. ``start(request)`` (a ckpt/restore/job.py RestoreRequest, as the
+public call made it) is the body of ``Checkpointer.restore_async``, and
+its handle's ``result()`` that of ``Checkpointer.restore``: the agreed
 choice of the step (one read round, ckpt/face/rounds.py), the read on the
 background loop, then the read-once exchange on the caller's thread
 (ckpt/restore/readonce.py), and a resume's fall back past a damaged step.
