@@ -4,5 +4,5 @@ the committed steps, the agreement rounds, the save, the restore and the queries
 creates its fields in its own ``__init__`` and is used through its public methods.
 
 May import: the wings below it (store, format, shards, multihost, commit, save, restore) and
-ckpt.errors; never the public classes (ckpt.checkpointer, ckpt.query_calls), tiers or cli.
+ckpt.errors; never the public classes (ckpt.checkpointer), tiers or cli.
 """

@@ -3,7 +3,9 @@
 ``Restorer`` owns what a restore needs: its options (``restore_dtype``,
 ``read_once``, the byte budget), the restore in flight (``restore_async``'s
 handle), the rounds of read-once lazy leaves, the stats and step of the last
-restore. ``restore`` is the body of ``Checkpointer.restore``: the agreed
+restore. ``start(request)`` (a ckpt/restore/job.py RestoreRequest, as the
+public call made it) is the body of ``Checkpointer.restore_async``, and
+its handle's ``result()`` that of ``Checkpointer.restore``: the agreed
 choice of the step (one read round, ckpt/face/rounds.py), the read on the
 background loop, then the read-once exchange on the caller's thread
 (ckpt/restore/readonce.py), and a resume's fall back past a damaged step.
@@ -82,26 +84,6 @@ class Restorer:
     self._pending: weakref.ref | None = None
     self._orphan: Callable[[], None] | None = None
 
-  def restore(self, step, options: dict, start: bool = False) -> Any:
-    """The body of ``Checkpointer.restore`` (``start``: of
-    ``restore_async``, returning its handle); ``options``: its keywords
-    (target, path, transforms, fallback_state, lazy, verify, read_once,
-    progress)."""
-    # Both keys first: nothing below may shift them on one process only.
-    read_key = self._rounds.read_key()
-    key = self._rounds.key("readonce")  # every restore
-    t_start = time.perf_counter()
-    meter = storemeter.Meter()  # bytes fetched from the store, this process
-    args = (step, options["target"], options["path"], options["transforms"],
-            options["fallback_state"], options["lazy"], options["verify"],
-            options["read_once"], read_key, key, t_start, meter,
-            options["progress"])
-    if start:
-      return self._restore_async(*args)
-    with meter:
-      job = self._begin(*args)
-      return self._complete(job, self._start_reads(job), None)
-
   def cancel_pending(self, why: str) -> None:
     """close(): a restore_async whose result() was not taken is cancelled."""
     pending = self._pending_handle()
@@ -129,18 +111,17 @@ class Restorer:
       orphan()
     return None
 
-  def _restore_async(self, step, target, path, transforms, fallback_state,
-                     lazy, verify, read_once, read_key, key, t_start, meter,
-                     progress=None) -> handle_lib.RestoreHandle:
-    """The body of ``Checkpointer.restore_async``: the agreed choice of the
-    step now, on the caller's thread; the reads start on the background
-    loop; the rounds, the read-once exchange and a fallback happen in
-    ``result()``, on the caller's thread (device collectives belong there)."""
+  def start(self, request: job_lib.RestoreRequest
+            ) -> handle_lib.RestoreHandle:
+    """The body of ``Checkpointer.restore_async`` (``restore`` is its
+    ``result()``): the agreed choice of the step now, on the caller's
+    thread; the reads start on the background loop; the rounds, the
+    read-once exchange and a fallback happen in ``result()``, on the
+    caller's thread (device collectives belong there)."""
+    meter = storemeter.Meter()  # bytes fetched from the store, this process
     meter.__enter__()  # left by the handle, once it has finished
     try:
-      job = self._begin(step, target, path, transforms, fallback_state, lazy,
-                        verify, read_once, read_key, key, t_start, meter,
-                        progress)
+      job = self._begin(request, meter)
       fut = self._start_reads(job)
     except BaseException:
       meter.__exit__(None, None, None)
@@ -159,6 +140,8 @@ class Restorer:
     def leave():
       ended.append(True)
       meter.__exit__(None, None, None)
+      if self._orphan is orphan:  # holds the reads (their value) no longer
+        self._pending = self._orphan = None
 
     what = f"restore_async of step {job.step}"
 
@@ -186,13 +169,16 @@ class Restorer:
           "first (restore_async is collective: every process takes its "
           "result() before its next save or restore)")
 
-  def _begin(self, step, target, path, transforms, fallback_state, lazy,
-             verify, read_once, read_key, key, t_start, meter,
-             progress=None) -> "job_lib.RestoreJob":
+  def _begin(self, request: job_lib.RestoreRequest,
+             meter: storemeter.Meter) -> job_lib.RestoreJob:
     """The agreed choice of the step (one round, on every process)."""
+    # Both keys first: nothing below may shift them on one process only.
+    read_key = self._rounds.read_key()
+    key = self._rounds.key("readonce")  # every restore
+    t_start = time.perf_counter()
+    step, path, read_once = request.step, request.path, request.read_once
     if isinstance(read_once, str) and read_once == "default":
       read_once = self.settings.read_once
-    step_arg = step
     got = {"storage": self.storage, "report": None}
 
     def own_checks() -> None:  # a failure joins the round below
@@ -200,7 +186,8 @@ class Restorer:
       self.check_no_pending("restore")
       readonce.min_replicas(read_once, "")  # validates it
       got["report"] = progress_lib.reporter(
-          progress, "ckpt restore", lambda: job_lib.target_bytes(target))
+          request.progress, "ckpt restore",
+          lambda: job_lib.target_bytes(request.target))
       if path is not None:
         got["storage"] = storage_lib.Storage(path,
                                              self.settings.storage_options)
@@ -226,25 +213,17 @@ class Restorer:
           error=error)
       protected = step if multihost.process_index() == 0 else None
     return job_lib.RestoreJob(
-        storage=storage, step=step, step_dir=step_dir, path=path,
-        is_resuming=is_resuming, protected=protected, target=target,
-        transforms=tuple(transforms), fallback_state=fallback_state,
-        lazy=lazy, verify=verify, read_once=read_once,
+        request=request, storage=storage, step=step, step_dir=step_dir,
+        is_resuming=is_resuming, protected=protected, read_once=read_once,
         read_once_min=readonce.min_replicas(read_once, storage.url),
         key=key, run_key=key, t_start=t_start, meter=meter,
-        # A resume falls back past steps that fail verification (on every
-        # process alike: _fallback_round); an explicit step or path raises.
-        may_fall_back=(verify and not lazy and path is None and
-                       step_arg is None),
-        find_s=time.perf_counter() - t_find, report=report,
-        # An explicit step or path: one outcome round, so that a failure
-        # on one process is every process's (a resume: _fallback_round).
-        agree_outcome=multihost.is_multiprocess())
+        find_s=time.perf_counter() - t_find, report=report)
 
-  def _start_reads(self, job: "job_lib.RestoreJob"):
+  def _start_reads(self, job: job_lib.RestoreJob):
     """Starts this attempt's reads on the background loop; returns their
     future (a concurrent.futures.Future)."""
-    job.reading = (f"step {job.step}" if job.path is None else
+    request = job.request
+    job.reading = (f"step {job.step}" if request.path is None else
                    f"{job.step_dir!r}")
     job.stats = readonce.RestoreStats(read_once=job.read_once)
     job.stats.find_s = job.find_s if job.attempt == 0 else 0.0
@@ -254,7 +233,7 @@ class Restorer:
     # fails must say so before the others start an exchange it never joins.
     job.rounds = job.read_once_min is not None and multihost.is_multiprocess()
     lazy_reads = None
-    if job.lazy:  # the leaves' later reads count here; read once: collectives
+    if request.lazy:  # the leaves' later reads count here; read once: collectives
       if job.rounds and self._lazy_rounds is None:
         self._lazy_rounds = readonce.LazyRounds(f"{job.run_key}-lazy",
                                                 self._rounds.barrier_s)
@@ -264,14 +243,15 @@ class Restorer:
           deadline=lambda: self._rounds.read_deadline(job.storage.url,
                                                       job.reading))
     guard = keepalive = None
-    if job.lazy and job.path is None:
+    if request.lazy and request.path is None:
       guard = steps_lib.guard(job.storage, job.step)
       if job.protected is not None:  # the step outlives this call
         keepalive = self._retention.keepalive(job.step)
     args = restore_lib.RestoreArgs(
-        target=job.target, restore_dtype=self.settings.restore_dtype,
-        transforms=job.transforms, fallback_state=job.fallback_state,
-        lazy=job.lazy, is_resuming=job.is_resuming, verify=job.verify,
+        target=request.target, restore_dtype=self.settings.restore_dtype,
+        transforms=tuple(request.transforms),
+        fallback_state=request.fallback_state, lazy=request.lazy,
+        is_resuming=job.is_resuming, verify=request.verify,
         guard=guard, keepalive=keepalive, read_once_min=job.read_once_min,
         lazy_reads=lazy_reads)
     job.t_read = time.perf_counter()
@@ -290,23 +270,27 @@ class Restorer:
     fut.add_done_callback(done)
     return fut
 
-  def _complete(self, job: "job_lib.RestoreJob", fut,
+  def _complete(self, job: job_lib.RestoreJob, fut,
                 timeout: float | None) -> Any:
     """Waits for the reads (``timeout``: WaitTimeoutError, the reads go
     on), then the rounds and the exchange; falls back past a damaged step
     on a resume."""
     job_lib.wait_reads(fut, timeout, job)
+    may_fall_back = job.request.may_fall_back
+    # An explicit step or path: one outcome round, so that a failure on one
+    # process is every process's (a resume: _fallback_round).
+    agree_outcome = multihost.is_multiprocess()
     while True:
       error = None
       try:
         result = self._finish_step(job, fut)
       except Exception as e:  # pylint: disable=broad-except
-        if not job.may_fall_back and not job.agree_outcome:
+        if not may_fall_back and not agree_outcome:
           self._release(job)
           raise
         result, error = None, e
       self._release(job)
-      if job.agree_outcome and not job.may_fall_back:
+      if agree_outcome and not may_fall_back:
         # A failure on one process is every process's, named alike.
         t = time.perf_counter()
         try:
@@ -316,7 +300,7 @@ class Restorer:
           self._passed(job.run_key)
         finally:
           job.stats.rounds_s += time.perf_counter() - t
-      if job.may_fall_back:
+      if may_fall_back:
         t = time.perf_counter()
         older = self._fallback_round(f"{job.run_key}/verified", error,
                                      job.step)
@@ -359,12 +343,12 @@ class Restorer:
         multihost.forget(k)
     self._round_keys = [key]
 
-  def _release(self, job: "job_lib.RestoreJob") -> None:
+  def _release(self, job: job_lib.RestoreJob) -> None:
     if job.protected is not None:
       self._retention.release(job.protected)
       job.protected = None
 
-  def _finish_step(self, job: "job_lib.RestoreJob", fut) -> Any:
+  def _finish_step(self, job: job_lib.RestoreJob, fut) -> Any:
     """The rest of one attempt, on the caller's thread: its outcome round
     (read once), the exchange, the stats."""
     stats, counter, key, rounds = job.stats, job.counter, job.run_key, job.rounds

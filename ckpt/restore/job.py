@@ -1,5 +1,6 @@
 """One restore between its agreed choice of step and its result
-(ckpt/face/restorer.py drives it): its state, and the small steps of
+(ckpt/face/restorer.py drives it): the request as the public call made
+it, the state of its attempts, and the small steps of
 waiting for and cancelling its reads on the background loop."""
 
 from __future__ import annotations
@@ -8,47 +9,69 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from ckpt.errors import WaitTimeoutError
 
+if TYPE_CHECKING:
+  from ckpt.restore import readcount, readonce
+  from ckpt.store import storage as storage_lib, storemeter
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RestoreRequest:
+  """One call of ``Checkpointer.restore`` / ``restore_async``, as given:
+  built once by the public call and carried whole to the reading (see
+  ``Checkpointer.restore`` for each field)."""
+  step: int | None = None
+  target: Any = None
+  path: str | None = None
+  transforms: Sequence[Callable] = ()
+  fallback_state: Any = None
+  lazy: bool = False
+  verify: bool = True
+  read_once: Any = "default"  # "default": the Checkpointer's
+  progress: Any = None
+
+  @property
+  def may_fall_back(self) -> bool:
+    """A resume falls back past steps that fail verification (on every
+    process alike: the Restorer's fallback round); an explicit step or
+    path raises."""
+    return (self.verify and not self.lazy and self.path is None and
+            self.step is None)
+
 
 @dataclasses.dataclass(eq=False)
 class RestoreJob:
-  """One restore between its agreed choice of step and its result."""
-  storage: Any
-  step: Any
+  """One restore between its agreed choice of step and its result: the
+  request, and the runtime state of its attempts."""
+  request: RestoreRequest
+  storage: "storage_lib.Storage"  # the Checkpointer's, or the path's
+  step: int | None  # agreed (None: a path restore that named no step)
   step_dir: str
-  path: Any
   is_resuming: bool
-  protected: int | None
-  target: Any
-  transforms: tuple
-  fallback_state: Any
-  lazy: bool
-  verify: bool
-  read_once: Any
+  protected: int | None  # process 0: held from retention until released
+  read_once: bool | None  # the request's, "default" resolved
   read_once_min: int | None
   key: str
-  run_key: str
+  run_key: str  # the rounds' key of the attempt in progress
   t_start: float
-  meter: Any
-  may_fall_back: bool
+  meter: "storemeter.Meter"
   find_s: float = 0.0
-  agree_outcome: bool = False  # multi-process, no fallback: one outcome round
-  report: Any = None  # progress (ckpt/store/progress.py)
-  damaged: list = dataclasses.field(default_factory=list)
+  report: Callable[[int], None] | None = None  # progress (store/progress.py)
+  damaged: list[int] = dataclasses.field(default_factory=list)
   attempt: int = 0
-  # Of the attempt in progress (_start_reads).
+  # Of the attempt in progress (the Restorer's _start_reads).
   reading: str = ""
-  stats: Any = None
-  counter: Any = None
+  stats: "readonce.RestoreStats | None" = None
+  counter: "readcount.ReadCounter | None" = None
   rounds: bool = False
   t_read: float = 0.0
-  task: Any = None
+  task: "asyncio.Task | None" = None
 
 
 def wait_reads(fut, timeout: float | None, job: RestoreJob) -> None:
