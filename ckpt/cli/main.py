@@ -280,6 +280,9 @@ def _main(argv: Sequence[str] | None) -> int:
   args = build_parser().parse_args(argv)
   from absl import logging  # pylint: disable=g-import-not-at-top
   verbosity = logging.get_verbosity()
+  # set_verbosity also sets the "absl" logger's own level (it was NOTSET:
+  # the level of whatever program calls main() applied); put back both.
+  level = logging.get_absl_logger().level
   try:
     verbosity = _setup_libraries()
     return args.func(args)
@@ -306,3 +309,4 @@ def _main(argv: Sequence[str] | None) -> int:
     return EXIT_FAIL
   finally:
     logging.set_verbosity(verbosity)  # main() may run inside a program
+    logging.get_absl_logger().setLevel(level)

@@ -620,3 +620,19 @@ def test_console_script_entry_point():
   if "ckpt" not in scripts:
     pytest.skip("ckpt is not pip-installed here (pip install -e .)")
   assert scripts["ckpt"] == "ckpt.cli.main:main"
+
+
+def test_main_leaves_the_programs_logging_as_it_was(tmp_path, capsys):
+  """cli.main() inside a program (a notebook, a test) quiets absl while it
+  runs and then puts back both absl's verbosity and the "absl" logger's own
+  level: it left the logger at WARNING, so a program's INFO lines (its own,
+  and ckpt's one line per save) vanished after the first command."""
+  import logging as std_logging  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  absl_logger = std_logging.getLogger("absl")
+  before = (logging.get_verbosity(), absl_logger.level)
+  with ckpt.Checkpointer(tmp_path / "run", async_save=False) as c:
+    c.save(1, {"w": np.arange(4.0)})
+  assert cli.main(["ls", str(tmp_path / "run")]) == 0
+  capsys.readouterr()
+  assert (logging.get_verbosity(), absl_logger.level) == before
