@@ -52,7 +52,7 @@ def frozen_job(tmp_path, first: str, barrier_s: float) -> dict:
   sync = tmp_path / "sync"
   sync.mkdir()
   cluster = local_cluster.start(
-      "tests.multiprocess.freeze_worker",
+      "tests.multihost.freeze_worker",
       {"dir": str(tmp_path / "ckpt"), "sync": str(sync), "first": first,
        "timeout": barrier_s},
       num_processes=2, devices_per_process=1, cwd=ROOT)
