@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import socket
 
 import jax
 import numpy as np
@@ -313,3 +314,33 @@ def test_barrier_timeout_names_the_late_process_and_why_it_waited(tmp_path):
       ours), ours
   assert "Barrier timed out" in cause, cause
   assert p0.save.seconds < 30, p0
+
+
+def test_store_timeout_names_the_operation_the_url_the_stall_and_the_option(
+    monkeypatch):
+  """A real S3 client against a store that takes the connection and never
+  answers (a listening socket nothing reads): the query's stall bound."""
+  with socket.socket() as hole:
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    monkeypatch.setenv("AWS_ENDPOINT_URL",
+                       f"http://127.0.0.1:{hole.getsockname()[1]}")
+    for var, value in (("AWS_ACCESS_KEY_ID", "testing"),
+                       ("AWS_SECRET_ACCESS_KEY", "testing"),
+                       ("AWS_REGION", "us-east-1"),
+                       ("AWS_EC2_METADATA_DISABLED", "true")):
+      monkeypatch.setenv(var, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    c = ckpt.Checkpointer("s3://bucket/run", query_timeout_s=2)
+    msg = _raised(ckpt.StoreTimeoutError, c.latest_step)
+    stalled = msg.split("completed for ")[1].split(" s ")[0]  # measured
+    assert float(stalled) >= 2.0, msg
+    assert msg == (
+        "listing the steps of 's3://bucket/run' stalled: nothing it waited "
+        f"for from the store completed for {stalled} s (no request "
+        "completed, no byte of its data moved), more than the 2 s allowed "
+        "without progress. The bound is the Checkpointer argument query_timeout_s=2 "
+        "(the longest time without progress, not the length of the "
+        "operation); pass a larger value to wait longer, or None to wait as "
+        "long as the store's retries take")
+    c.close()
