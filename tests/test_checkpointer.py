@@ -690,8 +690,8 @@ def test_a_bucket_step_without_its_index_fails_loudly(make_ckptr, memory_url,
 def test_no_checkpoint_anywhere(make_ckptr, ckpt_dir, tmp_path):
   ckptr = make_ckptr()
   assert ckptr.all_steps() == [] and ckptr.latest_step() is None
-  with pytest.raises(ckpt.CheckpointNotFoundError, match="no committed") as e:
-    ckptr.restore()
+  with pytest.raises(ckpt.CheckpointNotFoundError) as e:  # wording:
+    ckptr.restore()  # tests/test_errors.py
   assert str(ckpt_dir) in str(e.value)
   (tmp_path / "empty").mkdir()
   with pytest.raises(ckpt.CheckpointNotFoundError) as e:
@@ -958,7 +958,7 @@ def test_closed_checkpointer_refuses(make_ckptr, rng):
   with make_ckptr() as ckptr:
     ckptr.save(1, {"w": random_array(rng, (10,))})
   assert ckptr.all_steps() == [1]  # close() waited for the save
-  with pytest.raises(ckpt.CheckpointError, match="closed"):
+  with pytest.raises(ckpt.CheckpointError):  # wording: tests/test_errors.py
     ckptr.save(2, {"w": random_array(rng, (10,))})
   with pytest.raises(ckpt.CheckpointError, match="closed"):
     ckptr.restore()

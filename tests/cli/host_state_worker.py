@@ -10,14 +10,19 @@ process asks ``host_state(s)`` of each step of ``config["steps"]`` and of
 
 from __future__ import annotations
 
-import json
-import sys
+import dataclasses
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
+@dataclasses.dataclass(frozen=True)
+class Result:
+  host_states: dict[str, Outcome]   # host_state(step), by step
+  imported: int                     # the import's host_state_processes
+
+
+def run(config: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -31,13 +36,9 @@ def main(argv: list[str]) -> None:
     c.save(11, {"x": np.float32(1)}, host_state={"me": pid})
     c.save(12, {"x": np.float32(2)})
     for s in [*config["steps"], 10, 11, 12]:
-      try:
-        got[s] = {"value": c.host_state(s)}
-      except Exception as e:  # pylint: disable=broad-except
-        got[s] = {"error": f"{type(e).__name__}: {e}"}
-  local_cluster.write_result({"host_states": got,
-                              "imported": report.host_state_processes})
+      got[str(s)] = worker.timed(c.host_state, s)
+  return Result(got, report.host_state_processes)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

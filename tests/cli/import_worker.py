@@ -4,16 +4,30 @@ Run through ``ckpt.multihost.local_cluster``: every process calls
 ``convert.import_checkpoint`` on the same source and destination, so each
 reads and writes its share of every leaf. Scenario "one_bad": process 1 is
 given a source that does not exist; every process records the error it
-raised and how long it took to raise it. Scenario "orbax_save": the job
+raised and how long it took to raise it (an ``Imported``). Scenario
+"orbax_save": the job
 saves ``orbax_state()`` with Orbax instead (a source written by 2 processes:
 an OCDBT database per process, merged).
 """
 
 from __future__ import annotations
 
-import json
-import sys
-import time
+import dataclasses
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Imported:
+  """import_checkpoint: its report's JSON as the value, or its error."""
+  process: int
+  imported: Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  process: int
 
 
 def orbax_value(name: str):
@@ -41,29 +55,20 @@ def orbax_save(config: dict) -> None:
     mgr.wait_until_finished()
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  cfg = local_cluster.init_from_env()
-  config = json.loads(argv[1])
+def run(config: dict) -> Imported | Saved:
+  import jax  # pylint: disable=g-import-not-at-top
+  me = jax.process_index()
   if config["scenario"] == "orbax_save":
     orbax_save(config)
-    local_cluster.write_result({"saved": True})
-    return
+    return Saved(me)
   from ckpt.cli import convert  # pylint: disable=g-import-not-at-top
   src = config["src"]
-  if config["scenario"] == "one_bad" and cfg["process_id"] == 1:
+  if config["scenario"] == "one_bad" and me == 1:
     src += "-missing"
-  t0 = time.monotonic()
-  try:
-    report = convert.import_checkpoint(
-        src, config["dst"], config["step"], concurrent_bytes=1 << 20,
-        barrier_timeout_s=config["timeout"])
-    out = {"report": report.to_json(), "msg": None}
-  except Exception as e:  # pylint: disable=broad-except
-    out = {"report": None, "msg": f"{type(e).__name__}: {e}"}
-  out["elapsed"] = time.monotonic() - t0
-  local_cluster.write_result(out)
+  return Imported(me, worker.timed(lambda: convert.import_checkpoint(
+      src, config["dst"], config["step"], concurrent_bytes=1 << 20,
+      barrier_timeout_s=config["timeout"]).to_json()))
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

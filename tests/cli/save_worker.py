@@ -9,12 +9,13 @@ the ``ckpt`` command reads back without talking to the workers.
 
 from __future__ import annotations
 
-import json
-import sys
+import dataclasses
 import zlib
 
 import ml_dtypes
 import numpy as np
+
+from tests.multiprocess import worker
 
 # path -> (shape, dtype, PartitionSpec axes on the (data, model) mesh)
 ARRAYS = {
@@ -43,10 +44,12 @@ def nested(leaf) -> dict:
   return out
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  process: int
+
+
+def run(config: dict) -> Saved:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -62,8 +65,8 @@ def main(argv: list[str]) -> None:
 
   with ckpt.Checkpointer(config["dir"], async_save=False) as ckptr:
     ckptr.save(config["step"], nested(leaf), metrics={"loss": 0.25})
-  local_cluster.write_result({"process": jax.process_index()})
+  return Saved(jax.process_index())
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

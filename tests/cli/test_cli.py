@@ -33,6 +33,7 @@ from ckpt.multihost import local_cluster
 from ckpt.format import tree
 from tests.cli import save_worker
 from tests.conftest import named, sharded
+from tests.multiprocess import worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -506,7 +507,9 @@ def cluster_root(tmp_path_factory):
                               {"dir": str(d), "step": 7}, num_processes=2,
                               devices_per_process=2, timeout_s=120,
                               cwd=str(REPO))
-  local_cluster.check(results)
+  assert [worker.decode(save_worker.Saved, r)
+          for r in local_cluster.check(results)] == [
+              save_worker.Saved(0), save_worker.Saved(1)]
   return d
 
 

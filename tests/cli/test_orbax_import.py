@@ -23,6 +23,7 @@ from ckpt.multihost import local_cluster
 from tests.cli.test_cli import (assert_one_line_error, flat, in_process,
                                 json_in_process, run_json, same)
 from tests.conftest import mesh, named, sharded
+from tests.multiprocess import worker
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -273,20 +274,28 @@ def test_host_memory_stays_within_the_budget(tmp_path):
   assert same(ckpt.load(tmp_path / "c")["state"]["host"], host)
 
 
+def _imported(src, dst, scenario: str) -> list:
+  """Each process's ``import_worker.Imported`` of a 2-process import."""
+  from tests.cli import import_worker  # pylint: disable=g-import-not-at-top
+  return [worker.decode(import_worker.Imported, r)
+          for r in local_cluster.check(local_cluster.run(
+              "tests.cli.import_worker",
+              {"src": os.fspath(src), "dst": os.fspath(dst), "step": STEP,
+               "scenario": scenario, "timeout": 60},
+              num_processes=2, devices_per_process=2, timeout_s=120,
+              cwd=str(REPO)))]
+
+
 def test_a_job_of_two_processes_imports_together(source, tmp_path):
   """Each process reads and writes its share of every leaf."""
   src, restored = source
-  results = local_cluster.check(local_cluster.run(
-      "tests.cli.import_worker",
-      {"src": os.fspath(src), "dst": os.fspath(tmp_path / "c"),
-       "step": STEP, "scenario": "ok", "timeout": 60},
-      num_processes=2, devices_per_process=2, timeout_s=120, cwd=str(REPO)))
-  assert all(r["msg"] is None for r in results), results
+  results = _imported(src, tmp_path / "c", "ok")
+  assert all(r.imported.ok for r in results), results
   with ckpt.Checkpointer(tmp_path / "c") as ckptr:
     saved = ckptr.metadata(STEP).shardings
   for path, (_, spec) in SAVED.items():
     assert str(saved[f"state/{path}"]) == described(spec), path
-  written = [r["report"].get("bytes_written") for r in results]
+  written = [r.imported.value.get("bytes_written") for r in results]
   arrays = sum(np.prod(s) * 4 for s, _ in SAVED.values()) + 20 * 20 * 4
   assert sum(written) == arrays, written
   assert min(written) > arrays // 4, written
@@ -300,25 +309,25 @@ def test_a_job_of_two_processes_imports_together(source, tmp_path):
 def test_a_source_one_process_cannot_read_fails_every_process(source,
                                                               tmp_path):
   src, _ = source
-  results = local_cluster.check(local_cluster.run(
-      "tests.cli.import_worker",
-      {"src": os.fspath(src), "dst": os.fspath(tmp_path / "c"),
-       "step": STEP, "scenario": "one_bad", "timeout": 60},
-      num_processes=2, devices_per_process=2, timeout_s=120, cwd=str(REPO)))
+  results = _imported(src, tmp_path / "c", "one_bad")
   for r in results:
-    assert r["msg"] is not None and r["elapsed"] < 15, r
-    assert "does not exist" in r["msg"], r
-  assert "process(es) [1]" in results[0]["msg"], results[0]["msg"]
+    error = r.imported.error
+    assert error is not None and r.imported.seconds < 15, r
+    assert "does not exist" in error.msg, r
+  assert "process(es) [1]" in results[0].imported.error.msg, results[0]
   assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
 
 
 def test_a_checkpoint_saved_by_a_two_process_orbax_job(tmp_path, capsys):
   from tests.cli import import_worker  # pylint: disable=g-import-not-at-top
-  local_cluster.check(local_cluster.run(
-      "tests.cli.import_worker",
-      {"dst": os.fspath(tmp_path / "orbax"), "step": 4,
-       "scenario": "orbax_save"},
-      num_processes=2, devices_per_process=2, timeout_s=120, cwd=str(REPO)))
+  assert [worker.decode(import_worker.Saved, r)
+          for r in local_cluster.check(local_cluster.run(
+              "tests.cli.import_worker",
+              {"dst": os.fspath(tmp_path / "orbax"), "step": 4,
+               "scenario": "orbax_save"},
+              num_processes=2, devices_per_process=2, timeout_s=120,
+              cwd=str(REPO)))] == [import_worker.Saved(0),
+                                   import_worker.Saved(1)]
   assert (tmp_path / "orbax" / "4" / "state" / "ocdbt.process_1").is_dir()
   doc = json_in_process(capsys, "import", tmp_path / "orbax" / "4",
                         tmp_path / "c", "--step", 4)

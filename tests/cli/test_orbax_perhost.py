@@ -16,7 +16,9 @@ import ckpt
 from ckpt.cli import orbax_import
 from ckpt.errors import OrbaxImportError
 from ckpt.multihost import local_cluster
+from tests.cli import host_state_worker
 from tests.cli.test_cli import assert_one_line_error, in_process, json_in_process
+from tests.multiprocess import worker
 
 ocp = pytest.importorskip("orbax.checkpoint")
 
@@ -88,22 +90,29 @@ def test_per_process_items_become_each_process_host_state(tmp_path, capsys):
         c.host_state(s)
     assert c.host_state(3) is None and c.host_state(4) is None
     assert c.host_state(5) == {"me": 0}
-  results = local_cluster.check(local_cluster.run(
-      "tests.cli.host_state_worker",
-      {"src": os.fspath(grain), "dir": os.fspath(dst), "steps": [1, 2, 3, 4, 5],
-       "timeout": 60},
-      num_processes=2, devices_per_process=1, timeout_s=120, cwd=str(REPO)))
+  results = [worker.decode(host_state_worker.Result, r)
+             for r in local_cluster.check(local_cluster.run(
+                 "tests.cli.host_state_worker",
+                 {"src": os.fspath(grain), "dir": os.fspath(dst),
+                  "steps": [1, 2, 3, 4, 5], "timeout": 60},
+                 num_processes=2, devices_per_process=1, timeout_s=120,
+                 cwd=str(REPO)))]
   for pid, r in enumerate(results):
-    got = r["host_states"]
-    assert r["imported"] == 2
+    got = r.host_states
+    assert r.imported == 2
+
+    def value(s, got=got):
+      assert got[s].ok, got[s]
+      return got[s].value
     for s in ("1", "10"):  # imported by 1 process, and by this 2-process job
-      assert got[s] == {"value": grain_state(pid)}, (pid, s)
-    assert got["2"] == {"value": {"seed": 100 + pid}}
-    assert got["11"] == {"value": {"me": pid}}
+      assert value(s) == grain_state(pid), (pid, s)
+    assert value("2") == {"seed": 100 + pid}
+    assert value("11") == {"me": pid}
     for s in ("3", "4", "12"):  # steps without per-process state
-      assert got[s] == {"value": None}, (pid, s)
+      assert value(s) is None, (pid, s)
+    assert got["5"].error is not None, got["5"]
     assert "holds host_state for 1 processes but this job has 2" in (
-        got["5"]["error"])
+        f"{got['5'].error.type}: {got['5'].error.msg}")
   with ckpt.Checkpointer(dst) as c:
     assert c.host_state(12) is None  # saved by 2 processes, without any
     with pytest.raises(ckpt.CheckpointError, match="for 2 processes but"):

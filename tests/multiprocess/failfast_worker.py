@@ -1,16 +1,22 @@
 """Worker: process 1's save fails mid-write; every process must learn it at
 the next barrier (not at the barrier timeout) and nothing is committed."""
 
-import json
-import sys
-import time
+from __future__ import annotations
 
-from ckpt.multihost import local_cluster
+import dataclasses
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 
-def main():
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Result:
+  save: Outcome        # save(2) and its wait, the failure under test
+  steps: list[int]     # all_steps() afterwards
+  step1_exact: bool    # step 1 restores bit-exact afterwards
+
+
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -27,20 +33,16 @@ def main():
   if jax.process_index() == 1:
     for s in x.addressable_shards:
       s.data.delete()  # process 1 cannot stage its part of step 2
-  t = time.monotonic()
-  try:
+
+  def save_2():
     c.save(2, {"w": x})
     c.wait_until_finished()
-    msg = None
-  except ckpt.CheckpointError as e:
-    msg = str(e)
-  elapsed = time.monotonic() - t
+  save = worker.timed(save_2)
   restored = c.restore(1)["w"]
-  local_cluster.write_result({
-      "msg": msg, "elapsed": elapsed, "steps": c.all_steps(),
-      "step1_exact": bool(np.array_equal(restored, g))})
+  out = Result(save, c.all_steps(), bool(np.array_equal(restored, g)))
   c.close()
+  return out
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

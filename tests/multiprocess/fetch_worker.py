@@ -25,21 +25,21 @@ cache, and each process reports the bytes it read from the block device
 during the restore, /proc/self/io ``read_bytes``: what its disk served,
 counted by the kernel).
 
-Each process reports, per restore ``<i>-<policy>``: ``stats``
-(``last_restore_stats``), ``bad`` (leaves not bit-exact or not in the
-target's sharding), and with ``copies`` ``read_bytes``; then the same for
-each of ``cases`` (``run_case``: more read-once restores, not counted).
+Each process reports a ``Result``: per restore ``<i>-<policy>`` a
+``Record``: ``stats`` (``last_restore_stats``), ``bad`` (leaves not
+bit-exact or not in the target's sharding), and with ``copies``
+``read_bytes``; then the same for each of ``cases`` (``run_case``: more
+read-once restores, not counted).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
-import sys
+from typing import Any
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
 
 # name: (shape, dtype, save spec, restore spec). With chunk_bytes 64 KiB:
 LEAVES = {
@@ -112,9 +112,25 @@ def evict(root: str) -> int:
   return n
 
 
-def main():
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One read-once restore."""
+  stats: dict[str, Any]             # last_restore_stats, as a dict
+  bad: list[str]                    # leaves not bit-exact or misplaced
+  ts_fetched: int | None = None     # TensorStore's kvstore bytes read
+  read_bytes: int | None = None     # with copies: what the disk served
+  splits: dict[str, str] | None = None  # case "lazy": each leaf's split
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  restores: dict[str, Record]   # by "<i>-<policy>"
+  cases: dict[str, Record]      # by case
+  evicted: int | None = None    # with copies, on process 0: pages dropped
+
+
+def run(conf: dict) -> Result:
   # Read once is about arrays: every leaf here is one, none packed (packed
   # leaves of <= 64 KiB are read by each process that needs them).
   from ckpt.save import pack  # pylint: disable=g-import-not-at-top
@@ -138,8 +154,8 @@ def main():
               chunk_bytes=conf.get("chunk_bytes", 64 << 10),
               concurrent_bytes=conf.get("concurrent_bytes", 1 << 30))
   url = conf.get("count_url")
-  me = cfg["process_id"]
-  out = {"process": me}
+  me = jax.process_index()
+  out: dict[str, Any] = {"process": me, "restores": {}, "cases": {}}
   with ckpt.Checkpointer(conf["dir"], **opts) as ck:
     ck.save(1, make_state(leaves, mesh))
     multihost.barrier("saved")
@@ -167,17 +183,17 @@ def main():
       multihost.barrier(f"restored-{name}")
       if url and me == 0:
         proxy.mark(url, name)
-      rec = {"stats": dataclasses.asdict(ck.last_restore_stats),
-             "bad": check(leaves, got, target), "ts_fetched": fetched}
-      if conf.get("copies"):
-        rec["read_bytes"] = during
-      out[name] = rec
+      out["restores"][name] = Record(
+          dataclasses.asdict(ck.last_restore_stats),
+          check(leaves, got, target), fetched,
+          during if conf.get("copies") else None)
       del got
       multihost.barrier(f"checked-{name}")
     for case in conf.get("cases", ()):
-      out[case] = run_case(case, conf, opts, ck, leaves, target, mesh)
+      out["cases"][case] = run_case(case, conf, opts, ck, leaves, target,
+                                    mesh)
       multihost.barrier(f"case-{case}")
-  local_cluster.write_result(out)
+  return Result(**out)
 
 
 def make_state(leaves, mesh):
@@ -219,9 +235,9 @@ def run_case(case, conf, opts, ck, leaves, target, mesh) -> dict:
   import jax.numpy as jnp
   import ckpt
 
-  def record(ckptr, got, dtype=None):
-    return {"stats": dataclasses.asdict(ckptr.last_restore_stats),
-            "bad": check(leaves, got, target, dtype)}
+  def record(ckptr, got, dtype=None) -> Record:
+    return Record(dataclasses.asdict(ckptr.last_restore_stats),
+                  check(leaves, got, target, dtype))
   if case == "verify":
     return record(ck, ck.restore(1, target=target, read_once=True,
                                  verify=True))
@@ -235,9 +251,8 @@ def run_case(case, conf, opts, ck, leaves, target, mesh) -> dict:
     async def rest():
       return await asyncio.gather(*(got[n].read_async() for n in names[2:]))
     arrays.update(zip(names[2:], asyncio.run(rest())))
-    rec = record(ck, arrays)
-    rec["splits"] = dict(zip(names, plans))
-    return rec
+    return dataclasses.replace(record(ck, arrays),
+                               splits=dict(zip(names, plans)))
   if case == "bf16":
     with ckpt.Checkpointer(conf["dir"], **opts,
                            restore_dtype=jnp.bfloat16) as ck2:
@@ -265,4 +280,4 @@ BATCH_BYTES = 4 << 20
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

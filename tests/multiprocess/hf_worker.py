@@ -15,20 +15,20 @@ onto the scanned tree with llama.NAMES:
   "model" only): each process holds all of it; on an object store the load
   reads each leaf once over the processes (read once) and all-gathers.
 
-Each process reports ``bytes_read`` and ``rows_fetched`` (the boxes asked
-and the whole rows fetched, readcount.ReadCounter), ``fetched`` (bytes
-TensorStore's kvstore drivers read, storemeter: headers included),
-``peak`` (the byte limiter's most in use) and ``bad`` (leaves not
-bit-exact or not in the target's sharding). With ``config["bad_process"]``
-that process loads a source that does not exist (with
-``config["other_process"]``, ``config["other_src"]``: another valid one),
-and every process reports the error it got (``error``) and how long it
-took.
+Each process reports a ``Result``: the ``load`` (what it raised, how long
+it took) and, if it loaded, ``Loaded``: ``bytes_read`` and
+``rows_fetched`` (the boxes asked and the whole rows fetched,
+readcount.ReadCounter), ``fetched`` (bytes TensorStore's kvstore drivers
+read, storemeter: headers included), ``peak`` (the byte limiter's most in
+use) and ``bad`` (leaves not bit-exact or not in the target's sharding).
+With ``config["bad_process"]`` that process loads a source that does not
+exist (with ``config["other_process"]``, ``config["other_src"]``: another
+valid one).
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 
 import jax
 import numpy as np
@@ -39,6 +39,24 @@ from ckpt.restore import readcount
 from ckpt.store import storemeter
 from tests.hf import llama
 from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+  bad: list[str]       # leaves not bit-exact or not in the target's sharding
+  bytes_read: int      # the boxes asked
+  rows_fetched: int    # the whole rows fetched
+  fetched: int         # what the kvstore drivers read
+  peak: int            # the byte limiter's most in use
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  load: Outcome          # load_safetensors (its value: None)
+  loaded: Loaded | None  # None if it raised
+  total: int             # the model's bytes
 
 
 def specs(layout: str, path: str, ndim: int) -> P:
@@ -53,14 +71,14 @@ def specs(layout: str, path: str, ndim: int) -> P:
   return P("proc")
 
 
-def run(conf: dict) -> dict:
+def run(conf: dict) -> Result:
   me, n = jax.process_index(), jax.process_count()
   mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("proc", "model"))
   want = llama.expected(llama.tensors(seed=conf["seed"]))
   tgt = llama.nested({
       p: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
           mesh, specs(conf["layout"], p, v.ndim))) for p, v in want.items()})
-  out = {"process": me}
+  total = sum(v.nbytes for v in want.values())
   src = conf["src"]
   if conf.get("bad_process") == me:
     src = src.rstrip("/") + "-missing"
@@ -69,15 +87,16 @@ def run(conf: dict) -> dict:
   counter = readcount.ReadCounter()
   readcount.COUNTER.set(counter)
   meter = storemeter.Meter()
-  t0 = time.monotonic()
-  try:
+
+  def load():
     with meter:
-      got = ckpt.load_safetensors(src, target=tgt, names=llama.NAMES,
-                                  concurrent_bytes=conf.get("budget", 1 << 30))
-  except Exception as e:  # pylint: disable=broad-except
-    out.update(error=f"{type(e).__name__}: {e}",
-               seconds=time.monotonic() - t0)
-    return out
+      return ckpt.load_safetensors(
+          src, target=tgt, names=llama.NAMES,
+          concurrent_bytes=conf.get("budget", 1 << 30))
+  loading = worker.timed(load)
+  if not loading.ok:
+    return Result(me, loading, None, total)
+  got = loading.value
   bad = []
   flat = {"/".join(k.key for k in p): v
           for p, v in jax.tree_util.tree_flatten_with_path(got)[0]}
@@ -87,11 +106,9 @@ def run(conf: dict) -> dict:
     for shard in arr.addressable_shards:
       if not np.array_equal(np.asarray(shard.data), want[path][shard.index]):
         bad.append(f"{path}: shard {shard.index} differs")
-  out.update(error=None, bad=bad, bytes_read=counter.bytes_read,
-             rows_fetched=counter.chunk_bytes_read, fetched=meter.value,
-             peak=counter.peak_in_use, seconds=time.monotonic() - t0,
-             total=sum(v.nbytes for v in want.values()))
-  return out
+  return Result(me, Outcome(None, loading.seconds), Loaded(
+      bad, counter.bytes_read, counter.chunk_bytes_read, meter.value,
+      counter.peak_in_use), total)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,17 @@ Operations (``config["op"]``):
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import os
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error
 
 HOLD_S = 600.0  # the held save; cancel() ends it long before
 
@@ -43,7 +47,55 @@ def _state(step: int):
   return {"w": arr, "step": step}
 
 
-def _policy(config: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  saved: list[int]         # the steps should_save accepted
+  best_before: int | None  # best_step() before any save
+  best: int
+  custom: Any              # metadata(best).custom_metadata
+  steps: list[int]
+  seen: list[list[int]]    # (step, last_saved) as should_save_fn saw them
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancel:
+  cancel_idle: bool
+  in_progress_before: bool
+  work_dirs_before: list[str]
+  cancelled: bool
+  cancel_s: float
+  in_progress_after: bool
+  steps_after_cancel: list[int]
+  left: list[str]          # attempt directories, pending records left
+  steps_final: list[int]
+  restore_ok: bool
+  close_s: float
+  p0_waiting: Any = None   # on process 0: where its save waited
+
+
+@dataclasses.dataclass(frozen=True)
+class Multitier:
+  persistent: list[int]
+  best: int
+  custom: Any
+  cancelled: bool
+  cancel_s: float
+  persistent_after: list[int]
+  saving: bool
+  persistent_final: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """``config["op"]``'s result, or the error it raised."""
+  process: int
+  error: Error | None = None
+  policy: Policy | None = None
+  cancel: Cancel | None = None
+  multitier: Multitier | None = None
+
+
+def _policy(config: dict) -> Policy:
   import ckpt  # pylint: disable=g-import-not-at-top
   seen = []
 
@@ -67,10 +119,10 @@ def _policy(config: dict) -> dict:
     out["custom"] = c.metadata(out["best"]).custom_metadata
     out["steps"] = c.all_steps()
   out["seen"] = seen
-  return out
+  return Policy(**out)
 
 
-def _cancel(config: dict) -> dict:
+def _cancel(config: dict) -> Cancel:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.save import write as save_lib  # pylint: disable=g-import-not-at-top
@@ -131,10 +183,10 @@ def _cancel(config: dict) -> dict:
   t0 = time.monotonic()
   c.close()
   out["close_s"] = time.monotonic() - t0
-  return out
+  return Cancel(**out)
 
 
-def _multitier(config: dict) -> dict:
+def _multitier(config: dict) -> Multitier:
   """The same calls on a MultiTierCheckpointer: should_save_fn adds a
   persistent save, custom_metadata and best_step come from the persistent
   tier, and cancel() abandons a held persistent save on both processes."""
@@ -182,27 +234,24 @@ def _multitier(config: dict) -> dict:
   mt.wait_until_finished(timeout=60)
   out["persistent_final"] = mt.persistent.all_steps()
   mt.close()
-  return out
+  return Multitier(**out)
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
+def run(config: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
-  try:
-    result = {"policy": _policy, "cancel": _cancel,
-              "multitier": _multitier}[config["op"]](config)
-  except Exception as e:  # pylint: disable=broad-except
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
+  op = config["op"]
+  got = worker.timed({"policy": _policy, "cancel": _cancel,
+                      "multitier": _multitier}[op], config)
+  if not got.ok:
     # Reported, and no exit hook waits for a held save: a failure ends the
     # job at once instead of at the launch timeout.
-    local_cluster.write_result({"process": jax.process_index(),
-                                "error": f"{type(e).__name__}: {e}"})
+    local_cluster.write_result(worker.encode(
+        Result(jax.process_index(), got.error)))
     sys.stdout.flush()
     os._exit(0)  # pylint: disable=protected-access
-  local_cluster.write_result({"process": jax.process_index(), "error": None,
-                              **result})
+  return Result(jax.process_index(), **{op: got.value})
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

@@ -23,12 +23,12 @@ of batch k+1 to have started, and records whether it had (the overlap).
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
 import threading
 import time
+from typing import Any
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 N_LEAVES = 6
 SHAPE = (256, 256)
@@ -42,9 +42,17 @@ def truth(i: int):
           * (i + 1) + i / 7)
 
 
-def main():
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  restore: Outcome           # the read-once restore
+  bad: list[str] | None      # its mismatches, if it returned
+  overlapped: list[bool]     # per exchange but the last: the next read ran
+  stats: dict[str, Any]      # last_restore_stats, as a dict
+  again_bad: list[str] | None = None   # op "fail": the restore after
+
+
+def run(conf: dict) -> Result:
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -52,7 +60,7 @@ def main():
   from ckpt.restore import readsplit
   from ckpt.restore import read as restore_lib
 
-  me = cfg["process_id"]
+  me = jax.process_index()
   mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("r", "c"))
   full = NamedSharding(mesh, P(("r", "c")))
   state = {f"l{i}": jax.make_array_from_callback(
@@ -108,20 +116,15 @@ def main():
           bad.append(f"{k}: shard {sh.index} differs")
     return bad
 
-  out = {"process": me}
+  out: dict[str, Any] = {"process": me}
   with ckpt.Checkpointer(conf["dir"], format="zarr3", async_save=False,
                          chunk_bytes=32 << 10, concurrent_bytes=BUDGET,
                          barrier_timeout_s=60) as ck:
     ck.save(1, state)
-    t0 = time.monotonic()
-    try:
-      got = ck.restore(1, target=target, read_once=True)
-      out["error"] = None
-      out["bad"] = check(got)
-    except Exception as e:  # pylint: disable=broad-except
-      out["error"] = f"{type(e).__name__}: {e}"
-    out["seconds"] = time.monotonic() - t0
-    out["overlapped"] = overlapped
+    got = worker.timed(ck.restore, 1, target=target, read_once=True)
+    out["restore"] = dataclasses.replace(got, value=None)
+    out["bad"] = check(got.value) if got.ok else None
+    out["overlapped"] = list(overlapped)
     out["stats"] = dataclasses.asdict(ck.last_restore_stats)
     if conf["op"] == "fail":
       fail[0] = None
@@ -129,8 +132,8 @@ def main():
       exchanges[0] = 0
       overlapped.clear()
       out["again_bad"] = check(ck.restore(1, target=target, read_once=True))
-  local_cluster.write_result(out)
+  return Result(**out)
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

@@ -15,6 +15,7 @@ also the bytes of this process's own packs and of all packs on disk.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
 from typing import Any
@@ -53,6 +54,17 @@ def _save(config: dict) -> None:
     c.save(1, state)
 
 
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  own_pack_bytes: int     # this process's packs on disk
+  all_pack_bytes: int     # every process's
+  same_fetched: int       # fetched by the restore onto the saved sharding
+  same_exact: bool        # ... every shard bit-exact
+  other_fetched: int      # onto the other dimension
+  other_exact: bool
+
+
 def _restore(config: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -75,10 +87,10 @@ def _restore(config: dict) -> dict:
   return out
 
 
-def run(config: dict) -> dict:
+def run(config: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   _save(config)
-  return {"process": jax.process_index(), **_restore(config)}
+  return Result(process=jax.process_index(), **_restore(config))
 
 
 if __name__ == "__main__":

@@ -3,16 +3,45 @@ process 0 alone asks every read-only query between the saves, process 1
 alone asks some too; the job's later save and restore must work on both,
 and no query may wait for the other process."""
 
-import json
-import sys
+from __future__ import annotations
+
+import dataclasses
 import time
+from typing import Any
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
 
 
-def main():
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Rank0:
+  """What process 0 alone asked after saving a step."""
+  all: list[int]
+  latest: int
+  best: int
+  metrics: dict[str, float]
+  meta: list[str]        # the leaf paths of metadata(step).shardings
+  host_state: Any
+  should: bool           # should_save(step + 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank1:
+  """What process 1 alone asked after saving step 2."""
+  all: list[int]
+  host_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  rank0: dict[str, Rank0]   # by step, on process 0
+  rank1: dict[str, Rank1]   # by step, on process 1
+  slowest_query_s: float
+  exact: bool               # the collective restore afterwards
+  restored: int
+
+
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from tests.multiprocess.grid_leaf import GridLeaf  # pylint: disable=g-import-not-at-top
@@ -23,28 +52,24 @@ def main():
 
   c = ckpt.Checkpointer(conf["dir"], barrier_timeout_s=conf["timeout"],
                         best_metric="loss", keep=5)
-  answers, slowest = {}, 0.0
+  rank0, rank1, slowest = {}, {}, 0.0
   for s in (1, 2, 3):
     c.save(s, state(s), metrics={"loss": 10.0 - s}, host_state={"p": me})
     c.wait_until_finished()
     t = time.monotonic()
     if me == 0:  # rank-0 logging: the other process does not call these
-      answers[s] = {"all": c.all_steps(), "latest": c.latest_step(),
-                    "best": c.best_step(), "metrics": c.metrics(s),
-                    "meta": sorted(c.metadata(s).shardings),
-                    "host_state": c.host_state(s),
-                    "should": c.should_save(s + 1)}
+      rank0[str(s)] = Rank0(c.all_steps(), c.latest_step(), c.best_step(),
+                            c.metrics(s), sorted(c.metadata(s).shardings),
+                            c.host_state(s), c.should_save(s + 1))
     elif s == 2:
-      answers[s] = {"all": c.all_steps(), "host_state": c.host_state()}
+      rank1[str(s)] = Rank1(c.all_steps(), c.host_state())
     slowest = max(slowest, time.monotonic() - t)
   got = c.restore(target=leaf.target)  # collective, on both
   exact = leaf.exact(got, 3)
   c.save(4, state(4))
   c.close()
-  local_cluster.write_result({"process": me, "answers": answers,
-                              "slowest_query_s": slowest, "exact": exact,
-                              "restored": c.last_restore_step})
+  return Result(me, rank0, rank1, slowest, exact, c.last_restore_step)
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

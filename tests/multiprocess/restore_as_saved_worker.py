@@ -27,13 +27,15 @@ Operations (``config["op"]``):
 
 from __future__ import annotations
 
-import json
-import sys
+import dataclasses
 import zlib
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 MESH_SHAPE, MESH_AXES = (2, 4), ("data", "model")
 _F32, _BF16 = np.dtype("float32"), np.dtype(ml_dtypes.bfloat16)
@@ -161,12 +163,35 @@ def check(got: Any, mesh, what: str) -> tuple[list[str], list[str]]:
   return bad, sorted(checked)
 
 
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  process: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """op "restore"."""
+  process: int
+  mismatches: list[str]      # of every restore, bit-exact and sharding
+  checked: list[str]         # the leaves checked
+  shardings: dict[str, str]  # metadata(1).shardings, as str()
+  jit_ok: bool               # a jitted step over restored leaves
+
+
+@dataclasses.dataclass(frozen=True)
+class Small:
+  """op "restore_small": a job smaller than the saved mesh."""
+  process: int
+  restore: Outcome   # onto the eval_shape target (the saved mesh)
+  after_ok: bool     # then onto ckpt.abstract_target of the job's mesh
+
+
 def _save(config: dict) -> dict:
   import ckpt  # pylint: disable=g-import-not-at-top
   with ckpt.Checkpointer(config["dir"]) as c:
     c.save(1, make_state(make_mesh()))
     c.wait_until_finished()
-  return {"saved": True}
+  return {}
 
 
 def _restore(config: dict) -> dict:
@@ -203,12 +228,9 @@ def _restore_small(config: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  out: dict[str, Any] = {"error": None}
+  out: dict[str, Any] = {}
   with ckpt.Checkpointer(config["dir"]) as c:
-    try:
-      c.restore(1, target=eval_shape_target())
-    except ckpt.TreeMismatchError as e:
-      out["error"] = str(e)
+    out["restore"] = worker.timed(c.restore, 1, target=eval_shape_target())
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     target = ckpt.abstract_target(c.metadata(1), mesh,
                                   [(r"params/w", P("data", "model"))])
@@ -220,15 +242,15 @@ def _restore_small(config: dict) -> dict:
   return out
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
-  ops = {"save": _save, "restore": _restore, "restore_small": _restore_small}
-  result = ops[config["op"]](config)
+OPS = {"save": (_save, Saved), "restore": (_restore, Restored),
+       "restore_small": (_restore_small, Small)}
+
+
+def run(config: dict) -> Saved | Restored | Small:
   import jax  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result({"process": jax.process_index(), **result})
+  fn, result = OPS[config["op"]]
+  return result(process=jax.process_index(), **fn(config))
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

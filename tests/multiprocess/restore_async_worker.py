@@ -14,16 +14,34 @@ Steps 1 and 2 of a leaf sharded by rows (each process holds half); then:
   cancellation on both, and nothing hangs.
 """
 
-import json
-import sys
-import time
+from __future__ import annotations
 
-from ckpt.multihost import local_cluster
+import dataclasses
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome, timed
 
 
-def main():
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+  """After restore_async handles dropped without result()."""
+  restore_exact: bool   # the next restore(1), bit-exact
+  save: Outcome         # save(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  overlap_exact: bool        # restore_async(1) with a compile meanwhile
+  stats_total: float         # its last_restore_stats.total_s
+  refused: Outcome           # save(3) while a restore_async is in flight
+  refused_then_exact: bool   # ... that restore's result()
+  failure: Outcome           # restore_async(2).result(), a damaged chunk
+  dropped: Dropped
+  closed: Outcome            # result() of a restore_async close() ended
+
+
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -45,11 +63,7 @@ def main():
   out["stats_total"] = c.last_restore_stats.total_s
 
   h = c.restore_async(1, target=target)
-  try:
-    c.save(3, leaf.state())
-    out["refused"] = None
-  except ckpt.CheckpointError as e:
-    out["refused"] = str(e)
+  out["refused"] = timed(c.save, 3, leaf.state())
   out["refused_then_exact"] = leaf.exact(h.result())
 
   if me == 0:
@@ -59,34 +73,19 @@ def main():
     open(path, "wb").write(bytes(data))
   multihost.barrier("damaged", timeout_s=60)
   h = c.restore_async(2, target=target)
-  t = time.monotonic()
-  try:
-    h.result()
-    out["failure"] = None
-  except ckpt.CheckpointError as e:
-    out["failure"] = f"{type(e).__name__}: {e}"
-  out["failure_s"] = time.monotonic() - t
+  out["failure"] = timed(h.result)
 
   c.restore_async(1, target=target)  # its handle dropped at once
   h = c.restore_async(1, target=target)
   del h  # dropped, its reads maybe still running
-  dropped = {"restore_exact": leaf.exact(c.restore(1, target=target))}
-  try:
-    c.save(4, leaf.state())
-    dropped["save"] = None
-  except ckpt.CheckpointError as e:
-    dropped["save"] = str(e)
-  out["dropped"] = dropped
+  restore_exact = leaf.exact(c.restore(1, target=target))
+  out["dropped"] = Dropped(restore_exact, timed(c.save, 4, leaf.state()))
 
   h = c.restore_async(1, target=target)
   c.close()
-  try:
-    h.result()
-    out["closed"] = None
-  except ckpt.CheckpointError as e:
-    out["closed"] = str(e)
-  local_cluster.write_result(out)
+  out["closed"] = timed(h.result)
+  return Result(**out)
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

@@ -1,14 +1,16 @@
 """Worker of tests/multiprocess/test_reuse_mp.py: 2 processes save a state
-whose "frozen" leaves never change with ``reuse_unchanged=True``."""
+whose "frozen" leaves never change with ``reuse_unchanged=True``. Each
+scenario returns a ``Result``."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import sys
 from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
 
 # name: (shape, sharding spec over the ("x", "y") mesh, frozen?)
 LEAVES = {
@@ -46,13 +48,30 @@ def _arrays(step: int):
   return out
 
 
-def _stats(c) -> dict:
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+  """One save's last_save_stats."""
+  step: int
+  written: int
+  reused: int
+  chunks_reused: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  stats: list[SaveStats]               # each save's, in order
+  steps: list[int] | None = None       # all_steps() at the end
+  exact: bool | None = None            # "resume": the last step restored
+  exact_steps: dict[str, bool] | None = None  # "retention": by kept step
+
+
+def _stats(c) -> SaveStats:
   s = c.last_save_stats
-  return {"step": s.step, "written": s.bytes_written,
-          "reused": s.bytes_reused, "chunks_reused": s.chunks_reused}
+  return SaveStats(s.step, s.bytes_written, s.bytes_reused, s.chunks_reused)
 
 
-def scenario_retention(conf: dict) -> dict:
+def scenario_retention(conf: dict) -> Result:
   """keep=2, sync saves of steps 0..3: retention deletes the steps whose
   chunk files the kept ones link to; each kept step restores exactly, here
   in the job too."""
@@ -69,13 +88,12 @@ def scenario_retention(conf: dict) -> dict:
     for step in steps:
       got = c.restore(step)
       want = state(step)
-      exact[step] = all(np.asarray(got[k]).tobytes() == want[k].tobytes()
-                        for k in LEAVES)
-  return {"process": jax.process_index(), "stats": stats, "steps": steps,
-          "exact": exact}
+      exact[str(step)] = all(
+          np.asarray(got[k]).tobytes() == want[k].tobytes() for k in LEAVES)
+  return Result(jax.process_index(), stats, steps, exact_steps=exact)
 
 
-def scenario_killloop(conf: dict) -> dict:
+def scenario_killloop(conf: dict) -> Result:
   """Async saves of state(step) from the step after the latest committed
   one, until killed (or ``max_step``); says when its first is committed."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -95,10 +113,10 @@ def scenario_killloop(conf: dict) -> dict:
     step += 1
   steps = c.all_steps()
   c.close()
-  return {"process": pid, "stats": stats, "steps": steps}
+  return Result(pid, stats, steps)
 
 
-def scenario_resume(conf: dict) -> dict:
+def scenario_resume(conf: dict) -> Result:
   """A job (a new Checkpointer, new processes) saves ``conf["steps"]``
   with keep=2, then restores the last one."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -112,7 +130,7 @@ def scenario_resume(conf: dict) -> dict:
     got, want = c.restore(conf["steps"][-1]), state(conf["steps"][-1])
     exact = all(np.asarray(got[k]).tobytes() == want[k].tobytes()
                 for k in LEAVES)
-  return {"process": jax.process_index(), "stats": stats, "exact": exact}
+  return Result(jax.process_index(), stats, exact=exact)
 
 
 def check_resumed(url: str, launch: Any) -> None:
@@ -121,13 +139,13 @@ def check_resumed(url: str, launch: Any) -> None:
   reuses every frozen byte, and restores exactly."""
   launch("tests.multiprocess.reuse_worker",
          {"scenario": "resume", "dir": url, "steps": [0, 1, 2]},
-         num_processes=2, devices_per_process=2)
+         num_processes=2, devices_per_process=2, result=Result)
   out = launch("tests.multiprocess.reuse_worker",
                {"scenario": "resume", "dir": url, "steps": [3]},
-               num_processes=2, devices_per_process=2)
-  assert all(r["exact"] for r in out), out
-  assert sum(r["stats"][0]["written"] for r in out) == 256 * 1024 * 4, out
-  assert sum(r["stats"][0]["reused"] for r in out) == frozen_bytes(), out
+               num_processes=2, devices_per_process=2, result=Result)
+  assert all(r.exact for r in out), out
+  assert sum(r.stats[0].written for r in out) == 256 * 1024 * 4, out
+  assert sum(r.stats[0].reused for r in out) == frozen_bytes(), out
 
 
 def check_retention(out: list) -> None:
@@ -136,26 +154,18 @@ def check_retention(out: list) -> None:
   reused every frozen byte (each process its share) and wrote only the
   changing leaf."""
   for r in out:
-    assert r["steps"] == [2, 3]
-    assert all(r["exact"].values()) and len(r["exact"]) == 2, r
+    assert r.steps == [2, 3]
+    assert all(r.exact_steps.values()) and len(r.exact_steps) == 2, r
   for i in (0, 1):
-    assert sum(r["stats"][i]["reused"] for r in out) == 0
+    assert sum(r.stats[i].reused for r in out) == 0
   for i in (2, 3):
-    assert sum(r["stats"][i]["reused"] for r in out) == frozen_bytes()
-    assert sum(r["stats"][i]["written"] for r in out) == 256 * 1024 * 4
+    assert sum(r.stats[i].reused for r in out) == frozen_bytes()
+    assert sum(r.stats[i].written for r in out) == 256 * 1024 * 4
 
 
 SCENARIOS = {"retention": scenario_retention, "killloop": scenario_killloop,
              "resume": scenario_resume}
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
-  result: Any = SCENARIOS[conf["scenario"]](conf)
-  local_cluster.write_result(result)
-
-
 if __name__ == "__main__":
-  main()
+  worker.main(SCENARIOS)

@@ -19,21 +19,23 @@ Operations (``config["op"]``):
 - With one process, ``restore`` also checks ``target=None`` and
   ``ckpt.load`` against the global arrays.
 
-The result (``local_cluster.write_result``) holds save statistics or a list
-of mismatches (empty when everything is bit-exact) and the leaves checked.
+The result (a ``Saved`` or a ``Restored``, by entry of ``config["ckpts"]``)
+holds save statistics or a list of mismatches (empty when everything is
+bit-exact) and the leaves checked.
 """
 
 from __future__ import annotations
 
 import collections
-import json
-import sys
+import dataclasses
 import zlib
 from typing import Any, Callable
 
 import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from tests.multiprocess import worker
 
 # The (ckpt) paths of array leaves. For each: global shape, dtype, and
 #   "kind": "jax" (a jax.Array on the job's devices) or "host" (a numpy array
@@ -295,6 +297,59 @@ def _checkpointer(options: dict, **kwargs):
       async_save=options.get("async_save", False), **kwargs)
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveStats:
+  """One entry's save (its last_save_stats) and its steps afterwards."""
+  bytes_written: int
+  boxes_written: int
+  array_leaves: int
+  inline_leaves: int
+  peak_bytes_in_flight: int
+  blocking_s: float
+  total_s: float
+  steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resave:
+  saved: bool
+  bytes_written: int
+  peak_bytes_in_flight: int
+  planned_leaves: int
+  steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResaveAgain:
+  saved: bool
+  planned_leaves: int
+  bytes_written: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+  """One entry's restores."""
+  mismatches: list[str]
+  checked: dict[str, list[str]]   # the leaves checked, by step
+  steps: list[int]
+  resave: Resave | None = None              # with config["resave"]
+  resave_again: ResaveAgain | None = None   # with config["resave_again"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  process: int
+  layout: str
+  ckpts: dict[str, SaveStats]   # by entry of config["ckpts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  process: int
+  layout: str
+  ckpts: dict[str, Restore]
+
+
 def _save(config: dict, state, partitioner) -> dict:
   out = {}
   for name, options in config["ckpts"].items():
@@ -302,13 +357,10 @@ def _save(config: dict, state, partitioner) -> dict:
       ckptr.save(config["step"], state, metrics={"loss": 0.5})
       ckptr.wait_until_finished()
       s = ckptr.last_save_stats
-      out[name] = {"bytes_written": s.bytes_written,
-                   "boxes_written": s.boxes_written,
-                   "array_leaves": s.array_leaves,
-                   "inline_leaves": s.inline_leaves,
-                   "peak_bytes_in_flight": s.peak_bytes_in_flight,
-                   "blocking_s": s.blocking_s, "total_s": s.total_s,
-                   "steps": ckptr.all_steps()}
+      out[name] = SaveStats(s.bytes_written, s.boxes_written,
+                            s.array_leaves, s.inline_leaves,
+                            s.peak_bytes_in_flight, s.blocking_s, s.total_s,
+                            ckptr.all_steps())
   return out
 
 
@@ -338,39 +390,32 @@ def _restore(config: dict, layout: str, mesh) -> dict:
         saved = ckptr.save(config["resave"], restored)
         ckptr.wait_until_finished()
         s = ckptr.last_save_stats
-        r["resave"] = {"saved": saved, "bytes_written": s.bytes_written,
-                       "peak_bytes_in_flight": s.peak_bytes_in_flight,
-                       "planned_leaves": s.planned_leaves,
-                       "steps": ckptr.all_steps()}
+        r["resave"] = Resave(saved, s.bytes_written, s.peak_bytes_in_flight,
+                             s.planned_leaves, ckptr.all_steps())
         if config.get("resave_again"):
           # The same tree and shardings again: the plan cache's save.
           again = ckptr.save(config["resave"] + 1, restored)
           ckptr.wait_until_finished()
           s = ckptr.last_save_stats
-          r["resave_again"] = {"saved": again,
-                               "planned_leaves": s.planned_leaves,
-                               "bytes_written": s.bytes_written}
-    out[name] = r
+          r["resave_again"] = ResaveAgain(again, s.planned_leaves,
+                                          s.bytes_written)
+    out[name] = Restore(**r)
   return out
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
+def run(config: dict) -> Saved | Restored:
   layout = _layout()
   mesh = _mesh("2x4" if config["op"] == "save" else layout)
   if config["op"] == "save":
     state, partitioner = make_state(mesh)
-    result = _save(config, state, partitioner)
+    result, ckpts = Saved, _save(config, state, partitioner)
   elif config["op"] == "restore":
-    result = _restore(config, layout, mesh)
+    result, ckpts = Restored, _restore(config, layout, mesh)
   else:
     raise ValueError(f"unknown op {config['op']!r}")
   import jax  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result({"process": jax.process_index(),
-                              "layout": layout, **result})
+  return result(jax.process_index(), layout, ckpts)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

@@ -33,6 +33,7 @@ import pytest
 
 from ckpt.multihost import local_cluster
 from tests.multiprocess import fetch_worker
+from tests.multiprocess import worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BOUND = 1.05
@@ -62,16 +63,17 @@ def stored(root: str) -> tuple[int, int]:
 @pytest.mark.parametrize("n", [2, 4])
 def test_read_once_reads_each_chunk_once_from_disk(tmp_path, n):
   root = str(tmp_path / "ck")
-  out = local_cluster.check(local_cluster.run(
-      "tests.multiprocess.fetch_worker",
-      {"dir": root, "format": "zarr3", "policies": [True], "copies": True,
-       "cases": CASES},
-      num_processes=n, devices_per_process=2, timeout_s=240,
-      cwd=str(REPO)))
+  out = [worker.decode(fetch_worker.Result, r)
+         for r in local_cluster.check(local_cluster.run(
+             "tests.multiprocess.fetch_worker",
+             {"dir": root, "format": "zarr3", "policies": [True],
+              "copies": True, "cases": CASES},
+             num_processes=n, devices_per_process=2, timeout_s=240,
+             cwd=str(REPO)))]
   for r in out:
-    assert r["0-True"]["bad"] == [], r["0-True"]["bad"]
+    assert r.restores["0-True"].bad == [], r.restores["0-True"].bad
   chunks, small = stored(os.path.join(root, "checkpoint_1"))
-  read = [r["0-True"]["read_bytes"] for r in out]
+  read = [r.restores["0-True"].read_bytes for r in out]
   assert sum(read) >= chunks, (read, chunks)
   assert sum(read) <= BOUND * chunks + n * small, (
       f"{n} processes read {read} bytes from their disks, "
@@ -79,23 +81,24 @@ def test_read_once_reads_each_chunk_once_from_disk(tmp_path, n):
       f"(+ {small} of small files each)")
   # ckpt's own figure (TensorStore's file driver) agrees with the kernel's
   # within the pages' rounding.
-  stats = [r["0-True"]["stats"] for r in out]
+  stats = [r.restores["0-True"].stats for r in out]
   fetched = [s["fetched_bytes"] for s in stats]
   assert sum(fetched) <= sum(read) <= 1.15 * sum(fetched), (fetched, read)
   assert [s["fetched_bytes_all"] for s in stats] == [sum(fetched)] * n
   for case in CASES:
     for r in out:
-      assert r[case]["bad"] == [], (case, r[case]["bad"])
-      assert r[case]["stats"]["read_once_leaves"] == len(
-          fetch_worker.LEAVES), (case, r[case]["stats"])
+      got = r.cases[case]
+      assert got.bad == [], (case, got.bad)
+      assert got.stats["read_once_leaves"] == len(
+          fetch_worker.LEAVES), (case, got.stats)
   # Lazy leaves read later, each a collective: every leaf whose chunks
   # do not tile the even split is dealt by whole chunks.
-  splits = out[0]["lazy"]["splits"]
+  splits = out[0].cases["lazy"].splits
   assert splits["odd1d"] == splits["odd2d"] == splits["tiny"] == "ChunkSplit"
-  assert all(r["lazy"]["splits"] == splits for r in out)
-  assert all(r["lazy"]["stats"]["fetched_bytes_all"] for r in out)
+  assert all(r.cases["lazy"].splits == splits for r in out)
+  assert all(r.cases["lazy"].stats["fetched_bytes_all"] for r in out)
   for r in out:
-    s = r["batches"]["stats"]
+    s = r.cases["batches"].stats
     # Measured: this process's parts and results of the largest batch.
     assert s["batches"] > 1 and 0 < s["peak_batch_bytes"] <= (
         fetch_worker.BATCH_BYTES), s

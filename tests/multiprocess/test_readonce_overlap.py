@@ -21,25 +21,27 @@ import pathlib
 
 from ckpt.multihost import local_cluster
 from tests.multiprocess import overlap_worker as worker
+from tests.multiprocess import worker as worker_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "tests.multiprocess.overlap_worker"
 
 
-def launch(config: dict):
-  return local_cluster.check(local_cluster.run(
-      WORKER, config, num_processes=2, devices_per_process=2,
-      timeout_s=150, cwd=str(REPO)))
+def launch(config: dict) -> list[worker.Result]:
+  return [worker_lib.decode(worker.Result, r)
+          for r in local_cluster.check(local_cluster.run(
+              WORKER, config, num_processes=2, devices_per_process=2,
+              timeout_s=150, cwd=str(REPO)))]
 
 
 def test_next_batch_is_read_while_the_current_one_is_exchanged(tmp_path):
   out = launch({"dir": str(tmp_path / "ck"), "op": "restore"})
   for r in out:
-    assert r["error"] is None, r["error"]
-    assert r["bad"] == [], r["bad"]
-    s = r["stats"]
+    assert r.restore.error is None, r.restore.error
+    assert r.bad == [], r.bad
+    s = r.stats
     # Every exchange but the last overlapped the next batch's read.
-    assert r["overlapped"] == [True] * (worker.N_LEAVES - 1), r["overlapped"]
+    assert r.overlapped == [True] * (worker.N_LEAVES - 1), r.overlapped
     assert s["batches"] == worker.N_LEAVES, s
     assert s["overlapped_batches"] == worker.N_LEAVES - 1, s
     assert s["read_once_leaves"] == worker.N_LEAVES, s
@@ -55,10 +57,13 @@ def test_a_read_failing_on_one_process_during_an_exchange_fails_all(
                 "fail_batch": 2})
   want = "injected read failure on process 1, batch 2"
   for r in out:
-    assert r["error"] is not None and want in r["error"], r["error"]
-    assert r["seconds"] < 30, r["seconds"]  # the round, not the 60 s timeout
+    error = r.restore.error
+    assert error is not None and want in error.msg, error
+    # the round, not the 60 s timeout
+    assert r.restore.seconds < 30, r.restore.seconds
     # The exchanges before the failed batch ran, overlapping the reads.
-    assert r["overlapped"][:2] == [True, True], r["overlapped"]
-    assert r["again_bad"] == [], r["again_bad"]
-  assert out[0]["error"].startswith("CheckpointError"), out[0]["error"]
-  assert "failed on process 1 of 2" in out[0]["error"], out[0]["error"]
+    assert r.overlapped[:2] == [True, True], r.overlapped
+    assert r.again_bad == [], r.again_bad
+  error = out[0].restore.error
+  assert error.type == "CheckpointError", error
+  assert "failed on process 1 of 2" in error.msg, error

@@ -29,7 +29,8 @@ WORKER = "tests.multiprocess.restore_as_saved_worker"
 
 
 def launch(config: dict, num_processes: int, devices_per_process: int):
-  return launch_lib.launch(WORKER, config, num_processes, devices_per_process)
+  return launch_lib.launch(WORKER, config, num_processes, devices_per_process,
+                           result=worker.OPS[config["op"]][1])
 
 
 @pytest.fixture(scope="module")
@@ -46,26 +47,28 @@ ALL = sorted(["params/w", "params/e", "params/b", "opt/mu", "rep", "step",
 def test_an_eval_shape_target_restores_in_the_saved_shardings(saved):
   out = launch({"op": "restore", "dir": saved}, 2, 4)
   for r in out:
-    assert r["mismatches"] == [], "\n".join(r["mismatches"])
-    assert r["checked"] == ALL
-    assert r["jit_ok"]
-  md = out[0]["shardings"]
+    assert r.mismatches == [], "\n".join(r.mismatches)
+    assert r.checked == ALL
+    assert r.jit_ok
+  md = out[0].shardings
   assert md["params/w"] == ("NamedSharding(mesh={'data': 2, 'model': 4}, "
                             "spec=('data', 'model'), axis_types=('explicit', "
                             "'explicit'))")
   assert md["table"] == "replicated (host value)"
-  assert out[1]["shardings"] == md
+  assert out[1].shardings == md
 
 
 def test_a_saved_mesh_the_job_cannot_build_fails_alike_everywhere(saved):
   out = launch({"op": "restore_small", "dir": saved}, 2, 2)
-  errors = [r["error"] for r in out]
+  assert all(r.restore.error is not None and
+             r.restore.error.type == "TreeMismatchError" for r in out), out
+  errors = [r.restore.error.msg for r in out]
   assert errors[0] is not None and errors[0] == errors[1], errors
   for part in ("{'data': 2, 'model': 4}", "8 devices", "this job has 4",
                "sharding=", "ckpt.abstract_target"):
     assert part in errors[0], (part, errors[0])
   assert errors[0].startswith("leaf '")
-  assert all(r["after_ok"] for r in out)
+  assert all(r.after_ok for r in out)
 
 
 def test_one_process_restores_the_two_process_checkpoint_as_saved(saved):

@@ -43,7 +43,7 @@ def _check_root(root: pathlib.Path) -> list[int]:
 def test_reuse_across_retention(tmp_path):
   root = tmp_path / "root"
   out = launch(WORKER, {"scenario": "retention", "dir": str(root)},
-               num_processes=2, devices_per_process=2)
+               num_processes=2, devices_per_process=2, result=worker.Result)
   worker.check_retention(out)  # steps 2 and 3 linked the frozen chunks
   # Steps 0 and 1, which wrote those files, are gone: steps 2 and 3 hold
   # one copy each (step 0's and step 1's), whole.
@@ -108,14 +108,14 @@ def test_sigkill_during_saves_with_reuse_keeps_every_step_whole(tmp_path):
   final = 3 if latest is None else latest + 3
   known = min(2, len(_check_root(root)))
   out = launch(WORKER, dict(conf, launch=KILLS, max_step=final),
-               num_processes=2, devices_per_process=2)
+               num_processes=2, devices_per_process=2, result=worker.Result)
   steps = _check_root(root)
   assert steps == list(range(final - 3, final)), steps
   # The resumed job starts from the records of the newest two steps: it
   # links every frozen chunk from its first save on (from its third when
   # it found fewer than two steps: the first copies are written).
-  for i, _ in enumerate(out[0]["stats"]):
-    reused = sum(r["stats"][i]["reused"] for r in out)
+  for i, _ in enumerate(out[0].stats):
+    reused = sum(r.stats[i].reused for r in out)
     want = worker.frozen_bytes() if i + known >= 2 else 0
     assert reused == want, (i, known, out)
   assert not [n for n in os.listdir(root) if ".tmp-" in n]

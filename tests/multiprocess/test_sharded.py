@@ -43,7 +43,9 @@ BALANCE = 1.5
 
 
 def launch(config: dict, num_processes: int, devices_per_process: int):
-  return launch_lib.launch(WORKER, config, num_processes, devices_per_process)
+  result = worker.Saved if config["op"] == "save" else worker.Restored
+  return launch_lib.launch(WORKER, config, num_processes, devices_per_process,
+                           result=result)
 
 
 def all_leaf_paths() -> set[str]:
@@ -103,8 +105,8 @@ def test_state_has_replicated_leaves_of_a_few_mb():
 @pytest.mark.parametrize("name", CKPTS)
 def test_save_2x4_on_disk(saved_2x4, ckpts, name):
   for r in saved_2x4:
-    assert r["layout"] == "2x4"
-    assert r[name]["steps"] == [1], r
+    assert r.layout == "2x4"
+    assert r.ckpts[name].steps == [1], r
   root = pathlib.Path(ckpts[name]["dir"])
   assert sorted(os.listdir(root)) == ["checkpoint_1"]  # no tmp-* left over
   step = root / "checkpoint_1"
@@ -128,34 +130,34 @@ def test_save_2x4_on_disk(saved_2x4, ckpts, name):
 
 @pytest.mark.parametrize("name", CKPTS)
 def test_save_2x4_bytes_per_process_balanced(saved_2x4, name):
-  assert_balanced([r[name]["bytes_written"] for r in saved_2x4],
+  assert_balanced([r.ckpts[name].bytes_written for r in saved_2x4],
                   f"save 2x4 {name}")
   budget = CKPTS[name].get("concurrent_bytes", 1 << 30)
   for r in saved_2x4:
-    stats = r[name]
-    assert stats["array_leaves"] + stats["inline_leaves"] == len(all_leaf_paths())
-    assert 0 < stats["peak_bytes_in_flight"] <= budget, stats
-    assert stats["blocking_s"] > 0 and stats["total_s"] > 0
+    stats = r.ckpts[name]
+    assert stats.array_leaves + stats.inline_leaves == len(all_leaf_paths())
+    assert 0 < stats.peak_bytes_in_flight <= budget, stats
+    assert stats.blocking_s > 0 and stats.total_s > 0
     if CKPTS[name].get("async_save"):  # save returned once staged
-      assert stats["blocking_s"] <= stats["total_s"]
+      assert stats.blocking_s <= stats.total_s
 
 
 @pytest.mark.parametrize("name", CKPTS)
 def test_restore_4x2_bit_exact(restored_4x2, name):
   for r in restored_4x2:
-    assert r["layout"] == "4x2"
-    res = r[name]
-    assert res["mismatches"] == [], (
-        f"process {r['process']}:\n" + "\n".join(res["mismatches"]))
-    assert set(res["checked"]["1"]) == all_leaf_paths()
+    assert r.layout == "4x2"
+    res = r.ckpts[name]
+    assert res.mismatches == [], (
+        f"process {r.process}:\n" + "\n".join(res.mismatches))
+    assert set(res.checked["1"]) == all_leaf_paths()
 
 
 @pytest.mark.parametrize("name", CKPTS)
 def test_resave_from_4x2_balanced(restored_4x2, name):
   for r in restored_4x2:
-    assert r[name]["resave"]["saved"] is True
-    assert r[name]["resave"]["steps"] == [1, 2]
-  assert_balanced([r[name]["resave"]["bytes_written"] for r in restored_4x2],
+    assert r.ckpts[name].resave.saved is True
+    assert r.ckpts[name].resave.steps == [1, 2]
+  assert_balanced([r.ckpts[name].resave.bytes_written for r in restored_4x2],
                   f"re-save 4x2 {name}")
 
 
@@ -166,22 +168,22 @@ def test_second_resave_from_4x2_reuses_the_plan(restored_4x2, name):
   restores bit for bit on 1 x 8 (test_restore_1x8_bit_exact...)."""
   leaves = len(all_leaf_paths())
   for r in restored_4x2:
-    assert r[name]["resave"]["planned_leaves"] == leaves, r[name]
-    assert r[name]["resave_again"]["saved"] is True
-    assert r[name]["resave_again"]["planned_leaves"] == 0, r[name]
-  assert_balanced([r[name]["resave_again"]["bytes_written"]
+    assert r.ckpts[name].resave.planned_leaves == leaves, r.ckpts[name]
+    assert r.ckpts[name].resave_again.saved is True
+    assert r.ckpts[name].resave_again.planned_leaves == 0, r.ckpts[name]
+  assert_balanced([r.ckpts[name].resave_again.bytes_written
                    for r in restored_4x2], f"second re-save 4x2 {name}")
 
 
 @pytest.mark.parametrize("name", CKPTS)
 def test_restore_1x8_bit_exact_and_target_none(restored_1x8, name):
   (r,) = restored_1x8
-  assert r["layout"] == "1x8"
-  res = r[name]
-  assert res["steps"] == [1, 2, 3]
-  assert res["mismatches"] == [], "\n".join(res["mismatches"])
+  assert r.layout == "1x8"
+  res = r.ckpts[name]
+  assert res.steps == [1, 2, 3]
+  assert res.mismatches == [], "\n".join(res.mismatches)
   for step in ("1", "2", "3"):
-    assert set(res["checked"][step]) == all_leaf_paths()
+    assert set(res.checked[step]) == all_leaf_paths()
 
 
 def test_worker_comparison_detects_a_flipped_bit():

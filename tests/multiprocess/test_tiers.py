@@ -20,6 +20,8 @@ import time
 import pytest
 
 from ckpt.multihost import local_cluster
+from tests.multiprocess import tiers_worker
+from tests.multiprocess import worker
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_worker"
@@ -105,7 +107,8 @@ def _restore(conf, phases, processes=N, devices=2, mesh=(4, 2), **extra):
                    **extra),
       num_processes=processes, devices_per_process=devices, timeout_s=180,
       cwd=REPO_ROOT)
-  return local_cluster.check(results), results
+  return [worker.decode(tiers_worker.Phases, r)
+          for r in local_cluster.check(results)], results
 
 
 def test_restore_after_sigkill_wipes_and_topology(killed):
@@ -123,19 +126,20 @@ def test_restore_after_sigkill_wipes_and_topology(killed):
   got, results = _restore(conf, [{}, {"wipe": [1]}, {"wipe": [2]}],
                           save_after=True)
   for p, r in enumerate(got):
-    a, b, c, after = r
-    assert (a["tier"], a["step"], a["exact"]) == ("local", want_a, True), r
-    assert a["host_state"] == {"pos": want_a * 100 + p}
-    assert (b["tier"], b["step"], b["exact"]) == ("local", want_b, True), r
-    assert b["from_partner"] == (p == 1)
-    assert b["host_state"] == {"pos": want_b * 100 + p}
+    a, b, c = r.restores
+    after = r.after
+    assert (a.tier, a.step, a.exact) == ("local", want_a, True), r
+    assert a.host_state == {"pos": want_a * 100 + p}
+    assert (b.tier, b.step, b.exact) == ("local", want_b, True), r
+    assert b.from_partner == (p == 1)
+    assert b.host_state == {"pos": want_b * 100 + p}
     # Process 1 and its partner (process 2) both lost their local tier.
-    assert (c["tier"], c["step"], c["exact"]) == (
+    assert (c.tier, c.step, c.exact) == (
         "persistent", persistent[-1], True), r
-    assert c["host_state"] == {"pos": persistent[-1] * 100 + p}
+    assert c.host_state == {"pos": persistent[-1] * 100 + p}
     # The next save works, and leaves nothing over (crash leftovers gone).
-    assert f"step_{after['saved']}" in after["entries"], after
-    assert all(re.fullmatch(r"step_\d+", e) for e in after["entries"]), after
+    assert f"step_{after.saved}" in after.entries, after
+    assert all(re.fullmatch(r"step_\d+", e) for e in after.entries), after
   assert "from the persistent tier" in results[0].output
   assert "the local tier holds no step every process can rebuild" in (
       results[0].output)
@@ -146,7 +150,8 @@ def test_restore_on_another_topology_uses_persistent(killed):
   persistent = _persistent(root / "persistent")
   got, results = _restore(conf, [{}], processes=2, devices=4, mesh=(2, 4))
   for r in got:
-    assert (r[0]["tier"], r[0]["step"], r[0]["exact"]) == (
+    first = r.restores[0]
+    assert (first.tier, first.step, first.exact) == (
         "persistent", persistent[-1], True), r
   assert "saved by 4 processes x 2 devices" in results[0].output
 
@@ -159,15 +164,17 @@ def test_a_local_save_failing_on_one_process_fails_on_all(tmp_path):
           "local": str(tmp_path / "local"), "flags": str(tmp_path),
           "mesh": [2, 2], "scenario": "one_fails",
           "persistent_interval": 100}
-  results = local_cluster.check(local_cluster.run(
-      WORKER, conf, num_processes=2, devices_per_process=2, timeout_s=180,
-      cwd=REPO_ROOT))
+  results = [worker.decode(tiers_worker.OneFails, r)
+             for r in local_cluster.check(local_cluster.run(
+                 WORKER, conf, num_processes=2, devices_per_process=2,
+                 timeout_s=180, cwd=REPO_ROOT))]
   for r in results:
-    assert r["1"] is None and r["3"] is None, r
-    assert r["local_steps"] == [1, 3], r
-  p0, p1 = results
-  assert p0["2"] and "process(es) [1]" in p0["2"] and "bytes" in p0["2"], p0
-  assert p1["2"] and p1["2"].startswith("CheckpointError: host_state"), p1
+    assert r.saves["1"].ok and r.saves["3"].ok, r
+    assert r.local_steps == [1, 3], r
+  p0, p1 = (r.saves["2"].error for r in results)
+  assert p0 and "process(es) [1]" in p0.msg and "bytes" in p0.msg, p0
+  assert p1 and f"{p1.type}: {p1.msg}".startswith(
+      "CheckpointError: host_state"), p1
 
 
 # ---- integrity, run identity and manifests (issue 23 items 2, 3, 8) --------
@@ -193,65 +200,59 @@ def damaged(tmp_path_factory):
   conf = {"persistent": str(root / "persistent"), "local": str(root / "local"),
           "flags": str(root), "mesh": [2, 2], "scenario": "integrity",
           "phases": _PHASES, "dump_after_s": 120}
-  results = local_cluster.check(local_cluster.run(
-      WORKER, conf, num_processes=2, devices_per_process=2, timeout_s=240,
-      cwd=REPO_ROOT))
-  return results
+  return [worker.decode(tiers_worker.Integrity, r)
+          for r in local_cluster.check(local_cluster.run(
+              WORKER, conf, num_processes=2, devices_per_process=2,
+              timeout_s=240, cwd=REPO_ROOT))]
 
 
 def test_a_damaged_local_shard_falls_back_to_the_replica_then_persistent(
     damaged):
   for p, r in enumerate(damaged):
-    flip, both, trunc, gone = r[0], r[1], r[2], r[3]
+    flip, both, trunc, gone = r.phases[:4]
     # A flipped bit in process 0's own part: its partner's replica.
-    assert (flip.get("tier"), flip.get("step"), flip.get("exact")) == (
-        "local", 5, True), flip
-    assert flip["from_partner"] == (p == 0), flip
-    assert flip["host_state"] == {"pos": 500 + p}, flip
-    assert "process 0" in flip["reason"] and "own.bin" in flip["reason"], flip
-    assert "crc32c" in flip["reason"], flip
+    assert (flip.tier, flip.step, flip.exact) == ("local", 5, True), flip
+    assert flip.from_partner == (p == 0), flip
+    assert flip.host_state == {"pos": 500 + p}, flip
+    assert "process 0" in flip.reason and "own.bin" in flip.reason, flip
+    assert "crc32c" in flip.reason, flip
     # ... and in that replica too: the persistent tier, on every process.
-    assert (both.get("tier"), both.get("step"), both.get("exact")) == (
-        "persistent", 5, True), both
-    assert "own.bin" in both["reason"] and "partner.bin" in both["reason"]
+    assert (both.tier, both.step, both.exact) == ("persistent", 5, True), both
+    assert "own.bin" in both.reason and "partner.bin" in both.reason
     # A truncated own part: the replica, with a reason naming sizes.
-    assert (trunc.get("tier"), trunc.get("step"), trunc.get("exact")) == (
-        "local", 5, True), trunc
-    assert trunc["from_partner"] == (p == 1), trunc
-    assert "own.bin" in trunc["reason"] and "bytes" in trunc["reason"], trunc
+    assert (trunc.tier, trunc.step, trunc.exact) == ("local", 5, True), trunc
+    assert trunc.from_partner == (p == 1), trunc
+    assert "own.bin" in trunc.reason and "bytes" in trunc.reason, trunc
     # Empty own part and truncated replica: the persistent tier.
-    assert (gone.get("tier"), gone.get("step"), gone.get("exact")) == (
-        "persistent", 5, True), gone
-    assert "Error" not in gone["reason"], gone  # no bare ValueError/TypeError
-  assert damaged[0][1]["reason"] == damaged[1][1]["reason"]
+    assert (gone.tier, gone.step, gone.exact) == ("persistent", 5, True), gone
+    assert "Error" not in gone.reason, gone  # no bare ValueError/TypeError
+  assert damaged[0].phases[1].reason == damaged[1].phases[1].reason
 
 
 def test_a_bad_manifest_is_skipped_with_a_reason(damaged):
   for r in damaged:
-    empty_huge, garbage, host = r[4], r[5], r[6]
+    empty_huge, garbage, host = r.phases[4:7]
     for d in (empty_huge, garbage):
-      assert (d.get("tier"), d.get("step"), d.get("exact")) == (
-          "persistent", 5, True), d
-      assert "manifest.json" in d["reason"], d
-    assert "bytes" in empty_huge["reason"], empty_huge   # the size bound
-    assert "JSON" in garbage["reason"], garbage
-    assert "process_count" not in garbage["reason"] or (
-        "missing" in garbage["reason"]), garbage
+      assert (d.tier, d.step, d.exact) == ("persistent", 5, True), d
+      assert "manifest.json" in d.reason, d
+    assert "bytes" in empty_huge.reason, empty_huge   # the size bound
+    assert "JSON" in garbage.reason, garbage
+    assert "process_count" not in garbage.reason or (
+        "missing" in garbage.reason), garbage
     # A damaged host.msgpack: that process's part comes from its partner.
-    assert (host.get("tier"), host.get("step"), host.get("exact")) == (
-        "local", 5, True), host
-    assert "host.msgpack" in host["reason"], host
+    assert (host.tier, host.step, host.exact) == ("local", 5, True), host
+    assert "host.msgpack" in host.reason, host
 
 
 def test_local_steps_of_another_persistent_root_are_not_restored(damaged):
   for r in damaged:
-    other = r[-1]
-    assert other["latest"] is None, other
-    assert other.get("tier") != "local", other
-    assert "step" not in other or other["tier"] == "persistent", other
+    other = r.other
+    assert other.latest is None, other
+    assert other.tier != "local", other
+    assert other.step is None or other.tier == "persistent", other
     # The next save removes them (retention would otherwise keep 4, 5).
-    assert other["entries"] == ["step_1"], other
-    assert other["restored_after_save"] == [1, True], other
+    assert other.entries == ["step_1"], other
+    assert other.restored_after_save == [1, True], other
   # Nothing to restore anywhere: every process raises the same error.
-  errors = [r[-1].get("error") for r in damaged]
+  errors = [r.other.error for r in damaged]
   assert errors[0] == errors[1], errors

@@ -31,6 +31,8 @@ import sys
 import pytest
 
 from ckpt.multihost import local_cluster
+from tests.multiprocess import tiers_hosts_worker
+from tests.multiprocess import worker
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_hosts_worker"
@@ -110,9 +112,11 @@ def root(tmp_path_factory):
 def _run(root, scenario, hosts, dirs, **extra):
   conf = {"persistent": str(root / "persistent"), "local": str(root / "local"),
           "scenario": scenario, **extra}
-  return local_cluster.check(local_cluster.run(
-      WORKER, conf, num_processes=N, devices_per_process=2, timeout_s=180,
-      cwd=REPO_ROOT, prefix=_prefix(root, hosts, dirs)))
+  return [worker.decode(tiers_hosts_worker.Result, r)
+          for r in local_cluster.check(local_cluster.run(
+              WORKER, conf, num_processes=N, devices_per_process=2,
+              timeout_s=180, cwd=REPO_ROOT, prefix=_prefix(root, hosts,
+                                                           dirs)))]
 
 
 AABB = ["hostA", "hostA", "hostB", "hostB"]
@@ -132,10 +136,10 @@ def test_each_process_keeps_the_replica_of_a_process_on_another_host(
     root, lost_host):
   saved, lost, _ = lost_host
   for p, r in enumerate(saved):
-    assert r["host"] == AABB[p], r  # the namespaces are real
-    assert r["dst"] == [2, 3, 0, 1], r
-    assert r["hosts"] == AABB, r
-    assert r["local_steps"] == [5, 6], r
+    assert r.host == AABB[p], r  # the namespaces are real
+    assert r.dst == [2, 3, 0, 1], r
+    assert r.hosts == AABB, r
+    assert r.local_steps == [5, 6], r
   assert lost == ["process_2", "process_3"], lost
   assert sorted(os.listdir(root / "hostA")) == ["process_0", "process_1"]
 
@@ -143,12 +147,13 @@ def test_each_process_keeps_the_replica_of_a_process_on_another_host(
 def test_losing_a_whole_host_restores_the_newest_local_step(lost_host):
   _, _, restored = lost_host
   for p, r in enumerate(restored):
-    assert r["entries"] == (["step_5", "step_6"] if p < 2 else None), r
-    assert (r["tier"], r["step"], r["exact"]) == ("local", 6, True), r
-    assert r["from_partner"] == (p >= 2), r
-    assert r["host_state"] == {"pos": 600 + p}, r
-    assert "[2, 3]" in r["reason"], r   # who came back from their partners
-    assert r["local_steps"] == ([6, 7] if p < 2 else [7]), r
+    assert r.entries == (["step_5", "step_6"] if p < 2 else None), r
+    got = r.restored
+    assert (got.tier, got.step, got.exact) == ("local", 6, True), r
+    assert got.from_partner == (p >= 2), r
+    assert got.host_state == {"pos": 600 + p}, r
+    assert "[2, 3]" in got.reason, r   # who came back from their partners
+    assert r.local_steps == ([6, 7] if p < 2 else [7]), r
 
 
 def test_a_replica_saved_under_another_partner_map_is_not_used(root,
@@ -161,7 +166,8 @@ def test_a_replica_saved_under_another_partner_map_is_not_used(root,
   shutil.rmtree(root / "hostB" / "process_2")
   got = _run(root, "restore", ["hostA", "hostB", "hostA", "hostB"], AABB)
   for p, r in enumerate(got):
-    assert r["dst"] == [1, 0, 3, 2], r
-    assert (r["tier"], r["step"], r["exact"]) == ("persistent", 4, True), r
-    assert "partner map" in r["reason"], r
-    assert "holds the replica of process 1" in r["reason"], r
+    assert r.dst == [1, 0, 3, 2], r
+    got = r.restored
+    assert (got.tier, got.step, got.exact) == ("persistent", 4, True), r
+    assert "partner map" in got.reason, r
+    assert "holds the replica of process 1" in got.reason, r

@@ -16,6 +16,8 @@ import pathlib
 import pytest
 
 from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
+from tests.multiprocess.tiers_semantics_worker import Got, Result
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.tiers_semantics_worker"
@@ -24,38 +26,44 @@ WORKER = "tests.multiprocess.tiers_semantics_worker"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
   root = tmp_path_factory.mktemp("semantics")
-  return local_cluster.check(local_cluster.run(
-      WORKER, {"root": str(root)}, num_processes=2, devices_per_process=2,
-      timeout_s=240, cwd=REPO_ROOT))
+  return [worker.decode(Result, r) for r in local_cluster.check(
+      local_cluster.run(WORKER, {"root": str(root)}, num_processes=2,
+                        devices_per_process=2, timeout_s=240,
+                        cwd=REPO_ROOT))]
+
+
+NOTHING = Got(leaves={})  # a call that returned None
 
 
 def _cases(results, case):
   """(process, that process's outcome of ``case``) for both processes."""
-  return [(p, r[case]) for p, r in enumerate(results)]
+  return [(p, getattr(r, case)) for p, r in enumerate(results)]
 
 
 def _same_result(results, case, label, *, partner=False):
   for p, out in _cases(results, case):
-    assert out["save"] == {"leaves": {}} and out["wait"] == {"leaves": {}}, (
-        p, out["save"], out["wait"])
-    got = out[label]
-    assert "error" not in got["ckptr"], (p, got["ckptr"])
-    assert got["mt"] == got["ckptr"], (p, label, {
-        k: (v, got["ckptr"]["leaves"].get(k))
-        for k, v in got["mt"]["leaves"].items()
-        if v != got["ckptr"]["leaves"].get(k)})
-    assert got["tier"] == "local", (p, label, got["tier"])
+    assert out.save == NOTHING and out.wait == NOTHING, (
+        p, out.save, out.wait)
+    got = out.restores[label]
+    assert got.ckptr.error is None, (p, got.ckptr)
+    assert got.mt == got.ckptr, (p, label, {
+        k: (v, got.ckptr.leaves.get(k))
+        for k, v in (got.mt.leaves or {}).items()
+        if v != got.ckptr.leaves.get(k)})
+    assert got.tier == "local", (p, label, got.tier)
     if partner:  # process 1's own part came from its partner
-      assert got["from_partner"] is (p == 1), (p, got["from_partner"])
+      assert got.from_partner is (p == 1), (p, got.from_partner)
 
 
 def _same_error(results, case, label, error, leaf):
   for p, out in _cases(results, case):
-    got = out[label]
-    assert got["ckptr"]["error"] == error, (p, got["ckptr"])
-    assert got["mt"]["error"] == error, (p, got["mt"])
-    assert f"leaf {leaf!r}" in got["mt"]["message"], (p, got["mt"])
-    assert got["ckptr"]["message"] in got["mt"]["message"], (p, got)
+    got = out.restores[label]
+    assert got.ckptr.error is not None and got.ckptr.error.type == error, (
+        p, got.ckptr)
+    assert got.mt.error is not None and got.mt.error.type == error, (
+        p, got.mt)
+    assert f"leaf {leaf!r}" in got.mt.error.msg, (p, got.mt)
+    assert got.ckptr.error.msg in got.mt.error.msg, (p, got)
 
 
 @pytest.mark.parametrize("label,leaf", [
@@ -67,7 +75,8 @@ def test_refusals_are_the_persistent_tiers(results, label, leaf):
   process raises its TreeMismatchError, the same message, also the process
   that restores from its partner's replica (it holds no saved leaves)."""
   _same_error(results, "refusal", label, "TreeMismatchError", leaf)
-  msgs = {out[label]["mt"]["message"] for _, out in _cases(results, "refusal")}
+  msgs = {out.restores[label].mt.error.msg
+          for _, out in _cases(results, "refusal")}
   assert len(msgs) == 1, msgs
 
 
@@ -88,14 +97,14 @@ def test_save_and_restore_dtype_as_the_persistent_tier(results, case, label):
   where the local tier used to fall back to the persistent tier.)"""
   _same_result(results, case, label, partner=label.endswith("wiped"))
   for p, out in _cases(results, case):
-    dtypes = {k: v.get("dtype") for k, v in out[label]["mt"]["leaves"].items()}
+    dtypes = {k: v.dtype for k, v in out.restores[label].mt.leaves.items()}
     floating = "bfloat16" if case == "restore_dtype" else "float32"
     assert dtypes == {"['w']": floating, "['r']": floating, "['h']": floating,
                       "['s']": "bfloat16", "['i']": "int32",
                       "['step']": "int64", "['p']": None}, (p, dtypes)
     if case == "save_dtype":  # stored in bfloat16 in the local tier too
-      assert out["manifest"] == {"w": "bfloat16", "r": "bfloat16",
-                                 "i": "int32"}, (p, out["manifest"])
+      assert out.manifest == {"w": "bfloat16", "r": "bfloat16",
+                              "i": "int32"}, (p, out.manifest)
 
 
 @pytest.mark.parametrize("label", ["all", "all/wiped"])
@@ -104,9 +113,9 @@ def test_typed_prng_keys(results, label):
   process) were refused by the local tier; now bit-exact, same key dtypes
   and shardings as a Checkpointer's restore."""
   _same_result(results, "keys", label, partner=label.endswith("wiped"))
-  leaves = results[0]["keys"][label]["mt"]["leaves"]
-  assert leaves["['k']"]["dtype"] == "key<fry>"
-  assert leaves["['rbg']"]["dtype"] == "key<rbg>"
+  leaves = results[0].keys.restores[label].mt.leaves
+  assert leaves["['k']"].dtype == "key<fry>"
+  assert leaves["['rbg']"].dtype == "key<rbg>"
 
 
 @pytest.mark.parametrize("label,leaf", [
@@ -121,14 +130,14 @@ def test_uncommitted_single_device_arrays(results):
   the local save raised KeyError(CpuDevice(id=1)), and close raised it again.
   Now saved as a host value, as the persistent tier stores it inline."""
   for p, out in _cases(results, "save_then_close"):
-    assert out == {"save": {"leaves": {}}, "close": {"leaves": {}}}, (p, out)
+    assert (out.save, out.close) == (NOTHING, NOTHING), (p, out)
   for p, out in _cases(results, "uncommitted"):
-    assert out["close"] == {"leaves": {}}, (p, out["close"])
+    assert out.close == NOTHING, (p, out.close)
   _same_result(results, "uncommitted", "all")
-  leaves = results[0]["uncommitted"]["all"]["mt"]["leaves"]
-  assert leaves["['c']"]["type"] == "jax.Array"    # restored as saved:
-  assert "SingleDeviceSharding" in leaves["['c']"]["sharding"]  # one device
-  assert leaves["['f']"]["type"] == "jax.Array"    # onto the target's device
+  leaves = results[0].uncommitted.restores["all"].mt.leaves
+  assert leaves["['c']"].type == "jax.Array"    # restored as saved:
+  assert "SingleDeviceSharding" in leaves["['c']"].sharding  # one device
+  assert leaves["['f']"].type == "jax.Array"    # onto the target's device
 
 
 def test_uneven_target_sharding(results):

@@ -34,7 +34,9 @@ STACKED = {"params/layers/attn/w", "params/layers/mlp/w",
 
 
 def launch(config: dict, num_processes: int, devices_per_process: int):
-  return launch_lib.launch(WORKER, config, num_processes, devices_per_process)
+  result = worker.Saved if config["op"] == "save" else worker.Restored
+  return launch_lib.launch(WORKER, config, num_processes, devices_per_process,
+                           result=result)
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +66,13 @@ def restored_1x8(dirs, restored_4x2):
                  "scratch": dirs["scratch_1x8"], "unstack": True}, 1, 8)
 
 
-def assert_clean(part: dict, what: str, want_checked: set[str]) -> None:
-  assert part["mismatches"] == [], f"{what}:\n" + "\n".join(part["mismatches"])
-  assert set(part["checked"]) == want_checked, what
+def assert_clean(part, what: str, want_checked: set[str]) -> None:
+  assert part.mismatches == [], f"{what}:\n" + "\n".join(part.mismatches)
+  assert set(part.checked) == want_checked, what
 
 
 def test_save_transforms_in_a_multiprocess_save(saved_2x4, dirs):
-  assert all(r["steps"] == [1] for r in saved_2x4)
+  assert all(r.steps == [1] for r in saved_2x4)
   loaded = ckpt.load(dirs["dir_xf"])
   names = {tree.path_str(p) for p in tree.unnest(loaded)}
   assert not any(n.startswith("opt/") for n in names), names
@@ -87,13 +89,13 @@ def test_restore_through_transforms_and_fallback_bit_exact(
     request, layout):
   results = request.getfixturevalue(f"restored_{layout}")
   for r in results:
-    assert r["layout"] == layout
-    who = f"process {r['process']} ({layout})"
-    assert_clean(r["own"], f"{who} own", STACKED)
+    assert r.layout == layout
+    who = f"process {r.process} ({layout})"
+    assert_clean(r.own, f"{who} own", STACKED)
     # Restoring the Checkpointer's own latest step is resuming; path= is not.
-    assert r["own"]["is_resuming"] == [True], who
-    assert_clean(r["copy"], f"{who} copy", STACKED)
-    assert r["copy"]["is_resuming"] == [False], who
+    assert r.own.is_resuming == [True], who
+    assert_clean(r.copy, f"{who} copy", STACKED)
+    assert r.copy.is_resuming == [False], who
 
 
 def test_each_process_reads_only_the_layers_it_holds(restored_4x2):
@@ -102,11 +104,11 @@ def test_each_process_reads_only_the_layers_it_holds(restored_4x2):
   # layers of both, and its restore still matched bit for bit.
   held_attn = []
   for r in restored_4x2:
-    held = r["copy"]["held"]
+    held = r.copy.held
     assert len(held["attn/w"]) == 1 and len(held["mlp/b"]) == 1, held
     assert held["mlp/w"] == list(range(worker.LAYERS)), held
     held_attn += held["attn/w"]
-    deleted = set(r["copy"]["deleted"])
+    deleted = set(r.copy.deleted)
     assert {"opt", "params/head"} <= deleted
     for leaf in ("attn/w", "mlp/b"):
       gone = {f"params/layers_{i}/{leaf}" for i in range(worker.LAYERS)
@@ -117,13 +119,13 @@ def test_each_process_reads_only_the_layers_it_holds(restored_4x2):
 
 def test_single_process_deletes_only_unwanted_leaves(restored_1x8):
   (r,) = restored_1x8
-  assert sorted(r["copy"]["deleted"]) == ["opt", "params/head"]
+  assert sorted(r.copy.deleted) == ["opt", "params/head"]
 
 
 @pytest.mark.parametrize("layout", ["4x2", "1x8"])
 def test_lazy_restore_reads_onto_the_target_shardings(request, layout):
   for r in request.getfixturevalue(f"restored_{layout}"):
-    assert_clean(r["lazy"], f"process {r['process']} ({layout}) lazy",
+    assert_clean(r.lazy, f"process {r.process} ({layout}) lazy",
                  STACKED)
 
 
@@ -132,30 +134,31 @@ def test_lazy_restore_reads_onto_the_target_shardings(request, layout):
     "1x8"])
 def test_lazy_restore_gives_lazy_leaves_only(request, layout):
   for r in request.getfixturevalue(f"restored_{layout}"):
-    assert r["lazy"]["not_lazy"] == [], r["lazy"]
-    assert set(r["lazy"]["lazy_leaves"]) == STACKED - {"step"}
+    assert r.lazy.not_lazy == [], r.lazy
+    assert set(r.lazy.lazy_leaves) == STACKED - {"step"}
 
 
 @pytest.mark.parametrize("layout", ["4x2", "1x8"])
 def test_a_missing_layer_a_process_needs_fails_naming_it(request, layout):
   for r in request.getfixturevalue(f"restored_{layout}"):
-    corrupt = r["corrupt"]
-    assert corrupt["error"] is not None, (
-        f"process {r['process']}: restore succeeded without "
-        f"{corrupt['deleted']}")
-    assert f"'{corrupt['deleted']}'" in corrupt["error"], corrupt
+    corrupt = r.corrupt
+    error = corrupt.restore.error
+    assert error is not None, (
+        f"process {r.process}: restore succeeded without {corrupt.deleted}")
+    assert error.type == "CorruptCheckpointError", error
+    assert f"'{corrupt.deleted}'" in error.msg, corrupt
 
 
 def test_stacked_checkpoint_from_4_processes_unstacks_on_1x8(restored_4x2,
                                                              restored_1x8,
                                                              dirs):
-  assert all(r["resave"]["steps"] == [2] for r in restored_4x2)
+  assert all(r.resave.steps == [2] for r in restored_4x2)
   (r,) = restored_1x8
   want = {f"params/layers_{i}/{leaf}" for i in range(worker.LAYERS)
           for leaf in worker.LAYER_LEAVES}
   want |= {"params/embed/table", "params/norm/scale"}
-  assert_clean(r["unstack"], "1x8 unstack", want)
-  assert r["unstack"]["is_resuming"] == [True]
+  assert_clean(r.unstack, "1x8 unstack", want)
+  assert r.unstack.is_resuming == [True]
   # What the 4 processes wrote is the stacked tree (norm included).
   loaded = ckpt.load(dirs["dir2"])
   assert loaded["params"]["layers"]["attn"]["w"].shape == (

@@ -5,18 +5,20 @@ own (a UTS namespace each, set up by tests/multiprocess/test_tiers_hosts.py;
 ``config["scenario"]``: "save" saves steps 1..``steps`` (local every step,
 persistent every 4th); "restore" restores onto the saved shardings, says
 from which tier and step and whether it is bit-exact, then optionally saves
-the next step to the local tier.
+the next step to the local tier. Its result: a ``Result``.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging as std_logging
 import os
 import socket
-import sys
+from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
 
 SHAPES = {"w": ((64, 32), "float32"), "v": ((32,), "int32"),
           "r": ((8, 8), "float32")}
@@ -33,17 +35,35 @@ def state_np(step: int) -> dict:
   return out
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """The "restore" scenario's restore."""
+  step: int
+  exact: bool          # bit-exact on this process's shards and shardings
+  tier: str            # last_restore_tier
+  reason: str          # last_restore_reason
+  host_state: Any
+  from_partner: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  host: str                   # socket.gethostname()
+  entries: list[str] | None   # what this process's local directory held
+  dst: list[int]              # the local tier's partner map
+  hosts: list[str] | None     # ... and the host of each process
+  local_steps: list[int]      # the local tier's steps at the end
+  restored: Restored | None   # None in the "save" scenario
+
+
+def run(conf: dict) -> Result:
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.INFO)
   std_logging.getLogger("absl").setLevel(std_logging.INFO)
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
-  pid = cfg["process_id"]
+  pid = jax.process_index()
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
   shard = {n: NamedSharding(mesh, P(*SPECS[n])) for n in SHAPES}
 
@@ -54,8 +74,9 @@ def main() -> None:
             "step": np.int64(step)}
 
   mine = os.path.join(conf["local"], f"process_{pid}")
-  res = {"host": socket.gethostname(),   # what this process held at start
-         "entries": sorted(os.listdir(mine)) if os.path.isdir(mine) else None}
+  host = socket.gethostname()   # what this process held at start
+  entries = sorted(os.listdir(mine)) if os.path.isdir(mine) else None
+  restored = None
   ckptr = ckpt.MultiTierCheckpointer(
       conf["persistent"], local=conf["local"], local_interval=1, local_keep=2,
       persistent_interval=4, persistent_keep=3, barrier_timeout_s=60)
@@ -73,20 +94,20 @@ def main() -> None:
     exact = all(np.array_equal(np.asarray(s.data), want[n][s.index])
                 for n in SHAPES for s in got["params"][n].addressable_shards)
     exact &= all(got["params"][n].sharding == shard[n] for n in SHAPES)
-    res.update(step=step, exact=bool(exact), tier=ckptr.last_restore_tier,
-               reason=ckptr.last_restore_reason,
-               host_state=ckptr.host_state(),
-               from_partner=ckptr.local.last_restore_stats.get("from_partner"))
+    restored = Restored(
+        step, bool(exact), ckptr.last_restore_tier,
+        ckptr.last_restore_reason, ckptr.host_state(),
+        ckptr.local.last_restore_stats.get("from_partner"))
     if conf.get("save_after"):
       ckptr.save(step + 1, make(step + 1),
                  host_state={"pos": (step + 1) * 100 + pid})
       ckptr.wait_until_finished()
   lay = ckptr.local.layout
-  res.update(dst=lay.dst, hosts=getattr(lay, "hosts", None),
-             local_steps=ckptr.local.committed_steps())
+  out = Result(host, entries, list(lay.dst), getattr(lay, "hosts", None),
+               ckptr.local.committed_steps(), restored)
   ckptr.close()
-  local_cluster.write_result(res)
+  return out
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

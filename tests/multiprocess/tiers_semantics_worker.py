@@ -3,59 +3,114 @@
 For each case, the same state is saved and restored twice: by a plain
 ``ckpt.Checkpointer`` and by a ``MultiTierCheckpointer`` whose persistent
 tier stays empty (``persistent_interval=None``), so that what it returns or
-raises comes from its local tier. Each outcome is reported as data (type,
-dtype, shape, sharding, the bytes of every addressable shard; or the error's
-type and message) for the test to compare.
+raises comes from its local tier. Each outcome is reported as data (a
+``Got``: type, dtype, shape, sharding, the bytes of every addressable shard
+of each leaf; or the error) for the test to compare.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error
 
-def describe(x) -> dict:
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """What a restored leaf is, down to its bits (keys: their key data's)."""
+  type: str
+  dtype: str | None = None
+  shape: list[int] | None = None
+  sharding: str | None = None   # a jax.Array's, as repr()
+  shards: list | None = None    # a jax.Array's: [(device, index, hex)]
+  bytes: str | None = None      # a numpy value's, as hex
+  value: str | None = None      # a Python value's, as repr()
+
+
+@dataclasses.dataclass(frozen=True)
+class Got:
+  """What a call returned ({leaf path: Leaf}), or what it raised."""
+  error: Error | None = None
+  leaves: dict[str, Leaf] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Restores:
+  """One target restored by both."""
+  ckptr: Got                 # the Checkpointer's restore
+  mt: Got                    # the MultiTierCheckpointer's
+  tier: str | None           # its last_restore_tier
+  from_partner: bool | None  # its local tier's last_restore_stats'
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  save: Got                  # the MultiTierCheckpointer's save
+  wait: Got                  # ... wait_until_finished
+  manifest: dict[str, str]   # each leaf's dtype in the local tier
+  restores: dict[str, Restores]  # by target ("<name>/wiped": after a wipe)
+  close: Got
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveThenClose:
+  save: Got
+  close: Got
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  refusal: Case
+  restore_dtype: Case
+  save_dtype: Case
+  keys: Case
+  save_then_close: SaveThenClose
+  uncommitted: Case
+  uneven: Case
+
+
+def describe(x) -> Leaf:
   """What a restored leaf is, down to its bits (keys: their key data's)."""
   import jax  # pylint: disable=g-import-not-at-top
   from ckpt.format import prng  # pylint: disable=g-import-not-at-top
   if isinstance(x, jax.Array):
     data = jax.random.key_data(x) if prng.is_key_dtype(x.dtype) else x
-    return {"type": "jax.Array", "dtype": str(x.dtype),
-            "shape": list(x.shape), "sharding": repr(x.sharding),
-            "shards": sorted((s.device.id, str(s.index),
-                              np.asarray(s.data).tobytes().hex())
-                             for s in data.addressable_shards)}
+    return Leaf("jax.Array", dtype=str(x.dtype), shape=list(x.shape),
+                sharding=repr(x.sharding),
+                shards=[list(t) for t in sorted(
+                    (s.device.id, str(s.index),
+                     np.asarray(s.data).tobytes().hex())
+                    for s in data.addressable_shards)])
   if isinstance(x, (np.ndarray, np.generic)):
-    return {"type": type(x).__name__, "dtype": str(x.dtype),
-            "shape": list(np.shape(x)), "bytes": np.asarray(x).tobytes().hex()}
-  return {"type": type(x).__name__, "value": repr(x)}
+    return Leaf(type(x).__name__, dtype=str(x.dtype),
+                shape=list(np.shape(x)),
+                bytes=np.asarray(x).tobytes().hex())
+  return Leaf(type(x).__name__, value=repr(x))
 
 
-def outcome(fn) -> dict:
+def outcome(fn) -> Got:
   """{leaf: describe(value)} of what fn() returns, or its error."""
   import jax  # pylint: disable=g-import-not-at-top
-  try:
-    got = fn()
-  except Exception as e:  # pylint: disable=broad-except
-    return {"error": type(e).__name__, "message": str(e)}
-  flat, _ = jax.tree_util.tree_flatten_with_path(got)
-  return {"leaves": {jax.tree_util.keystr(p): describe(v) for p, v in flat}}
+  got = worker.timed(fn)
+  if not got.ok:
+    return Got(error=got.error)
+  flat, _ = jax.tree_util.tree_flatten_with_path(got.value)
+  return Got(leaves={jax.tree_util.keystr(p): describe(v) for p, v in flat})
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
-  pid = cfg["process_id"]
+  pid = jax.process_index()
   root = conf["root"]
   mesh = Mesh(np.array(jax.devices()), ("x",))   # 2 processes x 2 devices
   by_x, whole = NamedSharding(mesh, P("x")), NamedSharding(mesh, P())
@@ -98,9 +153,10 @@ def main() -> None:
     mt = ckpt.MultiTierCheckpointer(
         os.path.join(base, "mt_persistent"), local=os.path.join(base, "local"),
         persistent_interval=None, barrier_timeout_s=60, **kwargs)
-    out = {"save": outcome(lambda: mt.save(1, state) and None)}
-    out["wait"] = outcome(mt.wait_until_finished)
-    out["manifest"] = _manifest(os.path.join(base, "local"), pid)
+    save = outcome(lambda: mt.save(1, state) and None)
+    wait = outcome(mt.wait_until_finished)
+    manifest = _manifest(os.path.join(base, "local"), pid)
+    restores = {}
     rounds = [False, True] if wipe else [False]
     for wiped in rounds:
       if wiped:
@@ -112,14 +168,14 @@ def main() -> None:
         label = f"{name}{'/wiped' if wiped else ''}"
         mt.last_restore_tier = None
         mt.local.restorer.last_restore_stats = {}
-        out[label] = {
-            "ckptr": outcome(lambda t=target: c.restore(1, target=t)),
-            "mt": outcome(lambda t=target: mt.restore(target=t)),
-            "tier": mt.last_restore_tier,
-            "from_partner": mt.local.last_restore_stats.get("from_partner")}
-    out["close"] = outcome(mt.close)
+        ckptr = outcome(lambda t=target: c.restore(1, target=t))
+        got = outcome(lambda t=target: mt.restore(target=t))
+        restores[label] = Restores(
+            ckptr, got, mt.last_restore_tier,
+            mt.local.last_restore_stats.get("from_partner"))
+    close = outcome(mt.close)
     c.close()
-    res[case] = out
+    res[case] = Case(save, wait, manifest, restores, close)
     return mt
 
   # A float32 leaf (sharded, and a numpy one) into an int32 target: refused,
@@ -165,8 +221,8 @@ def main() -> None:
       os.path.join(root, "close", "persistent"),
       local=os.path.join(root, "close", "local"), persistent_interval=None,
       barrier_timeout_s=60)
-  res["save_then_close"] = {"save": outcome(lambda: mt.save(1, unc) and None),
-                            "close": outcome(mt.close)}
+  saved = outcome(lambda: mt.save(1, unc) and None)
+  res["save_then_close"] = SaveThenClose(saved, outcome(mt.close))
   both("uncommitted", unc, {"all": {
       "c": sds((), np.int32), "f": jnp.asarray(0.0, np.float32),
       "w": sds((8, 16), np.float32, by_x)}})
@@ -176,7 +232,7 @@ def main() -> None:
   both("uneven", {"u": put(u, whole), "w": state_arrays["w"]},
        {"uneven": {"u": sds((5, 3), np.float32, by_x),
                    "w": sds((8, 16), np.float32, by_x)}})
-  local_cluster.write_result(res)
+  return Result(**res)
 
 
 def _manifest(local: str, pid: int) -> dict:
@@ -192,4 +248,4 @@ def _manifest(local: str, pid: int) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

@@ -5,19 +5,24 @@
 ``<flags>/saved_<process>_<step>`` after each ``save()`` returns (the test
 SIGKILLs the job while a local save is in flight); "restore" runs the
 ``phases`` (optionally wiping some processes' local directories first) and
-reports what each restore returned and whether it is bit-exact.
+reports what each restore returned and whether it is bit-exact
+(``Phases``); "one_fails" (``OneFails``) and "integrity" (``Integrity``)
+are described where they run.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging as std_logging
 import os
 import shutil
-import sys
 import time
+from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error, Outcome
 
 SHAPES = {
     "w": ((1024, 1024), "float32"),     # sharded over both mesh axes
@@ -40,10 +45,74 @@ def state_np(step: int) -> dict:
   return {n: b + np.asarray(step, b.dtype) for n, b in _BASE.items()}
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Trained:
+  done: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class OneFails:
+  saves: dict[str, Outcome]   # save + wait, by step
+  local_steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  """One phase's restore."""
+  step: int
+  tier: str
+  reason: str | None
+  exact: bool        # bit-exact on this process's shards and shardings
+  host_state: Any
+  seconds: float
+  from_partner: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedAfter:
+  saved: int            # the step saved after the phases
+  entries: list[str]    # then in this process's local directory
+
+
+@dataclasses.dataclass(frozen=True)
+class Phases:
+  restores: list[Restored]
+  after: SavedAfter | None   # with config["save_after"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+  """A restore after one phase of damage: what it raised, or the step, and
+  the MultiTierCheckpointer's account in both cases."""
+  error: Error | None
+  step: int | None
+  exact: bool | None
+  host_state: Any
+  tier: str | None
+  reason: str | None
+  from_partner: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Other:
+  """The run of another persistent root over the same local directory."""
+  latest: int | None
+  error: Error | None     # its restore's
+  step: int | None
+  exact: bool | None
+  tier: str | None
+  reason: str | None
+  entries: list[str]      # the local directory after its save of step 1
+  restored_after_save: list   # [step, exact]
+
+
+@dataclasses.dataclass(frozen=True)
+class Integrity:
+  phases: list[Attempt]
+  other: Other
+
+
+def run(conf: dict) -> Trained | OneFails | Phases | Integrity:
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.INFO)
   std_logging.getLogger("absl").setLevel(std_logging.INFO)
@@ -51,7 +120,7 @@ def main() -> None:
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
-  pid = cfg["process_id"]
+  pid = jax.process_index()
   mesh = Mesh(np.array(jax.devices()).reshape(conf["mesh"]), ("x", "y"))
   shard = {n: NamedSharding(mesh, P(*SPECS[n])) for n in SHAPES}
 
@@ -72,24 +141,21 @@ def main() -> None:
       open(os.path.join(conf["flags"], f"saved_{pid}_{step}"), "w").close()
       time.sleep(conf.get("sleep", 0.0))
     ckptr.close()
-    local_cluster.write_result({"done": True})
-    return
+    return Trained(True)
 
   if conf["scenario"] == "one_fails":  # process 1 alone fails at step 2
-    res = {}
+    saves = {}
     for step in (1, 2, 3):
       big = step == 2 and pid == 1
       hs = {"pos": step, "blob": b"x" * ((17 << 20) if big else 8)}
-      try:
+
+      def save(step=step, hs=hs):
         ckptr.save(step, make(step), host_state=hs, force=False)
         ckptr.wait_until_finished()
-        res[str(step)] = None
-      except Exception as e:  # pylint: disable=broad-except
-        res[str(step)] = f"{type(e).__name__}: {e}"
-    res["local_steps"] = ckptr.local.committed_steps()
+      saves[str(step)] = worker.timed(save)
+    out = OneFails(saves, ckptr.local.committed_steps())
     ckptr.close()
-    local_cluster.write_result(res)
-    return
+    return out
 
   target = {"params": {n: jax.ShapeDtypeStruct(SHAPES[n][0], SHAPES[n][1],
                                                sharding=shard[n])
@@ -108,8 +174,7 @@ def main() -> None:
     if conf.get("dump_after_s"):
       import faulthandler  # pylint: disable=g-import-not-at-top
       faulthandler.dump_traceback_later(conf["dump_after_s"], exit=True)
-    integrity(conf, pid, ckptr, make, target, check)
-    return
+    return integrity(conf, pid, ckptr, make, target, check)
   out = []
   for k, phase in enumerate(conf["phases"]):
     multihost.barrier(f"phase-{k}-start")
@@ -126,20 +191,20 @@ def main() -> None:
         np.array_equal(np.asarray(s.data), want[n][s.index])
         for n in SHAPES for s in got["params"][n].addressable_shards)
     exact &= all(got["params"][n].sharding == shard[n] for n in SHAPES)
-    out.append({"step": step, "tier": ckptr.last_restore_tier,
-                "reason": ckptr.last_restore_reason, "exact": bool(exact),
-                "host_state": ckptr.host_state(), "seconds": dt,
-                "from_partner": ckptr.local.last_restore_stats.get(
-                    "from_partner")})
+    out.append(Restored(step, ckptr.last_restore_tier,
+                        ckptr.last_restore_reason, bool(exact),
+                        ckptr.host_state(), dt,
+                        ckptr.local.last_restore_stats.get("from_partner")))
+  after = None
   if conf.get("save_after"):
-    step = out[-1]["step"] + 1
+    step = out[-1].step + 1
     ckptr.save(step, make(step), host_state={"pos": step * 100 + pid},
                force=True)
     ckptr.wait_until_finished()
     mine = os.path.join(conf["local"], f"process_{pid}")
-    out.append({"saved": step, "entries": sorted(os.listdir(mine))})
+    after = SavedAfter(step, sorted(os.listdir(mine)))
   ckptr.close()
-  local_cluster.write_result(out)
+  return Phases(out, after)
 
 
 def _damage(path: str, how: str) -> None:
@@ -164,7 +229,7 @@ def _damage(path: str, how: str) -> None:
       f.write(how)
 
 
-def integrity(conf, pid, ckptr, make, target, check) -> None:
+def integrity(conf, pid, ckptr, make, target, check) -> Integrity:
   """Saves steps 1..5 (local: 4, 5; persistent: 5), then per phase puts the
   local directories back and damages the files the phase names before
   restoring; last, a checkpointer of another persistent root (empty) over
@@ -190,38 +255,32 @@ def integrity(conf, pid, ckptr, make, target, check) -> None:
 
   for k, damage in enumerate(conf["phases"]):
     put_back(k, damage)
-    r = {}
-    try:
-      got = ckptr.restore(target=target)
-      r["step"], r["exact"] = check(got)
-      r["host_state"] = ckptr.host_state()
-    except Exception as e:  # pylint: disable=broad-except
-      r["error"] = f"{type(e).__name__}: {e}"
-    r.update(tier=ckptr.last_restore_tier, reason=ckptr.last_restore_reason,
-             from_partner=ckptr.local.last_restore_stats.get("from_partner"))
+    got = worker.timed(lambda: (*check(ckptr.restore(target=target)),
+                                ckptr.host_state()))
+    step, exact, host_state = got.value if got.ok else (None, None, None)
+    out.append(Attempt(
+        got.error, step, exact, host_state, ckptr.last_restore_tier,
+        ckptr.last_restore_reason,
+        ckptr.local.last_restore_stats.get("from_partner")))
     ckptr.local.restorer.last_restore_stats = {}
-    out.append(r)
   ckptr.close()
   # Another run: an empty persistent root, the local directory of this one.
   put_back("other", [])
   other = ckpt.MultiTierCheckpointer(
       conf["persistent"] + "_other", local=conf["local"], local_interval=1,
       local_keep=2, persistent_interval=100, barrier_timeout_s=60)
-  r = {"latest": other.latest_step()}
-  try:
-    r["step"], r["exact"] = check(other.restore(target=target))
-  except Exception as e:  # pylint: disable=broad-except
-    r["error"] = f"{type(e).__name__}: {e}"
-  r.update(tier=other.last_restore_tier, reason=other.last_restore_reason)
+  latest = other.latest_step()
+  got = worker.timed(lambda: check(other.restore(target=target)))
+  step, exact = got.value if got.ok else (None, None)
+  tier, reason = other.last_restore_tier, other.last_restore_reason
   other.save(1, make(1), host_state={"pos": 100 + pid})
   other.wait_until_finished()
-  r["entries"] = sorted(os.listdir(mine))
-  r["restored_after_save"] = check(other.restore(target=target))
+  entries = sorted(os.listdir(mine))
+  after = list(check(other.restore(target=target)))
   other.close()
-  out.append(r)
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result(out)
+  return Integrity(out, Other(latest, got.error, step, exact, tier, reason,
+                              entries, after))
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

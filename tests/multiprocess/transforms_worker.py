@@ -28,21 +28,23 @@ Operations (``config["op"]``):
   (must fail naming it). With ``config["resave"]`` the stacked state is
   saved as step 2 into ``config["dir2"]``; with ``config["unstack"]`` step 2
   of ``config["dir2"]`` is restored back onto the per-layer model through
-  ``unstack_layers``.
+  ``unstack_layers``. Its result: a ``Restored``.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import shutil
-import sys
 import zlib
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 LAYERS = 4
 STEP_VALUE = 500
@@ -268,6 +270,59 @@ def _transforms(layout: str, flags: list) -> list:
                             (r"params/norm/.*", None)])]
 
 
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """A restore checked leaf by leaf against the truth."""
+  mismatches: list[str]
+  checked: list[str]        # the leaves checked
+  is_resuming: list[bool]   # what the transforms were told
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy(Checked):
+  """From this process's copy without the arrays it does not need."""
+  deleted: list[str]
+  held: dict[str, list[int]]   # the layers this process holds, by leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Lazy:
+  mismatches: list[str]
+  checked: list[str]
+  lazy_leaves: list[str]
+  not_lazy: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrupt:
+  deleted: str       # the layer this process needs, deleted
+  restore: Outcome   # then restored
+
+
+@dataclasses.dataclass(frozen=True)
+class Resave:
+  steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  process: int
+  layout: str
+  steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+  process: int
+  layout: str
+  own: Checked
+  copy: Copy
+  lazy: Lazy
+  corrupt: Corrupt
+  resave: Resave | None     # with config["resave"]
+  unstack: Checked | None   # with config["unstack"]
+
+
 def _save(config: dict) -> dict:
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.restore import transforms as T  # pylint: disable=g-import-not-at-top
@@ -291,7 +346,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
   pid = jax.process_index()
   target = stacked_target(layout, mesh)
   fallback = fallback_state(layout, mesh)
-  out: dict[str, Any] = {}
+  out: dict[str, Any] = {"resave": None, "unstack": None}
 
   # own: the Checkpointer's own latest step.
   ckptr = ckpt.Checkpointer(config["dir"], async_save=False)
@@ -299,7 +354,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
   restored = ckptr.restore(target=target, transforms=_transforms(layout, flags),
                            fallback_state=fallback)
   bad, checked = check(restored, target)
-  out["own"] = {"mismatches": bad, "checked": checked, "is_resuming": flags}
+  out["own"] = Checked(bad, checked, flags)
 
   # copy: a private copy without any array this process does not need.
   mine = os.path.join(config["scratch"], f"process_{pid}")
@@ -323,8 +378,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
     bad, checked = check(restored_copy, target)
   except ckpt.CheckpointError as e:  # it read an array it does not need
     bad, checked = [f"restore failed: {type(e).__name__}: {e}"[:1000]], []
-  out["copy"] = {"mismatches": bad, "checked": checked, "is_resuming": flags,
-                 "deleted": deleted, "held": held}
+  out["copy"] = Copy(bad, checked, flags, deleted, held)
 
   # lazy: bound to the target's shardings, read with read_async.
   lazy_tree = ckptr.restore(target=target, transforms=_transforms(layout, []),
@@ -343,29 +397,26 @@ def _restore(config: dict, layout: str, mesh) -> dict:
   eager = sorted(n for n, x in flat_read.items() if n != "step" and not any(
       n == tree.path_str(p) for p, _ in pairs))
   bad, checked = check(nest(flat_read), target)
-  out["lazy"] = {"mismatches": wrong + bad, "checked": checked,
-                 "lazy_leaves": sorted(tree.path_str(p) for p, _ in pairs),
-                 "not_lazy": eager}
+  out["lazy"] = Lazy(wrong + bad, checked,
+                    sorted(tree.path_str(p) for p, _ in pairs), eager)
 
   # corrupt: a layer this process needs is gone from its own copy; every
   # process raises the same error, naming each process's missing layer.
   leaf = "attn/w"
   gone = f"params/layers_{held[leaf][0]}/{leaf}"
   shutil.rmtree(os.path.join(mine, *gone.split("/")))
-  try:
-    ckptr.restore(path=mine, transforms=[T.stack_layers()],
-                  target={"params": {"layers": {"attn": {"w": tree_get(
-                      target, ("params", "layers", "attn", "w"))}}}})
-    out["corrupt"] = {"deleted": gone, "error": None}
-  except ckpt.CorruptCheckpointError as e:
-    out["corrupt"] = {"deleted": gone, "error": str(e)[:20000]}
+  out["corrupt"] = Corrupt(gone, worker.timed(
+      lambda: ckptr.restore(
+          path=mine, transforms=[T.stack_layers()],
+          target={"params": {"layers": {"attn": {"w": tree_get(
+              target, ("params", "layers", "attn", "w"))}}}}) and None))
 
   if config.get("resave"):
     # The stacked state, saved from this layout: a checkpoint written by all
     # processes of this job, in the new layout.
     with ckpt.Checkpointer(config["dir2"], async_save=False) as c2:
       c2.save(2, restored)
-      out["resave"] = {"steps": c2.all_steps()}
+      out["resave"] = Resave(c2.all_steps())
 
   if config.get("unstack"):
     # Back to one subtree per layer, from the stacked checkpoint.
@@ -376,8 +427,7 @@ def _restore(config: dict, layout: str, mesh) -> dict:
           _recorder(flags), T.unstack_layers("layers", "layers_{}"),
           T.rename(r"params/embedding/(.*)", r"params/embed/\1")])
     bad, checked = check(back, target2)
-    out["unstack"] = {"mismatches": bad, "checked": checked,
-                      "is_resuming": flags}
+    out["unstack"] = Checked(bad, checked, flags)
   ckptr.close()
   return out
 
@@ -388,25 +438,21 @@ def tree_get(t, parts):
   return t
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
+def run(config: dict) -> Saved | Restored:
   # These tests delete leaves' array directories (to show they are never
   # read): every leaf is an array, none packed (tests/save/test_pack.py).
   from ckpt.save import pack  # pylint: disable=g-import-not-at-top
   pack.MAX_LEAF_BYTES = 0
-  config = json.loads(argv[1])
   layout = _layout()
   if config["op"] == "save":
-    result = _save(config)
+    result, fields = Saved, _save(config)
   elif config["op"] == "restore":
-    result = _restore(config, layout, _mesh(layout))
+    result, fields = Restored, _restore(config, layout, _mesh(layout))
   else:
     raise ValueError(f"unknown op {config['op']!r}")
   import jax  # pylint: disable=g-import-not-at-top
-  local_cluster.write_result({"process": jax.process_index(),
-                              "layout": layout, **result})
+  return result(process=jax.process_index(), layout=layout, **fields)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

@@ -4,15 +4,25 @@ process 1 reads. A resume (restore() with no step) must fall back to step 1
 on both processes; an explicit restore(2) raises on both, naming process 1
 (the one that reads the damaged chunk)."""
 
-import json
-import sys
+from __future__ import annotations
 
-from ckpt.multihost import local_cluster
+import dataclasses
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
 
-def main():
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  rows: list[int]     # the first rows of this process's shards
+  step: int           # the step the resume restored
+  exact: bool         # ... bit-exact
+  explicit: Outcome   # restore(2)
+  steps: list[int]    # all_steps() after saving step 3
+
+
+def run(conf: dict) -> Result:
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
   from ckpt.multihost import process as multihost  # pylint: disable=g-import-not-at-top
@@ -37,18 +47,13 @@ def main():
   got = c.restore(target=target)
   resumed = c.last_restore_step
   exact = leaf.exact(got)
-  try:
-    c.restore(2, target=target)
-    explicit = None
-  except ckpt.CorruptCheckpointError as e:
-    explicit = str(e)
+  explicit = worker.timed(c.restore, 2, target=target)
   c.save(3, leaf.state(3))  # training goes on; keep=1 keeps 2 and 3
-  steps = c.all_steps()
-  local_cluster.write_result({
-      "process": jax.process_index(), "rows": sorted(rows), "step": resumed, "exact": exact,
-      "explicit": explicit, "steps": steps})
+  out = Result(jax.process_index(), sorted(rows), resumed, exact, explicit,
+               c.all_steps())
   c.close()
+  return out
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

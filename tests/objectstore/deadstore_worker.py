@@ -12,22 +12,27 @@ how long the failed save took.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import sys
 import time
 
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  config = json.loads(argv[1])
-  local_cluster.init_from_env()
-  if local_cluster.config_from_env()["process_id"] == 1:
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  save: Outcome   # save(2), the store gone (process 1's) meanwhile
+
+
+def run(config: dict) -> Result:
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 1:
     # Before TensorStore's first request; after the coordinator's channel
     # is up, and gRPC told to ignore it (it reads http_proxy too).
     os.environ["no_grpc_proxy"] = "*"
     os.environ["http_proxy"] = config["proxy"]
-  import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -49,16 +54,10 @@ def main(argv: list[str]) -> None:
     if time.monotonic() > deadline:
       raise RuntimeError("the test never said go")
     time.sleep(0.02)
-  t = time.monotonic()
-  error = kind = None
-  try:
-    c.save(2, {"w": x})
-  except Exception as e:  # pylint: disable=broad-except
-    error, kind = str(e), type(e).__name__
-  local_cluster.write_result({"process": me, "error": error, "type": kind,
-                              "seconds": time.monotonic() - t})
+  out = Result(me, worker.timed(c.save, 2, {"w": x}))
   c.close()
+  return out
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

@@ -17,13 +17,14 @@ state is ``state(step)``, the same in every process and in the test.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import signal
 import sys
 
 import numpy as np
 from ckpt.store import names
+from tests.multiprocess import worker
 
 BOX = (128, 128)           # one shard of "w" on the 2 x 4 mesh: 64 KiB
 BUDGET = 64 << 10          # one box: staging waits for writes
@@ -42,10 +43,13 @@ def _die() -> None:
   os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(argv: list[str]) -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  config = json.loads(argv[1])
+@dataclasses.dataclass(frozen=True)
+class Survived:
+  """Written only by a process whose save(2) returned: the test fails."""
+  process: int
+
+
+def run(config: dict) -> Survived:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -92,8 +96,8 @@ def main(argv: list[str]) -> None:
     storage_lib.Storage.write_bytes = write_then_die
   ckptr.save(2, state(2))
   print(f"process {me}: step 2 returned (it should not have)", flush=True)
-  local_cluster.write_result({"process": me, "survived": True})
+  return Survived(me)
 
 
 if __name__ == "__main__":
-  main(sys.argv)
+  worker.main(run)

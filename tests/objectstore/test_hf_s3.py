@@ -16,6 +16,7 @@ from ckpt.errors import CorruptCheckpointError
 from ckpt.store import storage as storage_lib
 from ckpt.store import storemeter
 from tests.hf import llama
+from tests.multiprocess import hf_worker
 from tests.multiprocess import launch as launch_lib
 
 SEED = 9
@@ -55,14 +56,15 @@ def test_load_from_a_bucket_reads_the_model_once(model_url):
 def test_two_processes_read_a_replicated_model_once(model_url):
   out = launch_lib.launch("tests.multiprocess.hf_worker",
                           {"seed": SEED, "src": model_url,
-                           "layout": "replicate"}, 2, 4)
-  total = out[0]["total"]
+                           "layout": "replicate"}, 2, 4,
+                          result=hf_worker.Result)
+  total = out[0].total
   for r in out:
-    assert r["error"] is None and r["bad"] == [], r
+    assert r.load.ok and r.loaded.bad == [], r
     # Every leaf is held whole by both processes; read once, each reads
     # half of it (its part of the split) and the parts are exchanged.
-    assert r["bytes_read"] == total // 2, r
-    assert r["fetched"] <= total // 2 + (16 << 10), r
+    assert r.loaded.bytes_read == total // 2, r
+    assert r.loaded.fetched <= total // 2 + (16 << 10), r
 
 
 def test_export_into_a_bucket_and_back(s3_bucket, tmp_path):

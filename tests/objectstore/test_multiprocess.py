@@ -29,6 +29,7 @@ import pytest
 
 from ckpt.multihost import local_cluster
 from tests.multiprocess import sharded_worker as worker
+from tests.multiprocess import worker as worker_lib
 from tests.multiprocess.test_sharded import all_leaf_paths, assert_balanced
 from tests.objectstore import servers
 from tests.objectstore import storeutil
@@ -78,7 +79,8 @@ def launch(config: dict, env: dict, num_processes: int, devices: int):
       timeout_s=LAUNCH_TIMEOUT_S, extra_env=env, cwd=str(REPO))
   out = local_cluster.check(results)
   assert [r["process"] for r in out] == list(range(num_processes))
-  return out
+  result = worker.Saved if config["op"] == "save" else worker.Restored
+  return [worker_lib.decode(result, r) for r in out]
 
 
 @pytest.fixture(scope="module")
@@ -117,21 +119,21 @@ def restored_here(ckpts, restored_4x2) -> dict[str, dict]:
 @pytest.mark.parametrize("name", CKPTS)
 def test_save_2x4_each_process_writes_its_share(saved_2x4, name):
   for r in saved_2x4:
-    assert r[name]["steps"] == [1], r[name]
-  assert_balanced([r[name]["bytes_written"] for r in saved_2x4],
+    assert r.ckpts[name].steps == [1], r.ckpts[name]
+  assert_balanced([r.ckpts[name].bytes_written for r in saved_2x4],
                   f"save 2x4 into {name}")
 
 
 @pytest.mark.parametrize("name", CKPTS)
 def test_restore_4x2_bit_exact_and_resave(restored_4x2, name):
   for r in restored_4x2:
-    res = r[name]
-    assert res["mismatches"] == [], (
-        f"process {r['process']}:\n" + "\n".join(res["mismatches"]))
-    assert set(res["checked"]["1"]) == all_leaf_paths()
-    assert res["resave"]["saved"] is True
-    assert res["resave"]["steps"] == [1, 2]
-  assert_balanced([r[name]["resave"]["bytes_written"] for r in restored_4x2],
+    res = r.ckpts[name]
+    assert res.mismatches == [], (
+        f"process {r.process}:\n" + "\n".join(res.mismatches))
+    assert set(res.checked["1"]) == all_leaf_paths()
+    assert res.resave.saved is True
+    assert res.resave.steps == [1, 2]
+  assert_balanced([r.ckpts[name].resave.bytes_written for r in restored_4x2],
                   f"re-save 4x2 into {name}")
 
 

@@ -30,6 +30,7 @@ from ckpt.multihost import local_cluster
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import storeutil
 from tests.multiprocess import fetch_worker
+from tests.multiprocess import worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 BOUND = 1.05
@@ -45,12 +46,13 @@ def run_job(server, bucket: str, n: int) -> dict:
     env = dict(server.env)
     env["AWS_ENDPOINT_URL" if server.scheme == "s3" else
         "TENSORSTORE_GCS_HTTP_URL"] = px.endpoint
-    out = local_cluster.check(local_cluster.run(
-        "tests.multiprocess.fetch_worker",
-        {"dir": f"{bucket}/ck", "format": "zarr3", "policies": [True],
-         "count_url": px.endpoint},
-        num_processes=n, devices_per_process=2, timeout_s=240,
-        extra_env=env, cwd=str(REPO)))
+    out = [worker.decode(fetch_worker.Result, r)
+           for r in local_cluster.check(local_cluster.run(
+               "tests.multiprocess.fetch_worker",
+               {"dir": f"{bucket}/ck", "format": "zarr3", "policies": [True],
+                "count_url": px.endpoint},
+               num_processes=n, devices_per_process=2, timeout_s=240,
+               extra_env=env, cwd=str(REPO)))]
   assert not counter.errors, counter.errors
   requests, bodies = counter.between("saved", "0-True")
   name = bucket.split("://", 1)[1]
@@ -95,7 +97,7 @@ def leaf_of(key: str) -> str | None:
 def check(job: dict, objects: dict[str, int], n: int) -> None:
   out, fetched = job["out"], job["fetched"]
   for r in out:
-    assert r["0-True"]["bad"] == [], r["0-True"]["bad"]
+    assert r.restores["0-True"].bad == [], r.restores["0-True"].bad
   chunks = {k: v for k, v in objects.items() if leaf_of(k)}
   small = sum(v for k, v in objects.items() if not leaf_of(k))
   stored_bytes = sum(chunks.values())
@@ -118,7 +120,7 @@ def check(job: dict, objects: dict[str, int], n: int) -> None:
   assert total <= BOUND * stored_bytes + n * small, (total, stored_bytes, small)
   # ckpt's own figure (TensorStore's kvstore counters, per process) is what
   # the store served, and the total is the sum over the processes.
-  stats = [r["0-True"]["stats"] for r in out]
+  stats = [r.restores["0-True"].stats for r in out]
   mine = [s["fetched_bytes"] for s in stats]
   assert abs(sum(mine) - total) <= 0.01 * total, (mine, total)
   assert [s["fetched_bytes_all"] for s in stats] == [sum(mine)] * n, stats

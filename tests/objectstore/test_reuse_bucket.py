@@ -77,7 +77,7 @@ def test_two_processes_reuse_across_retention_on_s3(s3_bucket):
   url = s3_bucket + "/run"
   out = launch("tests.multiprocess.reuse_worker",
                {"scenario": "retention", "dir": url},
-               num_processes=2, devices_per_process=2)
+               num_processes=2, devices_per_process=2, result=worker.Result)
   worker.check_retention(out)
   s = storage_lib.Storage(url)
   assert s.list_keys("checkpoint_0/")  # hold the frozen leaves
@@ -107,7 +107,7 @@ def test_a_chunk_only_process_1_holds_overwritten_on_s3(s3_bucket):
   url = s3_bucket + "/run"
   launch("tests.multiprocess.reuse_worker",
          {"scenario": "resume", "dir": url, "steps": [0, 1, 2]},
-         num_processes=2, devices_per_process=2)
+         num_processes=2, devices_per_process=2, result=worker.Result)
   s = storage_lib.Storage(url)
 
   def frozen_of(step):
@@ -125,10 +125,10 @@ def test_a_chunk_only_process_1_holds_overwritten_on_s3(s3_bucket):
   s.write_bytes(key, bytes(data))
   out = launch("tests.multiprocess.reuse_worker",
                {"scenario": "resume", "dir": url, "steps": [3]},
-               num_processes=2, devices_per_process=2)
-  assert all(r["exact"] for r in out), out
+               num_processes=2, devices_per_process=2, result=worker.Result)
+  assert all(r.exact for r in out), out
   assert frozen_of(3) == (3, steps_lib.step_dir(s, 3).split("/")[1])
-  assert sum(r["stats"][0]["reused"] for r in out) == (
+  assert sum(r.stats[0].reused for r in out) == (
       worker.frozen_bytes() - int(np.prod(worker.LEAVES["frozen"][0])) * 4)
   assert _check_bucket(url) == [2, 3]
 
@@ -182,9 +182,9 @@ def test_sigkill_during_saves_and_retention_on_s3(s3_bucket, tmp_path):
   known = min(2, len(steps))
   out = launch("tests.multiprocess.reuse_worker",
                dict(conf, launch=3, max_step=final), num_processes=2,
-               devices_per_process=2)
+               devices_per_process=2, result=worker.Result)
   assert _check_bucket(url) == list(range(final - 3, final))
-  for i in range(len(out[0]["stats"])):  # from the records of the newest
-    reused = sum(r["stats"][i]["reused"] for r in out)  # two steps
+  for i in range(len(out[0].stats)):  # from the records of the newest
+    reused = sum(r.stats[i].reused for r in out)  # two steps
     assert reused == (worker.frozen_bytes() if i + known >= 2 else 0), (
         i, known)

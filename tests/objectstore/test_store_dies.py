@@ -27,6 +27,8 @@ import pytest
 
 import ckpt
 from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
+from tests.objectstore import deadstore_worker
 from tests.objectstore import proxy as proxy_lib
 from tests.objectstore import servers
 from tests.objectstore import storeutil
@@ -241,20 +243,21 @@ def test_a_job_fails_together_when_one_process_loses_the_store(
     (sync / "go").touch()
     results = local_cluster.check(cluster.wait(SAVE_BOUND_S + SLACK_S + 60))
   assert before > 0  # process 1's requests did go through the proxy
-  by_process = {r["process"]: r for r in results}
+  by_process = {r.process: r.save for r in (
+      worker.decode(deadstore_worker.Result, r) for r in results)}
   print(by_process)
-  one, zero = by_process[1], by_process[0]
-  assert one["type"] == "StoreTimeoutError", one
-  assert one["error"].startswith(f"writing step 2 to {url!r} stalled: "), one
-  assert f"the {SAVE_BOUND_S:g} s allowed without progress" in one["error"]
-  assert zero["type"] == "CheckpointError", zero
+  one, zero = by_process[1].error, by_process[0].error
+  assert one is not None and one.type == "StoreTimeoutError", one
+  assert one.msg.startswith(f"writing step 2 to {url!r} stalled: "), one
+  assert f"the {SAVE_BOUND_S:g} s allowed without progress" in one.msg
+  assert zero is not None and zero.type == "CheckpointError", zero
   assert ("failed on process(es) [1] before 'all processes wrote"
-          in zero["error"]), zero
+          in zero.msg), zero
   assert (f"process 1: StoreTimeoutError: writing step 2 to {url!r} "
-          "stalled: ") in zero["error"], zero
-  assert "save_timeout_s=" in zero["error"]
-  for r in results:
-    assert r["seconds"] < SAVE_BOUND_S + SLACK_S, r
+          "stalled: ") in zero.msg, zero
+  assert "save_timeout_s=" in zero.msg
+  for save in by_process.values():
+    assert save.seconds < SAVE_BOUND_S + SLACK_S, save
   keys = storeutil.keys(url)
   assert "commits/2" not in keys
   assert [k for k in keys if k.startswith("pending/2.")], keys

@@ -16,11 +16,11 @@ import pytest
 
 from ckpt.multihost import local_cluster
 from ckpt.format import entries
-from tests.multiprocess import agreement_worker as aw
+from tests.multihost import agreement_worker as aw
 from tests.multiprocess import worker
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
-WORKER = "tests.multiprocess.agreement_worker"
+WORKER = "tests.multihost.agreement_worker"
 # Long enough that a save waiting at a barrier the other process already
 # left (keys that drifted apart) shows as a failure of the timing checks.
 TIMEOUT_S = 30

@@ -7,13 +7,24 @@ save round's barrier, when process 0 stops) or "restore" (process 0
 stops inside a resume, in a restore transform, once process 1 has posted
 its part of the restore's next round and waits at its barrier)."""
 
-import json
+from __future__ import annotations
+
+import dataclasses
 import os
 import signal
-import sys
 import time
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """Process 1's (process 0 is killed frozen)."""
+  process: int
+  call: Outcome           # its save(2) or resume
+  barrier_timeout: bool   # the error is a ckpt.BarrierTimeoutError
+  at: float               # time.time() when the call ended
 
 
 def wait_for(path: str, limit_s: float = 60.0) -> None:
@@ -24,9 +35,7 @@ def wait_for(path: str, limit_s: float = 60.0) -> None:
     time.sleep(0.01)
 
 
-def main():
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+def run(conf: dict) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -73,17 +82,22 @@ def main():
     wait_for(os.path.join(sync, "stopped"))  # the test saw process 0 stop
   else:
     open(os.path.join(sync, "entering"), "w").close()
-  try:
-    call()
-    out = {"type": None, "error": None}
-  except Exception as e:  # pylint: disable=broad-except
-    out = {"type": type(e).__name__, "error": str(e),
-           "barrier_timeout": isinstance(e, ckpt.BarrierTimeoutError)}
-  out.update(process=pid, at=time.time())
-  local_cluster.write_result(out)
+  raised = []
+
+  def noted():
+    try:
+      call()
+    except Exception as e:  # pylint: disable=broad-except
+      raised.append(e)
+      raise
+  got = worker.timed(noted)
+  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
+  local_cluster.write_result(worker.encode(Result(
+      pid, got, any(isinstance(e, ckpt.BarrierTimeoutError) for e in raised),
+      time.time())))
   # Not through JAX's shutdown (it would ask process 0's silent service).
   os._exit(0)
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

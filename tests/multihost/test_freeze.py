@@ -16,6 +16,8 @@ import pytest
 
 from ckpt.multihost import local_cluster
 from ckpt.multihost import process as multihost
+from tests.multihost import freeze_worker
+from tests.multiprocess import worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BARRIER_S = 3.0
@@ -31,7 +33,7 @@ def stopped(pid: int) -> bool:
 @pytest.mark.parametrize("first", ["frozen", "waiting"])
 def test_a_frozen_process_0_fails_the_others_in_bounded_time(tmp_path, first):
   r = frozen_job(tmp_path, first, BARRIER_S)
-  assert "step 2" in r["error"], r
+  assert "step 2" in r.call.error.msg, r
 
 
 def test_a_frozen_process_0_fails_a_restore_within_the_bound_and_grace(
@@ -42,17 +44,17 @@ def test_a_frozen_process_0_fails_a_restore_within_the_bound_and_grace(
   of the silent service at ANSWER_S-capped intervals waited its whole
   ANSWER_S past the bound: 30 s for a bound of 15)."""
   r = frozen_job(tmp_path, "restore", RESTORE_BARRIER_S)
-  assert "step 1" in r["error"], r
+  assert "step 1" in r.call.error.msg, r
 
 
-def frozen_job(tmp_path, first: str, barrier_s: float) -> dict:
+def frozen_job(tmp_path, first: str, barrier_s: float) -> freeze_worker.Result:
   """Runs the worker; process 1's result, checked to have raised
   BarrierTimeoutError naming process 0 within ``barrier_s`` + GRACE_S
   (+ SLACK_S) of process 0's freeze."""
   sync = tmp_path / "sync"
   sync.mkdir()
   cluster = local_cluster.start(
-      "tests.multiprocess.freeze_worker",
+      "tests.multihost.freeze_worker",
       {"dir": str(tmp_path / "ckpt"), "sync": str(sync), "first": first,
        "timeout": barrier_s},
       num_processes=2, devices_per_process=1, cwd=ROOT)
@@ -79,13 +81,15 @@ def frozen_job(tmp_path, first: str, barrier_s: float) -> dict:
   assert one.result is not None, (
       f"process 1 did not answer within {limit:.0f} s of the freeze "
       f"(exit {one.returncode}):\n{one.output[-3000:]}")
-  r = one.result
-  seconds = r["at"] - frozen_at
-  print(f"{first}: process 1 raised {r['type']} {seconds:.1f} s after process "
-        f"0 stopped: {r['error']}")
-  assert r["barrier_timeout"], r
-  assert "process 0" in r["error"] and "did not answer" in r["error"], r
-  assert "processes that did not answer: [0]" in r["error"] or (
-      "did not arrive: [0]" in r["error"]), r
+  r = worker.decode(freeze_worker.Result, one.result)
+  seconds = r.at - frozen_at
+  error = r.call.error
+  assert error is not None, r
+  print(f"{first}: process 1 raised {error.type} {seconds:.1f} s after "
+        f"process 0 stopped: {error.msg}")
+  assert r.barrier_timeout, r
+  assert "process 0" in error.msg and "did not answer" in error.msg, r
+  assert "processes that did not answer: [0]" in error.msg or (
+      "did not arrive: [0]" in error.msg), r
   assert seconds < barrier_s + multihost.GRACE_S + SLACK_S, (seconds, r)
   return r

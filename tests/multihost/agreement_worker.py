@@ -1,6 +1,6 @@
 """One process of a job for tests/multiprocess/test_agreement.py.
 
-Run as ``python -m tests.multiprocess.agreement_worker <json config>`` by
+Run as ``python -m tests.multihost.agreement_worker <json config>`` by
 ``ckpt.multihost.local_cluster``: one job runs every scenario in turn
 (``scenario_all``). Each scenario makes one process behave differently from
 the others (fail, lag, hold other data) and reports what every process saw;
