@@ -28,6 +28,9 @@ ORBAX = ["orbax"] if systems_lib.orbax_installed() else []
 def _run(module: str, *args: str, timeout: float = 200) -> str:
   env = {k: v for k, v in os.environ.items()
          if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  # Never the whole machine's page cache: other tests run beside this one
+  # (scripts/benchlib/measure.py drop_page_cache).
+  env["CKPT_KEEP_PAGE_CACHE"] = "1"
   proc = subprocess.run([sys.executable, "-m", f"scripts.{module}", *args],
                         cwd=ROOT, env=env, capture_output=True, text=True,
                         timeout=timeout)
