@@ -346,8 +346,8 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     raise CheckpointError(
         f"{what} is {len(data)} bytes; readers accept at most "
         f"{index_lib.MAX_PROCESS_FILE_BYTES}")
-  strategy.for_storage(storage).write_into_attempt(storage, work_dir, rel,
-                                                   data, what)
+  strategy.for_storage(storage).write_into_attempt(work_dir, rel, data,
+                                                   what)
 
 
 def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:
