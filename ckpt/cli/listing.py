@@ -9,7 +9,7 @@ import os
 import time
 
 from ckpt.commit import steps as steps_lib
-from ckpt.commit import strategy
+from ckpt.commit.rename import RenameCommit
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.cli import convert
 from ckpt.cli.usage import EXIT_OK, UsageError
@@ -104,6 +104,9 @@ def list_entries(storage: storage_lib.Storage, progress=None,
     rows[name] = {"step": _step_of(name), "name": name,
                   "status": "uncommitted"}
   if storage.is_posix:
+    # Directories of a disk by name (set-aside ones too): a question of the
+    # rename kind alone, not of CommitKind, so it is asked of that kind.
+    disk = RenameCommit(storage)
     for p in os.listdir(storage.spec["path"]):
       if not os.path.isdir(os.path.join(storage.spec["path"], p)):
         continue  # a file named checkpoint_<n> is not ckpt's
@@ -111,9 +114,9 @@ def list_entries(storage: storage_lib.Storage, progress=None,
       aside = names_lib.parse_broken(p)
       if s is not None and p not in rows:
         rows[p] = {"step": s, "name": p, "status": "incomplete",
-                   "problem": strategy.RENAME.problem(storage, p)}
+                   "problem": disk.problem(p)}
       elif aside is not None:
-        problem = strategy.RENAME.problem(storage, p)
+        problem = disk.problem(p)
         rows[p] = {"step": aside, "name": p, "status": "incomplete",
                    "problem": f"set aside by a later save of step {aside}"
                    + (f"; it {problem}" if problem else "")}

@@ -47,18 +47,18 @@ def _live(storage: storage_lib.Storage, rel: str, lease_s: float,
   than ``UNFINISHED_PREPARE_S`` (the reason goes into ``reasons[rel]``);
   None when its age is unknown."""
   kind = strategy.for_storage(storage)
-  data, gen = kind.read_lease(storage, f"{rel}/{attempt.ATTEMPT_FILE}")
+  data, gen = kind.read_lease(f"{rel}/{attempt.ATTEMPT_FILE}")
   lease = lease_lib.parse(data)
   dead = None if lease is None else lease_lib.dead_reason(lease)
   if dead is None and lease_s <= 0:
     dead = "every uncommitted attempt counts (lease_s=0)"
   if dead is None:
-    clock = kind.clock(storage, None) if clock is None else clock
+    clock = kind.clock(None) if clock is None else clock
     age = clock.age_s(rel, None if data is None else gen)
     if age is None:
       return None
     if (lease is None and age >= UNFINISHED_PREPARE_S
-        and kind.holds_nothing(storage, rel)):
+        and kind.holds_nothing(rel)):
       dead = (f"it holds nothing, not even its lease, and is {age:.0f} s old "
               "(a save that died as it created it)")
     elif age < lease_s:
@@ -74,7 +74,7 @@ def is_live(storage: storage_lib.Storage, rel: str, lease_s: float,
             seen: lease_lib.Sightings | None = None) -> bool | None:
   """``_live`` for one attempt, with this cleaner's sightings ``seen``."""
   return _live(storage, rel, lease_s, None,
-               strategy.for_storage(storage).clock(storage, seen))
+               strategy.for_storage(storage).clock(seen))
 
 
 def abandoned(storage: storage_lib.Storage,
@@ -91,9 +91,9 @@ def abandoned(storage: storage_lib.Storage,
   record of a step); a root not migrated yet is also listed in full, as
   earlier versions did."""
   kind = strategy.for_storage(storage)
-  clock = kind.clock(storage, seen)
-  out = kind.abandoned(
-      storage, lambda rel: _live(storage, rel, lease_s, reasons, clock))
+  clock = kind.clock(seen)
+  out = kind.abandoned(lambda rel: _live(storage, rel, lease_s, reasons,
+                                         clock))
   clock.forget_unseen()
   return out
 
@@ -106,7 +106,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
   stores ``pending/<step>.delete`` (a name ``abandoned`` gives) finishes
   that deletion."""
   kind = strategy.for_storage(storage)
-  if kind.finish_deletion(storage, rel):
+  if kind.finish_deletion(rel):
     return
   if not names_lib.is_deletable(rel):
     raise CheckpointError(
@@ -115,7 +115,7 @@ def remove(storage: storage_lib.Storage, rel: str) -> None:
         "checkpoint_<step>/attempt-<id> directories")
   step = names_lib.parse_step(rel)
   what = f"step {step}" if step is not None else repr(rel)
-  kind.remove(storage, rel, step, what)
+  kind.remove(rel, step, what)
 
 
 def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
@@ -126,8 +126,8 @@ def remove_abandoned(storage: storage_lib.Storage, name: str) -> None:
   of a root without records) is only the keys an earlier ckpt left beside
   no marker. Everything else as ``remove``."""
   step = names_lib.parse_step(name)
-  if step is not None and strategy.for_storage(storage).remove_leftovers(
-      storage, step):
+  if (step is not None
+      and strategy.for_storage(storage).remove_leftovers(step)):
     return
   remove(storage, name)
 

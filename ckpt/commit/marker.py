@@ -128,75 +128,77 @@ class MarkerCommit:
   """Object stores and ``memory://``: commit by a create-only marker and a
   flat record (module docstring; ckpt/commit/protocol.py for the records)."""
 
+  def __init__(self, storage: storage_lib.Storage):
+    self.storage = storage
+
   # The shortest time between two renewals of a lease (a request).
   least_renewal_s = lease_lib.MIN_BUCKET_RENEWAL_S
 
-  def lease(self, storage: storage_lib.Storage, key: str, token: str,
-            request_s: float) -> ObjectLease:
-    return ObjectLease(storage, key, token, request_s)
+  def lease(self, key: str, token: str, request_s: float) -> ObjectLease:
+    return ObjectLease(self.storage, key, token, request_s)
 
   def work_dir(self, step: int, token: str) -> str:
     """The relative directory the attempt ``token`` at ``step`` writes into."""
     return (f"{names.step_dirname(step)}/{ATTEMPT_PREFIX}"
             f"{records.check_token(token)}")
 
-  def write_into_attempt(self, storage: storage_lib.Storage, work_dir: str,
-                         rel: str, data: bytes, what: str) -> None:
+  def write_into_attempt(self, work_dir: str, rel: str, data: bytes,
+                         what: str) -> None:
     """A small object of this process into the attempt."""
     del what  # storage.write_bytes names the key in its errors
-    storage.write_bytes(f"{work_dir}/{rel}", data)
+    self.storage.write_bytes(f"{work_dir}/{rel}", data)
 
-  def is_committed(self, storage: storage_lib.Storage, step: int) -> bool:
+  def is_committed(self, step: int) -> bool:
+    storage = self.storage
     if records.records_complete(storage):
       return records.read_record(storage, step) is not None
     return storage.exists(f"{names.step_dirname(step)}/{names.COMMIT_MARKER}")
 
-  def not_committed_reason(self, storage: storage_lib.Storage, step: int
-                           ) -> str | None:
+  def not_committed_reason(self, step: int) -> str | None:
     """None: a bucket has no directory to describe."""
-    del storage, step
+    del step
     return None
 
-  def committed_steps(self, storage: storage_lib.Storage) -> list[int]:
+  def committed_steps(self) -> list[int]:
     """One listing of ``commits/`` (a root not migrated yet: of every key
     under ``checkpoint_*``, see ckpt/commit/protocol.py)."""
+    storage = self.storage
     found = [k[len(records.RECORDS):]
              for k in storage.list_keys(records.RECORDS)]
     if storage.records_complete or "complete" in found:
       storage.records_complete = True
       return sorted(int(n) for n in found if records.STEP_NAME_RE.match(n))
-    return sorted(self.scan(storage)[0])
+    return sorted(self.scan()[0])
 
-  def attempts_with_index(self, storage: storage_lib.Storage) -> list[str]:
+  def attempts_with_index(self) -> list[str]:
     """The ``attempt-<token>/`` prefixes holding an index, when the storage
     URL is one step's directory copied without its marker."""
+    storage = self.storage
     return sorted({k.split("/")[0] for k in storage.list_keys(ATTEMPT_PREFIX)
                    if k.endswith("/" + names.INDEX_NAME)
                    and records.ATTEMPT_DIR_RE.match(k.split("/")[0])
                    and k.count("/") == 1})
 
-  def read_lease(self, storage: storage_lib.Storage, key: str
-                 ) -> tuple[bytes | None, bytes | None]:
+  def read_lease(self, key: str) -> tuple[bytes | None, bytes | None]:
     """(the lease's bytes or None, the generation that read saw)."""
-    return storage.read_generation(key)
+    return self.storage.read_generation(key)
 
   # How an expired lease's age reads in a reason.
   stale_lease = "its lease was unchanged for {age:.0f} s"
 
-  def clock(self, storage: storage_lib.Storage,
-            seen: lease_lib.Sightings | None) -> SightingsClock:
-    return SightingsClock(storage, seen)
+  def clock(self, seen: lease_lib.Sightings | None) -> SightingsClock:
+    return SightingsClock(self.storage, seen)
 
-  def holds_nothing(self, storage: storage_lib.Storage, rel: str) -> bool:
+  def holds_nothing(self, rel: str) -> bool:
     """An attempt on a bucket is never an empty directory: False."""
-    del storage, rel
+    del rel
     return False
 
-  def abandoned(self, storage: storage_lib.Storage,
-                live: Callable[[str], bool | None]) -> list[str]:
+  def abandoned(self, live: Callable[[str], bool | None]) -> list[str]:
     """One listing of ``pending/``: the attempts ``live`` does not say are
     (an unknown age included) and the deletions that died; a root not
     migrated yet is also listed in full, as earlier versions did."""
+    storage = self.storage
     out = []
     pending = records.list_pending(storage)
     for s, t in pending:
@@ -214,17 +216,15 @@ class MarkerCommit:
     out += [deletion.name(s) for s, t in pending
             if t == records.DELETE and deletion.unfinished(storage, s)]
     if not records.records_complete(storage):
-      out += [r for r in self._abandoned_by_scan(storage, live)
-              if r not in out]
+      out += [r for r in self._abandoned_by_scan(live) if r not in out]
     return out
 
-  def _abandoned_by_scan(self, storage: storage_lib.Storage,
-                         live: Callable[[str], bool | None]) -> list[str]:
+  def _abandoned_by_scan(self, live: Callable[[str], bool | None]) -> list[str]:
     """A root whose records are not complete: from one full listing."""
     out = []
-    committed, attempts, loose = self.scan(storage)
+    committed, attempts, loose = self.scan()
     for s, tokens in sorted(attempts.items()):
-      winner = (records.commit_state(storage, s)[1] if s in committed
+      winner = (records.commit_state(self.storage, s)[1] if s in committed
                 else None)
       for t in sorted(tokens - {winner}):
         rel = self.work_dir(s, t)
@@ -237,27 +237,27 @@ class MarkerCommit:
             if s not in attempts]
     return out
 
-  def finish_deletion(self, storage: storage_lib.Storage, rel: str) -> bool:
+  def finish_deletion(self, rel: str) -> bool:
     """``pending/<step>.delete`` (a name ``abandoned`` gives): finishes that
     deletion and returns True; False for any other name."""
     step = deletion.parse_name(rel)
     if step is None:
       return False
-    deletion.finish(storage, step)
+    deletion.finish(self.storage, step)
     return True
 
-  def remove_leftovers(self, storage: storage_lib.Storage, step: int) -> bool:
+  def remove_leftovers(self, step: int) -> bool:
     """A whole step found abandoned by a full listing (a root without
     records) loses only the keys an earlier ckpt left beside no marker."""
-    deletion.drop_leftovers(storage, step)
+    deletion.drop_leftovers(self.storage, step)
     return True
 
-  def remove(self, storage: storage_lib.Storage, rel: str, step: int | None,
-             what: str) -> None:
+  def remove(self, rel: str, step: int | None, what: str) -> None:
     """A whole step: invisible first (its record and marker), then its
     data (ckpt/commit/deletion.py). One attempt: its lease first, then,
     unless it is the one committed, its marker if it never got its record,
     its keys and its ``pending/`` record."""
+    storage = self.storage
     if step is not None:
       deletion.remove_step(storage, step)
       return
@@ -294,18 +294,17 @@ class MarkerCommit:
     storage.delete_prefix(f"{rel}/", what)
     storage.delete_key(records.pending_key(step, token))
 
-  def pending_gone(self, storage: storage_lib.Storage, step: int,
-                   token: str) -> str | None:
+  def pending_gone(self, step: int, token: str) -> str | None:
     """Why the attempt is not whole: its ``pending/`` record is gone."""
     key = records.pending_key(step, token)
-    return None if storage.exists(key) else f"its record {key} is gone"
+    return None if self.storage.exists(key) else f"its record {key} is gone"
 
-  def scan(self, storage: storage_lib.Storage):
+  def scan(self):
     """From ONE listing of every key under ``checkpoint_*`` (a root whose
     records are not complete): (committed steps, {step: attempt tokens},
     steps holding keys outside any attempt)."""
     committed, attempts, loose = set(), {}, set()
-    for key in storage.list_keys(names.STEP_PREFIX):
+    for key in self.storage.list_keys(names.STEP_PREFIX):
       head, _, tail = key.partition("/")
       s = names.parse_step(head)
       if s is None or not tail:
@@ -320,13 +319,14 @@ class MarkerCommit:
         loose.add(s)
     return committed, attempts, loose
 
-  def ensure_records(self, storage: storage_lib.Storage) -> None:
+  def ensure_records(self) -> None:
     """Process 0, before a save writes anything: makes ``commits/`` complete
     (see "Compatibility" in ckpt/commit/protocol.py). Costs one GET once
     the root is migrated (then nothing, for this Storage)."""
+    storage = self.storage
     if records.records_complete(storage):
       return
-    committed, attempts, loose = self.scan(storage)  # the one full listing
+    committed, attempts, loose = self.scan()  # the one full listing
     winners = {}
     for s in sorted(committed):
       key = f"{names.step_dirname(s)}/{names.COMMIT_MARKER}"
@@ -364,29 +364,27 @@ class MarkerCommit:
          "time": time.time()}).encode() + b"\n")
     storage.records_complete = True
 
-  def start_attempt(self, storage: storage_lib.Storage, step: int,
-                    token: str, lease_s: float,
-                    seen: lease_lib.Sightings | None,
-                    cleaner: Cleaner) -> str:
+  def start_attempt(self, step: int, token: str, lease_s: float,
+                    seen: lease_lib.Sightings | None, cleaner: Cleaner) -> str:
     """The attempt's ``pending/`` record, then its lease; the root's
     records are made complete and a stale marker of ``step`` goes first.
     Returns the attempt's relative path."""
+    storage = self.storage
     rel = self.work_dir(step, token)
     try:
-      self.ensure_records(storage)
+      self.ensure_records()
     except CheckpointError as e:
       # The root stays as it is (discovered by full listings); this save
       # goes on, and the next one tries again.
       logging.warning("ckpt: could not make the commit records of %s "
                       "complete: %s", storage.url, e)
-    self.clear_stale_marker(storage, step, lease_s, cleaner, seen)
+    self.clear_stale_marker(step, lease_s, cleaner, seen)
     # first: cleanup can find the rest
     records.write_pending(storage, step, token)
     storage.write_bytes(f"{rel}/{ATTEMPT_FILE}", lease_lib.make(token))
     return rel
 
-  def clear_stale_marker(self, storage: storage_lib.Storage, step: int,
-                         lease_s: float, cleaner: Cleaner,
+  def clear_stale_marker(self, step: int, lease_s: float, cleaner: Cleaner,
                          seen: lease_lib.Sightings | None = None) -> None:
     """Process 0, preparing a save of ``step`` (no record, records
     complete): a marker left without a record (a commit or a deletion that
@@ -395,6 +393,7 @@ class MarkerCommit:
     attempt the marker names has no live lease (``seen``: this cleaner's
     earlier sightings of leases, ckpt/commit/lease.py). One GET when there
     is no such marker."""
+    storage = self.storage
     if not records.records_complete(storage):
       return  # without records, a marker is a commit
     key = f"{names.step_dirname(step)}/{names.COMMIT_MARKER}"
@@ -420,11 +419,12 @@ class MarkerCommit:
     else:
       cleaner.remove(storage, self.work_dir(step, won))
 
-  def publish(self, storage: storage_lib.Storage, step: int, token: str,
-              index_data: bytes, lease_gen: bytes | None) -> None:
+  def publish(self, step: int, token: str, index_data: bytes,
+              lease_gen: bytes | None) -> None:
     """Writes the index, the create-only marker, then the record (which
     makes the step visible), checks the attempt is still whole (undoing
     the record and marker if not), then drops its ``pending/`` record."""
+    storage = self.storage
     rel = self.work_dir(step, token)
     final = names.step_dirname(step)
     where = f"{storage.url.rstrip('/')}/{rel}"
@@ -445,7 +445,7 @@ class MarkerCommit:
     rec_gen = storage.write_bytes(
         records.record_key(step), records.record(step, token, data_dir, t,
                                                  metrics, temporary))
-    why = self._still_whole(storage, step, token, lease_gen)
+    why = self._still_whole(step, token, lease_gen)
     if why is not None:  # undone: the record, then the marker, if still ours
       storage.delete_key(records.record_key(step), generation=rec_gen)
       data, gen = storage.read_generation(marker_key)
@@ -458,18 +458,18 @@ class MarkerCommit:
       logging.warning("ckpt: step %d is committed, but removing %s failed: "
                       "%s", step, records.pending_key(step, token), e)
 
-  def _still_whole(self, storage: storage_lib.Storage, step: int, token: str,
+  def _still_whole(self, step: int, token: str,
                    lease_gen: bytes | None) -> str | None:
     """After the record is written: why the attempt is no longer whole
     (None: it is). A cleaner removes the lease first and reads the record
     after (ckpt/commit/cleanup.py): one of the two sees the other."""
     rel = self.work_dir(step, token)
-    data, gen = storage.read_generation(f"{rel}/{ATTEMPT_FILE}")
+    data, gen = self.storage.read_generation(f"{rel}/{ATTEMPT_FILE}")
     if data is None:
       return "its lease was removed while it committed"
     if lease_gen is not None and gen != lease_gen:
       return "its lease was rewritten while it committed"
-    if not storage.exists(records.pending_key(step, token)):
+    if not self.storage.exists(records.pending_key(step, token)):
       return (f"its record {records.pending_key(step, token)} was removed "
               "while it committed")
     return None

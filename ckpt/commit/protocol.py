@@ -162,21 +162,21 @@ def prepare(storage: storage_lib.Storage, step: int, token: str,
   """Process 0, before anyone writes: a fresh work directory holding only
   ``attempt.json`` (and, on object stores, its ``pending/`` record).
   Returns its relative path. ``lease_s``, ``seen``: see
-  ``MarkerCommit.clear_stale_marker`` (ckpt/commit/strategy.py)."""
+  ``MarkerCommit.clear_stale_marker`` (ckpt/commit/marker.py)."""
   return strategy.for_storage(storage).start_attempt(
-      storage, step, token, lease_s, seen, cleanup_lib)
+      step, token, lease_s, seen, cleanup_lib)
 
 
 def _attempt_token(storage: storage_lib.Storage, rel: str) -> str | None:
   return records.json_field(storage, f"{rel}/{ATTEMPT_FILE}", "token", str)
 
 
-def _removed(kind: strategy.Kind, storage: storage_lib.Storage, step: int,
-             token: str, renewal: renewal_lib.Renewal | None) -> bytes | None:
+def _removed(kind: strategy.CommitKind, step: int, token: str,
+             renewal: renewal_lib.Renewal | None) -> bytes | None:
   """Before a commit: the attempt is whole, or the removed_error. With the
   attempt's ``renewal``: its last word (the lease's generation now); then
   (object stores) its ``pending/`` record is there too."""
-  rel = kind.work_dir(step, token)
+  storage, rel = kind.storage, kind.work_dir(step, token)
   where = f"{storage.url.rstrip('/')}/{rel}"
   if renewal is not None:
     gen = renewal.final()
@@ -185,7 +185,7 @@ def _removed(kind: strategy.Kind, storage: storage_lib.Storage, step: int,
                                 "its lease is gone or names another attempt")
   else:
     gen = None
-  why = kind.pending_gone(storage, step, token)
+  why = kind.pending_gone(step, token)
   if why is not None:
     raise attempt.removed_error(step, where, why)
   return gen
@@ -198,5 +198,5 @@ def commit(storage: storage_lib.Storage, step: int, token: str,
   docstring). ``renewal``: the attempt's lease renewal (process 0 of a
   save), stopped here; its last renewal proves the lease is the attempt's."""
   kind = strategy.for_storage(storage)
-  lease_gen = _removed(kind, storage, step, token, renewal)
-  kind.publish(storage, step, token, index_data, lease_gen)
+  lease_gen = _removed(kind, step, token, renewal)
+  kind.publish(step, token, index_data, lease_gen)

@@ -124,65 +124,65 @@ class FileLease:
 class RenameCommit:
   """POSIX: commit by renaming the attempt's directory (module docstring)."""
 
+  def __init__(self, storage: storage_lib.Storage):
+    self.storage = storage
+
   # The shortest time between two renewals of a lease (a file write).
   least_renewal_s = 0.05
 
-  def lease(self, storage: storage_lib.Storage, key: str, token: str,
-            request_s: float) -> FileLease:
+  def lease(self, key: str, token: str, request_s: float) -> FileLease:
     del token, request_s  # a file write is local and names no attempt
-    return FileLease(storage, key)
+    return FileLease(self.storage, key)
 
   # How an expired lease's age reads in a reason.
   stale_lease = "its lease was last written {age:.0f} s ago"
 
-  def clock(self, storage: storage_lib.Storage,
-            seen: lease_lib.Sightings | None) -> FileClock:
+  def clock(self, seen: lease_lib.Sightings | None) -> FileClock:
     del seen  # leases are dated by their files
-    return FileClock(storage)
+    return FileClock(self.storage)
 
-  def holds_nothing(self, storage: storage_lib.Storage, rel: str) -> bool:
+  def holds_nothing(self, rel: str) -> bool:
     """The attempt directory holds at most a lease being written."""
     try:
-      found = os.listdir(storage.root / rel)
+      found = os.listdir(self.storage.root / rel)
     except OSError:
       return False
     return all(n.startswith(f"{ATTEMPT_FILE}.partial-") for n in found)
 
-  def abandoned(self, storage: storage_lib.Storage,
-                live: Callable[[str], bool | None]) -> list[str]:
+  def abandoned(self, live: Callable[[str], bool | None]) -> list[str]:
     """One listing of the root: half-done deletions (``*.tmp-del-*``) and
     the attempts ``live`` says are not (None, an unknown age: kept)."""
-    if not storage.root.exists():
+    if not self.storage.root.exists():
       return []
     out = []
-    for p in sorted(storage.root.iterdir()):
+    for p in sorted(self.storage.root.iterdir()):
       if _DEL_RE.match(p.name):
         out.append(p.name)
       elif names.is_tmp_name(p.name) and live(p.name) is False:
         out.append(p.name)
     return out
 
-  def finish_deletion(self, storage: storage_lib.Storage, rel: str) -> bool:
+  def finish_deletion(self, rel: str) -> bool:
     """A disk names no deletion records: False."""
-    del storage, rel
+    del rel
     return False
 
-  def remove_leftovers(self, storage: storage_lib.Storage, step: int) -> bool:
+  def remove_leftovers(self, step: int) -> bool:
     """A disk's whole step is removed as any step is: False."""
-    del storage, step
+    del step
     return False
 
-  def remove(self, storage: storage_lib.Storage, rel: str, step: int | None,
-             what: str) -> None:
+  def remove(self, rel: str, step: int | None, what: str) -> None:
     """One atomic rename first (a committed step vanishes at once, and a
     save still writing into an attempt can no longer commit it), then the
     renamed directory goes."""
+    storage = self.storage
     path = storage.root / rel
     with storage.store_errors(f"deleting {what} from"):
       if not path.exists():
         return
       if step is not None:
-        self.forget_bucket_records(storage)
+        self.forget_bucket_records()
       if not _DEL_RE.match(rel):
         head = rel.split(".", 1)[0]
         doomed = storage.root / f"{head}.tmp-del-{secrets.token_hex(4)}"
@@ -194,29 +194,32 @@ class RenameCommit:
     """The relative directory the attempt ``token`` at ``step`` writes into."""
     return f"{names.step_dirname(step)}.tmp-{records.check_token(token)}"
 
-  def write_into_attempt(self, storage: storage_lib.Storage, work_dir: str,
-                         rel: str, data: bytes, what: str) -> None:
+  def write_into_attempt(self, work_dir: str, rel: str, data: bytes,
+                         what: str) -> None:
     """A small file of this process into the attempt. Never recreates the
     attempt's directory (if it was removed, the commit fails on its missing
     attempt.json): only the per-process subdirectory."""
     sub, name = rel.rsplit("/", 1)
-    folder = os.path.join(os.fspath(storage.root), work_dir, sub)
-    with storage.store_errors(f"writing {what} to"):
+    folder = os.path.join(os.fspath(self.storage.root), work_dir, sub)
+    with self.storage.store_errors(f"writing {what} to"):
       try:
         os.mkdir(folder)
       except FileExistsError:
         pass
       storage_lib.write_file(os.path.join(folder, name), data)
 
-  def is_committed(self, storage: storage_lib.Storage, step: int) -> bool:
-    return self.problem(storage, names.step_dirname(step)) is None
+  def ensure_records(self) -> None:
+    """A disk keeps no commit records: nothing to complete."""
 
-  def problem(self, storage: storage_lib.Storage, name: str) -> str | None:
+  def is_committed(self, step: int) -> bool:
+    return self.problem(names.step_dirname(step)) is None
+
+  def problem(self, name: str) -> str | None:
     """Why the directory ``name`` (``checkpoint_<step>``) is not a committed
     step; None if it is. Committed: its commit marker and its index are
     both there (a stat each; a step copied from a bucket, whose index is in
     the attempt its marker names, reads the marker too)."""
-    path = os.path.join(os.fspath(storage.root), name)
+    path = os.path.join(os.fspath(self.storage.root), name)
     if not os.path.exists(os.path.join(path, names.COMMIT_MARKER)):
       return ("has no commit marker (commit_success)" if os.path.isdir(path)
               else "does not exist")
@@ -227,7 +230,7 @@ class RenameCommit:
       return None
     key = f"{name}/{names.COMMIT_MARKER}"
     try:
-      _, data_dir = records.parse_marker(storage.read_bytes(key) or b"",
+      _, data_dir = records.parse_marker(self.storage.read_bytes(key) or b"",
                                          f"{path}/{names.COMMIT_MARKER}")
     except CheckpointError:
       data_dir = ""
@@ -237,87 +240,84 @@ class RenameCommit:
     where = f"{data_dir}/" if data_dir else ""
     return f"has a commit marker but no {where}{names.INDEX_NAME}"
 
-  def not_committed_reason(self, storage: storage_lib.Storage, step: int
-                           ) -> str | None:
+  def not_committed_reason(self, step: int) -> str | None:
     """What is wrong with ``step``'s directory if it has one but is not
     committed (None when there is no such directory)."""
     name = names.step_dirname(step)
-    problem = self.problem(storage, name)
+    problem = self.problem(name)
     if problem is None or problem == "does not exist":
       return None
-    return (f"{os.path.join(os.fspath(storage.root), name)} {problem} "
+    return (f"{os.path.join(os.fspath(self.storage.root), name)} {problem} "
             "(deleted, or never copied?)")
 
-  def committed_steps(self, storage: storage_lib.Storage) -> list[int]:
+  def committed_steps(self) -> list[int]:
     """One listing of the root."""
-    if not storage.root.exists():
+    if not self.storage.root.exists():
       return []
-    steps = [names.parse_step(p.name) for p in storage.root.iterdir()]
+    steps = [names.parse_step(p.name) for p in self.storage.root.iterdir()]
     return sorted(s for s in steps
-                  if s is not None and self.is_committed(storage, s))
+                  if s is not None and self.is_committed(s))
 
-  def attempts_with_index(self, storage: storage_lib.Storage) -> list[str]:
+  def attempts_with_index(self) -> list[str]:
     """The ``attempt-<token>`` directories holding an index, when the
     storage URL is one step's directory copied from a bucket."""
-    if not storage.root.is_dir():
+    if not self.storage.root.is_dir():
       return []
-    return sorted(p.name for p in storage.root.iterdir()
+    return sorted(p.name for p in self.storage.root.iterdir()
                   if records.ATTEMPT_DIR_RE.match(p.name)
                   and (p / names.INDEX_NAME).exists())
 
-  def read_lease(self, storage: storage_lib.Storage, key: str
-                 ) -> tuple[bytes | None, bytes | None]:
+  def read_lease(self, key: str) -> tuple[bytes | None, bytes | None]:
     """(the lease's bytes or None, its generation: None on a disk)."""
-    return storage.read_bytes(key), None
+    return self.storage.read_bytes(key), None
 
-  def pending_gone(self, storage: storage_lib.Storage, step: int,
-                   token: str) -> str | None:
+  def pending_gone(self, step: int, token: str) -> str | None:
     """Why the attempt's ``pending/`` record is missing: a disk has none."""
-    del storage, step, token
+    del step, token
     return None
 
-  def forget_bucket_records(self, storage: storage_lib.Storage) -> None:
+  def forget_bucket_records(self) -> None:
     """A root copied from a bucket holds that bucket's records, which
     nothing maintains on a disk; before its steps change here they go, so a
     copy back to a bucket is migrated instead of trusting stale ones."""
-    rec_dir = storage.root / names.RECORDS_DIR
+    rec_dir = self.storage.root / names.RECORDS_DIR
     if not (rec_dir / "complete").is_file():
       return
     os.unlink(rec_dir / "complete")  # first: no false "complete" after a crash
-    pending = storage.root / names.PENDING_DIR
+    pending = self.storage.root / names.PENDING_DIR
     if pending.is_dir() and all(records.PENDING_RE.match(p.name)
                                 for p in pending.iterdir()):
       shutil.rmtree(pending, ignore_errors=True)
     if all(records.STEP_NAME_RE.match(p.name) for p in rec_dir.iterdir()):
       shutil.rmtree(rec_dir, ignore_errors=True)
 
-  def start_attempt(self, storage: storage_lib.Storage, step: int,
-                    token: str, lease_s: float, seen,
+  def start_attempt(self, step: int, token: str, lease_s: float, seen,
                     cleaner: Cleaner) -> str:
     """The attempt's fresh directory holding only its lease; the root's
     stale bucket records and an uncommitted ``checkpoint_<step>/`` go
     first. Returns its relative path."""
+    storage = self.storage
     del lease_s, seen  # a rename onto a committed step fails by itself
     rel = self.work_dir(step, token)
     storage.root.mkdir(parents=True, exist_ok=True)
-    self.forget_bucket_records(storage)
-    self.clear_uncommitted_dir(storage, step, cleaner)
+    self.forget_bucket_records()
+    self.clear_uncommitted_dir(step, cleaner)
     os.mkdir(storage.root / rel)  # fails if it exists: tokens are fresh
     storage_lib.write_file(os.fspath(storage.root / rel / ATTEMPT_FILE),
                            lease_lib.make(token))
     return rel
 
-  def clear_uncommitted_dir(self, storage: storage_lib.Storage, step: int,
-                            cleaner: Cleaner) -> None:
+  def clear_uncommitted_dir(self, step: int, cleaner: Cleaner) -> None:
     """Preparing a save of ``step``: an uncommitted ``checkpoint_<step>/``
     would make the commit rename fail on every try. Without a commit marker
     it never was a checkpoint (a partial copy, say): it goes. With a marker
     but no index it was one, and its arrays may be worth recovering by
     hand: it is renamed ``checkpoint_<step>.broken-<id>``, which nothing of
     ckpt reads or deletes, except ``ckpt gc --incomplete``."""
+    storage = self.storage
     name = names.step_dirname(step)
     path = os.path.join(os.fspath(storage.root), name)
-    problem = self.problem(storage, name)
+    problem = self.problem(name)
     if problem is None or not os.path.isdir(path):
       return
     if not os.path.isfile(os.path.join(path, names.COMMIT_MARKER)):
@@ -331,11 +331,12 @@ class RenameCommit:
                     "--incomplete --yes` deletes it)", path, problem, step,
                     aside)
 
-  def publish(self, storage: storage_lib.Storage, step: int, token: str,
-              index_data: bytes, lease_gen: bytes | None) -> None:
+  def publish(self, step: int, token: str, index_data: bytes,
+              lease_gen: bytes | None) -> None:
     """Writes the index and the marker into the attempt, fsyncs every
     directory of it, renames it to ``checkpoint_<step>/`` and fsyncs the
     root: after a power loss the step is whole or absent."""
+    storage = self.storage
     del lease_gen  # the rename fails if the directory was removed
     rel = self.work_dir(step, token)
     final = names.step_dirname(step)
@@ -355,7 +356,7 @@ class RenameCommit:
     except OSError as e:
       if not os.path.isdir(work):
         raise removed_error(step, where, "its directory is gone") from e
-      if self.is_committed(storage, step):
+      if self.is_committed(step):
         raise committed_elsewhere(storage, step, where) from e
       raise CheckpointError(
           f"cannot commit step {step}: renaming {where} to {final} failed "

@@ -64,7 +64,7 @@ class Renewal:
     self.lost: str | None = None
     self.renewed_at: list[float] = []  # time.monotonic() of each renewal
     self._count = 0
-    self._lease = kind.lease(storage, self.key, token, self.request_s)
+    self._lease = kind.lease(self.key, token, self.request_s)
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None

@@ -28,7 +28,7 @@ def work_dir(storage: storage_lib.Storage, step: int, token: str) -> str:
 # ---- discovery --------------------------------------------------------------
 
 def is_committed(storage: storage_lib.Storage, step: int) -> bool:
-  return strategy.for_storage(storage).is_committed(storage, step)
+  return strategy.for_storage(storage).is_committed(step)
 
 
 def not_committed(storage: storage_lib.Storage, step: int,
@@ -48,7 +48,7 @@ def not_committed_reason(storage: storage_lib.Storage, step: int
   """For errors: what is wrong with ``step``'s directory if it has one but
   is not committed (POSIX; None elsewhere, or when there is no such
   directory)."""
-  return strategy.for_storage(storage).not_committed_reason(storage, step)
+  return strategy.for_storage(storage).not_committed_reason(step)
 
 
 def step_of(name: str) -> int:
@@ -93,7 +93,7 @@ def own_step_dir(storage: storage_lib.Storage) -> str | None:
     return ""  # a step directory copied without its marker
   # A bucket's step directory copied without its marker: the one attempt
   # that holds an index, if there is exactly one.
-  found = strategy.for_storage(storage).attempts_with_index(storage)
+  found = strategy.for_storage(storage).attempts_with_index()
   if len(found) > 1:
     raise CheckpointError(
         f"{storage.url!r} has no commit marker and {len(found)} attempts "
@@ -106,7 +106,7 @@ def committed_steps(storage: storage_lib.Storage) -> list[int]:
   """The committed steps, sorted. POSIX: one listing of the root. Object
   stores: one listing of ``commits/`` (a root not migrated yet: of every
   key under ``checkpoint_*``, see ckpt/commit/protocol.py)."""
-  return strategy.for_storage(storage).committed_steps(storage)
+  return strategy.for_storage(storage).committed_steps()
 
 
 def guard(storage: storage_lib.Storage, step: int):

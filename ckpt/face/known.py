@@ -70,7 +70,7 @@ class KnownSteps:
     if not self.storage.is_posix and not records.records_complete(
         self.storage):
       try:
-        strategy.MARKER.ensure_records(self.storage)
+        strategy.for_storage(self.storage).ensure_records()
       except CheckpointError as e:
         logging.warning("ckpt: could not make the commit records of %s "
                         "complete: %s", self.storage.url, e)

@@ -238,12 +238,10 @@ class Saver:
         reuse = None if not self._reuser.enabled else await asyncio.to_thread(
             self._reuser.begin, plan, attempt.step, attempt.token,
             attempt.work_dir)  # its first reads the steps' records
-        await finalize.run_save(attempt, plan, self.storage, self._context,
-                                self.settings.concurrent_bytes, metrics,
-                                host_files, stats, staged.set,
-                                clock=self.settings.clock,
-                                custom_metadata=custom, reuse=reuse,
-                                temporary=temporary)
+        await finalize.run_save(attempt, finalize.SaveJob(
+            plan, self.storage, self._context, self.settings.concurrent_bytes,
+            host_files, stats, staged.set, reuse), finalize.IndexFacts(
+                metrics, self.settings.clock, custom, temporary))
       except BaseException as e:
         # A failed save (its tiling found wrong, say) is planned afresh
         # next time, never from the plan it failed with.

@@ -30,7 +30,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 from absl import logging
 import msgpack
@@ -54,6 +54,8 @@ from ckpt.shards import tiling
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
 from ckpt.commit import lease as lease_lib
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,158 +107,224 @@ async def _barrier(attempt: Attempt, name: str, what: str,
         + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
 
 
-async def run_save(attempt: Attempt, plan: leaves_lib.SavePlan,
-                   storage: storage_lib.Storage, context, budget: int,
-                   metrics: dict, host_files: dict[int, bytes],
-                   stats: save_lib.SaveStats, on_staged: Callable[[], None],
-                   clock: Callable[[], float] = time.time,
-                   custom_metadata: str | None = None,
-                   reuse: Any = None, temporary: bool = False) -> None:
+@dataclasses.dataclass(frozen=True)
+class SaveJob:
+  """What this process brings to an agreed save, and where it goes (built
+  by the Saver, ckpt/face/saver.py, once per save)."""
+  plan: leaves_lib.SavePlan
+  storage: storage_lib.Storage
+  context: Any                   # the save's TensorStore context
+  budget: int                    # bytes staged at once (concurrent_bytes)
+  host_files: dict[int, bytes]   # the host_state file(s) this process writes
+  stats: save_lib.SaveStats      # filled in as the save goes
+  on_staged: Callable[[], None]  # the caller's arrays are free again
+  reuse: Any = None  # a ckpt/save/reuse.py SaveReuse (reuse_unchanged=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexFacts:
+  """What process 0's index records beyond the plan."""
+  metrics: dict
+  clock: Callable[[], float] = time.time  # the save time (time retention)
+  custom_metadata: str | None = None
+  temporary: bool = False
+
+
+async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   """Stages 3-7 and 9 on every process; returns once the step is committed
-  everywhere, or raises the agreed failure. ``clock`` gives the save time
-  recorded in the index (the time retention rule reads it). ``reuse``: a
-  ckpt/save/reuse.py ``SaveReuse`` (reuse_unchanged=True), or None."""
-  pid, n = multihost.process_index(), multihost.process_count()
-  step, key = attempt.step, attempt.key
-  # The driver's per-write fsyncs off; synced once below (durable.py).
-  step_kvstore = durable.deferred(plan.options.storage_format,
-                                  storage.step_spec(attempt.work_dir))
+  everywhere, or raises the agreed failure. A stage's failure is kept
+  (``_outcome``) for the next barrier, which tells every process."""
+  pid = multihost.process_index()
+  # The driver's per-write fsyncs off; synced once (durable.py).
+  kvstore = durable.deferred(job.plan.options.storage_format,
+                             job.storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
   # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
-  lease = (renewal_lib.Renewal(storage, step, attempt.token,
+  lease = (renewal_lib.Renewal(job.storage, attempt.step, attempt.token,
                                attempt.lease_s).start()
            if pid == 0 else None)
   try:
-    # 3-4. stage and write this process's boxes under one byte budget; its
-    # host_state file alongside.
-    error = None
-    sums: list = []
-    mine = b""
-    host_file = asyncio.gather(*(_write_process_file(  # its own, or its
-        storage, attempt, index_lib.HOST_STATE_DIR, p, data)  # EveryProcess
-        for p, data in host_files.items()), return_exceptions=True)  # share
-    try:
-      if reuse is not None:  # is the step linked from still ours?
-        await asyncio.to_thread(reuse.check_source)
-      polite_drop = (not plan.borrow and storage.is_posix  # async (polite.py)
-                     and polite.DROP_WRITTEN_PAGES)
-      syncer = (durable.Syncer.start(
-          plan, step_kvstore, os.path.join(os.fspath(storage.root),
-                                           attempt.work_dir), pid, n,
-          drop=polite_drop) if storage.is_posix else None)
-      try:
-        sums = await save_lib.write_owned(
-            plan, step_kvstore, context, ByteLimiter(budget), stats,
-            on_staged, reuse, syncer and syncer.written,
-            syncer and syncer.window)
-        if syncer is not None:  # durable before the "written" barrier
-          await asyncio.to_thread(syncer.finish)
-        if reuse is not None:  # and still, now that every link is made?
-          await asyncio.to_thread(reuse.check_source)
-      except Exception:  # a bucket: which leaves are held by the previous
-        if reuse is not None:  # step (every process, failed or not)
-          await reuse.settle(f"{key}/reuse", attempt.timeout_s, True, stats)
-        raise
-      finally:
-        if syncer is not None:
-          syncer.close()
-      if reuse is not None:
-        await reuse.settle(f"{key}/reuse", attempt.timeout_s, False, stats)
-        stats.chunks_reused = reuse.chunks_reused
-        await _write_process_file(
-            storage, attempt, index_lib.REUSE_DIR, pid,
-            reuse.record_file(pid, stats.bytes_written))
-      if polite_drop and syncer is None:  # else dropped as each is synced
-        await asyncio.to_thread(polite.drop_cached_pages, os.path.join(
-            os.fspath(storage.root), attempt.work_dir))
-    except Exception as e:  # told to every process at the barrier below
-      error = e
-    # Awaited even after a failure: past the barrier this process writes
-    # nothing into the attempt.
-    try:
-      if failed := [r for r in await host_file if isinstance(r, Exception)]:
-        raise failed[0]
-      if error is None and plan.options.codec.resolved_checksum(
-          plan.options.storage_format) == "none":  # zarr v2: its checksums
-        await _write_process_file(
-            storage, attempt, index_lib.CHECKSUMS_DIR, pid,
-            msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
-      if error is None:  # what it wrote, for process 0's tiling check
-        mine = await asyncio.to_thread(_tiling_digest, plan)
-        await asyncio.to_thread(multihost.post_bytes, f"{key}/tiling", mine,
-                                attempt.timeout_s)
-    except Exception as e:  # pylint: disable=broad-except
-      error = error or e
-    # 5. every process has written (or stopped writing, having failed).
-    await _barrier(attempt, "written", "all processes wrote their data", error,
+    # 3-4. This process's boxes under one byte budget, its host_state file
+    # alongside, then its other small files.
+    host_files = _write_host_files(attempt, job)
+    sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
+    mine, late = await _outcome(
+        _write_own_files(attempt, job, host_files, sums, error is None))
+    # 5. Every process has written (or stopped writing, having failed).
+    await _barrier(attempt, "written", "all processes wrote their data",
+                   error or late,
                    on_arrival=lambda: stopped_writing.append(True))
-    error = None
-    groups = _ocdbt_groups(plan)
-    if groups > 1:  # a large OCDBT step: its merge groups, all at once
-      try:
-        for g in ocdbt.merges_of(pid, n, groups):
-          await ocdbt.merge(step_kvstore, n, context, g)
-      except Exception as e:  # pylint: disable=broad-except
-        error = e
+    # 6. A large OCDBT step: its merge groups, on every process at once.
+    groups = _ocdbt_groups(job.plan)
+    if groups > 1:
+      _, error = await _outcome(_merge_groups(kvstore, job, groups))
       await _barrier(attempt, "merged", "every OCDBT merge group was merged",
                      error)
+    # 6-7. Process 0: the tiling checked, the index written, the commit.
+    error = None
     if pid == 0:
-      try:
-        await asyncio.to_thread(_check_tiling, plan, key, mine, step,
-                                attempt.timeout_s)
-        if groups == 1:
-          # One database from the per-process ones (ckpt/store/ocdbt.py).
-          await ocdbt.merge(step_kvstore, n, context)
-        # 6-7. index, then commit. encode() refuses an index readers would
-        # refuse: the save then fails everywhere at "done", and nothing is
-        # committed.
-        index = save_lib.make_index(plan, step, metrics, n)
-        index = dataclasses.replace(index, time=retention_lib.now_s(clock),
-                                    custom_metadata=custom_metadata,
-                                    host_states=attempt.host_states,
-                                    temporary=temporary)
-        if reuse is not None and reuse.held is not None:
-          index = reuse.held.apply(index)  # leaves held by an earlier step
-        data = index_lib.encode(index)
-        # Not cut by a cancel (Checkpointer.cancel): the task ends once
-        # the commit has, so what cancel finds is committed or not.
-        committing = asyncio.ensure_future(asyncio.to_thread(
-            commit_lib.commit, storage, step, attempt.token, data, lease))
-        try:
-          await asyncio.shield(committing)
-        except asyncio.CancelledError:
-          await asyncio.gather(committing, return_exceptions=True)
-          raise
-        if reuse is not None and reuse.held is not None:  # still held?
-          await asyncio.to_thread(reuse.held.check_committed, storage, step)
-      except Exception as e:  # pylint: disable=broad-except
-        error = e
-    # 9. the save is complete everywhere.
+      _, error = await _outcome(
+          _commit(attempt, job, facts, kvstore, mine, groups == 1, lease))
+    # 9. The save is complete everywhere.
     await _barrier(attempt, "done", "the commit finished", error)
   except BaseException as e:
-    # Every process has said (at "written") that it stopped writing: the
-    # attempt can go now, not at the next save; unless one gave up at the
-    # deadline, leaving writes in flight (ckpt/store/deadline.py).
-    if stopped_writing and pid == 0 and not deadline_lib.abandoned(e):
-      await asyncio.to_thread(_remove_failed, storage, attempt)
-      await _removed_barrier(attempt, e)
-    elif stopped_writing:
-      await _removed_barrier(attempt, e)
-    if pid == 0 and not stopped_writing and not isinstance(
-        e, asyncio.CancelledError):
-      # (cancel() removes a cancelled save's attempt itself)
-      logging.warning(
-          "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
-          "every process said it stopped writing into it; its lease is no "
-          "longer renewed, and the cleanup of the next save removes it once "
-          "the lease is %g s old", step, attempt.work_dir, storage.url,
-          attempt.lease_s)
+    await _after_failure(attempt, job.storage, e, bool(stopped_writing))
     raise
   finally:
     if lease is not None:
       lease.stop()
     if stopped_writing:
-      multihost.forget(key, attempt.timeout_s)
+      multihost.forget(attempt.key, attempt.timeout_s)
+
+
+async def _outcome(stage: Awaitable[T]) -> tuple[T | None, Exception | None]:
+  """One stage's result, or its failure, kept for the next barrier to tell
+  every process (a cancel, or any other BaseException, goes on at once)."""
+  try:
+    return await stage, None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, e
+
+
+def _write_host_files(attempt: Attempt, job: SaveJob) -> asyncio.Future:
+  """Starts writing this process's host_state file (its own, or its share
+  of EveryProcess), alongside its boxes; ``_write_own_files`` awaits it."""
+  return asyncio.gather(*(_write_process_file(
+      job.storage, attempt, index_lib.HOST_STATE_DIR, p, data)
+      for p, data in job.host_files.items()), return_exceptions=True)
+
+
+async def _write_boxes(attempt: Attempt, job: SaveJob, kvstore) -> list:
+  """3-4. Stages and writes this process's boxes under one byte budget,
+  durable before the "written" barrier (durable.py); with ``reuse``, the
+  step linked from checked to be still ours before and after, and what
+  was linked recorded. Returns the crc32c of each box (format "zarr")."""
+  plan, storage, reuse, stats = job.plan, job.storage, job.reuse, job.stats
+  pid = multihost.process_index()
+  step_dir = (os.path.join(os.fspath(storage.root), attempt.work_dir)
+              if storage.is_posix else None)  # (a root on POSIX only)
+  if reuse is not None:  # is the step linked from still ours?
+    await asyncio.to_thread(reuse.check_source)
+  polite_drop = (not plan.borrow and storage.is_posix  # async (polite.py)
+                 and polite.DROP_WRITTEN_PAGES)
+  syncer = (durable.Syncer.start(plan, kvstore, step_dir, pid,
+                                 multihost.process_count(), drop=polite_drop)
+            if storage.is_posix else None)
+  try:
+    sums = await save_lib.write_owned(
+        plan, kvstore, job.context, ByteLimiter(job.budget), stats,
+        job.on_staged, reuse, syncer and syncer.written,
+        syncer and syncer.window)
+    if syncer is not None:  # durable before the "written" barrier
+      await asyncio.to_thread(syncer.finish)
+    if reuse is not None:  # and still, now that every link is made?
+      await asyncio.to_thread(reuse.check_source)
+  except Exception:  # a bucket: which leaves are held by the previous
+    if reuse is not None:  # step (every process, failed or not)
+      await reuse.settle(f"{attempt.key}/reuse", attempt.timeout_s, True,
+                         stats)
+    raise
+  finally:
+    if syncer is not None:
+      syncer.close()
+  if reuse is not None:
+    await reuse.settle(f"{attempt.key}/reuse", attempt.timeout_s, False, stats)
+    stats.chunks_reused = reuse.chunks_reused
+    await _write_process_file(storage, attempt, index_lib.REUSE_DIR, pid,
+                              reuse.record_file(pid, stats.bytes_written))
+  if polite_drop and syncer is None:  # else dropped as each is synced
+    await asyncio.to_thread(polite.drop_cached_pages, step_dir)
+  return sums
+
+
+async def _write_own_files(attempt: Attempt, job: SaveJob,
+                           host_files: asyncio.Future, sums: list | None,
+                           wrote: bool) -> bytes:
+  """The host_state file awaited, even after a failure: past the "written"
+  barrier this process writes nothing into the attempt. If its boxes were
+  written (``wrote``): their crc32c (zarr v2) and, posted for process 0's
+  tiling check, the digest of what it wrote (returned)."""
+  if failed := [r for r in await host_files if isinstance(r, Exception)]:
+    raise failed[0]
+  if not wrote:
+    return b""
+  plan, pid = job.plan, multihost.process_index()
+  if plan.options.codec.resolved_checksum(
+      plan.options.storage_format) == "none":  # zarr v2: its checksums
+    await _write_process_file(
+        job.storage, attempt, index_lib.CHECKSUMS_DIR, pid,
+        msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
+  mine = await asyncio.to_thread(_tiling_digest, plan)
+  await asyncio.to_thread(multihost.post_bytes, f"{attempt.key}/tiling", mine,
+                          attempt.timeout_s)
+  return mine
+
+
+async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:
+  """6, a large OCDBT step: this process's share of its merge groups."""
+  n = multihost.process_count()
+  for g in ocdbt.merges_of(multihost.process_index(), n, groups):
+    await ocdbt.merge(kvstore, n, job.context, g)
+
+
+async def _commit(attempt: Attempt, job: SaveJob, facts: IndexFacts, kvstore,
+                  mine: bytes, merge: bool, lease) -> None:
+  """6-7, process 0: every array written exactly once (the tiling), one
+  OCDBT database (``merge``), the index, then the commit. encode() refuses
+  an index readers would refuse: the save then fails everywhere at "done",
+  and nothing is committed."""
+  storage, step, reuse = job.storage, attempt.step, job.reuse
+  await asyncio.to_thread(_check_tiling, job.plan, attempt.key, mine, step,
+                          attempt.timeout_s)
+  if merge:  # one database from the per-process ones (ckpt/store/ocdbt.py)
+    await ocdbt.merge(kvstore, multihost.process_count(), job.context)
+  data = index_lib.encode(_index(attempt, job, facts))
+  # Not cut by a cancel (Checkpointer.cancel): the task ends once the
+  # commit has, so what cancel finds is committed or not.
+  committing = asyncio.ensure_future(asyncio.to_thread(
+      commit_lib.commit, storage, step, attempt.token, data, lease))
+  try:
+    await asyncio.shield(committing)
+  except asyncio.CancelledError:
+    await asyncio.gather(committing, return_exceptions=True)
+    raise
+  if reuse is not None and reuse.held is not None:  # still held?
+    await asyncio.to_thread(reuse.held.check_committed, storage, step)
+
+
+def _index(attempt: Attempt, job: SaveJob,
+           facts: IndexFacts) -> index_lib.Index:
+  index = save_lib.make_index(job.plan, attempt.step, facts.metrics,
+                              multihost.process_count())
+  index = dataclasses.replace(index, time=retention_lib.now_s(facts.clock),
+                              custom_metadata=facts.custom_metadata,
+                              host_states=attempt.host_states,
+                              temporary=facts.temporary)
+  if job.reuse is not None and job.reuse.held is not None:
+    index = job.reuse.held.apply(index)  # leaves held by an earlier step
+  return index
+
+
+async def _after_failure(attempt: Attempt, storage: storage_lib.Storage,
+                         error: BaseException, stopped_writing: bool) -> None:
+  """Once every process has said (at "written") that it stopped writing,
+  process 0 removes the failed attempt now, not at the next save, and
+  every process waits for that; unless one gave up at the deadline,
+  leaving writes in flight (ckpt/store/deadline.py). Else the attempt
+  stays for the cleanup of a later save."""
+  pid = multihost.process_index()
+  if stopped_writing:
+    if pid == 0 and not deadline_lib.abandoned(error):
+      await asyncio.to_thread(_remove_failed, storage, attempt)
+    await _removed_barrier(attempt, error)
+  elif pid == 0 and not isinstance(error, asyncio.CancelledError):
+    # (cancel() removes a cancelled save's attempt itself)
+    logging.warning(
+        "ckpt: the failed save of step %d leaves its attempt %s in %s: not "
+        "every process said it stopped writing into it; its lease is no "
+        "longer renewed, and the cleanup of the next save removes it once "
+        "the lease is %g s old", attempt.step, attempt.work_dir, storage.url,
+        attempt.lease_s)
 
 
 async def _write_process_file(storage: storage_lib.Storage, attempt: Attempt,
@@ -278,8 +346,8 @@ def _write_file(storage: storage_lib.Storage, work_dir: str, rel: str,
     raise CheckpointError(
         f"{what} is {len(data)} bytes; readers accept at most "
         f"{index_lib.MAX_PROCESS_FILE_BYTES}")
-  strategy.for_storage(storage).write_into_attempt(storage, work_dir, rel,
-                                                   data, what)
+  strategy.for_storage(storage).write_into_attempt(work_dir, rel, data,
+                                                   what)
 
 
 def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:

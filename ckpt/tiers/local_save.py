@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import os
 import queue
 import shutil
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import crc32c
 import msgpack
@@ -36,6 +37,28 @@ from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.commit import attempt
 
 MAX_HOST_BYTES = 16 << 20   # host_state + host values sent to the partner
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalWrite:
+  """One local save, handed from the caller's thread to the writer's."""
+  step: int
+  key: str                # the save's round (TierRounds.call_key)
+  work: str               # step_<step>.tmp-<token>, renamed at the commit
+  manifest: dict          # completed by the writer
+  files: dict[str, Any]   # own.bin and partner.bin, open for writing
+  own_host: bytes         # host_state and host values, msgpack
+  src: int                # the process whose replica this one keeps
+  t0: float               # when save() began (perf_counter)
+
+
+@dataclasses.dataclass
+class _Written:
+  """What the writer found while writing (step 1 of ``_write``)."""
+  error: BaseException | None = None
+  lost: BarrierTimeoutError | None = None  # the exchange was not in time
+  crcs: dict = dataclasses.field(default_factory=dict)  # (file, offset): crc
+  drained: bool = False  # the caller said it staged all (None)
 
 
 class LocalSaver:
@@ -146,8 +169,8 @@ class LocalSaver:
     if newest:
       self._steps.saving_newest(step)
     self._fut = self._loop.submit(asyncio.to_thread(
-        self._write, step, key, work, manifest, q, failed, files, own_host,
-        src, t0))
+        self._write, LocalWrite(step, key, work, manifest, files, own_host,
+                                src, t0), q, failed))
     stats = {"step": step, "own_bytes": plan["own_bytes"],
              "partner_bytes": plan["partner_bytes"]}
     try:
@@ -288,126 +311,165 @@ class LocalSaver:
       for offset, n, data, ss in boxes:
         q.put(("partner.bin", offset, (data, ss), n))
 
-  def _write(self, step, key, work, manifest, q, failed, files, own_host,
-             src, t0) -> None:
-    """The background part: write what the caller stages, fsync, agree,
-    commit (rename), clean up leftovers and apply retention."""
-    error: BaseException | None = None
-    lost = None  # the exchange did not complete in time: no barrier
-    crcs: dict[tuple[str, int], int] = {}  # (file, offset): crc32c
-    drained = False
+  def _write(self, w: LocalWrite, q: queue.Queue,
+             failed: threading.Event) -> None:
+    """The background part, in steps: write what the caller stages, fsync,
+    agree, commit (rename), clean up leftovers and apply retention."""
+    # 1. Every box the caller stages written, then fsynced, with
+    # host.msgpack and the manifest; a failure is kept for the barrier.
+    got = self._write_files(w, q, failed)
+    # 2. The partner exchange abandoned: no barrier, and no more saves.
+    if got.lost is not None:
+      self._abandon(w, got.error)
+    # 3. Barrier "written", carrying failures: every process commits or none.
+    self._agree(w, got.error)
+    # 4. The commit (rename), then retention.
+    self._commit(w)
+
+  def _write_files(self, w: LocalWrite, q: queue.Queue,
+                   failed: threading.Event) -> _Written:
+    """1. Leftovers of earlier saves removed; the boxes written as the
+    caller stages them; if all went well, the files made durable. What the
+    caller staged goes back to the budget, also after a failure."""
+    got = _Written()
     try:
-      self._steps.remove_leftovers(keep=os.path.basename(work))
+      self._steps.remove_leftovers(keep=os.path.basename(w.work))
       self._steps.remove_unusable()
-      while True:
-        item = q.get()
-        if item is None:
-          drained = True
-          break
-        kind, offset, data, nb = item
-        if kind == "error":
-          error = error or data
-          continue
-        if kind == "wait":  # also after a failure: was it abandoned?
-          try:
-            wait_ready(*data)
-          except BarrierTimeoutError as e:
-            lost = e
-            error = error or e
-            failed.set()
-          continue
-        try:
-          if error is None:
-            if kind == "partner.bin":  # ready: a view on CPU, no copy
-              data = np.asarray(data[0]).reshape(data[1])
-            f = files[kind]
-            f.seek(offset)
-            # A byte view: memoryview rejects ml_dtypes (bfloat16 ...).
-            mv = memoryview(
-                np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-            crcs[(kind, offset)] = crc32c.crc32c(mv)  # of the staged bytes
-            f.write(mv)
-        except BaseException as e:  # pylint: disable=broad-except
-          error, _ = e, failed.set()
-        finally:
-          item = data = None  # nothing of it held past its budget
-          self.budget.release(nb)
-      if error is None:
-        partner_host = b""
-        if self._rounds.layout.n > 1:  # posted before the round: no wait
-          partner_host = multihost.read_post(
-              f"{key}/host", src, self._rounds.timeout_s,
-              f"the host values of process {src} for the local tier")
-        for f in files.values():
-          f.flush()
-          os.fsync(f.fileno())
-        host = msgpack.packb(
-            {"own": own_host, "partner": partner_host, "partner_src": src},
-            use_bin_type=True)
-        storage_lib.write_file(os.path.join(work, "host.msgpack"), host)
-        manifest["files"] = {"host.msgpack": len(host)}
-        manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
-        for part, fname in DATA_FILES.items():
-          size = 0
-          for e in manifest[part].values():
-            for sh in e["shards"]:
-              sh.append(crcs[(fname, sh[1])])
-              size = max(size, sh[1] + sh[2])
-          manifest["files"][fname] = size
-        storage_lib.write_file(os.path.join(work, "manifest.json"),
-                    json.dumps(manifest).encode())
-        attempt.fsync_dir(work)
+      self._drain(q, failed, w.files, got)
+      if got.error is None:
+        self._finish_files(w, got.crcs)
     except BaseException as e:  # pylint: disable=broad-except
-      error = error or e
+      got.error = got.error or e
     finally:
-      for f in files.values():
+      for f in w.files.values():
         f.close()
-      if error is not None:
+      if got.error is not None:
         failed.set()  # the caller stages nothing more
-      while not drained:  # whatever it staged before it heard, given back
+      while not got.drained:  # whatever it staged before it heard, given back
         item = q.get()
-        drained = item is None
-        if not drained:
+        got.drained = item is None
+        if not got.drained:
           self.budget.release(item[3])
-    if lost is not None:
-      # A process did not join the exchange within barrier_timeout_s: the
-      # others are not waited for again at the barrier (that would double
-      # the bound); none commits, as this process never arrives there. Its
-      # device collectives may now be out of step with the others': it
-      # saves no more local steps in this job.
-      self._broken = (
-          f"process {self._rounds.layout.pid} abandoned the partner exchange "
-          f"of local step {step} after barrier_timeout_s = "
-          f"{self._rounds.timeout_s:g} s "
-          "(a process did not join it); its device collectives may be out "
-          "of step with the other processes', so the local tier saves no "
-          "more steps in this job: restart it")
-      shutil.rmtree(work, ignore_errors=True)
-      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
-      raise error
+    return got
+
+  def _drain(self, q: queue.Queue, failed: threading.Event,
+             files: dict[str, Any], got: _Written) -> None:
+    """Writes each box the caller stages (its crc32c into ``got``) until
+    it is done (None); after a failure, only gives the budget back."""
+    while True:
+      item = q.get()
+      if item is None:
+        got.drained = True
+        return
+      kind, offset, data, nb = item
+      if kind == "error":
+        got.error = got.error or data
+        continue
+      if kind == "wait":  # also after a failure: was it abandoned?
+        try:
+          wait_ready(*data)
+        except BarrierTimeoutError as e:
+          got.lost = e
+          got.error = got.error or e
+          failed.set()
+        continue
+      try:
+        if got.error is None:
+          if kind == "partner.bin":  # ready: a view on CPU, no copy
+            data = np.asarray(data[0]).reshape(data[1])
+          f = files[kind]
+          f.seek(offset)
+          # A byte view: memoryview rejects ml_dtypes (bfloat16 ...).
+          mv = memoryview(
+              np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+          got.crcs[(kind, offset)] = crc32c.crc32c(mv)  # of the staged bytes
+          f.write(mv)
+      except BaseException as e:  # pylint: disable=broad-except
+        got.error, _ = e, failed.set()
+      finally:
+        item = data = None  # nothing of it held past its budget
+        self.budget.release(nb)
+
+  def _finish_files(self, w: LocalWrite, crcs: dict[tuple[str, int], int]
+                    ) -> None:
+    """After the last box: the data files fsynced, host.msgpack (with the
+    partner's host values) and the manifest (each file's size, each
+    shard's crc32c) written, the directory fsynced."""
+    partner_host = b""
+    if self._rounds.layout.n > 1:  # posted before the round: no wait
+      partner_host = multihost.read_post(
+          f"{w.key}/host", w.src, self._rounds.timeout_s,
+          f"the host values of process {w.src} for the local tier")
+    for f in w.files.values():
+      f.flush()
+      os.fsync(f.fileno())
+    host = msgpack.packb(
+        {"own": w.own_host, "partner": partner_host, "partner_src": w.src},
+        use_bin_type=True)
+    storage_lib.write_file(os.path.join(w.work, "host.msgpack"), host)
+    manifest = w.manifest
+    manifest["files"] = {"host.msgpack": len(host)}
+    manifest["crc32c"] = {"host.msgpack": crc32c.crc32c(host)}
+    for part, fname in DATA_FILES.items():
+      size = 0
+      for e in manifest[part].values():
+        for sh in e["shards"]:
+          sh.append(crcs[(fname, sh[1])])
+          size = max(size, sh[1] + sh[2])
+      manifest["files"][fname] = size
+    storage_lib.write_file(os.path.join(w.work, "manifest.json"),
+                           json.dumps(manifest).encode())
+    attempt.fsync_dir(w.work)
+
+  def _abandon(self, w: LocalWrite, error: BaseException) -> NoReturn:
+    """2. A process did not join the exchange within barrier_timeout_s: the
+    others are not waited for again at the barrier (that would double the
+    bound); none commits, as this process never arrives there. Its device
+    collectives may now be out of step with the others': it saves no more
+    local steps in this job."""
+    self._broken = (
+        f"process {self._rounds.layout.pid} abandoned the partner exchange "
+        f"of local step {w.step} after barrier_timeout_s = "
+        f"{self._rounds.timeout_s:g} s "
+        "(a process did not join it); its device collectives may be out "
+        "of step with the other processes', so the local tier saves no "
+        "more steps in this job: restart it")
+    shutil.rmtree(w.work, ignore_errors=True)
+    multihost.report_failure(f"{w.key}/failed",
+                             f"{type(error).__name__}: {error}")
+    raise error
+
+  def _agree(self, w: LocalWrite, error: BaseException | None) -> None:
+    """3. Barrier "written", carrying each process's failure: after one on
+    any process, every process removes its step directory and raises."""
     if error is not None:
-      multihost.report_failure(f"{key}/failed", f"{type(error).__name__}: {error}")
-    multihost.barrier(f"{key}/written", timeout_s=self._rounds.timeout_s,
-                      what=f"the local tier's save of step {step}")
-    failures = multihost.reported_failures(f"{key}/failed")
+      multihost.report_failure(f"{w.key}/failed",
+                               f"{type(error).__name__}: {error}")
+    multihost.barrier(f"{w.key}/written", timeout_s=self._rounds.timeout_s,
+                      what=f"the local tier's save of step {w.step}")
+    failures = multihost.reported_failures(f"{w.key}/failed")
     if error is not None or failures:
-      shutil.rmtree(work, ignore_errors=True)
+      shutil.rmtree(w.work, ignore_errors=True)
       if error is not None:
         raise error
-      raise CheckpointError(f"local save of step {step} failed on process(es) "
-                            f"{sorted(failures)}: {failures}")
+      raise CheckpointError(f"local save of step {w.step} failed on "
+                            f"process(es) {sorted(failures)}: {failures}")
+
+  def _commit(self, w: LocalWrite) -> None:
+    """4. The step directory renamed into place (a step saved again: the
+    old one removed first), retention, the log line."""
     home = self._steps.dir
-    final = os.path.join(home, f"step_{step}")
+    final = os.path.join(home, f"step_{w.step}")
     if os.path.exists(final):  # saved again: the old one goes first
-      remove_step(final, home, step)
-    os.rename(work, final)
+      remove_step(final, home, w.step)
+    os.rename(w.work, final)
     attempt.fsync_dir(home)
-    total_s = time.perf_counter() - t0
+    total_s = time.perf_counter() - w.t0
     self.last_save_stats["total_s"] = total_s
     self._steps.retain()
-    own, replica = manifest["files"]["own.bin"], manifest["files"][
-        "partner.bin"]
+    own, replica = (w.manifest["files"]["own.bin"],
+                    w.manifest["files"]["partner.bin"])
     logging.info("ckpt: saved step %d to the local tier %s: this process "
                  "wrote %s (%s of it its partner's replica) in %.2f s (%s)",
-                 step, home, size_text(own + replica), size_text(replica),
+                 w.step, home, size_text(own + replica), size_text(replica),
                  total_s, rate_text(own + replica, total_s))

@@ -21,7 +21,8 @@ import pytest
 
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import lease as lease_lib
-from ckpt.commit import strategy
+from ckpt.commit.marker import MarkerCommit
+from ckpt.commit.rename import RenameCommit
 from ckpt.store import storage as storage_lib
 from ckpt.commit import attempt
 from tests.conftest import random_array
@@ -160,7 +161,7 @@ def test_what_proves_a_holder_dead(make_ckptr, ckpt_dir, rng, what):
 
 
 def test_renewals_are_spaced_for_object_stores():
-  disk, bucket = strategy.RENAME.least_renewal_s, strategy.MARKER.least_renewal_s
+  disk, bucket = RenameCommit.least_renewal_s, MarkerCommit.least_renewal_s
   assert lease_lib.renew_interval(30.0, disk) == 5.0
   assert lease_lib.renew_interval(1e-3, disk) == 0.05
   assert lease_lib.renew_interval(1e-3, bucket) == 1.0
