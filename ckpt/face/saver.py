@@ -24,7 +24,6 @@ from ckpt.multihost import agreement
 from ckpt.commit import protocol as commit_lib
 from ckpt.commit import lease as lease_lib
 from ckpt.commit import steps as steps_lib
-from ckpt.commit import strategy
 from ckpt.commit import cleanup as cleanup_lib
 from ckpt.commit import deletion
 from ckpt.face import inflight as inflight_lib

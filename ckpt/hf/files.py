@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
 
 import tensorstore as ts
 

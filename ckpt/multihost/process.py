@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import json
 import re
 import secrets
 import signal
 import threading
-import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax._src import distributed as _distributed

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import threading
 from typing import Any, Iterable, Sequence
 

@@ -28,7 +28,6 @@ import collections
 from typing import Any, Callable, Sequence
 
 import crc32c
-import jax
 import numpy as np
 import tensorstore as ts
 
