@@ -183,10 +183,7 @@ async def place(leaf, out_dtype, sharding, limiter) -> jax.Array:
 
     def get(index):
       return data[Box.from_index(index, shape)]
-    return await assemble.off_loop(
-        list(sharding.addressable_devices),
-        lambda: jax.make_array_from_callback(shape, sharding, get,
-                                             dtype=out_dtype))
+    return await assemble.from_callback(shape, sharding, get, out_dtype)
   finally:
     limiter.release(grant)
 

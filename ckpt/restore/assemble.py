@@ -105,6 +105,16 @@ async def off_loop(devices: Sequence[Any], place: Callable[[], Any]) -> Any:
   return await asyncio.to_thread(run)
 
 
+async def from_callback(shape: tuple[int, ...], sharding: Any,
+                        get: Callable[[Any], Any], dtype: Any) -> Any:
+  """``jax.make_array_from_callback(shape, sharding, get)`` (``get``: a
+  device's index to its host block), ready; off the event loop on an
+  accelerator (``off_loop``)."""
+  return await off_loop(
+      list(sharding.addressable_devices),
+      lambda: jax.make_array_from_callback(shape, sharding, get, dtype=dtype))
+
+
 async def put_on_devices(data: np.ndarray, devices: Sequence[Any]) -> list:
   """``data`` on each of ``devices`` (one batched ``device_put``), ready;
   the copy off the event loop on an accelerator (``off_loop``)."""

@@ -395,10 +395,7 @@ class LazyPacked(LazyLeaf):
         box = by_key.get(_key(index))
         return data[box if box is not None else Box.from_index(index, shape)]
 
-      return await assemble.off_loop(
-          list(sharding.addressable_devices),
-          lambda: jax.make_array_from_callback(shape, sharding, get,
-                                               dtype=out_dtype))
+      return await assemble.from_callback(shape, sharding, get, out_dtype)
     finally:
       limiter.release(grant)
 
