@@ -112,7 +112,8 @@ class Retention:
     async def run():
       if previous is not None:
         await asyncio.gather(previous, return_exceptions=True)
-      deadline = deadline_lib.Deadline.start(self.timeout_s, "save_timeout_s")
+      deadline = deadline_lib.Deadline.start(
+          self.timeout_s, "save_timeout_s", on_wire=not self.storage.is_posix)
       try:
         await asyncio.to_thread(deadline_lib.call, deadline, self.apply,
                                 newest)

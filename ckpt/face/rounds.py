@@ -36,10 +36,13 @@ class Timeouts:
                deadline_lib.check_bound("save_timeout_s", save_timeout_s),
                deadline_lib.check_bound("query_timeout_s", query_timeout_s))
 
-  def query_deadline(self) -> deadline_lib.Deadline | None:
+  def query_deadline(self, on_wire: bool = True
+                     ) -> deadline_lib.Deadline | None:
     """The deadline of a query, from now; the store call in flight names
-    the operation ("listing the steps of 's3://...'")."""
-    return deadline_lib.Deadline.start(self.query_s, "query_timeout_s")
+    the operation ("listing the steps of 's3://...'"). ``on_wire=False``:
+    its store is a local disk (ckpt/store/traffic.py)."""
+    return deadline_lib.Deadline.start(self.query_s, "query_timeout_s",
+                                       on_wire=on_wire)
 
 
 class Rounds:
@@ -75,7 +78,8 @@ class Rounds:
 
   def local(self, answer: Callable[[], Any]) -> Any:
     """``answer()`` on this process alone, within ``query_timeout_s``."""
-    return deadline_lib.call(self.timeouts.query_deadline(), answer)
+    return deadline_lib.call(
+        self.timeouts.query_deadline(_remote(self.url)), answer)
 
   def agreed(self, request: str, answer: Callable[[], Any], what: str,
              where: str = "", *, key: str | None = None,
@@ -99,7 +103,7 @@ class Rounds:
     """The deadline of saving (or deleting) ``step``, from now."""
     return deadline_lib.Deadline.start(
         self.timeouts.save_s, "save_timeout_s",
-        f"{doing.format(step)} {self.url!r}")
+        f"{doing.format(step)} {self.url!r}", on_wire=_remote(self.url))
 
   def read_deadline(self, url: str, what: str
                     ) -> deadline_lib.Deadline | None:
@@ -108,4 +112,10 @@ class Rounds:
     long the reads take."""
     return deadline_lib.Deadline.start(
         self.timeouts.query_s, "query_timeout_s",
-        f"reading {what} from {url!r}")
+        f"reading {what} from {url!r}", on_wire=_remote(url))
+
+
+def _remote(url: str) -> bool:
+  """Whether ``url``'s store is reached over the network (its bytes in
+  flight count as progress: ckpt/store/traffic.py)."""
+  return not url.startswith(("file://", "/", "memory://"))

@@ -100,24 +100,27 @@ class Deadline:
   ``bound_s``. Shared by the operation's tasks and threads."""
 
   def __init__(self, bound_s: float, option: str,
-               operation: str | None = None):
+               operation: str | None = None, on_wire: bool = True):
     self.bound_s = bound_s
     self.option = option
     self.operation = operation
+    self._on_wire = on_wire  # its store is reached over the network
     self._lock = threading.Lock()
     self._last = time.monotonic()  # the last progress
-    self._seen = traffic.moved()   # the most data moved, seen at a poll
+    self._seen = traffic.moved(on_wire)  # the most data moved, seen at a poll
     self._polled = self._last
     self.expired = False           # a wait gave up: every later one does
     self._abandoned: list = []     # TensorStore futures given up on
 
   @classmethod
   def start(cls, bound_s: float | None, option: str,
-            operation: str | None = None) -> "Deadline | None":
-    """A bound of ``bound_s`` without progress, from now (None: none)."""
+            operation: str | None = None, on_wire: bool = True
+            ) -> "Deadline | None":
+    """A bound of ``bound_s`` without progress, from now (None: none).
+    ``on_wire=False``: its store is a local disk (traffic.moved)."""
     if bound_s is None:
       return None
-    return cls(bound_s, option, operation)
+    return cls(bound_s, option, operation, on_wire)
 
   def progress(self) -> None:
     """The operation moved on: its stall clock starts again."""
@@ -140,7 +143,7 @@ class Deadline:
     with self._lock:
       poll = now - self._polled >= POLL_S or now - self._last >= self.bound_s
     if poll:
-      seen = traffic.moved()
+      seen = traffic.moved(self._on_wire)
       with self._lock:
         if seen > self._seen:
           # It happened after the previous look, maybe just after it: the

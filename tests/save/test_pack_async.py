@@ -206,14 +206,7 @@ def test_async_save_holds_a_few_packs_not_the_state(tracing, tmp_path,
     c.save(2, state)
     c.wait_until_finished()
     peak = tracemalloc.get_traced_memory()[1] - base
-  # About 0.5 MiB alone; all packs joined at once: the state's 4 MiB and
-  # more. In one run of the merged suite (2026-12-01) this read 2.10 MiB
-  # on a worker that had run other files first, and never alone, under CPU
-  # load, or after tests/restore + tests/save in one process (the source,
-  # another thread's Python allocations in the same process, not found):
-  # the bound sits between, and the packs in flight are pinned exactly by
-  # test_packs_joined_and_written_at_most_two_at_once above.
-  assert peak < 2.5 * MiB, f"the save allocated {peak / MiB:.2f} MiB"
+  assert peak < 1.5 * MiB, f"the save allocated {peak / MiB:.2f} MiB"
   got = ckpt.load(root, 2)
   for k in ("x0", "x255"):
     np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
