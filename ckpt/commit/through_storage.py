@@ -95,6 +95,7 @@ from ckpt.commit import protocol as commit_lib
 from ckpt.commit import records
 from ckpt.commit import renewal as renewal_lib
 from ckpt.commit import strategy
+from ckpt.commit import attempt as attempt_lib
 from ckpt.commit.attempt import ATTEMPT_FILE
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.format import index as index_lib
@@ -145,7 +146,10 @@ def write_record(storage: storage_lib.Storage, step: int, token: str,
   records.check_token(token)
   sums = {}
   for rel, data in (files or {}).items():
-    _check_file_name(rel, process, "a file of this process")
+    if not _is_process_file(rel, process):
+      raise ValueError(f"files: {rel!r} is not a per-process file of "
+                       f"process {process}; expected one of "
+                       f"{_process_files(process)}")
     sums[rel] = crc32c.crc32c(data)
   doc = {"step": step, "attempt": token, "process": process,
          "processes": processes, "ok": error is None,
@@ -169,14 +173,14 @@ def _check_job(process: int, processes: int) -> None:
                      f"{process!r}")
 
 
-def _check_file_name(rel, process: int, where: str) -> None:
+def _process_files(process: int) -> list[str]:
+  return [index_lib.process_file(k, process) for k in _FILE_KINDS]
+
+
+def _is_process_file(rel, process: int) -> bool:
   """Only ``<kind>/<process>.msgpack`` of a known kind: a path read from
   the store is never trusted."""
-  if not (isinstance(rel, str)
-          and rel in {index_lib.process_file(k, process) for k in _FILE_KINDS}):
-    raise WriterFailedError(
-        f"{where} names the file {str(rel)[:200]!r}; expected one of "
-        f"{[index_lib.process_file(k, process) for k in _FILE_KINDS]}")
+  return isinstance(rel, str) and rel in _process_files(process)
 
 
 class _Record:
@@ -190,8 +194,7 @@ class _Record:
     another attempt or step; WriterFailedError if damaged."""
     try:
       body = seal.unseal(data, where)
-      doc = msgpack.unpackb(body, raw=False, strict_map_key=True,
-                            max_buffer_size=MAX_RECORD_BYTES)
+      doc = msgpack.unpackb(body, raw=False)
     except Exception as e:  # pylint: disable=broad-except
       raise WriterFailedError(
           f"{where}: the record of writer {process} is damaged ({e}); "
@@ -216,7 +219,10 @@ class _Record:
           f"{where}: expected ok (bool), files (path: crc32c) and tiling "
           f"(3 ints or nil); found {str(doc)[:300]}; nothing was committed")
     for rel in files:
-      _check_file_name(rel, process, where)
+      if not _is_process_file(rel, process):
+        raise WriterFailedError(
+            f"{where} names the file {str(rel)[:200]!r}; expected one of "
+            f"{_process_files(process)}; nothing was committed")
     return doc
 
 
@@ -267,6 +273,7 @@ def _collect(storage, step: int, token: str, processes: int, wait: _Wait,
   """Every process's record of this attempt, or raises (module docstring)."""
   work_dir = strategy.for_storage(storage).work_dir(step, token)
   base = storage.url.rstrip("/")
+  lease = f"{work_dir}/{ATTEMPT_FILE}"
   got: dict[int, dict] = {}
   while True:
     for p in sorted(_listed(storage, work_dir) - set(got)):
@@ -287,6 +294,9 @@ def _collect(storage, step: int, token: str, processes: int, wait: _Wait,
           + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
     if len(got) == processes:
       return got
+    if not storage.exists(lease):  # removed: it can never commit
+      raise attempt_lib.removed_error(
+          step, f"{base}/{work_dir}", "its lease is gone")
     if wait.left() <= 0:
       raise BarrierTimeoutError(
           f"step {step} was not committed: after {bound_s:g} s the records "
