@@ -115,8 +115,8 @@ class Job:
 
   def start(self, tmp_path, p: int, *, commit: bool | None = None,
             hold: bool = False, kill_at: str | None = None,
-            error: str | None = None, env: dict | None = None
-            ) -> subprocess.Popen:
+            error: str | None = None, env: dict | None = None,
+            bound_s: float | None = None) -> subprocess.Popen:
     copy, own, digest = self.share(p)
     index_path = tmp_path / f"index-{self.token}"
     index_path.write_bytes(self.index())
@@ -125,7 +125,8 @@ class Job:
            "src": self.source.step_dir, "copy": copy, "own": own,
            "tiling": digest, "error": error, "hold": hold,
            "commit": p == 0 if commit is None else commit,
-           "kill_at": kill_at, "bound_s": self.bound_s,
+           "kill_at": kill_at,
+           "bound_s": self.bound_s if bound_s is None else bound_s,
            "lease_s": self.lease_s, "index": os.fspath(index_path),
            "whole": list(tiling.whole(self.source.arrays))}
     path = tmp_path / f"job-{self.token}-{p}.json"
