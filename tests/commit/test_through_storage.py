@@ -12,6 +12,7 @@ partial is visible, and the next save cleans the attempt up.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -57,6 +58,11 @@ def test_every_record_in_commits_and_restores_bit_exact(
   assert _committed(job.url) == [job.step]
   assert _attempts(ckpt_dir) == []
   writers.assert_same(make_ckptr().restore(job.step), st)
+  # Process 0's writer held the lease (it names that process, not the
+  # trainer that prepared the attempt: here the test).
+  lease = json.loads((ckpt_dir / f"checkpoint_{job.step}" / "attempt.json"
+                      ).read_bytes())
+  assert lease["pid"] == next(o["pid"] for o in outs if o["process"] == 0)
   # Each writer's record is part of the step, named by process.
   assert sorted(os.listdir(ckpt_dir / f"checkpoint_{job.step}" / ".writers")
                 ) == [f"{p}.msgpack" for p in range(processes)]
