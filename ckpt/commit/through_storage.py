@@ -44,7 +44,11 @@ The API (what a writer process calls; nothing else of ckpt is needed)::
       BarrierTimeoutError (the bound passed with records missing: nothing
       committed), or the commit's own errors (removed attempt, step
       committed by another attempt); the wait ends at once when the
-      attempt's lease is gone (removed: it can never commit). ``stop`` (a threading.Event): set, the
+      attempt's lease is gone (removed: it can never commit). ``bound_s``
+      bounds the wait between looks; one look that hangs on a store that
+      stopped answering is bounded by the caller's stall deadline
+      (ckpt/store/deadline.py): run this under the save's one
+      (``deadline.scope``, ``save_timeout_s``), as the trainer's commit is. ``stop`` (a threading.Event): set, the
       wait ends with a CheckpointError and nothing is committed.
 
   wait_committed(storage, step, token, bound_s, *, stop=None,
