@@ -113,7 +113,7 @@ class Saver:
     coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
     plan, host_files, values, error, plan_s = None, {}, [], None, 0.0
-    tiling = None  # (this process's writes, every array once): the round's
+    tiling = None  # the digests of this process's writes and of the whole
     claim = None  # this process's host_state claim (extras.host_state_files)
     report = None
     planned = 0

@@ -137,10 +137,9 @@ def _relay(attempt: Attempt) -> dict[int, str]:
 
 async def _done(attempt: Attempt, error: BaseException | None,
                 report: bool) -> None:
-  """9, when the failures at "written" travel through process 0
-  (``run_save``): the barrier "done", after which a process other than 0
-  reads, in one call, what process 0 reported there: its own failure
-  (``failed/0``) or the failures it read at "written" (``relayed/<p>``),
+  """9: the barrier "done", after which a process other than 0 reads, in
+  one call, what process 0 reported there: its own failure (``failed/0``)
+  or the failures it read at "written" (``relayed/<p>``, ``run_save``),
   raised as the barrier "written" raised them before. Process 0 knows
   both already and reads nothing."""
   key = f"{attempt.key}/done"
