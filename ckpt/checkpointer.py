@@ -15,8 +15,10 @@ starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
 Built from parts that own their state (ckpt/face/: BackgroundLoop,
 InFlightSave, KnownSteps, Retention, SaveHistory, Rounds, Saver, Restorer,
-Queries, SaveDecision, RootMetadataFile) to which each public method hands
-its call; the options are in ckpt/face/options.py.
+Queries, SaveDecision, RootMetadataFile, SaveCall; built and wired in
+ckpt/face/parts.py) to which each public method hands its call; the options
+are in ckpt/face/options.py. ``tier_side`` (ckpt/face/tier_side.py) is what
+a MultiTierCheckpointer asks of the Checkpointer that is its persistent tier.
 
 The read-only queries (``all_steps``, ``latest_step``, ``best_step``,
 ``metrics``, ``metadata``, ``host_state``, ``should_save``) may be called by
