@@ -367,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
       "extra RSS = peak RSS during the operation (the kernel's VmHWM and "
       "samples every 2 ms) minus RSS just before it; restore figures include "
       "the restored state itself",
-      "every system runs in one worker process (ckpt@PATH in its own), the "
-      "same state; runs are interleaved, who goes first rotates; figures are "
-      "medians with (min-max) over the runs, ratios are ratios of medians",
+      "every system runs in one worker process (--processes N: one job of N "
+      "processes; ckpt@PATH in its own), the same state; runs are "
+      "interleaved, who goes first rotates; figures are medians with "
+      "(min-max) over the runs, ratios are ratios of medians",
       f"limit: ../shared/limits/limits.py's {limit_case}_save/"
       f"{limit_case}_restore, loaded by path; no checksums, index, commit "
       "or async mode; it restores onto the saved mesh only",

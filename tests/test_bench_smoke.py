@@ -89,3 +89,27 @@ def test_bench_smoke(tmp_path):
   assert drift["drift_rss_last"]["median"] > 0 and drift["drift_rss_5"][
       "median"] > 0
   assert "drift_ratio" not in report["systems"]["limit"]  # ckpt only
+
+
+@pytest.mark.timeout(240)
+def test_bench_smoke_in_a_job_of_two_processes(tmp_path):
+  """``--processes 2``: ckpt and the limit in one jax.distributed job of two
+  processes, runs rotated; each process writes the limit's files in its
+  own folder, and every figure has its ratio to the limit."""
+  out = tmp_path / "mp.json"
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  proc = subprocess.run(
+      [sys.executable, "-m", "scripts.bench", "--preset", "smoke",
+       "--runs", "2", "--processes", "2", "--systems", "ckpt,limit",
+       "--drift-saves", "0", "--out", str(out),
+       "--dir", str(tmp_path / "ckpts")],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=220)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+  report = json.loads(out.read_text())
+  assert report["topology"]["processes"] == 2
+  for name in ("ckpt", "limit"):
+    fig = report["systems"][name]
+    assert len(fig["save_s"]["values"]) == 2, (name, fig)
+    assert fig["restore_same_shards_verified"]["median"] > 0
+  assert set(report["ratios"]["ckpt"]) >= {"save_s", "restore_same_s"}
