@@ -10,8 +10,9 @@ round runs both in this one process, who goes first alternating:
 
 - ckpt: ``Checkpointer(async_save=False).save(1, state)``, then, right
   after, ``restore(step=1, target=<same shardings>)`` (verified), then the
-  same onto a (data=4, model=2) mesh, then one restore with ``verify=False``
-  and one with ``verify=True`` (their order alternating);
+  same onto a (data=4, model=2) mesh, then ``--pairs`` pairs of one restore
+  with ``verify=False`` and one with ``verify=True`` (the order alternating;
+  their medians);
 - the limit: ``dense_save``, then ``dense_restore``.
 
 Printed per figure: the median over rounds of ckpt / limit in the same
@@ -147,7 +148,7 @@ def evict(path: str) -> None:
         os.close(fd)
 
 
-def ckpt_round(ckpt, path, state, targets, r, check) -> dict:
+def ckpt_round(ckpt, path, state, targets, r, check, pairs) -> dict:
   c = ckpt.Checkpointer(path, async_save=False)
   try:
     c.save(1, state)
@@ -162,11 +163,15 @@ def ckpt_round(ckpt, path, state, targets, r, check) -> dict:
     if check:
       assert same(got, state), "ckpt's restore onto (4, 2) differs"
     del got
-    for verify in ((False, True) if r % 2 == 0 else (True, False)):
-      got, wall, cpu = timed(lambda: c.restore(step=1, target=targets["same"],
-                                               verify=verify))
-      del got
-      out[f"v{int(verify)}_s"], out[f"v{int(verify)}_cpu"] = wall, cpu
+    got = {k: [] for k in ("v0_s", "v0_cpu", "v1_s", "v1_cpu")}
+    for p in range(pairs):
+      for verify in ((False, True) if (r + p) % 2 == 0 else (True, False)):
+        value, wall, cpu = timed(lambda: c.restore(
+            step=1, target=targets["same"], verify=verify))
+        del value
+        got[f"v{int(verify)}_s"].append(wall)
+        got[f"v{int(verify)}_cpu"].append(cpu)
+    out.update({k: statistics.median(v) for k, v in got.items()})
   finally:
     c.close()
   return out
@@ -245,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--cold-rounds", type=int, default=3)
+  ap.add_argument("--pairs", type=int, default=3,
+                  help="verify=False / verify=True restores per round "
+                  "(their medians)")
   ap.add_argument("--dir", default=None, help="where the checkpoints go "
                   "(default: a temporary directory, removed at the end)")
   ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
@@ -270,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
       for who in (("ckpt", "limit") if r % 2 == 0 else ("limit", "ckpt")):
         path = os.path.join(where, f"{who}-{r}")
         if who == "ckpt":
-          row.update(ckpt_round(ckpt, path, state, targets, r, r == 0))
+          row.update(ckpt_round(ckpt, path, state, targets, r, r == 0,
+                                a.pairs))
         else:
           row.update(limit_round(limits, path, state, r == 0))
         shutil.rmtree(path, ignore_errors=True)
