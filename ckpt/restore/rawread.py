@@ -3,9 +3,12 @@
 A leaf of format "zarr" (v2) without compression on a local disk stores
 each chunk as one file of exactly its bytes in C order (little-endian: the
 dtypes ckpt writes), so a box made of whole chunks needs no decoder: each
-chunk file is read with ``readinto`` (``preadv`` row by row where the
-chunk's part of the box is strided) into the memory the caller places on
-its devices, the limit's ``np.fromfile`` without the fresh array. Through
+chunk file is read with ``preadv`` into the memory the caller places on
+its devices, the limit's ``np.fromfile`` without the fresh array. Where the
+chunk's place in the box is short strided runs (chunks side by side, as
+onto another mesh), a piece of it at a time goes through a small scratch
+buffer of the reading thread and is copied into place: the only copy, and
+only where the box differs from the chunk. Through
 TensorStore the same read maps the file and copies it out, a second pass
 over the bytes.
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 from typing import Any
 
 import crc32c
@@ -39,7 +43,9 @@ from ckpt.shards.plan import Box
 
 # crc32c over at most this many bytes just read (half of a 2 MiB L2).
 PIECE_BYTES = 1 << 20
-_IOV_MAX = 1024  # iovecs of one preadv (Linux's IOV_MAX)
+# A chunk placed in runs shorter than this (its rows side by side with
+# another chunk's) is read through a scratch buffer and copied into place.
+LONG_RUN_BYTES = 64 << 10
 
 
 class ChunkFiles:
@@ -104,50 +110,69 @@ class ChunkFiles:
     return crcs if summed else {}
 
 
-def _runs(view: np.ndarray) -> list[memoryview]:
-  """The contiguous runs of a view of a C-contiguous array, in C order."""
-  if view.flags.c_contiguous:
-    return [memoryview(view.reshape(-1).view(np.uint8))]
+def _run(view: np.ndarray) -> tuple[int, int]:
+  """(k, bytes): the dimensions from ``k`` on of a view of a C-contiguous
+  array are contiguous, ``bytes`` long (k = 0: the whole view is)."""
   k, run = view.ndim, view.itemsize
   while k > 0 and view.strides[k - 1] == run:
     run *= view.shape[k - 1]
     k -= 1
-  return [memoryview(view[idx].reshape(-1).view(np.uint8))
-          for idx in np.ndindex(*view.shape[:k])]
+  return k, run
 
 
 def _read_chunk(fd: int, view: np.ndarray, summed: bool) -> int | None:
   """The file's bytes into ``view`` (its crc32c when ``summed``; None on
   a short read)."""
-  runs = _runs(view)
+  k, run = _run(view)
+  if k and run < LONG_RUN_BYTES:
+    return _read_through_scratch(fd, view, summed, k, run)
+  runs = ([memoryview(view.reshape(-1).view(np.uint8))] if not k else
+          [memoryview(view[idx].reshape(-1).view(np.uint8))
+           for idx in np.ndindex(*view.shape[:k])])
   crc, offset = 0, 0
-  batch: list[memoryview] = []
-  size = 0
-
-  def flush() -> bool:
-    nonlocal crc, offset, size
-    if not batch:
-      return True
-    if os.preadv(fd, batch, offset) != size:
-      return False
-    if summed:
-      for b in batch:
-        crc = crc32c.crc32c(b, crc)
-    offset += size
-    batch.clear()
-    size = 0
-    return True
-
-  for run in runs:
-    # A long run in pieces (summed while in the cache), short runs batched
-    # into one preadv of up to PIECE_BYTES.
-    for lo in range(0, len(run), PIECE_BYTES):
-      piece = run[lo:lo + PIECE_BYTES]
-      if size + len(piece) > PIECE_BYTES or len(batch) == _IOV_MAX:
-        if not flush():
-          return None
-      batch.append(piece)
-      size += len(piece)
-  if not flush():
-    return None
+  for whole in runs:
+    # In pieces, each summed while it is in the cache.
+    for lo in range(0, len(whole), PIECE_BYTES):
+      piece = whole[lo:lo + PIECE_BYTES]
+      if os.preadv(fd, [piece], offset) != len(piece):
+        return None
+      if summed:
+        crc = crc32c.crc32c(piece, crc)
+      offset += len(piece)
   return crc
+
+
+def _read_through_scratch(fd: int, view: np.ndarray, summed: bool, k: int,
+                          run: int) -> int | None:
+  """A chunk whose place is short strided runs (its rows side by side with
+  another chunk's): read a piece of whole runs contiguously into this
+  thread's scratch buffer, summed there, and copied into place (one
+  ``preadv`` per 4 KiB row cost more in Python than the copy)."""
+  rows = max(1, PIECE_BYTES // run)
+  scratch = _scratch(rows * run)
+  inner = view.shape[k:]
+  crc, offset = 0, 0
+  for idx in np.ndindex(*view.shape[:k - 1]):
+    block = view[idx]  # (n, *inner), its rows strided
+    for lo in range(0, block.shape[0], rows):
+      hi = min(block.shape[0], lo + rows)
+      piece = scratch[:(hi - lo) * run]
+      if os.preadv(fd, [memoryview(piece)], offset) != len(piece):
+        return None
+      if summed:
+        crc = crc32c.crc32c(memoryview(piece), crc)
+      np.copyto(block[lo:hi],
+                piece.view(view.dtype).reshape((hi - lo,) + inner))
+      offset += len(piece)
+  return crc
+
+
+_LOCAL = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+  """This thread's scratch buffer of at least ``nbytes``."""
+  buf = getattr(_LOCAL, "buf", None)
+  if buf is None or len(buf) < nbytes:
+    buf = _LOCAL.buf = np.empty(nbytes, np.uint8)
+  return buf

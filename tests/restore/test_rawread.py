@@ -140,3 +140,32 @@ def test_only_raw_local_zarr_is_read_raw(tmp_path, value):
     if got is not None:
       assert rawread.ChunkFiles.of(
           fmt, {"driver": "s3", "bucket": "b", "path": "p/"}, entry) is None
+
+
+def test_long_strided_runs_are_read_in_place(tmp_path, monkeypatch):
+  """Chunks side by side whose rows are long (>= LONG_RUN_BYTES) are read
+  row by row straight into place; a flipped byte still names its chunk."""
+  shape = (4, 131072)  # chunks of (4, 16384) float32: rows of 64 KiB
+  value = np.random.default_rng(2).standard_normal(shape, dtype=np.float32)
+  x = jax.device_put(value, NamedSharding(_mesh(1, 8), P(None, "b")))
+  with ckpt.Checkpointer(tmp_path, async_save=False) as c:
+    c.save(1, {"w": x})
+  scratch = []
+  real = rawread._read_through_scratch
+  monkeypatch.setattr(rawread, "_read_through_scratch",
+                      lambda *a: scratch.append(1) or real(*a))
+  target = {"w": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(
+      _mesh(1, 4), P(None, "b")))}
+  with ckpt.Checkpointer(tmp_path) as c:
+    got = c.restore(1, target=target)["w"]
+  np.testing.assert_array_equal(np.asarray(got), value)
+  assert scratch == []
+  [victim] = [p for p in (tmp_path / "checkpoint_1").rglob("0.3")]
+  data = bytearray(victim.read_bytes())
+  data[-5] ^= 0x01
+  victim.write_bytes(bytes(data))
+  with ckpt.Checkpointer(tmp_path) as c:
+    with pytest.raises(ckpt.CorruptCheckpointError,
+                       match=r"leaf 'w': box \[0, 49152\]\.\.\[4, 65536\] "
+                       r"\(stored in .*/0\.3\)"):
+      c.restore(1, target=target)
