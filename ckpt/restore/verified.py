@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import math
 from typing import Awaitable, Callable
 
@@ -52,6 +53,8 @@ class BoxSums:
   # Hull reads in flight (``read_into``), by (event loop, start, stop):
   # boxes of a finer target that share a stored chunk share its one read.
   reads: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Row of each recorded box by (start, stop), built on first use.
+  by_box: dict = dataclasses.field(default_factory=dict, repr=False)
 
   @classmethod
   def broken(cls, error: str, rank: int, where: str, chunk_key, chunks
@@ -93,6 +96,27 @@ class BoxSums:
     hit = np.all((self.starts < hi) & (lo < self.stops), axis=1)
     return np.nonzero(hit)[0]
 
+  def tiling(self, box: Box) -> np.ndarray | None:
+    """Rows of the recorded boxes that are exactly the chunks of ``box``
+    (the same mesh or a coarser one: one dict look-up a chunk), or None."""
+    if not self.by_box and len(self.crcs):
+      for i, (a, b) in enumerate(zip(self.starts.tolist(),
+                                     self.stops.tolist())):
+        self.by_box[(tuple(a), tuple(b))] = i
+    ranges = []
+    for a, b, c in zip(box.start, box.stop, self.chunks):
+      if a % c or b <= a:
+        return None
+      ranges.append([(i, min(i + c, b)) for i in range(a, b, c)])
+    rows = []
+    for part in itertools.product(*ranges):
+      row = self.by_box.get((tuple(p[0] for p in part),
+                             tuple(p[1] for p in part)))
+      if row is None:
+        return None
+      rows.append(row)
+    return np.array(rows, dtype=np.int64)
+
   def box(self, i: int) -> Box:
     return Box(tuple(self.starts[i].tolist()), tuple(self.stops[i].tolist()))
 
@@ -114,6 +138,10 @@ def plan(sums: BoxSums, box: Box, path: str) -> tuple[Box, np.ndarray]:
   not cover ``box`` exactly once."""
   if sums.error is not None:
     raise CorruptCheckpointError(sums.error)
+  if len(sums.chunks) == len(box.start) and box.size:
+    rows = sums.tiling(box)  # each element exactly once, by construction
+    if rows is not None:
+      return box, rows
   rows = sums.overlapping(box)
   starts, stops = sums.starts[rows], sums.stops[rows]
   lo = np.asarray(box.start, dtype=np.int64)

@@ -169,3 +169,22 @@ def test_long_strided_runs_are_read_in_place(tmp_path, monkeypatch):
                        match=r"leaf 'w': box \[0, 49152\]\.\.\[4, 65536\] "
                        r"\(stored in .*/0\.3\)"):
       c.restore(1, target=target)
+
+
+def test_plan_finds_the_records_that_tile_a_box_by_look_up():
+  """A box made of whole recorded chunks is planned by one look-up a
+  chunk (a scan of every record of the leaf per box cost ~0.1 ms, 50 ms of
+  a verified restore of 256 boxes); a missing record still refuses it."""
+  records = [((r, c), (r + 2, c + 2), r * 8 + c)
+             for r in range(0, 8, 2) for c in range(0, 8, 2)]
+  sums = verified.BoxSums.of(records, 2, "where", str, (2, 2))
+  box = Box((2, 0), (6, 8))
+  at, rows = verified.plan(sums, box, "w")
+  assert at == box
+  assert {sums.box(i) for i in rows.tolist()} == {
+      Box((r, c), (r + 2, c + 2)) for r in (2, 4) for c in (0, 2, 4, 6)}
+  assert sums.tiling(Box((1, 0), (3, 2))) is None  # off the grid
+  holed = verified.BoxSums.of(records[:-1], 2, "where", str, (2, 2))
+  assert holed.tiling(Box((6, 0), (8, 8))) is None
+  with pytest.raises(ckpt.CorruptCheckpointError, match="cover 12 of the 16"):
+    verified.plan(holed, Box((6, 0), (8, 8)), "w")
