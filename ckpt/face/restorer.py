@@ -136,12 +136,17 @@ class Restorer:
       self._release(job)
 
     ended = []  # once the handle has finished
+    # [orphan] until the handle has finished: then leave and orphan no
+    # longer hold each other, so the restored tree (fut's value, held by
+    # cancel) goes with the handle, not at the next garbage collection.
+    mine = []
 
     def leave():
       ended.append(True)
       meter.__exit__(None, None, None)
-      if self._orphan is orphan:  # holds the reads (their value) no longer
+      if mine and self._orphan is mine[0]:  # holds the reads no longer
         self._pending = self._orphan = None
+      mine.clear()
 
     what = f"restore_async of step {job.step}"
 
@@ -155,6 +160,7 @@ class Restorer:
       finally:
         leave()
 
+    mine.append(orphan)
     h = handle_lib.RestoreHandle(finish, fut, cancel, leave, what)
     self._pending, self._orphan = weakref.ref(h), orphan
     return h

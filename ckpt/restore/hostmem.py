@@ -33,6 +33,10 @@ huge pages stay (on bare metal a huge page is the cheaper fault).
 ``HUGE_PAGES``: None (default) decides as above; True or False forces the
 choice (set it before restoring).
 
+The mapping of a freed buffer is kept for the next buffer of its size
+(ckpt/restore/hostpool.py): resident pages, no fault, as glibc's heap gives
+``np.empty`` back the memory the process freed.
+
 ``check_fits`` refuses, before allocating, a read of one box larger than
 this host's memory (``host_memory_bytes``).
 """
@@ -51,6 +55,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ckpt.errors import CheckpointError
+from ckpt.restore import hostpool
 
 HUGE_PAGES: bool | None = None
 
@@ -168,19 +173,24 @@ CHOOSER = _Chooser()
 
 def empty(nbytes: int) -> np.ndarray:
   """``nbytes`` of uninitialized, page-aligned (when large) host memory as
-  uint8; huge or base pages as the module docstring says. The memory is
-  unmapped when the last view of the array goes."""
+  uint8; huge or base pages as the module docstring says, or the resident
+  mapping of a freed buffer of the same size (``POOL``). The mapping goes
+  back to ``POOL`` (or is unmapped) when the last view of the array goes."""
   if nbytes < _MIN_BYTES or use_huge_pages():
     return np.empty(nbytes, np.uint8)
   size = math.ceil(nbytes / mmap.PAGESIZE) * mmap.PAGESIZE
-  if HUGE_PAGES is None:
+  kept = POOL.take(size)
+  if kept is not None:
+    m, offset = kept
+  elif HUGE_PAGES is None:
     m, offset = CHOOSER.allocate(size)
   else:
     m, offset = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE
                           | mmap.MAP_ANONYMOUS), 0
     m.madvise(_MADV_NOHUGEPAGE)
-  # The array's base keeps the mapping alive; it is unmapped with it.
-  return np.frombuffer(m, np.uint8, count=nbytes, offset=offset)
+  # The array's base keeps the mapping alive.
+  return POOL.adopt(np.frombuffer(m, np.uint8, count=nbytes, offset=offset),
+                    m, offset, size)
 
 
 def aligned_empty(shape: Sequence[int], dtype, alignment: int) -> np.ndarray:
@@ -201,6 +211,9 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   except (ValueError, OSError, AttributeError):
     return 1 << 62
+
+
+POOL = hostpool.Pool(lambda: host_memory_bytes())
 
 
 def check_fits(path: str, shape: Sequence[int], dtype) -> None:

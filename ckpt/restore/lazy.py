@@ -25,6 +25,7 @@ import tensorstore as ts
 
 from ckpt.store import ocdbt
 from ckpt.format import prng
+from ckpt.restore import rawread
 from ckpt.restore import readcount
 from ckpt.restore import verified
 from ckpt.format import tree
@@ -287,6 +288,8 @@ class LazyArray(LazyLeaf):
         tuple(entry.chunks), tsspec.codec_of(entry.codec))
     self._context = context
     self._store: ts.TensorStore | None = None
+    # Whole raw chunks are read from their files (ckpt/restore/rawread.py).
+    self._files = rawread.ChunkFiles.of(storage_format, step_kvstore, entry)
     # The recorded checksums of its boxes (verified.BoxSums) when a restore
     # verifies: every read then checks what it read.
     self.sums: verified.BoxSums | None = None
@@ -343,10 +346,21 @@ class LazyArray(LazyLeaf):
       return await super().read_into(box, out)
     await self._read_stored(box, out)
 
-  async def _read_stored(self, box: Box, out: np.ndarray) -> None:
-    """The stored data of ``box`` into ``out`` (of the stored dtype)."""
-    store = await self._open()
+  async def _read_stored(self, box: Box, out: np.ndarray
+                         ) -> dict[tuple, int] | None:
+    """The stored data of ``box`` into ``out`` (of the stored dtype).
+    Returns the crc32c of each stored chunk read, by (start, stop), when
+    the chunks were read from their files with checksums on (``sums``):
+    taken as each piece arrived (ckpt/restore/rawread.py); else None."""
+    store = await self._open()  # checks the array's metadata either way
     self._count(box)
+    parts = (self._files.parts(box) if self._files is not None and
+             out.dtype == self.dtype and out.flags.c_contiguous else None)
+    if parts is not None:
+      crcs = await asyncio.to_thread(self._files.read, parts, box, out,
+                                     self.sums is not None)
+      if crcs is not None:
+        return crcs or None
     try:
       # TensorStore decodes straight into ``out``: no intermediate array.
       await tsfuture.wait(ts.array(out, copy=False, write=True).write(
@@ -355,6 +369,7 @@ class LazyArray(LazyLeaf):
       raise CorruptCheckpointError(
           f"leaf {self.path!r}: reading {box.start}..{box.stop} failed: {e}"
       ) from e
+    return None
 
   def _count(self, box: Box) -> None:
     """Counts the read in the restore's stats (readcount.COUNTER)."""
