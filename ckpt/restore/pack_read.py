@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 from typing import Any, Iterable, Sequence
 
@@ -43,6 +44,9 @@ from ckpt.shards.plan import Box
 _TABLE_READS = 32
 # Ranges of one pack closer than this are read as one.
 _MERGE_GAP = 1 << 20
+# ``covers`` of at most this many (piece, box) pairs runs in Python: numpy's
+# fixed cost per call is several times that of a few tuple comparisons.
+_FEW = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,11 @@ class PackSet:
     self._checked: set[int] = set()
     self._covers: dict[tuple[int, Box], list[Piece]] = {}
     self._made: dict[int, Piece] = {}  # table row -> its Piece
+    # The table's columns as Python lists (``_pieces_of`` reads one row at
+    # a time: a numpy scalar per field costs more than the Piece), and
+    # each distinct box made once (10,000 leaves share a few boxes).
+    self._columns: tuple | None = None
+    self._boxes: dict[tuple, Box] = {}
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     self._store: ts.KvStore | None = None
 
@@ -145,18 +154,29 @@ class PackSet:
 
   def _pieces_of(self, rows: np.ndarray, rank: int) -> list[Piece]:
     """The Pieces of these rows (each made once)."""
-    made, t = self._made, self._table
+    made = self._made
     out = []
     for r in rows.tolist():
       pc = made.get(r)
       if pc is None:
-        pc = made[r] = Piece(
-            int(t.process[r]), int(t.pack[r]), int(t.offset[r]),
-            Box(tuple(t.start[r, :rank].tolist()),
-                tuple(t.stop[r, :rank].tolist())),
-            int(t.nbytes[r]), int(t.crc[r]))
+        pc = made[r] = self._piece_of(r, rank)
       out.append(pc)
     return out
+
+  def _piece_of(self, r: int, rank: int) -> Piece:
+    cols = self._columns
+    if cols is None:
+      t = self._table
+      cols = self._columns = (
+          t.process.tolist(), t.pack.tolist(), t.offset.tolist(),
+          t.nbytes.tolist(), t.crc.tolist(), t.start.tolist(),
+          t.stop.tolist())
+    process, pack, offset, nbytes, crc, start, stop = cols
+    corners = (tuple(start[r][:rank]), tuple(stop[r][:rank]))
+    box = self._boxes.get(corners)
+    if box is None:
+      box = self._boxes[corners] = Box(*corners)
+    return Piece(process[r], pack[r], offset[r], box, nbytes[r], crc[r])
 
   async def pieces_async(self, leaf: int) -> list[Piece]:
     if self._table is None:  # read the tables off the event loop, once
@@ -191,6 +211,8 @@ class PackSet:
     pieces for them all)."""
     rows = self._rows(leaf)
     rank = len(self.index.leaves[leaf].shape)
+    if len(rows) * len(boxes) <= _FEW:  # a small leaf: no numpy
+      return self._few_covers(leaf, rows, rank, boxes)
     t = self._table
     shape = (len(boxes), rank)
     lo = np.asarray([b.start for b in boxes], np.int64).reshape(shape)
@@ -205,6 +227,25 @@ class PackSet:
         got = self._pieces_of(rows[near[j]], rank)
         # one piece that is the box covers it exactly; else count
         if box.size and not (len(got) == 1 and exact[j].any()):
+          self._check_cover(leaf, box, got)
+        self._covers[(leaf, box)] = got
+      out.append(got)
+    return out
+
+  def _few_covers(self, leaf: int, rows: np.ndarray, rank: int,
+                  boxes: Sequence[Box]) -> list[list[Piece]]:
+    """``covers`` of a leaf with few pieces and boxes, in Python (the same
+    overlap test and the same checks as the numpy pass)."""
+    pieces = self._pieces_of(rows, rank)
+    out = []
+    for box in boxes:
+      got = self._covers.get((leaf, box))
+      if got is None:
+        lo, hi = box.start, box.stop
+        got = [pc for pc in pieces
+               if all(a < h and b > l for a, b, l, h in
+                      zip(pc.box.start, pc.box.stop, lo, hi))]
+        if box.size and not (len(got) == 1 and got[0].box == box):
           self._check_cover(leaf, box, got)
         self._covers[(leaf, box)] = got
       out.append(got)
@@ -388,7 +429,12 @@ class LazyPacked(LazyLeaf):
       for box in boxes:
         check_fits(self.path, box.shape, out_dtype)
         out = assemble.aligned_empty(box.shape, out_dtype)
-        await self.read_into(box, out)
+        pieces = (await self.packs.cover_async(self.position, box)
+                  if box.size else ())
+        if len(pieces) == 1 and pieces[0].box == box:  # the usual case
+          np.copyto(out, await self._piece(pieces[0]), casting="unsafe")
+        else:
+          await self.read_into(box, out)
         data[box] = out
 
       def get(index):
@@ -412,7 +458,17 @@ class LazyPacked(LazyLeaf):
 
 def placed_boxes(sharding, shape: tuple[int, ...]) -> dict[tuple, Box]:
   """The distinct boxes ``sharding`` puts on this process's devices, keyed
-  by their index (``_key``): what a placement of the leaf reads."""
+  by their index (``_key``): what a placement of the leaf reads. Worked
+  out once per (sharding, shape) (10,000 small leaves share a few); the
+  dict returned is shared: read it, never change it."""
+  try:
+    return _placed_boxes(sharding, tuple(shape))
+  except TypeError:  # a sharding that cannot be hashed
+    return _placed_boxes.__wrapped__(sharding, tuple(shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _placed_boxes(sharding, shape: tuple[int, ...]) -> dict[tuple, Box]:
   by_key: dict[tuple, Box] = {}
   for index in sharding.addressable_devices_indices_map(shape).values():
     key = _key(index)
