@@ -99,26 +99,17 @@ class Saver:
 
   def save(self, step: int, state: Any, refused: Exception | None,
            check: Callable[[], None], **kwargs) -> bool:
-    """``_save``; an async save with Python's cyclic GC paused until it
-    returns. The window where save() blocks its caller makes thousands of
-    short-lived objects per thousand leaves (the plan's, the staged
-    views), which triggered full collections of the whole process there
-    (a generation-2 pass of 150,000 objects: 40 ms of the 50 ms target for
-    5,000 leaves; python -m scripts.bench_small_leaves --limits). Nothing
-    made there is cyclic garbage; the collector runs again, as it would
-    have, once the caller is back in its own code."""
-    if not self.settings.async_save:
-      return self._save(step, state, refused, check, **kwargs)
-    paused = gc.isenabled()
-    gc.disable()
+    """``_save``, with Python's cyclic GC paused until the caller's arrays
+    are staged (``_GcPause``)."""
+    pause = _GcPause()
     try:
-      return self._save(step, state, refused, check, **kwargs)
+      return self._save(step, state, refused, check, pause, **kwargs)
     finally:
-      if paused:
-        gc.enable()
+      pause.resume()
 
   def _save(self, step: int, state: Any,
-            refused: Exception | None, check: Callable[[], None], *,
+            refused: Exception | None, check: Callable[[], None],
+            pause: "_GcPause", *,
                     metrics: dict | None = None,
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
@@ -181,7 +172,8 @@ class Saver:
     fut = self._loop.submit(progress_lib.reported(
         deadline_lib.bounded(
             self._save_async(attempt, plan, metrics, host_files, stats,
-                             staged, t0, coord0, custom, temporary),
+                             staged, t0, coord0, custom, temporary,
+                             pause.resume),
             started[0] if started else self._rounds.save_deadline(step)),
         report, lambda: stats.bytes_written))
     self._inflight.start(fut, step, attempt)
@@ -239,7 +231,8 @@ class Saver:
                         staged: threading.Event, t0: float,
                         coord0: coordination.CoordinationStats,
                         custom: str | None = None,
-                        temporary: bool = False) -> None:
+                        temporary: bool = False,
+                        on_staged: Callable[[], None] = lambda: None) -> None:
     cleanup = None
     ended = threading.Event()  # this save no longer runs
     self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
@@ -260,7 +253,8 @@ class Saver:
             attempt.work_dir)  # its first reads the steps' records
         await finalize.run_save(attempt, finalize.SaveJob(
             plan, self.storage, self._context, self.settings.concurrent_bytes,
-            host_files, stats, staged.set, reuse), finalize.IndexFacts(
+            host_files, stats, lambda: (staged.set(), on_staged()), reuse),
+            finalize.IndexFacts(
                 metrics, self.settings.clock, custom, temporary))
       except BaseException as e:
         # A failed save (its tiling found wrong, say) is planned afresh
@@ -343,6 +337,31 @@ class Saver:
         cleanup_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
+
+
+class _GcPause:
+  """Python's cyclic GC paused from the start of a save until the caller's
+  arrays are staged (``resume``, from any thread; idempotent). Planning
+  and staging 10,000 small leaves make hundreds of thousands of
+  short-lived objects (the plan's, the staged views), which triggered
+  generation-2 passes over the whole process there: in a first save of
+  the limit's 10,000 leaves 2-5 of them, a third of its CPU time; in a
+  later one one, a quarter; in an async save of 5,000 leaves one every
+  few saves, most of the 50 ms ``save()`` may block (python -m
+  scripts.bench_small_leaves --limits). Nothing made there is cyclic
+  garbage; the collector runs again, as it would have, once the arrays
+  are staged. A GC the caller had disabled stays disabled."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._paused = gc.isenabled()
+    gc.disable()
+
+  def resume(self) -> None:
+    with self._lock:
+      if self._paused:
+        self._paused = False
+        gc.enable()
 
 
 def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
