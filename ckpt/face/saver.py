@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -35,6 +34,7 @@ from ckpt.face import retention as retention_lib
 from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import gcpause
 from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
 from ckpt.store.progress import rate_text, size_text
@@ -100,16 +100,15 @@ class Saver:
   def save(self, step: int, state: Any, refused: Exception | None,
            check: Callable[[], None], **kwargs) -> bool:
     """``_save``, with Python's cyclic GC paused until the caller's arrays
-    are staged (``_GcPause``)."""
-    pause = _GcPause()
-    try:
+    are staged (ckpt/store/gcpause.py: full collections of the whole
+    process ran there, a third of a first save of 10,000 small leaves and
+    most of an async save's blocking time when one did)."""
+    with gcpause.paused() as pause:
       return self._save(step, state, refused, check, pause, **kwargs)
-    finally:
-      pause.resume()
 
   def _save(self, step: int, state: Any,
             refused: Exception | None, check: Callable[[], None],
-            pause: "_GcPause", *,
+            pause: gcpause.Pause, *,
                     metrics: dict | None = None,
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
@@ -337,31 +336,6 @@ class Saver:
         cleanup_lib.remove_abandoned(self.storage, name)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: could not remove abandoned %s: %s", name, e)
-
-
-class _GcPause:
-  """Python's cyclic GC paused from the start of a save until the caller's
-  arrays are staged (``resume``, from any thread; idempotent). Planning
-  and staging 10,000 small leaves make hundreds of thousands of
-  short-lived objects (the plan's, the staged views), which triggered
-  generation-2 passes over the whole process there: in a first save of
-  the limit's 10,000 leaves 2-5 of them, a third of its CPU time; in a
-  later one one, a quarter; in an async save of 5,000 leaves one every
-  few saves, most of the 50 ms ``save()`` may block (python -m
-  scripts.bench_small_leaves --limits). Nothing made there is cyclic
-  garbage; the collector runs again, as it would have, once the arrays
-  are staged. A GC the caller had disabled stays disabled."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._paused = gc.isenabled()
-    gc.disable()
-
-  def resume(self) -> None:
-    with self._lock:
-      if self._paused:
-        self._paused = False
-        gc.enable()
 
 
 def _log_saved(step: int, url: str, stats: save_lib.SaveStats,
