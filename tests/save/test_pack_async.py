@@ -256,3 +256,20 @@ def test_gc_paused_while_save_blocks_then_as_it_was(tmp_path, async_save):
     with pytest.raises(Exception, match="object"):  # a leaf ckpt refuses
       c.save(3, {"bad": object()})
     assert gc.isenabled()
+
+
+def test_gc_paused_while_small_leaves_restore_then_as_it_was(tmp_path):
+  """A restore of a step with packed leaves makes a few objects per leaf
+  and ran full collections of the whole process (issue 47): the cyclic GC
+  is paused while it runs (the target is flattened inside), and is on
+  again once restore() returns."""
+  state = {"n": _Seen({f"x{i}": jnp.full((24, 32), i, jnp.float32)
+                       for i in range(50)})}  # packed, not inline
+  with ckpt.Checkpointer(tmp_path / "c", async_save=False) as c:
+    c.save(0, state)
+    _Seen.gc_on.clear()
+    got = c.restore(0, target=state)
+    assert gc.isenabled()
+    assert not all(_Seen.gc_on), _Seen.gc_on  # the restore's own flatten
+    assert all(np.array_equal(got["n"].leaves[k], state["n"].leaves[k])
+               for k in state["n"].leaves)
