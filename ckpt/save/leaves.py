@@ -197,7 +197,7 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
     if staging.is_array(x):
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
-      if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+      if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
         impl, x = key_data(name, x)
       stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
@@ -233,7 +233,8 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
-  writes = [w._replace(leaf=layout_leaf[w.leaf])  # layout -> leaf
+  write = plan_lib.Write
+  writes = [write(layout_leaf[w[0]], *w[1:])  # layout -> leaf
             for w in plan_lib.assign_writes(layouts, process,
                                             options.max_item_bytes)]
   if options.storage_format == "ocdbt":
@@ -253,7 +254,7 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
       return None
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
-    if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+    if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
       impl, x = key_data(name, x)
     stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
@@ -315,6 +316,20 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
 # ``name`` alone is a Python property of several us).
 _STORED: dict[tuple, np.dtype] = {}
 _NAMES: dict[Any, str] = {}
+
+
+_KEYS: dict[Any, bool] = {}
+
+
+def _is_key(dtype: Any) -> bool:
+  """``prng.is_key_dtype``, remembered per dtype."""
+  try:
+    got = _KEYS.get(dtype)
+  except TypeError:  # an unhashable dtype: asked every time
+    return prng.is_key_dtype(dtype)
+  if got is None:
+    got = _KEYS[dtype] = prng.is_key_dtype(dtype)
+  return got
 
 
 def dtype_name(dtype: Any) -> str:
