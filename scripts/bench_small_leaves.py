@@ -135,12 +135,23 @@ def async_figures(preset: dict, leaves: int, root: str, runs: int) -> dict:
   return out
 
 
+def limits_path() -> pathlib.Path | None:
+  """``../shared/limits/limits.py`` next to the repository (or, from a
+  worktree under /work/wt, /work/shared's), None where there is none."""
+  for path in (presets.ROOT / ".." / "shared" / "limits" / "limits.py",
+               pathlib.Path("/work/shared/limits/limits.py")):
+    if path.exists():
+      return path
+  return None
+
+
 def _limits_module():
   """``../shared/limits/limits.py``, loaded by path as its docstring says."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  path = presets.ROOT / ".." / "shared" / "limits" / "limits.py"
-  if not path.exists():  # a worktree under /work/wt: the shared folder
-    path = pathlib.Path("/work/shared/limits/limits.py")
+  path = limits_path()
+  if path is None:
+    raise SystemExit("bench_small_leaves --limits: no ../shared/limits/"
+                     "limits.py next to the repository")
   spec = importlib.util.spec_from_file_location("limits", path)
   limits = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(limits)
@@ -242,7 +253,7 @@ def limits_main(args) -> int:
   limits = _limits_module()
   with open("/proc/loadavg") as f:
     load = f.read().split()[:3]
-  leaves = 10_000
+  leaves = args.limits_leaves
   async_leaves = args.async_leaves
   runs = max(args.runs, 1)
   with workers.workdir(args.dir) as where:
@@ -287,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = report.arg_parser(__doc__)
   parser.add_argument("--limits", action="store_true",
                       help="issue 47 item 2: every figure against limits.py")
+  parser.add_argument("--limits-leaves", type=int, default=10_000,
+                      help="--limits: leaves of limits.small_state")
   parser.add_argument("--preset", default="small_leaves_10k")
   parser.add_argument("--async-leaves", type=int, default=5000)
   parser.add_argument("--runs", type=int, default=5)
