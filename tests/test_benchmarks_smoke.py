@@ -80,6 +80,22 @@ def test_bench_small_leaves(tmp_path):
 
 
 @pytest.mark.timeout(240)
+def test_bench_small_leaves_against_the_limit(tmp_path):
+  from scripts import bench_small_leaves  # pylint: disable=g-import-not-at-top
+  if bench_small_leaves.limits_path() is None:
+    pytest.skip("no ../shared/limits/limits.py next to the repository")
+  out = tmp_path / "limits.json"
+  stdout = _run("bench_small_leaves", "--limits", "--limits-leaves", "40",
+                "--runs", "1", "--async-leaves", "20", "--out", str(out),
+                "--dir", str(tmp_path / "ckpts"))
+  figs = json.loads(out.read_text())["figures"]
+  for name in ("process_first_save", "first_save", "later_save", "restore"):
+    assert figs[name]["wall_ratio"] > 0 and figs[name]["cpu_ratio"] > 0
+    assert name in stdout
+  assert figs["async"]["blocked_s"] and "0.05 s target" in stdout
+
+
+@pytest.mark.timeout(240)
 def test_bench_read_once(tmp_path):
   out = tmp_path / "ro.json"
   stdout = _run("bench_read_once", "--read-once-scale", "1",

@@ -34,6 +34,7 @@ from ckpt.face import retention as retention_lib
 from ckpt.face import root_meta
 from ckpt.face import rounds as rounds_lib
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import gcpause
 from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
 from ckpt.store.progress import rate_text, size_text
@@ -96,8 +97,18 @@ class Saver:
     """The next save plans afresh (not from the cached plan)."""
     self._plan_cache.clear()
 
-  def save(self, step: int, state: Any,
-           refused: Exception | None, check: Callable[[], None], *,
+  def save(self, step: int, state: Any, refused: Exception | None,
+           check: Callable[[], None], **kwargs) -> bool:
+    """``_save``, with Python's cyclic GC paused until the caller's arrays
+    are staged (ckpt/store/gcpause.py: full collections of the whole
+    process ran there, a third of a first save of 10,000 small leaves and
+    most of an async save's blocking time when one did)."""
+    with gcpause.paused() as pause:
+      return self._save(step, state, refused, check, pause, **kwargs)
+
+  def _save(self, step: int, state: Any,
+            refused: Exception | None, check: Callable[[], None],
+            pause: gcpause.Pause, *,
                     metrics: dict | None = None,
                     transforms: Sequence[Callable] = (),
                     host_state: Any = None, force: bool = False,
@@ -162,7 +173,8 @@ class Saver:
     fut = self._loop.submit(progress_lib.reported(
         deadline_lib.bounded(
             self._save_async(attempt, plan, metrics, host_files, stats,
-                             staged, t0, coord0, custom, temporary),
+                             staged, t0, coord0, custom, temporary,
+                             pause.resume),
             started[0] if started else self._rounds.save_deadline(step)),
         report, lambda: stats.bytes_written))
     self._inflight.start(fut, step, attempt)
@@ -220,7 +232,8 @@ class Saver:
                         staged: threading.Event, t0: float,
                         coord0: coordination.CoordinationStats,
                         custom: str | None = None,
-                        temporary: bool = False) -> None:
+                        temporary: bool = False,
+                        on_staged: Callable[[], None] = lambda: None) -> None:
     cleanup = None
     ended = threading.Event()  # this save no longer runs
     self._inflight.running_as(asyncio.current_task())  # what cancel() cancels
@@ -241,7 +254,8 @@ class Saver:
             attempt.work_dir)  # its first reads the steps' records
         await finalize.run_save(attempt, finalize.SaveJob(
             plan, self.storage, self._context, self.settings.concurrent_bytes,
-            host_files, stats, staged.set, reuse), finalize.IndexFacts(
+            host_files, stats, lambda: (staged.set(), on_staged()), reuse),
+            finalize.IndexFacts(
                 metrics, self.settings.clock, custom, temporary))
       except BaseException as e:
         # A failed save (its tiling found wrong, say) is planned afresh

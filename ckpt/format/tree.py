@@ -69,6 +69,12 @@ def _one_level(node: Any):
   return [(path[0], child) for path, child in children], treedef
 
 
+# Types jax flattened as leaves (a type is a leaf, or a node, for all its
+# values): ``encode_structure`` tells them at once, without a
+# ``tree_flatten`` of each leaf.
+_LEAF_TYPES: set[type] = set()
+
+
 # A node of the structure is a list, its kind first; a leaf is an int:
 #   ["dict", key, child, key, child, ...]     keys str or int
 #   ["object", "<type name>", key, child, ...] a custom node (keys str)
@@ -90,8 +96,21 @@ def encode_structure(tree: Any) -> Any:
     nonlocal count
     if node is None:
       return ["none"]
+    kind = type(node)
+    if kind in _LEAF_TYPES:
+      count += 1
+      return count - 1
+    if kind is dict and all(type(k) is str for k in node):
+      # jax's order for a dict of str keys: sorted (as _one_level's)
+      keys = sorted(node)
+      return ["dict", *_pairs(keys, [walk(node[k], parts + (k,))
+                                     for k in keys])]
+    if kind is list or kind is tuple:
+      encoded = [walk(c, parts + (str(i),)) for i, c in enumerate(node)]
+      return ["list" if kind is list else "tuple", *encoded]
     level = _one_level(node)
     if level is None:
+      _LEAF_TYPES.add(kind)
       count += 1
       return count - 1
     children, _ = level

@@ -133,9 +133,22 @@ def _extra_bytes(leaf, box: Box) -> int:
 _ALIGNMENT = 64  # what XLA's CPU client needs to alias a host buffer
 
 
+# Below this, numpy's allocator never asks for huge pages: a buffer is a
+# plain np.empty, aligned here (hostmem's per-buffer choice costs more than
+# a small leaf's whole read).
+_SMALL_BYTES = 1 << 20
+
+
 def _aligned_empty(shape: Sequence[int], dtype, *, zeros: bool = False
                    ) -> np.ndarray:
-  if not zeros:  # base pages where fresh huge pages are slow (ckpt.restore.hostmem)
+  if not zeros:
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < _SMALL_BYTES:
+      raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+      offset = -raw.__array_interface__["data"][0] % _ALIGNMENT
+      return raw[offset:offset + nbytes].view(dtype).reshape(tuple(shape))
+    # base pages where fresh huge pages are slow (ckpt.restore.hostmem)
     return hostmem.aligned_empty(shape, dtype, _ALIGNMENT)
   dtype = np.dtype(dtype)
   nbytes = math.prod(shape) * dtype.itemsize

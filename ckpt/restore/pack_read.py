@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import threading
 from typing import Any, Iterable, Sequence
 
@@ -43,6 +44,9 @@ from ckpt.shards.plan import Box
 _TABLE_READS = 32
 # Ranges of one pack closer than this are read as one.
 _MERGE_GAP = 1 << 20
+# ``covers`` of at most this many (piece, box) pairs runs in Python: numpy's
+# fixed cost per call is several times that of a few tuple comparisons.
+_FEW = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +73,11 @@ class PackSet:
     self._checked: set[int] = set()
     self._covers: dict[tuple[int, Box], list[Piece]] = {}
     self._made: dict[int, Piece] = {}  # table row -> its Piece
+    # The table's columns as Python lists (``_pieces_of`` reads one row at
+    # a time: a numpy scalar per field costs more than the Piece), and
+    # each distinct box made once (10,000 leaves share a few boxes).
+    self._columns: tuple | None = None
+    self._boxes: dict[tuple, Box] = {}
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
     self._store: ts.KvStore | None = None
 
@@ -145,18 +154,29 @@ class PackSet:
 
   def _pieces_of(self, rows: np.ndarray, rank: int) -> list[Piece]:
     """The Pieces of these rows (each made once)."""
-    made, t = self._made, self._table
+    made = self._made
     out = []
     for r in rows.tolist():
       pc = made.get(r)
       if pc is None:
-        pc = made[r] = Piece(
-            int(t.process[r]), int(t.pack[r]), int(t.offset[r]),
-            Box(tuple(t.start[r, :rank].tolist()),
-                tuple(t.stop[r, :rank].tolist())),
-            int(t.nbytes[r]), int(t.crc[r]))
+        pc = made[r] = self._piece_of(r, rank)
       out.append(pc)
     return out
+
+  def _piece_of(self, r: int, rank: int) -> Piece:
+    cols = self._columns
+    if cols is None:
+      t = self._table
+      cols = self._columns = (
+          t.process.tolist(), t.pack.tolist(), t.offset.tolist(),
+          t.nbytes.tolist(), t.crc.tolist(), t.start.tolist(),
+          t.stop.tolist())
+    process, pack, offset, nbytes, crc, start, stop = cols
+    corners = (tuple(start[r][:rank]), tuple(stop[r][:rank]))
+    box = self._boxes.get(corners)
+    if box is None:
+      box = self._boxes[corners] = Box(*corners)
+    return Piece(process[r], pack[r], offset[r], box, nbytes[r], crc[r])
 
   async def pieces_async(self, leaf: int) -> list[Piece]:
     if self._table is None:  # read the tables off the event loop, once
@@ -191,6 +211,8 @@ class PackSet:
     pieces for them all)."""
     rows = self._rows(leaf)
     rank = len(self.index.leaves[leaf].shape)
+    if len(rows) * len(boxes) <= _FEW:  # a small leaf: no numpy
+      return self._few_covers(leaf, rows, rank, boxes)
     t = self._table
     shape = (len(boxes), rank)
     lo = np.asarray([b.start for b in boxes], np.int64).reshape(shape)
@@ -205,6 +227,22 @@ class PackSet:
         got = self._pieces_of(rows[near[j]], rank)
         # one piece that is the box covers it exactly; else count
         if box.size and not (len(got) == 1 and exact[j].any()):
+          self._check_cover(leaf, box, got)
+        self._covers[(leaf, box)] = got
+      out.append(got)
+    return out
+
+  def _few_covers(self, leaf: int, rows: np.ndarray, rank: int,
+                  boxes: Sequence[Box]) -> list[list[Piece]]:
+    """``covers`` of a leaf with few pieces and boxes, in Python (the same
+    overlap test and the same checks as the numpy pass)."""
+    pieces = self._pieces_of(rows, rank)
+    out = []
+    for box in boxes:
+      got = self._covers.get((leaf, box))
+      if got is None:
+        got = [pc for pc in pieces if _overlap(pc.box, box)]
+        if box.size and not (len(got) == 1 and got[0].box == box):
           self._check_cover(leaf, box, got)
         self._covers[(leaf, box)] = got
       out.append(got)
@@ -249,7 +287,8 @@ class PackSet:
         got = self._pieces_of(self._rows(leaf),
                               len(self.index.leaves[leaf].shape))
       else:
-        got = {pc for cover in self.covers(leaf, wanted) for pc in cover}
+        got = {id(pc): pc for cover in self.covers(leaf, wanted)
+               for pc in cover}.values()  # (each Piece made once)
       for pc in got:
         sizes.setdefault((pc.process, pc.pack), []).append(
             (pc.offset, pc.offset + pc.nbytes))
@@ -296,20 +335,29 @@ class PackSet:
           f"{self._where}: pack {name!r}{leaf} is missing")
     return got.value
 
-  async def piece_bytes(self, pc: Piece, path: str) -> memoryview:
-    """The bytes of ``pc``, checked against its crc32c."""
-    data = None
+  def cached_bytes(self, pc: Piece, path: str) -> memoryview | None:
+    """The bytes of ``pc`` from the prefetched packs, checked against its
+    crc32c; None if they were not prefetched."""
     for a, blob in self._cache.get((pc.process, pc.pack), ()):
       if a <= pc.offset and pc.offset + pc.nbytes <= a + len(blob):
-        data = memoryview(blob)[pc.offset - a:pc.offset - a + pc.nbytes]
-        break
-    if data is None:
-      kv = (self._store if self._store is not None
-            else await asyncio.to_thread(self._kv))
-      data = memoryview(await self._value(
-          self._range(kv, pc.process, pc.pack, pc.offset,
-                      pc.offset + pc.nbytes), (pc.process, pc.pack),
-          f" for leaf {path!r}"))
+        return self._verified(
+            pc, path, memoryview(blob)[pc.offset - a:pc.offset - a + pc.nbytes])
+    return None
+
+  async def piece_bytes(self, pc: Piece, path: str) -> memoryview:
+    """The bytes of ``pc``, checked against its crc32c."""
+    data = self.cached_bytes(pc, path)
+    if data is not None:
+      return data
+    kv = (self._store if self._store is not None
+          else await asyncio.to_thread(self._kv))
+    data = memoryview(await self._value(
+        self._range(kv, pc.process, pc.pack, pc.offset,
+                    pc.offset + pc.nbytes), (pc.process, pc.pack),
+        f" for leaf {path!r}"))
+    return self._verified(pc, path, data)
+
+  def _verified(self, pc: Piece, path: str, data: memoryview) -> memoryview:
     if len(data) != pc.nbytes:
       raise CorruptCheckpointError(
           f"leaf {path!r}: pack {pack_index.pack_name(pc.process, pc.pack)!r}"
@@ -321,6 +369,14 @@ class PackSet:
           f"{pack_index.pack_name(pc.process, pc.pack)!r} does not match its "
           "crc32c checksum (corrupt data)")
     return data
+
+
+def _overlap(a: Box, b: Box) -> bool:
+  """Whether boxes ``a`` and ``b`` share an element (as ``covers``)."""
+  for a0, a1, b0, b1 in zip(a.start, a.stop, b.start, b.stop):
+    if a0 >= b1 or a1 <= b0:
+      return False
+  return True
 
 
 class LazyPacked(LazyLeaf):
@@ -373,29 +429,36 @@ class LazyPacked(LazyLeaf):
 
   async def place(self, out_dtype, sharding, limiter) -> jax.Array:
     """The leaf on ``sharding``'s devices (assemble.materialize, not for
-    keys): each distinct box read once (from the prefetched packs) into
-    64-byte-aligned memory, cast, and every device's buffer made by ONE
+    keys): each distinct box read once (from the prefetched packs, its
+    crc32c checked) into one 64-byte-aligned buffer for the leaf's boxes,
+    cast, and every device's buffer made by ONE
     ``jax.make_array_from_callback`` (one batched transfer per leaf, not
     one ``device_put`` per box)."""
     shape = self.shape
     out_dtype = np.dtype(out_dtype)
-    by_key = placed_boxes(sharding, shape)
-    boxes = set(by_key.values())
-    grant = await limiter.acquire(
-        sum(b.size for b in boxes) * out_dtype.itemsize)
+    where = _placed(sharding, shape)
+    offsets, total = where.offsets(out_dtype.itemsize)
+    grant = await limiter.acquire(total)
     try:
+      check_fits(self.path, (total,), np.uint8)
+      arena = assemble.aligned_empty((total,), np.uint8)
       data: dict[Box, np.ndarray] = {}
-      for box in boxes:
-        check_fits(self.path, box.shape, out_dtype)
-        out = assemble.aligned_empty(box.shape, out_dtype)
-        await self.read_into(box, out)
+      for box, at in zip(where.boxes, offsets):
+        out = arena[at:at + box.size * out_dtype.itemsize].view(
+            out_dtype).reshape(box.shape)
+        pieces = (await self.packs.cover_async(self.position, box)
+                  if box.size else ())
+        if len(pieces) == 1 and pieces[0].box == box:  # the usual case
+          pc = pieces[0]
+          got = self.packs.cached_bytes(pc, self.path)
+          src = (np.frombuffer(got, self.dtype).reshape(box.shape)
+                 if got is not None else await self._piece(pc))
+          np.copyto(out, src, casting="unsafe")
+        else:
+          await self.read_into(box, out)
         data[box] = out
-
-      def get(index):
-        box = by_key.get(_key(index))
-        return data[box if box is not None else Box.from_index(index, shape)]
-
-      return await assemble.from_callback(shape, sharding, get, out_dtype)
+      return await assemble.from_callback(shape, sharding,
+                                          where.getter(data), out_dtype)
     finally:
       limiter.release(grant)
 
@@ -412,18 +475,81 @@ class LazyPacked(LazyLeaf):
 
 def placed_boxes(sharding, shape: tuple[int, ...]) -> dict[tuple, Box]:
   """The distinct boxes ``sharding`` puts on this process's devices, keyed
-  by their index (``_key``): what a placement of the leaf reads."""
-  by_key: dict[tuple, Box] = {}
-  for index in sharding.addressable_devices_indices_map(shape).values():
-    key = _key(index)
-    if key not in by_key:
-      by_key[key] = Box.from_index(index, shape)
-  return by_key
+  by their index (``_key``): what a placement of the leaf reads. Worked
+  out once per (sharding, shape) (10,000 small leaves share a few); the
+  dict returned is shared: read it, never change it."""
+  return _placed(sharding, shape).by_key
+
+
+class _Placement:
+  """What placing a leaf of ``shape`` by ``sharding`` needs, worked out
+  once per pair (``_placed``): the distinct boxes of this process's
+  devices (``by_key``, ``boxes``), where each sits in one aligned buffer
+  of them all, per itemsize, and the box of each index jax's
+  ``make_array_from_callback`` asks for."""
+
+  def __init__(self, sharding, shape: tuple[int, ...]):
+    self.shape = shape
+    # jax keeps this map (cached per sharding and shape) and passes its
+    # index tuples to the callback: held here, so that their ids stay
+    # theirs, each is found by id (a slice cannot be hashed before 3.12).
+    self.indices = sharding.addressable_devices_indices_map(shape)
+    self.by_key: dict[tuple, Box] = {}
+    self.by_id: dict[int, Box] = {}
+    for index in self.indices.values():
+      key = _key(index)
+      box = self.by_key.get(key)
+      if box is None:
+        box = self.by_key[key] = Box.from_index(index, shape)
+      self.by_id[id(index)] = box
+    self.boxes = tuple(dict.fromkeys(self.by_key.values()))
+    self._offsets: dict[int, tuple[list[int], int]] = {}
+
+  def offsets(self, itemsize: int) -> tuple[list[int], int]:
+    """(each box's offset in the leaf's buffer, its size): 64-byte
+    aligned, as jax's CPU client needs to adopt a buffer uncopied."""
+    got = self._offsets.get(itemsize)
+    if got is None:
+      at, total = [], 0
+      for box in self.boxes:
+        at.append(total)
+        total += -(-box.size * itemsize // 64) * 64
+      got = self._offsets[itemsize] = (at, total)
+    return got
+
+  def getter(self, data: dict[Box, np.ndarray]):
+    """The callback of ``make_array_from_callback`` over ``data``."""
+    by_id, by_key, shape = self.by_id, self.by_key, self.shape
+
+    def get(index):
+      box = by_id.get(id(index))
+      if box is None:
+        box = by_key.get(_key(index)) or Box.from_index(index, shape)
+      return data[box]
+    return get
+
+
+def _placed(sharding, shape) -> _Placement:
+  shape = tuple(shape)
+  try:
+    return _placement(sharding, shape)
+  except TypeError:  # a sharding that cannot be hashed
+    return _Placement(sharding, shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(sharding, shape: tuple[int, ...]) -> _Placement:
+  return _Placement(sharding, shape)
 
 
 def _key(index) -> tuple:
   return tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s
                for s in index)
+
+
+def has_packed(index: index_lib.Index) -> bool:
+  """Whether the step has packed (small) leaves."""
+  return any(isinstance(e, pack_index.PackedEntry) for e in index.leaves)
 
 
 def lazy_leaves(index: index_lib.Index, step_kvstore: dict, context

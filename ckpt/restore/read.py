@@ -11,6 +11,7 @@ ckpt/restore/targets.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -32,6 +33,7 @@ from ckpt.restore import readsplit
 from ckpt.restore import tasks
 from ckpt.restore.targets import (AsSaved, check_divides, target_spec,
                                   out_dtype)
+from ckpt.store import gcpause
 from ckpt.store import storage as storage_lib
 from ckpt.format import tree
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
@@ -332,14 +334,18 @@ async def restore(storage: storage_lib.Storage, step_dir: str,
   index = await asyncio.to_thread(read_index, storage, step_dir)
   if stats is not None:
     stats.index_s = time.perf_counter() - t
-  leaves = step_leaves(index, storage, step_dir, context, budget)
-  if args.verify:  # every read checks what it reads (restore/verified.py)
-    await checksums.attach(leaves, storage, step_dir, index)
-  limiter = ByteLimiter(budget)
-  try:
-    return await restore_tree(index, leaves, args, limiter)
-  finally:
-    readcount.note_limiter(limiter)
+  # Small leaves: the cyclic GC paused while a few objects per leaf are
+  # made (ckpt/store/gcpause.py).
+  with (gcpause.paused() if pack_read.has_packed(index) else
+        contextlib.nullcontext()):
+    leaves = step_leaves(index, storage, step_dir, context, budget)
+    if args.verify:  # every read checks what it reads (restore/verified.py)
+      await checksums.attach(leaves, storage, step_dir, index)
+    limiter = ByteLimiter(budget)
+    try:
+      return await restore_tree(index, leaves, args, limiter)
+    finally:
+      readcount.note_limiter(limiter)
 
 
 def load(path, step: int | None = None, *, storage_options: dict | None = None,

@@ -19,6 +19,7 @@ from ckpt.save import leafsource
 from ckpt.multihost import process as multihost
 from ckpt.shards import merge_groups
 from ckpt.save import pack as pack_lib
+from ckpt.save import staging
 from ckpt.shards import placement as placement_lib
 from ckpt.shards import plan as plan_lib
 from ckpt.format import prng
@@ -193,10 +194,10 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       leaves.append(value)
       continue
     impl = ""
-    if isinstance(x, jax.Array):
+    if staging.is_array(x):
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
-      if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+      if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
         impl, x = key_data(name, x)
       stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
@@ -220,19 +221,20 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
                                   min(options.chunk_bytes, options.max_item_bytes))
     if pack_lib.packable(math.prod(layout.shape) * stored.itemsize):
       entry = pack_index.PackedEntry(
-          path=parts, shape=layout.shape, dtype=stored.name,
-          source_dtype=np.dtype(x.dtype).name, sharding=sharding_text,
+          path=parts, shape=layout.shape, dtype=dtype_name(stored),
+          source_dtype=dtype_name(x.dtype), sharding=sharding_text,
           prng_impl=impl, saved_sharding=saved)
     else:
       entry = entries.ArrayEntry(
           path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
-          dtype=stored.name, chunks=layout.chunks,
-          codec=options.codec.to_json(), source_dtype=np.dtype(x.dtype).name,
+          dtype=dtype_name(stored), chunks=layout.chunks,
+          codec=options.codec.to_json(), source_dtype=dtype_name(x.dtype),
           sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, entry, layout))
-  writes = [w._replace(leaf=layout_leaf[w.leaf])  # layout -> leaf
+  write = plan_lib.Write
+  writes = [write(layout_leaf[w[0]], *w[1:])  # layout -> leaf
             for w in plan_lib.assign_writes(layouts, process,
                                             options.max_item_bytes)]
   if options.storage_format == "ocdbt":
@@ -247,12 +249,12 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
   holds whole), its value read now; None for a leaf stored as an array.
   InvalidStateError naming the leaf for what cannot be stored."""
   name = tree.path_str(parts)
-  if isinstance(x, jax.Array):
+  if staging.is_array(x):
     if not (x.is_fully_replicated and x.nbytes <= options.inline_max_bytes):
       return None
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
-    if prng.is_key_dtype(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+    if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
       impl, x = key_data(name, x)
     stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
@@ -309,11 +311,55 @@ def _check_dtype(name: str, dtype: np.dtype) -> None:
         f"one of {sorted(checks.ALLOWED_DTYPES)}")
 
 
+# (dtype, save_dtype, inline) -> the stored dtype, once checked: planning
+# 10,000 leaves asked numpy the same few questions 10,000 times (a dtype's
+# ``name`` alone is a Python property of several us).
+_STORED: dict[tuple, np.dtype] = {}
+_NAMES: dict[Any, str] = {}
+
+
+_KEYS: dict[Any, bool] = {}
+
+
+def _is_key(dtype: Any) -> bool:
+  """``prng.is_key_dtype``, remembered per dtype."""
+  try:
+    got = _KEYS.get(dtype)
+  except TypeError:  # an unhashable dtype: asked every time
+    return prng.is_key_dtype(dtype)
+  if got is None:
+    got = _KEYS[dtype] = prng.is_key_dtype(dtype)
+  return got
+
+
+def dtype_name(dtype: Any) -> str:
+  """``np.dtype(dtype).name``, remembered per dtype."""
+  got = _NAMES.get(dtype)
+  if got is None:
+    got = _NAMES[dtype] = np.dtype(dtype).name
+  return got
+
+
 def leaf_dtype(name: str, dtype: Any, save_dtype, *,
                 inline: bool = False) -> np.dtype:
   """The dtype a leaf is stored in; InvalidStateError naming the leaf if
   it has none (a jax extended dtype, or one numpy does not know). Inline
-  scalars are checked by inline_values.encode_value instead."""
+  scalars are checked by inline_values.encode_value instead. A dtype that
+  passed is remembered (``_STORED``); one that fails is checked anew."""
+  try:
+    key = (dtype, save_dtype, inline)
+    got = _STORED.get(key)
+  except TypeError:  # an unhashable save_dtype: never remembered
+    key, got = None, None
+  if got is not None:
+    return got
+  got = _leaf_dtype(name, dtype, save_dtype, inline)
+  if key is not None:
+    _STORED[key] = got
+  return got
+
+
+def _leaf_dtype(name: str, dtype: Any, save_dtype, inline: bool) -> np.dtype:
   if prng.is_extended_dtype(dtype):
     raise InvalidStateError(
         f"leaf {name!r} has the jax extended dtype {dtype}, which ckpt cannot "

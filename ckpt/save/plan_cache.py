@@ -111,7 +111,8 @@ class PlanCache:
         and len(plan.leaves) == len(leaves)):
       template = _Template(
           key, signatures, dataclasses.replace(
-              plan, leaves=[dataclasses.replace(lp, source=None)
+              plan, leaves=[leaves_lib.LeafPlan(lp.parts, None, lp.entry,
+                                                lp.layout)
                             for lp in plan.leaves]),
           [lp.layout is None for lp in plan.leaves],
           [isinstance(x, jax.Array) and prng.is_key_dtype(x.dtype)

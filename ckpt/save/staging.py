@@ -144,7 +144,7 @@ class ShardLookup:
       return -1, OTHER
     where, on_host = self._layout(src)
     i = where[write.device]
-    if not on_host or src.dtype != np.dtype(leaf.entry.dtype):
+    if not on_host or src.dtype != _dtype(leaf.entry.dtype):
       return i, PIECE
     if write.box != write.shard:
       return i, VIEW_CUT
@@ -162,6 +162,17 @@ class ShardLookup:
       return src.addressable_data(where[write.device])
     # (addressable_data: no Shard objects)
     return _box_to_host(src.addressable_data(where[write.device]), write)
+
+
+_DTYPES: dict[str, np.dtype] = {}
+
+
+def _dtype(name: str) -> np.dtype:
+  """``np.dtype(name)``, parsed once per name."""
+  got = _DTYPES.get(name)
+  if got is None:
+    got = _DTYPES[name] = np.dtype(name)
+  return got
 
 
 def _has_protocol(buf: jax.Array) -> bool:

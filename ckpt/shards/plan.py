@@ -60,6 +60,12 @@ class Box:
       raise ValueError(f"invalid box {self.start} .. {self.stop}")
     object.__setattr__(self, "shape", shape)
     object.__setattr__(self, "size", math.prod(shape))
+    # Hashed once (a restore of 10,000 small leaves looks boxes up in
+    # dicts several times per leaf); equal boxes hash alike, as before.
+    object.__setattr__(self, "_hash", hash((self.start, self.stop)))
+
+  def __hash__(self) -> int:
+    return self._hash
 
   @classmethod
   def from_index(cls, index: Sequence[slice], shape: Sequence[int]) -> "Box":

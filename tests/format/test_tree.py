@@ -118,6 +118,26 @@ def test_structure_round_trip_custom_nodes_become_dicts():
       "object", "AdamState", "count", 2]
 
 
+def test_structure_fast_path_numbers_leaves_as_jax_flattens_them():
+  """encode_structure walks plain dicts (str keys), lists and tuples and
+  known leaf types itself (issue 47: a tree_flatten per node was a sixth
+  of a first save of 10,000 leaves); every other node goes through jax.
+  Either way each leaf's number and place are flatten's."""
+  import collections  # pylint: disable=g-import-not-at-top
+  pair = collections.namedtuple("pair", "b a")
+  state = {"10": np.zeros(2), "9": [jax.numpy.ones(3), (1.0, None)],
+           "od": collections.OrderedDict([("z", 1), ("a", 2)]),
+           "dd": collections.defaultdict(int, {"y": 3, "x": 4}),
+           "nt": pair(b=5, a={"q": 6, "p": np.float32(7)}),
+           "ints": {2: 8, 1: 9}, "e": {"": 10, "A": 11, "a": 12}}
+  for _ in range(2):  # the second time the leaf types are known
+    out = roundtrip_structure(state)
+    assert [k for k in out] == sorted(state)
+    assert out["9"][1] == (1.0, None) and out["e"] == state["e"]
+    assert list(out["od"]) == ["z", "a"] and out["nt"] == {
+        "b": 5, "a": {"p": np.float32(7), "q": 6}}
+
+
 def test_structure_of_a_bare_leaf_and_of_none():
   assert roundtrip_structure(np.int32(5)) == np.int32(5)
   assert roundtrip_structure(None) is None
