@@ -33,7 +33,6 @@ import os
 import shutil
 import sys
 import threading
-import time
 from typing import Any
 
 import numpy as np

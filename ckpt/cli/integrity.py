@@ -25,7 +25,7 @@ from typing import Callable
 from ckpt.restore import checksums
 from ckpt.restore import lazy
 from ckpt.restore import tasks
-from ckpt.restore import pack_read
+from ckpt.restore import pack_leaf
 from ckpt.restore import read as restore_lib
 from ckpt.store import storage as storage_lib
 from ckpt.restore.checksums import check_boxes
@@ -53,7 +53,7 @@ async def _verify(storage: storage_lib.Storage, step_dir: str, budget: int,
       index, storage, step_dir, storage.context(), budget)
   await checksums.attach(leaves, storage, step_dir, index)
   arrays = [v for v in leaves.values()
-            if isinstance(v, (lazy.LazyArray, pack_read.LazyPacked))]
+            if isinstance(v, (lazy.LazyArray, pack_leaf.LazyPacked))]
   limiter = ByteLimiter(budget)
   problems: list[Problem] = []
   done = 0

@@ -36,7 +36,7 @@ from ckpt.restore import readcount
 from ckpt.restore.hostmem import check_fits
 from ckpt.restore.lazy import LazyLeaf
 from ckpt.restore.lazy_derived import LazyStack
-from ckpt.restore.pack_read import placed_boxes
+from ckpt.restore.placed import placed_boxes
 from ckpt.restore.tasks import gather_or_cancel
 from ckpt.shards.plan import Box
 

@@ -25,6 +25,7 @@ from ckpt.restore import checksums
 from ckpt.commit import steps as steps_lib
 from ckpt.format import index as index_lib
 from ckpt.restore import lazy
+from ckpt.restore import pack_leaf
 from ckpt.restore import pack_read
 from ckpt.format import prng
 from ckpt.restore import readcount
@@ -91,7 +92,7 @@ def checkpoint_leaves(index: index_lib.Index, step_kvstore: dict,
   (None: the step was opened on its own, so an array held by another step
   cannot be read)."""
   out: dict[tree.PathParts, Any] = {}
-  packed = pack_read.lazy_leaves(index, step_kvstore, context)
+  packed = pack_leaf.lazy_leaves(index, step_kvstore, context)
   for i, e in enumerate(index.leaves):
     if i in packed:
       leaf = packed[i]
@@ -242,7 +243,7 @@ async def restore_tree(index: index_lib.Index,
   if args.transforms:
     leaves = _apply_transforms(leaves, args)
   by_name = {tree.path_str(p): v for p, v in leaves.items()}
-  packs = None if args.lazy else pack_read.packset_of(leaves.values())
+  packs = None if args.lazy else pack_leaf.packset_of(leaves.values())
   if packs is not None:  # each pack this restore needs, read once
     try:
       return await _restore_tree(index, leaves, by_name, args, limiter, packs)
@@ -256,7 +257,7 @@ async def _restore_tree(index: index_lib.Index,
                         args: RestoreArgs, limiter: ByteLimiter,
                         packs: pack_read.PackSet | None) -> Any:
   if packs is not None and args.target is None:
-    await packs.prefetch(pack_read.positions(leaves.values()))
+    await packs.prefetch(pack_leaf.positions(leaves.values()))
 
   if args.target is None:
     names = list(by_name)
@@ -285,8 +286,8 @@ async def _restore_tree(index: index_lib.Index,
     raise MissingLeavesError(missing, list(by_name),
                              [tree.path_str(p) for p, _ in named])
   if packs is not None:
-    await packs.prefetch(pack_read.positions(sources),
-                         pack_read.boxes_placed(sources, [t for _, t in named]))
+    await packs.prefetch(pack_leaf.positions(sources),
+                         pack_leaf.boxes_placed(sources, [t for _, t in named]))
   as_saved = AsSaved(index)
   results = await tasks.gather_or_cancel(
       *(_resolve(tree.path_str(p), src, tgt, args, limiter, as_saved, i)

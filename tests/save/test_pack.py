@@ -29,6 +29,7 @@ from ckpt.cli import integrity
 from ckpt.save import pack
 from ckpt.format import pack_index
 from ckpt.format import pack_table
+from ckpt.restore import pack_leaf
 from ckpt.restore import pack_read
 from ckpt.errors import CorruptCheckpointError
 from ckpt.format import entries
@@ -163,7 +164,7 @@ def test_lazy_leaves(saved):
   root, state = saved
   with ckpt.Checkpointer(root) as c:
     lz = c.restore(1, lazy=True)
-    assert isinstance(lz["w"], pack_read.LazyPacked)
+    assert isinstance(lz["w"], pack_leaf.LazyPacked)
     assert _equal(lz["w"].read(), state["w"])
     sharding = NamedSharding(_mesh(), P("data", "model"))
     placed = lz["w"].read(sharding=sharding)
