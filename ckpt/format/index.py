@@ -9,9 +9,7 @@ inside the step directory. Anything else raises CorruptCheckpointError.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
-import gc
 import json
 import math
 from typing import Any
@@ -20,6 +18,7 @@ import msgpack
 import numpy as np
 
 from ckpt.format import index_codec
+from ckpt.store import gcpause
 from ckpt.format import saved_sharding as saved_sharding_lib
 from ckpt.format import seal
 from ckpt.format.saved_sharding import (HOST_REPLICATED, REPLICATED_HOST,
@@ -222,25 +221,10 @@ def process_file(kind: str, process: int, step_dir: str = "") -> str:
 
 # ---- encode / decode the whole index ---------------------------------------
 
-@contextlib.contextmanager
-def _gc_paused():
-  """The cyclic GC paused (as msgpack advises while unpacking): building
-  an index's hundreds of thousands of objects would otherwise trigger
-  collections that rescan them again and again (half the CPU time of
-  decoding 100,000 leaves). Nothing built here is cyclic."""
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if was_enabled:
-      gc.enable()
-
-
 def encode(index: Index) -> bytes:
   """The bytes of ``index.msgpack`` (version VERSION); raises
   InvalidStateError for an index that readers would refuse."""
-  with _gc_paused():
+  with gcpause.paused():
     return _encode(index)
 
 
@@ -379,20 +363,15 @@ def unpack(data: bytes) -> Any:
   limits = dict(max_str_len=MAX_INDEX_BYTES, max_bin_len=MAX_INDEX_BYTES,
                 max_array_len=min(MAX_CONTAINER_LEN, len(data)),
                 max_map_len=min(MAX_CONTAINER_LEN, len(data)), max_ext_len=0)
-  was_enabled = gc.isenabled()
-  gc.disable()
-  try:
+  with gcpause.paused():
     return msgpack.unpackb(data, raw=False, strict_map_key=True,
                            list_hook=budget.list_hook,
                            object_hook=budget.object_hook, **limits)
-  finally:
-    if was_enabled:
-      gc.enable()
 
 
 def decode(data: bytes, where: str = "index.msgpack") -> Index:
   """Parses and validates an index; raises CorruptCheckpointError."""
-  with _gc_paused():
+  with gcpause.paused():
     return _decode(data, where)
 
 

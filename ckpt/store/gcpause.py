@@ -10,7 +10,8 @@ first save (a third of its CPU time), one in a later save (a quarter),
 few saves, most of the 50 ms ``save()`` may block. Nothing made there is
 cyclic garbage (what is freed goes by reference counting); the collector
 runs again, as it would have, once the work is done. A GC the caller had
-disabled stays disabled.
+disabled stays disabled. The index's encode and decode pause it the same
+way (ckpt/format/index.py: half the CPU time of decoding 100,000 leaves).
 """
 
 from __future__ import annotations
