@@ -45,6 +45,7 @@ from ckpt.commit import renewal as renewal_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import durable
+from ckpt.save import handed
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
@@ -119,6 +120,9 @@ class SaveJob:
   stats: save_lib.SaveStats      # filled in as the save goes
   on_staged: Callable[[], None]  # the caller's arrays are free again
   reuse: Any = None  # a ckpt/save/reuse.py SaveReuse (reuse_unchanged=True)
+  # writer="process": this host's writer process writes (ckpt/save/handed.py)
+  writer: Any = None
+  storage_options: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,17 +143,27 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   kvstore = durable.deferred(job.plan.options.storage_format,
                              job.storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
+  # The writer process commits a one-process save (and renews its lease).
+  by_writer = job.writer is not None and handed.commits(
+      multihost.process_count())
   # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
   lease = (renewal_lib.Renewal(job.storage, attempt.step, attempt.token,
                                attempt.lease_s).start()
-           if pid == 0 else None)
+           if pid == 0 and not by_writer else None)
   try:
     # 3-4. This process's boxes under one byte budget, its host_state file
     # alongside, then its other small files.
-    host_files = _write_host_files(attempt, job)
-    sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
-    mine, late = await _outcome(
-        _write_own_files(attempt, job, host_files, sums, error is None))
+    if job.writer is not None:  # written by the writer process (handed.py)
+      got, error = await _outcome(handed.write(
+          attempt, job, lambda: _checked_index(attempt, job, facts),
+          lambda: _post_tiling(attempt, job.plan)))
+      (mine, committed), late = got or (b"", False), None
+    else:
+      host_files = _write_host_files(attempt, job)
+      sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
+      mine, late = await _outcome(
+          _write_own_files(attempt, job, host_files, sums, error is None))
+      committed = False
     # 5. Every process has written (or stopped writing, having failed).
     await _barrier(attempt, "written", "all processes wrote their data",
                    error or late,
@@ -162,7 +176,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
                      error)
     # 6-7. Process 0: the tiling checked, the index written, the commit.
     error = None
-    if pid == 0:
+    if pid == 0 and not committed:
       _, error = await _outcome(
           _commit(attempt, job, facts, kvstore, mine, groups == 1, lease))
     # 9. The save is complete everywhere.
@@ -254,10 +268,22 @@ async def _write_own_files(attempt: Attempt, job: SaveJob,
     await _write_process_file(
         job.storage, attempt, index_lib.CHECKSUMS_DIR, pid,
         msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
-  mine = await asyncio.to_thread(_tiling_digest, plan)
-  await asyncio.to_thread(multihost.post_bytes, f"{attempt.key}/tiling", mine,
-                          attempt.timeout_s)
+  return await asyncio.to_thread(_post_tiling, attempt, plan)
+
+
+def _post_tiling(attempt: Attempt, plan: leaves_lib.SavePlan) -> bytes:
+  """This process's tiling digest, posted for process 0's check."""
+  mine = _tiling_digest(plan)
+  multihost.post_bytes(f"{attempt.key}/tiling", mine, attempt.timeout_s)
   return mine
+
+
+def _checked_index(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> bytes:
+  """One process, its writer committing: the tiling checked and the index
+  encoded here, before the hand-over ends (ckpt/save/handed.py)."""
+  _check_tiling(job.plan, attempt.key, _tiling_digest(job.plan), attempt.step,
+                attempt.timeout_s)
+  return index_lib.encode(_index(attempt, job, facts))
 
 
 async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:
