@@ -82,6 +82,18 @@ class Renewal:
     """No renewal starts after this (one in flight ends on its own)."""
     self._stop.set()
 
+  def take(self) -> "Renewal":
+    """Renews once now, before ``start``: the lease then names this
+    process as its holder (a writer process taking over the attempt
+    process 0's trainer prepared: ckpt/commit/through_storage.py). Raises
+    the removed_error if the lease is lost."""
+    with self._lock:
+      if self.lost is None:
+        self._renew()
+      if self.lost is not None:
+        raise attempt.removed_error(self.step, self.where, self.lost)
+    return self
+
   def final(self) -> bytes | None:
     """Stops the renewals and renews once more: the lease's generation
     now (None on POSIX); raises the removed_error if the lease is lost."""

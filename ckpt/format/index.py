@@ -183,11 +183,17 @@ def _decode_custom_metadata(v: Any, where: str) -> str | None:
 #   <step dir>/.reuse/<process>.msgpack        reuse_unchanged=True: the
 #                                              xxh3-128 of every chunk it
 #                                              stored, bytes written/reused
+#   <step dir>/.writers/<process>.msgpack      writer="process": the record
+#                                              of what its writer wrote, by
+#                                              which process 0's writer
+#                                              commits (ckpt/commit/
+#                                              through_storage.py)
 # A leaf's directory never starts with "." (tree.storage_relpath escapes it,
 # check_relpath refuses it), so these names cannot meet a leaf's array.
 HOST_STATE_DIR = ".host_state"
 CHECKSUMS_DIR = ".checksums"
 REUSE_DIR = ".reuse"
+WRITERS_DIR = ".writers"
 # Process numbers read from an index beyond this are refused (file names are
 # built from them).
 MAX_PROCESSES = 1 << 20
@@ -205,7 +211,7 @@ def host_state_count(v: Any, where: str) -> int:
 def process_file(kind: str, process: int, step_dir: str = "") -> str:
   """``<step_dir>/<kind>/<process>.msgpack``: the name is built from a
   process number checked here, never read from a checkpoint."""
-  if kind not in (HOST_STATE_DIR, CHECKSUMS_DIR, REUSE_DIR):
+  if kind not in (HOST_STATE_DIR, CHECKSUMS_DIR, REUSE_DIR, WRITERS_DIR):
     raise ValueError(f"unknown per-process file kind {kind!r}")
   if type(process) is not int or not 0 <= process < MAX_PROCESSES:
     raise CorruptCheckpointError(
