@@ -7,10 +7,11 @@ was written: the host holds at most ``concurrent_bytes`` of staged boxes,
 counted once), handed over as a msgpack message (ckpt/save/handover.py),
 then ``finish`` is sent, and only then is the caller released
 (``on_staged``): once ``save()`` has returned, the writer holds all it
-needs. With one process the writer also commits (its index is built and
-the tiling checked here before ``finish``), so the step commits even if
-the trainer dies; with several, this process's trainer goes on through the
-runner's barriers and process 0 commits.
+needs. The writers commit through the storage
+(ckpt/commit/through_storage.py: each writes its record, process 0's
+commits once all are in; process 0's index and the tiling digests go with
+``finish``), so the step commits even if every trainer dies; the trainers
+then pass the runner's barriers, and none of them commits.
 
 A failure of the writer comes back as the same exception class and
 message (``handover.rebuild``); a writer that died fails the save with a
@@ -37,11 +38,6 @@ from ckpt.store import deadline as deadline_lib
 from ckpt.store.limiter import ByteLimiter
 
 INLINE_WORK_BYTES = 256 << 10  # staged on the loop, not on a worker thread
-
-
-def commits(process_count: int) -> bool:
-  """Whether the writer commits (else the trainers' runner does)."""
-  return process_count == 1
 
 
 class Handing:
@@ -146,13 +142,12 @@ def _stage_into(leaf: Any, w: Any, piece: Any, name: str) -> None:
   seg.close()
 
 
-async def write(attempt: Any, job: Any,
-                index: Callable[[], bytes] | None,
-                posted: Callable[[], bytes]) -> tuple[bytes, bool]:
+async def write(attempt: Any, job: Any, index: Callable[[], bytes],
+                digests: Callable[[], tuple[list, list]]) -> bool:
   """Stages, hands over and waits for the writer (see the module
-  docstring). ``index()``: the checked index (when the writer commits);
-  ``posted()``: this process's tiling digest, posted for process 0.
-  Returns (that digest, whether the writer committed)."""
+  docstring). ``index()``: the index (process 0); ``digests()``: this
+  process's tiling digest and that of every array once. Returns once the
+  step is committed (True), or raises."""
   plan, stats, writer = job.plan, job.stats, job.writer
   pid, count = multihost.process_index(), multihost.process_count()
   if any(lp.packed for lp in plan.leaves):
@@ -164,7 +159,6 @@ async def write(attempt: Any, job: Any,
   arrays = sum(lp.layout is not None for lp in plan.leaves)
   stats.array_leaves, stats.inline_leaves = arrays, len(plan.leaves) - arrays
   kvstore = job.storage.step_spec(attempt.work_dir)
-  committing = commits(count) and index is not None
   try:
     try:
       handing.send(
@@ -175,13 +169,14 @@ async def write(attempt: Any, job: Any,
               plan.options.storage_format) == "none",
           host_files=[{"process": p, "data": d}
                       for p, d in job.host_files.items()],
-          commit=committing, lease_s=attempt.lease_s,
+          processes=count, lease_s=attempt.lease_s,
           save_timeout_s=(None if handing.deadline is None
                           else handing.deadline.bound_s))
       boxes = await _stage_all(plan, handing, writer)
-      mine = await asyncio.to_thread(posted) if not committing else None
-      data = index() if committing else None
-      handing.send("finish", process=pid, wrote=True, index=data)
+      mine, whole = digests()
+      handing.send("finish", tiling=mine, bound_s=attempt.timeout_s,
+                   index=index() if pid == 0 else None,
+                   whole=whole if pid == 0 else None)
     finally:
       for lp in plan.leaves:
         lp.source = None  # the caller's arrays are no longer needed
@@ -194,7 +189,7 @@ async def write(attempt: Any, job: Any,
     stats.bytes_written += got["bytes_written"]
     stats.boxes_written += boxes
     stats.peak_bytes_in_flight = limiter.peak_in_use
-    return (mine if mine is not None else b""), bool(got["committed"])
+    return bool(got["committed"])
   except asyncio.CancelledError:
     if not handing.cancelled.done():
       await _stop(handing, attempt.timeout_s)

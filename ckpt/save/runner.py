@@ -143,27 +143,25 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   kvstore = durable.deferred(job.plan.options.storage_format,
                              job.storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
-  # The writer process commits a one-process save (and renews its lease).
-  by_writer = job.writer is not None and handed.commits(
-      multihost.process_count())
-  # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
+  # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py);
+  # with writer="process", process 0's writer does (and commits).
   lease = (renewal_lib.Renewal(job.storage, attempt.step, attempt.token,
                                attempt.lease_s).start()
-           if pid == 0 and not by_writer else None)
+           if pid == 0 and job.writer is None else None)
+  committed = False
   try:
     # 3-4. This process's boxes under one byte budget, its host_state file
     # alongside, then its other small files.
     if job.writer is not None:  # written by the writer process (handed.py)
-      got, error = await _outcome(handed.write(
-          attempt, job, lambda: _checked_index(attempt, job, facts),
-          lambda: _post_tiling(attempt, job.plan)))
-      (mine, committed), late = got or (b"", False), None
+      committed, error = await _outcome(handed.write(
+          attempt, job, lambda: index_lib.encode(_index(attempt, job, facts)),
+          lambda: _digests(job.plan)))
+      mine, late = b"", None
     else:
       host_files = _write_host_files(attempt, job)
       sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
       mine, late = await _outcome(
           _write_own_files(attempt, job, host_files, sums, error is None))
-      committed = False
     # 5. Every process has written (or stopped writing, having failed).
     await _barrier(attempt, "written", "all processes wrote their data",
                    error or late,
@@ -182,7 +180,8 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     # 9. The save is complete everywhere.
     await _barrier(attempt, "done", "the commit finished", error)
   except BaseException as e:
-    await _after_failure(attempt, job.storage, e, bool(stopped_writing))
+    if not committed:  # (a step the writers committed stays)
+      await _after_failure(attempt, job.storage, e, bool(stopped_writing))
     raise
   finally:
     if lease is not None:
@@ -268,22 +267,17 @@ async def _write_own_files(attempt: Attempt, job: SaveJob,
     await _write_process_file(
         job.storage, attempt, index_lib.CHECKSUMS_DIR, pid,
         msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
-  return await asyncio.to_thread(_post_tiling, attempt, plan)
-
-
-def _post_tiling(attempt: Attempt, plan: leaves_lib.SavePlan) -> bytes:
-  """This process's tiling digest, posted for process 0's check."""
-  mine = _tiling_digest(plan)
-  multihost.post_bytes(f"{attempt.key}/tiling", mine, attempt.timeout_s)
+  mine = await asyncio.to_thread(_tiling_digest, plan)
+  await asyncio.to_thread(multihost.post_bytes, f"{attempt.key}/tiling", mine,
+                          attempt.timeout_s)
   return mine
 
 
-def _checked_index(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> bytes:
-  """One process, its writer committing: the tiling checked and the index
-  encoded here, before the hand-over ends (ckpt/save/handed.py)."""
-  _check_tiling(job.plan, attempt.key, _tiling_digest(job.plan), attempt.step,
-                attempt.timeout_s)
-  return index_lib.encode(_index(attempt, job, facts))
+def _digests(plan: leaves_lib.SavePlan) -> tuple[list, list]:
+  """writer="process": this process's tiling digest and that of every
+  array once, which process 0's writer checks (through_storage.py)."""
+  return (list(msgpack.unpackb(_tiling_digest(plan))),
+          list(_whole_digest(plan)))
 
 
 async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:

@@ -35,9 +35,8 @@ import msgpack
 import numpy as np
 import tensorstore as ts
 
-from ckpt.commit import protocol as commit_lib
-from ckpt.commit import renewal as renewal_lib
 from ckpt.commit import strategy
+from ckpt.commit import through_storage
 from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import seal
@@ -77,10 +76,14 @@ class Save:
     self.committing = False
     self.committed = False
     self.finishing: threading.Thread | None = None
+    self.process, self.processes = begin["process"], begin["processes"]
+    self.files: dict[str, bytes] = {}  # this process's small files, written
+    self.recorded = False  # its record (through_storage) is written
+    self.stop_event = threading.Event()  # cancel: no commit, no more waits
     self.renewal = None
-    if begin["commit"]:  # this writer commits: it renews the lease too
-      self.renewal = renewal_lib.Renewal(self.storage, self.step, self.token,
-                                         begin["lease_s"]).start()
+    if self.process == 0:  # process 0's writer holds the lease from now on
+      self.renewal = through_storage.hold_lease(
+          self.storage, self.step, self.token, begin["lease_s"])
     self.opening = self.pool.submit(deadline_lib.call, self.deadline,
                                     self._open_arrays)
 
@@ -153,12 +156,19 @@ class Save:
     try:
       concurrent.futures.wait(self.writes)
       deadline_lib.call(self.deadline, self._files, m)
+      # Its part durable: its record, then process 0's writer commits once
+      # every record is in (ckpt/commit/through_storage.py).
+      deadline_lib.call(self.deadline, lambda: through_storage.write_record(
+          self.storage, self.step, self.token, self.process, self.processes,
+          files=self.files, tiling=m["tiling"]))
+      self.recorded = True
       committed = self._commit(m)
       self._tell("done", bytes_written=self.bytes_written,
                  committed=committed)
     except BaseException as e:  # pylint: disable=broad-except
       logging.warning("ckpt writer process: the save of step %d failed: "
                       "%s: %s", self.step, type(e).__name__, e)
+      self._record_failure(e)
       self._tell("failed", **handover.error_message(e))
     finally:
       self._end()
@@ -169,33 +179,58 @@ class Save:
     self.opening.result()
     if self.error is not None:
       raise self.error
-    if self.take_sums and m["wrote"]:
+    if self.take_sums:
       self._write_file(index_lib.CHECKSUMS_DIR, msgpack.packb(
-          {"process": m["process"], "boxes": self.sums}, use_bin_type=True))
+          {"process": self.process, "boxes": self.sums}, use_bin_type=True))
     for f in self.msg["host_files"]:
       self._write_file(index_lib.HOST_STATE_DIR, f["data"], f["process"])
 
   def _commit(self, m: dict) -> bool:
-    """The commit, when the writer commits (the index came with finish)."""
-    if m.get("index") is None:
-      return False
+    """Process 0's writer: the commit, once every record is in; the others:
+    whether it committed (both within the bound)."""
     with self.lock:
       if self.stopped:
         raise CheckpointError(f"the save of step {self.step} was "
                               "cancelled before its commit")
-      self.committing = True
-    renewal, self.renewal = self.renewal, None
-    deadline_lib.call(self.deadline, commit_lib.commit, self.storage,
-                      self.step, self.token, m["index"], renewal)
+      self.committing = self.process == 0
+    bound = m["bound_s"]
+    if self.process == 0:
+      renewal, self.renewal = self.renewal, None
+      deadline_lib.call(self.deadline, lambda: (
+          through_storage.commit_when_written(
+              self.storage, self.step, self.token, self.processes, m["index"],
+              bound_s=bound, renewal=renewal, whole=m["whole"],
+              stop=self.stop_event)))
+    elif not through_storage.wait_committed(
+        self.storage, self.step, self.token, 2 * bound, stop=self.stop_event):
+      raise CheckpointError(
+          f"step {self.step} was not committed by process 0's writer within "
+          f"{2 * bound:g} s of this writer's record (it failed, or died; "
+          f"its process says which)")
     self.committed = True
     return True
 
+  def _record_failure(self, e: BaseException) -> None:
+    """A writer that failed before its record says so in one, so process
+    0's writer stops waiting and commits nothing."""
+    if self.recorded:
+      return
+    try:
+      through_storage.write_record(
+          self.storage, self.step, self.token, self.process, self.processes,
+          error=f"{type(e).__name__}: {e}")
+      self.recorded = True
+    except Exception as e2:  # pylint: disable=broad-except
+      logging.warning("ckpt writer process: could not record the failure "
+                      "of step %d: %s", self.step, e2)
+
   def _write_file(self, kind: str, data: bytes, pid: int | None = None) -> None:
-    pid = self.msg["process"] if pid is None else pid
+    pid = self.process if pid is None else pid
     rel = index_lib.process_file(kind, pid)
     what = (f"the {kind.lstrip('.')} file of process {pid}, step "
             f"{self.step},")
     data = seal.seal(data)
+    self.files[rel] = data
     if len(data) > index_lib.MAX_PROCESS_FILE_BYTES:
       raise CheckpointError(
           f"{what} is {len(data)} bytes; readers accept at most "
@@ -209,6 +244,7 @@ class Save:
     with self.lock:
       self.stopped = True
       committing = self.committing
+    self.stop_event.set()  # a wait for the records or the commit ends
     if self.finishing is not None and committing:
       self.finishing.join()
     concurrent.futures.wait(self.writes)
