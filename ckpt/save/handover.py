@@ -17,12 +17,13 @@ written and durable, the files written, committed or not), ``failed``
 (an error: its class name and message), ``cancelled``.
 
 Shared memory: one file under ``/dev/shm`` per staged box, named
-``ckpt-<trainer pid>-<writer nonce>-<n>``: the trainer creates it and copies the
-box into it (the staging copy, the only one), the writer maps it, writes
+``ckpt-<trainer pid>-<writer nonce>-<writer pid>-<n>``: the trainer
+creates it and copies the box into it (the staging copy, the only one), the writer maps it, writes
 from the mapping and unlinks it once written. Every path unlinks: the
 writer what it was handed (written, failed, cancelled, or its trainer
 dead), the trainer what it staged but did not hand over, ``sweep`` what a
-trainer and writer that both died left (their pid is gone).
+trainer and writer that both died left (both pids gone: another writer of
+the host may still be reading what a dead trainer handed it).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import numpy as np
 
 SHM_DIR = "/dev/shm"
 _PREFIX = "ckpt-"
-_NAME = re.compile(r"ckpt-(\d+)-([0-9a-f]+)-\d+$")
+_NAME = re.compile(r"ckpt-(\d+)-([0-9a-f]+)-(\d+)-\d+$")
 MAX_MESSAGE_BYTES = 1 << 30
 _LEN = struct.Struct(">I")
 
@@ -96,9 +97,10 @@ class Channel:
     self.sock.close()
 
 
-def segment_name(nonce: str, n: int) -> str:
-  """The name of segment ``n`` of this trainer's writer ``nonce``."""
-  return f"{_PREFIX}{os.getpid()}-{nonce}-{n}"
+def segment_name(nonce: str, writer: int, n: int) -> str:
+  """The name of segment ``n`` for this trainer's writer ``nonce`` (whose
+  process is ``writer``)."""
+  return f"{_PREFIX}{os.getpid()}-{nonce}-{writer}-{n}"
 
 
 class Segment:
@@ -156,7 +158,8 @@ def _alive(pid: int) -> bool:
 def sweep(of_pid: int | None = None, nonce: str | None = None,
           spare: int | None = None) -> int:
   """Unlinks the segments of trainer ``of_pid``'s writer ``nonce`` (None:
-  of every trainer that is gone, but trainer ``spare``); how many."""
+  those whose trainer and writer are both gone, but trainer ``spare``'s);
+  how many."""
   n = 0
   try:
     names = os.listdir(SHM_DIR)
@@ -166,9 +169,9 @@ def sweep(of_pid: int | None = None, nonce: str | None = None,
     m = _NAME.match(name)
     if m is None:
       continue
-    pid = int(m.group(1))
+    pid, writer = int(m.group(1)), int(m.group(3))
     if ((pid == of_pid and m.group(2) == nonce) if of_pid is not None
-        else pid != spare and not _alive(pid)):
+        else pid != spare and not _alive(pid) and not _alive(writer)):
       unlink(name)
       n += 1
   return n

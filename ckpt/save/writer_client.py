@@ -42,7 +42,8 @@ class WriterProcess:
     self._segments = itertools.count()
 
   def segment_name(self) -> str:
-    return handover.segment_name(self.nonce, next(self._segments))
+    return handover.segment_name(self.nonce, self.pid or 0,
+                                 next(self._segments))
 
   @property
   def pid(self) -> int | None:
