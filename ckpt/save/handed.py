@@ -128,8 +128,13 @@ def _arrays(plan: Any, kvstore: dict, pid: int, count: int) -> list[dict]:
 
 def _stage_into(leaf: Any, w: Any, piece: Any, name: str) -> None:
   """One box on the host (staging.host_box: a view on CPU devices) copied
-  into the new shared-memory segment ``name``: the save's one copy."""
+  into the new shared-memory segment ``name``: the save's one copy (with
+  write(2) when the box is contiguous: faster than faulting in a mapping
+  page by page)."""
   data = staging.host_box(leaf, w, piece, True)
+  if data.flags.c_contiguous:
+    handover.write_segment(name, memoryview(data.reshape(-1).view(np.uint8)))
+    return
   seg = handover.Segment(name, data.nbytes, create=True)
   try:
     out = seg.array(data.shape, data.dtype)

@@ -138,6 +138,23 @@ class Segment:
       pass
 
 
+def write_segment(name: str, data: memoryview) -> None:
+  """A new segment ``name`` holding ``data`` (bytes), written with write(2)."""
+  if not _NAME.match(name):
+    raise ValueError(f"not a ckpt shared-memory name: {name!r}")
+  fd = os.open(os.path.join(SHM_DIR, name),
+               os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+  try:
+    done = 0
+    while done < len(data):
+      done += os.write(fd, data[done:done + (256 << 20)])
+  except BaseException:
+    os.close(fd)
+    unlink(name)
+    raise
+  os.close(fd)
+
+
 def unlink(name: str) -> None:
   try:
     os.unlink(os.path.join(SHM_DIR, name))
