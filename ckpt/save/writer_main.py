@@ -201,14 +201,39 @@ class Save:
               self.storage, self.step, self.token, self.processes, m["index"],
               bound_s=bound, renewal=renewal, whole=m["whole"],
               stop=self.stop_event)))
-    elif not through_storage.wait_committed(
-        self.storage, self.step, self.token, 2 * bound, stop=self.stop_event):
+    elif not self._wait_committed(2 * bound):
       raise CheckpointError(
           f"step {self.step} was not committed by process 0's writer within "
           f"{2 * bound:g} s of this writer's record (it failed, or died; "
           f"its process says which)")
     self.committed = True
     return True
+
+  def _wait_committed(self, bound_s: float) -> bool:
+    """Whether process 0's writer committed the step within ``bound_s``;
+    False at once when its own record says it failed (its trainer died
+    before the hand-over ended: it never commits)."""
+    t0 = time.monotonic()
+    key = through_storage.record_key(self.work_dir, 0)
+    while True:
+      left = bound_s - (time.monotonic() - t0)
+      if through_storage.wait_committed(self.storage, self.step, self.token,
+                                        max(0.0, min(1.0, left)),
+                                        stop=self.stop_event):
+        return True
+      if left <= 0 or self.stop_event.is_set() or self._failed_record(key):
+        return False
+
+  def _failed_record(self, key: str) -> bool:
+    try:
+      data = self.storage.read_bytes(key, limit=through_storage.MAX_RECORD_BYTES)
+      if data is None:
+        return False
+      doc = msgpack.unpackb(seal.unseal(data, key), raw=False)
+    except Exception:  # pylint: disable=broad-except
+      return False  # damaged: process 0's writer says so itself
+    return (isinstance(doc, dict) and doc.get("attempt") == self.token
+            and doc.get("step") == self.step and doc.get("ok") is False)
 
   def _record_failure(self, e: BaseException) -> None:
     """A writer that failed before its record says so in one, so process
@@ -249,6 +274,10 @@ class Save:
       self.finishing.join()
     concurrent.futures.wait(self.writes)
     if self.finishing is None:
+      # Its record says so: process 0's writer stops waiting for it.
+      self._record_failure(CheckpointError(
+          f"the save of step {self.step} was cancelled, or its trainer died, "
+          "before it was handed over whole"))
       self._end()
     return self.committed
 
