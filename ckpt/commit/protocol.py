@@ -139,7 +139,9 @@ directories, two flat prefixes hold one small object per step or attempt::
 This module writes an attempt and commits it (``prepare``, ``heartbeat``,
 ``commit``); which steps are committed and where their data is, is read by
 ckpt/commit/steps.py, and cleanup (``abandoned``, ``remove``) is
-ckpt/commit/cleanup.py.
+ckpt/commit/cleanup.py. The agreement before ``commit`` is the save's
+barriers (ckpt/save/runner.py), or, with writer processes, the writers'
+records in the attempt (ckpt/commit/through_storage.py).
 """
 
 from __future__ import annotations

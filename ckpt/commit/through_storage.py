@@ -43,14 +43,23 @@ The API (what a writer process calls; nothing else of ckpt is needed)::
       or a file it names is damaged or missing: nothing committed),
       BarrierTimeoutError (the bound passed with records missing: nothing
       committed), or the commit's own errors (removed attempt, step
-      committed by another attempt). ``stop`` (a threading.Event): set, the
+      committed by another attempt); the wait ends at once when the
+      attempt's lease is gone (removed: it can never commit). ``bound_s``
+      bounds the wait between looks; one look that hangs on a store that
+      stopped answering is bounded by the caller's stall deadline
+      (ckpt/store/deadline.py): run this under the save's one
+      (``deadline.scope``, ``save_timeout_s``), as the trainer's commit is. ``stop`` (a threading.Event): set, the
       wait ends with a CheckpointError and nothing is committed.
 
   wait_committed(storage, step, token, bound_s, *, stop=None,
                  clock=time.monotonic) -> bool
       any process (another host's writer, a trainer): whether this attempt
       committed ``step`` within ``bound_s``; False as soon as the attempt
-      is gone without committing.
+      is gone without committing. The storage is the truth: False after
+      the bound means "not seen committed", so give it a bound longer than
+      process 0's (its ``bound_s`` plus the commit's own, e.g.
+      ``save_timeout_s``), or a process 0 that froze and woke up in time
+      may commit after another process said it did not.
 
 Guarantees (the commit protocol's, ckpt/commit/protocol.py):
 

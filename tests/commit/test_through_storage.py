@@ -12,8 +12,10 @@ partial is visible, and the next save cleans the attempt up.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 
 import msgpack
 import pytest
@@ -57,6 +59,11 @@ def test_every_record_in_commits_and_restores_bit_exact(
   assert _committed(job.url) == [job.step]
   assert _attempts(ckpt_dir) == []
   writers.assert_same(make_ckptr().restore(job.step), st)
+  # Process 0's writer held the lease (it names that process, not the
+  # trainer that prepared the attempt: here the test).
+  lease = json.loads((ckpt_dir / f"checkpoint_{job.step}" / "attempt.json"
+                      ).read_bytes())
+  assert lease["pid"] == next(o["pid"] for o in outs if o["process"] == 0)
   # Each writer's record is part of the step, named by process.
   assert sorted(os.listdir(ckpt_dir / f"checkpoint_{job.step}" / ".writers")
                 ) == [f"{p}.msgpack" for p in range(processes)]
@@ -93,9 +100,9 @@ def test_process_0_killed_mid_commit_leaves_nothing_partial(
   ckptr = make_ckptr(async_save=False)
   earlier = writers.state(rng, 1)
   assert ckptr.save(5, earlier)
-  job = writers.Job(os.fspath(ckpt_dir), src, 2, bound_s=5.0)
+  job = writers.Job(os.fspath(ckpt_dir), src, 2)
   job.prepare()
-  other = job.start(tmp_path, 1)
+  other = job.start(tmp_path, 1, bound_s=5.0)  # (it waits, then says)
   committer = job.start(tmp_path, 0, kill_at=kill_at)
   writers.expect_line(committer, "committing")
   committer.send_signal(signal.SIGKILL)
@@ -254,3 +261,40 @@ def test_wait_committed_says_no_once_the_attempt_is_gone(ckpt_dir, source):
   cleanup_lib.remove(st, other_rel)
   assert not through_storage.wait_committed(st, 9, other.token, 60)
   del rel
+
+
+def test_hold_lease_of_a_removed_attempt_fails(ckpt_dir, source):
+  _, src = source
+  job = writers.Job(os.fspath(ckpt_dir), src, 2)
+  rel = job.prepare()
+  st = storage_lib.Storage(job.url)
+  cleanup_lib.remove(st, rel)
+  with pytest.raises(CheckpointError, match="its work was removed"):
+    through_storage.hold_lease(st, job.step, job.token)
+  assert _attempts(ckpt_dir) == []  # never recreated
+
+
+def test_a_stopped_wait_commits_nothing(ckpt_dir, source):
+  _, src = source
+  job = writers.Job(os.fspath(ckpt_dir), src, 2)
+  job.prepare()
+  writers.write_share(job, 0)
+  stop = threading.Event()
+  stop.set()
+  with pytest.raises(CheckpointError, match="stopped; nothing was committed"):
+    _commit(job, bound_s=60.0, stop=stop)
+  writers.write_share(job, 1)  # too late: nothing commits by itself
+  assert _committed(job.url) == []
+
+
+def test_a_record_names_only_its_own_process_files(ckpt_dir, source):
+  _, src = source
+  job = writers.Job(os.fspath(ckpt_dir), src, 2)
+  job.prepare()
+  st = storage_lib.Storage(job.url)
+  for files in ({"../x": b""}, {index_lib.process_file(
+      index_lib.HOST_STATE_DIR, 0): b""}):
+    with pytest.raises(ValueError, match="not a per-process file of process 1"):
+      through_storage.write_record(st, job.step, job.token, 1, 2, files=files)
+  with pytest.raises(ValueError, match=r"process must be an int in \[0, 2\)"):
+    through_storage.write_record(st, job.step, job.token, 2, 2)

@@ -26,6 +26,7 @@ import numpy as np
 import ckpt
 from ckpt.commit import protocol as commit_lib
 from ckpt.format import index as index_lib
+from ckpt.format import pack_index
 from ckpt.shards import tiling
 from ckpt.store import names
 from ckpt.store import storage as storage_lib
@@ -49,7 +50,8 @@ class Source:
   step_dir: str
   index: bytes
   arrays: list[tuple[str, tuple[int, ...]]]  # (relpath, shape)
-  files: list[str]                           # data files (relative)
+  packed: set[str]  # the relpaths of arrays stored in the packs
+  files: list[str]  # data files (relative)
 
 
 def saved(tmp_path, st: dict) -> Source:
@@ -65,11 +67,13 @@ def saved(tmp_path, st: dict) -> Source:
   idx = index_lib.decode(data)
   arrays = [(e.relpath, tuple(e.shape)) for e in idx.leaves
             if hasattr(e, "relpath")]
+  packed = {e.relpath for e in idx.leaves
+            if isinstance(e, pack_index.PackedEntry)}
   files = sorted(os.path.relpath(os.path.join(d, n), step_dir)
                  for d, _, ns in os.walk(step_dir) for n in ns
                  if os.path.relpath(os.path.join(d, n), step_dir)
                  not in _SKIPPED)
-  return Source(step_dir, data, arrays, files)
+  return Source(step_dir, data, arrays, packed, files)
 
 
 @dataclasses.dataclass
@@ -94,12 +98,19 @@ class Job:
     return commit_lib.prepare(storage_lib.Storage(self.url), self.step,
                               self.token, self.lease_s)
 
+  def owners(self) -> dict[str, int]:
+    """Which process writes each array: the arrays of their own round
+    the processes, the packed ones process 0 (which copies the packs)."""
+    alone = [r for r, _ in self.source.arrays if r not in self.source.packed]
+    return {**{r: 0 for r in self.source.packed},
+            **{r: i % self.processes for i, r in enumerate(alone)}}
+
   def share(self, p: int) -> tuple[list[str], list[str], list[int]]:
     """(files to copy, per-process files, tiling digest) of process p."""
-    mine = [r for i, (r, _) in enumerate(self.source.arrays)
-            if i % self.processes == p]
-    boxes = [(r, s, (0,) * len(s), s) for i, (r, s)
-             in enumerate(self.source.arrays) if i % self.processes == p]
+    own = self.owners()
+    mine = [r for r, _ in self.source.arrays if own[r] == p]
+    boxes = [(r, s, (0,) * len(s), s) for r, s in self.source.arrays
+             if own[r] == p]
     copy, own = [], []
     for rel in self.source.files:
       head = rel.split("/", 1)[0]
@@ -115,8 +126,8 @@ class Job:
 
   def start(self, tmp_path, p: int, *, commit: bool | None = None,
             hold: bool = False, kill_at: str | None = None,
-            error: str | None = None, env: dict | None = None
-            ) -> subprocess.Popen:
+            error: str | None = None, env: dict | None = None,
+            bound_s: float | None = None) -> subprocess.Popen:
     copy, own, digest = self.share(p)
     index_path = tmp_path / f"index-{self.token}"
     index_path.write_bytes(self.index())
@@ -125,7 +136,8 @@ class Job:
            "src": self.source.step_dir, "copy": copy, "own": own,
            "tiling": digest, "error": error, "hold": hold,
            "commit": p == 0 if commit is None else commit,
-           "kill_at": kill_at, "bound_s": self.bound_s,
+           "kill_at": kill_at,
+           "bound_s": self.bound_s if bound_s is None else bound_s,
            "lease_s": self.lease_s, "index": os.fspath(index_path),
            "whole": list(tiling.whole(self.source.arrays))}
     path = tmp_path / f"job-{self.token}-{p}.json"

@@ -6,12 +6,14 @@ service alive (tests/commit/writers.py says how a job is made).
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 
 from ckpt.commit import steps as steps_lib
 from ckpt.commit import through_storage
-from ckpt.errors import BarrierTimeoutError
+from ckpt.errors import BarrierTimeoutError, CheckpointError, StoreTimeoutError
+from ckpt.store import deadline as deadline_lib
 from ckpt.store import storage as storage_lib
 from tests.commit import writers
 
@@ -78,9 +80,9 @@ def test_process_0_killed_mid_commit_leaves_nothing_partial(
   ckptr = make_ckptr(bucket, async_save=False)
   earlier = writers.state(rng, 1)
   assert ckptr.save(5, earlier)
-  job = writers.Job(bucket, src, 2, bound_s=5.0)
+  job = writers.Job(bucket, src, 2)
   job.prepare()
-  other = job.start(tmp_path, 1, env=store_env)
+  other = job.start(tmp_path, 1, env=store_env, bound_s=5.0)
   committer = job.start(tmp_path, 0, kill_at=kill_at, env=store_env)
   writers.expect_line(committer, "committing")
   committer.send_signal(signal.SIGKILL)
@@ -139,3 +141,28 @@ def test_a_damaged_record_commits_nothing(bucket, source):
     through_storage.commit_when_written(storage, job.step, job.token, 2,
                                         job.index(), bound_s=2.0)
   assert _committed(bucket) == []
+
+
+def test_a_dead_store_ends_the_wait_at_the_stall_bound(tmp_path, proxied, rng):
+  """A store that stops answering while process 0's writer waits for the
+  records: under the save's stall deadline (as the writer runs it) the
+  wait ends within that bound, and nothing is committed."""
+  px, url = proxied
+  src = writers.saved(tmp_path, writers.state(rng, 2))
+  job = writers.Job(url, src, 2)
+  job.prepare()
+  writers.write_share(job, 0)
+  storage = storage_lib.Storage(url)
+  px.black_hole()
+  t0 = time.monotonic()
+  with pytest.raises(CheckpointError) as e:
+    with deadline_lib.scope(deadline_lib.Deadline(2.0, "save_timeout_s")):
+      through_storage.commit_when_written(storage, job.step, job.token, 2,
+                                          job.index(), bound_s=60.0)
+  waited = time.monotonic() - t0
+  assert isinstance(e.value, StoreTimeoutError), e.value
+  assert waited < 15, waited  # the stall bound (2 s), not bound_s (60 s)
+  print(f"\nthe wait on a dead store ended after {waited:.1f} s "
+        "(stall bound 2 s)")
+  px.resume()
+  assert _committed(url) == []
