@@ -15,8 +15,10 @@ starts, on the caller's thread, with one agreement round
 (ckpt/multihost/agreement.py); the read-only queries are not collective.
 Built from parts that own their state (ckpt/face/: BackgroundLoop,
 InFlightSave, KnownSteps, Retention, SaveHistory, Rounds, Saver, Restorer,
-Queries, SaveDecision, RootMetadataFile) to which each public method hands
-its call; the options are in ckpt/face/options.py.
+Queries, SaveDecision, RootMetadataFile, SaveCall; built and wired in
+ckpt/face/parts.py) to which each public method hands its call; the options
+are in ckpt/face/options.py. ``tier_side`` (ckpt/face/tier_side.py) is what
+a MultiTierCheckpointer asks of the Checkpointer that is its persistent tier.
 
 The read-only queries (``all_steps``, ``latest_step``, ``best_step``,
 ``metrics``, ``metadata``, ``host_state``, ``should_save``) may be called by
@@ -32,26 +34,13 @@ import time
 from typing import Any, Callable, Sequence
 
 from ckpt import metadata as metadata_lib
-from ckpt.multihost import posts as posts_lib
 from ckpt.commit import lease as lease_lib
-from ckpt.store import deadline as deadline_lib
 from ckpt.multihost import process as multihost
-from ckpt.save import reuse as reuse_lib
-from ckpt.face import decision as decision_lib
-from ckpt.face import inflight as inflight_lib
-from ckpt.face import history as history_lib
-from ckpt.face import known as known_lib
-from ckpt.face import loop as loop_lib
-from ckpt.face import queries as queries_lib
-from ckpt.face import restorer as restorer_lib
-from ckpt.face import retention as retention_lib
 from ckpt.face import options as options_lib
+from ckpt.face import parts as parts_lib
 from ckpt.face import root_meta
-from ckpt.face import rounds as rounds_lib
-from ckpt.face import saver as saver_lib
 from ckpt.restore import handle as handle_lib
 from ckpt.restore import job as job_lib
-from ckpt.store import storage as storage_lib
 from ckpt.shards.plan import DEFAULT_CHUNK_BYTES
 from ckpt.face.options import (DEFAULT_CONCURRENT_BYTES,
                                DEFAULT_QUERY_TIMEOUT_S, DEFAULT_SAVE_TIMEOUT_S)
@@ -139,8 +128,8 @@ class Checkpointer:
       ``restore(read_once=...)`` overrides it for one call.
     writer: ``"thread"`` (default) writes from a thread of this process;
       ``"process"`` hands each staged save to a writer process of this host
-      through shared memory, which (one process) commits it even if this
-      process dies once ``save()`` returned (docs/writer-process.md).
+      through shared memory; the writers commit it even if the training
+      processes die once ``save()`` returned (docs/writer-process.md).
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -175,7 +164,8 @@ class Checkpointer:
                writer: str = "thread"):
     given = {k: v for k, v in locals().items()
              if k not in ("self", "directory")}  # every keyword, as given
-    settings = options_lib.Options(**given).settings()
+    options = options_lib.Options(**given)
+    settings = options.settings()
     self.policy, self.schedule = settings.policy, settings.schedule
     self.save_interval_steps = self.schedule.interval  # Orbax's attributes
     self.save_on_steps = self.schedule.on_steps
@@ -187,38 +177,22 @@ class Checkpointer:
     self.async_save, self.partitioner = async_save, partitioner
     self.barrier_timeout_s, self.lease_s = barrier_timeout_s, save.lease_s
     self.save_timeout_s, self.query_timeout_s = timeouts.save_s, timeouts.query_s
-    self.storage = deadline_lib.call(
-        timeouts.query_deadline(), storage_lib.Storage, directory,
-        storage_options)
-    reuser = reuse_lib.Reuser(reuse_unchanged, self.storage, format,
-                              copies=1 if keep == 1 else 2)
-    # The parts (ckpt/face/), each the owner of its state.
-    self._rounds = rounds_lib.Rounds(self.storage.spec, self.storage.url,
-                                     timeouts)
-    self._inflight = inflight_lib.InFlightSave()
-    self._known = known_lib.KnownSteps(self.storage)
-    self._history = history_lib.SaveHistory()
-    self._loop = loop_lib.BackgroundLoop("Checkpointer", on_exit=self.close)
-    self._retention = retention_lib.Retention(
-        self.storage, self.policy, self._known, self._rounds.key_base,
-        timeouts.save_s, self._loop)
     # What this Checkpointer's cleanups saw of other attempts' leases (the
     # clock that dates them on object stores: ckpt/commit/lease.py).
     self.lease_seen = lease_lib.Sightings()
-    self._root_metadata = root_meta.RootMetadataFile(self.storage,
-                                                     settings.root_metadata)
-    self._saver = saver_lib.Saver(save, self.storage, reuser, self._rounds,
-                                  self._known, self._retention, self._history,
-                                  self._inflight, self._loop,
-                                  lambda: self.lease_seen, self._root_metadata)
-    self._restorer = restorer_lib.Restorer(
-        settings.restore, self.storage, self._rounds, self._known,
-        self._retention, self._inflight, self._loop)
-    self._decision = decision_lib.SaveDecision(settings.decision, save.clock,
-                                               self._inflight)
-    self._queries = queries_lib.Queries(
-        self.storage, self.policy, self.schedule, self._known, self._retention,
-        self._history, self._rounds, self._inflight, self._loop, self._decision)
+    # The parts (ckpt/face/), each the owner of its state.
+    parts = parts_lib.Parts.build(directory, options, settings, self.close,
+                                  lambda: self.lease_seen)
+    self.storage = parts.storage
+    self._rounds, self._inflight = parts.rounds, parts.inflight
+    self._known, self._history = parts.known, parts.history
+    self._loop, self._retention = parts.loop, parts.retention
+    self._root_metadata, self._saver = parts.root_metadata, parts.saver
+    self._restorer, self._queries = parts.restorer, parts.queries
+    self._save_call = parts.save_call
+    # What a MultiTierCheckpointer whose persistent tier this is asks of
+    # it besides the public calls (ckpt/face/tier_side.py); not a user's.
+    self.tier_side = parts.tier_side
 
   @property
   def last_save_stats(self) -> Any:
@@ -290,35 +264,11 @@ class Checkpointer:
     Collective: every process of the job calls it, in the same order as its
     other collective calls.
     """
-    return self._save_decided(
+    return self._save_call.save(
         step, state, lambda: self._queries.decide(
             step, agreed=True, force=force, restart=True),
         dict(metrics=metrics, transforms=transforms, host_state=host_state,
              custom_metadata=custom_metadata, progress=progress))
-
-  def _save_decided(self, step: int, state: Any,
-                    decide: Callable[[], Any], kwargs: dict) -> bool:
-    """``save`` once ``decide()`` (a ckpt/face/decision.py Verdict) said
-    whether to save and whether the step is temporary."""
-    step = posts_lib.check_step(step)
-    refused = posts_lib.failure_of(lambda: self._loop.enter(step))
-    try:
-      verdict = decide()
-      if not verdict.save:
-        # Agreed (ckpt/face/decision.py). A skip does not wait for the save
-        # in flight: its failure comes from the next save that writes.
-        return False
-      return self._saver.save(
-          step, state, refused, lambda: self._check_save(step),
-          temporary=verdict.temporary, **kwargs)
-    finally:
-      if refused is None:  # a close() begun meanwhile waits for it
-        self._loop.leave()
-
-  def _check_save(self, step: int) -> None:
-    """This process's own checks of a save (its failure joins the round)."""
-    self._loop.check_open()
-    self._restorer.check_no_pending(f"save({step})")
 
   def wait_until_finished(self, timeout: float | None = None) -> None:
     """Blocks until the in-flight save is committed and its retention (the

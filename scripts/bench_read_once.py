@@ -95,7 +95,9 @@ def run(args) -> list[dict[str, Any]]:
           stored = _stored_bytes(url, storeutil)
           for i in (2, 3):  # the warm restore of each policy
             policy = str(policies[i])
-            recs = [r.get(f"{i}-{policy}", r.get(policy)) for r in out]
+            # by "<i>-<policy>" (fetch_worker) or policy (readonce_worker)
+            recs = [r["restores"].get(f"{i}-{policy}",
+                                      r["restores"].get(policy)) for r in out]
             st = [x["stats"] for x in recs]
             if store == "s3":
               _, bodies = counter.between(

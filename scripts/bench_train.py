@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(systems)}, width {args.width}", flush=True)
   raw: dict[str, dict[str, list]] = {}
   with workers.workdir(args.dir) as where, workers.Workers(
-      systems, str(presets.preset_path(args.preset)), args.devices) as pool:
+      systems, str(presets.preset_path(args.preset)), args.devices,
+      shared=False) as pool:  # a save's threads must not slow another's steps
     for r, s, worker in pool.rounds(args.runs):
       path = os.path.join(where, f"{s}-r{r}")
       report.record(raw, s, worker.run({

@@ -26,7 +26,8 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "docs" / "benchmarks" / "data"
 MiB = 1 << 20
-SYSTEM_COLORS = {"ckpt": "#1f6fb4", "orbax": "#e8892b", "raw": "#7a7a7a",
+SYSTEM_COLORS = {"ckpt": "#1f6fb4", "orbax": "#e8892b", "limit": "#4d4d4d",
+                 "raw": "#7a7a7a",
                  "rawpack": "#b0b0b0"}
 TIME_OPS = [("save_s", "sync save"), ("async_s", "async save:\ncaller blocked"),
             ("async_total_s", "async save:\nuntil finished"),

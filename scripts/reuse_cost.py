@@ -26,9 +26,11 @@ seconds of this process (the figure to compare on a shared machine), wall
 seconds, and the bytes handed to the kernel by write calls (``wchar`` of
 /proc/self/io: the bytes to the disk). The dense pair alternates its order
 every round. Prints medians (and the least CPU seconds: the figure least
-disturbed by other work on a shared machine) and the two targets of issue 39: reuse saves
-hand at most 1.5x the changing bytes + 8 MiB to the disk and take at most
-1.5x the time of saving the changing part alone; and the dense overhead.
+disturbed by other work on a shared machine) and the targets, as ratios: reuse saves
+hand at most 1.5x the changing bytes + 8 MiB to the disk (issue 39) and
+take at most 1.2x the wall and the CPU of saving the changing part alone
+(issue 47, item 5); the dense overhead (everything changes) is at most 2%
+of CPU (issue 47: what reuse on by default may cost).
 """
 
 from __future__ import annotations
@@ -188,8 +190,11 @@ def main(argv: list[str] | None = None) -> int:
   if not a.url:
     on, off = figures["dense, reuse"], figures["dense, no reuse"]
     for key in ("cpu_s", "cpu_min_s", "wall_s"):
-      print(f"dense overhead of reuse, {key}: "
-            f"{100 * (on[key] / max(off[key], 1e-9) - 1):+.1f}%")
+      over = on[key] / max(off[key], 1e-9) - 1
+      verdict = ("" if key == "wall_s" else
+                 f" (limit +2%): {'met' if over <= 0.02 else 'MISSED'}")
+      print(f"dense overhead of reuse, {key}: {100 * over:+.1f}% "
+            f"({on[key] / max(off[key], 1e-9):.3f}x){verdict}")
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"args": vars(a), "figures": figures}, f, indent=1)
@@ -204,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
   for key in ("cpu_s", "cpu_min_s", "wall_s"):
     ratio = ft[key] / max(alone[key], 1e-9)
     print(f"target: reuse save / train alone, {key}: {ratio:.2f}x (limit "
-          f"1.5x): {'met' if ratio <= 1.5 else 'MISSED'}")
+          f"1.2x): {'met' if ratio <= 1.2 else 'MISSED'}")
   return 0
 
 

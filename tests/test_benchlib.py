@@ -1,5 +1,5 @@
-"""scripts/benchlib: its one measure() and the plain-file systems, in this
-process (8 CPU devices, tests/conftest.py)."""
+"""scripts/benchlib: its one measure(), the limit and the plain-file systems,
+in this process (8 CPU devices, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -21,18 +21,41 @@ def test_measure_sees_time_cpu_and_touched_memory():
   assert m.lap() >= m.wall_s
 
 
-@pytest.mark.parametrize("name", ["raw", "rawpack"])
-def test_plain_file_systems_restore_bit_exact(name, tmp_path):
+def test_the_limit_is_the_shared_file_and_restores_bit_exact(tmp_path):
   preset = presets.load_preset("smoke")
   topo = presets.Topology(preset)
   state = presets.build_state(preset, topo)
-  system = systems.make_system(name, preset)
+  system = systems.make_system("limit", preset)
+  # Loaded by path from ../shared/limits/limits.py, not a copy.
+  assert system.limits.__file__ == str(systems.LIMITS)
+  assert systems.LIMITS.parent.parent.name == "shared"
+  system.save(str(tmp_path / "ck"), state)
+  assert system.restores_onto("same") and not system.restores_onto("other")
+  got = system.restore(str(tmp_path / "ck"),
+                       presets.abstract_state(preset, topo.save_mesh))
+  assert presets.verify(preset, got) > 0
+  # One file per distinct shard: 8 + 1 + 4 (w0, w1: 8 each).
+  assert len(list((tmp_path / "ck" / "p0").iterdir())) == 8 + 8 + 1 + 4
+
+
+def test_the_benchmark_offers_the_limit_not_the_old_baselines():
+  assert systems.SYSTEMS == ("ckpt", "orbax", "limit")
+  with pytest.raises(ValueError, match="unknown system 'raw'"):
+    systems.make_system("raw", presets.load_preset("smoke"))
+
+
+@pytest.mark.parametrize("cls", [systems.RawSystem, systems.RawPackSystem])
+def test_plain_file_systems_restore_bit_exact(cls, tmp_path):
+  preset = presets.load_preset("smoke")
+  topo = presets.Topology(preset)
+  state = presets.build_state(preset, topo)
+  system = cls({})
   system.save(str(tmp_path / "ck"), state)
   for mesh in (topo.save_mesh, topo.other_mesh):
     got = system.restore(str(tmp_path / "ck"),
                          presets.abstract_state(preset, mesh))
     assert presets.verify(preset, got) > 0
-  if name == "rawpack":  # one file: data and table, one write
+  if cls is systems.RawPackSystem:  # one file: data and table, one write
     assert [p.name for p in (tmp_path / "ck").iterdir()] == ["pack.0.bin"]
 
 

@@ -167,6 +167,21 @@ def test_bench_staging(tmp_path):
     assert report[name]["median_s"] >= 0, (name, report)
 
 
+@pytest.mark.timeout(200)
+def test_staging_pool(tmp_path):
+  """Issue 47 item 6's RSS over async saves, the accelerator staging path
+  forced on CPU: every box goes through a pinned_host copy."""
+  out = tmp_path / "pool.json"
+  stdout = _run("staging_pool", "--gib", "0.03", "--leaves", "2", "--saves",
+                "3", "--dir", str(tmp_path), "--trim", "--json", str(out))
+  assert "accelerator staging path FORCED on CPU" in stdout
+  assert "target: growth < 1 MiB per save:" in stdout
+  report = json.loads(out.read_text())
+  assert report["forced"] and len(report["rss"]) == 3
+  assert report["pinned_copies"] == [16] * 3  # 2 leaves x 8 devices
+  assert len(report["rss_after_malloc_trim"]) == 3
+
+
 @pytest.mark.timeout(120)
 def test_bench_index():
   """500 leaves: the round trip check passes (decode(encode(index)) equals

@@ -348,3 +348,50 @@ def test_no_re_export():
           bad.append(f"{rel}:{node.lineno} takes {node.attr} from {target}, "
                      "which only imports it")
   assert not bad, "re-exports (import from the defining module):\n" + "\n".join(bad)
+
+
+def _bases_from_other_modules(tree: ast.AST) -> list[tuple[ast.ClassDef, str]]:
+  """(class, base) for each base of a class that is a name imported from
+  another ckpt module (``Checkpointer``, ``mod.Part``)."""
+  imported = set()
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.ImportFrom)
+        and (node.module or "").startswith("ckpt")):
+      imported |= {a.asname or a.name for a in node.names}
+    elif isinstance(node, ast.Import):
+      imported |= {a.asname or a.name.split(".")[0] for a in node.names
+                   if a.name.split(".")[0] == "ckpt"}
+  out = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ClassDef):
+      for base in node.bases:
+        root = base
+        while isinstance(root, ast.Attribute):
+          root = root.value
+        if isinstance(root, ast.Name) and root.id in imported:
+          out.append((node, ast.unparse(base)))
+  return out
+
+
+def test_no_part_subclasses_another_modules_class():
+  """A subclass reaches its base's private fields through ``self`` (as
+  ``PersistentTier(Checkpointer)`` did to expose ``_known``, until issue
+  46): the public classes and their parts subclass no class of another ckpt
+  module, but the error classes (each a CheckpointError)."""
+  bad = [f"{m}: class {c.name}({base})" for m, _, t in _trees()
+         if m.startswith(PARTS) for c, base in _bases_from_other_modules(t)
+         if not base.endswith("Error")]
+  assert not bad, ("a part subclasses another module's class (compose it and "
+                   "call its public methods instead):\n" + "\n".join(bad))
+
+
+def test_the_subclass_check_catches_a_tier_reaching_into_a_checkpointer():
+  src = ("from ckpt.checkpointer import Checkpointer\n"
+         "from ckpt import errors\n"
+         "class PersistentTier(Checkpointer):\n"
+         "  def damaged(self):\n    return self._retention.damaged()\n"
+         "class Refused(errors.CheckpointError):\n  pass\n")
+  found = [(c.name, base) for c, base in
+           _bases_from_other_modules(ast.parse(src))]
+  assert found == [("PersistentTier", "Checkpointer"),
+                   ("Refused", "errors.CheckpointError")]

@@ -53,6 +53,14 @@ def test_scale_jobs_smoke(tmp_path):
   # and "done" on every process; more key-value calls on process 0.
   assert row["barriers"] >= 3, row
   assert row["kv_calls_p0"] >= row["kv_calls_others"] >= 2, row
+  # Each call of a process is one more for the service process 0 runs
+  # (docs/at-scale.md): the others make 3 per save (the round's set and
+  # get, one read after "done"), 5 before the tiling digest went into the
+  # round and process 0 alone read the failures at "written".
+  assert row["kv_calls_others"] <= 3, row
+  # The largest per-process CPU of a save, process 0's, the others' apart.
+  assert row["cpu_max_s"] >= max(row["cpu_p0_s"], row["cpu_others_max_s"])
+  assert row["cpu_p0_s"] > 0 and row["cpu_others_max_s"] > 0, row
   assert row["restore_barriers"] >= 1 and row["restore_kv_calls"] >= 2, row
 
 

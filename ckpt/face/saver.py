@@ -127,6 +127,7 @@ class Saver:
     coord0 = coordination.coordination_stats()
     t0 = time.perf_counter()
     plan, host_files, values, error, plan_s = None, {}, [], None, 0.0
+    tiling = None  # the digests of this process's writes and of the whole
     claim = None  # this process's host_state claim (extras.host_state_files)
     report = None
     planned = 0
@@ -147,6 +148,7 @@ class Saver:
       plan_s = time.perf_counter() - t_plan
       plan.borrow = not self.settings.async_save
       values = agreement.host_values(plan.agreed_leaves())
+      tiling = (finalize.tiling_digest(plan), finalize.whole_digest(plan))
       report = progress_lib.reporter(
           progress, f"ckpt save step {step}",
           lambda: sum(w.nbytes for w in plan.writes))
@@ -155,7 +157,7 @@ class Saver:
     started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self._rounds.barrier_s, host_claim=claim)
+        timeout_s=self._rounds.barrier_s, host_claim=claim, tiling=tiling)
     self._history.saved(step)  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "

@@ -35,6 +35,7 @@ from ckpt.format import tree
 from ckpt.format.crc import checksum
 from ckpt.format import entries
 from ckpt.format import inline_values
+from ckpt.shards import tiling as tiling_lib
 
 # Digests one process posts about its host values: at most this many, each
 # over a group of consecutive leaves, so a post stays small at any leaf count.
@@ -144,8 +145,8 @@ class SaveRefused(errors.CheckpointError):
 
 def save_round(key: str, step: int, local_error: BaseException | None,
                values: list[tuple[str, int]], prepare: Callable[[], str | None],
-               *, timeout_s: float, host_claim: list | None = None
-               ) -> Decision:
+               *, timeout_s: float, host_claim: list | None = None,
+               tiling: Any = None) -> Decision:
   """Every process: save (token), skip, or raise together.
 
   ``prepare`` runs on process 0 only, once every process is ready: it
@@ -153,12 +154,20 @@ def save_round(key: str, step: int, local_error: BaseException | None,
   step is already committed. ``host_claim``: this process's host_state
   claim (extras.host_state_files); a "save" decision's ``value`` is the
   number of host_state files the step holds (extras.host_state_count).
+  ``tiling``: ``(mine, whole)``, the digest of the boxes this process's
+  plan writes and (used on process 0) that of every array tiled once
+  (ckpt/shards/tiling.py): process 0 refuses the save, before anything is
+  written, unless the processes' digests add up to the whole. Posted in
+  this round, which every process joins anyway, so checking the tiling
+  costs no call of its own (a call per process is what the coordination
+  service, which process 0 runs, pays for: docs/at-scale.md).
   """
   err = None
   if local_error is not None:
     err = [type(local_error).__name__, f"{type(local_error).__name__}: {local_error}"]
   post = json.dumps({"error": err, "host": digests(values),
-                     "hs": host_claim or ["own", False]})
+                     "hs": host_claim or ["own", False],
+                     "tiling": None if tiling is None else list(tiling[0])})
 
   def decide(posts: dict[int, str]) -> str:
     try:
@@ -178,6 +187,10 @@ def save_round(key: str, step: int, local_error: BaseException | None,
       if mismatch:
         return Decision("error", error_type="InvalidStateError", message=(
             f"saving step {step}: {mismatch}")).encode()
+      if tiling is not None and (wrong := _tiling_wrong(
+          step, tiling[1], [g.get("tiling") for g in got.values()])):
+        return Decision("error", error_type="CheckpointError",
+                        message=wrong).encode()
       try:
         count = save_extras.host_state_count(
             {p: g.get("hs") for p, g in got.items()}, len(got))
@@ -207,6 +220,24 @@ def save_round(key: str, step: int, local_error: BaseException | None,
           decision.message)
     decision.raise_error(local_error)
   return decision
+
+
+def _tiling_wrong(step: int, whole: Any, posted: list) -> str | None:
+  """Process 0: why the boxes the processes plan to write do not tile
+  every array exactly once (ckpt/shards/tiling.py), or None. O(processes)
+  integer additions: the digests are three numbers each."""
+  try:
+    got = tiling_lib.combine((int(a), int(b), int(c)) for a, b, c in posted)
+  except (TypeError, ValueError):
+    got = None  # a process posted none: it runs a different ckpt
+  if got is not None and got == tuple(whole):
+    return None
+  return (f"saving step {step}: the boxes the {len(posted)} processes plan "
+          "to write do not cover every array exactly once (a part written "
+          "by no process, or twice): the processes planned differently "
+          "(hosts running different ckpt versions, or a different view of "
+          "the mesh?); refused before anything was written (digest "
+          f"{list(got) if got else None}, expected {list(whole)})")
 
 
 # ---- the outcome of a restore ----------------------------------------------

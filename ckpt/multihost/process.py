@@ -289,8 +289,7 @@ def unique_token() -> str:
 
 def post_bytes(key: str, data: bytes,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-  """This process's ``data`` under ``key``, for ``collect_bytes`` on
-  process 0 after a barrier every process reaches once it has posted."""
+  """This process's ``data`` under ``key``, for ``read_post``."""
   if is_multiprocess():
     client = coordination_client(timeout_s)
     client.key_value_set_bytes(f"{key}/{process_index()}", data)
@@ -302,23 +301,6 @@ def read_post(key: str, process: int, timeout_s: float = DEFAULT_TIMEOUT_S,
   it at most ``timeout_s`` (BarrierTimeoutError naming ``what``)."""
   get = coordination_client(timeout_s).blocking_key_value_get_bytes
   return wait_for_key(get, f"{key}/{process}", timeout_s, what)
-
-
-def collect_bytes(key: str, data: bytes, what: str = "data",
-                  timeout_s: float = DEFAULT_TIMEOUT_S) -> list[bytes]:
-  """Process 0, after that barrier: every process's post in process order,
-  in ONE request to the coordination service (not one per process).
-  ``data`` is this process's own (single process: the only one)."""
-  if not is_multiprocess():
-    return [data]
-  client = coordination_client(timeout_s)
-  got = _by_process(client.key_value_dir_get_bytes(f"{key}/"))
-  missing = [p for p in range(process_count()) if p not in got]
-  if missing:
-    raise BarrierTimeoutError(
-        f"{what}: process(es) {missing} passed the barrier without posting "
-        f"{key!r}; they run a different ckpt, or called different saves")
-  return [got[p] for p in range(process_count())]
 
 
 _sigterm_seen = threading.Event()
@@ -366,6 +348,34 @@ def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
     return {}
   client = coordination_client(timeout_s)
   return _by_process(client.key_value_dir_get(f"{key}/"))
+
+
+def relay_failures(key: str, failed: dict[int, str],
+                   timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+  """Process 0 passes on failures it read (``reported_failures``) under
+  ``<key>/<process>``, before a barrier the others read them after."""
+  if is_multiprocess():
+    client = coordination_client(timeout_s)
+    for p, message in sorted(failed.items()):
+      client.key_value_set(f"{key}/{p}", message)
+
+
+def reported_by_kind(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
+                     ) -> dict[str, dict[int, str]]:
+  """After the barrier: ``{kind: {process: message}}`` of every
+  ``<key>/<kind>/<process>`` set (``report_failure``, ``relay_failures``),
+  in ONE call to the coordination service."""
+  if not is_multiprocess():
+    return {}
+  client = coordination_client(timeout_s)
+  out: dict[str, dict[int, str]] = {}
+  for k, v in client.key_value_dir_get(f"{key}/"):
+    kind, _, p = k[len(key) + 1:].rpartition("/")
+    try:
+      out.setdefault(kind, {})[int(p)] = v
+    except ValueError:
+      continue
+  return out
 
 
 def _by_process(items) -> dict:

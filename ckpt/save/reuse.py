@@ -214,19 +214,21 @@ class SaveReuse:
           "generation", self.generation.step, self.previous.step)
 
   def _link(self, relpath: str, box: plan_lib.Box, chunks: tuple[int, ...],
-            rec: Stored) -> bool:
+            rec: Stored) -> tuple[bool, tuple | None, int]:
     """Links (a bucket: may hold) the chunk ``box`` from ``previous``,
     whose record is ``rec``, if it is another copy than the newest step's
-    and, on a disk, still what was recorded (read and summed again)."""
+    and, on a disk, still what was recorded (``Source.check``); (linked,
+    the file's ``seen`` and ``unread`` to record)."""
     index = [a // c for a, c in zip(box.start, chunks)]
     src = self.source().where(relpath, index)
     if not self.other_copy(relpath, src, index):
-      return False  # a fresh copy: two consecutive steps, two copies
+      return False, None, 0  # a fresh copy: two consecutive steps, two copies
     if self.held is not None:  # a bucket: checked, then held back
-      return rec.stamp is not None
-    if not self.source().intact(src, rec):
+      return rec.stamp is not None, None, 0
+    ok, seen, unread = self.source().check(src, rec)
+    if not ok:
       self.found_damaged(src)
-      return False
+      return False, None, 0
     name = tsspec.chunk_key(self.format, index)
     target = os.path.join(os.fspath(self.storage.root), self.work_dir,
                           relpath, name)
@@ -234,8 +236,8 @@ class SaveReuse:
       os.makedirs(os.path.dirname(target), exist_ok=True)
       os.link(os.path.join(os.fspath(self.storage.root), src), target)
     except OSError:  # gone (deleted), or a link not allowed: written
-      return False
-    return True
+      return False, None, 0
+    return True, seen, unread
 
   async def _held_intact(self, relpath: str,
                          outcomes: list[Outcome], chunks) -> bool:
@@ -301,9 +303,11 @@ class SaveReuse:
       hashed = {o.digest for o in olds if o.digest is not None}
       if link and hashed:
         d = digest(view)
-        if (src is not None and d == src.digest and
-            self._link(relpath, b, chunks, src)):
-          out.append(Outcome(b, d, src.crc, True, src.stamp))
+        linked, seen, unread = (
+            (False, None, 0) if src is None or d != src.digest
+            else self._link(relpath, b, chunks, src))
+        if linked:
+          out.append(Outcome(b, d, src.crc, True, src.stamp, seen, unread))
         else:  # written: as a copy (unchanged), or changed (compared
           crc = checksum_view(view)  # by its crc32c next time)
           same = d in hashed or any(o.crc == crc for o in olds)
@@ -331,20 +335,26 @@ class SaveReuse:
       return f"{self.work_dir}/{relpath}/{name}"
 
     def stamps():
-      return [reuse_source.stamp_of(self.storage, where(outcomes[i]))
+      if self.storage.is_posix:  # the stamp and the stat of that read
+        root = os.fspath(self.storage.root)
+        return [reuse_source.file_stamp_seen(
+            os.path.join(root, where(outcomes[i]))) for i in todo]
+      return [(reuse_source.stamp_of(self.storage, where(outcomes[i])), None)
               for i in todo]
 
     got = await asyncio.to_thread(stamps)
     out = list(outcomes)
-    for i, s in zip(todo, got):
-      out[i] = dataclasses.replace(out[i], stamp=s)
+    for i, (s, seen) in zip(todo, got):
+      out[i] = dataclasses.replace(out[i], stamp=s, seen=seen,
+                                   unread=reuse_source.first_turn(
+                                       (relpath, out[i].box.start)))
     return out
 
   def keep(self, relpath: str, outcomes: list[Outcome], itemsize: int) -> None:
     """Records ``outcomes`` in this save's generation."""
     for o in outcomes:
       self.generation.chunks[(relpath, o.box.start, o.box.stop)] = Stored(
-          o.digest, o.crc, o.box.size * itemsize, o.stamp)
+          o.digest, o.crc, o.box.size * itemsize, o.stamp, o.seen, o.unread)
 
   async def write_box(self, store: Any, leaf: int, box: plan_lib.Box,
                   chunks: tuple[int, ...], data: np.ndarray,
@@ -367,7 +377,8 @@ class SaveReuse:
     if link and self.held is not None and not (
         all(o.linked for o in outcomes) and
         await self._held_intact(relpath, outcomes, chunks)):
-      outcomes = [dataclasses.replace(o, linked=False, stamp=None)
+      outcomes = [dataclasses.replace(o, linked=False, stamp=None,
+                                      seen=None)
                   for o in outcomes]  # a bucket holds whole leaves only
     if link:
       fresh = [o.box for o in outcomes if not o.linked]
@@ -377,7 +388,8 @@ class SaveReuse:
         if self.held.defer(leaf, store, box, data, len(outcomes)):
           fresh = []
         else:  # past the memory budget: written now (its leaf is written)
-          outcomes = [dataclasses.replace(o, linked=False, stamp=None)
+          outcomes = [dataclasses.replace(o, linked=False, stamp=None,
+                                          seen=None)
                       for o in outcomes]
           fresh = [box]
       writes = [store[b.slices()].write(

@@ -7,9 +7,20 @@ chunk itself was when it was written, checked again before anything links
 or holds it (ckpt/save/reuse.py):
 
 - on a disk, the crc32c of the chunk file's bytes (as stored: encoded,
-  compressed), read back once the file is written; before a link the file
-  is read again and must give the same crc32c (a byte flipped, a file
-  truncated or replaced is never linked into a new step);
+  compressed), read back once the file is written. Before a link the file
+  is checked again (``Source.check``), in two ways: at every save its
+  ``stat`` (inode, size, mtime in ns) must be what it was when its bytes
+  were last read, else its bytes are read again and must give the same
+  crc32c; and its bytes are read again anyway at every ``REREAD_EVERY``-th
+  link of the file (the chunks take turns: about 1/``REREAD_EVERY`` of the
+  linked bytes per save), and at the first link after a restart (the
+  ``stat`` and the count are kept in memory only). So a file replaced,
+  truncated, rewritten or written into is never linked into a new step; a
+  byte that changed on the medium under an unchanged ``stat`` (bit rot, a
+  tool that writes in place and puts the mtime back) is found within
+  ``REREAD_EVERY`` links of its file (as many saves with ``keep=1``, twice
+  as many with two copies, which alternate), and by every verified restore
+  of a step that holds it (docs/format.md, "Reusing unchanged chunks");
 - on a bucket, the object's storage generation (S3 ETag, GCS generation),
   seen once it is written; before a leaf is held its every chunk object is
   asked for its generation again (one request without a body) and must
@@ -27,13 +38,17 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
-from typing import Any
+from typing import Any, Hashable
 
 import crc32c
 
 from ckpt.format import entries
 from ckpt.format import tsspec
 from ckpt.store import names
+
+# A linked chunk file's bytes are read again at every this-many-th link of
+# it (each chunk in its own turn), whatever its ``stat`` says.
+REREAD_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +59,11 @@ class Stored:
   crc: int              # crc32c of the same bytes (carried when reused)
   nbytes: int
   stamp: bytes | None = None  # what the stored chunk was (module docstring)
+  # A disk, in memory only: the file's stat (inode, size, mtime_ns) when its
+  # bytes were last read and found to give ``stamp`` (None: unknown), and
+  # the links of it since (its turn comes at REREAD_EVERY).
+  seen: tuple[int, int, int] | None = None
+  unread: int = 0
 
 
 @dataclasses.dataclass
@@ -70,20 +90,50 @@ class Outcome:
   crc: int
   linked: bool
   stamp: bytes | None = None  # linked: the source's; else taken once written
+  seen: tuple[int, int, int] | None = None  # as Stored's
+  unread: int = 0
+
+
+def _seen(st: os.stat_result) -> tuple[int, int, int]:
+  return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def file_seen(path: str) -> tuple[int, int, int] | None:
+  """A chunk file's (inode, size, mtime_ns), one ``stat`` (None: gone)."""
+  try:
+    return _seen(os.stat(path))
+  except OSError:
+    return None
+
+
+def file_stamp_seen(path: str) -> tuple[bytes | None,
+                                         tuple[int, int, int] | None]:
+  """The crc32c of a chunk file's bytes and its ``stat`` taken before they
+  were read ((None, None): it cannot be read), summed through a read-only
+  mapping of the file: no copy out of the page cache (a third less CPU
+  than reading it into buffers). A write into the file during or after
+  the read changes its mtime: the next check reads it again."""
+  try:
+    with open(path, "rb") as f:
+      seen = _seen(os.fstat(f.fileno()))
+      if not seen[1]:
+        return (0).to_bytes(4, "big"), seen
+      with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return crc32c.crc32c(m).to_bytes(4, "big"), seen
+  except (OSError, ValueError):
+    return None, None
 
 
 def file_stamp(path: str) -> bytes | None:
-  """The crc32c of a chunk file's bytes (None: it cannot be read), summed
-  through a read-only mapping of the file: no copy out of the page cache
-  (a third less CPU than reading it into buffers)."""
-  try:
-    with open(path, "rb") as f:
-      if not os.fstat(f.fileno()).st_size:
-        return (0).to_bytes(4, "big")
-      with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        return crc32c.crc32c(m).to_bytes(4, "big")
-  except (OSError, ValueError):
-    return None
+  """The crc32c of a chunk file's bytes (None: it cannot be read)."""
+  return file_stamp_seen(path)[0]
+
+
+def first_turn(key: Hashable) -> int:
+  """The ``unread`` count of a chunk file just written and read: spread
+  over 0..REREAD_EVERY-1 by the chunk, so that the chunks of one save take
+  their turns at different later saves."""
+  return hash(key) % REREAD_EVERY
 
 
 def object_stamp(storage: Any, key: str) -> bytes | None:
@@ -131,7 +181,19 @@ class Source:
     name = ".zarray" if self.format == "zarr" else "zarr.json"
     return f"{entries.held_dir(self.gen.holders[relpath])}/{relpath}/{name}"
 
-  def intact(self, where: str, rec: Stored) -> bool:
-    """Blocking: whether the stored chunk at ``where`` is still what
-    ``rec`` recorded (its stamp)."""
-    return rec.stamp is not None and stamp_of(self.storage, where) == rec.stamp
+  def check(self, where: str, rec: Stored
+            ) -> tuple[bool, tuple[int, int, int] | None, int]:
+    """Blocking, a disk: (whether the chunk file at ``where`` is still what
+    ``rec`` recorded; its ``seen`` and ``unread`` for the new step's record,
+    which links it). Its bytes are read again at its turn (``unread``
+    reaching REREAD_EVERY), when its ``stat`` is not known or differs from
+    the one of its last read; else it costs one ``stat``."""
+    if rec.stamp is None:
+      return False, None, 0
+    path = os.path.join(os.fspath(self.storage.root), where)
+    if rec.seen is not None and rec.unread + 1 < REREAD_EVERY:
+      seen = file_seen(path)
+      if seen == rec.seen:
+        return True, seen, rec.unread + 1
+    stamp, seen = file_stamp_seen(path)
+    return stamp == rec.stamp, seen, 0

@@ -4,8 +4,9 @@ A ``jax.Array`` is immutable: when a save is given the very object (alive,
 not deleted or donated) that the save of the step it links from stored,
 its bytes are that step's bytes. Its boxes are then neither staged (no
 device-to-host copy) nor hashed: each chunk is linked from that step
-after the same checks as any link (its file still has its recorded stamp,
-and is another copy than the newest step's; ckpt/save/reuse.py). If one
+after the same checks as any link (its file is still what was stored,
+``Source.check`` in reuse_source.py, and another copy than the newest
+step's; ckpt/save/reuse.py). If one
 chunk of a box cannot be linked, nothing of the box is, and it takes the
 usual path (staged, sorted, written). A bucket holds whole leaves back
 until the processes agree (reuse_held.py), which needs the bytes: there
@@ -69,14 +70,15 @@ class Unstaged:
       if (rec is None or rec.nbytes != b.size * itemsize or
           not r.other_copy(relpath, where, index)):
         return None
-      if not src.intact(where, rec):
+      ok, *seen = src.check(where, rec)
+      if not ok:
         r.found_damaged(where)
         return None
-      todo.append((b, rec, where, os.path.join(
+      todo.append((b, rec, seen, where, os.path.join(
           root, r.work_dir, relpath, tsspec.chunk_key(r.format, index))))
     made = []
     try:
-      for _, _, where, target in todo:
+      for _, _, _, where, target in todo:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.link(os.path.join(root, where), target)
         made.append(target)
@@ -84,8 +86,8 @@ class Unstaged:
       for t in made:
         os.unlink(t)
       return None
-    return [Outcome(b, rec.digest, rec.crc, True, rec.stamp)
-            for b, rec, _, _ in todo]
+    return [Outcome(b, rec.digest, rec.crc, True, rec.stamp, *seen)
+            for b, rec, seen, _, _ in todo]
 
   def linked(self, leaf: int, outcomes: list[Outcome], itemsize: int,
              take_sums: bool) -> tuple[list[tuple[plan_lib.Box, int]], int]:

@@ -6,6 +6,8 @@ step, the attempt token and the work directory process 0 prepared. Then:
 3-4. stage and write this process's boxes under one byte budget (save.py)
 5.   barrier "written": every process has stopped writing; failures travel
      with it, so one failed process fails the save on all of them at once
+     (process 0 reads them and, unless the step has OCDBT merge groups,
+     relays them at "done": one call per process fewer)
      Before it, each process writes its own small files into the attempt
      (index.process_file): its host_state and, for format "zarr", the
      crc32c of each box it wrote; nothing per process goes through the
@@ -75,15 +77,23 @@ class Attempt:
   waiting: list = dataclasses.field(default_factory=list, compare=False)
 
 
+WRITTEN = "all processes wrote their data"
+DONE = "the commit finished"
+
+
 async def _barrier(attempt: Attempt, name: str, what: str,
                    error: BaseException | None = None,
-                   on_arrival: Callable[[], None] = lambda: None) -> None:
+                   on_arrival: Callable[[], None] = lambda: None, *,
+                   heard: bool = True, report: bool = True) -> None:
   """A barrier that also carries failures: a process that failed still
   arrives (after saying so), so the others stop now, not at a timeout.
   ``on_arrival`` runs once every process has arrived, before any failure
-  is raised."""
+  is raised. ``heard`` False: the failures the others reported are not
+  read here (process 0 reads and relays them: ``run_save``), and this
+  process's own ``error`` is not raised yet either. ``report`` False:
+  ``error`` is not reported (process 0 relayed it already)."""
   key = f"{attempt.key}/{name}"
-  if error is not None:
+  if error is not None and report:
     # A deadline's own error names the operation, the bound and its option.
     shown = deadline_lib.timeout_in(error) or error
     multihost.report_failure(f"{key}/failed",
@@ -98,14 +108,53 @@ async def _barrier(attempt: Attempt, name: str, what: str,
   if deadline is not None:  # waiting for the others is no stall of the store
     deadline.exclude(time.monotonic() - t0)
   on_arrival()
+  if not heard:
+    return
   if error is not None:
     raise error
   failed = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
   if failed:
-    raise CheckpointError(
-        f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
-        f"before '{what}'; nothing was committed. "
-        + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+    raise _failed(attempt, what, failed)
+
+
+def _failed(attempt: Attempt, what: str,
+            failed: dict[int, str]) -> CheckpointError:
+  return CheckpointError(
+      f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
+      f"before '{what}'; nothing was committed. "
+      + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+
+
+def _relay(attempt: Attempt) -> dict[int, str]:
+  """Process 0, after "written": the failures reported there, passed on
+  for the others to read after "done" (``_done``)."""
+  failed = multihost.reported_failures(f"{attempt.key}/written/failed",
+                                       attempt.timeout_s)
+  if failed:
+    multihost.relay_failures(f"{attempt.key}/done/relayed", failed,
+                             attempt.timeout_s)
+  return failed
+
+
+async def _done(attempt: Attempt, error: BaseException | None,
+                report: bool) -> None:
+  """9: the barrier "done", after which a process other than 0 reads, in
+  one call, what process 0 reported there: its own failure (``failed/0``)
+  or the failures it read at "written" (``relayed/<p>``, ``run_save``),
+  raised as the barrier "written" raised them before. Process 0 knows
+  both already and reads nothing."""
+  key = f"{attempt.key}/done"
+  await _barrier(attempt, "done", DONE, error, heard=False, report=report)
+  if error is not None:
+    raise error
+  if multihost.process_index() == 0:
+    return
+  got = await asyncio.to_thread(multihost.reported_by_kind, key,
+                                attempt.timeout_s)
+  if got.get("relayed"):
+    raise _failed(attempt, WRITTEN, got["relayed"])
+  if got.get("failed"):
+    raise _failed(attempt, DONE, got["failed"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,29 +205,46 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
       committed, error = await _outcome(handed.write(
           attempt, job, lambda: index_lib.encode(_index(attempt, job, facts)),
           lambda: _digests(job.plan)))
-      mine, late = b"", None
+      late = None
     else:
       host_files = _write_host_files(attempt, job)
       sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
-      mine, late = await _outcome(
+      _, late = await _outcome(
           _write_own_files(attempt, job, host_files, sums, error is None))
     # 5. Every process has written (or stopped writing, having failed).
-    await _barrier(attempt, "written", "all processes wrote their data",
-                   error or late,
-                   on_arrival=lambda: stopped_writing.append(True))
-    # 6. A large OCDBT step: its merge groups, on every process at once.
+    # Only process 0 reads the failures reported there, and relays them at
+    # "done" (one call per process fewer: each call is one more for the
+    # coordination service process 0 runs); with OCDBT merge groups every
+    # process merges after "written", so all hear of failures there.
     groups = _ocdbt_groups(job.plan)
+    relay = groups <= 1
+    own = error or late
+    await _barrier(attempt, "written", WRITTEN, own,
+                   on_arrival=lambda: stopped_writing.append(True),
+                   heard=not relay)
+    # 6. A large OCDBT step: its merge groups, on every process at once.
     if groups > 1:
       _, error = await _outcome(_merge_groups(kvstore, job, groups))
       await _barrier(attempt, "merged", "every OCDBT merge group was merged",
                      error)
-    # 6-7. Process 0: the tiling checked, the index written, the commit.
-    error = None
-    if pid == 0 and not committed:
-      _, error = await _outcome(
-          _commit(attempt, job, facts, kvstore, mine, groups == 1, lease))
+    # 6-7. Process 0: the index written, the commit, unless a process
+    # failed to write (then relayed to the others at "done").
+    error, report = (own if relay else None), True
+    if pid == 0:
+      relayed, failure = ((await _outcome(asyncio.to_thread(_relay, attempt)))
+                          if relay else ({}, None))
+      if failure is not None:  # (the service did not answer: said at "done")
+        error = own or failure
+      elif relayed or own is not None:
+        error = own or _failed(attempt, WRITTEN, relayed)
+        report = not relayed  # (relayed: the others read them after "done")
+      elif not committed:  # (writer="process": process 0's writer did)
+        _, error = await _outcome(
+            _commit(attempt, job, facts, kvstore, groups == 1, lease))
+    elif error is not None:
+      report = False  # process 0 relays what it reported at "written"
     # 9. The save is complete everywhere.
-    await _barrier(attempt, "done", "the commit finished", error)
+    await _done(attempt, error, report)
   except BaseException as e:
     if not committed:  # (a step the writers committed stays)
       await _after_failure(attempt, job.storage, e, bool(stopped_writing))
@@ -252,32 +318,27 @@ async def _write_boxes(attempt: Attempt, job: SaveJob, kvstore) -> list:
 
 async def _write_own_files(attempt: Attempt, job: SaveJob,
                            host_files: asyncio.Future, sums: list | None,
-                           wrote: bool) -> bytes:
+                           wrote: bool) -> None:
   """The host_state file awaited, even after a failure: past the "written"
   barrier this process writes nothing into the attempt. If its boxes were
-  written (``wrote``): their crc32c (zarr v2) and, posted for process 0's
-  tiling check, the digest of what it wrote (returned)."""
+  written (``wrote``): their crc32c (zarr v2). (The tiling of every array
+  was checked in the save round: agreement.save_round.)"""
   if failed := [r for r in await host_files if isinstance(r, Exception)]:
     raise failed[0]
   if not wrote:
-    return b""
+    return
   plan, pid = job.plan, multihost.process_index()
   if plan.options.codec.resolved_checksum(
       plan.options.storage_format) == "none":  # zarr v2: its checksums
     await _write_process_file(
         job.storage, attempt, index_lib.CHECKSUMS_DIR, pid,
         msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
-  mine = await asyncio.to_thread(_tiling_digest, plan)
-  await asyncio.to_thread(multihost.post_bytes, f"{attempt.key}/tiling", mine,
-                          attempt.timeout_s)
-  return mine
 
 
 def _digests(plan: leaves_lib.SavePlan) -> tuple[list, list]:
   """writer="process": this process's tiling digest and that of every
   array once, which process 0's writer checks (through_storage.py)."""
-  return (list(msgpack.unpackb(_tiling_digest(plan))),
-          list(_whole_digest(plan)))
+  return list(tiling_digest(plan)), list(whole_digest(plan))
 
 
 async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:
@@ -288,14 +349,12 @@ async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:
 
 
 async def _commit(attempt: Attempt, job: SaveJob, facts: IndexFacts, kvstore,
-                  mine: bytes, merge: bool, lease) -> None:
-  """6-7, process 0: every array written exactly once (the tiling), one
-  OCDBT database (``merge``), the index, then the commit. encode() refuses
-  an index readers would refuse: the save then fails everywhere at "done",
-  and nothing is committed."""
+                  merge: bool, lease) -> None:
+  """6-7, process 0: one OCDBT database (``merge``), the index, then the
+  commit (that every array is written exactly once was checked in the save
+  round). encode() refuses an index readers would refuse: the save then
+  fails everywhere at "done", and nothing is committed."""
   storage, step, reuse = job.storage, attempt.step, job.reuse
-  await asyncio.to_thread(_check_tiling, job.plan, attempt.key, mine, step,
-                          attempt.timeout_s)
   if merge:  # one database from the per-process ones (ckpt/store/ocdbt.py)
     await ocdbt.merge(kvstore, multihost.process_count(), job.context)
   data = index_lib.encode(_index(attempt, job, facts))
@@ -381,18 +440,20 @@ def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:
   return max(groups) + 1 if groups else 1
 
 
-def _tiling_digest(plan: leaves_lib.SavePlan) -> bytes:
-  """The digest of this process's writes (once per plan: plan.memo)."""
+def tiling_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
+  """The digest of this process's writes (once per plan: plan.memo),
+  posted in the save round (agreement.save_round), where process 0 checks
+  that every array is written exactly once before anything is."""
   got = plan.memo.get("tiling")
   if got is None:
     entries = [lp.entry for lp in plan.leaves]
-    got = plan.memo["tiling"] = msgpack.packb(tiling.digest(
+    got = plan.memo["tiling"] = tiling.digest(
         (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start,
-         w.box.stop) for w in plan.writes))
+         w.box.stop) for w in plan.writes)
   return got
 
 
-def _whole_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
+def whole_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
   """The digest of every array tiled once (once per plan: plan.memo)."""
   got = plan.memo.get("whole")
   if got is None:
@@ -400,24 +461,6 @@ def _whole_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
         (lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
         if lp.layout is not None)
   return got
-
-
-def _check_tiling(plan: leaves_lib.SavePlan, key: str, mine: bytes,
-                  step: int, timeout_s: float) -> None:
-  """Process 0, before the commit: every array was written exactly once
-  (ckpt/shards/tiling.py), or the save fails on every process."""
-  posts = multihost.collect_bytes(f"{key}/tiling", mine,
-                                  f"the written boxes of step {step}",
-                                  timeout_s)
-  got = tiling.combine(msgpack.unpackb(p) for p in posts)
-  want = _whole_digest(plan)
-  if got != want:
-    raise CheckpointError(
-        f"saving step {step}: the boxes the {len(posts)} processes wrote do "
-        "not cover every array exactly once (a part written by no process, "
-        "or twice): the processes planned differently (hosts running "
-        "different ckpt versions, or a different view of the mesh?); "
-        f"nothing was committed (digest {list(got)}, expected {list(want)})")
 
 
 async def _removed_barrier(attempt: Attempt, error: BaseException) -> None:

@@ -292,10 +292,9 @@ class OwnedWrites:
     crcs, linked = unstaged.linked(w.leaf, outcomes, itemsize, self.take_sums)
     self._add_sums(w, crcs)
     self.stats.bytes_reused += linked
-    durable = self.on_written(w) if self.on_written is not None else None
-    if durable:  # the links' fsyncs, like any written box's
-      self._track([asyncio.ensure_future(asyncio.wait(
-          [asyncio.wrap_future(f) for f in durable]))])
+    # No fsync of the linked files: their bytes were made durable by the
+    # step that wrote them, and the new names are directory entries, which
+    # the commit fsyncs (every directory of the attempt, commit/rename.py).
     return True
 
   async def _land(self) -> None:

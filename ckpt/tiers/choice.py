@@ -1,5 +1,5 @@
 """Which tier and which step a multi-tier restore takes
-(ckpt/tiers/multitier.py ``MultiTierCheckpointer._choose``): every process
+(ckpt/tiers/multitier.py, ckpt/tiers/restoring.py): every process
 posts the local steps it can serve for the target, process 0 compares the
 newest step the job can rebuild from the local tier with the persistent
 tier's newest (or the step asked for), and every process gets the same
@@ -9,14 +9,16 @@ persistent tier's steps only (``_persistent_only``).
 
 from __future__ import annotations
 
+from ckpt.checkpointer import Checkpointer
 from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import timeline as tier_timeline
 from ckpt.errors import CheckpointError
+from ckpt.tiers.local_tier import LocalTier
 
 
-def choose(mt, step: int | None, target_leaves,
-           persistent_only: str = "") -> dict:
+def choose(persistent: Checkpointer, local: LocalTier, step: int | None,
+           target_leaves, persistent_only: str = "") -> dict:
   """Collective: process 0 picks the tier and the step; all get it.
 
   The key is taken first, and a process whose local checks fail (its
@@ -24,9 +26,9 @@ def choose(mt, step: int | None, target_leaves,
   it holds no local step, so every process takes the same decision.
   ``persistent_only``: the restore options the local tier does not take
   (then only the persistent tier's steps can be chosen)."""
-  key = mt.local.call_key("choose")
+  key = local.call_key("choose")
   try:  # a collective round of the persistent tier, on every process
-    p_steps = persistent_steps(mt)
+    p_steps = persistent_steps(persistent)
   except CheckpointError:
     p_steps = []
   p_latest = p_steps[-1] if p_steps else None
@@ -42,19 +44,19 @@ def choose(mt, step: int | None, target_leaves,
 
   held: list[int] = []
   try:
-    mt.local.wait()
-    held = mt.local.committed_steps()
+    local.wait()
+    held = local.committed_steps()
     if target_leaves is None:
       usable = {"own": [], "partner": [], "why": "no target was given "
                 "(the local tier restores onto the target's shardings)"}
     else:
-      usable = mt.local.usable(target_leaves, verify)
+      usable = local.usable(target_leaves, verify)
   except Exception as e:  # pylint: disable=broad-except
     usable = {"own": [], "partner": [], "why": (
         f"the local tier failed on process {multihost.process_index()}: "
         f"{type(e).__name__}: {e}")[:1000]}
-  dst = mt.local.layout.dst
-  n = mt.local.layout.n
+  dst = local.layout.dst
+  n = local.layout.n
 
   def decide(got: dict[int, dict]) -> dict:
     out = _decide(got)
@@ -69,7 +71,7 @@ def choose(mt, step: int | None, target_leaves,
     complete = tier_timeline.complete(got, dst, n)
     if persistent_only:
       return _persistent_only(step, complete, p_steps, persistent_only,
-                              mt.persistent.storage.url)
+                              persistent.storage.url)
     if step is not None:
       complete = [s for s in complete if s == step]
     why = "; ".join(sorted({f"process {p}: {g['why']}" for p, g in
@@ -102,23 +104,23 @@ def choose(mt, step: int | None, target_leaves,
   out = posts_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"],
             "why": usable["why"], "held": held}, decide,
-      timeout_s=mt.local.timeout_s, what="the tier and step to restore")
-  mt.local.settle_keys(key)  # the keys of the calls before go
+      timeout_s=local.timeout_s, what="the tier and step to restore")
+  local.settle_keys(key)  # the keys of the calls before go
   return out
 
 
-def persistent_steps(mt) -> list[int]:
+def persistent_steps(persistent: Checkpointer) -> list[int]:
   """Collective: the persistent tier's committed steps (its
   ``all_steps``) but those a resume of this job found damaged and fell
   back past: no query or restore of the job counts them again, as its
   saves do not (the job's one timeline)."""
-  damaged = mt.persistent.damaged_steps()
-  return [s for s in mt.persistent.all_steps() if s not in damaged]
+  damaged = persistent.tier_side.damaged_steps()
+  return [s for s in persistent.all_steps() if s not in damaged]
 
 
 def _persistent_only(step: int | None, complete: list[int],
                      p_steps: list[int], options: str, url: str) -> dict:
-  """Process 0, in _choose's round, for restore options the local tier
+  """Process 0, in ``choose``'s round, for restore options the local tier
   does not take: the persistent tier's newest step, or the given one if
   it has it; an error naming both tiers for a step only the local tier
   can rebuild."""

@@ -5,7 +5,6 @@ retention; restore takes the newest step the job can rebuild from either
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
@@ -16,12 +15,11 @@ from ckpt.tiers import restoring as tier_restore
 from ckpt.tiers import local_leaves
 from ckpt.tiers import local_tier
 from ckpt.tiers import queries as tier_queries
+from ckpt.tiers import saving as tier_saving
 from ckpt.multihost import process as multihost
-from ckpt.format import extras as save_extras
-from ckpt.format import tree
 from ckpt.tiers import timeline as tier_timeline
-from ckpt.checkpointer import DEFAULT_CONCURRENT_BYTES
-from ckpt.tiers.persistent import PersistentTier
+from ckpt.checkpointer import Checkpointer
+from ckpt.face.options import DEFAULT_CONCURRENT_BYTES
 from ckpt.errors import WaitTimeoutError
 from ckpt.restore import targets
 
@@ -66,7 +64,7 @@ class MultiTierCheckpointer:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
     self.local_interval = local_interval
     self.persistent_interval = persistent_interval
-    self.persistent = PersistentTier(
+    self.persistent = Checkpointer(
         persistent, keep=persistent_keep, concurrent_bytes=concurrent_bytes,
         barrier_timeout_s=barrier_timeout_s, **checkpointer_kwargs)
     self.local = local_tier.LocalTier(local, keep=local_keep,
@@ -81,8 +79,32 @@ class MultiTierCheckpointer:
     self._restored: tuple[int, Any] | None = None  # (step, host_state)
     self.last_restore_tier: str | None = None
     self.last_restore_reason: str = ""
-    # The step the last restore returned (with last_restore_tier).
-    self.last_restore_step: int | None = None
+    self._restored_step: int | None = None  # (with last_restore_tier)
+    self._saved_tier: str | None = None  # the tier the last save wrote last
+
+  @property
+  def last_save_stats(self) -> Any:
+    """The stats of the last ``save``'s last tier: the local tier's (a dict:
+    step, own_bytes, partner_bytes, blocking_s, total_s once committed),
+    else the persistent tier's SaveStats. Never raises. Not collective."""
+    if self._saved_tier == "local":
+      return self.local.last_save_stats
+    return self.persistent.last_save_stats
+
+  @property
+  def last_restore_stats(self) -> Any:
+    """The stats of the last ``restore`` in ``last_restore_tier``: the local
+    tier's (a dict: step, from_partner, bytes_read, total_s), else the
+    persistent tier's RestoreStats. Never raises. Not collective."""
+    if self.last_restore_tier == "local":
+      return self.local.last_restore_stats
+    return self.persistent.last_restore_stats
+
+  @property
+  def last_restore_step(self) -> int | None:
+    """The step whose data the last ``restore`` returned (from
+    ``last_restore_tier``); None before any. Never raises. Not collective."""
+    return self._restored_step
 
   # -- save --
 
@@ -112,13 +134,10 @@ class MultiTierCheckpointer:
 
   def _persistent_verdict(self, step: int, force: bool = False,
                           restart: bool = False) -> Any:
-    """The persistent tier's step rules, then its ``save_interval_secs`` /
-    ``skip_while_saving`` (PersistentTier.verdict)."""
-    p = self.persistent
-    sched = dataclasses.replace(p.schedule, interval=self.persistent_interval)
-    by_steps = force or sched.by_rule(step, self._preemption_step) or (
-        sched.fn is not None and bool(sched.fn(step, p.last_saved_step())))
-    return p.verdict(step, by_steps, force, restart)
+    """ckpt/tiers/saving.py ``persistent_verdict``."""
+    return tier_saving.persistent_verdict(
+        self.persistent, self.persistent_interval, self._preemption_step,
+        step, force, restart)
 
   def last_saved_step(self, *, agreed: bool = True) -> int | None:
     """The persistent tier's ``last_saved_step`` (``should_save_fn``'s
@@ -194,31 +213,14 @@ class MultiTierCheckpointer:
       BarrierTimeoutError: a peer did not arrive within ``barrier_timeout_s``.
     """
     verdict = self._persistent_verdict(step, force, restart=True)
-    to_persistent = verdict.save
     to_local = force or self.should_save_local(step)
-    if not (to_persistent or to_local):
+    if not (verdict.save or to_local):
       return False
-    save_extras.check_custom_metadata(custom_metadata)  # same on all
-    prepared = [state]
-    tier_timeline.check(self, step, lambda: prepared.__setitem__(
-        0, tree.transformed(state, transforms)))
-    state = prepared[0]
-    saved = False
-    if to_persistent:
-      saved |= bool(self.persistent.save_as(
-          step, state, verdict, metrics=metrics, host_state=host_state,
-          custom_metadata=custom_metadata, progress=progress))
-    if to_local:
-      # Retention keeps this step, whatever its number (LocalTier._retain);
-      # no local save is in flight (_check_timeline waited for it).
-      self.local.save(step, state, host_state, newest=True)
-      saved = True
-    return saved
-
-  def _check_timeline(self, step: int) -> None:
-    """Collective, before a save writes anything: refuses a step lower
-    than the newest committed step of either tier (ckpt/tiers/timeline.py)."""
-    tier_timeline.check(self, step)
+    return tier_saving.save(
+        self.persistent, self.local, step, state, verdict, to_local,
+        self._note_saved, metrics=metrics,
+        transforms=transforms, host_state=host_state,
+        custom_metadata=custom_metadata, progress=progress)
 
   def reached_preemption(self, step: int) -> bool:
     """As ``Checkpointer.reached_preemption``: True at the same step on every
@@ -329,7 +331,7 @@ class MultiTierCheckpointer:
     itself times out (a process died), the renamed steps stay renamed and
     go at the next save: call ``delete`` again.
     """
-    tier_timeline.delete(self, step)
+    tier_timeline.delete(self.persistent, self.local, step)
 
   # -- which step, which tier --
 
@@ -340,7 +342,7 @@ class MultiTierCheckpointer:
 
     Collective (two rounds); raises what ``Checkpointer.all_steps`` raises.
     """
-    return tier_queries.all_steps(self)
+    return tier_queries.all_steps(self.persistent, self.local)
 
   def metrics(self, step: int) -> dict[str, float | int]:
     """``Checkpointer.metrics`` of the persistent tier's ``step``: the
@@ -358,12 +360,6 @@ class MultiTierCheckpointer:
     Never raises. Not collective.
     """
     self.persistent.reload()
-
-  def _choose(self, step: int | None, target_leaves,
-              persistent_only: str = "") -> dict:
-    """Collective: process 0 picks the tier and the step; all get it
-    (ckpt/tiers/choice.py ``choose``)."""
-    return tier_choice.choose(self, step, target_leaves, persistent_only)
 
   def latest_step(self, target: Any = None) -> int | None:
     """The newest step the job can restore from either tier (collective).
@@ -384,7 +380,8 @@ class MultiTierCheckpointer:
     """
     leaves = [] if target is None else local_leaves.flatten(
         targets.concrete_target(target))[0]
-    return self._choose(None, leaves)["step"]
+    return tier_choice.choose(self.persistent, self.local, None,
+                              leaves)["step"]
 
   # -- restore --
 
@@ -426,16 +423,9 @@ class MultiTierCheckpointer:
     Collective: one agreement round picks the step and the tier on every
     process.
     """
-    return self._restore(step, target, restore_kwargs)
-
-  def _restore(self, step, target, restore_kwargs: dict, start: bool = False):
-    """restore (``start``: restore_async) after the persistent tier's save
-    in flight has ended (its failure stays for the next save or wait; the
-    local tier's save ends in _choose)."""
-    self.persistent.settle()
-    return tier_restore.restore(self.persistent, self.local, self._choose,
+    return tier_restore.restore(self.persistent, self.local,
                                 self._note_restored, step, target,
-                                restore_kwargs, start=start)
+                                restore_kwargs)
 
   def restore_async(self, step: int | None = None, *, target: Any = None,
                     **restore_kwargs) -> Any:
@@ -454,11 +444,16 @@ class MultiTierCheckpointer:
     Raises what ``restore`` raises (from the call, or from ``result()``).
     Collective, as ``restore``.
     """
-    return self._restore(step, target, restore_kwargs, start=True)
+    return tier_restore.restore(self.persistent, self.local,
+                                self._note_restored, step, target,
+                                restore_kwargs, start=True)
+
+  def _note_saved(self, tier: str) -> None:
+    self._saved_tier = tier
 
   def _note_restored(self, tier: str, step, reason: str, restored) -> None:
     self.last_restore_tier, self.last_restore_reason = tier, reason
-    self.last_restore_step, self._restored = step, restored
+    self._restored_step, self._restored = step, restored
 
   def host_state(self, step: int | None = None) -> Any:
     """This process's host_state of the step restored last (or of ``step``

@@ -14,37 +14,39 @@ verifies it then).
 
 from __future__ import annotations
 
+from ckpt.checkpointer import Checkpointer
 from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import timeline as tier_timeline
+from ckpt.tiers.local_tier import LocalTier
 
 
-def all_steps(mt) -> list[int]:
+def all_steps(persistent: Checkpointer, local: LocalTier) -> list[int]:
   """Collective: the persistent tier's committed steps (its own round)
   and the local steps the job can rebuild (one round: every process posts
   the local steps it can serve, process 0 keeps those every process can
   get back), merged, in increasing order, the same on every process."""
-  p_steps = tier_choice.persistent_steps(mt)
+  p_steps = tier_choice.persistent_steps(persistent)
   p_latest = p_steps[-1] if p_steps else None
-  key = mt.local.call_key("all_steps")
+  key = local.call_key("all_steps")
   try:
-    mt.local.wait()  # a local save in flight commits first
-    usable = mt.local.usable(
+    local.wait()  # a local save in flight commits first
+    usable = local.usable(
         [], lambda s: p_latest is None or s >= p_latest)
   except Exception as e:  # pylint: disable=broad-except
     # This process serves no local step; the others still agree with it.
     usable = {"own": [], "partner": [], "why": (
         f"the local tier failed on process {multihost.process_index()}: "
         f"{type(e).__name__}: {e}")[:1000]}
-  dst, n = mt.local.layout.dst, mt.local.layout.n
+  dst, n = local.layout.dst, local.layout.n
 
   def decide(got: dict[int, dict]) -> list[int]:
     return tier_timeline.complete(got, dst, n)
 
-  local = posts_lib.agree(
+  rebuilt = posts_lib.agree(
       key, {"own": usable["own"], "partner": usable["partner"]}, decide,
-      timeout_s=mt.local.timeout_s,
+      timeout_s=local.timeout_s,
       what="the steps of both tiers (all_steps)")
-  mt.local.settle_keys(key)
-  return sorted(set(p_steps) | set(local))
+  local.settle_keys(key)
+  return sorted(set(p_steps) | set(rebuilt))

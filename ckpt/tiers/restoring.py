@@ -10,21 +10,30 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
+from ckpt.checkpointer import Checkpointer
 from ckpt.errors import CheckpointError, CheckpointNotFoundError
 from ckpt.store.progress import rate_text, size_text
 from ckpt.multihost import process as multihost
 from ckpt.restore import handle as handle_lib
 from ckpt.tiers import choice as tier_choice
 from ckpt.tiers import local_leaves
+from ckpt.tiers.local_tier import LocalTier
 from ckpt.restore import targets
 
 
-def restore(persistent, local, choose: Callable, note: Callable,
+def restore(persistent: Checkpointer, local: LocalTier, note: Callable,
             step: int | None, target: Any, restore_kwargs: dict,
             start: bool = False) -> Any:
   """``MultiTierCheckpointer.restore`` (``start``: ``restore_async``, a
-  handle). ``choose(step, leaves, options)``: the agreed decision;
-  ``note(tier, step, reason, restored)``: what came back."""
+  handle), once the persistent tier's save in flight has ended (its
+  failure stays for the next save or wait; the local tier's save ends in
+  the choice). ``note(tier, step, reason, restored)``: what came back."""
+  persistent.tier_side.settle()
+
+  def choose(step: int | None, leaves, options: str) -> dict:
+    """The agreed tier and step (ckpt/tiers/choice.py; collective)."""
+    return tier_choice.choose(persistent, local, step, leaves, options)
+
   if target is not None:  # jax.eval_shape's abstract meshes: on devices
     target = targets.concrete_target(target)
   leaves, treedef = (local_leaves.flatten(target) if target is not None else
@@ -83,7 +92,7 @@ def restore(persistent, local, choose: Callable, note: Callable,
       lambda: None, inner.what)
 
 
-def _local(local, note: Callable, d: dict, leaves, treedef) -> Any:
+def _local(local: LocalTier, note: Callable, d: dict, leaves, treedef) -> Any:
   """The local tier's restore of the agreed step ``d["step"]``."""
   out, hs = local.restore(d["step"], leaves, d["need"])
   st = local.last_restore_stats
@@ -96,7 +105,7 @@ def _local(local, note: Callable, d: dict, leaves, treedef) -> Any:
   return jax.tree_util.tree_unflatten(treedef, [out[n] for n, _ in leaves])
 
 
-def _resumed(local, d: dict, step: int, tier: str, where: str) -> None:
+def _resumed(local: LocalTier, d: dict, step: int, tier: str, where: str) -> None:
   """After a resume returned ``step`` (every process): the local steps
   above it are set aside (one timeline: no query, restore or save refusal
   of this job sees them; the next local save removes them), and process 0

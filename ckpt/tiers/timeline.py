@@ -18,29 +18,32 @@ from __future__ import annotations
 
 from absl import logging
 
+from ckpt.checkpointer import Checkpointer
 from ckpt.multihost import posts as posts_lib
 from ckpt.multihost import process as multihost
 from ckpt.errors import (CheckpointError, CheckpointNotFoundError,
                          CorruptCheckpointError)
+from ckpt.tiers.local_tier import LocalTier
 
 
-def check(mt, step: int, prepare=None) -> None:
+def check(persistent: Checkpointer, local: LocalTier, step: int,
+          prepare=None) -> None:
   """Collective, before a save writes anything: refuses a step lower
   than the newest committed step of either tier, with the same
   CheckpointError on every process. Each process posts its local steps
   above ``step`` (of this run) or its own failure (the previous local
   save's, say, or one of ``prepare()``, the save's own preparation);
   process 0 adds the persistent tier's and decides."""
-  key = mt.local.call_key("timeline")
+  key = local.call_key("timeline")
   mine = {"own": [], "partner": [], "dst": [], "n": 0}
 
   def own_part() -> None:  # what can fail on one process alone
     s = posts_lib.check_step(step)
     if prepare is not None:
       prepare()
-    mt.local.wait()  # the previous local save: its failure, its commit
-    mine.update(_local_newer(mt, s), dst=mt.local.layout.dst,
-                n=mt.local.layout.n)
+    local.wait()  # the previous local save: its failure, its commit
+    mine.update(_local_newer(local, s), dst=local.layout.dst,
+                n=local.layout.n)
   error = posts_lib.failure_of(own_part)
   dst, n = mine.pop("dst"), mine.pop("n")
   if error is None:
@@ -50,22 +53,23 @@ def check(mt, step: int, prepare=None) -> None:
     got, failed = _read_posts(key, posts)
     if failed:
       return {"failed": failed}
-    # The local steps a restore could use (as _choose counts them, from
+    # The local steps a restore could use (as ``choose`` counts them, from
     # the manifests): a step that some process holds but the job cannot
     # rebuild (a host and its partner lost) is never resumed, and goes
     # at this save's retention.
-    local = sorted(complete(got, dst, n))
+    local_newer = sorted(complete(got, dst, n))
     try:  # but those a resume fell back past (damaged: never resumed)
-      persistent = mt.persistent.newer_than(step, fresh=bool(local))
+      persistent_newer = persistent.tier_side.newer_than(
+          step, fresh=bool(local_newer))
     except Exception as e:  # pylint: disable=broad-except
       return {"failed": {0: (
-          f"listing the persistent tier {mt.persistent.storage.url!r}: "
+          f"listing the persistent tier {persistent.storage.url!r}: "
           f"{type(e).__name__}: {e}")[:2000]}}
-    return {"local": local, "persistent": persistent}
+    return {"local": local_newer, "persistent": persistent_newer}
 
   out = posts_lib.agree(
       key, {**mine, "error": posts_lib.describe(error)}, _safe(decide),
-      timeout_s=mt.local.timeout_s,
+      timeout_s=local.timeout_s,
       what=f"whether step {step} can be saved (newer committed steps)")
   if "failed" in out:  # the same error on every process, the failed too
     raise CheckpointError(
@@ -78,25 +82,25 @@ def check(mt, step: int, prepare=None) -> None:
   if out["local"] or out["persistent"]:
     where = "; ".join(
         f"in the {tier} tier {url!r}: {steps}" for tier, url, steps in (
-            ("persistent", mt.persistent.storage.url, out["persistent"]),
-            ("local", mt.local.root, out["local"])) if steps)
+            ("persistent", persistent.storage.url, out["persistent"]),
+            ("local", local.root, out["local"])) if steps)
     raise CheckpointError(posts_lib.refusal(
         step, sorted(set(out["local"]) | set(out["persistent"])), where))
 
 
-def _local_newer(mt, step: int) -> dict[str, list[int]]:
+def _local_newer(local: LocalTier, step: int) -> dict[str, list[int]]:
   """This process's committed local steps above ``step`` with a valid
   manifest of this run: the own parts and partner replicas it holds (as
   ``LocalTier.usable`` counts them, checksums aside); local, no
   collective."""
-  lay = mt.local.layout
+  lay = local.layout
   out = {"own": [], "partner": []}
-  for s in mt.local.committed_steps():
+  for s in local.committed_steps():
     if s <= step:
       continue
     try:
-      m = mt.local.manifest(s)
-      why = mt.local.foreign(m)
+      m = local.manifest(s)
+      why = local.foreign(m)
     except CorruptCheckpointError as e:
       why = str(e)
     if why:  # never restored, removed by the next save
@@ -109,15 +113,15 @@ def _local_newer(mt, step: int) -> dict[str, list[int]]:
   return out
 
 
-def delete(mt, step: int) -> None:
+def delete(persistent: Checkpointer, local: LocalTier, step: int) -> None:
   """MultiTierCheckpointer.delete (see its docstring)."""
-  key = mt.local.call_key("delete")
+  key = local.call_key("delete")
   given, hid = step, []
 
   def own_part() -> None:  # what can fail on one process alone
     s = posts_lib.check_step(step)
-    mt.local.wait()  # a local save in flight commits first
-    hid.append(mt.local.hide_step(s))
+    local.wait()  # a local save in flight commits first
+    hid.append(local.hide_step(s))
   error = posts_lib.failure_of(own_part)
   hidden = hid[0] if hid else None
   if error is None:
@@ -127,27 +131,27 @@ def delete(mt, step: int) -> None:
     got, failed = _read_posts(key, posts)
     if failed:
       return {"failed": failed}
-    local = [p for p, g in got.items() if g["hidden"]]
+    hidden_on = [p for p, g in got.items() if g["hidden"]]
     try:
-      mt.persistent.delete_now(step)
-      persistent = True
+      persistent.tier_side.delete_now(step)
+      in_persistent = True
     except CheckpointNotFoundError as e:
-      persistent, why = False, str(e)
+      in_persistent, why = False, str(e)
     except Exception as e:  # pylint: disable=broad-except
       return {"error": [
           type(e).__name__, f"deleting step {step}: {e}"[:4000]]}
-    if not (persistent or local):
+    if not (in_persistent or hidden_on):
       return {"error": ["CheckpointNotFoundError", (
           f"cannot delete step {step}: neither tier holds it ({why}; no "
           f"process holds step_{step} in the local tier "
-          f"{mt.local.root!r})")[:4000]]}
-    return {"persistent": persistent, "local": local}
+          f"{local.root!r})")[:4000]]}
+    return {"persistent": in_persistent, "local": hidden_on}
 
   try:
     out = posts_lib.agree(
         key, {"hidden": hidden is not None,
               "error": posts_lib.describe(error)},
-        _safe(decide), timeout_s=mt.local.timeout_s,
+        _safe(decide), timeout_s=local.timeout_s,
         what=f"deleting step {given!r}")
   except BaseException:
     if hidden is not None:
@@ -158,7 +162,7 @@ def delete(mt, step: int) -> None:
   if "persistent" not in out:  # refused: every local step goes back
     if hidden is not None:
       try:
-        mt.local.unhide_step(step, hidden)
+        local.unhide_step(step, hidden)
       except OSError as e:
         logging.error("ckpt: could not put local step %d back (%s): %s",
                       step, hidden, e)
@@ -173,10 +177,10 @@ def delete(mt, step: int) -> None:
            "CheckpointNotFoundError" else CheckpointError)
     raise cls(out["error"][1])
   if hidden is not None:
-    mt.local.drop_hidden(hidden)
+    local.drop_hidden(hidden)
   logging.info("ckpt: deleted step %d (persistent tier: %s; local tier: "
                "process(es) %s)", step, out["persistent"], out["local"])
-  mt.persistent.deleted(step)
+  persistent.tier_side.deleted(step)
 
 
 def complete(got: dict[int, dict], dst: list[int], n: int) -> list[int]:

@@ -1,12 +1,14 @@
 """Fresh worker processes: each builds a preset's state once, then runs ops.
 
-A benchmark runs each system in its own process, so that host memory is
-attributed to one system only. ``Workers`` starts one per system, one at a
-time (building the state takes the cores); each worker
-(``python -m scripts.benchlib.workers``) builds the preset's random state
-on its CPU devices into a ``Session``, then reads operations from stdin,
-one JSON line each, and answers each with one line. An operation names the
-function that runs it: ``{"fn": "scripts.bench:save", ...}`` calls
+A benchmark runs every system in ONE process, the limit included, so that
+all are timed in the same process and round (issue 47); only an A/B label
+``ckpt@PATH`` (ckpt imported from another tree) gets a process of its own.
+``Workers`` starts one per such group, one at a time (building the state
+takes the cores); each worker (``python -m scripts.benchlib.workers``)
+builds the preset's random state on its CPU devices into a ``Session``,
+then reads operations from stdin, one JSON line each, and answers each with
+one line. An operation names the function that runs it and the system:
+``{"fn": "scripts.bench:save", "system": "ckpt", ...}`` calls
 ``save(session, op)`` of that module, which returns a JSON-ready dict.
 
 ``run_job`` runs a list of operations in a local ``jax.distributed`` job
@@ -36,7 +38,8 @@ ROOT = presets.ROOT
 
 
 class Session:
-  """What one worker holds: the preset, its state, targets and system."""
+  """What one worker holds: the preset, its state, targets and systems
+  (``system``: one label, or several joined by commas)."""
 
   def __init__(self, system: str, preset_file: str):
     import jax  # pylint: disable=g-import-not-at-top
@@ -44,7 +47,9 @@ class Session:
     t0 = time.perf_counter()
     self.label = system
     self.preset = presets.load_preset(preset_file)
-    self.system = systems_lib.make_system(system, self.preset)
+    self.systems = {s: systems_lib.make_system(s, self.preset)
+                    for s in system.split(",")}
+    self.system = self.systems[system.split(",")[0]]
     self.topo = presets.Topology(self.preset)
     self.state = presets.build_state(self.preset, self.topo)
     self.targets = {
@@ -54,6 +59,8 @@ class Session:
     self.cache: dict[str, Any] = {}  # what an op keeps for the next ones
 
   def run(self, op: dict[str, Any]) -> dict[str, Any]:
+    if "system" in op:  # the op's system, for the op's function
+      self.system = self.systems[op["system"]]
     module, name = op["fn"].split(":")
     return getattr(importlib.import_module(module), name)(self, op)
 
@@ -100,7 +107,7 @@ class WorkerProcess:
           ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     self.system = system
     self.log_path = os.path.join(
-        log_dir, f"{system.replace('@', '-').replace('/', '_')}.log")
+        log_dir, f"{system.replace('@', '-').replace('/', '_')[:100]}.log")
     self._log = open(self.log_path, "w")
     self.proc = subprocess.Popen(
         [sys.executable, "-m", "scripts.benchlib.workers", system,
@@ -145,25 +152,41 @@ class WorkerProcess:
     self._log.close()
 
 
-class Workers:
-  """One ``WorkerProcess`` per system, for a ``with`` block."""
+def groups(systems: list[str]) -> dict[str, list[str]]:
+  """The systems that share a worker process: every label but ``ckpt@PATH``
+  in one (``""``), each ``ckpt@PATH`` in its own (its ``PATH``)."""
+  out: dict[str, list[str]] = {}
+  for s in systems:
+    out.setdefault(s.split("@", 1)[1] if "@" in s else "", []).append(s)
+  return out
 
-  def __init__(self, systems: list[str], preset_file: str, devices: int = 8):
+
+class Workers:
+  """The worker processes of ``groups(systems)``, for a ``with`` block;
+  ``procs[system]`` is the worker that holds ``system``."""
+
+  def __init__(self, systems: list[str], preset_file: str, devices: int = 8,
+               shared: bool = True):
     self.systems, self.preset_file, self.devices = systems, preset_file, devices
+    self.shared = shared  # False: one process per system
     self.procs: dict[str, WorkerProcess] = {}
     self.info: dict[str, Any] = {}
 
   def __enter__(self) -> "Workers":
     self._logs = tempfile.mkdtemp(prefix="ckpt-bench-logs-")
     try:
-      for s in self.systems:  # one at a time: building the state takes the cores
+      # One at a time: building the state takes the cores.
+      for labels in (groups(self.systems).values() if self.shared else
+                     [[s] for s in self.systems]):
         t0 = time.perf_counter()
-        self.procs[s] = WorkerProcess(s, self.preset_file, self.devices,
-                                      self._logs)
-        self.info[s] = {**self.procs[s].ready,
-                        "start_s": time.perf_counter() - t0}
-        print(f"  {s}: worker ready, state built in "
-              f"{self.procs[s].ready['build_s']:.1f} s", flush=True)
+        proc = WorkerProcess(",".join(labels), self.preset_file, self.devices,
+                             self._logs)
+        for s in labels:
+          self.procs[s] = proc
+          self.info[s] = {**proc.ready, "start_s": time.perf_counter() - t0,
+                          "process": labels}
+        print(f"  {', '.join(labels)}: worker ready, state built in "
+              f"{proc.ready['build_s']:.1f} s", flush=True)
     except BaseException:
       self.__exit__()
       raise
@@ -177,7 +200,7 @@ class Workers:
         yield r, s, self.procs[s]
 
   def __exit__(self, *exc) -> None:
-    for w in self.procs.values():
+    for w in {id(w): w for w in self.procs.values()}.values():
       w.close()
     shutil.rmtree(self._logs, ignore_errors=True)
 

@@ -35,6 +35,10 @@ process. Each process builds the same global arrays from fixed seeds.
   chunk of rep4/w, then every process restores read once without and with
   ``verify=True`` (the crc32c of each box, from the per-process checksum
   files) and reports the error or whether rep4/w came back exact.
+
+Each process returns a ``Result`` (tests/multiprocess/worker.py): a
+``Record`` per restore (by policy, ``lazy-<policy>`` or case), the
+``Failures`` of ``fail_on`` and the ``Corrupt`` outcomes by ``verify``.
 """
 
 from __future__ import annotations
@@ -43,11 +47,11 @@ import asyncio
 import dataclasses
 import os
 import re
-import sys
-import json
 import time
+from typing import Any
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error, Outcome
 
 SHAPES = {
     # name: (shape, dtype, restore spec)
@@ -60,6 +64,65 @@ SHAPES = {
 CHUNK_BYTES = 32 << 10
 _GET_RE = re.compile(r'"GET (\S+) HTTP/[0-9.]+" (\d{3})')
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@dataclasses.dataclass(frozen=True)
+class OtherSharding:
+  """A lazy leaf bound to read once, read with another sharding (P(), on
+  process 0 alone): what that read added to the stats, and whether exact."""
+  bytes: int
+  exchanged: int
+  exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+  """One restore of step 1 (a policy's, a lazy one's, a case's)."""
+  stats: dict[str, Any]               # last_restore_stats, as a dict
+  bad: list[str]                      # leaves not bit-exact or misplaced
+  ts_fetched: int | None = None       # a policy's: TensorStore's bytes read
+  moto_gets: int | None = None        # a policy's, process 0: chunk GETs
+  before: int | None = None           # lazy: bytes the restore call read
+  read_once: list[str] | None = None  # lazy: the leaves bound to read once
+  other_sharding: OtherSharding | None = None  # lazy-True, process 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+  """Two lazy leaves read once, in another order on each process: each
+  read (its value: the leaf's problems), then both in the same order."""
+  got: list[Outcome]
+  again: list[list[str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failures:
+  """``fail_on``: each read that fails on one process only (see the module
+  docstring), and the read after it."""
+  fail: Error | None                # a transform raising there
+  after_fail: int                   # the next restore's "step" leaf
+  lazy_fail: Error | None           # a lazy read whose guard raises there
+  lazy_cancel: Outcome              # "cancelled" on that process
+  lazy_after_fail: list[str]        # the next lazy read's problems
+  lazy_after_fail_stats: dict[str, Any]
+  lazy_order: dict[str, Order]      # by the second leaf of the pair
+
+
+@dataclasses.dataclass(frozen=True)
+class Corrupt:
+  """A read-once restore after a flipped byte: its error, or whether
+  rep4/w came back exact."""
+  error: Error | None
+  exact: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  process: int
+  saved: bool = False
+  restores: dict[str, Record] = dataclasses.field(default_factory=dict)
+  failures: Failures | None = None
+  corrupt: dict[str, Corrupt] | None = None  # by verify ("False", "True")
 
 
 def truth(name, shape, dtype):
@@ -102,9 +165,7 @@ def moto_gets(log_path: str, offset: int) -> int:
   return n
 
 
-def main():
-  cfg = local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
+def run(conf: dict) -> Result:
   import jax
   import numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -120,18 +181,19 @@ def main():
   opts = dict(format=conf.get("format", "zarr"), async_save=False,
               chunk_bytes=CHUNK_BYTES,
               concurrent_bytes=conf.get("concurrent_bytes", 1 << 30))
-  out = {"process": cfg["process_id"]}
+  pid = jax.process_index()
+  saved, restores, failures, corrupt = False, {}, None, None
   with ckpt.Checkpointer(conf["dir"], **opts) as ck:
     if conf["op"] in ("save", "both"):
       ck.save(1, make_state(mesh))
-      out["saved"] = True
+      saved = True
     if conf["op"] in ("restore", "both"):
       target = _nest({n: jax.ShapeDtypeStruct(
           s, np.dtype(d), sharding=NamedSharding(mesh, P(*spec)))
                       for n, (s, d, spec) in SHAPES.items()})
       target["step"] = 0
       count_url = conf.get("count_url")  # scripts/bench.py: a counting proxy
-      if count_url and cfg["process_id"] == 0:
+      if count_url and pid == 0:
         from tests.objectstore import proxy  # pylint: disable=g-import-not-at-top
         proxy.mark(count_url, "start")
       for i, policy in enumerate(conf["policies"]):
@@ -143,87 +205,26 @@ def main():
                          verify=policy in conf.get("verify", ()))
         fetched = ts_fetched() - fetched
         multihost.barrier(f"after-{policy}")
-        if count_url and cfg["process_id"] == 0:
+        if count_url and pid == 0:
           proxy.mark(count_url, f"{i}-{policy}")
         bad = [b for n in SHAPES for b in check_leaf(leaf_of(got, n), n, mesh)]
         if got["step"] != 7:
           bad.append(f"step {got['step']}")
-        rec = {"stats": dataclasses.asdict(ck.last_restore_stats), "bad": bad,
-               "ts_fetched": fetched}
-        if log and cfg["process_id"] == 0:
-          rec["moto_gets"] = moto_gets(log, offset)
+        gets = moto_gets(log, offset) if log and pid == 0 else None
         multihost.barrier(f"counted-{policy}")
-        out[str(policy)] = rec  # a repeated policy: the last (warm) one
+        # A repeated policy: the last (warm) one.
+        restores[str(policy)] = Record(
+            dataclasses.asdict(ck.last_restore_stats), bad,
+            ts_fetched=fetched, moto_gets=gets)
       for case in conf.get("cases", ()):
         multihost.barrier(f"before-{case}")
-        out.update(run_case(case, conf, opts, ck, mesh, target))
+        restores.update(run_case(case, conf, opts, ck, mesh, target))
         multihost.barrier(f"after-{case}")
     if "fail_on" in conf:  # one process fails before the exchange
-      def boom(ckpt_tree, target_tree, *, is_resuming):
-        del target_tree, is_resuming
-        if cfg["process_id"] == conf["fail_on"]:
-          raise ValueError("boom on this process")
-        return ckpt_tree
-      try:
-        ck.restore(1, target=target, read_once=True, transforms=(boom,))
-        out["fail"] = None
-      except Exception as e:  # pylint: disable=broad-except
-        out["fail"] = f"{type(e).__name__}: {e}"
-      out["after_fail"] = ck.restore(1, target=target, read_once=True)["step"]
-      # A lazy leaf read once, whose read fails on that process only (its
-      # step guard raises there): every process raises; the next read works.
-      lz = ck.restore(1, target=target, read_once=True, lazy=True)
-      leaf = lz["rep4"]["w"]
-      if cfg["process_id"] == conf["fail_on"]:
-        def gone():
-          raise ValueError("step gone on this process")
-        leaf.guard = gone
-      try:
-        leaf.read()
-        out["lazy_fail"] = None
-      except Exception as e:  # pylint: disable=broad-except
-        out["lazy_fail"] = f"{type(e).__name__}: {e}"
-      # A lazy read-once read cancelled on that process only, after it has
-      # taken its round (readonce.LazyRounds.abandon): the others raise
-      # instead of waiting for a process that never joins.
-      other = lz["rep4"]["i"]
-      if cfg["process_id"] == conf["fail_on"]:
-        async def cancelled():
-          task = asyncio.ensure_future(other.read_async())
-          await asyncio.sleep(0)  # it has started: its round is taken
-          task.cancel()
-          try:
-            await task
-          except asyncio.CancelledError:
-            return "cancelled"
-          return "finished"
-        out["lazy_cancel"] = asyncio.run(cancelled())
-      else:
-        try:
-          other.read()
-          out["lazy_cancel"] = None
-        except Exception as e:  # pylint: disable=broad-except
-          out["lazy_cancel"] = f"{type(e).__name__}: {e}"
-      out["lazy_after_fail"] = check_leaf(lz["rep4"]["all"].read(),
-                                          "rep4/all", mesh)
-      out["lazy_after_fail_stats"] = dataclasses.asdict(ck.last_restore_stats)
-      # Lazy read-once reads in another order on each process (same shape
-      # and dtype; then different ones): every read raises on every process,
-      # naming both leaves, never mixing them; the same order then works.
-      for pair in (("rep4/w", "rep2/w"), ("rep4/w", "rep4/i")):
-        lz = ck.restore(1, target=target, read_once=True, lazy=True)
-        order = pair if cfg["process_id"] == 0 else pair[::-1]
-        got = []
-        for name in order:
-          try:
-            got.append(check_leaf(leaf_of(lz, name).read(), name, mesh))
-          except Exception as e:  # pylint: disable=broad-except
-            got.append(f"{type(e).__name__}: {e}")
-        again = [check_leaf(leaf_of(lz, n).read(), n, mesh) for n in pair]
-        out[f"lazy_order_{pair[1]}"] = {"got": got, "again": again}
+      failures = fail_on(conf["fail_on"], ck, mesh, target)
     if conf.get("corrupt"):  # format "zarr" on a disk: a flipped byte
       multihost.barrier("before-corrupt")
-      if cfg["process_id"] == 0:
+      if pid == 0:
         path = os.path.join(conf["dir"], "checkpoint_1", "rep4", "w", "0.0")
         with open(path, "r+b") as f:
           f.seek(os.path.getsize(path) // 2)
@@ -231,16 +232,74 @@ def main():
           f.seek(-1, os.SEEK_CUR)
           f.write(bytes([byte[0] ^ 0x40]))
       multihost.barrier("after-corrupt")
+      corrupt = {}
       for verify in (False, True):
         try:
           got = ck.restore(1, target=target, read_once=True, verify=verify)
-          out[f"corrupt_verify_{verify}"] = None
-          out[f"corrupt_exact_{verify}"] = check_leaf(
-              leaf_of(got, "rep4/w"), "rep4/w", mesh) == []
+          corrupt[str(verify)] = Corrupt(None, check_leaf(
+              leaf_of(got, "rep4/w"), "rep4/w", mesh) == [])
         except Exception as e:  # pylint: disable=broad-except
-          out[f"corrupt_verify_{verify}"] = f"{type(e).__name__}: {e}"
+          corrupt[str(verify)] = Corrupt(Error.of(e))
         multihost.barrier(f"after-corrupt-{verify}")
-  local_cluster.write_result(out)
+  return Result(pid, saved, restores, failures, corrupt)
+
+
+def fail_on(bad_pid: int, ck, mesh, target) -> Failures:
+  """``fail_on``: reads that fail on process ``bad_pid`` only (see the
+  module docstring); each must fail on every process, the next work."""
+  import jax
+  pid = jax.process_index()
+
+  def boom(ckpt_tree, target_tree, *, is_resuming):
+    del target_tree, is_resuming
+    if pid == bad_pid:
+      raise ValueError("boom on this process")
+    return ckpt_tree
+  fail = worker.timed(lambda: ck.restore(1, target=target, read_once=True,
+                                         transforms=(boom,))).error
+  after_fail = ck.restore(1, target=target, read_once=True)["step"]
+  # A lazy leaf read once, whose read fails on that process only (its
+  # step guard raises there): every process raises; the next read works.
+  lz = ck.restore(1, target=target, read_once=True, lazy=True)
+  leaf = lz["rep4"]["w"]
+  if pid == bad_pid:
+    def gone():
+      raise ValueError("step gone on this process")
+    leaf.guard = gone
+  lazy_fail = worker.timed(leaf.read).error
+  # A lazy read-once read cancelled on that process only, after it has
+  # taken its round (readonce.LazyRounds.abandon): the others raise
+  # instead of waiting for a process that never joins.
+  other = lz["rep4"]["i"]
+  if pid == bad_pid:
+    async def cancelled():
+      task = asyncio.ensure_future(other.read_async())
+      await asyncio.sleep(0)  # it has started: its round is taken
+      task.cancel()
+      try:
+        await task
+      except asyncio.CancelledError:
+        return "cancelled"
+      return "finished"
+    lazy_cancel = worker.timed(lambda: asyncio.run(cancelled()))
+  else:
+    lazy_cancel = worker.timed(
+        lambda: check_leaf(other.read(), "rep4/i", mesh))
+  lazy_after_fail = check_leaf(lz["rep4"]["all"].read(), "rep4/all", mesh)
+  lazy_after_fail_stats = dataclasses.asdict(ck.last_restore_stats)
+  # Lazy read-once reads in another order on each process (same shape
+  # and dtype; then different ones): every read raises on every process,
+  # naming both leaves, never mixing them; the same order then works.
+  orders = {}
+  for pair in (("rep4/w", "rep2/w"), ("rep4/w", "rep4/i")):
+    lz = ck.restore(1, target=target, read_once=True, lazy=True)
+    order = pair if pid == 0 else pair[::-1]
+    got = [worker.timed(lambda n=name: check_leaf(
+        leaf_of(lz, n).read(), n, mesh)) for name in order]
+    again = [check_leaf(leaf_of(lz, n).read(), n, mesh) for n in pair]
+    orders[pair[1]] = Order(got, again)
+  return Failures(fail, after_fail, lazy_fail, lazy_cancel, lazy_after_fail,
+                  lazy_after_fail_stats, orders)
 
 
 # The ``batches`` case's concurrent_bytes: 4 processes cut the 4 read-once
@@ -288,9 +347,9 @@ def check_leaf(a, name, mesh, dtype=None) -> list[str]:
   return bad
 
 
-def run_case(case, conf, opts, ck, mesh, target) -> dict:
-  """One more read-once restore of step 1 (see the module docstring):
-  {result name: {"stats", "bad", ...}}."""
+def run_case(case, conf, opts, ck, mesh, target) -> dict[str, Record]:
+  """One more read-once restore of step 1 (see the module docstring), by
+  its result's name."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -303,7 +362,7 @@ def run_case(case, conf, opts, ck, mesh, target) -> dict:
     names = names or {n: n for n in SHAPES}
     bad = [b for n, m in names.items()
            for b in check_leaf(leaf_of(got, m), n, mesh, dtype)]
-    return {"stats": dataclasses.asdict(ckptr.last_restore_stats), "bad": bad}
+    return Record(dataclasses.asdict(ckptr.last_restore_stats), bad)
 
   if case == "lazy":
     out = {}
@@ -322,21 +381,21 @@ def run_case(case, conf, opts, ck, mesh, target) -> dict:
             *(leaf_of(got, n).read_async() for n in names[2:]))
       arrays.update(zip(names[2:], asyncio.run(rest())))
       bad = [b for n in names for b in check_leaf(arrays[n], n, mesh)]
-      rec = {"before": before, "stats": dataclasses.asdict(stats),
-             "read_once": plans, "bad": bad}
+      read = dataclasses.asdict(stats)
+      other = None
       if policy and multihost.process_index() == 0:
         # Another sharding than the one it was bound to: the normal read,
         # not a collective (process 0 alone reads).
         leaf = leaf_of(got, "rep4/i")
         a = leaf.read(NamedSharding(mesh, P()))
-        rec["other_sharding"] = {
-            "bytes": stats.bytes_read - rec["stats"]["bytes_read"],
-            "exchanged": stats.read_once_leaves - rec["stats"][
-                "read_once_leaves"],
-            "exact": np.asarray(a.addressable_shards[0].data).tobytes() ==
-                     truth("rep4/i", *SHAPES["rep4/i"][:2]).tobytes()}
+        other = OtherSharding(
+            bytes=stats.bytes_read - read["bytes_read"],
+            exchanged=stats.read_once_leaves - read["read_once_leaves"],
+            exact=np.asarray(a.addressable_shards[0].data).tobytes() ==
+            truth("rep4/i", *SHAPES["rep4/i"][:2]).tobytes())
       multihost.barrier(f"lazy-{policy}")
-      out[f"lazy-{policy}"] = rec
+      out[f"lazy-{policy}"] = Record(read, bad, before=before,
+                                     read_once=plans, other_sharding=other)
     return out
   if case == "dtype":
     with ckpt.Checkpointer(conf["dir"], **opts,
@@ -362,7 +421,7 @@ def run_case(case, conf, opts, ck, mesh, target) -> dict:
     if v.sharding != tgt["extra"]["v"].sharding or any(
         not np.array_equal(np.asarray(sh.data), extra[sh.index])
         for sh in v.addressable_shards):
-      rec["bad"].append("extra/v (the fallback) differs")
+      rec.bad.append("extra/v (the fallback) differs")
     return {"fallback": rec}
   if case == "ocdbt":
     with ckpt.Checkpointer(conf["dir"] + "-ocdbt", **{
@@ -382,4 +441,4 @@ def _nest(flat):
 
 
 if __name__ == "__main__":
-  main()
+  worker.main(run)

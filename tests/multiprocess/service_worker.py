@@ -2,22 +2,26 @@
 
 Run as ``python -m tests.multiprocess.service_worker <json config>`` by
 ``ckpt.multihost.local_cluster``; ``config["scenario"]`` picks what to do. Every
-scenario checks what it can inside the job and returns a JSON-able dict that
-the test asserts on. The state helpers at the top (``kill_state`` and
+scenario checks what it can inside the job and returns a typed result
+(``RESULTS[scenario]``, tests/multiprocess/worker.py) that the test decodes
+and asserts on. The state helpers at the top (``kill_state`` and
 friends) are pure numpy so the test process can rebuild the expected values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging as std_logging
 import os
-import sys
 import threading
 import time
 from typing import Any
 
 import numpy as np
+
+from tests.multiprocess import worker
+from tests.multiprocess.worker import Error
 
 # ---- deterministic states (pure numpy; also imported by the test) ---------
 
@@ -170,14 +174,189 @@ def _touch(path: str) -> None:
   os.replace(path + ".partial", path)
 
 
-def _err(e: BaseException) -> dict[str, str]:
-  return {"type": type(e).__name__, "msg": str(e)}
+# ---- the results (tests/multiprocess/worker.py) ---------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StatRow:
+  """One save's last_save_stats."""
+  step: int
+  blocking_s: float
+  total_s: float
+  bytes_written: int
+  skipped: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Async:
+  saved: list[bool]
+  stats: list[StatRow]
+  in_flight_at_return: list[bool]
+  prev_committed_at_return: list[bool]
+  donated: list[bool]
+  reader_saw: list[list[int]]
+  exact_sharded: dict[str, bool]    # by step
+  exact_full: dict[str, bool]       # by step
+  scalars: dict[str, list[Any]]     # by step: step, note (sharded, full)
+  all_steps: list[int]
+  sync_committed: bool
+  sync_stats: list[float]           # blocking_s, total_s
+
+
+@dataclasses.dataclass(frozen=True)
+class BgFail:
+  pid: int
+  a_returned: bool
+  a: Error | None
+  a_wait_s: float
+  a_again: Error | None
+  b_returned: bool
+  b: Error | None
+  b_step4_exists: bool
+  c_returned: bool
+  c: Error | None
+  c_closed: Error | None
+  tmp_before: list[str]
+  tmp_after: list[str]
+  all_steps: list[int]
+  exact: dict[str, bool]            # by step
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetCase:
+  peak_bytes_in_flight: int
+  bytes_written: int
+  boxes_written: int
+  rss_delta: int
+  exact: bool
+  total_s: float
+  blocking_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  cases: dict[str, BudgetCase]      # by label
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+  """One phase of the barrier timeout, on one process: the saver's error
+  and time, or the late process's wait for the saver's mark."""
+  error: Error | None = None
+  barrier_error: bool | None = None
+  seconds: float | None = None
+  waited: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierTimeout:
+  pid: int
+  phases: dict[str, Phase]          # "0", "1"
+  committed: list[list[int]]
+  wall_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RetentionCase:
+  history: list[list[int]]
+  metrics: dict[str, dict[str, Any]]
+  metrics_fresh: dict[str, dict[str, Any]]
+  on_disk: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Retention:
+  cases: dict[str, RetentionCase]   # by name
+
+
+@dataclasses.dataclass(frozen=True)
+class P1Mesh:
+  local_shards: int
+  exact: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Resave:
+  """One phase of resave_host_state (fields of the other phases: None)."""
+  pid: int
+  saved: list[bool] | None = None
+  hs: dict[str, Any] | None = None  # host_state values, jsonable
+  resave: list[Any] | None = None   # first: [the lower save's error, 3's]
+  resaved: bool | None = None       # restart: the resume step's save
+  resave_skipped_stat: bool | None = None
+  warnings: list[str] | None = None
+  exact: dict[str, bool] | None = None
+  hs_after: Any = None
+  resume: int | None = None
+  resume_exact: bool | None = None
+  next: bool | None = None
+  all_steps: list[int] | None = None
+  p1_mesh: P1Mesh | None = None
+  p1_mesh_error: Error | None = None
+  error: Error | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Preempt:
+  pid: int
+  step: int | None
+  t_notice: float | None = None
+  last: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class KillLoop:
+  pid: int
+  latest_before: int | None
+  resume_exact: bool | None
+  all_steps: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+  restore_s: float
+  all_steps: list[int]
+  committed_before: bool | None = None
+  restore: str | None = None        # "ok", "not_found", "error"
+  exact: bool | None = None
+  error: Error | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreRace:
+  pid: int
+  variants: dict[str, Race]
+
+
+@dataclasses.dataclass(frozen=True)
+class Files:
+  files: list[str]
+  hs: Any
+  exact: bool
+  verify: list[str]
+  big: Error | None
+  steps: list[int]
+  left: list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFiles:
+  pid: int
+  formats: dict[str, Files]         # "zarr", "zarr3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Several:
+  bgfail: BgFail | None = None
+  retention: Retention | None = None
+  restore_race: RestoreRace | None = None
+  barrier_timeout: BarrierTimeout | None = None
 
 
 # ---- scenarios ------------------------------------------------------------
 
 
-def scenario_async(conf: dict) -> dict:
+def scenario_async(conf: dict) -> Async:
   """Async saves in a row, each followed by donating jitted steps."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -227,10 +406,8 @@ def scenario_async(conf: dict) -> dict:
     stats.append(st)
     notes.append(ok)
   ck.wait_until_finished()
-  stat_rows = [{"step": s.step, "blocking_s": s.blocking_s,
-                "total_s": s.total_s, "bytes_written": s.bytes_written,
-                "skipped": s.skipped}
-               for s in stats]
+  stat_rows = [StatRow(s.step, s.blocking_s, s.total_s, s.bytes_written,
+                       s.skipped) for s in stats]
   # Bit-exact restore of every step: onto the saving shardings, and as full
   # host values (which also covers the other processes' shards).
   exact_sharded, exact_full, scalars = {}, {}, {}
@@ -238,14 +415,15 @@ def scenario_async(conf: dict) -> dict:
     target = {"params": {k: _target(host[k], shardings[k]) for k in host},
               "step": 0, "note": ""}
     out = ck.restore(step, target=target)
-    exact_sharded[step] = all(
+    exact_sharded[str(step)] = all(
         _snapshot_matches(out["params"][k], snaps[step][k], full=False)
         for k in host)
     full = ck.restore(step)
-    exact_full[step] = all(
+    exact_full[str(step)] = all(
         _snapshot_matches(full["params"][k], snaps[step][k], full=True)
         for k in host)
-    scalars[step] = [out["step"], out["note"], full["step"], full["note"]]
+    scalars[str(step)] = [int(out["step"]), str(out["note"]),
+                          int(full["step"]), str(full["note"])]
   all_steps = ck.all_steps()
   ck.close()
   # A synchronous save returns only once it is committed.
@@ -255,17 +433,13 @@ def scenario_async(conf: dict) -> dict:
       os.path.join(root, "sync", "checkpoint_1", "index.msgpack"))
   sync_stats = sync.last_save_stats
   sync.close()
-  return {"saved": notes, "stats": stat_rows,
-          "in_flight_at_return": in_flight_at_return,
-          "prev_committed_at_return": prev_committed_at_return,
-          "donated": donated, "reader_saw": reader_saw,
-          "exact_sharded": exact_sharded,
-          "exact_full": exact_full, "scalars": scalars,
-          "all_steps": all_steps, "sync_committed": sync_committed,
-          "sync_stats": [sync_stats.blocking_s, sync_stats.total_s]}
+  return Async(notes, stat_rows, in_flight_at_return,
+               prev_committed_at_return, donated, reader_saw, exact_sharded,
+               exact_full, scalars, all_steps, sync_committed,
+               [sync_stats.blocking_s, sync_stats.total_s])
 
 
-def scenario_bgfail(conf: dict) -> dict:
+def scenario_bgfail(conf: dict) -> BgFail:
   """Failures on the background thread, re-raised by wait/save/close.
 
   Process 0 commits by renaming the work directory to ``checkpoint_<step>``;
@@ -304,13 +478,13 @@ def scenario_bgfail(conf: dict) -> dict:
     ck.wait_until_finished()
     out["a"] = None
   except ckpt.CheckpointError as e:
-    out["a"] = _err(e)
+    out["a"] = Error.of(e)
   out["a_wait_s"] = time.monotonic() - t0
   try:
     ck.wait_until_finished()  # reported once, then cleared
     out["a_again"] = None
   except ckpt.CheckpointError as e:
-    out["a_again"] = _err(e)
+    out["a_again"] = Error.of(e)
   _sync("after_a")
 
   # (b) the next save re-raises, and does not save its own step.
@@ -320,7 +494,7 @@ def scenario_bgfail(conf: dict) -> dict:
     ck.save(4, state)
     out["b"] = None
   except ckpt.CheckpointError as e:
-    out["b"] = _err(e)
+    out["b"] = Error.of(e)
   _sync("after_b")
   out["b_step4_exists"] = any(
       n.startswith("checkpoint_4") for n in os.listdir(root))
@@ -332,12 +506,12 @@ def scenario_bgfail(conf: dict) -> dict:
     ck.close()
     out["c"] = None
   except ckpt.CheckpointError as e:
-    out["c"] = _err(e)
+    out["c"] = Error.of(e)
   try:
     ck.save(6, state)
     out["c_closed"] = None
   except ckpt.CheckpointError as e:
-    out["c_closed"] = _err(e)
+    out["c_closed"] = Error.of(e)
   _sync("after_c")
 
   # A new Checkpointer (process 0) cleans up; saving works again.
@@ -352,10 +526,11 @@ def scenario_bgfail(conf: dict) -> dict:
   out["tmp_after"] = sorted(n for n in os.listdir(root) if ".tmp-" in n)
   out["all_steps"] = ck2.all_steps()
   tgt = {k: _target(v, sh[k]) for k, v in host.items()}
-  out["exact"] = {s: all(_shards_match(ck2.restore(s, target=tgt)[k], host[k])
-                         for k in host) for s in (1, 6)}
+  out["exact"] = {str(s): all(
+      _shards_match(ck2.restore(s, target=tgt)[k], host[k]) for k in host)
+                  for s in (1, 6)}
   ck2.close()
-  return out
+  return BgFail(**out)
 
 
 def _rss_bytes() -> int:
@@ -387,7 +562,7 @@ class _PeakRss:
     self.peak = max(self.peak, _rss_bytes())
 
 
-def scenario_budget(conf: dict) -> dict:
+def scenario_budget(conf: dict) -> Budget:
   """Saves under a byte budget much smaller than the state, one per case.
 
   Each case is ``{"shapes": {name: [shape, dtype]}, "specs": {name: spec or
@@ -426,17 +601,15 @@ def scenario_budget(conf: dict) -> dict:
                 else same_bits(restored[k], host[k]) for k in host)
     full = ck.restore(1)
     exact = exact and all(same_bits(full[k], host[k]) for k in host)
-    out[label] = {"peak_bytes_in_flight": st.peak_bytes_in_flight,
-                  "bytes_written": st.bytes_written,
-                  "boxes_written": st.boxes_written,
-                  "rss_delta": rss.peak - rss.base, "exact": exact,
-                  "total_s": st.total_s, "blocking_s": st.blocking_s}
+    out[label] = BudgetCase(st.peak_bytes_in_flight, st.bytes_written,
+                            st.boxes_written, rss.peak - rss.base, exact,
+                            st.total_s, st.blocking_s)
     ck.close()
     del restored, full, state
-  return out
+  return Budget(out)
 
 
-def scenario_barrier_timeout(conf: dict) -> dict:
+def scenario_barrier_timeout(conf: dict) -> BarrierTimeout:
   """One process never arrives; the other raises within the timeout."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -448,33 +621,32 @@ def scenario_barrier_timeout(conf: dict) -> dict:
   mesh = _mesh((2, 2))
   host = _base("w", (128, 256), "float32", 31)
   state = {"w": _put(host, _sharding(mesh, ("x", "y")))}
-  out: dict[str, Any] = {"pid": pid}
+  phases: dict[str, Phase] = {}
   # Same Checkpointers in the same order on both (keys line up).
   ck1 = ckpt.Checkpointer(os.path.join(root, "a"), barrier_timeout_s=timeout)
   ck2 = ckpt.Checkpointer(os.path.join(root, "b"), barrier_timeout_s=timeout)
   for phase, (ck, saver, step) in enumerate(((ck1, 0, 7), (ck2, 1, 8))):
     if pid == saver:
       t0 = time.monotonic()
+      error = barrier_error = None
       try:
         ck.save(step, state)
         ck.wait_until_finished()
-        out[f"phase{phase}"] = None
       except ckpt.CheckpointError as e:
-        out[f"phase{phase}"] = _err(e)
-        out[f"phase{phase}_barrier_error"] = isinstance(
-            e, ckpt.BarrierTimeoutError)
-      out[f"phase{phase}_s"] = time.monotonic() - t0
+        error = Error.of(e)
+        barrier_error = isinstance(e, ckpt.BarrierTimeoutError)
+      phases[str(phase)] = Phase(error, barrier_error,
+                                 time.monotonic() - t0)
       _touch(os.path.join(marks, f"phase{phase}_done"))
     else:  # never arrives: sleeps (bounded) until the other gave up
-      out[f"phase{phase}_waited"] = _wait_file(
-          os.path.join(marks, f"phase{phase}_done"), 4 * timeout + 30)
+      phases[str(phase)] = Phase(waited=_wait_file(
+          os.path.join(marks, f"phase{phase}_done"), 4 * timeout + 30))
     _sync(f"phase{phase}")
-  out["committed"] = [ck1.all_steps(), ck2.all_steps()]
-  out["wall_s"] = time.monotonic() - started
-  return out
+  return BarrierTimeout(pid, phases, [ck1.all_steps(), ck2.all_steps()],
+                        time.monotonic() - started)
 
 
-def scenario_retention(conf: dict) -> dict:
+def scenario_retention(conf: dict) -> Retention:
   """Real saves with retention policies; all_steps() after each save."""
   import ckpt  # pylint: disable=g-import-not-at-top
 
@@ -496,15 +668,13 @@ def scenario_retention(conf: dict) -> dict:
       history.append(ck.all_steps())
     # metrics() from a fresh Checkpointer (read from the index, no cache).
     fresh = ckpt.Checkpointer(root)
-    out[case["name"]] = {
-        "history": history,
-        "metrics": {str(s): ck.metrics(s) for s in ck.all_steps()},
-        "metrics_fresh": {str(s): fresh.metrics(s) for s in fresh.all_steps()},
-        "on_disk": sorted(n for n in os.listdir(root)),
-    }
+    out[case["name"]] = RetentionCase(
+        history, {str(s): ck.metrics(s) for s in ck.all_steps()},
+        {str(s): fresh.metrics(s) for s in fresh.all_steps()},
+        sorted(n for n in os.listdir(root)))
     fresh.close()
     ck.close()
-  return out
+  return Retention(out)
 
 
 def hs_value(pid: int, step: int) -> dict:
@@ -512,7 +682,7 @@ def hs_value(pid: int, step: int) -> dict:
           "blob": bytes([pid, step, 255]), "name": f"proc{pid}"}
 
 
-def scenario_resave_host_state(conf: dict) -> dict:
+def scenario_resave_host_state(conf: dict) -> Resave:
   """Phase "first": saves with host_state and re-saves a committed step.
   Phase "restart": a new job resumes and saves its resume step again.
   Phase "other_count": a job with another process count asks for host_state.
@@ -533,7 +703,8 @@ def scenario_resave_host_state(conf: dict) -> dict:
 
   def exact(ck, step):
     r = ck.restore(step, target={"w": _target(host, sh), "step": 0})
-    return _shards_match(r["w"], host + np.float32(step)) and r["step"] == step
+    return bool(_shards_match(r["w"], host + np.float32(step))
+                and r["step"] == step)
 
   ck = ckpt.Checkpointer(root)
   if conf["phase"] == "first":
@@ -541,8 +712,8 @@ def scenario_resave_host_state(conf: dict) -> dict:
                     ck.save(2, state(2), host_state=hs_value(pid, 2)),
                     ck.save(3, state(3))]
     ck.wait_until_finished()
-    out["hs"] = {"1": ck.host_state(1), "2": ck.host_state(2),
-                 "3": ck.host_state(3), "latest": ck.host_state()}
+    out["hs"] = jsonable({"1": ck.host_state(1), "2": ck.host_state(2),
+                          "3": ck.host_state(3), "latest": ck.host_state()})
     n_warn = len(warn.messages)
     try:  # lower than the newest committed step (3): refused on every process
       lower = ck.save(2, state(99), host_state=hs_value(pid, 99))
@@ -552,22 +723,23 @@ def scenario_resave_host_state(conf: dict) -> dict:
     out["resave_skipped_stat"] = ck.last_save_stats.skipped
     ck.wait_until_finished()
     out["warnings"] = warn.messages[n_warn:]
-    out["exact"] = {s: exact(ck, s) for s in (1, 2, 3)}
-    out["hs_after"] = ck.host_state(2)
+    out["exact"] = {str(s): exact(ck, s) for s in (1, 2, 3)}
+    out["hs_after"] = jsonable(ck.host_state(2))
   elif conf["phase"] == "restart":
     resume = ck.latest_step()
     out["resume"] = resume
     out["resume_exact"] = exact(ck, resume)
     n_warn = len(warn.messages)
-    out["resave"] = ck.save(resume, state(resume),
-                            host_state=hs_value(pid, 77))
+    out["resaved"] = ck.save(resume, state(resume),
+                             host_state=hs_value(pid, 77))
     out["warnings"] = warn.messages[n_warn:]
     out["next"] = ck.save(resume + 1, state(resume + 1),
                           host_state=hs_value(pid, resume + 1))
     ck.wait_until_finished()
     out["all_steps"] = ck.all_steps()
-    out["hs"] = {"2": ck.host_state(2), "next": ck.host_state(resume + 1)}
-    out["exact"] = {s: exact(ck, s) for s in ck.all_steps()}
+    out["hs"] = jsonable({"2": ck.host_state(2),
+                          "next": ck.host_state(resume + 1)})
+    out["exact"] = {str(s): exact(ck, s) for s in ck.all_steps()}
     # Onto process 1's devices only: process 0 holds no part of the result.
     from jax.sharding import Mesh  # pylint: disable=g-import-not-at-top
     p1 = Mesh(np.array([d for d in jax.devices() if d.process_index == 1]
@@ -575,22 +747,22 @@ def scenario_resave_host_state(conf: dict) -> dict:
     try:
       got = ck.restore(2, target={
           "w": _target(host, _sharding(p1, (None, "y"))), "step": 0})
-      out["p1_mesh"] = {"local_shards": len(got["w"].addressable_shards),
-                        "exact": _shards_match(got["w"], host + np.float32(2))}
+      out["p1_mesh"] = P1Mesh(len(got["w"].addressable_shards),
+                              _shards_match(got["w"], host + np.float32(2)))
     except Exception as e:  # pylint: disable=broad-except
-      out["p1_mesh"] = _err(e)
+      out["p1_mesh_error"] = Error.of(e)
   else:  # other_count
     try:
-      out["hs"] = ck.host_state(2)
+      out["hs"] = jsonable(ck.host_state(2))
       out["error"] = None
     except ckpt.CheckpointError as e:
-      out["error"] = _err(e)
-    out["exact"] = {s: exact(ck, s) for s in ck.all_steps()}
+      out["error"] = Error.of(e)
+    out["exact"] = {str(s): exact(ck, s) for s in ck.all_steps()}
   ck.close()
-  return out
+  return Resave(**out)
 
 
-def scenario_preempt(conf: dict) -> dict:
+def scenario_preempt(conf: dict) -> Preempt:
   """A training loop that saves where a preemption notice arrived."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -611,16 +783,16 @@ def scenario_preempt(conf: dict) -> dict:
       ck.save(step, {"params": state, "step": step})
       ck.wait_until_finished()
       ck.close()
-      return {"pid": pid, "step": step, "t_notice": t_notice}
+      return Preempt(pid, step, t_notice=t_notice)
     state = inc(state)
     step += 1
     if step == 20:
       _touch(os.path.join(marks, f"looping_{pid}"))
     time.sleep(0.005)
-  return {"pid": pid, "step": None, "last": step}
+  return Preempt(pid, None, last=step)
 
 
-def scenario_killloop(conf: dict) -> dict:
+def scenario_killloop(conf: dict) -> KillLoop:
   """Back-to-back saves of kill_state(step) until killed (or max_step)."""
   import jax  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -677,7 +849,7 @@ def scenario_killloop(conf: dict) -> dict:
     tgt = {k: _target(want[k], sh[k]) for k in KILL_SPECS}
     tgt["step"] = 0
     got = ck.restore(latest, target=tgt)
-    resume_exact = got["step"] == latest and all(
+    resume_exact = bool(got["step"] == latest) and all(
         _shards_match(got[k], want[k]) for k in KILL_SPECS)
     if not resume_exact:
       ev("resume_mismatch", latest)
@@ -711,11 +883,10 @@ def scenario_killloop(conf: dict) -> dict:
       report_cleanup()
   steps = ck.all_steps()
   ck.close()
-  return {"pid": pid, "latest_before": latest, "resume_exact": resume_exact,
-          "all_steps": steps}
+  return KillLoop(pid, latest, resume_exact, steps)
 
 
-def scenario_restore_race(conf: dict) -> dict:
+def scenario_restore_race(conf: dict) -> RestoreRace:
   """Restores a step while the in-flight save's retention would drop it.
 
   keep=1: committing step 2 makes step 1 eligible for deletion (process 0,
@@ -737,7 +908,7 @@ def scenario_restore_race(conf: dict) -> dict:
   state = {k: _put(v, sh) for k, v in big.items()}
   second = {"t": _put(_base("t", tuple(conf["second_shape"]), "float32", 70),
                       sh)}
-  out: dict[str, Any] = {"pid": pid}
+  out: dict[str, Race] = {}
   for variant in conf["variants"]:
     res: dict[str, Any] = {}
     ck = ckpt.Checkpointer(os.path.join(conf["dir"], variant), keep=1,
@@ -758,19 +929,19 @@ def scenario_restore_race(conf: dict) -> dict:
         del got
       except ckpt.CheckpointNotFoundError as e:
         res["restore"] = "not_found"
-        res["error"] = _err(e)
+        res["error"] = Error.of(e)
       except ckpt.CheckpointError as e:
         res["restore"] = "error"
-        res["error"] = _err(e)
+        res["error"] = Error.of(e)
     res["restore_s"] = time.monotonic() - t0
     ck.wait_until_finished()
     res["all_steps"] = ck.all_steps()
     ck.close()
-    out[variant] = res
-  return out
+    out[variant] = Race(**res)
+  return RestoreRace(pid, out)
 
 
-def scenario_process_files(conf: dict) -> dict:
+def scenario_process_files(conf: dict) -> ProcessFiles:
   """Each process writes its own host_state (and, for zarr v2, checksum)
   file into the attempt; verify and restore(verify=True) use them; an index
   over the readers' limit fails the save on every process and keeps the
@@ -783,7 +954,7 @@ def scenario_process_files(conf: dict) -> dict:
   host = _base("w", (128, 64), "float32", 7)
   mesh = _mesh((n, len(jax.devices()) // n))
   sh = _sharding(mesh, ("x", "y"))
-  out: dict[str, Any] = {"pid": pid}
+  out: dict[str, Files] = {}
   for fmt in ("zarr", "zarr3"):
     d = os.path.join(conf["dir"], fmt)
     step_dir = os.path.join(d, "checkpoint_1")
@@ -810,19 +981,20 @@ def scenario_process_files(conf: dict) -> dict:
       ck.save(2, big)
       res["big"] = None
     except ckpt.CheckpointError as e:
-      res["big"] = _err(e)
+      res["big"] = Error.of(e)
     index_lib.MAX_INDEX_BYTES = limit
     res["steps"] = ck.all_steps()
     res["left"] = sorted(os.listdir(d))
     ck.close()
-    out[fmt] = res
-  return out
+    out[fmt] = Files(**res)
+  return ProcessFiles(pid, out)
 
 
-def scenario_several(conf: dict) -> dict:
+def scenario_several(conf: dict) -> Several:
   """``conf["parts"]``: [scenario, its config] pairs, run in turn in this
-  one job (one start-up for all); ``{scenario: its result}``."""
-  return {name: SCENARIOS[name](part) for name, part in conf["parts"]}
+  one job (one start-up for all); each scenario's result by its name."""
+  return Several(**{name: SCENARIOS[name](part)
+                    for name, part in conf["parts"]})
 
 
 SCENARIOS = {
@@ -840,7 +1012,17 @@ SCENARIOS = {
 }
 
 
+# What each scenario returns (the test decodes it: worker.decode).
+RESULTS = {
+    "several": Several, "process_files": ProcessFiles, "async": Async,
+    "bgfail": BgFail, "budget": Budget, "barrier_timeout": BarrierTimeout,
+    "retention": Retention, "resave_host_state": Resave, "preempt": Preempt,
+    "killloop": KillLoop, "restore_race": RestoreRace,
+}
+
+
 def jsonable(x: Any) -> Any:
+  """Host-state values as JSON holds them (bytes as {"bytes": [...]})."""
   if isinstance(x, dict):
     return {str(k): jsonable(v) for k, v in x.items()}
   if isinstance(x, (list, tuple)):
@@ -852,13 +1034,5 @@ def jsonable(x: Any) -> Any:
   return x
 
 
-def main() -> None:
-  from ckpt.multihost import local_cluster  # pylint: disable=g-import-not-at-top
-  local_cluster.init_from_env()
-  conf = json.loads(sys.argv[1])
-  result = SCENARIOS[conf["scenario"]](conf)
-  local_cluster.write_result(jsonable(result))
-
-
 if __name__ == "__main__":
-  main()
+  worker.main(SCENARIOS)

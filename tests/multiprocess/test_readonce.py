@@ -23,14 +23,12 @@ sharding (read everywhere, the byte count would be ``everywhere_bytes``).
 from __future__ import annotations
 
 import math
-import pathlib
 
 import numpy as np
 
-from ckpt.multihost import local_cluster
+from tests.multiprocess import launch as launch_lib
 from tests.multiprocess import readonce_worker as worker
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = "tests.multiprocess.readonce_worker"
 BALANCE = 1.5
 # Processes holding the same box of each leaf (4 x 2 mesh a=2, b=2, c=2).
@@ -48,17 +46,15 @@ def everywhere_bytes() -> int:
              for n, (s, d, _) in worker.SHAPES.items())
 
 
-def launch(config: dict, n: int = 4):
-  return local_cluster.check(local_cluster.run(
-      WORKER, config, num_processes=n, devices_per_process=2,
-      timeout_s=180, cwd=str(REPO)))
+def launch(config: dict, n: int = 4) -> list[worker.Result]:
+  return launch_lib.launch(WORKER, config, n, 2, result=worker.Result)
 
 
-def check_counts(out: list[dict], policy: str, expect_total: int,
+def check_counts(out: list[worker.Result], policy: str, expect_total: int,
                  balanced: bool) -> list[int]:
-  per = [r[policy]["stats"]["bytes_read"] for r in out]
+  per = [r.restores[policy].stats["bytes_read"] for r in out]
   for r in out:
-    assert r[policy]["bad"] == [], r[policy]["bad"]
+    assert r.restores[policy].bad == [], r.restores[policy].bad
   assert sum(per) == expect_total, (policy, per, expect_total)
   if balanced:
     share = expect_total / len(per)
@@ -77,42 +73,43 @@ def test_read_once_on_disk(tmp_path):
   # Automatic on a local disk: off (reading is cheaper than exchanging).
   check_counts(out, "None", everywhere_bytes(), balanced=True)
   for r in out:
-    s = r["True"]["stats"]
+    s = r.restores["True"].stats
     assert s["read_once_leaves"] == 4 and s["batches"] >= 1
-    assert r["False"]["stats"]["read_once_leaves"] == 0
+    assert r.restores["False"].stats["read_once_leaves"] == 0
   check_cases(out, stored_bytes(), everywhere_bytes(), 4)
 
 
 READ_ONCE_LEAVES = ["rep4/w", "rep4/all", "rep4/i", "rep2/w"]
 
 
-def check_cases(out: list[dict], stored: int, everywhere: int,
+def check_cases(out: list[worker.Result], stored: int, everywhere: int,
                 leaves: int) -> None:
   """The worker's ``cases`` (those it ran): each read once, bit-exact."""
-  ran = set(out[0])
+  ran = set(out[0].restores)
   if "lazy-True" in ran:
     # The restore reads nothing; the leaves' reads, later, read once.
-    assert [r["lazy-True"]["before"] for r in out] == [0] * len(out)
+    assert [r.restores["lazy-True"].before for r in out] == [0] * len(out)
     check_counts(out, "lazy-True", stored, balanced=True)
     check_counts(out, "lazy-False", everywhere, balanced=True)
     for r in out:
-      assert r["lazy-True"]["read_once"] == READ_ONCE_LEAVES[:leaves]
-      assert r["lazy-True"]["stats"]["read_once_leaves"] == leaves
-      assert r["lazy-False"]["read_once"] == []
-      assert r["lazy-False"]["stats"]["read_once_leaves"] == 0
+      lazy, eager = r.restores["lazy-True"], r.restores["lazy-False"]
+      assert lazy.read_once == READ_ONCE_LEAVES[:leaves]
+      assert lazy.stats["read_once_leaves"] == leaves
+      assert eager.read_once == []
+      assert eager.stats["read_once_leaves"] == 0
     # Read with another sharding (P(), process 0 alone): the whole leaf,
     # read as usual, no exchange.
-    assert out[0]["lazy-True"]["other_sharding"] == {
-        "bytes": math.prod(worker.SHAPES["rep4/i"][0]) * 4, "exchanged": 0,
-        "exact": True}
+    assert out[0].restores["lazy-True"].other_sharding == worker.OtherSharding(
+        bytes=math.prod(worker.SHAPES["rep4/i"][0]) * 4, exchanged=0,
+        exact=True)
   for case in ("dtype", "fallback", "batches", "ocdbt"):
     if case in ran:
       check_counts(out, case, stored, balanced=True)
       for r in out:
-        assert r[case]["stats"]["read_once_leaves"] == leaves, (case, r)
+        assert r.restores[case].stats["read_once_leaves"] == leaves, (case, r)
   if "batches" in ran:
     for r in out:
-      s = r["batches"]["stats"]
+      s = r.restores["batches"].stats
       assert s["batches"] > 1, s
       # Measured: parts read + gathered arrays of the largest batch.
       assert 0 < s["peak_batch_bytes"] <= worker.BATCH_BYTES, s
@@ -134,24 +131,29 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   # comes from the checksum files both processes wrote, checked as it is
   # read (no second read: the stored bytes once); all exact.
   for r in out:
-    assert r["True"]["bad"] == [], r["True"]
-  assert sum(r["True"]["stats"]["bytes_read"] for r in out) == stored_bytes()
-  assert p1["fail"].startswith("ValueError: boom"), p1
-  assert "failed on process 1 of 2" in p0["fail"] and "boom" in p0["fail"], p0
-  assert p0["after_fail"] == p1["after_fail"] == 7
+    assert r.restores["True"].bad == [], r.restores["True"]
+  assert sum(r.restores["True"].stats["bytes_read"] for r in out
+             ) == stored_bytes()
+  f0, f1 = p0.failures, p1.failures
+  assert f1.fail.type == "ValueError", f1
+  assert f1.fail.msg.startswith("boom"), f1
+  assert "failed on process 1 of 2" in f0.fail.msg, f0
+  assert "boom" in f0.fail.msg, f0
+  assert f0.after_fail == f1.after_fail == 7
   # The same for a lazy leaf read once (its read is the collective): process
   # 1's read fails (its step guard raises there), process 0's names it; the
   # next lazy read (the next round) works on both, read once.
-  assert p1["lazy_fail"].startswith("ValueError: step gone"), p1
-  assert "process(es) [1]" in p0["lazy_fail"], p0
-  assert "step gone" in p0["lazy_fail"], p0
+  assert f1.lazy_fail.type == "ValueError", f1
+  assert f1.lazy_fail.msg.startswith("step gone"), f1
+  assert "process(es) [1]" in f0.lazy_fail.msg, f0
+  assert "step gone" in f0.lazy_fail.msg, f0
   # A read cancelled on process 1 after it took its round: process 0's read
   # of the same leaf raises naming process 1 instead of waiting.
-  assert p1["lazy_cancel"] == "cancelled", p1
-  assert "process(es) [1]" in p0["lazy_cancel"], p0
-  for p in out:
-    assert p["lazy_after_fail"] == [], p
-    assert p["lazy_after_fail_stats"]["read_once_leaves"] == 1, p
+  assert f1.lazy_cancel.value == "cancelled", f1
+  assert "process(es) [1]" in f0.lazy_cancel.error.msg, f0
+  for f in (f0, f1):
+    assert f.lazy_after_fail == [], f
+    assert f.lazy_after_fail_stats["read_once_leaves"] == 1, f
   # Lazy read-once reads in a different order on the two processes: same
   # shape and dtype (rep4/w, rep2/w: before, each process silently got half
   # of each leaf), then different ones (rep4/w, rep4/i: before, gloo aborted
@@ -159,25 +161,27 @@ def test_a_process_failing_before_the_exchange_fails_the_restore_on_all(
   # then reads both exactly.
   for other in ("rep2/w", "rep4/i"):
     for p in out:
-      r = p[f"lazy_order_{other}"]
-      for msg in r["got"]:
-        assert isinstance(msg, str) and msg.startswith("CheckpointError"), r
+      r = p.failures.lazy_order[other]
+      for got in r.got:
+        assert got.error is not None and got.error.type == "CheckpointError", r
+        msg = got.error.msg
         assert "'rep4/w'" in msg and f"'{other}'" in msg, msg
         assert "same order" in msg, msg
-      assert r["again"] == [[], []], r
+      assert r.again == [[], []], r
   # One byte flipped in a chunk of rep4/w (zarr v2: no codec checksum):
   # without verify the restore returns wrong data, read once onto both
   # processes; with verify=True both raise the same error, naming the
   # process that read that chunk and its crc32c mismatch.
   for p in out:
-    assert p["corrupt_verify_False"] is None, p
-    assert p["corrupt_exact_False"] is False, p
-    assert "rep4/w" in p["corrupt_verify_True"], p
-  errors = [p["corrupt_verify_True"] for p in out]
+    assert p.corrupt["False"] == worker.Corrupt(None, False), p
+    assert "rep4/w" in p.corrupt["True"].error.msg, p
+  errors = [p.corrupt["True"].error for p in out]
   # The same error on both, naming the reader of that chunk.
   assert errors[0] == errors[1], errors
-  assert errors[0].startswith("CorruptCheckpointError: restore of step "), errors
-  assert "CorruptCheckpointError: leaf 'rep4/w': box" in errors[0], errors
-  assert "has crc32c" in errors[0], errors
-  assert ("failed on process 0 of 2" in errors[0] or
-          "failed on process 1 of 2" in errors[0]), errors
+  assert errors[0].type == "CorruptCheckpointError", errors
+  msg = errors[0].msg
+  assert msg.startswith("restore of step "), errors
+  assert "CorruptCheckpointError: leaf 'rep4/w': box" in msg, errors
+  assert "has crc32c" in msg, errors
+  assert ("failed on process 0 of 2" in msg or
+          "failed on process 1 of 2" in msg), errors

@@ -3,7 +3,8 @@
 Every test runs real ``jax.distributed`` jobs (2 processes x 2-4 CPU devices
 on 127.0.0.1, see ``ckpt.multihost.local_cluster``) writing real TensorStore arrays to a
 temporary disk. The processes run ``tests/multiprocess/service_worker.py``,
-which checks what it can inside the job and reports JSON; a launch costs a
+which checks what it can inside the job and returns a typed result (decoded
+here: ``worker.RESULTS``); a launch costs a
 few seconds of jax start-up, so each module-scoped fixture below is one
 launch shared by the tests that assert on it (``shared_run``: one launch
 for several scenarios, in turn).
@@ -28,6 +29,7 @@ from ckpt.multihost import local_cluster
 from ckpt.store import storage as storage_lib
 from ckpt.commit.retention import RetentionPolicy
 from tests.multiprocess import service_worker as worker
+from tests.multiprocess import worker as worker_lib
 
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 WORKER = "tests.multiprocess.service_worker"
@@ -39,7 +41,13 @@ def _run(scenario: str, conf: dict, *, processes: int = 2, devices: int = 2,
                               num_processes=processes,
                               devices_per_process=devices,
                               timeout_s=timeout_s, cwd=REPO_ROOT)
-  return local_cluster.check(results)
+  return _decoded(scenario, results)
+
+
+def _decoded(scenario: str, results) -> list:
+  """Each process's result, checked and decoded into the scenario's type."""
+  return [worker_lib.decode(worker.RESULTS[scenario], r)
+          for r in local_cluster.check(results)]
 
 
 def _start(scenario: str, conf: dict, *, processes: int = 2,
@@ -70,27 +78,27 @@ def async_run(tmp_path_factory):
 
 def test_async_save_returns_before_commit_and_serializes(async_run):
   for r in async_run:
-    assert r["saved"] == [True] * len(ASYNC_STEPS)
+    assert r.saved == [True] * len(ASYNC_STEPS)
     # save() came back while its step was still in flight (not committed) ...
-    assert any(r["in_flight_at_return"]), r
+    assert any(r.in_flight_at_return), r
     # ... and the next save() first waited for the previous one to commit.
-    assert r["prev_committed_at_return"] == [True] * (len(ASYNC_STEPS) - 1)
-    assert r["all_steps"] == ASYNC_STEPS
-    assert r["sync_committed"], "async_save=False returned before the commit"
+    assert r.prev_committed_at_return == [True] * (len(ASYNC_STEPS) - 1)
+    assert r.all_steps == ASYNC_STEPS
+    assert r.sync_committed, "async_save=False returned before the commit"
     # A Checkpointer opened (and closed) on the directory while step 20 was
     # (most likely) in flight did not disturb the save (all steps committed).
-    assert r["reader_saw"] in ([[10]], [[10, 20]]), r["reader_saw"]
+    assert r.reader_saw in ([[10]], [[10, 20]]), r.reader_saw
 
 
 def test_async_save_stats(async_run):
   for r in async_run:
-    for row, step in zip(r["stats"], ASYNC_STEPS):
-      assert row["step"] == step and not row["skipped"]
-      assert row["total_s"] > 0, row
-      assert 0 < row["blocking_s"] <= row["total_s"], row
+    for row, step in zip(r.stats, ASYNC_STEPS):
+      assert row.step == step and not row.skipped
+      assert row.total_s > 0, row
+      assert 0 < row.blocking_s <= row.total_s, row
   # Together the processes wrote every array byte exactly once.
   for k in range(len(ASYNC_STEPS)):
-    assert sum(r["stats"][k]["bytes_written"] for r in async_run) == (
+    assert sum(r.stats[k].bytes_written for r in async_run) == (
         ASYNC_ARRAY_BYTES)
 
 
@@ -101,11 +109,11 @@ def test_donated_state_saved_exactly_as_at_the_call(async_run):
     # written yet, and XLA does not donate a buffer with outside references
     # (the step allocates its output instead), so whether each was donated
     # depends on how far the save got; either way what was saved is exact.
-    assert len(r["donated"]) == len(ASYNC_STEPS)
+    assert len(r.donated) == len(ASYNC_STEPS)
     for step in ASYNC_STEPS:
-      assert r["exact_sharded"][str(step)], f"step {step} (sharded restore)"
-      assert r["exact_full"][str(step)], f"step {step} (host restore)"
-      assert r["scalars"][str(step)] == [step, f"s{step}"] * 2
+      assert r.exact_sharded[str(step)], f"step {step} (sharded restore)"
+      assert r.exact_full[str(step)], f"step {step} (host restore)"
+      assert r.scalars[str(step)] == [step, f"s{step}"] * 2
 
 
 # ---- 1: failures on the background thread ----------------------------------
@@ -115,7 +123,7 @@ BGFAIL_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp_path_factory) -> list[dict]:
+def shared_run(tmp_path_factory) -> list[worker.Several]:
   """The scenarios on 2 x 2 devices that leave the job usable, then the
   barrier timeout (a process left behind at a barrier on purpose), in one
   job, each in its own directory: ``{scenario: result}`` per process."""
@@ -144,41 +152,42 @@ def shared_run(tmp_path_factory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def bgfail_run(shared_run):
-  return [r["bgfail"] for r in shared_run]
+  return [r.bgfail for r in shared_run]
 
 
 def test_background_failure_reraised(bgfail_run):
   p0, p1 = bgfail_run
   for case, step in (("a", 2), ("b", 3), ("c", 5)):
     for r in bgfail_run:
-      assert r[f"{case}_returned"] is True, "the failure came after staging"
+      assert getattr(r, f"{case}_returned") is True, (
+          "the failure came after staging")
     # Process 0 failed at the commit (rename onto a file) ...
-    err = p0[case]
+    err = getattr(p0, case)
     assert err is not None, f"case {case}: no error on process 0"
-    assert err["type"] == "CheckpointError", err
-    assert f"step {step}" in err["msg"] and "NotADirectoryError" in err["msg"]
+    assert err.type == "CheckpointError", err
+    assert f"step {step}" in err.msg and "NotADirectoryError" in err.msg
     # ... and process 1, waiting at the last barrier, was told by process 0
     # (not left to time out there).
-    err = p1[case]
+    err = getattr(p1, case)
     assert err is not None, f"case {case}: no error on process 1"
-    assert err["type"] == "CheckpointError", err
-    assert f"step {step}" in err["msg"], err
-    assert "[0]" in err["msg"] and "NotADirectoryError" in err["msg"], err
+    assert err.type == "CheckpointError", err
+    assert f"step {step}" in err.msg, err
+    assert "[0]" in err.msg and "NotADirectoryError" in err.msg, err
   for r in bgfail_run:
-    assert r["a_again"] is None, "a failure is reported once"
-    assert not r["b_step4_exists"], "save(4) ran although save(3) had failed"
-    assert r["c_closed"] and "closed" in r["c_closed"]["msg"]
-    assert r["a_wait_s"] < BGFAIL_TIMEOUT_S - 1, r["a_wait_s"]  # no timeout
+    assert r.a_again is None, "a failure is reported once"
+    assert not r.b_step4_exists, "save(4) ran although save(3) had failed"
+    assert r.c_closed and "closed" in r.c_closed.msg
+    assert r.a_wait_s < BGFAIL_TIMEOUT_S - 1, r.a_wait_s  # no timeout
 
 
 def test_after_background_failure_cleanup_and_save_again(bgfail_run):
   for r in bgfail_run:
     # Every process had stopped writing when the commit failed, so process 0
     # removed each failed attempt at once: nothing waits for a later job.
-    assert r["tmp_before"] == [], r["tmp_before"]
-    assert r["tmp_after"] == []
-    assert r["all_steps"] == [1, 6]
-    assert r["exact"] == {"1": True, "6": True}
+    assert r.tmp_before == [], r.tmp_before
+    assert r.tmp_after == []
+    assert r.all_steps == [1, 6]
+    assert r.exact == {"1": True, "6": True}
 
 
 # ---- 3: staging bounded by the budget --------------------------------------
@@ -208,24 +217,24 @@ def budget_run(tmp_path_factory):
 
 def test_staging_within_budget(budget_run):
   for r in budget_run:
-    c = r["chunked"]
-    assert c["exact"]
-    assert c["bytes_written"] >= 16 << 20  # much more than the budget
-    assert 0 < c["peak_bytes_in_flight"] <= BUDGET, c
-    assert c["rss_delta"] <= BUDGET + RSS_SLACK, (
-        f"resident memory grew by {c['rss_delta'] >> 20} MiB during a save "
+    c = r.cases["chunked"]
+    assert c.exact
+    assert c.bytes_written >= 16 << 20  # much more than the budget
+    assert 0 < c.peak_bytes_in_flight <= BUDGET, c
+    assert c.rss_delta <= BUDGET + RSS_SLACK, (
+        f"resident memory grew by {c.rss_delta >> 20} MiB during a save "
         f"with a {BUDGET >> 10} KiB budget: {c}")
 
 
 def test_staging_within_budget_when_shards_exceed_it(budget_run):
   for r in budget_run:
-    c = r["sharded"]
-    assert c["exact"]
-    assert c["bytes_written"] == 16 << 20
-    assert c["boxes_written"] >= (16 << 20) // BUDGET  # shards were cut up
-    assert 0 < c["peak_bytes_in_flight"] <= BUDGET, c
-    assert c["rss_delta"] <= BUDGET + RSS_SLACK, (
-        f"resident memory grew by {c['rss_delta'] >> 20} MiB during a save "
+    c = r.cases["sharded"]
+    assert c.exact
+    assert c.bytes_written == 16 << 20
+    assert c.boxes_written >= (16 << 20) // BUDGET  # shards were cut up
+    assert 0 < c.peak_bytes_in_flight <= BUDGET, c
+    assert c.rss_delta <= BUDGET + RSS_SLACK, (
+        f"resident memory grew by {c.rss_delta >> 20} MiB during a save "
         f"with a {BUDGET >> 10} KiB budget: {c}")
 
 
@@ -238,39 +247,41 @@ BARRIER_TIMEOUT_S = 5
 def barrier_run(shared_run):
   """(each process's result, the longest a process spent in the
   scenario)."""
-  out = [r["barrier_timeout"] for r in shared_run]
-  return out, max(r["wall_s"] for r in out)
+  out = [r.barrier_timeout for r in shared_run]
+  return out, max(r.wall_s for r in out)
 
 
 def test_barrier_timeout_names_barrier_step_and_late_process(barrier_run):
   (p0, p1), wall = barrier_run
   # Phase 0: process 1 never arrives at the save of step 7.
-  assert p1["phase0_waited"]
-  assert p0["phase0_barrier_error"], p0["phase0"]
-  assert (BARRIER_TIMEOUT_S - 0.5 <= p0["phase0_s"]
-          <= BARRIER_TIMEOUT_S + 10), p0["phase0_s"]
-  msg = p0["phase0"]["msg"]
+  saver, late = p0.phases["0"], p1.phases["0"]
+  assert late.waited
+  assert saver.barrier_error, saver.error
+  assert (BARRIER_TIMEOUT_S - 0.5 <= saver.seconds
+          <= BARRIER_TIMEOUT_S + 10), saver.seconds
+  msg = saver.error.msg
   # The first barrier of a save is its start (the agreement round).
   assert re.search(r"barrier 'ckpt/\S+/save/7/\d+/start/in'", msg), msg
   assert "step 7" in msg, msg
   assert "did not arrive: [1]" in msg, msg
   assert wall < 60, wall
-  assert p0["committed"] == [[], []]
+  assert p0.committed == [[], []]
 
 
 def test_key_wait_timeout_raises_within_timeout(barrier_run):
   (p0, p1), _ = barrier_run
   # Phase 1: process 0 never arrives; process 1 waits for its token.
-  assert p0["phase1_waited"]
-  assert p1["phase1_barrier_error"], p1["phase1"]
-  assert (BARRIER_TIMEOUT_S - 0.5 <= p1["phase1_s"]
-          <= BARRIER_TIMEOUT_S + 10), p1["phase1_s"]
-  assert "did not arrive: [0]" in p1["phase1"]["msg"], p1["phase1"]["msg"]
+  saver, late = p1.phases["1"], p0.phases["1"]
+  assert late.waited
+  assert saver.barrier_error, saver.error
+  assert (BARRIER_TIMEOUT_S - 0.5 <= saver.seconds
+          <= BARRIER_TIMEOUT_S + 10), saver.seconds
+  assert "did not arrive: [0]" in saver.error.msg, saver.error
 
 
 def test_key_wait_timeout_names_step(barrier_run):
   (_, p1), _ = barrier_run
-  assert "step 8" in p1["phase1"]["msg"], p1["phase1"]["msg"]
+  assert "step 8" in p1.phases["1"].error.msg, p1.phases["1"].error
 
 
 # ---- 5: retention in real jobs ---------------------------------------------
@@ -308,7 +319,7 @@ RETENTION_CASES = [
 
 @pytest.fixture(scope="module")
 def retention_run(shared_run):
-  return [r["retention"] for r in shared_run]
+  return [r.retention for r in shared_run]
 
 
 def _simulate(case) -> list[list[int]]:
@@ -329,13 +340,13 @@ def test_retention_in_real_jobs(retention_run, case):
   saved = {step: {k: float(v) for k, v in (m or {}).items()}
            for step, m in case["saves"]}
   for r in retention_run:
-    got = r[case["name"]]
-    assert got["history"] == case["history"]
+    got = r.cases[case["name"]]
+    assert got.history == case["history"]
     final = case["history"][-1]
-    assert got["on_disk"] == sorted(f"checkpoint_{s}" for s in final)
+    assert got.on_disk == sorted(f"checkpoint_{s}" for s in final)
     want = {str(s): saved[s] for s in final}
-    assert got["metrics"] == want
-    assert got["metrics_fresh"] == want
+    assert got.metrics == want
+    assert got.metrics_fresh == want
 
 
 # ---- 5: deletion never removes a checkpoint being restored -----------------
@@ -343,16 +354,16 @@ def test_retention_in_real_jobs(retention_run, case):
 
 @pytest.fixture(scope="module")
 def restore_race_run(shared_run):
-  return [r["restore_race"] for r in shared_run]
+  return [r.restore_race for r in shared_run]
 
 
 def _check_restore_outcome(res):
   # Either step 1 was still there and came back exact, or it was gone before
   # the read began (CheckpointNotFoundError); never a half-deleted checkpoint.
-  assert res["restore"] in ("ok", "not_found"), res
-  if res["restore"] == "ok":
-    assert res["exact"], res
-  assert res["all_steps"][-1] == 2, res
+  assert res.restore in ("ok", "not_found"), res
+  if res.restore == "ok":
+    assert res.exact, res
+  assert res.all_steps[-1] == 2, res
 
 
 def test_retention_never_deletes_a_step_being_restored(restore_race_run):
@@ -362,8 +373,8 @@ def test_retention_never_deletes_a_step_being_restored(restore_race_run):
   # deleted it before (every process gets CheckpointNotFoundError) or the
   # restore finds it whole on every process; never a mix.
   for r in restore_race_run:
-    _check_restore_outcome(r["all"])
-  outcomes = {r["all"]["restore"] for r in restore_race_run}
+    _check_restore_outcome(r.variants["all"])
+  outcomes = {r.variants["all"].restore for r in restore_race_run}
   assert len(outcomes) == 1, restore_race_run
 
 
@@ -387,50 +398,50 @@ def _hs(pid: int, step: int):
 def test_resave_committed_step_is_skipped(resave_runs):
   first, restart, _ = resave_runs
   for r in first:
-    assert r["saved"] == [True, True, True]
+    assert r.saved == [True, True, True]
     # Step 2 is below the newest committed step: refused (a rollback needs
     # delete(3) first); step 3, the newest, is skipped with a warning.
-    assert r["resave"][0].startswith(
+    assert r.resave[0].startswith(
         "CheckpointError: cannot save step 2: newer committed step(s) [3]"), r
-    assert r["resave"][1] is False
-    assert r["resave_skipped_stat"] is True
-    assert any("step 3 is already committed" in m for m in r["warnings"]), r
-    assert r["exact"] == {"1": True, "2": True, "3": True}  # not overwritten
-    assert r["hs_after"] == _hs(r["pid"], 2)
+    assert r.resave[1] is False
+    assert r.resave_skipped_stat is True
+    assert any("step 3 is already committed" in m for m in r.warnings), r
+    assert r.exact == {"1": True, "2": True, "3": True}  # not overwritten
+    assert r.hs_after == _hs(r.pid, 2)
   for r in restart:  # a restarted job saves its resume step again: no failure
-    assert r["resume"] == 3 and r["resume_exact"]
-    assert r["resave"] is False
-    assert any("step 3 is already committed" in m for m in r["warnings"]), r
-    assert r["next"] is True
-    assert r["all_steps"] == [1, 2, 3, 4]
-    assert r["exact"] == {str(s): True for s in (1, 2, 3, 4)}
+    assert r.resume == 3 and r.resume_exact
+    assert r.resaved is False
+    assert any("step 3 is already committed" in m for m in r.warnings), r
+    assert r.next is True
+    assert r.all_steps == [1, 2, 3, 4]
+    assert r.exact == {str(s): True for s in (1, 2, 3, 4)}
 
 
 def test_restore_onto_other_processes_devices(resave_runs):
   _, restart, _ = resave_runs
   p0, p1 = restart
-  assert p0["p1_mesh"] == {"local_shards": 0, "exact": True}
-  assert p1["p1_mesh"] == {"local_shards": 2, "exact": True}
+  assert p0.p1_mesh == worker.P1Mesh(local_shards=0, exact=True), p0
+  assert p1.p1_mesh == worker.P1Mesh(local_shards=2, exact=True), p1
 
 
 def test_host_state_per_process(resave_runs):
   first, restart, _ = resave_runs
   for r in first:
-    pid = r["pid"]
-    assert r["hs"] == {"1": _hs(pid, 1), "2": _hs(pid, 2), "3": None,
-                       "latest": None}
+    pid = r.pid
+    assert r.hs == {"1": _hs(pid, 1), "2": _hs(pid, 2), "3": None,
+                    "latest": None}
   for r in restart:
-    assert r["hs"] == {"2": _hs(r["pid"], 2), "next": _hs(r["pid"], 4)}
+    assert r.hs == {"2": _hs(r.pid, 2), "next": _hs(r.pid, 4)}
 
 
 def test_host_state_on_other_process_count(resave_runs):
   _, _, (r,) = resave_runs
-  err = r["error"]
-  assert err is not None and err["type"] == "CheckpointError", r
-  assert re.search(r"\b2 processes\b", err["msg"]), err
-  assert re.search(r"\bhas 1\b", err["msg"]), err
+  err = r.error
+  assert err is not None and err.type == "CheckpointError", r
+  assert re.search(r"\b2 processes\b", err.msg), err
+  assert re.search(r"\bhas 1\b", err.msg), err
   # The arrays themselves restore on the other process count.
-  assert r["exact"] == {str(s): True for s in (1, 2, 3, 4)}
+  assert r.exact == {str(s): True for s in (1, 2, 3, 4)}
 
 
 def test_per_process_files_and_index_limit(tmp_path):
@@ -439,26 +450,27 @@ def test_per_process_files_and_index_limit(tmp_path):
   over the readers' limit fails the save everywhere, keeping step 1."""
   runs = _run("process_files", {"dir": str(tmp_path)})
   for r in runs:
-    pid = r["pid"]
+    pid = r.pid
     for fmt in ("zarr", "zarr3"):
-      res = r[fmt]
+      res = r.formats[fmt]
       # Box checksums are per-process files in every format by default
       # (zarr3's crc32c chunk codec is opt-in: Checkpointer(chunk_checksums=True)).
       # Each process's table of its packed small leaves ("h") too.
       expected = [".checksums/0.msgpack", ".checksums/1.msgpack",
                   ".host_state/0.msgpack", ".host_state/1.msgpack",
                   ".packs/0.msgpack", ".packs/1.msgpack"]
-      assert res["files"] == expected, res
-      assert res["hs"] == {"pid": pid}, res
-      assert res["exact"] is True and res["verify"] == [], res
-      err = res["big"]
-      assert err is not None and "MAX_INDEX_BYTES" in err["msg"], res
-      assert "step 2" in err["msg"], err
-      assert res["steps"] == [1] and res["left"] == ["checkpoint_1"], res
+      assert res.files == expected, res
+      assert res.hs == {"pid": pid}, res
+      assert res.exact is True and res.verify == [], res
+      err = res.big
+      assert err is not None and "MAX_INDEX_BYTES" in err.msg, res
+      assert "step 2" in err.msg, err
+      assert res.steps == [1] and res.left == ["checkpoint_1"], res
   # Process 0 raises its own error; the others are told it, word for word.
   for fmt in ("zarr", "zarr3"):
-    assert runs[0][fmt]["big"]["msg"] in runs[1][fmt]["big"]["msg"]
-    assert "process(es) [0]" in runs[1][fmt]["big"]["msg"]
+    big0, big1 = runs[0].formats[fmt].big, runs[1].formats[fmt].big
+    assert big0.msg in big1.msg
+    assert "process(es) [0]" in big1.msg
 
 
 # ---- 8: preemption ---------------------------------------------------------
@@ -475,11 +487,11 @@ def test_preemption_saves_agreed_step(tmp_path, victim):
   cluster.kill(victim, signal.SIGTERM)
   results = cluster.wait(60)
   assert [r.returncode for r in results] == [0, 0], _outputs(results)
-  out = local_cluster.check(results)
-  steps = {r["step"] for r in out}
+  out = _decoded("preempt", results)
+  steps = {r.step for r in out}
   assert len(steps) == 1 and None not in steps, out
   step = steps.pop()
-  assert all(r["t_notice"] >= t_signal for r in out), "stopped before SIGTERM"
+  assert all(r.t_notice >= t_signal for r in out), "stopped before SIGTERM"
   assert steps_lib.committed_steps(storage_lib.Storage(str(root))) == [step]
   saved = ckpt.load(str(root), step)
   assert saved["step"] == step
@@ -650,13 +662,13 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
   ready = _wait_ready(cluster, events, launch)
   _check_resume(launch, ready, latest)
   results = cluster.wait(120)
-  out = local_cluster.check(results)
+  out = _decoded("killloop", results)
   assert _check_cleanup(events / f"cleanup_{launch}.json", tmp_seen)
   steps = _verify_root(root, latest)
   assert steps == list(range(final_steps - KEEP, final_steps)), steps
   for r in out:
-    assert r["all_steps"] == steps
-    assert r["resume_exact"] in (True, None)
+    assert r.all_steps == steps
+    assert r.resume_exact in (True, None)
   assert not [n for n in os.listdir(root) if ".tmp-" in n]
 
   in_flight = ("staging", "writing/commit")

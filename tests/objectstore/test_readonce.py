@@ -38,7 +38,7 @@ def test_read_once_on_s3(s3_server, s3_bucket):
   check_counts(out, "False", everywhere_bytes(), balanced=True)
   check_counts(out, "None", stored_bytes(), balanced=True)  # auto: on
   chunk = worker.CHUNK_BYTES
-  gets = {p: out[0][p]["moto_gets"] for p in ("True", "False", "None")}
+  gets = {p: out[0].restores[p].moto_gets for p in ("True", "False", "None")}
   assert gets["True"] == stored_bytes() // chunk, gets
   assert gets["None"] == gets["True"], gets
   assert gets["False"] == everywhere_bytes() // chunk, gets
@@ -59,7 +59,7 @@ def test_read_once_on_gcs(gs_bucket):
   # Automatic on an object store: on. Read everywhere (read_once=False),
   # the processes would read 6 MiB in all (1.7x: shard/w is not replicated).
   check_counts(out, "None", stored_bytes(), balanced=True)
-  assert [r["None"]["stats"]["read_once_leaves"] for r in out] == [4, 4]
+  assert [r.restores["None"].stats["read_once_leaves"] for r in out] == [4, 4]
   # Lazy leaves read later from the bucket: read once (each read a
   # collective), against read everywhere with read_once=False.
   everywhere = sum(math.prod(s) * np.dtype(d).itemsize * REPLICAS_2[n]

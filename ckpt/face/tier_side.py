@@ -1,19 +1,44 @@
-"""The persistent tier of a MultiTierCheckpointer: a ``Checkpointer`` whose
-known steps the timeline asks (ckpt/tiers/timeline.py: ``newer_than``,
-``delete_now``) and whose save decision past the tiers' step rules
-(``save_interval_secs``, ``skip_while_saving``: ckpt/face/decision.py) the
-MultiTierCheckpointer asks before it saves a step there."""
+"""What a ``MultiTierCheckpointer`` (ckpt/tiers/multitier.py) asks of the
+``Checkpointer`` that is its persistent tier, besides that Checkpointer's
+public calls: ``Checkpointer.tier_side``, a ``TierSide``. Not a user's call.
+
+The tiers' timeline (ckpt/tiers/timeline.py) asks which committed steps are
+newer than a step (``newer_than``) and deletes a step in its own round
+(``delete_now``, then ``deleted`` on every process); their queries and
+choice skip the steps a resume fell back past (``damaged_steps``); a
+restore lets the save in flight end first (``settle``); and a save asks the
+decision past the tiers' own step rules (``verdict``: ``save_interval_secs``,
+``skip_while_saving``) before it saves the step it decided (``save_as``).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ckpt.checkpointer import Checkpointer
 from ckpt.face import decision as decision_lib
+from ckpt.face import inflight as inflight_lib
+from ckpt.face import known as known_lib
+from ckpt.face import queries as queries_lib
+from ckpt.face import retention as retention_lib
+from ckpt.face import rounds as rounds_lib
+from ckpt.face import save_call as save_call_lib
 
 
-class PersistentTier(Checkpointer):
-  """A ``Checkpointer`` as the persistent tier (see the module docstring)."""
+class TierSide:
+  """The persistent tier's calls for its MultiTierCheckpointer (see the
+  module docstring); each hands its call to the part that owns it."""
+
+  def __init__(self, known: known_lib.KnownSteps,
+               retention: retention_lib.Retention, rounds: rounds_lib.Rounds,
+               inflight: inflight_lib.InFlightSave,
+               queries: queries_lib.Queries,
+               save_call: save_call_lib.SaveCall):
+    self._known = known
+    self._retention = retention
+    self._rounds = rounds
+    self._inflight = inflight
+    self._queries = queries
+    self._save_call = save_call
 
   def damaged_steps(self) -> frozenset[int]:
     """The steps a resume of this job fell back past (never resumed)."""
@@ -53,6 +78,6 @@ class PersistentTier(Checkpointer):
 
   def save_as(self, step: int, state: Any, verdict: decision_lib.Verdict,
               **kwargs) -> bool:
-    """``save`` of a step ``verdict`` (from ``verdict``) decided: its
-    ``temporary`` mark is kept in the step's index."""
-    return self._save_decided(step, state, lambda: verdict, kwargs)
+    """``Checkpointer.save`` of a step ``verdict`` (from ``verdict``)
+    decided: its ``temporary`` mark is kept in the step's index."""
+    return self._save_call.save(step, state, lambda: verdict, kwargs)
