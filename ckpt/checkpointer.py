@@ -126,6 +126,10 @@ class Checkpointer:
       gs://) when a leaf has 2 or more replica processes, off for a local
       disk or memory:// (see docs/benchmarks.md, "Read once", for the measurements).
       ``restore(read_once=...)`` overrides it for one call.
+    writer: ``"thread"`` (default) writes from a thread of this process;
+      ``"process"`` hands each staged save to a writer process of this host
+      through shared memory; the writers commit it even if the training
+      processes die once ``save()`` returned (docs/writer-process.md).
   """
 
   def __init__(self, directory: str | os.PathLike, *,
@@ -156,7 +160,8 @@ class Checkpointer:
                lease_s: float = lease_lib.DEFAULT_LEASE_S,
                read_once: bool | None = None,
                save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
-               query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S):
+               query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S,
+               writer: str = "thread"):
     given = {k: v for k, v in locals().items()
              if k not in ("self", "directory")}  # every keyword, as given
     options = options_lib.Options(**given)
@@ -663,6 +668,7 @@ class Checkpointer:
       self._restorer.cancel_pending("close() was called before its result()")
       self.wait_until_finished()
     self._loop.close(before_stop)
+    self._saver.close()
 
   def __enter__(self) -> "Checkpointer":
     return self

@@ -85,6 +85,21 @@ class Options:
   read_once: bool | None = None
   save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S
   query_timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S
+  writer: str = "thread"
+
+  def _writer(self) -> str:
+    """``writer=``, checked: what the writer process supports."""
+    if self.writer not in ("thread", "process"):
+      raise ValueError(f"writer must be 'thread' or 'process', got "
+                       f"{self.writer!r}")
+    if self.writer == "process":
+      if self.format == "ocdbt":
+        raise ValueError("writer='process' writes formats 'zarr' and "
+                         "'zarr3'; got format='ocdbt'")
+      if self.reuse_unchanged:
+        raise ValueError("writer='process' does not link unchanged chunks "
+                         "yet: pass reuse_unchanged=False")
+    return self.writer
 
   def settings(self) -> Settings:
     """The options checked, as the parts' settings."""
@@ -114,10 +129,11 @@ class Options:
             codec=tsspec.Codec(self.compression, checksum=tsspec.chunk_checksum(
                 self.format, self.chunk_checksums)),
             chunk_bytes=int(self.chunk_bytes), save_dtype=self.save_dtype,
-            max_item_bytes=concurrent),
+            max_item_bytes=concurrent, pack=self.writer == "thread"),
         concurrent_bytes=concurrent, async_save=self.async_save,
         partitioner=self.partitioner, lease_s=float(self.lease_s),
-        clock=clock)
+        clock=clock, writer=self._writer(),
+        storage_options=self.storage_options)
     restore = restorer_lib.RestoreSettings(
         restore_dtype=self.restore_dtype, read_once=self.read_once,
         concurrent_bytes=concurrent, storage_options=self.storage_options)

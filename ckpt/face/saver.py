@@ -48,6 +48,7 @@ from ckpt.save import polite
 from ckpt.save import reuse as reuse_lib
 from ckpt.store import storage as storage_lib
 from ckpt.save import write as save_lib
+from ckpt.save import writer_client
 from ckpt.format import extras as save_extras
 from ckpt.format import tree
 
@@ -61,6 +62,8 @@ class SaveSettings:
   partitioner: Callable | None
   lease_s: float
   clock: Callable[[], Any]
+  writer: str = "thread"  # or "process" (ckpt/save/handed.py)
+  storage_options: dict | None = None
 
 
 class Saver:
@@ -92,6 +95,17 @@ class Saver:
     # save (ckpt/commit/cleanup.py).
     self._own_failures = cleanup_lib.OwnFailures()
     self.last_save_stats = save_lib.SaveStats()
+    self._writer = None
+    if settings.writer == "process":
+      if storage.spec.get("driver") == "memory":
+        raise ValueError(f"writer='process' cannot write to {storage.url!r}: "
+                         "memory:// lives inside one process")
+      self._writer = writer_client.WriterProcess()
+
+  def close(self) -> None:
+    """The writer process, if any, finishes what it holds and ends."""
+    if self._writer is not None:
+      self._writer.close()
 
   def forget_plan(self) -> None:
     """The next save plans afresh (not from the cached plan)."""
@@ -254,7 +268,8 @@ class Saver:
             attempt.work_dir)  # its first reads the steps' records
         await finalize.run_save(attempt, finalize.SaveJob(
             plan, self.storage, self._context, self.settings.concurrent_bytes,
-            host_files, stats, lambda: (staged.set(), on_staged()), reuse),
+            host_files, stats, lambda: (staged.set(), on_staged()), reuse,
+            self._writer, self.settings.storage_options),
             finalize.IndexFacts(
                 metrics, self.settings.clock, custom, temporary))
       except BaseException as e:

@@ -47,6 +47,7 @@ from ckpt.commit import renewal as renewal_lib
 from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import durable
+from ckpt.save import handed
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
@@ -168,6 +169,9 @@ class SaveJob:
   stats: save_lib.SaveStats      # filled in as the save goes
   on_staged: Callable[[], None]  # the caller's arrays are free again
   reuse: Any = None  # a ckpt/save/reuse.py SaveReuse (reuse_unchanged=True)
+  # writer="process": this host's writer process writes (ckpt/save/handed.py)
+  writer: Any = None
+  storage_options: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,17 +192,25 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   kvstore = durable.deferred(job.plan.options.storage_format,
                              job.storage.step_spec(attempt.work_dir))
   stopped_writing = []  # non-empty once every process stopped writing
-  # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py).
+  # Process 0 renews the lease on a thread of its own (ckpt/commit/renewal.py);
+  # with writer="process", process 0's writer does (and commits).
   lease = (renewal_lib.Renewal(job.storage, attempt.step, attempt.token,
                                attempt.lease_s).start()
-           if pid == 0 else None)
+           if pid == 0 and job.writer is None else None)
+  committed = False
   try:
     # 3-4. This process's boxes under one byte budget, its host_state file
     # alongside, then its other small files.
-    host_files = _write_host_files(attempt, job)
-    sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
-    _, late = await _outcome(
-        _write_own_files(attempt, job, host_files, sums, error is None))
+    if job.writer is not None:  # written by the writer process (handed.py)
+      committed, error = await _outcome(handed.write(
+          attempt, job, lambda: index_lib.encode(_index(attempt, job, facts)),
+          lambda: _digests(job.plan)))
+      late = None
+    else:
+      host_files = _write_host_files(attempt, job)
+      sums, error = await _outcome(_write_boxes(attempt, job, kvstore))
+      _, late = await _outcome(
+          _write_own_files(attempt, job, host_files, sums, error is None))
     # 5. Every process has written (or stopped writing, having failed).
     # Only process 0 reads the failures reported there, and relays them at
     # "done" (one call per process fewer: each call is one more for the
@@ -226,7 +238,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
       elif relayed or own is not None:
         error = own or _failed(attempt, WRITTEN, relayed)
         report = not relayed  # (relayed: the others read them after "done")
-      else:
+      elif not committed:  # (writer="process": process 0's writer did)
         _, error = await _outcome(
             _commit(attempt, job, facts, kvstore, groups == 1, lease))
     elif error is not None:
@@ -234,7 +246,8 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     # 9. The save is complete everywhere.
     await _done(attempt, error, report)
   except BaseException as e:
-    await _after_failure(attempt, job.storage, e, bool(stopped_writing))
+    if not committed:  # (a step the writers committed stays)
+      await _after_failure(attempt, job.storage, e, bool(stopped_writing))
     raise
   finally:
     if lease is not None:
@@ -320,6 +333,12 @@ async def _write_own_files(attempt: Attempt, job: SaveJob,
     await _write_process_file(
         job.storage, attempt, index_lib.CHECKSUMS_DIR, pid,
         msgpack.packb({"process": pid, "boxes": sums}, use_bin_type=True))
+
+
+def _digests(plan: leaves_lib.SavePlan) -> tuple[list, list]:
+  """writer="process": this process's tiling digest and that of every
+  array once, which process 0's writer checks (through_storage.py)."""
+  return list(tiling_digest(plan)), list(whole_digest(plan))
 
 
 async def _merge_groups(kvstore, job: SaveJob, groups: int) -> None:

@@ -574,6 +574,23 @@ def _wait_ready(cluster, events_dir: pathlib.Path, launch: int) -> list[dict]:
   return [json.loads(p.read_text()) for p in paths]
 
 
+def _wait_writers_gone(trainers: list[int]) -> None:
+  """writer="process": the writers of these (killed) trainers finish the
+  save in flight, then exit; a restarted job that came up sooner could
+  find a step committed after it looked (the dead job's, as designed). A
+  writer waits for process 0's writer's commit at most twice the barrier
+  timeout (60 s here) when process 0's trainer died mid-hand-over."""
+  import psutil  # pylint: disable=import-outside-toplevel
+  mine = []
+  for p in psutil.process_iter(["cmdline"]):
+    cmd = p.info["cmdline"] or []
+    if ("ckpt.save.writer_main" in cmd and len(cmd) > 4
+        and cmd[-2].isdigit() and int(cmd[-2]) in trainers):
+      mine.append(p)
+  _, alive = psutil.wait_procs(mine, timeout=180)
+  assert not alive, f"writers still running 180 s after their trainers died"
+
+
 def _check_resume(launch: int, ready: list[dict], latest: int | None) -> None:
   for info in ready:
     assert info["latest"] == latest, (launch, info, latest)
@@ -594,12 +611,13 @@ def _check_cleanup(cleanup_path: pathlib.Path, tmp_seen: list[str]) -> bool:
   return cleanup["time"]
 
 
-def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
   rng = random.Random(KILL_SEED)
   root, events = tmp_path / "ckpt", tmp_path / "events"
   events.mkdir()
   conf = {"dir": str(root), "events": str(events), "keep": KEEP,
-          "max_step": 10**6}
+          "max_step": 10**6, "writer": writer}
   t_start = time.monotonic()
   latest, tmp_seen, rows = None, [], []
   launch, cleanups_checked = 0, 0
@@ -622,6 +640,8 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path):
       time.sleep(grace)
     finally:
       results = cluster.wait(0, grace_s=0)
+      if writer == "process":  # the dead job's saves end (committed or not)
+        _wait_writers_gone(cluster.pids())
     phases = [_phase_at(_events(events, p), launch, t_kill) for p in (0, 1)]
     cleaned = _check_cleanup(events / f"cleanup_{launch}.json", tmp_seen)
     cleanups_checked += bool(cleaned)

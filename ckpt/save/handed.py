@@ -1,0 +1,258 @@
+"""Stages 3-4 of a save handed to this host's writer process (``writer="process"``).
+
+On the trainer's background loop, in place of writing (ckpt/save/runner.py
+calls ``write``): each owned box is staged straight into shared memory
+under the save's byte budget (its grant given back when the writer says it
+was written: the host holds at most ``concurrent_bytes`` of staged boxes,
+counted once), handed over as a msgpack message (ckpt/save/handover.py),
+then ``finish`` is sent, and only then is the caller released
+(``on_staged``): once ``save()`` has returned, the writer holds all it
+needs. The writers commit through the storage
+(ckpt/commit/through_storage.py: each writes its record, process 0's
+commits once all are in; process 0's index and the tiling digests go with
+``finish``), so the step commits even if every trainer dies; the trainers
+then pass the runner's barriers, and none of them commits.
+
+A failure of the writer comes back as the same exception class and
+message (``handover.rebuild``); a writer that died fails the save with a
+CheckpointError saying so; a cancel stops the writer's writes before the
+task ends (Checkpointer.cancel then removes the attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any, Callable
+
+import numpy as np
+
+from ckpt.errors import CheckpointError
+from ckpt.format import tree
+from ckpt.format import tsspec
+from ckpt.multihost import process as multihost
+from ckpt.save import handover
+from ckpt.save import staging
+from ckpt.save import writer_client
+from ckpt.store import deadline as deadline_lib
+from ckpt.store.limiter import ByteLimiter
+
+INLINE_WORK_BYTES = 256 << 10  # staged on the loop, not on a worker thread
+
+
+class Handing:
+  """One save being handed to the writer: its replies, on the loop."""
+
+  def __init__(self, writer: writer_client.WriterProcess, step: int,
+               limiter: ByteLimiter):
+    self.writer, self.step, self.limiter = writer, step, limiter
+    self.loop = asyncio.get_running_loop()
+    self.result: asyncio.Future = self.loop.create_future()
+    self.cancelled: asyncio.Future = self.loop.create_future()
+    self.grants: dict[int, int] = {}
+    self.ids = itertools.count()
+    self.failed = False  # a box failed: stop staging
+    self.gone: str | None = None
+    # The writer's progress is the save's (save_timeout_s counts stalls).
+    self.deadline = deadline_lib.current()
+    self.job = writer.begin(
+        lambda m: self.loop.call_soon_threadsafe(self._got, m))
+
+  def _got(self, m: dict | None) -> None:
+    if m is None:
+      self.gone = (f"the writer process (pid {self.writer.pid}) of this host "
+                   f"ended ({self.writer.describe_end()}) while writing step "
+                   f"{self.step}; the save failed")
+      for grant in self.grants.values():
+        self.limiter.release(grant)
+      self.grants.clear()
+      self.failed = True
+      for fut in (self.result, self.cancelled):
+        if not fut.done():
+          fut.set_exception(CheckpointError(self.gone))
+      return
+    kind = m["kind"]
+    if self.deadline is not None:
+      self.deadline.progress()
+    if kind == "freed":
+      grant = self.grants.pop(m["grant"], None)
+      if grant is not None:
+        self.limiter.release(grant)
+      self.failed |= bool(m["failed"])
+    elif kind == "done" and not self.result.done():
+      self.result.set_result(m)
+    elif kind == "failed" and not self.result.done():
+      self.result.set_exception(handover.rebuild(m))
+    elif kind == "cancelled" and not self.cancelled.done():
+      self.cancelled.set_result(m)
+
+  def send(self, kind: str, **fields) -> None:
+    if self.gone:
+      raise CheckpointError(self.gone)
+    self.writer.send(kind, job=self.job, **fields)
+
+  def hand(self, grant: int, fields: dict) -> None:
+    gid = next(self.ids)
+    self.grants[gid] = grant
+    try:
+      self.send("box", grant=gid, **fields)
+    except BaseException:
+      self.grants.pop(gid, None)
+      self.limiter.release(grant)
+      handover.unlink(fields["shm"])
+      raise
+
+  def end(self) -> None:
+    self.writer.end(self.job)
+    for fut in (self.result, self.cancelled):
+      if fut.done() and not fut.cancelled():
+        fut.exception()  # retrieved: never logged as unhandled
+
+
+def _arrays(plan: Any, kvstore: dict, pid: int, count: int) -> list[dict]:
+  """The arrays this process's writer creates (one process each, dealt
+  round-robin, as ckpt/save/write.py does) or opens (those it writes)."""
+  arrays_in = [i for i, lp in enumerate(plan.leaves)
+               if lp.layout is not None and not lp.packed]
+  mine = {w.leaf for w in plan.writes}
+  out = []
+  for k, i in enumerate(arrays_in):
+    create = k % count == pid
+    if create or i in mine:
+      e = plan.leaves[i].entry
+      out.append({"id": i, "create": create, "spec": tsspec.array_spec(
+          plan.options.storage_format, kvstore, e.relpath, e.shape,
+          np.dtype(e.dtype), e.chunks, plan.options.codec)})
+  return out
+
+
+def _stage_into(leaf: Any, w: Any, piece: Any, name: str) -> None:
+  """One box on the host (staging.host_box: a view on CPU devices) copied
+  into the new shared-memory segment ``name``: the save's one copy (with
+  write(2) when the box is contiguous: faster than faulting in a mapping
+  page by page)."""
+  data = staging.host_box(leaf, w, piece, True)
+  if data.flags.c_contiguous:
+    handover.write_segment(name, memoryview(data.reshape(-1).view(np.uint8)))
+    return
+  seg = handover.Segment(name, data.nbytes, create=True)
+  try:
+    out = seg.array(data.shape, data.dtype)
+    out[...] = data
+    del out
+  except BaseException:
+    seg.close()
+    handover.unlink(name)
+    raise
+  seg.close()
+
+
+async def write(attempt: Any, job: Any, index: Callable[[], bytes],
+                digests: Callable[[], tuple[list, list]]) -> bool:
+  """Stages, hands over and waits for the writer (see the module
+  docstring). ``index()``: the index (process 0); ``digests()``: this
+  process's tiling digest and that of every array once. Returns once the
+  step is committed (True), or raises."""
+  plan, stats, writer = job.plan, job.stats, job.writer
+  pid, count = multihost.process_index(), multihost.process_count()
+  if any(lp.packed for lp in plan.leaves):
+    raise CheckpointError("writer='process' saves no packed leaves (its "
+                          "plan packs none); this plan has some")
+  await asyncio.to_thread(writer.ensure_started)
+  limiter = ByteLimiter(job.budget)
+  handing = Handing(writer, attempt.step, limiter)
+  arrays = sum(lp.layout is not None for lp in plan.leaves)
+  stats.array_leaves, stats.inline_leaves = arrays, len(plan.leaves) - arrays
+  kvstore = job.storage.step_spec(attempt.work_dir)
+  try:
+    try:
+      handing.send(
+          "begin", url=job.storage.url, storage_options=job.storage_options,
+          step=attempt.step, token=attempt.token, work_dir=attempt.work_dir,
+          arrays=_arrays(plan, kvstore, pid, count), process=pid,
+          take_sums=plan.options.codec.resolved_checksum(
+              plan.options.storage_format) == "none",
+          host_files=[{"process": p, "data": d}
+                      for p, d in job.host_files.items()],
+          processes=count, lease_s=attempt.lease_s,
+          save_timeout_s=(None if handing.deadline is None
+                          else handing.deadline.bound_s))
+      boxes = await _stage_all(plan, handing, writer)
+      mine, whole = digests()
+      handing.send("finish", tiling=mine, bound_s=attempt.timeout_s,
+                   index=index() if pid == 0 else None,
+                   whole=whole if pid == 0 else None)
+    finally:
+      for lp in plan.leaves:
+        lp.source = None  # the caller's arrays are no longer needed
+      job.on_staged()
+    try:
+      got = await asyncio.shield(handing.result)
+    except asyncio.CancelledError:
+      await _stop(handing, attempt.timeout_s)
+      raise
+    stats.bytes_written += got["bytes_written"]
+    stats.boxes_written += boxes
+    stats.peak_bytes_in_flight = limiter.peak_in_use
+    return bool(got["committed"])
+  except asyncio.CancelledError:
+    if not handing.cancelled.done():
+      await _stop(handing, attempt.timeout_s)
+    raise
+  except BaseException:
+    if not handing.result.done() and not handing.gone:
+      await _stop(handing, attempt.timeout_s)  # no write goes on after
+    raise
+  finally:
+    handing.end()
+
+
+async def _stage_all(plan: Any, handing: Handing,
+                     writer: writer_client.WriterProcess) -> int:
+  """Every owned box staged into shared memory and handed over; how many."""
+  n = 0
+  for w in plan.writes:
+    if w.box.size == 0:
+      continue
+    if handing.failed:
+      break  # a write failed (the writer says which at finish) or it died
+    grant = await handing.limiter.acquire(w.nbytes)
+    if handing.gone:
+      handing.limiter.release(grant)
+      raise CheckpointError(handing.gone)
+    leaf = plan.leaves[w.leaf]
+    name = writer.segment_name()
+    try:
+      piece = staging.device_piece(leaf, w)
+      if w.nbytes <= INLINE_WORK_BYTES:
+        _stage_into(leaf, w, piece, name)
+      else:
+        await asyncio.to_thread(_stage_into, leaf, w, piece, name)
+    except BaseException as e:
+      handing.limiter.release(grant)
+      if isinstance(e, CheckpointError) or not isinstance(e, Exception):
+        raise
+      raise CheckpointError(
+          f"leaf {tree.path_str(leaf.parts)!r}: staging {w.box.start}.."
+          f"{w.box.stop} into shared memory failed: {e}") from e
+    handing.hand(grant, {
+        "shm": name, "nbytes": w.nbytes, "shape": list(w.box.shape),
+        "dtype": leaf.entry.dtype, "start": list(w.box.start),
+        "stop": list(w.box.stop), "array": w.leaf, "leaf_id": w.leaf,
+        "leaf": tree.path_str(leaf.parts),
+        "chunks": list(leaf.layout.chunks)})
+    n += 1
+  return n
+
+
+async def _stop(handing: Handing, timeout_s: float) -> None:
+  """The writer stops this save (its started writes end first); waits for
+  its word, at most ``timeout_s``."""
+  try:
+    handing.send("cancel")
+    await asyncio.wait_for(asyncio.shield(handing.cancelled), timeout_s)
+  except (CheckpointError, asyncio.TimeoutError):
+    pass  # gone, or not answering: its end says the rest
+  except asyncio.CancelledError:
+    pass
+

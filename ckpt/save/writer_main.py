@@ -1,0 +1,359 @@
+"""The writer process of one host (``Checkpointer(..., writer="process")``).
+
+Started by its trainer (ckpt/save/handed.py) as ``python -m
+ckpt.save.writer_main FD`` (a new interpreter, never a fork of a JAX
+process), with ``FD`` its end of the socket pair. It never initializes
+jax.distributed nor any device: it writes bytes with TensorStore and
+commits through the storage. Call sequence, one save at a time
+(ckpt/save/handover.py has the messages): ``begin`` opens the arrays (and,
+when it commits, renews the attempt's lease), each ``box`` is written from
+its shared memory as it comes (under the save's budget: the trainer stages
+no more than ``concurrent_bytes`` ahead of the ``freed`` replies), then
+``finish``: every write ended, this process's files written, and the step
+committed when the writer commits (one process); ``done`` or ``failed``.
+
+Its trainer gone (EOF on the socket, or its pid no longer the parent): a
+save whose ``finish`` arrived is finished (and committed when the writer
+commits); one still being handed over is abandoned; then the writer exits,
+and never starts another save. Every path unlinks the shared memory it was
+handed (and, on exit, any of its trainer's).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import select
+import socket
+import sys
+import threading
+import time
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy)
+from absl import logging
+import msgpack
+import numpy as np
+import tensorstore as ts
+
+from ckpt.commit import strategy
+from ckpt.commit import through_storage
+from ckpt.errors import CheckpointError
+from ckpt.format import index as index_lib
+from ckpt.format import seal
+from ckpt.save import handover
+from ckpt.save.write import chunk_sums
+from ckpt.shards import plan as plan_lib
+from ckpt.store import deadline as deadline_lib
+from ckpt.store import storage as storage_lib
+
+WRITE_THREADS = 8
+
+
+class Save:
+  """One save handed over by the trainer (see the module docstring)."""
+
+  def __init__(self, begin: dict, channel: handover.Channel):
+    self.msg = begin
+    self.channel = channel
+    self.job = begin["job"]
+    self.step, self.token = begin["step"], begin["token"]
+    self.work_dir = begin["work_dir"]
+    self.storage = storage_lib.Storage(begin["url"], begin["storage_options"])
+    self.context = self.storage.context()
+    # save_timeout_s, as the trainer's writes would have it (stalls only).
+    self.deadline = deadline_lib.Deadline.start(
+        begin["save_timeout_s"], "save_timeout_s",
+        f"writing step {self.step} to {self.storage.url!r}",
+        on_wire=not self.storage.is_posix)
+    self.take_sums = begin["take_sums"]
+    self.pool = concurrent.futures.ThreadPoolExecutor(WRITE_THREADS)
+    self.lock = threading.Lock()
+    self.writes: list[concurrent.futures.Future] = []
+    self.sums: list[list] = []
+    self.bytes_written = 0
+    self.error: BaseException | None = None
+    self.stopped = False     # cancelled, or the trainer gone mid-hand-over
+    self.committing = False
+    self.committed = False
+    self.finishing: threading.Thread | None = None
+    self.process, self.processes = begin["process"], begin["processes"]
+    self.files: dict[str, bytes] = {}  # this process's small files, written
+    self.recorded = False  # its record (through_storage) is written
+    self.stop_event = threading.Event()  # cancel: no commit, no more waits
+    self.renewal = None
+    if self.process == 0:  # process 0's writer holds the lease from now on
+      self.renewal = through_storage.hold_lease(
+          self.storage, self.step, self.token, begin["lease_s"])
+    self.opening = self.pool.submit(deadline_lib.call, self.deadline,
+                                    self._open_arrays)
+
+  # ---- the boxes -------------------------------------------------------
+
+  def _open_arrays(self) -> dict[int, ts.TensorStore]:
+    out = {}
+    for a in self.msg["arrays"]:
+      if a["create"]:
+        out[a["id"]] = deadline_lib.result(ts.open(
+            a["spec"], create=True, context=self.context))
+      else:
+        out[a["id"]] = deadline_lib.result(ts.open(
+            a["spec"], open=True, assume_metadata=True, context=self.context))
+    return out
+
+  def box(self, m: dict) -> None:
+    self.writes.append(self.pool.submit(deadline_lib.call, self.deadline,
+                                        self._write_box, m))
+
+  def _write_box(self, m: dict) -> None:
+    name = m["shm"]
+    failed = False
+    try:
+      if self.stopped or self.error is not None:
+        return
+      seg = handover.Segment(name, m["nbytes"], create=False)
+      try:
+        data = seg.array(m["shape"], m["dtype"])
+        box = plan_lib.Box(tuple(m["start"]), tuple(m["stop"]))
+        store = self.opening.result()[m["array"]]
+        try:
+          deadline_lib.result(store[box.slices()].write(data))
+          crcs = (chunk_sums(box, tuple(m["chunks"]), data)
+                  if self.take_sums else [])
+        except Exception as e:
+          raise CheckpointError(
+              f"leaf {m['leaf']!r}: writing {box.start}..{box.stop} failed: "
+              f"{e}") from e
+        del data
+      finally:
+        seg.close()
+      with self.lock:
+        self.sums.extend([m["leaf_id"], list(b.start), list(b.stop), crc]
+                         for b, crc in crcs)
+        self.bytes_written += m["nbytes"]
+    except BaseException as e:  # pylint: disable=broad-except
+      failed = True
+      with self.lock:
+        if self.error is None:
+          self.error = e
+    finally:
+      handover.unlink(name)
+      self._tell("freed", grant=m["grant"], failed=failed)
+
+  def _tell(self, kind: str, **fields) -> None:
+    try:
+      self.channel.send(kind, job=self.job, **fields)
+    except OSError:
+      pass  # the trainer is gone: what it would have heard no longer matters
+
+  # ---- the end ---------------------------------------------------------
+
+  def finish(self, m: dict) -> None:
+    self.finishing = threading.Thread(target=self._finish, args=(m,),
+                                      name="ckpt-writer-finish", daemon=True)
+    self.finishing.start()
+
+  def _finish(self, m: dict) -> None:
+    try:
+      concurrent.futures.wait(self.writes)
+      deadline_lib.call(self.deadline, self._files, m)
+      # Its part durable: its record, then process 0's writer commits once
+      # every record is in (ckpt/commit/through_storage.py).
+      deadline_lib.call(self.deadline, lambda: through_storage.write_record(
+          self.storage, self.step, self.token, self.process, self.processes,
+          files=self.files, tiling=m["tiling"]))
+      self.recorded = True
+      committed = self._commit(m)
+      self._tell("done", bytes_written=self.bytes_written,
+                 committed=committed)
+    except BaseException as e:  # pylint: disable=broad-except
+      logging.warning("ckpt writer process: the save of step %d failed: "
+                      "%s: %s", self.step, type(e).__name__, e)
+      self._record_failure(e)
+      self._tell("failed", **handover.error_message(e))
+    finally:
+      self._end()
+
+  def _files(self, m: dict) -> None:
+    """Every array exists (even with no box here), every box was written;
+    then this process's small files."""
+    self.opening.result()
+    if self.error is not None:
+      raise self.error
+    if self.take_sums:
+      self._write_file(index_lib.CHECKSUMS_DIR, msgpack.packb(
+          {"process": self.process, "boxes": self.sums}, use_bin_type=True))
+    for f in self.msg["host_files"]:
+      self._write_file(index_lib.HOST_STATE_DIR, f["data"], f["process"])
+
+  def _commit(self, m: dict) -> bool:
+    """Process 0's writer: the commit, once every record is in; the others:
+    whether it committed (both within the bound)."""
+    with self.lock:
+      if self.stopped:
+        raise CheckpointError(f"the save of step {self.step} was "
+                              "cancelled before its commit")
+      self.committing = self.process == 0
+    bound = m["bound_s"]
+    if self.process == 0:
+      renewal, self.renewal = self.renewal, None
+      deadline_lib.call(self.deadline, lambda: (
+          through_storage.commit_when_written(
+              self.storage, self.step, self.token, self.processes, m["index"],
+              bound_s=bound, renewal=renewal, whole=m["whole"],
+              stop=self.stop_event)))
+    elif not self._wait_committed(2 * bound):
+      raise CheckpointError(
+          f"step {self.step} was not committed by process 0's writer within "
+          f"{2 * bound:g} s of this writer's record (it failed, or died; "
+          f"its process says which)")
+    self.committed = True
+    return True
+
+  def _wait_committed(self, bound_s: float) -> bool:
+    """Whether process 0's writer committed the step within ``bound_s``;
+    False at once when its own record says it failed (its trainer died
+    before the hand-over ended: it never commits)."""
+    t0 = time.monotonic()
+    key = through_storage.record_key(self.work_dir, 0)
+    while True:
+      left = bound_s - (time.monotonic() - t0)
+      if through_storage.wait_committed(self.storage, self.step, self.token,
+                                        max(0.0, min(1.0, left)),
+                                        stop=self.stop_event):
+        return True
+      if left <= 0 or self.stop_event.is_set() or self._failed_record(key):
+        return False
+
+  def _failed_record(self, key: str) -> bool:
+    try:
+      data = self.storage.read_bytes(key, limit=through_storage.MAX_RECORD_BYTES)
+      if data is None:
+        return False
+      doc = msgpack.unpackb(seal.unseal(data, key), raw=False)
+    except Exception:  # pylint: disable=broad-except
+      return False  # damaged: process 0's writer says so itself
+    return (isinstance(doc, dict) and doc.get("attempt") == self.token
+            and doc.get("step") == self.step and doc.get("ok") is False)
+
+  def _record_failure(self, e: BaseException) -> None:
+    """A writer that failed before its record says so in one, so process
+    0's writer stops waiting and commits nothing."""
+    if self.recorded:
+      return
+    try:
+      through_storage.write_record(
+          self.storage, self.step, self.token, self.process, self.processes,
+          error=f"{type(e).__name__}: {e}")
+      self.recorded = True
+    except Exception as e2:  # pylint: disable=broad-except
+      logging.warning("ckpt writer process: could not record the failure "
+                      "of step %d: %s", self.step, e2)
+
+  def _write_file(self, kind: str, data: bytes, pid: int | None = None) -> None:
+    pid = self.process if pid is None else pid
+    rel = index_lib.process_file(kind, pid)
+    what = (f"the {kind.lstrip('.')} file of process {pid}, step "
+            f"{self.step},")
+    data = seal.seal(data)
+    self.files[rel] = data
+    if len(data) > index_lib.MAX_PROCESS_FILE_BYTES:
+      raise CheckpointError(
+          f"{what} is {len(data)} bytes; readers accept at most "
+          f"{index_lib.MAX_PROCESS_FILE_BYTES}")
+    strategy.for_storage(self.storage).write_into_attempt(
+        self.work_dir, rel, data, what)
+
+  def stop(self) -> bool:
+    """Cancelled (or the trainer gone before ``finish``): no box starts,
+    the writes started end; whether the step was committed meanwhile."""
+    with self.lock:
+      self.stopped = True
+      committing = self.committing
+    self.stop_event.set()  # a wait for the records or the commit ends
+    if self.finishing is not None and committing:
+      self.finishing.join()
+    concurrent.futures.wait(self.writes)
+    if self.finishing is None:
+      # Its record says so: process 0's writer stops waiting for it.
+      self._record_failure(CheckpointError(
+          f"the save of step {self.step} was cancelled, or its trainer died, "
+          "before it was handed over whole"))
+      self._end()
+    return self.committed
+
+  def _end(self) -> None:
+    if self.renewal is not None:
+      self.renewal.stop()
+      self.renewal = None
+    self.pool.shutdown(wait=False)
+
+
+def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
+  """Reads the trainer's messages until it says ``exit`` or is gone."""
+  save: Save | None = None
+  # What trainers and writers that both died left (not this trainer's: it
+  # may have died with segments this writer has still to read).
+  handover.sweep(spare=trainer)
+  watch = threading.Thread(target=_watch_parent, args=(channel, trainer),
+                           daemon=True)
+  watch.start()
+  try:
+    while True:
+      m = channel.receive()
+      kind = None if m is None else m["kind"]
+      if kind is None or kind == "exit":
+        break
+      if kind == "begin":
+        try:
+          save = Save(m, channel)
+        except BaseException as e:  # pylint: disable=broad-except
+          save = None
+          channel.send("failed", job=m["job"], **handover.error_message(e))
+      elif save is None:
+        if kind == "box":  # a save that could not begin: its memory goes
+          handover.unlink(m["shm"])
+          channel.send("freed", job=m["job"], grant=m["grant"], failed=True)
+        elif kind == "cancel":
+          channel.send("cancelled", job=m["job"], committed=False)
+      elif kind == "box":
+        save.box(m)
+      elif kind == "finish":
+        save.finish(m)
+      elif kind == "cancel":
+        channel.send("cancelled", job=m["job"], committed=save.stop())
+        save = None
+    # The trainer is gone, or closing: a save it finished handing over is
+    # finished; one it was handing over is abandoned. Then no other.
+    if save is not None:
+      if save.finishing is not None:
+        save.finishing.join()
+      else:
+        save.stop()
+  finally:
+    handover.sweep(trainer, nonce)
+
+
+def _watch_parent(channel: handover.Channel, trainer: int) -> None:
+  """The trainer's death seen even when its end of the socket stays open
+  (a child it forked holds a copy): once what it sent was read, the socket
+  is shut and ``serve`` sees EOF."""
+  while os.getppid() == trainer:
+    time.sleep(0.5)
+  while select.select([channel.sock], [], [], 0)[0]:
+    time.sleep(0.2)  # its last messages (or its EOF) are being read
+  try:
+    channel.sock.shutdown(socket.SHUT_RD)
+  except OSError:
+    pass
+
+
+def main(argv: list[str]) -> int:
+  fd, trainer, nonce = int(argv[1]), int(argv[2]), argv[3]
+  channel = handover.Channel(socket.socket(fileno=fd))
+  serve(channel, trainer, nonce)
+  return 0
+
+
+if __name__ == "__main__":
+  np.seterr(all="ignore")
+  sys.exit(main(sys.argv))

@@ -1,0 +1,141 @@
+"""One process of the multi-process writer="process" tests (issue 50).
+
+Run by ``test_writer_mp.py`` through ``ckpt.multihost.local_cluster`` as
+``python -m tests.multiprocess.writer_worker <json config>``. The global
+arrays come from fixed seeds (``truth``), so any process, or the test,
+checks what was saved bit for bit.
+
+Scenarios (``config["scenario"]``):
+
+- ``roundtrip``: saves steps 1 and 2 with ``writer="process"``, waits,
+  restores step 2 onto the same shardings and checks every addressable
+  shard; no shared memory of this process is left.
+- ``hold``: saves ``config["step"]`` asynchronously; once ``save()``
+  returned, stops its writer (SIGSTOP: the test lets it go on), writes
+  ``<events>/p<process>.json`` (its writer's pid), and waits to be killed.
+- ``after``: a restarted job: its first save (``config["step"]``) commits,
+  and the steps committed before are still there (returned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+import zlib
+
+import numpy as np
+
+from tests.multiprocess import worker
+
+ROWS_PER_MIB = 256  # rows of 1024 float32
+
+
+def truth(name: str, mib: int) -> np.ndarray:
+  rng = np.random.default_rng(zlib.crc32(name.encode()))
+  return rng.standard_normal((mib * ROWS_PER_MIB, 1024), dtype=np.float32)
+
+
+def names(mib: int) -> dict[str, int]:
+  """Leaf name -> its MiB (one large, one small)."""
+  return {"big": mib, "small": 1}
+
+
+def state(mib: int):
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  out = {}
+  for name, m in names(mib).items():
+    full = truth(name, m)
+    sharding = NamedSharding(mesh, P("data"))
+    out[name] = jax.make_array_from_callback(full.shape, sharding,
+                                             lambda idx, f=full: f[idx])
+  out["step"] = 3
+  return out
+
+
+def segments() -> list[str]:
+  return [n for n in os.listdir("/dev/shm")
+          if n.startswith(f"ckpt-{os.getpid()}-")]
+
+
+def writer_pids() -> list[int]:
+  import psutil  # pylint: disable=import-outside-toplevel
+  return [p.pid for p in psutil.Process().children()
+          if "ckpt.save.writer_main" in " ".join(p.cmdline())]
+
+
+@dataclasses.dataclass(frozen=True)
+class Roundtrip:
+  process: int
+  steps: list[int]
+  exact: bool
+  writers: int
+  segments: list[str]
+
+
+def roundtrip(conf: dict) -> Roundtrip:
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+  s = state(conf["mib"])
+  with ckpt.Checkpointer(conf["dir"], writer="process",
+                         barrier_timeout_s=60) as ckptr:
+    for step in (1, 2):
+      ckptr.save(step, s)
+      ckptr.wait_until_finished()
+    n_writers = len(writer_pids())
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        if isinstance(x, jax.Array) else x, s)
+    got = ckptr.restore(2, target=target)
+    exact = all(
+        np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+        for name in names(conf["mib"])
+        for a, b in zip(got[name].addressable_shards,
+                        s[name].addressable_shards))
+    steps = ckptr.all_steps()
+  return Roundtrip(jax.process_index(), steps, exact, n_writers, segments())
+
+
+def hold(conf: dict) -> dict:
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+  s = state(conf["mib"])
+  ckptr = ckpt.Checkpointer(conf["dir"], writer="process",
+                            barrier_timeout_s=conf["bound_s"],
+                            concurrent_bytes=(conf["mib"] + 16) << 20)
+  t0 = time.monotonic()
+  ckptr.save(conf["step"], s)
+  save_s = time.monotonic() - t0
+  pids = writer_pids()
+  for pid in pids:
+    os.kill(pid, signal.SIGSTOP)
+  path = os.path.join(conf["events"], f"p{jax.process_index()}.json")
+  with open(path + ".tmp", "w") as f:
+    json.dump({"writers": pids, "save_s": save_s, "trainer": os.getpid()}, f)
+  os.rename(path + ".tmp", path)
+  time.sleep(600)
+  return {"process": jax.process_index()}
+
+
+@dataclasses.dataclass(frozen=True)
+class After:
+  process: int
+  steps: list[int]
+
+
+def after(conf: dict) -> After:
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+  with ckpt.Checkpointer(conf["dir"], writer="process",
+                         barrier_timeout_s=60) as ckptr:
+    ckptr.save(conf["step"], state(1))
+    ckptr.wait_until_finished()
+    return After(jax.process_index(), ckptr.all_steps())
+
+
+if __name__ == "__main__":
+  worker.main({"roundtrip": roundtrip, "hold": hold, "after": after})
