@@ -328,9 +328,9 @@ def _check_files(storage, work_dir: str, got: dict[int, dict]) -> None:
     for rel, want in sorted(doc["files"].items()):
       key = f"{work_dir}/{rel}"
       data = storage.read_bytes(key, limit=index_lib.MAX_PROCESS_FILE_BYTES)
-      if data is None or crc32c.crc32c(data) != want:
-        found = ("missing" if data is None
-                 else f"crc32c {crc32c.crc32c(data):#010x}")
+      got = None if data is None else crc32c.crc32c(data)
+      if got != want:
+        found = "missing" if got is None else f"crc32c {got:#010x}"
         raise WriterFailedError(
             f"{base}/{key}: the writer of process {p} recorded crc32c "
             f"{want:#010x}, found {found}; nothing was committed")

@@ -33,17 +33,23 @@ def _minor_faults() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def _saved(make_ckptr, rng, mesh8, shape):
+  """A Checkpointer holding step 1, one random leaf sharded data x model,
+  with the leaf and the restore target onto the same sharding."""
+  x = random_array(rng, shape)
+  s = named(mesh8, "data", "model")
+  c = make_ckptr()
+  c.save(1, {"w": sharded(x, s)})
+  c.wait_until_finished()
+  return c, x, {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)}
+
+
 def test_a_restore_after_a_freed_one_faults_almost_nothing(
     make_ckptr, rng, mesh8, base_pages):
   """A restore whose previous result was freed reads into that memory:
   its pages are resident (before, each buffer was a fresh mapping, faulted
   in page by page: 8,192 faults for these 32 MiB)."""
-  x = random_array(rng, (2048, 4096))
-  s = named(mesh8, "data", "model")
-  c = make_ckptr()
-  c.save(1, {"w": sharded(x, s)})
-  c.wait_until_finished()
-  target = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)}
+  c, x, target = _saved(make_ckptr, rng, mesh8, (2048, 4096))
   out = c.restore(1, target=target)
   del out
   # jax releases the host memory a CPU device adopted at a collection.
@@ -96,12 +102,7 @@ def test_a_restored_tree_goes_when_dropped(make_ckptr, rng, mesh8):
   """No reference cycle holds a restored tree after the caller drops it
   (before, restore_async's handle closures held it until a full garbage
   collection: the memory of a whole state, for seconds)."""
-  x = random_array(rng, (64, 128))
-  s = named(mesh8, "data", "model")
-  c = make_ckptr()
-  c.save(1, {"w": sharded(x, s)})
-  c.wait_until_finished()
-  target = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)}
+  c, x, target = _saved(make_ckptr, rng, mesh8, (64, 128))
   gc.collect()
   gc.disable()
   try:
