@@ -72,7 +72,7 @@ class InFlightSave:
     """The barriers the save's threads wait at (its attempt's)."""
     with self._lock:
       attempt = self._attempt
-    return [] if attempt is None else list(attempt.waiting)
+    return [] if attempt is None else attempt.waiting.at()
 
   def check(self) -> None:
     """Raises the save's failure now if it is done; never waits."""
@@ -150,8 +150,8 @@ class InFlightSave:
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("ckpt: cancel(): stopping the save of step %s: %s",
                         step, e)
-      if attempt is not None and attempt.waiting:
-        mine["waiting"] = attempt.waiting[0]
+      if attempt is not None:  # its thread enters no barrier from now on
+        mine["waiting"] = attempt.waiting.close()
 
     def decide(got: dict[int, dict]) -> dict:
       steps = sorted({g["step"] for g in got.values()

@@ -49,6 +49,7 @@ from ckpt.store import ocdbt
 from ckpt.save import durable
 from ckpt.save import handed
 from ckpt.save import polite
+from ckpt.save import seat as seat_lib
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
@@ -71,10 +72,11 @@ class Attempt:
   timeout_s: float
   lease_s: float = lease_lib.DEFAULT_LEASE_S
   host_states: int | None = None  # agreed: the index's host_states
-  # The barrier this process waits at now (one item, or none): a save
-  # cancelled there leaves the waiting thread behind, which
+  # The barrier this process's thread is in now (ckpt/save/seat.py): a
+  # save cancelled there leaves the waiting thread behind, which
   # Checkpointer.cancel releases by having the other processes arrive.
-  waiting: list = dataclasses.field(default_factory=list, compare=False)
+  waiting: seat_lib.BarrierSeat = dataclasses.field(
+      default_factory=seat_lib.BarrierSeat, compare=False)
 
 
 WRITTEN = "all processes wrote their data"
@@ -99,11 +101,11 @@ async def _barrier(attempt: Attempt, name: str, what: str,
     multihost.report_failure(f"{key}/failed",
                              f"{type(shown).__name__}: {shown}",
                              attempt.timeout_s)
-  attempt.waiting[:] = [key]
   t0 = time.monotonic()
-  await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
-                          what=f"{what}, step {attempt.step}")
-  attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
+  await asyncio.to_thread(
+      attempt.waiting.wait, key, lambda: multihost.barrier(
+          key, timeout_s=attempt.timeout_s,
+          what=f"{what}, step {attempt.step}"))
   deadline = deadline_lib.current()
   if deadline is not None:  # waiting for the others is no stall of the store
     deadline.exclude(time.monotonic() - t0)

@@ -28,11 +28,16 @@ def test_every_public_call_works_inside_the_callers_mesh(context, tmp_path):
              local_cluster.check(local_cluster.run(
                  WORKER, conf, num_processes=2, devices_per_process=2,
                  timeout_s=launch.TIMEOUT_S, cwd=str(launch.REPO)))]
+  # Every failed call of every process, whole (a repr would be cut short).
+  failed = [f"process {pid} {which}.{n}: {o.error.type}: {o.error.msg}"
+            for pid, r in enumerate(results)
+            for which, calls in (("Checkpointer", r.checkpointer),
+                                 ("MultiTierCheckpointer", r.multitier))
+            for n, o in calls.items() if not o.ok]
+  assert not failed, f"{context}:\n" + "\n".join(failed)
   for r in results:
     for which, calls in (("Checkpointer", r.checkpointer),
                          ("MultiTierCheckpointer", r.multitier)):
-      failed = {n: o.error for n, o in calls.items() if not o.ok}
-      assert not failed, (context, which, failed)
       for name in ("restore", "restore_1", "restore_async"):
         assert calls[name].value is True, (context, which, name)
       assert calls["latest_step"].value == 3, (which, calls["latest_step"])
