@@ -32,6 +32,11 @@ after a power loss is the one the driver's own fsyncs gave: no step is
 renamed into place before all of its files and directory entries are on
 disk, and nothing of an attempt that was not renamed is ever read.
 
+A box of raw zarr v2 chunks is written by ckpt itself
+(ckpt/save/rawwrite.py, ``Syncer.write_raw``) on the Syncer's threads:
+each chunk file written, summed and fsynced on one thread, and not queued
+again by ``written``.
+
 Format "ocdbt" keeps the driver's sync (its database files are named by its
 own manifest, not by the plan). ``DEFER_SYNC = False`` restores the
 driver's per-write sync for every format.
