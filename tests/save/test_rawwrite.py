@@ -179,3 +179,22 @@ def test_a_process_killed_mid_write_never_commits(tmp_path, rng):
     assert c.save(2, state)
     assert c.all_steps() == [1, 2]
     np.testing.assert_array_equal(np.asarray(c.restore(2)["w"]), state["w"])
+
+
+@pytest.mark.parametrize("cut", [
+    (slice(None), slice(0, 20000)),  # rows of 80,000 bytes, strided: by run
+    (slice(0, 8), slice(100, 300)),  # short runs: copied out whole
+    (slice(3, 11), slice(None)),  # contiguous
+])
+def test_a_chunk_file_is_its_bytes_in_c_order_and_their_crc32c(
+    tmp_path, rng, monkeypatch, cut):
+  import crc32c  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(rawwrite, "PIECE_BYTES", 1 << 16)  # several pieces
+  box = random_array(rng, (16, 40000))
+  view = box[cut]
+  path = str(tmp_path / "0.0")
+  crc = rawwrite._write_file(path, view, False)  # pylint: disable=protected-access
+  want = np.ascontiguousarray(view).tobytes()
+  with open(path, "rb") as f:
+    assert f.read() == want
+  assert crc == crc32c.crc32c(want)
