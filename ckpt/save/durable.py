@@ -32,6 +32,11 @@ after a power loss is the one the driver's own fsyncs gave: no step is
 renamed into place before all of its files and directory entries are on
 disk, and nothing of an attempt that was not renamed is ever read.
 
+A box of raw zarr v2 chunks is written by ckpt itself
+(ckpt/save/rawwrite.py, ``Syncer.write_raw``) on the Syncer's threads:
+each chunk file written, summed and fsynced on one thread, and not queued
+again by ``written``.
+
 Format "ocdbt" keeps the driver's sync (its database files are named by its
 own manifest, not by the plan). ``DEFER_SYNC = False`` restores the
 driver's per-write sync for every format.
@@ -45,6 +50,7 @@ from typing import Any
 
 from ckpt.format import pack_index
 from ckpt.format import tsspec
+from ckpt.save import rawwrite
 from ckpt.shards import plan as plan_lib
 from ckpt.store.limiter import ByteLimiter
 
@@ -134,6 +140,7 @@ class Syncer:
         _THREADS, thread_name_prefix="ckpt-fsync")
     self._futures: list[concurrent.futures.Future] = []
     self._queued: set[str] = set()
+    self._raw: dict[int, rawwrite.RawChunks | None] = {}  # leaf -> its files
     # For write_owned: an array write starts once its bytes fit (WINDOW_BYTES).
     self.window = ByteLimiter(WINDOW_BYTES)
 
@@ -154,6 +161,25 @@ class Syncer:
         out.append(self._pool.submit(_fsync, p, self._drop))
     self._futures.extend(out)
     return out
+
+  def write_raw(self, w: plan_lib.Write, data: Any
+                ) -> concurrent.futures.Future | None:
+    """Starts writing box ``w`` (``data``: its bytes in the stored dtype)
+    as raw chunk files, each fsynced once on the thread that wrote it
+    (ckpt/save/rawwrite.py), on this Syncer's threads; returns the future
+    of its [(chunk box, crc32c)], or None where the box is not raw chunks
+    (TensorStore writes it, and ``written`` queues its fsyncs)."""
+    raw = self._raw.get(w.leaf, False)
+    if raw is False:
+      lp = self._plan.leaves[w.leaf]
+      raw = self._raw[w.leaf] = (
+          None if lp.layout is None or lp.packed else rawwrite.RawChunks.of(
+              self._plan.options.storage_format, self._work, lp.entry))
+    parts = raw and raw.parts(w.box)
+    if not parts:
+      return None
+    self._queued.update(map(raw.path, parts))  # synced there: not again
+    return self._pool.submit(raw.write, parts, w.box, data, self._drop)
 
   def written(self, w: plan_lib.Write) -> list[concurrent.futures.Future]:
     """Write ``w`` is done: its chunk files are queued for their fsync;

@@ -295,7 +295,7 @@ async def _write_boxes(attempt: Attempt, job: SaveJob, kvstore) -> list:
     sums = await save_lib.write_owned(
         plan, kvstore, job.context, ByteLimiter(job.budget), stats,
         job.on_staged, reuse, syncer and syncer.written,
-        syncer and syncer.window)
+        syncer and syncer.window, syncer and syncer.write_raw)
     if syncer is not None:  # durable before the "written" barrier
       await asyncio.to_thread(syncer.finish)
     if reuse is not None:  # and still, now that every link is made?

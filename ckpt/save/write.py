@@ -141,7 +141,9 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
                       on_staged: Callable[[], None],
                       reuse: Any = None,
                       on_written: Callable[[plan_lib.Write], Any] | None = None,
-                      window: ByteLimiter | None = None) -> list[list]:
+                      window: ByteLimiter | None = None,
+                      raw: Callable[[plan_lib.Write, Any], Any] | None = None
+                      ) -> list[list]:
   """Stages 3 and 4 for this process's boxes (``OwnedWrites``).
 
   ``on_written(w)`` (on the event loop) once the array write ``w`` is done
@@ -155,7 +157,9 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   unchanged chunks are linked from the previous step, not written.
 
   With ``plan.borrow`` (the caller waits for the whole save) boxes are
-  written straight from its arrays, with no staging copy.
+  written straight from its arrays, with no staging copy. ``raw(w, data)``
+  (durable.Syncer.write_raw) writes a box of raw chunks itself, crc32c and
+  fsync included, and returns its future, or None: TensorStore writes it.
 
   Returns ``[leaf, start, stop, crc32c]`` for every box written with
   format "zarr" (zarr v2 has no checksum codec; finalize writes them to this
@@ -164,7 +168,7 @@ async def write_owned(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   "ocdbt", whose chunks carry their own crc32c (tsspec.default_checksum).
   """
   writes = OwnedWrites(plan, step_kvstore, context, limiter, stats, reuse,
-                       on_written, window)
+                       on_written, window, raw)
   return await writes.run(on_staged)
 
 
@@ -186,8 +190,9 @@ class OwnedWrites:
   def __init__(self, plan: SavePlan, step_kvstore: dict, context: ts.Context,
                limiter: ByteLimiter, stats: SaveStats, reuse: Any = None,
                on_written: Callable[[plan_lib.Write], Any] | None = None,
-               window: ByteLimiter | None = None):
+               window: ByteLimiter | None = None, raw: Any = None):
     self.plan = plan
+    self.raw = raw  # writes raw chunk boxes (write_owned)
     self.step_kvstore = step_kvstore
     self.context = context
     self.limiter = limiter
@@ -369,6 +374,12 @@ class OwnedWrites:
                                                   data, self.take_sums)
         self._add_sums(w, crcs)
         return linked
+      job = self.raw and txn is None and self.raw(w, data)
+      if job:  # raw chunk files: summed, written and synced on one thread
+        crcs = await asyncio.wrap_future(job)
+        if self.take_sums:
+          self._add_sums(w, crcs)
+        return 0
       # ``data`` never changes from here on (a view of an immutable
       # jax.Array, or ckpt's own copy), so TensorStore may keep a reference
       # to it instead of copying it into its chunk cache.

@@ -16,6 +16,7 @@ import pytest
 
 import ckpt
 from ckpt.save import durable
+from ckpt.save import rawwrite
 from tests.conftest import named, random_array, record_fsync_and_rename, sharded
 
 
@@ -175,6 +176,20 @@ def test_unsynced_bytes_stay_within_the_window(
         synced.add(path)
 
   monkeypatch.setattr(durable, "_fsync", counting)
+  real_sync = rawwrite.sync  # raw chunk files: fsynced where written
+
+  def counting_raw(fd):
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    with lock:
+      unsynced = _data_files(str(tmp_path)) - synced
+      most[0] = max(most[0], len(unsynced))
+    try:
+      return real_sync(fd)
+    finally:
+      with lock:
+        synced.add(path)
+
+  monkeypatch.setattr(rawwrite, "sync", counting_raw)
   state = {f"leaf{i}": random_array(rng, (256, 1024)) for i in range(24)}
   with ckpt.Checkpointer(tmp_path, async_save=async_save) as c:
     c.save(1, state)
