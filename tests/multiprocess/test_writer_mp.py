@@ -50,19 +50,45 @@ def test_writer_process_jobs_save_and_restore(tmp_path, processes):
                       processes, 2, result=Roundtrip)
   for r in out:
     assert r.steps == [1, 2] and r.exact and r.writers == 1, r
-    assert r.segments == [], r
+    assert r.segments == [] and r.remeshed, r
   assert bit_exact(tmp_path / "c", 2, 2)
 
 
+@pytest.mark.parametrize("fmt", ["ocdbt", "zarr3"])
+def test_writer_process_jobs_write_ocdbt_and_packs(tmp_path, fmt):
+  """2 processes, small leaves packed by every process and, with "ocdbt",
+  each writer writing its own database, merged by process 0's writer:
+  bit-exact onto the same shardings and onto another mesh."""
+  out = launch.launch(WORKER, {"scenario": "roundtrip", "format": fmt,
+                               "small": True, "dir": str(tmp_path / "c"),
+                               "mib": 2}, 2, 2, result=Roundtrip)
+  for r in out:
+    assert r.steps == [1, 2] and r.exact and r.remeshed, r
+    assert r.segments == [], r
+  step = tmp_path / "c" / "checkpoint_2"
+  assert sorted(n for n in os.listdir(step / ".packs")
+                if n.endswith(".msgpack")) == ["0.msgpack", "1.msgpack"]
+  if fmt == "ocdbt":
+    names = os.listdir(step)
+    assert {"manifest.ocdbt", "ocdbt.process_0", "ocdbt.process_1"} <= set(
+        names), names
+  assert bit_exact(tmp_path / "c", 2, 2)
+  got = ckpt.load(str(tmp_path / "c"), 2)
+  for i in range(6):
+    assert np.asarray(got[f"s{i}"]).tobytes() == (
+        writer_worker.small_truth(i).tobytes())
+
+
 def held(tmp_path, processes: int, mib: int, step: int = 5,
-         bound_s: float = 60):
+         bound_s: float = 60, fmt: str = "zarr"):
   """A job whose every trainer returned from save() and stopped its writer;
   (cluster, the per-process info)."""
   events = tmp_path / "events"
   events.mkdir(exist_ok=True)
   cluster = local_cluster.start(
       WORKER, {"scenario": "hold", "dir": str(tmp_path / "c"), "mib": mib,
-               "step": step, "events": str(events), "bound_s": bound_s},
+               "step": step, "events": str(events), "bound_s": bound_s,
+               "format": fmt},
       num_processes=processes, devices_per_process=2, cwd=REPO)
   paths = [events / f"p{p}.json" for p in range(processes)]
   cluster.wait_for_files(paths, 240)
@@ -87,10 +113,11 @@ def no_segments(info: list[dict]) -> bool:
               for i in info if n.startswith(f"ckpt-{i['trainer']}-")]
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes,fmt", [(2, "zarr"), (4, "zarr"),
+                                           (2, "ocdbt")])
 def test_every_trainer_killed_after_save_returned_the_step_commits(
-    tmp_path, processes):
-  cluster, info = held(tmp_path, processes, mib=16)
+    tmp_path, processes, fmt):
+  cluster, info = held(tmp_path, processes, mib=16, fmt=fmt)
   writers = [w for i in info for w in i["writers"]]
   assert len(writers) == processes
   for p in range(processes):
@@ -107,7 +134,8 @@ def test_every_trainer_killed_after_save_returned_the_step_commits(
   assert no_segments(info)
   # A restarted job finds the step the dead job committed.
   out = launch.launch(WORKER, {"scenario": "after", "dir": str(tmp_path / "c"),
-                               "step": 6}, processes, 2, result=After)
+                               "step": 6, "format": fmt}, processes, 2,
+                      result=After)
   assert all(r.steps == [5, 6] for r in out), out
 
 
