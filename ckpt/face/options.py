@@ -92,10 +92,6 @@ class Options:
     if self.writer not in ("thread", "process"):
       raise ValueError(f"writer must be 'thread' or 'process', got "
                        f"{self.writer!r}")
-    if self.writer == "process":
-      if self.reuse_unchanged:
-        raise ValueError("writer='process' does not link unchanged chunks "
-                         "yet: pass reuse_unchanged=False")
     return self.writer
 
   def settings(self) -> Settings:

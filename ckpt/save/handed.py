@@ -35,6 +35,7 @@ from ckpt.save import handover
 from ckpt.save import pack as pack_lib
 from ckpt.save import staging
 from ckpt.save import writer_client
+from ckpt.save import writer_reuse
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import ocdbt
 from ckpt.store.limiter import ByteLimiter
@@ -188,6 +189,11 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
           step=attempt.step, token=attempt.token, work_dir=attempt.work_dir,
           arrays=_arrays(plan, kvstore, pid, count), process=pid,
           storage_format=plan.options.storage_format,
+          reuse_copies=job.reuse_copies,
+          reuse_leaves=(writer_reuse.leaves_message(plan)
+                        if job.reuse_copies else None),
+          reuse_checksum=plan.options.codec.resolved_checksum(
+              plan.options.storage_format),
           take_sums=plan.options.codec.resolved_checksum(
               plan.options.storage_format) == "none",
           host_files=[{"process": p, "data": d}
@@ -213,6 +219,8 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
       await _stop(handing, attempt.timeout_s)
       raise
     stats.bytes_written = got["bytes_written"]
+    stats.bytes_reused = got["bytes_reused"]
+    stats.chunks_reused = got["chunks_reused"]
     stats.boxes_written += boxes
     stats.peak_bytes_in_flight = limiter.peak_in_use
     return bool(got["committed"])

@@ -172,6 +172,9 @@ class SaveJob:
   # writer="process": this host's writer process writes (ckpt/save/handed.py)
   writer: Any = None
   storage_options: dict | None = None
+  # reuse_unchanged=True with the writer process: the copies its writer
+  # keeps (ckpt/save/writer_reuse.py); 0: off
+  reuse_copies: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

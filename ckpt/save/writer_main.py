@@ -43,6 +43,7 @@ from ckpt.format import index as index_lib
 from ckpt.format import seal
 from ckpt.save import handover
 from ckpt.save import writer_packs
+from ckpt.save import writer_reuse
 from ckpt.save.write import chunk_sums
 from ckpt.shards import plan as plan_lib
 from ckpt.store import deadline as deadline_lib
@@ -55,7 +56,8 @@ WRITE_THREADS = 8
 class Save:
   """One save handed over by the trainer (see the module docstring)."""
 
-  def __init__(self, begin: dict, channel: handover.Channel):
+  def __init__(self, begin: dict, channel: handover.Channel,
+               reuser: writer_reuse.WriterReuser):
     self.msg = begin
     self.channel = channel
     self.job = begin["job"]
@@ -84,6 +86,10 @@ class Save:
     self.recorded = False  # its record (through_storage) is written
     self.stop_event = threading.Event()  # cancel: no commit, no more waits
     self.renewal = None
+    # reuse_unchanged=True: linked as the thread links (writer_reuse.py)
+    self.reuser, self.reuse = reuser, None
+    self.reuse_loop = (writer_reuse.LoopThread() if begin.get("reuse_copies")
+                       else None)
     if self.process == 0:  # process 0's writer holds the lease from now on
       self.renewal = through_storage.hold_lease(
           self.storage, self.step, self.token, begin["lease_s"])
@@ -95,6 +101,10 @@ class Save:
   # ---- the boxes -------------------------------------------------------
 
   def _open_arrays(self) -> dict[int, ts.TensorStore]:
+    if self.reuse_loop is not None:  # before the first link
+      self.reuse = self.reuser.begin(self.storage, self.msg)
+      if self.reuse is not None:
+        self.reuse.check_source()
     out = {}
     # OCDBT: the metadata in one transaction, one commit (as write.py).
     txn = ts.Transaction() if self.msg["storage_format"] == "ocdbt" else None
@@ -138,10 +148,16 @@ class Save:
         data = seg.array(m["shape"], m["dtype"])
         box = plan_lib.Box(tuple(m["start"]), tuple(m["stop"]))
         store = self.opening.result()[m["array"]]
+        linked = 0
         try:
-          deadline_lib.result(store[box.slices()].write(data))
-          crcs = (chunk_sums(box, tuple(m["chunks"]), data)
-                  if self.take_sums else [])
+          if self.reuse is not None:
+            crcs, linked = self.reuse_loop.run(self.reuse.write_box(
+                store, m["array"], box, tuple(m["chunks"]), data,
+                self.take_sums))
+          else:
+            deadline_lib.result(store[box.slices()].write(data))
+            crcs = (chunk_sums(box, tuple(m["chunks"]), data)
+                    if self.take_sums else [])
         except Exception as e:
           raise CheckpointError(
               f"leaf {m['leaf']!r}: writing {box.start}..{box.stop} failed: "
@@ -152,7 +168,7 @@ class Save:
       with self.lock:
         self.sums.extend([m["leaf_id"], list(b.start), list(b.stop), crc]
                          for b, crc in crcs)
-        self.bytes_written += m["nbytes"]
+        self.bytes_written += m["nbytes"] - linked
     except BaseException as e:  # pylint: disable=broad-except
       failed = True
       with self.lock:
@@ -186,8 +202,12 @@ class Save:
           files=self.files, tiling=m["tiling"]))
       self.recorded = True
       committed = self._commit(m)
+      self.reuser.committed(self.reuse)  # the next save compares with it
+      reuse = self.reuse
       self._tell("done", bytes_written=self.bytes_written,
-                 committed=committed)
+                 committed=committed,
+                 bytes_reused=reuse.bytes_reused if reuse else 0,
+                 chunks_reused=reuse.chunks_reused if reuse else 0)
     except BaseException as e:  # pylint: disable=broad-except
       logging.warning("ckpt writer process: the save of step %d failed: "
                       "%s: %s", self.step, type(e).__name__, e)
@@ -203,6 +223,10 @@ class Save:
     if self.error is not None:
       raise self.error
     self.packs.finish()
+    if self.reuse is not None:  # still ours, now that every link is made?
+      self.reuse.check_source()
+      self._write_file(index_lib.REUSE_DIR, self.reuse.record_file(
+          self.process, self.bytes_written))
     if self.take_sums:
       self._write_file(index_lib.CHECKSUMS_DIR, msgpack.packb(
           {"process": self.process, "boxes": self.sums}, use_bin_type=True))
@@ -321,11 +345,14 @@ class Save:
       self.renewal.stop()
       self.renewal = None
     self.pool.shutdown(wait=False)
+    if self.reuse_loop is not None:
+      self.reuse_loop.close()
 
 
 def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
   """Reads the trainer's messages until it says ``exit`` or is gone."""
   save: Save | None = None
+  reuser = writer_reuse.WriterReuser()  # across saves: what they stored
   # What trainers and writers that both died left (not this trainer's: it
   # may have died with segments this writer has still to read).
   handover.sweep(spare=trainer)
@@ -340,7 +367,7 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
         break
       if kind == "begin":
         try:
-          save = Save(m, channel)
+          save = Save(m, channel, reuser)
         except BaseException as e:  # pylint: disable=broad-except
           save = None
           channel.send("failed", job=m["job"], **handover.error_message(e))

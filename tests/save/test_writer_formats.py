@@ -133,3 +133,85 @@ def test_writer_process_refuses_what_cannot_cross_processes(make_ckptr,
                                                            memory_url):
   with pytest.raises(ValueError, match="memory:// lives inside one process"):
     make_ckptr(memory_url, writer="process")
+  with pytest.raises(ValueError, match="memory:// lives inside one process"):
+    make_ckptr(memory_url, writer="process", reuse_unchanged=True)
+
+
+CHUNK = 64 << 10
+
+
+def chunk_files(step_dir, leaf: str) -> dict[str, os.stat_result]:
+  base = step_dir / leaf
+  return {str(p.relative_to(base)): p.stat() for p in base.rglob("*")
+          if p.is_file() and not p.name.startswith((".z", "zarr.json"))}
+
+
+def reuse_state(step: int, frozen: np.ndarray) -> dict:
+  m = mesh((4,), ("x",))
+  train = np.random.default_rng(step).standard_normal((256, 256),
+                                                       dtype=np.float32)
+  return {"frozen": sharded(frozen, named(m, "x")),
+          "train": sharded(train, named(m, "x")), "small": np.arange(7.0)}
+
+
+@pytest.mark.parametrize("fmt", ["zarr", "zarr3"])
+def test_process_writer_links_unchanged_chunks_as_the_thread_does(
+    make_ckptr, tmp_path, fmt):
+  """reuse_unchanged=True: the writer process links the same chunks as the
+  thread (the same bytes written and reused per step); a linked-from
+  chunk file rewritten behind ckpt's back (its stat changed) is found not
+  what was stored and written again, not linked; a new writer (a new
+  Checkpointer) links from the steps' records."""
+  frozen = np.random.default_rng(99).standard_normal((512, 256),
+                                                      dtype=np.float32)
+  got = {}
+  for writer in ("thread", "process"):
+    root = tmp_path / writer
+    ckptr = make_ckptr(str(root), writer=writer, format=fmt,
+                       reuse_unchanged=True, chunk_bytes=CHUNK)
+    stats = []
+    for step in range(3):
+      ckptr.save(step, reuse_state(step, frozen))
+      ckptr.wait_until_finished()
+      stats.append(ckptr.last_save_stats)
+    got[writer] = [(s.bytes_written, s.bytes_reused, s.chunks_reused)
+                   for s in stats]
+    # Step 2 linked step 0's frozen chunks (step 1 is the second copy).
+    zero = chunk_files(root / "checkpoint_0", "frozen")
+    two = chunk_files(root / "checkpoint_2", "frozen")
+    assert len(two) == frozen.nbytes // CHUNK
+    assert all(st.st_ino == zero[n].st_ino for n, st in two.items()), writer
+    # A chunk of step 1 rewritten in place (another mtime): step 3 does
+    # not link it (its stat differs, its bytes are read again and differ).
+    name = sorted(chunk_files(root / "checkpoint_1", "frozen"))[0]
+    path = root / "checkpoint_1" / "frozen" / name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    with open(path, "r+b") as f:
+      f.write(data)
+    ckptr.save(3, reuse_state(3, frozen))
+    ckptr.wait_until_finished()
+    three = chunk_files(root / "checkpoint_3", "frozen")
+    one = chunk_files(root / "checkpoint_1", "frozen")
+    assert three[name].st_ino != one[name].st_ino, writer
+    assert all(st.st_ino == one[n].st_ino for n, st in three.items()
+               if n != name), writer
+    s = ckptr.last_save_stats
+    got[writer].append((s.bytes_written, s.bytes_reused, s.chunks_reused))
+    for step in (2, 3):
+      same(ckptr.restore(step), reuse_state(step, frozen))
+    ckptr.close()
+    # A new Checkpointer (a new writer): step 4 links from step 2's
+    # records (keep two copies: the step before the newest).
+    ckptr = make_ckptr(str(root), writer=writer, format=fmt,
+                       reuse_unchanged=True, chunk_bytes=CHUNK)
+    ckptr.save(4, reuse_state(4, frozen))
+    ckptr.wait_until_finished()
+    s = ckptr.last_save_stats
+    got[writer].append((s.bytes_written, s.bytes_reused, s.chunks_reused))
+    same(ckptr.restore(4), reuse_state(4, frozen))
+    ckptr.close()
+  assert got["process"] == got["thread"], got
+  assert got["thread"][2][1] == frozen.nbytes  # step 2: the frozen leaf
+  assert got["thread"][3][1] == frozen.nbytes - CHUNK  # but the damaged one
+  assert got["thread"][4][1] > 0
