@@ -79,6 +79,19 @@ def test_writer_process_jobs_write_ocdbt_and_packs(tmp_path, fmt):
         writer_worker.small_truth(i).tobytes())
 
 
+def test_writer_process_jobs_link_unchanged_chunks(tmp_path):
+  """reuse_unchanged=True on 2 processes: each writer links its share of
+  the frozen leaf from the step before the newest (none at steps 0 and 1:
+  the second copy), and a new job's writers from the steps' records of
+  their own process."""
+  out = launch.launch(WORKER, {"scenario": "reuse", "dir": str(tmp_path / "c")},
+                      2, 2, result=writer_worker.Reused)
+  share = (1 << 20) // 2  # this process's half of the 1 MiB frozen leaf
+  for r in out:
+    assert r.exact, r
+    assert r.reused == [0, 0, share, share], r
+
+
 def held(tmp_path, processes: int, mib: int, step: int = 5,
          bound_s: float = 60, fmt: str = "zarr"):
   """A job whose every trainer returned from save() and stopped its writer;

@@ -17,6 +17,9 @@ Scenarios (``config["scenario"]``):
   ``config["format"]``, default "zarr"); once ``save()``
   returned, stops its writer (SIGSTOP: the test lets it go on), writes
   ``<events>/p<process>.json`` (its writer's pid), and waits to be killed.
+- ``reuse``: ``reuse_unchanged=True``: saves steps 0..2, then step 3 with
+  a new Checkpointer (a new writer), a frozen leaf beside a changing one;
+  the bytes each save reused, and whether each step restored bit-exact.
 - ``after``: a restarted job: its first save (``config["step"]``) commits,
   and the steps committed before are still there (returned).
 """
@@ -169,6 +172,47 @@ def hold(conf: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reused:
+  process: int
+  reused: list[int]  # bytes_reused of each save (steps 0..3)
+  exact: bool
+
+
+def reuse(conf: dict) -> Reused:
+  """reuse_unchanged=True: steps 0..2 by one Checkpointer, step 3 by a new
+  one (a new writer, from the records); a frozen leaf and a changing one."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+
+  def at(step: int) -> dict:
+    out = state(1)  # "big" and "small": 1 MiB each, frozen
+    out["train"] = out.pop("small")
+    out["train"] = jax.numpy.asarray(out["train"]) + step
+    return out
+
+  reused, exact = [], True
+  for steps in ((0, 1, 2), (3,)):
+    with ckpt.Checkpointer(conf["dir"], writer="process",
+                           reuse_unchanged=True, chunk_bytes=64 << 10,
+                           barrier_timeout_s=60) as ckptr:
+      for step in steps:
+        ckptr.save(step, at(step))
+        ckptr.wait_until_finished()
+        reused.append(ckptr.last_save_stats.bytes_reused)
+        got = ckptr.restore(step, target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                           sharding=x.sharding)
+            if isinstance(x, jax.Array) else x, at(step)))
+        want = at(step)
+        exact &= all(
+            np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+            for name in ("big", "train")
+            for a, b in zip(got[name].addressable_shards,
+                            want[name].addressable_shards))
+  return Reused(jax.process_index(), reused, exact)
+
+
+@dataclasses.dataclass(frozen=True)
 class After:
   process: int
   steps: list[int]
@@ -186,4 +230,5 @@ def after(conf: dict) -> After:
 
 
 if __name__ == "__main__":
-  worker.main({"roundtrip": roundtrip, "hold": hold, "after": after})
+  worker.main({"roundtrip": roundtrip, "hold": hold, "after": after,
+               "reuse": reuse})
