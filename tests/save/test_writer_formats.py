@@ -215,3 +215,20 @@ def test_process_writer_links_unchanged_chunks_as_the_thread_does(
   assert got["thread"][2][1] == frozen.nbytes  # step 2: the frozen leaf
   assert got["thread"][3][1] == frozen.nbytes - CHUNK  # but the damaged one
   assert got["thread"][4][1] > 0
+
+
+def test_progress_counts_the_bytes_the_writer_wrote(make_ckptr, rng):
+  """progress= (and last_save_stats.bytes_written, which it reports) grows
+  as the writer process writes, as with the thread: a state four times the
+  budget cannot be staged before the writer freed three quarters of it, so
+  those bytes are counted once save() returned."""
+  ckptr = make_ckptr(writer="process", concurrent_bytes=1 << 20,
+                     chunk_bytes=256 << 10)
+  s = {f"x{i}": random_array(rng, (256, 1024)) for i in range(4)}  # 4 MiB
+  seen = []
+  ckptr.save(1, s, progress=lambda done, total: seen.append((done, total)))
+  assert ckptr.last_save_stats.bytes_written >= 3 << 20
+  ckptr.wait_until_finished()
+  assert ckptr.last_save_stats.bytes_written == 4 << 20
+  assert seen[-1] == (4 << 20, 4 << 20)
+  assert all(a[0] <= b[0] for a, b in zip(seen, seen[1:])), seen
