@@ -54,24 +54,30 @@ def test_writer_process_jobs_save_and_restore(tmp_path, processes):
   assert bit_exact(tmp_path / "c", 2, 2)
 
 
-@pytest.mark.parametrize("fmt", ["ocdbt", "zarr3"])
-def test_writer_process_jobs_write_ocdbt_and_packs(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,groups", [("ocdbt", 1), ("ocdbt", 2),
+                                        ("zarr3", 0)])
+def test_writer_process_jobs_write_ocdbt_and_packs(tmp_path, fmt, groups):
   """2 processes, small leaves packed by every process and, with "ocdbt",
-  each writer writing its own database, merged by process 0's writer:
-  bit-exact onto the same shardings and onto another mesh."""
+  each writer writing its own database (of each merge group), merged by
+  process 0's writer: bit-exact onto the same shardings and onto another
+  mesh."""
   out = launch.launch(WORKER, {"scenario": "roundtrip", "format": fmt,
                                "small": True, "dir": str(tmp_path / "c"),
-                               "mib": 2}, 2, 2, result=Roundtrip)
+                               "mib": 2,
+                               "keys_per_merge": 8 if groups == 2 else 0},
+                      2, 2, result=Roundtrip)
   for r in out:
     assert r.steps == [1, 2] and r.exact and r.remeshed, r
     assert r.segments == [], r
   step = tmp_path / "c" / "checkpoint_2"
   assert sorted(n for n in os.listdir(step / ".packs")
                 if n.endswith(".msgpack")) == ["0.msgpack", "1.msgpack"]
-  if fmt == "ocdbt":
-    names = os.listdir(step)
+  names = os.listdir(step)
+  if groups == 1:
     assert {"manifest.ocdbt", "ocdbt.process_0", "ocdbt.process_1"} <= set(
         names), names
+  for g in range(groups if groups > 1 else 0):
+    assert "manifest.ocdbt" in os.listdir(step / f"ocdbt.group_{g}"), names
   assert bit_exact(tmp_path / "c", 2, 2)
   got = ckpt.load(str(tmp_path / "c"), 2)
   for i in range(6):

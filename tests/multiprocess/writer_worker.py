@@ -9,7 +9,8 @@ Scenarios (``config["scenario"]``):
 
 - ``roundtrip``: saves steps 1 and 2 with ``writer="process"`` (in
   ``config["format"]``, default "zarr"; with small leaves, which are
-  packed, when ``config["small"]``), waits, restores step 2 onto the same
+  packed, when ``config["small"]``; format "ocdbt" in merge groups with
+  ``config["keys_per_merge"]``), waits, restores step 2 onto the same
   shardings and onto another mesh (the devices reversed, the large leaf
   split along its other axis) and checks every addressable shard; no
   shared memory of this process is left.
@@ -105,6 +106,9 @@ class Roundtrip:
 def roundtrip(conf: dict) -> Roundtrip:
   import jax  # pylint: disable=import-outside-toplevel
   import ckpt  # pylint: disable=import-outside-toplevel
+  if conf.get("keys_per_merge"):  # a tiny one stands in for a large step
+    from ckpt.store import ocdbt  # pylint: disable=import-outside-toplevel
+    ocdbt.KEYS_PER_MERGE = conf["keys_per_merge"]
   s = state(conf["mib"])
   if conf.get("small"):
     s.update(small_state())
