@@ -372,7 +372,7 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
           save = None
           channel.send("failed", job=m["job"], **handover.error_message(e))
       elif save is None:
-        if kind in ("box", "pack"):  # a save that could not begin: its memory goes
+        if kind in ("box", "pack"):  # a save that could not begin: freed
           handover.unlink(m["shm"])
           channel.send("freed", job=m["job"], grant=m["grant"], failed=True)
         elif kind == "cancel":

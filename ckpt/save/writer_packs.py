@@ -1,4 +1,4 @@
-"""The packs of small leaves, written by the writer process (``writer="process"``).
+"""Packs of small leaves, written by the writer process (writer="process").
 
 The trainer (ckpt/save/handed.py) cuts its boxes of small leaves into the
 packs the thread writer makes (ckpt/save/pack.py: the same packs, in the

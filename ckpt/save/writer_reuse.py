@@ -1,4 +1,4 @@
-"""``reuse_unchanged=True`` in the writer process (``writer="process"``, a disk).
+"""reuse_unchanged=True in the writer process (writer="process", a disk).
 
 The writer process links unchanged chunks exactly as the thread writer
 does: with the same ``Reuser`` and ``SaveReuse`` (ckpt/save/reuse.py),
