@@ -92,13 +92,6 @@ class Options:
     if self.writer not in ("thread", "process"):
       raise ValueError(f"writer must be 'thread' or 'process', got "
                        f"{self.writer!r}")
-    if self.writer == "process":
-      if self.format == "ocdbt":
-        raise ValueError("writer='process' writes formats 'zarr' and "
-                         "'zarr3'; got format='ocdbt'")
-      if self.reuse_unchanged:
-        raise ValueError("writer='process' does not link unchanged chunks "
-                         "yet: pass reuse_unchanged=False")
     return self.writer
 
   def settings(self) -> Settings:
@@ -129,7 +122,7 @@ class Options:
             codec=tsspec.Codec(self.compression, checksum=tsspec.chunk_checksum(
                 self.format, self.chunk_checksums)),
             chunk_bytes=int(self.chunk_bytes), save_dtype=self.save_dtype,
-            max_item_bytes=concurrent, pack=self.writer == "thread"),
+            max_item_bytes=concurrent),
         concurrent_bytes=concurrent, async_save=self.async_save,
         partitioner=self.partitioner, lease_s=float(self.lease_s),
         clock=clock, writer=self._writer(),

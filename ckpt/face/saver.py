@@ -100,6 +100,13 @@ class Saver:
       if storage.spec.get("driver") == "memory":
         raise ValueError(f"writer='process' cannot write to {storage.url!r}: "
                          "memory:// lives inside one process")
+      if reuser.enabled and not storage.is_posix:
+        raise ValueError(
+            f"writer='process' with reuse_unchanged=True cannot save to "
+            f"{storage.url!r}: on a bucket unchanged leaves are held by an "
+            "earlier step once the processes agree on them in a round "
+            "through jax.distributed, which writer processes do not join; "
+            "use writer='thread' there, or reuse_unchanged=False")
       self._writer = writer_client.WriterProcess()
 
   def close(self) -> None:
@@ -263,13 +270,16 @@ class Saver:
             asyncio.to_thread(self.remove_abandoned, attempt.work_dir,
                               lambda: not ended.is_set()))
       try:
-        reuse = None if not self._reuser.enabled else await asyncio.to_thread(
-            self._reuser.begin, plan, attempt.step, attempt.token,
-            attempt.work_dir)  # its first reads the steps' records
+        # (writer="process": its writer links; ckpt/save/writer_reuse.py)
+        reuse = None if not self._reuser.enabled or self._writer else (
+            await asyncio.to_thread(
+                self._reuser.begin, plan, attempt.step, attempt.token,
+                attempt.work_dir))  # its first reads the steps' records
         await finalize.run_save(attempt, finalize.SaveJob(
             plan, self.storage, self._context, self.settings.concurrent_bytes,
             host_files, stats, lambda: (staged.set(), on_staged()), reuse,
-            self._writer, self.settings.storage_options),
+            self._writer, self.settings.storage_options,
+            self._reuser.copies if self._reuser.enabled else 0),
             finalize.IndexFacts(
                 metrics, self.settings.clock, custom, temporary))
       except BaseException as e:

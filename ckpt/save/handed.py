@@ -32,9 +32,12 @@ from ckpt.format import tree
 from ckpt.format import tsspec
 from ckpt.multihost import process as multihost
 from ckpt.save import handover
+from ckpt.save import pack as pack_lib
 from ckpt.save import staging
 from ckpt.save import writer_client
+from ckpt.save import writer_reuse
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import ocdbt
 from ckpt.store.limiter import ByteLimiter
 
 INLINE_WORK_BYTES = 256 << 10  # staged on the loop, not on a worker thread
@@ -44,8 +47,10 @@ class Handing:
   """One save being handed to the writer: its replies, on the loop."""
 
   def __init__(self, writer: writer_client.WriterProcess, step: int,
-               limiter: ByteLimiter):
+               limiter: ByteLimiter, stats: Any):
     self.writer, self.step, self.limiter = writer, step, limiter
+    self.stats = stats  # bytes_written grows as the writer frees boxes
+    self.sizes: dict[int, int] = {}  # a box's (pack's) data bytes
     self.loop = asyncio.get_running_loop()
     self.result: asyncio.Future = self.loop.create_future()
     self.cancelled: asyncio.Future = self.loop.create_future()
@@ -78,6 +83,9 @@ class Handing:
       grant = self.grants.pop(m["grant"], None)
       if grant is not None:
         self.limiter.release(grant)
+      nbytes = self.sizes.pop(m["grant"], 0)
+      if not m["failed"]:  # progress=, as the thread reports it
+        self.stats.bytes_written += nbytes
       self.failed |= bool(m["failed"])
     elif kind == "done" and not self.result.done():
       self.result.set_result(m)
@@ -91,11 +99,13 @@ class Handing:
       raise CheckpointError(self.gone)
     self.writer.send(kind, job=self.job, **fields)
 
-  def hand(self, grant: int, fields: dict) -> None:
+  def hand(self, grant: int, fields: dict, nbytes: int,
+           kind: str = "box") -> None:
     gid = next(self.ids)
     self.grants[gid] = grant
+    self.sizes[gid] = nbytes
     try:
-      self.send("box", grant=gid, **fields)
+      self.send(kind, grant=gid, **fields)
     except BaseException:
       self.grants.pop(gid, None)
       self.limiter.release(grant)
@@ -111,7 +121,13 @@ class Handing:
 
 def _arrays(plan: Any, kvstore: dict, pid: int, count: int) -> list[dict]:
   """The arrays this process's writer creates (one process each, dealt
-  round-robin, as ckpt/save/write.py does) or opens (those it writes)."""
+  round-robin, as ckpt/save/write.py does) or opens (those it writes).
+  Format "ocdbt", as the thread writes it: into this process's own
+  database (of the array's merge group), every array created by process
+  0 (its database holds the metadata of all of them)."""
+  fmt = plan.options.storage_format
+  if fmt == "ocdbt":
+    count = 1
   arrays_in = [i for i, lp in enumerate(plan.leaves)
                if lp.layout is not None and not lp.packed]
   mine = {w.leaf for w in plan.writes}
@@ -120,9 +136,11 @@ def _arrays(plan: Any, kvstore: dict, pid: int, count: int) -> list[dict]:
     create = k % count == pid
     if create or i in mine:
       e = plan.leaves[i].entry
+      where = (ocdbt.process_database(kvstore, pid, e.ocdbt_group)
+               if fmt == "ocdbt" else kvstore)
       out.append({"id": i, "create": create, "spec": tsspec.array_spec(
-          plan.options.storage_format, kvstore, e.relpath, e.shape,
-          np.dtype(e.dtype), e.chunks, plan.options.codec)})
+          fmt, where, e.relpath, e.shape, np.dtype(e.dtype), e.chunks,
+          plan.options.codec)})
   return out
 
 
@@ -148,19 +166,19 @@ def _stage_into(leaf: Any, w: Any, piece: Any, name: str) -> None:
 
 
 async def write(attempt: Any, job: Any, index: Callable[[], bytes],
-                digests: Callable[[], tuple[list, list]]) -> bool:
+                digests: Callable[[], tuple[list, list]],
+                ocdbt_groups: int = 0) -> bool:
   """Stages, hands over and waits for the writer (see the module
   docstring). ``index()``: the index (process 0); ``digests()``: this
-  process's tiling digest and that of every array once. Returns once the
-  step is committed (True), or raises."""
+  process's tiling digest and that of every array once; ``ocdbt_groups``:
+  format "ocdbt", the step's merge groups (1: one database at its root),
+  which process 0's writer merges once every record is in. Returns once
+  the step is committed (True), or raises."""
   plan, stats, writer = job.plan, job.stats, job.writer
   pid, count = multihost.process_index(), multihost.process_count()
-  if any(lp.packed for lp in plan.leaves):
-    raise CheckpointError("writer='process' saves no packed leaves (its "
-                          "plan packs none); this plan has some")
   await asyncio.to_thread(writer.ensure_started)
   limiter = ByteLimiter(job.budget)
-  handing = Handing(writer, attempt.step, limiter)
+  handing = Handing(writer, attempt.step, limiter, stats)
   arrays = sum(lp.layout is not None for lp in plan.leaves)
   stats.array_leaves, stats.inline_leaves = arrays, len(plan.leaves) - arrays
   kvstore = job.storage.step_spec(attempt.work_dir)
@@ -170,6 +188,12 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
           "begin", url=job.storage.url, storage_options=job.storage_options,
           step=attempt.step, token=attempt.token, work_dir=attempt.work_dir,
           arrays=_arrays(plan, kvstore, pid, count), process=pid,
+          storage_format=plan.options.storage_format,
+          reuse_copies=job.reuse_copies,
+          reuse_leaves=(writer_reuse.leaves_message(plan)
+                        if job.reuse_copies else None),
+          reuse_checksum=plan.options.codec.resolved_checksum(
+              plan.options.storage_format),
           take_sums=plan.options.codec.resolved_checksum(
               plan.options.storage_format) == "none",
           host_files=[{"process": p, "data": d}
@@ -177,9 +201,12 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
           processes=count, lease_s=attempt.lease_s,
           save_timeout_s=(None if handing.deadline is None
                           else handing.deadline.bound_s))
-      boxes = await _stage_all(plan, handing, writer)
+      packed, others = pack_lib.split_writes(plan)
+      boxes = await _stage_packs(plan, packed, handing, writer)
+      boxes += await _stage_all(plan, others, handing, writer)
       mine, whole = digests()
       handing.send("finish", tiling=mine, bound_s=attempt.timeout_s,
+                   ocdbt_groups=ocdbt_groups,
                    index=index() if pid == 0 else None,
                    whole=whole if pid == 0 else None)
     finally:
@@ -191,7 +218,9 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
     except asyncio.CancelledError:
       await _stop(handing, attempt.timeout_s)
       raise
-    stats.bytes_written += got["bytes_written"]
+    stats.bytes_written = got["bytes_written"]
+    stats.bytes_reused = got["bytes_reused"]
+    stats.chunks_reused = got["chunks_reused"]
     stats.boxes_written += boxes
     stats.peak_bytes_in_flight = limiter.peak_in_use
     return bool(got["committed"])
@@ -207,11 +236,61 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
     handing.end()
 
 
-async def _stage_all(plan: Any, handing: Handing,
+async def _stage_packs(plan: Any, packed: list, handing: Handing,
+                       writer: writer_client.WriterProcess) -> int:
+  """This process's boxes of small leaves, cut into the packs the thread
+  writer makes (ckpt/save/pack.py: the same packs, offsets and alignment),
+  each joined straight into a shared-memory segment (its one copy) and
+  handed over; the writer takes each box's crc32c, writes the pack and,
+  at finish, the table. How many boxes."""
+  limiter, n = handing.limiter, 0
+  limit = max(pack_lib.ALIGN, min(pack_lib.MAX_PACK_OBJECT_BYTES,
+                                  limiter.budget))
+  shards = staging.ShardLookup()
+  for p in pack_lib.batches(plan, packed, limit):
+    if handing.failed:
+      break
+    grant = await limiter.acquire(p.total)
+    if handing.gone:
+      limiter.release(grant)
+      raise CheckpointError(handing.gone)
+    name = writer.segment_name()
+    try:
+      if p.recipes is None:
+        p.recipes = pack_lib.recipes(plan, p.writes, shards)
+      data = pack_lib.host_boxes(plan, p.writes, shards, p.recipes)
+      parts, offsets, sizes, offset = [], [], [], 0
+      for d in data:
+        flat = np.ascontiguousarray(d).reshape(-1).view(np.uint8)
+        parts.append(flat)
+        if flat.nbytes % pack_lib.ALIGN:
+          parts.append(np.zeros(pack_lib.ALIGN - flat.nbytes % pack_lib.ALIGN,
+                                np.uint8))
+        offsets.append(offset)
+        sizes.append(flat.nbytes)
+        offset += -(-flat.nbytes // pack_lib.ALIGN) * pack_lib.ALIGN
+      handover.write_segment(name, parts)
+      del data, parts
+    except BaseException:
+      limiter.release(grant)
+      raise
+    handing.hand(grant, {
+        "shm": name, "nbytes": offset, "k": p.k,
+        "leaves": [w.leaf for w in p.writes], "offsets": offsets,
+        "sizes": sizes, "boxes": [[list(w.box.start), list(w.box.stop)]
+                                  for w in p.writes],
+        "data_bytes": sum(w.nbytes for w in p.writes)},
+        sum(w.nbytes for w in p.writes), kind="pack")
+    n += len(p.writes)
+  return n
+
+
+async def _stage_all(plan: Any, writes: list, handing: Handing,
                      writer: writer_client.WriterProcess) -> int:
-  """Every owned box staged into shared memory and handed over; how many."""
+  """Every owned array box staged into shared memory and handed over; how
+  many."""
   n = 0
-  for w in plan.writes:
+  for w in writes:
     if w.box.size == 0:
       continue
     if handing.failed:
@@ -240,7 +319,7 @@ async def _stage_all(plan: Any, handing: Handing,
         "dtype": leaf.entry.dtype, "start": list(w.box.start),
         "stop": list(w.box.stop), "array": w.leaf, "leaf_id": w.leaf,
         "leaf": tree.path_str(leaf.parts),
-        "chunks": list(leaf.layout.chunks)})
+        "chunks": list(leaf.layout.chunks)}, w.nbytes)
     n += 1
   return n
 

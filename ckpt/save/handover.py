@@ -138,16 +138,18 @@ class Segment:
       pass
 
 
-def write_segment(name: str, data: memoryview) -> None:
-  """A new segment ``name`` holding ``data`` (bytes), written with write(2)."""
+def write_segment(name: str, data: memoryview | list[memoryview]) -> None:
+  """A new segment ``name`` holding ``data`` (bytes, or parts written one
+  after the other), written with write(2)."""
   if not _NAME.match(name):
     raise ValueError(f"not a ckpt shared-memory name: {name!r}")
   fd = os.open(os.path.join(SHM_DIR, name),
                os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
   try:
-    done = 0
-    while done < len(data):
-      done += os.write(fd, data[done:done + (256 << 20)])
+    for part in data if isinstance(data, list) else [data]:
+      part, done = memoryview(part).cast("B"), 0
+      while done < len(part):
+        done += os.write(fd, part[done:done + (256 << 20)])
   except BaseException:
     os.close(fd)
     unlink(name)

@@ -44,8 +44,6 @@ class SaveOptions:
   inline_max_bytes: int = INLINE_MAX_BYTES
   # The byte budget: chunks and write items are cut to fit in it.
   max_item_bytes: int = 1 << 30
-  # Small leaves go into packs (ckpt/save/pack.py); not with writer="process".
-  pack: bool = True
 
 
 @dataclasses.dataclass
@@ -221,7 +219,7 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       saved = _saved_sharding(x.sharding, len(x.shape))
     layout = plan_lib.leaf_layout(x.shape, stored.itemsize, where,
                                   min(options.chunk_bytes, options.max_item_bytes))
-    if options.pack and pack_lib.packable(
+    if pack_lib.packable(
         math.prod(layout.shape) * stored.itemsize):
       entry = pack_index.PackedEntry(
           path=parts, shape=layout.shape, dtype=dtype_name(stored),

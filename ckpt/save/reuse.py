@@ -472,18 +472,20 @@ class Reuser:
     self._before: Generation | None = None  # the one before it
     self._loaded = False  # from the checkpoint's records (a restart)
 
-  def begin(self, plan: Any, step: int, token: str,
-            work_dir: str) -> SaveReuse | None:
+  def begin(self, plan: Any, step: int, token: str, work_dir: str,
+            process: int | None = None,
+            count: int | None = None) -> SaveReuse | None:
     """Blocking: the reuse of the save of ``step`` into ``work_dir`` (None:
-    off). The first one of a Checkpointer starts from the records of the
-    newest committed steps (ckpt/save/reuse_records.py)."""
+    off). The first one starts from this process's records (``process`` of
+    ``count``; None: jax's) of the newest committed steps (reuse_records)."""
     if not self.enabled:
       return None
     if not self._loaded:
       self._loaded = True
       gens = reuse_records.load(
           self._storage, plan.options.storage_format, layout_of,
-          multihost.process_index(), multihost.process_count(), self.copies)
+          multihost.process_index() if process is None else process,
+          multihost.process_count() if count is None else count, self.copies)
       if gens and gens[-1] is not None:  # else nothing known of the newest
         self._last = gens[-1]
         self._before = gens[0] if len(gens) == 2 else None

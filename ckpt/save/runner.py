@@ -174,6 +174,9 @@ class SaveJob:
   # writer="process": this host's writer process writes (ckpt/save/handed.py)
   writer: Any = None
   storage_options: dict | None = None
+  # reuse_unchanged=True with the writer process: the copies its writer
+  # keeps (ckpt/save/writer_reuse.py); 0: off
+  reuse_copies: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +209,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     if job.writer is not None:  # written by the writer process (handed.py)
       committed, error = await _outcome(handed.write(
           attempt, job, lambda: index_lib.encode(_index(attempt, job, facts)),
-          lambda: _digests(job.plan)))
+          lambda: _digests(job.plan), _ocdbt_groups(job.plan)))
       late = None
     else:
       host_files = _write_host_files(attempt, job)
@@ -218,7 +221,8 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     # "done" (one call per process fewer: each call is one more for the
     # coordination service process 0 runs); with OCDBT merge groups every
     # process merges after "written", so all hear of failures there.
-    groups = _ocdbt_groups(job.plan)
+    # (writer="process": process 0's writer merged them, then committed)
+    groups = _ocdbt_groups(job.plan) if job.writer is None else 0
     relay = groups <= 1
     own = error or late
     await _barrier(attempt, "written", WRITTEN, own,

@@ -21,6 +21,7 @@ handed (and, on exit, any of its trainer's).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import select
@@ -41,9 +42,12 @@ from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import seal
 from ckpt.save import handover
+from ckpt.save import writer_packs
+from ckpt.save import writer_reuse
 from ckpt.save.write import chunk_sums
 from ckpt.shards import plan as plan_lib
 from ckpt.store import deadline as deadline_lib
+from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
 
 WRITE_THREADS = 8
@@ -52,7 +56,8 @@ WRITE_THREADS = 8
 class Save:
   """One save handed over by the trainer (see the module docstring)."""
 
-  def __init__(self, begin: dict, channel: handover.Channel):
+  def __init__(self, begin: dict, channel: handover.Channel,
+               reuser: writer_reuse.WriterReuser):
     self.msg = begin
     self.channel = channel
     self.job = begin["job"]
@@ -81,30 +86,51 @@ class Save:
     self.recorded = False  # its record (through_storage) is written
     self.stop_event = threading.Event()  # cancel: no commit, no more waits
     self.renewal = None
+    # reuse_unchanged=True: linked as the thread links (writer_reuse.py)
+    self.reuser, self.reuse = reuser, None
+    self.reuse_loop = (writer_reuse.LoopThread() if begin.get("reuse_copies")
+                       else None)
     if self.process == 0:  # process 0's writer holds the lease from now on
       self.renewal = through_storage.hold_lease(
           self.storage, self.step, self.token, begin["lease_s"])
     self.opening = self.pool.submit(deadline_lib.call, self.deadline,
                                     self._open_arrays)
+    self.packs = writer_packs.PackSink(
+        self.storage.step_spec(self.work_dir), self.context, self.process)
 
   # ---- the boxes -------------------------------------------------------
 
   def _open_arrays(self) -> dict[int, ts.TensorStore]:
+    if self.reuse_loop is not None:  # before the first link
+      self.reuse = self.reuser.begin(self.storage, self.msg)
+      if self.reuse is not None:
+        self.reuse.check_source()
     out = {}
+    # OCDBT: the metadata in one transaction, one commit (as write.py).
+    txn = ts.Transaction() if self.msg["storage_format"] == "ocdbt" else None
     for a in self.msg["arrays"]:
       if a["create"]:
-        out[a["id"]] = deadline_lib.result(ts.open(
-            a["spec"], create=True, context=self.context))
+        out[a["id"]] = ts.open(a["spec"], create=True, context=self.context,
+                               transaction=txn)
       else:
-        out[a["id"]] = deadline_lib.result(ts.open(
-            a["spec"], open=True, assume_metadata=True, context=self.context))
+        out[a["id"]] = ts.open(a["spec"], open=True, assume_metadata=True,
+                               context=self.context)
+    out = {i: deadline_lib.result(f) for i, f in out.items()}
+    if txn is not None:
+      deadline_lib.result(txn.commit_async())
+      out = {i: a.with_transaction(None) for i, a in out.items()}
     return out
 
   def box(self, m: dict) -> None:
     self.writes.append(self.pool.submit(deadline_lib.call, self.deadline,
                                         self._write_box, m))
 
-  def _write_box(self, m: dict) -> None:
+  def pack(self, m: dict) -> None:
+    """A pack of small leaves (ckpt/save/writer_packs.py)."""
+    self.writes.append(self.pool.submit(deadline_lib.call, self.deadline,
+                                        self._write_box, m, True))
+
+  def _write_box(self, m: dict, packed: bool = False) -> None:
     name = m["shm"]
     failed = False
     try:
@@ -112,13 +138,26 @@ class Save:
         return
       seg = handover.Segment(name, m["nbytes"], create=False)
       try:
+        if packed:
+          data = seg.array([m["nbytes"]], "uint8")
+          self.packs.write(m, memoryview(data))
+          del data
+          with self.lock:
+            self.bytes_written += m["data_bytes"]
+          return
         data = seg.array(m["shape"], m["dtype"])
         box = plan_lib.Box(tuple(m["start"]), tuple(m["stop"]))
         store = self.opening.result()[m["array"]]
+        linked = 0
         try:
-          deadline_lib.result(store[box.slices()].write(data))
-          crcs = (chunk_sums(box, tuple(m["chunks"]), data)
-                  if self.take_sums else [])
+          if self.reuse is not None:
+            crcs, linked = self.reuse_loop.run(self.reuse.write_box(
+                store, m["array"], box, tuple(m["chunks"]), data,
+                self.take_sums))
+          else:
+            deadline_lib.result(store[box.slices()].write(data))
+            crcs = (chunk_sums(box, tuple(m["chunks"]), data)
+                    if self.take_sums else [])
         except Exception as e:
           raise CheckpointError(
               f"leaf {m['leaf']!r}: writing {box.start}..{box.stop} failed: "
@@ -129,7 +168,7 @@ class Save:
       with self.lock:
         self.sums.extend([m["leaf_id"], list(b.start), list(b.stop), crc]
                          for b, crc in crcs)
-        self.bytes_written += m["nbytes"]
+        self.bytes_written += m["nbytes"] - linked
     except BaseException as e:  # pylint: disable=broad-except
       failed = True
       with self.lock:
@@ -163,8 +202,12 @@ class Save:
           files=self.files, tiling=m["tiling"]))
       self.recorded = True
       committed = self._commit(m)
+      self.reuser.committed(self.reuse)  # the next save compares with it
+      reuse = self.reuse
       self._tell("done", bytes_written=self.bytes_written,
-                 committed=committed)
+                 committed=committed,
+                 bytes_reused=reuse.bytes_reused if reuse else 0,
+                 chunks_reused=reuse.chunks_reused if reuse else 0)
     except BaseException as e:  # pylint: disable=broad-except
       logging.warning("ckpt writer process: the save of step %d failed: "
                       "%s: %s", self.step, type(e).__name__, e)
@@ -179,6 +222,11 @@ class Save:
     self.opening.result()
     if self.error is not None:
       raise self.error
+    self.packs.finish()
+    if self.reuse is not None:  # still ours, now that every link is made?
+      self.reuse.check_source()
+      self._write_file(index_lib.REUSE_DIR, self.reuse.record_file(
+          self.process, self.bytes_written))
     if self.take_sums:
       self._write_file(index_lib.CHECKSUMS_DIR, msgpack.packb(
           {"process": self.process, "boxes": self.sums}, use_bin_type=True))
@@ -198,9 +246,9 @@ class Save:
       renewal, self.renewal = self.renewal, None
       deadline_lib.call(self.deadline, lambda: (
           through_storage.commit_when_written(
-              self.storage, self.step, self.token, self.processes, m["index"],
-              bound_s=bound, renewal=renewal, whole=m["whole"],
-              stop=self.stop_event)))
+              self.storage, self.step, self.token, self.processes,
+              lambda: self._merged(m), bound_s=bound, renewal=renewal,
+              whole=m["whole"], stop=self.stop_event)))
     elif not self._wait_committed(2 * bound):
       raise CheckpointError(
           f"step {self.step} was not committed by process 0's writer within "
@@ -208,6 +256,17 @@ class Save:
           f"its process says which)")
     self.committed = True
     return True
+
+  def _merged(self, m: dict) -> bytes:
+    """Process 0's writer, every record in: format "ocdbt", the processes'
+    databases merged into the step's (each merge group's), as the
+    trainers' commit does (ckpt/store/ocdbt.py); then the index."""
+    groups = m["ocdbt_groups"]
+    if groups:
+      kvstore = self.storage.step_spec(self.work_dir)
+      for g in [None] if groups == 1 else range(groups):
+        asyncio.run(ocdbt.merge(kvstore, self.processes, self.context, g))
+    return m["index"]
 
   def _wait_committed(self, bound_s: float) -> bool:
     """Whether process 0's writer committed the step within ``bound_s``;
@@ -286,11 +345,14 @@ class Save:
       self.renewal.stop()
       self.renewal = None
     self.pool.shutdown(wait=False)
+    if self.reuse_loop is not None:
+      self.reuse_loop.close()
 
 
 def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
   """Reads the trainer's messages until it says ``exit`` or is gone."""
   save: Save | None = None
+  reuser = writer_reuse.WriterReuser()  # across saves: what they stored
   # What trainers and writers that both died left (not this trainer's: it
   # may have died with segments this writer has still to read).
   handover.sweep(spare=trainer)
@@ -305,18 +367,20 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
         break
       if kind == "begin":
         try:
-          save = Save(m, channel)
+          save = Save(m, channel, reuser)
         except BaseException as e:  # pylint: disable=broad-except
           save = None
           channel.send("failed", job=m["job"], **handover.error_message(e))
       elif save is None:
-        if kind == "box":  # a save that could not begin: its memory goes
+        if kind in ("box", "pack"):  # a save that could not begin: freed
           handover.unlink(m["shm"])
           channel.send("freed", job=m["job"], grant=m["grant"], failed=True)
         elif kind == "cancel":
           channel.send("cancelled", job=m["job"], committed=False)
       elif kind == "box":
         save.box(m)
+      elif kind == "pack":
+        save.pack(m)
       elif kind == "finish":
         save.finish(m)
       elif kind == "cancel":

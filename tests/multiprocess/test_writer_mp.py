@@ -50,19 +50,64 @@ def test_writer_process_jobs_save_and_restore(tmp_path, processes):
                       processes, 2, result=Roundtrip)
   for r in out:
     assert r.steps == [1, 2] and r.exact and r.writers == 1, r
-    assert r.segments == [], r
+    assert r.segments == [] and r.remeshed, r
   assert bit_exact(tmp_path / "c", 2, 2)
 
 
+@pytest.mark.parametrize("fmt,groups", [("ocdbt", 1), ("ocdbt", 2),
+                                        ("zarr3", 0)])
+def test_writer_process_jobs_write_ocdbt_and_packs(tmp_path, fmt, groups):
+  """2 processes, small leaves packed by every process and, with "ocdbt",
+  each writer writing its own database (of each merge group), merged by
+  process 0's writer: bit-exact onto the same shardings and onto another
+  mesh."""
+  out = launch.launch(WORKER, {"scenario": "roundtrip", "format": fmt,
+                               "small": True, "dir": str(tmp_path / "c"),
+                               "mib": 2,
+                               "keys_per_merge": 8 if groups == 2 else 0},
+                      2, 2, result=Roundtrip)
+  for r in out:
+    assert r.steps == [1, 2] and r.exact and r.remeshed, r
+    assert r.segments == [], r
+  step = tmp_path / "c" / "checkpoint_2"
+  assert sorted(n for n in os.listdir(step / ".packs")
+                if n.endswith(".msgpack")) == ["0.msgpack", "1.msgpack"]
+  names = os.listdir(step)
+  if groups == 1:
+    assert {"manifest.ocdbt", "ocdbt.process_0", "ocdbt.process_1"} <= set(
+        names), names
+  for g in range(groups if groups > 1 else 0):
+    assert "manifest.ocdbt" in os.listdir(step / f"ocdbt.group_{g}"), names
+  assert bit_exact(tmp_path / "c", 2, 2)
+  got = ckpt.load(str(tmp_path / "c"), 2)
+  for i in range(6):
+    assert np.asarray(got[f"s{i}"]).tobytes() == (
+        writer_worker.small_truth(i).tobytes())
+
+
+def test_writer_process_jobs_link_unchanged_chunks(tmp_path):
+  """reuse_unchanged=True on 2 processes: each writer links its share of
+  the frozen leaf from the step before the newest (none at steps 0 and 1:
+  the second copy), and a new job's writers from the steps' records of
+  their own process."""
+  out = launch.launch(WORKER, {"scenario": "reuse", "dir": str(tmp_path / "c")},
+                      2, 2, result=writer_worker.Reused)
+  share = (1 << 20) // 2  # this process's half of the 1 MiB frozen leaf
+  for r in out:
+    assert r.exact, r
+    assert r.reused == [0, 0, share, share], r
+
+
 def held(tmp_path, processes: int, mib: int, step: int = 5,
-         bound_s: float = 60):
+         bound_s: float = 60, fmt: str = "zarr"):
   """A job whose every trainer returned from save() and stopped its writer;
   (cluster, the per-process info)."""
   events = tmp_path / "events"
   events.mkdir(exist_ok=True)
   cluster = local_cluster.start(
       WORKER, {"scenario": "hold", "dir": str(tmp_path / "c"), "mib": mib,
-               "step": step, "events": str(events), "bound_s": bound_s},
+               "step": step, "events": str(events), "bound_s": bound_s,
+               "format": fmt},
       num_processes=processes, devices_per_process=2, cwd=REPO)
   paths = [events / f"p{p}.json" for p in range(processes)]
   cluster.wait_for_files(paths, 240)
@@ -87,10 +132,11 @@ def no_segments(info: list[dict]) -> bool:
               for i in info if n.startswith(f"ckpt-{i['trainer']}-")]
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes,fmt", [(2, "zarr"), (4, "zarr"),
+                                           (2, "ocdbt")])
 def test_every_trainer_killed_after_save_returned_the_step_commits(
-    tmp_path, processes):
-  cluster, info = held(tmp_path, processes, mib=16)
+    tmp_path, processes, fmt):
+  cluster, info = held(tmp_path, processes, mib=16, fmt=fmt)
   writers = [w for i in info for w in i["writers"]]
   assert len(writers) == processes
   for p in range(processes):
@@ -107,7 +153,8 @@ def test_every_trainer_killed_after_save_returned_the_step_commits(
   assert no_segments(info)
   # A restarted job finds the step the dead job committed.
   out = launch.launch(WORKER, {"scenario": "after", "dir": str(tmp_path / "c"),
-                               "step": 6}, processes, 2, result=After)
+                               "step": 6, "format": fmt}, processes, 2,
+                      result=After)
   assert all(r.steps == [5, 6] for r in out), out
 
 

@@ -7,12 +7,20 @@ checks what was saved bit for bit.
 
 Scenarios (``config["scenario"]``):
 
-- ``roundtrip``: saves steps 1 and 2 with ``writer="process"``, waits,
-  restores step 2 onto the same shardings and checks every addressable
-  shard; no shared memory of this process is left.
-- ``hold``: saves ``config["step"]`` asynchronously; once ``save()``
+- ``roundtrip``: saves steps 1 and 2 with ``writer="process"`` (in
+  ``config["format"]``, default "zarr"; with small leaves, which are
+  packed, when ``config["small"]``; format "ocdbt" in merge groups with
+  ``config["keys_per_merge"]``), waits, restores step 2 onto the same
+  shardings and onto another mesh (the devices reversed, the large leaf
+  split along its other axis) and checks every addressable shard; no
+  shared memory of this process is left.
+- ``hold``: saves ``config["step"]`` asynchronously (in
+  ``config["format"]``, default "zarr"); once ``save()``
   returned, stops its writer (SIGSTOP: the test lets it go on), writes
   ``<events>/p<process>.json`` (its writer's pid), and waits to be killed.
+- ``reuse``: ``reuse_unchanged=True``: saves steps 0..2, then step 3 with
+  a new Checkpointer (a new writer), a frozen leaf beside a changing one;
+  the bytes each save reused, and whether each step restored bit-exact.
 - ``after``: a restarted job: its first save (``config["step"]``) commits,
   and the steps committed before are still there (returned).
 """
@@ -68,6 +76,23 @@ def writer_pids() -> list[int]:
           if "ckpt.save.writer_main" in " ".join(p.cmdline())]
 
 
+def small_state() -> dict:
+  """Small leaves (each packed), split over every device: every process
+  writes boxes of them into its packs."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  return {f"s{i}": jax.make_array_from_callback(
+      full.shape, NamedSharding(mesh, P("data")), lambda idx, f=full: f[idx])
+          for i in range(6)
+          for full in [small_truth(i)]}
+
+
+def small_truth(i: int) -> np.ndarray:
+  return np.random.default_rng(1000 + i).standard_normal(
+      (8 * (i + 1), 16), dtype=np.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Roundtrip:
   process: int
@@ -75,13 +100,20 @@ class Roundtrip:
   exact: bool
   writers: int
   segments: list[str]
+  remeshed: bool
 
 
 def roundtrip(conf: dict) -> Roundtrip:
   import jax  # pylint: disable=import-outside-toplevel
   import ckpt  # pylint: disable=import-outside-toplevel
+  if conf.get("keys_per_merge"):  # a tiny one stands in for a large step
+    from ckpt.store import ocdbt  # pylint: disable=import-outside-toplevel
+    ocdbt.KEYS_PER_MERGE = conf["keys_per_merge"]
   s = state(conf["mib"])
+  if conf.get("small"):
+    s.update(small_state())
   with ckpt.Checkpointer(conf["dir"], writer="process",
+                         format=conf.get("format", "zarr"),
                          barrier_timeout_s=60) as ckptr:
     for step in (1, 2):
       ckptr.save(step, s)
@@ -93,11 +125,32 @@ def roundtrip(conf: dict) -> Roundtrip:
     got = ckptr.restore(2, target=target)
     exact = all(
         np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
-        for name in names(conf["mib"])
+        for name in s if name != "step"
         for a, b in zip(got[name].addressable_shards,
                         s[name].addressable_shards))
+    remeshed = _remeshed(ckptr, conf["mib"])
     steps = ckptr.all_steps()
-  return Roundtrip(jax.process_index(), steps, exact, n_writers, segments())
+  return Roundtrip(jax.process_index(), steps, exact, n_writers, segments(),
+                   remeshed)
+
+
+def _remeshed(ckptr, mib: int) -> bool:
+  """Step 2 restored onto another mesh (the devices reversed, the large
+  leaves split along their other axis, over the other mesh axis)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  devices = np.asarray(jax.devices()[::-1]).reshape(2, -1)
+  mesh = jax.sharding.Mesh(devices, ("a", "b"))
+  sharding = NamedSharding(mesh, P("a", "b"))
+  target = {name: jax.ShapeDtypeStruct((m * ROWS_PER_MIB, 1024), np.float32,
+                                       sharding=sharding)
+            for name, m in names(mib).items()}
+  got = ckptr.restore(2, target=target)  # a subset of the saved tree
+  return all(
+      got[name].sharding == sharding and
+      np.asarray(shard.data).tobytes() == truth(name, m)[shard.index].tobytes()
+      for name, m in names(mib).items()
+      for shard in got[name].addressable_shards)
 
 
 def hold(conf: dict) -> dict:
@@ -105,6 +158,7 @@ def hold(conf: dict) -> dict:
   import ckpt  # pylint: disable=import-outside-toplevel
   s = state(conf["mib"])
   ckptr = ckpt.Checkpointer(conf["dir"], writer="process",
+                            format=conf.get("format", "zarr"),
                             barrier_timeout_s=conf["bound_s"],
                             concurrent_bytes=(conf["mib"] + 16) << 20)
   t0 = time.monotonic()
@@ -122,6 +176,47 @@ def hold(conf: dict) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reused:
+  process: int
+  reused: list[int]  # bytes_reused of each save (steps 0..3)
+  exact: bool
+
+
+def reuse(conf: dict) -> Reused:
+  """reuse_unchanged=True: steps 0..2 by one Checkpointer, step 3 by a new
+  one (a new writer, from the records); a frozen leaf and a changing one."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+
+  def at(step: int) -> dict:
+    out = state(1)  # "big" and "small": 1 MiB each, frozen
+    out["train"] = out.pop("small")
+    out["train"] = jax.numpy.asarray(out["train"]) + step
+    return out
+
+  reused, exact = [], True
+  for steps in ((0, 1, 2), (3,)):
+    with ckpt.Checkpointer(conf["dir"], writer="process",
+                           reuse_unchanged=True, chunk_bytes=64 << 10,
+                           barrier_timeout_s=60) as ckptr:
+      for step in steps:
+        ckptr.save(step, at(step))
+        ckptr.wait_until_finished()
+        reused.append(ckptr.last_save_stats.bytes_reused)
+        got = ckptr.restore(step, target=jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                           sharding=x.sharding)
+            if isinstance(x, jax.Array) else x, at(step)))
+        want = at(step)
+        exact &= all(
+            np.asarray(a.data).tobytes() == np.asarray(b.data).tobytes()
+            for name in ("big", "train")
+            for a, b in zip(got[name].addressable_shards,
+                            want[name].addressable_shards))
+  return Reused(jax.process_index(), reused, exact)
+
+
+@dataclasses.dataclass(frozen=True)
 class After:
   process: int
   steps: list[int]
@@ -131,6 +226,7 @@ def after(conf: dict) -> After:
   import jax  # pylint: disable=import-outside-toplevel
   import ckpt  # pylint: disable=import-outside-toplevel
   with ckpt.Checkpointer(conf["dir"], writer="process",
+                         format=conf.get("format", "zarr"),
                          barrier_timeout_s=60) as ckptr:
     ckptr.save(conf["step"], state(1))
     ckptr.wait_until_finished()
@@ -138,4 +234,5 @@ def after(conf: dict) -> After:
 
 
 if __name__ == "__main__":
-  worker.main({"roundtrip": roundtrip, "hold": hold, "after": after})
+  worker.main({"roundtrip": roundtrip, "hold": hold, "after": after,
+               "reuse": reuse})

@@ -115,8 +115,6 @@ def test_process_writer_keeps_the_budget_and_shm_is_freed(make_ckptr, rng):
 def test_writer_process_option_is_checked(make_ckptr, memory_url):
   with pytest.raises(ValueError, match="writer must be 'thread' or 'process'"):
     make_ckptr(writer="fork")
-  with pytest.raises(ValueError, match="format='ocdbt'"):
-    make_ckptr(writer="process", format="ocdbt")
   with pytest.raises(ValueError, match="memory:// lives inside one process"):
     make_ckptr(memory_url, writer="process")
 
