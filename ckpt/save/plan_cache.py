@@ -149,7 +149,9 @@ def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
       old.leaves, leaves, template.signatures, template.types,
       template.inline, template.keys):
     if kind is not None and type(x) is kind:  # a jax.Array, as cached
-      if x.shape != sig[1] or x.dtype != sig[2] or x.sharding != sig[3]:
+      sharding = x.sharding  # (the same object, most often: no __eq__)
+      if x.shape != sig[1] or x.dtype != sig[2] or (
+          sharding is not sig[3] and sharding != sig[3]):
         return None
     elif _signature(x) != sig:
       return None
