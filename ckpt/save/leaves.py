@@ -215,11 +215,11 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       continue
     impl = ""
     if staging.is_array(x):
-      if _is_key(x.dtype):  # planned alone (its key data is a new array)
+      if is_key(x.dtype):  # planned alone (its key data is a new array)
         key = None
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
-      if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+      if is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
         impl, x = key_data(name, x)
       stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
@@ -259,10 +259,8 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
     layout_leaf.append(len(leaves))
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, kind(path=parts, **fields), layout))
-  write = plan_lib.Write
-  writes = [write(layout_leaf[w[0]], *w[1:])  # layout -> leaf
-            for w in plan_lib.assign_writes(layouts, process,
-                                            options.max_item_bytes)]
+  writes = plan_lib.assign_writes(layouts, process, options.max_item_bytes,
+                                  layout_leaf)
   if options.storage_format == "ocdbt":
     _assign_ocdbt_groups(leaves, process_count)
   return SavePlan(structure, leaves, writes, options)
@@ -280,7 +278,7 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
       return None
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
-    if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+    if is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
       impl, x = key_data(name, x)
     stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
@@ -347,7 +345,7 @@ _NAMES: dict[Any, str] = {}
 _KEYS: dict[Any, bool] = {}
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key(dtype: Any) -> bool:
   """``prng.is_key_dtype``, remembered per dtype."""
   try:
     got = _KEYS.get(dtype)

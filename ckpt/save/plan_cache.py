@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from ckpt.multihost import process as multihost
-from ckpt.format import prng
 from ckpt.save import leaves as leaves_lib
 from ckpt.save import staging
 from ckpt.format import tree
@@ -115,8 +114,8 @@ class PlanCache:
                                                 lp.layout)
                             for lp in plan.leaves]),
           [lp.layout is None for lp in plan.leaves],
-          [isinstance(x, jax.Array) and prng.is_key_dtype(x.dtype)
-           for x in leaves],
+          [s[0] is jax.Array and leaves_lib.is_key(s[2])
+           for s in signatures],
           [type(x) if s[0] is jax.Array else None
            for x, s in zip(leaves, signatures)])
     else:
