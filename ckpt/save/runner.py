@@ -445,10 +445,8 @@ def _weights(plan: leaves_lib.SavePlan) -> dict[int, int]:
   plan: plan.memo; both digests below use them)."""
   got = plan.memo.get("weights")
   if got is None:
-    weight = tiling.weight
-    got = plan.memo["weights"] = {
-        i: weight(lp.entry.relpath) for i, lp in enumerate(plan.leaves)
-        if lp.layout is not None}
+    got = plan.memo["weights"] = {i: tiling.weight(lp.entry.relpath) for i, lp
+                                  in enumerate(plan.leaves) if lp.layout}
   return got
 
 
@@ -458,8 +456,7 @@ def tiling_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
   that every array is written exactly once before anything is."""
   got = plan.memo.get("tiling")
   if got is None:
-    weights = _weights(plan)
-    leaves = plan.leaves
+    weights, leaves = _weights(plan), plan.leaves
     got = plan.memo["tiling"] = tiling.weighted(
         (weights[w.leaf], leaves[w.leaf].entry.shape, w.box.start,
          w.box.stop) for w in plan.writes)
