@@ -5,6 +5,7 @@ through ``pack_read.PackSet``, checked as they are read."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Sequence
 
 import jax
@@ -27,10 +28,11 @@ class LazyPacked(LazyLeaf):
   packed = True
 
   def __init__(self, entry: pack_index.PackedEntry, position: int,
-               packs: PackSet):
+               packs: PackSet, batch: placed.Batch | None = None):
     self.entry = entry
     self.position = position
     self.packs = packs
+    self.batch = batch or placed.Batch()  # shared by a restore's leaves
     self.path = tree.path_str(entry.path)
     self.shape = tuple(entry.shape)
     self.dtype = np.dtype(entry.dtype)
@@ -75,10 +77,14 @@ class LazyPacked(LazyLeaf):
     crc32c checked) into one 64-byte-aligned buffer for the leaf's boxes,
     cast, and every device's buffer made by ONE
     ``jax.make_array_from_callback`` (one batched transfer per leaf, not
-    one ``device_put`` per box)."""
+    one ``device_put`` per box); on CPU devices that are all this
+    process's, the whole leaf placed with the restore's others
+    (``_place_whole``)."""
     shape = self.shape
     out_dtype = np.dtype(out_dtype)
     where = placed.placement(sharding, shape)
+    if where.whole:  # on CPU devices: the whole leaf, placed with others
+      return await self._place_whole(where, out_dtype, sharding, limiter)
     offsets, total = where.offsets(out_dtype.itemsize)
     grant = await limiter.acquire(total)
     try:
@@ -88,21 +94,41 @@ class LazyPacked(LazyLeaf):
       for box, at in zip(where.boxes, offsets):
         out = arena[at:at + box.size * out_dtype.itemsize].view(
             out_dtype).reshape(box.shape)
-        pieces = (await self.packs.cover_async(self.position, box)
-                  if box.size else ())
-        if len(pieces) == 1 and pieces[0].box == box:  # the usual case
-          pc = pieces[0]
-          got = self.packs.cached_bytes(pc, self.path)
-          src = (np.frombuffer(got, self.dtype).reshape(box.shape)
-                 if got is not None else await self._piece(pc))
-          np.copyto(out, src, casting="unsafe")
-        else:
-          await self.read_into(box, out)
+        await self._fill(box, out)
         data[box] = out
       return await assemble.from_callback(shape, sharding,
                                           where.getter(data), out_dtype)
     finally:
       limiter.release(grant)
+
+  async def _place_whole(self, where: placed.Placement, out_dtype: np.dtype,
+                         sharding, limiter) -> jax.Array:
+    """``place`` on CPU devices: each distinct box read into the whole leaf
+    (64-byte aligned), placed by the restore's ``batch`` with the others:
+    one ``device_put`` of the list, as the limit does."""
+    total = math.prod(self.shape) * out_dtype.itemsize
+    grant = await limiter.acquire(total)
+    try:
+      check_fits(self.path, self.shape, out_dtype)
+      whole = assemble.aligned_empty(self.shape, out_dtype)
+      for box, where_in in zip(where.boxes, where.slices):
+        await self._fill(box, whole[where_in])
+      return await self.batch.put(whole, sharding)
+    finally:
+      limiter.release(grant)
+
+  async def _fill(self, box: Box, out: np.ndarray) -> None:
+    """``box`` of the leaf into ``out``, cast, its crc32c checked."""
+    pieces = (await self.packs.cover_async(self.position, box)
+              if box.size else ())
+    if len(pieces) == 1 and pieces[0].box == box:  # the usual case
+      pc = pieces[0]
+      got = self.packs.cached_bytes(pc, self.path)
+      src = (np.frombuffer(got, self.dtype).reshape(box.shape)
+             if got is not None else await self._piece(pc))
+      np.copyto(out, src, casting="unsafe")
+    else:
+      await self.read_into(box, out)
 
   async def verify(self, wanted: Sequence[Box] | None = None) -> None:
     """Reads the pieces overlapping ``wanted`` (all if None) and checks
@@ -124,7 +150,8 @@ def lazy_leaves(index: index_lib.Index, step_kvstore: dict, context
   if not positions:
     return {}
   packs = PackSet(index, step_kvstore, context)
-  return {i: LazyPacked(index.leaves[i], i, packs) for i in positions}
+  batch = placed.Batch()
+  return {i: LazyPacked(index.leaves[i], i, packs, batch) for i in positions}
 
 
 def boxes_placed(sources: Sequence[Any], targets: Sequence[Any]

@@ -187,7 +187,25 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
   leaves: list[LeafPlan] = []
   layouts: list[plan_lib.LeafLayout] = []
   layout_leaf: list[int] = []
+  # jax.Array leaves of one (type, shape, dtype, sharding) are planned alike
+  # (all but their path): the first of each group is planned in full, the
+  # others copy its entry's fields (10,000 small leaves of a few layouts
+  # spent most of a first save planning each alone).
+  groups: dict[tuple, tuple | None] = {}
   for parts, x in flat:
+    group = key = None
+    if staging.is_array(x):
+      try:
+        key = (type(x), x.shape, x.dtype, x.sharding)
+        group = groups.get(key)
+      except TypeError:  # an unhashable sharding: planned alone
+        key = None
+      if group is not None:
+        entry = group[0](path=parts, **group[1])
+        layout_leaf.append(len(leaves))
+        layouts.append(group[2])
+        leaves.append(LeafPlan(parts, x, entry, group[2]))
+        continue
     name = tree.path_str(parts)
     value = inline_leaf(parts, x, options)
     if value is not None:
@@ -195,9 +213,11 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
       continue
     impl = ""
     if staging.is_array(x):
+      if is_key(x.dtype):  # planned alone (its key data is a new array)
+        key = None
       # Recorded over the keys' dimensions for a key leaf.
       saved = _saved_sharding(x.sharding, x.ndim)
-      if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+      if is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
         impl, x = key_data(name, x)
       stored = leaf_dtype(name, x.dtype, options.save_dtype)
       where = placement_lib.placement(x.sharding, x.shape, process)
@@ -221,23 +241,24 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
                                   min(options.chunk_bytes, options.max_item_bytes))
     if pack_lib.packable(
         math.prod(layout.shape) * stored.itemsize):
-      entry = pack_index.PackedEntry(
-          path=parts, shape=layout.shape, dtype=dtype_name(stored),
+      kind, fields = pack_index.PackedEntry, dict(
+          shape=layout.shape, dtype=dtype_name(stored),
           source_dtype=dtype_name(x.dtype), sharding=sharding_text,
           prng_impl=impl, saved_sharding=saved)
     else:
-      entry = entries.ArrayEntry(
-          path=parts, relpath=tree.storage_relpath(parts), shape=layout.shape,
-          dtype=dtype_name(stored), chunks=layout.chunks,
+      kind, fields = entries.ArrayEntry, dict(
+          shape=layout.shape, dtype=dtype_name(stored), chunks=layout.chunks,
           codec=options.codec.to_json(), source_dtype=dtype_name(x.dtype),
           sharding=sharding_text, prng_impl=impl, saved_sharding=saved)
+    if kind is entries.ArrayEntry:  # (its relpath and codec are its own)
+      fields["relpath"] = tree.storage_relpath(parts)
+    elif key is not None:
+      groups[key] = (kind, fields, layout)
     layout_leaf.append(len(leaves))
     layouts.append(layout)
-    leaves.append(LeafPlan(parts, x, entry, layout))
-  write = plan_lib.Write
-  writes = [write(layout_leaf[w[0]], *w[1:])  # layout -> leaf
-            for w in plan_lib.assign_writes(layouts, process,
-                                            options.max_item_bytes)]
+    leaves.append(LeafPlan(parts, x, kind(path=parts, **fields), layout))
+  writes = plan_lib.assign_writes(layouts, process, options.max_item_bytes,
+                                  layout_leaf)
   if options.storage_format == "ocdbt":
     _assign_ocdbt_groups(leaves, process_count)
   return SavePlan(structure, leaves, writes, options)
@@ -255,7 +276,7 @@ def inline_leaf(parts: tree.PathParts, x: Any, options: SaveOptions
       return None
     impl = ""
     saved = _saved_sharding(x.sharding, x.ndim)
-    if _is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
+    if is_key(x.dtype):  # stored as its key data (ckpt/format/prng.py)
       impl, x = key_data(name, x)
     stored = leaf_dtype(name, x.dtype, options.save_dtype)
     if x.is_deleted():  # jax's own error would name no leaf (staging's,
@@ -322,7 +343,7 @@ _NAMES: dict[Any, str] = {}
 _KEYS: dict[Any, bool] = {}
 
 
-def _is_key(dtype: Any) -> bool:
+def is_key(dtype: Any) -> bool:
   """``prng.is_key_dtype``, remembered per dtype."""
   try:
     got = _KEYS.get(dtype)

@@ -307,10 +307,13 @@ def recipes(plan: Any, writes: list,
   """``ShardLookup.recipe`` of each write of a pack (a deleted array fails
   here, named by its leaf, on the first save of a layout)."""
   out = []
+  last, of_leaf = -1, None  # a leaf's boxes are consecutive: its part once
   for w in writes:
     leaf = plan.leaves[w.leaf]
     try:
-      out.append(shards.recipe(leaf, w))
+      if w.leaf != last:
+        of_leaf, last = shards.leaf_recipe(leaf), w.leaf
+      out.append(shards.box_recipe(of_leaf, w))
     except Exception as e:
       raise _copy_failed(leaf, w, e) from e
   return out

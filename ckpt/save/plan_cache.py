@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from ckpt.multihost import process as multihost
-from ckpt.format import prng
 from ckpt.save import leaves as leaves_lib
 from ckpt.save import staging
 from ckpt.format import tree
@@ -115,8 +114,8 @@ class PlanCache:
                                                 lp.layout)
                             for lp in plan.leaves]),
           [lp.layout is None for lp in plan.leaves],
-          [isinstance(x, jax.Array) and prng.is_key_dtype(x.dtype)
-           for x in leaves],
+          [s[0] is jax.Array and leaves_lib.is_key(s[2])
+           for s in signatures],
           [type(x) if s[0] is jax.Array else None
            for x, s in zip(leaves, signatures)])
     else:
@@ -149,7 +148,9 @@ def _replay(template: _Template, leaves: list, options: leaves_lib.SaveOptions
       old.leaves, leaves, template.signatures, template.types,
       template.inline, template.keys):
     if kind is not None and type(x) is kind:  # a jax.Array, as cached
-      if x.shape != sig[1] or x.dtype != sig[2] or x.sharding != sig[3]:
+      sharding = x.sharding  # (the same object, most often: no __eq__)
+      if x.shape != sig[1] or x.dtype != sig[2] or (
+          sharding is not sig[3] and sharding != sig[3]):
         return None
     elif _signature(x) != sig:
       return None

@@ -446,15 +446,25 @@ def _ocdbt_groups(plan: leaves_lib.SavePlan) -> int:
   return max(groups) + 1 if groups else 1
 
 
+def _weights(plan: leaves_lib.SavePlan) -> dict[int, int]:
+  """``tiling.weight`` of each array leaf's relpath, by leaf (once per
+  plan: plan.memo; both digests below use them)."""
+  got = plan.memo.get("weights")
+  if got is None:
+    got = plan.memo["weights"] = {i: tiling.weight(lp.entry.relpath) for i, lp
+                                  in enumerate(plan.leaves) if lp.layout}
+  return got
+
+
 def tiling_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
   """The digest of this process's writes (once per plan: plan.memo),
   posted in the save round (agreement.save_round), where process 0 checks
   that every array is written exactly once before anything is."""
   got = plan.memo.get("tiling")
   if got is None:
-    entries = [lp.entry for lp in plan.leaves]
-    got = plan.memo["tiling"] = tiling.digest(
-        (entries[w.leaf].relpath, entries[w.leaf].shape, w.box.start,
+    weights, leaves = _weights(plan), plan.leaves
+    got = plan.memo["tiling"] = tiling.weighted(
+        (weights[w.leaf], leaves[w.leaf].entry.shape, w.box.start,
          w.box.stop) for w in plan.writes)
   return got
 
@@ -463,9 +473,9 @@ def whole_digest(plan: leaves_lib.SavePlan) -> tiling.Digest:
   """The digest of every array tiled once (once per plan: plan.memo)."""
   got = plan.memo.get("whole")
   if got is None:
-    got = plan.memo["whole"] = tiling.whole(
-        (lp.entry.relpath, lp.entry.shape) for lp in plan.leaves
-        if lp.layout is not None)
+    leaves = plan.leaves
+    got = plan.memo["whole"] = tiling.whole_weighted(
+        (w, leaves[i].entry.shape) for i, w in _weights(plan).items())
   return got
 
 

@@ -139,20 +139,36 @@ class ShardLookup:
     below). It depends on the layout only (the source's type, sharding,
     shape and dtype, the stored dtype), so a save plan keeps it while the
     state keeps its layout (ckpt/save/pack.py)."""
+    return self.box_recipe(self.leaf_recipe(leaf), write)
+
+  def leaf_recipe(self, leaf: Any) -> tuple[dict | None, int]:
+    """The part of ``recipe`` that is the same for every box of ``leaf``:
+    (where each device's buffer is, or None; the kind of a whole-buffer
+    box: PIECE, VIEW_BUFFER or VIEW_ARRAY, or OTHER)."""
     src = leaf.source
     if not is_array(src):
-      return -1, OTHER
+      return None, OTHER
     where, on_host = self._layout(src)
-    i = where[write.device]
     if not on_host or src.dtype != _dtype(leaf.entry.dtype):
-      return i, PIECE
-    if write.box != write.shard:
-      return i, VIEW_CUT
+      return where, PIECE
     protocol = self._protocol.get(src.dtype)
     if protocol is None:
       protocol = self._protocol[src.dtype] = _has_protocol(
-          src.addressable_data(i))
-    return i, VIEW_BUFFER if protocol else VIEW_ARRAY
+          src.addressable_data(0))
+    return where, VIEW_BUFFER if protocol else VIEW_ARRAY
+
+  @staticmethod
+  def box_recipe(of_leaf: tuple[dict | None, int],
+                 write: plan_lib.Write) -> tuple[int, int]:
+    """``recipe`` of ``write`` from its leaf's ``leaf_recipe``."""
+    where, kind = of_leaf
+    if where is None:
+      return -1, kind
+    i = where[write.device]
+    if kind != PIECE and write.box is not write.shard and (
+        write.box != write.shard):
+      return i, VIEW_CUT
+    return i, kind
 
   def piece(self, src: jax.Array, write: plan_lib.Write) -> Any:
     """The device buffer ``write`` reads (cut on the device first on an

@@ -287,7 +287,8 @@ def spread(sizes: np.ndarray, members: int) -> np.ndarray:
 
 
 def assign_writes(layouts: Sequence[LeafLayout], process: int,
-                  max_item_bytes: int | None = None) -> list[Write]:
+                  max_item_bytes: int | None = None,
+                  leaves: Sequence[int] | None = None) -> list[Write]:
   """The boxes ``process`` writes, computed from its own boxes only.
 
   A box only this process holds is written by it, whole, or chunk by chunk
@@ -296,13 +297,16 @@ def assign_writes(layouts: Sequence[LeafLayout], process: int,
   over H by bytes (``spread``). Every member of H holds exactly the same
   boxes with holders H, so each computes the same spread with no
   communication and keeps its part; the work is per chunk in numpy, and
-  Python objects are made for this process's writes only.
+  Python objects are made for this process's writes only. ``leaves``:
+  the leaf number each layout's writes carry, increasing (default: its
+  position in ``layouts``).
   """
   writes: list[Write] = []
   # Grouped by the identity of the holders tuple first: hashing a tuple of
   # thousands of processes once per box would cost more than the plan.
   by_id: dict[int, tuple[tuple[int, ...], list]] = {}
-  for leaf, lay in enumerate(layouts):
+  for leaf, lay in zip(range(len(layouts)) if leaves is None else leaves,
+                       layouts):
     mine, shared = _parts(lay, max_item_bytes)
     if mine:
       writes.extend(Write(leaf, b, shard, process, device, n)

@@ -78,10 +78,23 @@ def weight(relpath: str) -> int:
 def digest(boxes: Iterable[tuple[str, Sequence[int], Sequence[int],
                                  Sequence[int]]]) -> Digest:
   """The digest of ``(relpath, shape, start, stop)`` boxes."""
+  return weighted((weight(relpath), shape, start, stop)
+                  for relpath, shape, start, stop in boxes)
+
+
+def weighted(boxes: Iterable[tuple[int, Sequence[int], Sequence[int],
+                                   Sequence[int]]]) -> Digest:
+  """``digest`` of boxes given with their leaf's ``weight`` (worked out
+  once per leaf, not once per box). The moments of each distinct (shape,
+  start, stop) are looked up once per call."""
   c = s1 = s2 = 0
-  for relpath, shape, start, stop in boxes:
-    w = weight(relpath)
-    a, b, q = box_moments(shape, start, stop)
+  seen: dict[tuple, Digest] = {}
+  for w, shape, start, stop in boxes:
+    key = (shape, start, stop)
+    got = seen.get(key)
+    if got is None:
+      got = seen[key] = box_moments(shape, start, stop)
+    a, b, q = got
     c, s1, s2 = c + w * a, s1 + w * b, s2 + w * q
   return c % MOD, s1 % MOD, s2 % MOD
 
@@ -95,5 +108,9 @@ def combine(digests: Iterable[Sequence[int]]) -> Digest:
 
 def whole(arrays: Iterable[tuple[str, Sequence[int]]]) -> Digest:
   """The digest of every array ``(relpath, shape)`` tiled exactly once."""
-  return digest((relpath, shape, (0,) * len(shape), shape)
-                for relpath, shape in arrays)
+  return whole_weighted((weight(relpath), shape) for relpath, shape in arrays)
+
+
+def whole_weighted(arrays: Iterable[tuple[int, Sequence[int]]]) -> Digest:
+  """``whole`` of arrays given with their ``weight``."""
+  return weighted((w, shape, (0,) * len(shape), shape) for w, shape in arrays)
