@@ -21,7 +21,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.face import loop as loop_lib
 from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
-from ckpt.save import runner as finalize
+from ckpt.save import barriers
 from ckpt.store import storage as storage_lib
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          StoreTimeoutError, WaitTimeoutError)
@@ -34,11 +34,11 @@ class InFlightSave:
     self._lock = threading.Lock()
     self._future: concurrent.futures.Future | None = None
     self._step: int | None = None
-    self._attempt: finalize.Attempt | None = None  # cancel() removes it
+    self._attempt: barriers.Attempt | None = None  # cancel() removes it
     self._task: asyncio.Task | None = None  # what cancel() cancels
 
   def start(self, future: concurrent.futures.Future, step: int,
-            attempt: finalize.Attempt) -> None:
+            attempt: barriers.Attempt) -> None:
     """``future`` (the save of ``step`` on the loop) is the save in flight."""
     with self._lock:
       self._future, self._step, self._attempt = future, step, attempt

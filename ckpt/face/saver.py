@@ -39,6 +39,7 @@ from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
 from ckpt.store.progress import rate_text, size_text
 from ckpt.save import runner as finalize
+from ckpt.save import barriers
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
 from ckpt.multihost import posts as posts_lib
@@ -182,7 +183,7 @@ class Saver:
                       "it again", step, self.storage.url)
       self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
       return False
-    attempt = finalize.Attempt(
+    attempt = barriers.Attempt(
         step=step, key=key, token=decision.token,
         work_dir=steps_lib.work_dir(self.storage, step, decision.token),
         timeout_s=self._rounds.barrier_s, lease_s=self.settings.lease_s,
@@ -247,7 +248,7 @@ class Saver:
       self._known.will_commit(step, newest)
       return token
 
-  async def _save_async(self, attempt: finalize.Attempt, plan, metrics,
+  async def _save_async(self, attempt: barriers.Attempt, plan, metrics,
                         host_files: dict[int, bytes],
                         stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
@@ -308,7 +309,7 @@ class Saver:
       stats.coordination_s = coord.seconds
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 
-  def _failed(self, attempt: finalize.Attempt, error: BaseException) -> None:
+  def _failed(self, attempt: barriers.Attempt, error: BaseException) -> None:
     """Process 0: the save of ``attempt`` failed; the next saves remove
     what is left of it (ckpt/commit/cleanup.py ``OwnFailures``), until
     the writes a deadline abandoned on this process have ended too; not

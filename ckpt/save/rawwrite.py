@@ -32,7 +32,6 @@ nothing reads and the next cleanup removes.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import crc32c
 import numpy as np

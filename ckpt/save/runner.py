@@ -49,7 +49,8 @@ from ckpt.store import ocdbt
 from ckpt.save import durable
 from ckpt.save import handed
 from ckpt.save import polite
-from ckpt.save import seat as seat_lib
+from ckpt.save import barriers
+from ckpt.save.barriers import Attempt
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
@@ -57,106 +58,8 @@ from ckpt.store import storage as storage_lib
 from ckpt.shards import tiling
 from ckpt.errors import BarrierTimeoutError, CheckpointError
 from ckpt.store.limiter import ByteLimiter
-from ckpt.commit import lease as lease_lib
 
 T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class Attempt:
-  """One agreed attempt at saving ``step``."""
-  step: int
-  key: str          # coordination-key prefix (multihost.call_key)
-  token: str        # chosen by process 0
-  work_dir: str     # relative to the root
-  timeout_s: float
-  lease_s: float = lease_lib.DEFAULT_LEASE_S
-  host_states: int | None = None  # agreed: the index's host_states
-  # The barrier this process's thread is in now (ckpt/save/seat.py): a
-  # save cancelled there leaves the waiting thread behind, which
-  # Checkpointer.cancel releases by having the other processes arrive.
-  waiting: seat_lib.BarrierSeat = dataclasses.field(
-      default_factory=seat_lib.BarrierSeat, compare=False)
-
-
-WRITTEN = "all processes wrote their data"
-DONE = "the commit finished"
-
-
-async def _barrier(attempt: Attempt, name: str, what: str,
-                   error: BaseException | None = None,
-                   on_arrival: Callable[[], None] = lambda: None, *,
-                   heard: bool = True, report: bool = True) -> None:
-  """A barrier that also carries failures: a process that failed still
-  arrives (after saying so), so the others stop now, not at a timeout.
-  ``on_arrival`` runs once every process has arrived, before any failure
-  is raised. ``heard`` False: the failures the others reported are not
-  read here (process 0 reads and relays them: ``run_save``), and this
-  process's own ``error`` is not raised yet either. ``report`` False:
-  ``error`` is not reported (process 0 relayed it already)."""
-  key = f"{attempt.key}/{name}"
-  if error is not None and report:
-    # A deadline's own error names the operation, the bound and its option.
-    shown = deadline_lib.timeout_in(error) or error
-    multihost.report_failure(f"{key}/failed",
-                             f"{type(shown).__name__}: {shown}",
-                             attempt.timeout_s)
-  t0 = time.monotonic()
-  await asyncio.to_thread(
-      attempt.waiting.wait, key, lambda: multihost.barrier(
-          key, timeout_s=attempt.timeout_s,
-          what=f"{what}, step {attempt.step}"))
-  deadline = deadline_lib.current()
-  if deadline is not None:  # waiting for the others is no stall of the store
-    deadline.exclude(time.monotonic() - t0)
-  on_arrival()
-  if not heard:
-    return
-  if error is not None:
-    raise error
-  failed = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
-  if failed:
-    raise _failed(attempt, what, failed)
-
-
-def _failed(attempt: Attempt, what: str,
-            failed: dict[int, str]) -> CheckpointError:
-  return CheckpointError(
-      f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
-      f"before '{what}'; nothing was committed. "
-      + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
-
-
-def _relay(attempt: Attempt) -> dict[int, str]:
-  """Process 0, after "written": the failures reported there, passed on
-  for the others to read after "done" (``_done``)."""
-  failed = multihost.reported_failures(f"{attempt.key}/written/failed",
-                                       attempt.timeout_s)
-  if failed:
-    multihost.relay_failures(f"{attempt.key}/done/relayed", failed,
-                             attempt.timeout_s)
-  return failed
-
-
-async def _done(attempt: Attempt, error: BaseException | None,
-                report: bool) -> None:
-  """9: the barrier "done", after which a process other than 0 reads, in
-  one call, what process 0 reported there: its own failure (``failed/0``)
-  or the failures it read at "written" (``relayed/<p>``, ``run_save``),
-  raised as the barrier "written" raised them before. Process 0 knows
-  both already and reads nothing."""
-  key = f"{attempt.key}/done"
-  await _barrier(attempt, "done", DONE, error, heard=False, report=report)
-  if error is not None:
-    raise error
-  if multihost.process_index() == 0:
-    return
-  got = await asyncio.to_thread(multihost.reported_by_kind, key,
-                                attempt.timeout_s)
-  if got.get("relayed"):
-    raise _failed(attempt, WRITTEN, got["relayed"])
-  if got.get("failed"):
-    raise _failed(attempt, DONE, got["failed"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,24 +128,24 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     groups = _ocdbt_groups(job.plan) if job.writer is None else 0
     relay = groups <= 1
     own = error or late
-    await _barrier(attempt, "written", WRITTEN, own,
-                   on_arrival=lambda: stopped_writing.append(True),
-                   heard=not relay)
+    await barriers.barrier(attempt, "written", barriers.WRITTEN, own,
+                           on_arrival=lambda: stopped_writing.append(True),
+                           heard=not relay)
     # 6. A large OCDBT step: its merge groups, on every process at once.
     if groups > 1:
       _, error = await _outcome(_merge_groups(kvstore, job, groups))
-      await _barrier(attempt, "merged", "every OCDBT merge group was merged",
-                     error)
+      await barriers.barrier(attempt, "merged",
+                             "every OCDBT merge group was merged", error)
     # 6-7. Process 0: the index written, the commit, unless a process
     # failed to write (then relayed to the others at "done").
     error, report = (own if relay else None), True
     if pid == 0:
-      relayed, failure = ((await _outcome(asyncio.to_thread(_relay, attempt)))
-                          if relay else ({}, None))
+      relayed, failure = ((await _outcome(asyncio.to_thread(
+          barriers.relay, attempt))) if relay else ({}, None))
       if failure is not None:  # (the service did not answer: said at "done")
         error = own or failure
       elif relayed or own is not None:
-        error = own or _failed(attempt, WRITTEN, relayed)
+        error = own or barriers.failed(attempt, barriers.WRITTEN, relayed)
         report = not relayed  # (relayed: the others read them after "done")
       elif not committed:  # (writer="process": process 0's writer did)
         _, error = await _outcome(
@@ -250,7 +153,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
     elif error is not None:
       report = False  # process 0 relays what it reported at "written"
     # 9. The save is complete everywhere.
-    await _done(attempt, error, report)
+    await barriers.done(attempt, error, report)
   except BaseException as e:
     if not committed:  # (a step the writers committed stays)
       await _after_failure(attempt, job.storage, e, bool(stopped_writing))
@@ -487,10 +390,10 @@ async def _removed_barrier(attempt: Attempt, error: BaseException) -> None:
   if isinstance(error, (asyncio.CancelledError, BarrierTimeoutError)):
     return
   try:
-    await asyncio.to_thread(
-        multihost.barrier, f"{attempt.key}/removed",
-        timeout_s=attempt.timeout_s,
-        what=f"the failed attempt removed, step {attempt.step}")
+    key = f"{attempt.key}/removed"
+    await asyncio.to_thread(attempt.waiting.wait, key, lambda: (
+        multihost.barrier(key, timeout_s=attempt.timeout_s, what=(
+            f"the failed attempt removed, step {attempt.step}"))))
   except BarrierTimeoutError as e:  # the save's own error is the one raised
     logging.warning("ckpt: %s", e)
 

@@ -18,7 +18,6 @@ Call sequence (on the writer's pool threads): ``write(m, data)`` for each
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import crc32c
 import tensorstore as ts
