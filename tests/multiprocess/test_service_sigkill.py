@@ -243,11 +243,13 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
     last_kill = t_kill
     tmp_seen = sorted(n for n in os.listdir(root) if ".tmp-" in n) if (
         root.exists()) else []
+    before = dict(verified)
     steps = _verify_root(root, latest, len(rows[-1]["steps"]) if rows else 0,
                          verified)
+    loaded = sum(before.get(s) != verified[s] for s in steps)
     rows.append({"launch": launch, "victims": victims, "phases": phases,
                  "delay": delay, "grace": grace, "steps": steps,
-                 "tmp": len(tmp_seen),
+                 "tmp": len(tmp_seen), "loaded": loaded,
                  "codes": [r.returncode for r in results],
                  "t": time.monotonic() - t_start, "gone": t_gone})
     latest = steps[-1] if steps else None
@@ -291,7 +293,8 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
                       for p, (ph, s) in enumerate(row["phases"]))
     print(f"  kill {row['launch']:2d}: victims {row['victims']} at "
           f"+{row['delay']:.2f}s (+{row['grace']:.2f}s for the rest) "
-          f"[{where}] -> committed {row['steps']}, {row['tmp']} tmp dirs "
+          f"[{where}] -> committed {row['steps']} ({row['loaded']} loaded, "
+          f"the rest unchanged), {row['tmp']} tmp dirs "
           f"(at {row['t']:.0f} s; writers gone in {row['gone']:.1f} s)")
   print(f"  final run: committed {steps}, every committed step verified "
         "bit-exact after every kill")
