@@ -58,6 +58,14 @@ KILL_DELAY_S = 1.5  # a kill comes within this of the job being ready
 KILL_STRATA = 4  # kills per victim set, each in its own part of the delay
 KILLS = len(KILL_VICTIMS) * KILL_STRATA
 KEEP = 3
+# The jobs' barrier_timeout_s. With writer="process" it is also how long
+# process 0's writer waits for the other writers' records, and twice it how
+# long another writer waits for process 0's commit: a kill that leaves a
+# writer waiting for a step that can never commit (process 0's trainer
+# died before handing that step over) costs the loop that long before the
+# next job may start (_wait_writers_gone). 30 s is still several times
+# what a live peer needs under heavy load (records 8 s apart at load 50).
+BARRIER_TIMEOUT_S = {"thread": 60, "process": 30}
 
 
 def _kill_point(launch: int, rng: random.Random) -> tuple[list[int], float]:
@@ -171,7 +179,7 @@ def _wait_writers_gone(trainers: list[int]) -> None:
   save in flight, then exit; a restarted job that came up sooner could
   find a step committed after it looked (the dead job's, as designed). A
   writer waits for process 0's writer's commit at most twice the barrier
-  timeout (60 s here) when process 0's trainer died mid-hand-over."""
+  timeout (BARRIER_TIMEOUT_S) when process 0's trainer died mid-hand-over."""
   import psutil  # pylint: disable=import-outside-toplevel
   mine = []
   for p in psutil.process_iter(["cmdline"]):
@@ -209,7 +217,8 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
   root, events = tmp_path / "ckpt", tmp_path / "events"
   events.mkdir()
   conf = {"dir": str(root), "events": str(events), "keep": KEEP,
-          "max_step": 10**6, "writer": writer}
+          "max_step": 10**6, "writer": writer,
+          "barrier_timeout_s": BARRIER_TIMEOUT_S[writer]}
   t_start = time.monotonic()
   latest, tmp_seen, rows = None, [], []
   launch, cleanups_checked = 0, 0
