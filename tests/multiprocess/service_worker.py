@@ -829,7 +829,8 @@ def scenario_killloop(conf: dict) -> KillLoop:
   # The default lease (30 s): a killed job's attempts go at the next job's
   # first save because their holder (process 0, on this host) is provably
   # dead, not because the lease expired (ckpt/commit/lease.py).
-  ck = ckpt.Checkpointer(root, keep=conf["keep"], barrier_timeout_s=60,
+  ck = ckpt.Checkpointer(root, keep=conf["keep"],
+                         barrier_timeout_s=conf["barrier_timeout_s"],
                          writer=conf.get("writer", "thread"))
 
   def report_cleanup():
