@@ -44,7 +44,10 @@ not cores); bounding TensorStore's threads (``data_copy_concurrency`` 1,
 neither is set (``storage_options`` sets them).
 
 ``BACKGROUND_NICE = 0`` and ``DROP_WRITTEN_PAGES = False`` turn them off
-(set before the Checkpointer is made / the save starts).
+(set before the Checkpointer is made / the save starts). With
+``writer="process"`` the writer process runs wholly at the lowered
+priority (``background_nice``, taken when it starts: set
+``BACKGROUND_NICE`` before the first save).
 """
 
 from __future__ import annotations
@@ -81,6 +84,19 @@ def _below(tid: int) -> int:
                + BACKGROUND_NICE)
   except OSError:
     return min(_MAX_NICE, BACKGROUND_NICE)
+
+
+def background_nice() -> int:
+  """The nice value for a save's work started now from the calling thread:
+  ``BACKGROUND_NICE`` below it (at most 19), or its own when that is 0
+  (the writer process, ``writer="process"``, runs at it)."""
+  tid = threading.get_native_id()
+  if BACKGROUND_NICE <= 0 or not hasattr(os, "getpriority"):
+    try:
+      return os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError):
+      return 0
+  return _below(tid)
 
 
 def lower_this_thread() -> None:

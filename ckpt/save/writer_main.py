@@ -309,6 +309,12 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
         except BaseException as e:  # pylint: disable=broad-except
           save = None
           channel.send("failed", job=m["job"], **handover.error_message(e))
+        else:
+          if save.renewal is not None:
+            # Process 0's trainer returns from save() only after this: the
+            # lease names this live writer, never only a trainer that may
+            # die next (a restarted job's cleanup would take it for dead).
+            channel.send("held", job=m["job"])
       elif save is None:
         if kind == "box":  # a save that could not begin: its memory goes
           handover.unlink(m["shm"])
@@ -347,8 +353,26 @@ def _watch_parent(channel: handover.Channel, trainer: int) -> None:
     pass
 
 
+def lower_priority(nice: int) -> None:
+  """Every thread of this process (and each it starts: a thread inherits
+  its creator's) at nice value ``nice``, never higher than now."""
+  try:
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    tids = [os.getpid()]
+  for tid in tids:
+    try:
+      if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+      pass  # gone meanwhile, or not allowed: the priority stays
+
+
 def main(argv: list[str]) -> int:
   fd, trainer, nonce = int(argv[1]), int(argv[2]), argv[3]
+  nice = os.environ.get(handover.NICE_ENV)
+  if nice and nice.lstrip("-").isdigit() and hasattr(os, "setpriority"):
+    lower_priority(int(nice))
   channel = handover.Channel(socket.socket(fileno=fd))
   serve(channel, trainer, nonce)
   return 0
