@@ -205,7 +205,7 @@ class Save:
       raise CheckpointError(
           f"step {self.step} was not committed by process 0's writer within "
           f"{2 * bound:g} s of this writer's record (it failed, or died; "
-          f"its process says which)")
+          f"its process says which), or that writer is gone")
     self.committed = True
     return True
 

@@ -240,15 +240,17 @@ def test_crash_points_of_the_writers_path(tmp_path, kill):
   2: a trainer killed as it hands its boxes over (its writer abandons the
   save; nothing commits and the attempt goes), process 0's writer killed
   in its commit before the rename (nothing commits; the save fails on
-  every process, and the next save of the step commits), process 1's
-  writer killed once its record is written (its part is durable: the
-  step commits and restores bit for bit; the trainers hear of the death).
+  every process, process 1's writer seeing at once that the lease's holder
+  died, and the next save of the step commits), process 1's writer killed
+  once its record is written (its part is durable: the step commits and
+  restores bit for bit; the trainers hear of the death, and none waits
+  at a barrier for a removal that never comes).
   """
   root = tmp_path / "c"
   cluster = local_cluster.start(
       WORKER, {"scenario": "crash", "dir": str(root), "mib": 8, "kill": kill,
                "before": 4, "step": 5, "again": 5 if kill == "before rename"
-               else 6, "bound_s": 10},
+               else 6, "bound_s": 30},
       num_processes=2, devices_per_process=2, cwd=REPO)
   trainers = cluster.pids()
   if kill == "mid hand-over":
@@ -261,14 +263,15 @@ def test_crash_points_of_the_writers_path(tmp_path, kill):
   wait_gone(writers_of(trainers), 120)
   assert not [n for n in os.listdir("/dev/shm")
               for t in trainers if n.startswith(f"ckpt-{t}-")]
-  if kill == "mid hand-over":
+  if kill == "mid hand-over":  # (its attempt goes at the next save)
     assert results[1].returncode == -signal.SIGKILL
-    assert committed(root) == [4] and attempts(root, 5) == []
+    assert committed(root) == [4]
     return
   out = local_cluster.check(results)
   got = [worker_lib.decode(writer_worker.Crash, r) for r in out]
-  for r in got:
-    assert r.error is not None and "writer process" in r.error, r
+  for r in got:  # every process raised (none waited out a bound), naming it
+    assert r.error is not None and "writer" in r.error, r
+    assert "BarrierTimeoutError" not in r.error, r
   if kill == "before rename":
     assert all(r.steps == [4, 5] for r in got), got
     assert committed(root) == [4, 5] and attempts(root, 5) == []
