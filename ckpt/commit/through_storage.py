@@ -56,7 +56,12 @@ The API (what a writer process calls; nothing else of ckpt is needed)::
       any process (another host's writer, a trainer): whether this attempt
       committed ``step`` within ``bound_s``; False as soon as the attempt
       is gone without committing, or its lease's holder is provably dead
-      (it ran on this host: ckpt/commit/lease.py ``dead_reason``). The storage is the truth: False after
+      (it ran on this host: ckpt/commit/lease.py ``dead_reason``).
+
+  never_commits(storage, step, token) -> bool
+      whether that attempt can no longer commit ``step`` (another attempt
+      did, it is gone, or its holder is provably dead): a False of
+      ``wait_committed`` before its bound, told apart from a bound passed. The storage is the truth: False after
       the bound means "not seen committed", so give it a bound longer than
       process 0's (its ``bound_s`` plus the commit's own, e.g.
       ``save_timeout_s``), or a process 0 that froze and woke up in time
@@ -429,6 +434,22 @@ def wait_committed(storage: storage_lib.Storage, step: int, token: str,
     if wait.left() <= 0:
       return False
     wait.pause()
+
+
+def never_commits(storage: storage_lib.Storage, step: int,
+                  token: str) -> bool:
+  """Whether the attempt ``token`` of ``step`` can no longer commit it:
+  another attempt committed the step, or the attempt is gone without
+  committing it, or its lease's holder is provably dead (this host)."""
+  kind = strategy.for_storage(storage)
+  committed, by = records.commit_state(storage, step)
+  if committed:
+    return by != token
+  data, _ = kind.read_lease(f"{kind.work_dir(step, token)}/{ATTEMPT_FILE}")
+  if data is not None and not _holder_dead(data):
+    return False
+  committed, by = records.commit_state(storage, step)  # (a rename just now)
+  return not (committed and by == token)
 
 
 def _holder_dead(lease_data: bytes) -> bool:

@@ -87,16 +87,17 @@ def _below(tid: int) -> int:
 
 
 def background_nice() -> int:
-  """The nice value for a save's work started now from the calling thread:
-  ``BACKGROUND_NICE`` below it (at most 19), or its own when that is 0
-  (the writer process, ``writer="process"``, runs at it)."""
-  tid = threading.get_native_id()
+  """The nice value of the writer process (``writer="process"``):
+  ``BACKGROUND_NICE`` below this process's main thread (the training
+  loop's, as a rule; at most 19), or the main thread's own when that is
+  0. A process never raises its priority: the writer is started from the
+  thread that calls ``save()``, not from the save's lowered threads."""
   if BACKGROUND_NICE <= 0 or not hasattr(os, "getpriority"):
     try:
-      return os.getpriority(os.PRIO_PROCESS, tid)
+      return os.getpriority(os.PRIO_PROCESS, os.getpid())
     except (OSError, AttributeError):
       return 0
-  return _below(tid)
+  return _below(os.getpid())
 
 
 def lower_this_thread() -> None:

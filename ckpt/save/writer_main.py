@@ -212,7 +212,9 @@ class Save:
   def _wait_committed(self, bound_s: float) -> bool:
     """Whether process 0's writer committed the step within ``bound_s``;
     False at once when its own record says it failed (its trainer died
-    before the hand-over ended: it never commits)."""
+    before the hand-over ended: it never commits), or when the attempt can
+    no longer commit (process 0's writer died on this host, or the
+    attempt is gone)."""
     t0 = time.monotonic()
     key = through_storage.record_key(self.work_dir, 0)
     while True:
@@ -221,7 +223,9 @@ class Save:
                                         max(0.0, min(1.0, left)),
                                         stop=self.stop_event):
         return True
-      if left <= 0 or self.stop_event.is_set() or self._failed_record(key):
+      if (left <= 0 or self.stop_event.is_set() or self._failed_record(key)
+          or through_storage.never_commits(self.storage, self.step,
+                                           self.token)):
         return False
 
   def _failed_record(self, key: str) -> bool:
