@@ -55,7 +55,13 @@ The API (what a writer process calls; nothing else of ckpt is needed)::
                  clock=time.monotonic) -> bool
       any process (another host's writer, a trainer): whether this attempt
       committed ``step`` within ``bound_s``; False as soon as the attempt
-      is gone without committing. The storage is the truth: False after
+      is gone without committing, or its lease's holder is provably dead
+      (it ran on this host: ckpt/commit/lease.py ``dead_reason``).
+
+  never_commits(storage, step, token) -> bool
+      whether that attempt can no longer commit ``step`` (another attempt
+      did, it is gone, or its holder is provably dead): a False of
+      ``wait_committed`` before its bound, told apart from a bound passed. The storage is the truth: False after
       the bound means "not seen committed", so give it a bound longer than
       process 0's (its ``bound_s`` plus the commit's own, e.g.
       ``save_timeout_s``), or a process 0 that froze and woke up in time
@@ -410,7 +416,8 @@ def wait_committed(storage: storage_lib.Storage, step: int, token: str,
                    bound_s: float, *, stop: threading.Event | None = None,
                    clock: Callable[[], float] = time.monotonic) -> bool:
   """Whether the attempt ``token`` committed ``step`` within ``bound_s``
-  (False at once when the attempt is gone and did not commit it)."""
+  (False at once when the attempt is gone and did not commit it, or when
+  its holder is provably dead)."""
   kind = strategy.for_storage(storage)
   lease_key = f"{kind.work_dir(step, token)}/{ATTEMPT_FILE}"
   wait = _Wait(bound_s, stop, clock)
@@ -418,10 +425,36 @@ def wait_committed(storage: storage_lib.Storage, step: int, token: str,
     committed, by = records.commit_state(storage, step)
     if committed:
       return by == token
-    if not storage.exists(lease_key):
-      # Gone: committed just now (a rename moves the lease), or removed.
+    data, _ = kind.read_lease(lease_key)
+    if data is None or _holder_dead(data):
+      # Gone: committed just now (a rename moves the lease), or removed;
+      # or its holder died on this host: nobody commits it any more.
       committed, by = records.commit_state(storage, step)
       return committed and by == token
     if wait.left() <= 0:
       return False
     wait.pause()
+
+
+def never_commits(storage: storage_lib.Storage, step: int,
+                  token: str) -> bool:
+  """Whether the attempt ``token`` of ``step`` can no longer commit it:
+  another attempt committed the step, or the attempt is gone without
+  committing it, or its lease's holder is provably dead (this host)."""
+  kind = strategy.for_storage(storage)
+  committed, by = records.commit_state(storage, step)
+  if committed:
+    return by != token
+  data, _ = kind.read_lease(f"{kind.work_dir(step, token)}/{ATTEMPT_FILE}")
+  if data is not None and not _holder_dead(data):
+    return False
+  committed, by = records.commit_state(storage, step)  # (a rename just now)
+  return not (committed and by == token)
+
+
+def _holder_dead(lease_data: bytes) -> bool:
+  """Whether the lease's holder (process 0's writer, or its trainer before
+  the writer took the lease over: a save never handed over whole, which
+  no writer commits) ran on this host and is gone."""
+  lease = lease_lib.parse(lease_data)
+  return lease is not None and lease_lib.dead_reason(lease) is not None

@@ -192,6 +192,14 @@ class Saver:
                                planned_leaves=planned)
     self.last_save_stats = stats
     staged = threading.Event()
+    if self._writer is not None:
+      # Started from the caller's thread: at its priority, which the writer
+      # lowers to its own (ckpt/save/polite.py), never from the loop's
+      # lowered threads. (A failure is the save's, raised on the loop.)
+      try:
+        self._writer.ensure_started()
+      except Exception:  # pylint: disable=broad-except
+        pass
     fut = self._loop.submit(progress_lib.reported(
         deadline_lib.bounded(
             self._save_async(attempt, plan, metrics, host_files, stats,

@@ -5,9 +5,10 @@ calls ``write``): each owned box is staged straight into shared memory
 under the save's byte budget (its grant given back when the writer says it
 was written: the host holds at most ``concurrent_bytes`` of staged boxes,
 counted once), handed over as a msgpack message (ckpt/save/handover.py),
-then ``finish`` is sent, and only then is the caller released
-(``on_staged``): once ``save()`` has returned, the writer holds all it
-needs. The writers commit through the storage
+then ``finish`` is sent, and only then (process 0: once its writer says
+it holds the attempt's lease) is the caller released (``on_staged``):
+once ``save()`` has returned, the writer holds all it needs, and a
+restarted job's cleanup sees the attempt's holder alive. The writers commit through the storage
 (ckpt/commit/through_storage.py: each writes its record, process 0's
 commits once all are in; process 0's index and the tiling digests go with
 ``finish``), so the step commits even if every trainer dies; the trainers
@@ -54,6 +55,8 @@ class Handing:
     self.loop = asyncio.get_running_loop()
     self.result: asyncio.Future = self.loop.create_future()
     self.cancelled: asyncio.Future = self.loop.create_future()
+    # Process 0: its writer holds the attempt's lease (writer_main "held").
+    self.held: asyncio.Future = self.loop.create_future()
     self.grants: dict[int, int] = {}
     self.ids = itertools.count()
     self.failed = False  # a box failed: stop staging
@@ -72,7 +75,7 @@ class Handing:
         self.limiter.release(grant)
       self.grants.clear()
       self.failed = True
-      for fut in (self.result, self.cancelled):
+      for fut in (self.result, self.cancelled, self.held):
         if not fut.done():
           fut.set_exception(CheckpointError(self.gone))
       return
@@ -89,8 +92,12 @@ class Handing:
       self.failed |= bool(m["failed"])
     elif kind == "done" and not self.result.done():
       self.result.set_result(m)
+    elif kind == "held" and not self.held.done():
+      self.held.set_result(m)
     elif kind == "failed" and not self.result.done():
       self.result.set_exception(handover.rebuild(m))
+      if not self.held.done():
+        self.held.set_exception(handover.rebuild(m))
     elif kind == "cancelled" and not self.cancelled.done():
       self.cancelled.set_result(m)
 
@@ -114,7 +121,7 @@ class Handing:
 
   def end(self) -> None:
     self.writer.end(self.job)
-    for fut in (self.result, self.cancelled):
+    for fut in (self.result, self.cancelled, self.held):
       if fut.done() and not fut.cancelled():
         fut.exception()  # retrieved: never logged as unhandled
 
@@ -209,6 +216,11 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
                    ocdbt_groups=ocdbt_groups,
                    index=index() if pid == 0 else None,
                    whole=whole if pid == 0 else None)
+      if pid == 0:
+        # Not before its writer holds the lease: a trainer killed once
+        # save() returned leaves a lease naming a live process (a restarted
+        # job's cleanup would remove an attempt its dead trainer holds).
+        await asyncio.shield(handing.held)
     finally:
       for lp in plan.leaves:
         lp.source = None  # the caller's arrays are no longer needed

@@ -11,7 +11,9 @@ attempt, the arrays to create or open with their TensorStore specs, the
 host files, whether the writer commits and the lease), ``box`` (one staged
 box: its array, start, stop, dtype, and the shared-memory segment that
 holds it), ``finish`` (every box handed over; the index when the writer
-commits), ``cancel``, ``exit``. Writer to trainer: ``freed`` (a box was
+commits), ``cancel``, ``exit``. Writer to trainer: ``held`` (process 0's
+writer holds the attempt's lease: its trainer's ``save()`` returns only
+after it), ``freed`` (a box was
 written: its bytes go back to the save's budget), ``done`` (the boxes
 written and durable, the files written, committed or not), ``failed``
 (an error: its class name and message), ``cancelled``.
@@ -43,6 +45,9 @@ SHM_DIR = "/dev/shm"
 _PREFIX = "ckpt-"
 _NAME = re.compile(r"ckpt-(\d+)-([0-9a-f]+)-(\d+)-\d+$")
 MAX_MESSAGE_BYTES = 1 << 30
+# The writer's nice value, set by its trainer in its environment (the
+# writer lowers every thread of its own to it: ckpt/save/polite.py).
+NICE_ENV = "CKPT_WRITER_NICE"
 _LEN = struct.Struct(">I")
 
 

@@ -44,7 +44,10 @@ not cores); bounding TensorStore's threads (``data_copy_concurrency`` 1,
 neither is set (``storage_options`` sets them).
 
 ``BACKGROUND_NICE = 0`` and ``DROP_WRITTEN_PAGES = False`` turn them off
-(set before the Checkpointer is made / the save starts).
+(set before the Checkpointer is made / the save starts). With
+``writer="process"`` the writer process runs wholly at the lowered
+priority (``background_nice``, taken when it starts: set
+``BACKGROUND_NICE`` before the first save).
 """
 
 from __future__ import annotations
@@ -81,6 +84,20 @@ def _below(tid: int) -> int:
                + BACKGROUND_NICE)
   except OSError:
     return min(_MAX_NICE, BACKGROUND_NICE)
+
+
+def background_nice() -> int:
+  """The nice value of the writer process (``writer="process"``):
+  ``BACKGROUND_NICE`` below this process's main thread (the training
+  loop's, as a rule; at most 19), or the main thread's own when that is
+  0. A process never raises its priority: the writer is started from the
+  thread that calls ``save()``, not from the save's lowered threads."""
+  if BACKGROUND_NICE <= 0 or not hasattr(os, "getpriority"):
+    try:
+      return os.getpriority(os.PRIO_PROCESS, os.getpid())
+    except (OSError, AttributeError):
+      return 0
+  return _below(os.getpid())
 
 
 def lower_this_thread() -> None:

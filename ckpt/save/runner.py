@@ -157,6 +157,11 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   except BaseException as e:
     if not committed:  # (a step the writers committed stays)
       await _after_failure(attempt, job.storage, e, bool(stopped_writing))
+    elif stopped_writing:
+      # writer="process": the writers committed, yet a process failed (its
+      # writer died after its record): the others, who do not know it
+      # committed, wait for the removal at this barrier; nothing to remove.
+      await _removed_barrier(attempt, e)
     raise
   finally:
     if lease is not None:

@@ -24,8 +24,11 @@ from absl import logging
 
 from ckpt.errors import CheckpointError
 from ckpt.save import handover
+from ckpt.save import polite
 
 CLOSE_WAIT_S = 600.0  # close() waits this long for a save being finished
+# The module the writer runs (``python -m``); tests run one that wraps it.
+WRITER_MODULE = "ckpt.save.writer_main"
 
 
 class WriterProcess:
@@ -61,11 +64,14 @@ class WriterProcess:
       # No device: the writer writes bytes (jax is imported, never run).
       env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
                  TPU_VISIBLE_CHIPS="")
+      # Below the trainer's priority, as the thread writer's threads are
+      # (ckpt/save/polite.py; BACKGROUND_NICE = 0: at the trainer's).
+      env[handover.NICE_ENV] = str(polite.background_nice())
       try:
         # A new interpreter (never a fork of this JAX process), in its own
         # session: a Ctrl-C or a kill of the trainer's group spares it.
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ckpt.save.writer_main",
+            [sys.executable, "-m", WRITER_MODULE,
              str(theirs.fileno()), str(os.getpid()), self.nonce],
             pass_fds=(theirs.fileno(),), env=env, start_new_session=True,
             stdin=subprocess.DEVNULL)

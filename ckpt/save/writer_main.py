@@ -253,7 +253,7 @@ class Save:
       raise CheckpointError(
           f"step {self.step} was not committed by process 0's writer within "
           f"{2 * bound:g} s of this writer's record (it failed, or died; "
-          f"its process says which)")
+          f"its process says which), or that writer is gone")
     self.committed = True
     return True
 
@@ -271,7 +271,9 @@ class Save:
   def _wait_committed(self, bound_s: float) -> bool:
     """Whether process 0's writer committed the step within ``bound_s``;
     False at once when its own record says it failed (its trainer died
-    before the hand-over ended: it never commits)."""
+    before the hand-over ended: it never commits), or when the attempt can
+    no longer commit (process 0's writer died on this host, or the
+    attempt is gone)."""
     t0 = time.monotonic()
     key = through_storage.record_key(self.work_dir, 0)
     while True:
@@ -280,7 +282,9 @@ class Save:
                                         max(0.0, min(1.0, left)),
                                         stop=self.stop_event):
         return True
-      if left <= 0 or self.stop_event.is_set() or self._failed_record(key):
+      if (left <= 0 or self.stop_event.is_set() or self._failed_record(key)
+          or through_storage.never_commits(self.storage, self.step,
+                                           self.token)):
         return False
 
   def _failed_record(self, key: str) -> bool:
@@ -371,6 +375,12 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
         except BaseException as e:  # pylint: disable=broad-except
           save = None
           channel.send("failed", job=m["job"], **handover.error_message(e))
+        else:
+          if save.renewal is not None:
+            # Process 0's trainer returns from save() only after this: the
+            # lease names this live writer, never only a trainer that may
+            # die next (a restarted job's cleanup would take it for dead).
+            channel.send("held", job=m["job"])
       elif save is None:
         if kind in ("box", "pack"):  # a save that could not begin: freed
           handover.unlink(m["shm"])
@@ -411,8 +421,26 @@ def _watch_parent(channel: handover.Channel, trainer: int) -> None:
     pass
 
 
+def lower_priority(nice: int) -> None:
+  """Every thread of this process (and each it starts: a thread inherits
+  its creator's) at nice value ``nice``, never higher than now."""
+  try:
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    tids = [os.getpid()]
+  for tid in tids:
+    try:
+      if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+      pass  # gone meanwhile, or not allowed: the priority stays
+
+
 def main(argv: list[str]) -> int:
   fd, trainer, nonce = int(argv[1]), int(argv[2]), argv[3]
+  nice = os.environ.get(handover.NICE_ENV)
+  if nice and nice.lstrip("-").isdigit() and hasattr(os, "setpriority"):
+    lower_priority(int(nice))
   channel = handover.Channel(socket.socket(fileno=fd))
   serve(channel, trainer, nonce)
   return 0

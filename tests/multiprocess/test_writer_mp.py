@@ -24,6 +24,7 @@ import pytest
 import ckpt
 from ckpt.multihost import local_cluster
 from tests.multiprocess import launch
+from tests.multiprocess import worker as worker_lib
 from tests.multiprocess import writer_worker
 from tests.multiprocess.writer_worker import After, Roundtrip
 
@@ -99,15 +100,16 @@ def test_writer_process_jobs_link_unchanged_chunks(tmp_path):
 
 
 def held(tmp_path, processes: int, mib: int, step: int = 5,
-         bound_s: float = 60, fmt: str = "zarr"):
+         bound_s: float = 60, fmt: str = "zarr", **extra):
   """A job whose every trainer returned from save() and stopped its writer;
-  (cluster, the per-process info)."""
+  (cluster, the per-process info). ``extra``: more of the hold scenario's
+  config (``before``, ``lease_s``, ``keep``)."""
   events = tmp_path / "events"
   events.mkdir(exist_ok=True)
   cluster = local_cluster.start(
       WORKER, {"scenario": "hold", "dir": str(tmp_path / "c"), "mib": mib,
                "step": step, "events": str(events), "bound_s": bound_s,
-               "format": fmt},
+               "format": fmt, **extra},
       num_processes=processes, devices_per_process=2, cwd=REPO)
   paths = [events / f"p{p}.json" for p in range(processes)]
   cluster.wait_for_files(paths, 240)
@@ -136,26 +138,31 @@ def no_segments(info: list[dict]) -> bool:
                                            (2, "ocdbt")])
 def test_every_trainer_killed_after_save_returned_the_step_commits(
     tmp_path, processes, fmt):
-  cluster, info = held(tmp_path, processes, mib=16, fmt=fmt)
+  """... and retention (keep=1) waits for the next job's first save: no
+  trainer is left to apply it (docs/writer-process.md)."""
+  cluster, info = held(tmp_path, processes, mib=16, fmt=fmt, before=4,
+                       keep=1)
   writers = [w for i in info for w in i["writers"]]
   assert len(writers) == processes
   for p in range(processes):
     cluster.kill(p, signal.SIGKILL)
   cluster.wait(30, grace_s=0)
-  assert committed(tmp_path / "c") == []  # the writers were stopped
+  assert committed(tmp_path / "c") == [4]  # the writers were stopped
   t0 = time.monotonic()
   resume(writers)
   wait_gone(writers, 120)
   print(f"\n{processes} trainers killed: committed "
         f"{time.monotonic() - t0:.2f} s after the writers went on")
-  assert committed(tmp_path / "c") == [5]
+  assert committed(tmp_path / "c") == [4, 5]  # keep=1: not applied yet
   assert bit_exact(tmp_path / "c", 5, 16)
   assert no_segments(info)
-  # A restarted job finds the step the dead job committed.
+  # A restarted job finds the step the dead job committed; its first
+  # save's retention drops the older ones.
   out = launch.launch(WORKER, {"scenario": "after", "dir": str(tmp_path / "c"),
-                               "step": 6, "format": fmt}, processes, 2,
-                      result=After)
-  assert all(r.steps == [5, 6] for r in out), out
+                               "step": 6, "keep": 1, "format": fmt},
+                      processes, 2, result=After)
+  assert all(r.latest == 5 and r.steps == [6] for r in out), out
+  assert committed(tmp_path / "c") == [6]
 
 
 def test_one_trainer_killed_the_step_commits(tmp_path):
@@ -198,3 +205,122 @@ def test_a_killed_writer_or_host_commits_nothing(tmp_path, also_trainer):
                                "step": 6}, 2, 2, result=After)
   assert all(r.steps == [6] for r in out), out
   assert no_segments(info)
+
+
+def attempts(root, step: int) -> list[str]:
+  return sorted(n for n in os.listdir(root)
+                if n.startswith(f"checkpoint_{step}.tmp-"))
+
+
+def segments_of(info: list[dict]) -> list[str]:
+  return sorted(n for n in os.listdir("/dev/shm") for i in info
+                if n.startswith(f"ckpt-{i['trainer']}-"))
+
+
+def same_state(root, step: int, mib: int) -> bool:
+  got = ckpt.load(str(root), step)
+  return all(np.asarray(got[name]).tobytes() ==
+             writer_worker.truth(name, m).tobytes()
+             for name, m in writer_worker.names(mib).items())
+
+
+@pytest.mark.parametrize("writer,same_step", [("process", False),
+                                              ("thread", True)])
+def test_a_job_restarted_at_once_races_the_dead_jobs_writers(
+    tmp_path, writer, same_step):
+  """Every trainer SIGKILLed once save(5) returned, their writers still
+  holding it (stopped), and a new job started at once (its ``writer``):
+  it resumes from step 4 (nothing of 5 is seen), its cleanup spares the
+  attempt of 5 (its holder, process 0's old writer, lives), its writer
+  spares the old writers' shared memory, and it saves 6 (or 5 again:
+  ``same_step``). Then the old writers go on: 5 commits beside 6, bit for
+  bit; or, 5 committed by the new job meanwhile, the old writer commits
+  nothing over it. Leases of 600 s: only a holder provably dead lets the
+  new job remove an attempt."""
+  root = tmp_path / "c"
+  cluster, info = held(tmp_path, 2, mib=8, step=5, before=4, lease_s=600)
+  for p in range(2):
+    cluster.kill(p, signal.SIGKILL)
+  cluster.wait(30, grace_s=0)
+  old_attempt, old_segments = attempts(root, 5), segments_of(info)
+  assert len(old_attempt) == 1 and old_segments, (os.listdir(root),
+                                                  old_segments)
+  new_step = 5 if same_step else 6
+  out = launch.launch(WORKER, {
+      "scenario": "restart", "dir": str(root), "writer": writer,
+      "step": new_step, "mib": 1, "old_mib": 8, "lease_s": 600},
+                      2, 2, result=writer_worker.Restart)
+  for r in out:
+    assert r.latest == 4 and r.exact, r
+    assert r.steps == [4, new_step], r
+  assert old_attempt[0] in os.listdir(root)  # its holder lives: spared
+  assert segments_of(info) == old_segments  # the old writers' memory too
+  writers = [w for i in info for w in i["writers"]]
+  resume(writers)
+  wait_gone(writers, 120)
+  if same_step:  # the new job's step 5 stands; the old attempt never commits
+    assert committed(root) == [4, 5]
+    assert same_state(root, 5, 1)
+  else:
+    assert committed(root) == [4, 5, 6]
+    assert same_state(root, 5, 8) and same_state(root, 6, 1)
+  assert same_state(root, 4, 8)
+  assert segments_of(info) == []
+
+
+def writers_of(trainers: list[int]) -> list[int]:
+  """The writer processes (still running) started by these trainers."""
+  out = []
+  for p in psutil.process_iter(["cmdline"]):
+    cmd = p.info["cmdline"] or []
+    if (any("writer_main" in c or "writer_faults" in c for c in cmd)
+        and len(cmd) > 4 and cmd[-2].isdigit() and int(cmd[-2]) in trainers):
+      out.append(p.pid)
+  return out
+
+
+@pytest.mark.parametrize("kill", ["mid hand-over", "before rename",
+                                  "after record"])
+def test_crash_points_of_the_writers_path(tmp_path, kill):
+  """The crash points a save crosses in the writer's own path, in a job of
+  2: a trainer killed as it hands its boxes over (its writer abandons the
+  save; nothing commits and the attempt goes), process 0's writer killed
+  in its commit before the rename (nothing commits; the save fails on
+  every process, process 1's writer seeing at once that the lease's holder
+  died, and the next save of the step commits), process 1's writer killed
+  once its record is written (its part is durable: the step commits and
+  restores bit for bit; the trainers hear of the death, and none waits
+  at a barrier for a removal that never comes).
+  """
+  root = tmp_path / "c"
+  cluster = local_cluster.start(
+      WORKER, {"scenario": "crash", "dir": str(root), "mib": 8, "kill": kill,
+               "before": 4, "step": 5, "again": 5 if kill == "before rename"
+               else 6, "bound_s": 30},
+      num_processes=2, devices_per_process=2, cwd=REPO)
+  trainers = cluster.pids()
+  if kill == "mid hand-over":
+    deadline = time.monotonic() + 120
+    while cluster.poll()[1] is None:  # process 1 kills itself
+      assert time.monotonic() < deadline
+      time.sleep(0.1)
+    cluster.kill(0, signal.SIGKILL)  # the job goes, as a scheduler ends it
+  results = cluster.wait(180, grace_s=0)
+  wait_gone(writers_of(trainers), 120)
+  assert not [n for n in os.listdir("/dev/shm")
+              for t in trainers if n.startswith(f"ckpt-{t}-")]
+  if kill == "mid hand-over":  # (its attempt goes at the next save)
+    assert results[1].returncode == -signal.SIGKILL
+    assert committed(root) == [4]
+    return
+  out = local_cluster.check(results)
+  got = [worker_lib.decode(writer_worker.Crash, r) for r in out]
+  for r in got:  # every process raised (none waited out a bound), naming it
+    assert r.error is not None and "writer" in r.error, r
+    assert "BarrierTimeoutError" not in r.error, r
+  if kill == "before rename":
+    assert all(r.steps == [4, 5] for r in got), got
+    assert committed(root) == [4, 5] and attempts(root, 5) == []
+  else:
+    assert all(r.steps == [4, 5, 6] for r in got), got
+  assert bit_exact(root, 5, 8)

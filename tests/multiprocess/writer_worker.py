@@ -18,11 +18,27 @@ Scenarios (``config["scenario"]``):
   ``config["format"]``, default "zarr"); once ``save()``
   returned, stops its writer (SIGSTOP: the test lets it go on), writes
   ``<events>/p<process>.json`` (its writer's pid), and waits to be killed.
+  ``config["before"]`` (optional): a step saved and committed first (by
+  the thread: the writer process starts at the held save, as at a job's
+  first save).
+  ``lease_s``, ``keep`` (optional): the Checkpointer's.
 - ``reuse``: ``reuse_unchanged=True``: saves steps 0..2, then step 3 with
   a new Checkpointer (a new writer), a frozen leaf beside a changing one;
   the bytes each save reused, and whether each step restored bit-exact.
-- ``after``: a restarted job: its first save (``config["step"]``) commits,
-  and the steps committed before are still there (returned).
+- ``after``: a restarted job: its first save (``config["step"]``) commits;
+  the newest step before it and the steps after it are returned
+  (``config["keep"]``: its retention).
+- ``crash``: saves ``config["before"]`` (the thread), then
+  ``config["step"]`` with its writer process killed at a point
+  (``config["kill"]``, tests/multiprocess/writer_faults.py: ``before
+  rename`` of process 0's writer, ``after record`` of process 1's), or
+  its trainer (``mid hand-over``: process 1 SIGKILLs itself as it stages
+  its second box); returns what that save raised, then saves
+  ``config["again"]`` and returns the steps.
+- ``restart``: a job restarted at once while the dead job's writers still
+  hold their save (``config["writer"]``: this job's writer): the newest
+  step, restored and checked, then its save of ``config["step"]`` (the
+  state of ``config["mib"]``: told apart from the dead job's).
 """
 
 from __future__ import annotations
@@ -73,7 +89,8 @@ def segments() -> list[str]:
 def writer_pids() -> list[int]:
   import psutil  # pylint: disable=import-outside-toplevel
   return [p.pid for p in psutil.Process().children()
-          if "ckpt.save.writer_main" in " ".join(p.cmdline())]
+          if "ckpt.save.writer_main" in " ".join(p.cmdline())
+          or "writer_faults" in " ".join(p.cmdline())]
 
 
 def small_state() -> dict:
@@ -157,10 +174,15 @@ def hold(conf: dict) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import ckpt  # pylint: disable=import-outside-toplevel
   s = state(conf["mib"])
+  options = dict(barrier_timeout_s=conf["bound_s"],
+                 lease_s=conf.get("lease_s", 30.0), keep=conf.get("keep"),
+                 format=conf.get("format", "zarr"))
+  if conf.get("before") is not None:  # (the writer starts at step's save)
+    with ckpt.Checkpointer(conf["dir"], **options) as first:
+      first.save(conf["before"], s)
   ckptr = ckpt.Checkpointer(conf["dir"], writer="process",
-                            format=conf.get("format", "zarr"),
-                            barrier_timeout_s=conf["bound_s"],
-                            concurrent_bytes=(conf["mib"] + 16) << 20)
+                            concurrent_bytes=(conf["mib"] + 16) << 20,
+                            **options)
   t0 = time.monotonic()
   ckptr.save(conf["step"], s)
   save_s = time.monotonic() - t0
@@ -219,6 +241,7 @@ def reuse(conf: dict) -> Reused:
 @dataclasses.dataclass(frozen=True)
 class After:
   process: int
+  latest: int | None  # before its save
   steps: list[int]
 
 
@@ -227,12 +250,89 @@ def after(conf: dict) -> After:
   import ckpt  # pylint: disable=import-outside-toplevel
   with ckpt.Checkpointer(conf["dir"], writer="process",
                          format=conf.get("format", "zarr"),
-                         barrier_timeout_s=60) as ckptr:
+                         barrier_timeout_s=60,
+                         keep=conf.get("keep")) as ckptr:
+    latest = ckptr.latest_step()
     ckptr.save(conf["step"], state(1))
     ckptr.wait_until_finished()
-    return After(jax.process_index(), ckptr.all_steps())
+    return After(jax.process_index(), latest, ckptr.all_steps())
+
+
+@dataclasses.dataclass(frozen=True)
+class Crash:
+  process: int
+  error: str | None  # what the save with the kill raised
+  steps: list[int]  # after the next save
+
+
+def crash(conf: dict) -> Crash:
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+  from ckpt.save import staging  # pylint: disable=import-outside-toplevel
+  from ckpt.save import writer_client  # pylint: disable=import-outside-toplevel
+  from tests.multiprocess import writer_faults  # pylint: disable=import-outside-toplevel
+  me, kill = jax.process_index(), conf["kill"]
+  s = state(conf["mib"])
+  options = dict(barrier_timeout_s=conf["bound_s"])
+  with ckpt.Checkpointer(conf["dir"], **options) as first:
+    first.save(conf["before"], s)
+  victim = 0 if kill == "before rename" else 1
+  if me == victim and kill == "mid hand-over":
+    plain, staged = staging.host_box, []
+
+    def stage_then_die(*args):
+      staged.append(1)
+      if len(staged) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+      return plain(*args)
+
+    staging.host_box = stage_then_die
+  elif me == victim:
+    writer_client.WRITER_MODULE = "tests.multiprocess.writer_faults"
+    os.environ[writer_faults.KILL_AT] = kill
+  ckptr = ckpt.Checkpointer(conf["dir"], writer="process",
+                            concurrent_bytes=1 << 20, **options)
+  error = None
+  try:
+    ckptr.save(conf["step"], s)
+    ckptr.wait_until_finished()
+  except Exception as e:  # pylint: disable=broad-except
+    error = f"{type(e).__name__}: {e}"
+  writer_client.WRITER_MODULE = "ckpt.save.writer_main"
+  os.environ.pop(writer_faults.KILL_AT, None)
+  ckptr.save(conf["again"], s)
+  ckptr.wait_until_finished()
+  steps = ckptr.all_steps()
+  ckptr.close()
+  return Crash(me, error, steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+  process: int
+  latest: int | None
+  exact: bool
+  steps: list[int]
+
+
+def restart(conf: dict) -> Restart:
+  import jax  # pylint: disable=import-outside-toplevel
+  import ckpt  # pylint: disable=import-outside-toplevel
+  with ckpt.Checkpointer(conf["dir"], writer=conf["writer"],
+                         barrier_timeout_s=60, lease_s=conf["lease_s"],
+                         keep=conf.get("keep")) as ckptr:
+    latest = ckptr.latest_step()
+    exact = False
+    if latest is not None:
+      got = ckptr.restore(latest)
+      exact = all(np.asarray(got[name]).tobytes() ==
+                  truth(name, m).tobytes()
+                  for name, m in names(conf["old_mib"]).items())
+    ckptr.save(conf["step"], state(conf["mib"]))
+    ckptr.wait_until_finished()
+    return Restart(jax.process_index(), latest, exact, ckptr.all_steps())
 
 
 if __name__ == "__main__":
   worker.main({"roundtrip": roundtrip, "hold": hold, "after": after,
-               "reuse": reuse})
+               "reuse": reuse, "restart": restart, "crash": crash})

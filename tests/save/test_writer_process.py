@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import jax
 import ml_dtypes
@@ -24,6 +25,7 @@ import pytest
 
 import ckpt
 from ckpt.save import handover
+from ckpt.save import writer_client
 from tests.conftest import mesh, named, random_array, sharded
 from tests.save import writer_trainer
 
@@ -173,8 +175,20 @@ def test_a_killed_writer_fails_the_save_and_the_next_one_commits(
   ckptr.save(1, {"w": s["w"][:8]})
   ckptr.wait_until_finished()
   (w,) = writers()
-  w.suspend()  # the save below cannot end before the kill
-  ckptr.save(2, s)
+  # The save below cannot end before the kill: the writer is stopped as
+  # soon as it says it holds the lease (save() returns only after that),
+  # by the thread that reads its replies, before it reads a box.
+  begin = writer_client.WriterProcess.begin
+
+  def stop_when_held(self, on_message):
+    def on(m):
+      if m is not None and m["kind"] == "held":
+        w.suspend()
+      on_message(m)
+    return begin(self, on)
+
+  with mock.patch.object(writer_client.WriterProcess, "begin", stop_when_held):
+    ckptr.save(2, s)
   w.kill()
   with pytest.raises(ckpt.CheckpointError,
                      match=r"^the writer process \(pid \d+\) of this host "
@@ -247,6 +261,28 @@ def test_trainer_and_writer_killed_commit_nothing_and_are_cleaned(
     ckptr.save(step, s)
     ckptr.wait_until_finished()
   assert 5 not in ckptr.all_steps()
+
+
+@pytest.mark.parametrize("policy", [
+    {"keep": 2},
+    {"keep": 1, "keep_period": 2},
+    {"keep": 2, "best_metric": "loss", "best_mode": "min"}],
+    ids=["keep", "keep_period", "best_metric"])
+def test_retention_after_the_writers_commit_is_the_threads(
+    make_ckptr, tmp_path, rng, policy):
+  """While the trainer lives, its Checkpointer applies the policy after
+  each step the writers commit, as after the thread's commits."""
+  s = {"w": random_array(rng, (32, 32)), "n": 1}
+  loss = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.7, 5: 0.8}
+  got = {}
+  for writer in ("thread", "process"):
+    ckptr = make_ckptr(tmp_path / writer, writer=writer, **policy)
+    for step in range(1, 6):
+      ckptr.save(step, s, metrics={"loss": loss[step]})
+      ckptr.wait_until_finished()
+    got[writer] = ckptr.all_steps()
+    assert committed(tmp_path / writer) == got[writer]
+  assert got["process"] == got["thread"] and len(got["thread"]) < 5, got
 
 
 def test_rebuild_keeps_the_class_and_message():
