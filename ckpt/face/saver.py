@@ -168,7 +168,8 @@ class Saver:
     started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self._rounds.barrier_s, host_claim=claim, tiling=tiling)
+        timeout_s=self._rounds.barrier_s, host_claim=claim, tiling=tiling,
+        memory=self._rounds.key_base)
     self._history.saved(step)  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "

@@ -103,7 +103,8 @@ def call_key(*parts) -> str:
   return f"ckpt/{base}/{n}"
 
 
-def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
+def agree(key: str, post: str | None,
+          decide: Callable[[dict[int, str]], str], *,
           timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "") -> str:
   """One round: every process posts ``post``; process 0 decides; all return
   the decision.
@@ -111,13 +112,17 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
   ``decide({process: post})`` runs on process 0 only and must not raise (an
   error is a decision like any other). Costs per process: one set, one
   barrier, one get; process 0 reads all posts in one request. A process
-  that does not arrive makes the barrier time out, naming it.
+  that does not arrive makes the barrier time out, naming it. ``post``
+  None: this process arrives without posting (no set; ``decide`` does not
+  see it: a caller whose process 0 knows what it would have posted,
+  ``agreement.save_round``).
   """
   if not is_multiprocess():
-    return decide({0: post})
+    return decide({} if post is None else {0: post})
   client, pid = coordination_client(timeout_s), process_index()
-  with _naming(what or key):
-    client.key_value_set(f"{key}/in/{pid}", post)
+  if post is not None:
+    with _naming(what or key):
+      client.key_value_set(f"{key}/in/{pid}", post)
   barrier(f"{key}/in", timeout_s=timeout_s, what=what)
   if pid == 0:
     with _naming(what or key):
