@@ -21,6 +21,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.face import loop as loop_lib
 from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
+from ckpt.save import outcome
 from ckpt.save import runner as finalize
 from ckpt.store import storage as storage_lib
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
@@ -184,11 +185,16 @@ class InFlightSave:
     for name in decision["release"]:
       if pid not in decision["waiting"]:
         # Releases the threads of the processes that were cancelled while
-        # waiting there (their result is dropped).
+        # waiting there (their result is dropped): a barrier by arriving,
+        # the wait for the outcome (ckpt/save/outcome.py) by process 0 setting it.
         try:
-          multihost.barrier(name, timeout_s=rounds.barrier_s,
-                            what="cancel(): releasing the cancelled save's "
-                            "barrier")
+          if not name.endswith(outcome.OUTCOME):
+            multihost.barrier(name, timeout_s=rounds.barrier_s,
+                              what="cancel(): releasing the cancelled save's "
+                              "barrier")
+          elif pid == 0:
+            multihost.announce_value(name, '{"cancelled": true}',
+                                     rounds.barrier_s)
         except CheckpointError as e:
           logging.warning("ckpt: cancel(): %s", e)
     with self._lock:

@@ -7,14 +7,16 @@ step, the attempt token and the work directory process 0 prepared. Then:
 5.   barrier "written": every process has stopped writing; failures travel
      with it, so one failed process fails the save on all of them at once
      (process 0 reads them and, unless the step has OCDBT merge groups,
-     relays them at "done": one call per process fewer)
+     relays them in the outcome: one call per process fewer)
      Before it, each process writes its own small files into the attempt
      (index.process_file): its host_state and, for format "zarr", the
      crc32c of each box it wrote; nothing per process goes through the
      coordinator or into the index
 6.   process 0 merges OCDBT databases, writes the index
 7.   process 0 commits (storage.py knows how)
-9.   barrier "done": the save is complete everywhere
+9.   the outcome: process 0 says how the save ended (one key); every
+     other process reads it with one blocking get (no barrier: process 0
+     waits for nobody, the others only wait for it)
 8.   retention, on process 0, after the save is complete everywhere (see
      ``Retention``): a failure there is logged, never a failed save
 
@@ -23,13 +25,16 @@ process has said it stopped writing into it), so a job that ran out of space
 gets it back; but not one that stalled past its bound (``save_timeout_s``,
 ckpt/store/deadline.py): writes abandoned then may still land, so that attempt
 stays, recorded under ``pending/``, for cleanup. Its coordination keys are
-deleted once no process needs them.
+deleted once no process needs them: after a failure at the barrier
+"removed", after a success at the next save of the directory (every
+process read the outcome before it joined that save's round).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import time
 from typing import Any, Awaitable, Callable, TypeVar
@@ -48,6 +53,7 @@ from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import durable
 from ckpt.save import handed
+from ckpt.save import outcome
 from ckpt.save import polite
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
@@ -75,86 +81,6 @@ class Attempt:
   # cancelled there leaves the waiting thread behind, which
   # Checkpointer.cancel releases by having the other processes arrive.
   waiting: list = dataclasses.field(default_factory=list, compare=False)
-
-
-WRITTEN = "all processes wrote their data"
-DONE = "the commit finished"
-
-
-async def _barrier(attempt: Attempt, name: str, what: str,
-                   error: BaseException | None = None,
-                   on_arrival: Callable[[], None] = lambda: None, *,
-                   heard: bool = True, report: bool = True) -> None:
-  """A barrier that also carries failures: a process that failed still
-  arrives (after saying so), so the others stop now, not at a timeout.
-  ``on_arrival`` runs once every process has arrived, before any failure
-  is raised. ``heard`` False: the failures the others reported are not
-  read here (process 0 reads and relays them: ``run_save``), and this
-  process's own ``error`` is not raised yet either. ``report`` False:
-  ``error`` is not reported (process 0 relayed it already)."""
-  key = f"{attempt.key}/{name}"
-  if error is not None and report:
-    # A deadline's own error names the operation, the bound and its option.
-    shown = deadline_lib.timeout_in(error) or error
-    multihost.report_failure(f"{key}/failed",
-                             f"{type(shown).__name__}: {shown}",
-                             attempt.timeout_s)
-  attempt.waiting[:] = [key]
-  t0 = time.monotonic()
-  await asyncio.to_thread(multihost.barrier, key, timeout_s=attempt.timeout_s,
-                          what=f"{what}, step {attempt.step}")
-  attempt.waiting.clear()  # (left set when cancelled: the thread waits on)
-  deadline = deadline_lib.current()
-  if deadline is not None:  # waiting for the others is no stall of the store
-    deadline.exclude(time.monotonic() - t0)
-  on_arrival()
-  if not heard:
-    return
-  if error is not None:
-    raise error
-  failed = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
-  if failed:
-    raise _failed(attempt, what, failed)
-
-
-def _failed(attempt: Attempt, what: str,
-            failed: dict[int, str]) -> CheckpointError:
-  return CheckpointError(
-      f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
-      f"before '{what}'; nothing was committed. "
-      + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
-
-
-def _relay(attempt: Attempt) -> dict[int, str]:
-  """Process 0, after "written": the failures reported there, passed on
-  for the others to read after "done" (``_done``)."""
-  failed = multihost.reported_failures(f"{attempt.key}/written/failed",
-                                       attempt.timeout_s)
-  if failed:
-    multihost.relay_failures(f"{attempt.key}/done/relayed", failed,
-                             attempt.timeout_s)
-  return failed
-
-
-async def _done(attempt: Attempt, error: BaseException | None,
-                report: bool) -> None:
-  """9: the barrier "done", after which a process other than 0 reads, in
-  one call, what process 0 reported there: its own failure (``failed/0``)
-  or the failures it read at "written" (``relayed/<p>``, ``run_save``),
-  raised as the barrier "written" raised them before. Process 0 knows
-  both already and reads nothing."""
-  key = f"{attempt.key}/done"
-  await _barrier(attempt, "done", DONE, error, heard=False, report=report)
-  if error is not None:
-    raise error
-  if multihost.process_index() == 0:
-    return
-  got = await asyncio.to_thread(multihost.reported_by_kind, key,
-                                attempt.timeout_s)
-  if got.get("relayed"):
-    raise _failed(attempt, WRITTEN, got["relayed"])
-  if got.get("failed"):
-    raise _failed(attempt, DONE, got["failed"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +124,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
                                attempt.lease_s).start()
            if pid == 0 and job.writer is None else None)
   committed = False
+  committed_everywhere = False  # process 0: the outcome says so
   try:
     # 3-4. This process's boxes under one byte budget, its host_state file
     # alongside, then its other small files.
@@ -212,39 +139,41 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
       _, late = await _outcome(
           _write_own_files(attempt, job, host_files, sums, error is None))
     # 5. Every process has written (or stopped writing, having failed).
-    # Only process 0 reads the failures reported there, and relays them at
-    # "done" (one call per process fewer: each call is one more for the
+    # Only process 0 reads the failures reported there, and relays them in
+    # the outcome (one call per process fewer: each call is one more for the
     # coordination service process 0 runs); with OCDBT merge groups every
     # process merges after "written", so all hear of failures there.
     groups = _ocdbt_groups(job.plan)
     relay = groups <= 1
     own = error or late
-    await _barrier(attempt, "written", WRITTEN, own,
-                   on_arrival=lambda: stopped_writing.append(True),
-                   heard=not relay)
+    await outcome.barrier(attempt, "written", outcome.WRITTEN, own,
+                          on_arrival=lambda: stopped_writing.append(True),
+                          heard=not relay)
     # 6. A large OCDBT step: its merge groups, on every process at once.
     if groups > 1:
       _, error = await _outcome(_merge_groups(kvstore, job, groups))
-      await _barrier(attempt, "merged", "every OCDBT merge group was merged",
-                     error)
+      await outcome.barrier(attempt, "merged",
+                            "every OCDBT merge group was merged", error)
     # 6-7. Process 0: the index written, the commit, unless a process
-    # failed to write (then relayed to the others at "done").
-    error, report = (own if relay else None), True
+    # failed to write (then relayed to the others in the outcome).
+    error, report, relayed = (own if relay else None), True, {}
     if pid == 0:
-      relayed, failure = ((await _outcome(asyncio.to_thread(_relay, attempt)))
-                          if relay else ({}, None))
+      relayed, failure = (await _outcome(asyncio.to_thread(
+          multihost.reported_failures, f"{attempt.key}/written/failed",
+          attempt.timeout_s))) if relay else ({}, None)
       if failure is not None:  # (the service did not answer: said at "done")
         error = own or failure
       elif relayed or own is not None:
-        error = own or _failed(attempt, WRITTEN, relayed)
-        report = not relayed  # (relayed: the others read them after "done")
+        error = own or outcome.failed(attempt, outcome.WRITTEN, relayed)
+        report = not relayed  # (relayed: the others read them in the outcome)
       elif not committed:  # (writer="process": process 0's writer did)
         _, error = await _outcome(
             _commit(attempt, job, facts, kvstore, groups == 1, lease))
     elif error is not None:
       report = False  # process 0 relays what it reported at "written"
-    # 9. The save is complete everywhere.
-    await _done(attempt, error, report)
+    # 9. The outcome, from process 0.
+    await outcome.done(attempt, error, report, relayed)
+    committed_everywhere = True
   except BaseException as e:
     if not committed:  # (a step the writers committed stays)
       await _after_failure(attempt, job.storage, e, bool(stopped_writing))
@@ -252,8 +181,8 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   finally:
     if lease is not None:
       lease.stop()
-    if stopped_writing:
-      multihost.forget(attempt.key, attempt.timeout_s)
+    if stopped_writing and pid == 0:
+      outcome.forget(attempt, read=not committed_everywhere)
 
 
 async def _outcome(stage: Awaitable[T]) -> tuple[T | None, Exception | None]:

@@ -13,6 +13,7 @@ from tests.multiprocess.worker import Outcome
 @dataclasses.dataclass(frozen=True)
 class Result:
   kv_calls: list[int]   # last_save_stats.kv_calls of saves 1, 2, 4, 5
+  barriers: list[int]   # last_save_stats.barriers of saves 1, 2, 4, 5
   posted: list[int]     # this process's sets in the round of saves 1, 2, 4, 5
   mismatch: Outcome     # save 3: "lr" differs on process 1
   steps: list[int]      # all_steps() afterwards
@@ -32,7 +33,7 @@ def run(conf: dict) -> Result:
   state = {"w": x, "lr": 0.5, "table": np.arange(16, dtype=np.int32)}
   c = ckpt.Checkpointer(conf["dir"], async_save=False,
                         barrier_timeout_s=conf["timeout"])
-  calls, posted = [], []
+  calls, posted, barriers = [], [], []
 
   from ckpt.multihost import coordination  # pylint: disable=g-import-not-at-top
 
@@ -42,6 +43,7 @@ def run(conf: dict) -> Result:
     posted.append(sum(m == "key_value_set" and "/start/in/" in a
                       for m, a, _, _ in coordination.trace_coordination(False)))
     calls.append(c.last_save_stats.kv_calls)
+    barriers.append(c.last_save_stats.barriers)
 
   save(1, state)
   save(2, state)
@@ -52,7 +54,7 @@ def run(conf: dict) -> Result:
   restored = c.restore(5)
   exact = bool(np.array_equal(np.asarray(jax.device_get(restored["w"])), g)
                and restored["lr"] == 0.5)
-  out = Result(calls, posted, mismatch, c.all_steps(), exact)
+  out = Result(calls, barriers, posted, mismatch, c.all_steps(), exact)
   c.close()
   return out
 

@@ -1,8 +1,9 @@
-"""The save round of a later save: a process whose post is the one process
-0 accepted in the last save only arrives at the round's barrier (one
-key-value call fewer per process and save for the coordination service that
-process 0 runs: docs/at-scale.md#process-0-per-process), and what a process
-posts differently is still heard by every process."""
+"""The calls of a save into the coordination service process 0 runs (each
+is one more for it: docs/at-scale.md#process-0-per-process): in a later
+save's round a process whose post is the one process 0 accepted in the last
+save only arrives at the round's barrier, and the outcome is one key read
+with one blocking get (no barrier "done"); what a process posts
+differently is still heard by every process."""
 
 import os
 
@@ -35,6 +36,9 @@ def test_unchanged_post_costs_no_set_and_a_changed_one_is_heard(tmp_path):
     assert r.steps == [1, 2, 4, 5], r.steps
     assert r.exact, r
   assert results[0].mismatch.error.msg == results[1].mismatch.error.msg
-  # Process 1's calls per save: 3 key-value calls in full, 2 without the
-  # post (process 0's also include retention's own).
+  # Process 1's calls per save: 3 key-value calls in full (the post, the
+  # decision, the outcome), 2 without the post, and 2 barriers ("start/in",
+  # "written"); process 0's also include retention's own.
   assert results[1].kv_calls == [3, 2, 3, 2], results[1].kv_calls
+  assert results[1].barriers == [2, 2, 2, 2], results[1].barriers
+  assert results[0].barriers == [2, 2, 2, 2], results[0].barriers
