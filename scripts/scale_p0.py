@@ -4,7 +4,8 @@ Process 0 of a job of N processes does, per save, some work for each
 process (the rest of its save is the same at every N):
 
 - in the save round (ckpt/multihost/agreement.py ``save_round``): it parses
-  the N posts (one JSON each: failure, host-value digests, host_state
+  the N posts (in a later save the ones it holds from the last:
+  ``PostMemory``) (one JSON each: failure, host-value digests, host_state
   claim, the digest of the boxes the process plans to write), compares the
   host digests with its own and adds up the tiling digests;
 - in the commit (ckpt/commit/rename.py ``publish``): it fsyncs every
@@ -42,11 +43,11 @@ from ckpt.multihost import process as multihost
 from ckpt.shards import tiling
 
 # The calls a process other than 0 makes per later save into the service
-# process 0 runs (ckpt/save/runner.py, agreement.save_round): the round (a
+# process 0 runs (ckpt/save/outcome.py, agreement.save_round): the round (a
 # barrier and a blocking get; its post, a set, only when it differs from
 # the one process 0 holds from the last save: agreement.PostMemory), the
-# barriers "written" and "done", and one directory get after "done".
-CALLS_PER_SAVE = {"barrier": 3, "kv": 2}
+# barrier "written" and a blocking get of the outcome.
+CALLS_PER_SAVE = {"barrier": 2, "kv": 2}
 # The host values of the mixed tree of scripts/scale_jobs.py (inline values
 # and host numpy leaves every process must hold alike).
 HOST_VALUES = 13

@@ -74,17 +74,19 @@ async def barrier(attempt: Any, name: str, what: str,
     return
   if error is not None:
     raise error
-  failed = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
-  if failed:
-    raise failed(attempt, what, failed)
+  reported = multihost.reported_failures(f"{key}/failed", attempt.timeout_s)
+  if reported:
+    raise failed(attempt, what, reported)
 
 
 def failed(attempt: Any, what: str,
-           failed: dict[int, str]) -> CheckpointError:
+           reported: dict[int, str]) -> CheckpointError:
+  """The error of a save that ``reported`` {process: failure} before
+  ``what``."""
   return CheckpointError(
-      f"saving step {attempt.step} failed on process(es) {sorted(failed)} "
+      f"saving step {attempt.step} failed on process(es) {sorted(reported)} "
       f"before '{what}'; nothing was committed. "
-      + "; ".join(f"process {p}: {m}" for p, m in sorted(failed.items())))
+      + "; ".join(f"process {p}: {m}" for p, m in sorted(reported.items())))
 
 
 async def done(attempt: Any, error: BaseException | None,
@@ -117,7 +119,7 @@ async def done(attempt: Any, error: BaseException | None,
     raise CheckpointError(f"the save of step {attempt.step} was cancelled")
   if got.get("relayed"):
     raise failed(attempt, WRITTEN, {int(p): m for p, m in
-                                     got["relayed"].items()})
+                                    got["relayed"].items()})
   if got.get("failed"):
     raise failed(attempt, DONE, {0: got["failed"]})
 
