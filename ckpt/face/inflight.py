@@ -70,7 +70,8 @@ class InFlightSave:
     return False
 
   def waiting(self) -> list[str]:
-    """The barriers the save's threads wait at (its attempt's)."""
+    """The barrier or the outcome key the save's threads wait at (its
+    attempt's)."""
     with self._lock:
       attempt = self._attempt
     return [] if attempt is None else list(attempt.waiting)

@@ -161,7 +161,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
       relayed, failure = (await _outcome(asyncio.to_thread(
           multihost.reported_failures, f"{attempt.key}/written/failed",
           attempt.timeout_s))) if relay else ({}, None)
-      if failure is not None:  # (the service did not answer: said at "done")
+      if failure is not None:  # (the service did not answer: in the outcome)
         error = own or failure
       elif relayed or own is not None:
         error = own or outcome.failed(attempt, outcome.WRITTEN, relayed)
@@ -282,7 +282,7 @@ async def _commit(attempt: Attempt, job: SaveJob, facts: IndexFacts, kvstore,
   """6-7, process 0: one OCDBT database (``merge``), the index, then the
   commit (that every array is written exactly once was checked in the save
   round). encode() refuses an index readers would refuse: the save then
-  fails everywhere at "done", and nothing is committed."""
+  fails everywhere in its outcome, and nothing is committed."""
   storage, step, reuse = job.storage, attempt.step, job.reuse
   if merge:  # one database from the per-process ones (ckpt/store/ocdbt.py)
     await ocdbt.merge(kvstore, multihost.process_count(), job.context)
