@@ -333,12 +333,18 @@ def worker(conf: dict[str, Any]) -> None:
 
   profile = _Profile(conf["profile"] if pid == 0 else None,
                      jax.process_count())
-  threads0 = measure.thread_cpu()
+  threads0, labels = measure.thread_cpu(), measure.python_threads()
+  cpu0 = time.process_time()
   with profile.of("save"):
     saves = [one_save(step) for step in range(1, conf["saves"] + 1)]
+  cpu_saves = time.process_time() - cpu0
+  labels.update(measure.python_threads())
   threads = {k: (g["user_s"] + g["sys_s"]) / conf["saves"]
              for k, g in measure.thread_cpu_by_name(
-                 threads0, measure.thread_cpu()).items()}
+                 threads0, measure.thread_cpu(), labels).items()}
+  # Threads that ended meanwhile (a coordination call's own thread, say).
+  threads["ended"] = max(0.0, cpu_saves / conf["saves"]
+                         - sum(threads.values()))
 
   restores = []
   for r in range(conf["restores"]):
@@ -481,9 +487,9 @@ def summarize(n: int, results: list[dict]) -> dict[str, Any]:
   by_thread = {k: _mean([r.get("thread_cpu", {}).get(k, 0.0)
                          for r in results]) for k in names}
   row["thread_cpu_s"] = dict(sorted(by_thread.items(),
-                                    key=lambda kv: -kv[1])[:8])
+                                    key=lambda kv: -kv[1])[:10])
   row["thread_cpu_p0_s"] = dict(sorted(
-      results[0].get("thread_cpu", {}).items(), key=lambda kv: -kv[1])[:8])
+      results[0].get("thread_cpu", {}).items(), key=lambda kv: -kv[1])[:12])
   row["floor_over_empty"] = (row["barrier_floor_s"] / max(row["barriers"], 1)
                              / max(row["empty_barrier_ms"] / 1e3, 1e-9))
   return row

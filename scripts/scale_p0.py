@@ -4,7 +4,8 @@ Process 0 of a job of N processes does, per save, some work for each
 process (the rest of its save is the same at every N):
 
 - in the save round (ckpt/multihost/agreement.py ``save_round``): it parses
-  the N posts (one JSON each: failure, host-value digests, host_state
+  the N posts (in a later save the ones it holds from the last:
+  ``PostMemory``) (one JSON each: failure, host-value digests, host_state
   claim, the digest of the boxes the process plans to write), compares the
   host digests with its own and adds up the tiling digests;
 - in the commit (ckpt/commit/rename.py ``publish``): it fsyncs every
@@ -41,11 +42,12 @@ from ckpt.multihost import agreement
 from ckpt.multihost import process as multihost
 from ckpt.shards import tiling
 
-# The calls a process other than 0 makes per save into the service process
-# 0 runs (ckpt/save/runner.py, agreement.save_round): the round (a set, a
-# barrier, a blocking get), the barriers "written" and "done", and one
-# directory get after "done".
-CALLS_PER_SAVE = {"barrier": 3, "kv": 3}
+# The calls a process other than 0 makes per later save into the service
+# process 0 runs (ckpt/save/outcome.py, agreement.save_round): the round (a
+# barrier and a blocking get; its post, a set, only when it differs from
+# the one process 0 holds from the last save: agreement.PostMemory), the
+# barrier "written" and a blocking get of the outcome.
+CALLS_PER_SAVE = {"barrier": 2, "kv": 2}
 # The host values of the mixed tree of scripts/scale_jobs.py (inline values
 # and host numpy leaves every process must hold alike).
 HOST_VALUES = 13
@@ -68,35 +70,41 @@ def _posts(n: int) -> tuple[dict[int, str], Any, list]:
 
 
 @contextlib.contextmanager
-def _fed(posts: dict[int, str]):
+def _fed(posts: dict[int, str], count: int | None = None):
   """``multihost.agree`` as process 0 runs it, fed ``posts``: the
   directory listing the service returns parsed (``_by_process``), then
-  ``decide``."""
-  real = multihost.agree
+  ``decide``; ``count``: the processes of the job (default: the posts)."""
+  real, real_count = multihost.agree, multihost.process_count
   items = [(f"ckpt/x/save/7/0/start/in/{p}", v) for p, v in posts.items()]
+  n = len(posts) if count is None else count
 
   def agree(key, post, decide, **kw):
     del key, post, kw
     return decide(multihost._by_process(items))  # pylint: disable=protected-access
 
-  multihost.agree = agree
+  multihost.agree, multihost.process_count = agree, lambda: n
   try:
     yield
   finally:
-    multihost.agree = real
+    multihost.agree, multihost.process_count = real, real_count
 
 
-def round_cpu_s(n: int, repeat: int = 3) -> float:
+def round_cpu_s(n: int, repeat: int = 3, later: bool = False) -> float:
   """Process 0's CPU seconds in the save round of N processes (best of
-  ``repeat``)."""
+  ``repeat``). ``later``: a later save's round, in which no process posts
+  (each post is the one process 0 holds from the last save:
+  agreement.PostMemory)."""
   posts, whole, values = _posts(n)
   mine = json.loads(posts[0])["tiling"]
   best = float("inf")
-  with _fed(posts):
+  with _fed({} if later else posts, n):
     for _ in range(repeat):
+      if later:
+        agreement._memory.posts["model"] = dict(posts)  # pylint: disable=protected-access
       t = time.process_time()
       d = agreement.save_round("k", 7, None, values, lambda: "0123456789ab",
-                               timeout_s=60, tiling=(mine, whole))
+                               timeout_s=60, tiling=(mine, whole),
+                               memory="model" if later else None)
       best = min(best, time.process_time() - t)
       if d.action != "save":
         raise AssertionError(f"the model's round did not decide to save: {d}")
@@ -142,7 +150,7 @@ def model(counts, barrier_us: float, kv_us: float) -> list[dict]:
   base = tempfile.mkdtemp(prefix="ckpt-scale-p0-")
   try:
     for n in counts:
-      r, c = round_cpu_s(n), commit_cpu_s(n, base)
+      r, c = round_cpu_s(n, later=True), commit_cpu_s(n, base)
       s = service_cpu_s(n, barrier_us, kv_us)
       rows.append({"processes": n, "round_cpu_s": r, "commit_cpu_s": c,
                    "python_per_process_us": 1e6 * (r + c) / n,

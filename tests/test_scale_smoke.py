@@ -49,15 +49,17 @@ def test_scale_jobs_smoke(tmp_path):
               "restore_index_s", "restore_data_s", "restore_coordination_s",
               "empty_barrier_ms", "kv_set_ms", "bytes_written"):
     assert row[key] > 0, (key, row)
-  # A save's coordination: the agreement round and the barriers "written"
-  # and "done" on every process; more key-value calls on process 0.
-  assert row["barriers"] >= 3, row
+  # A save's coordination: the agreement round's barrier and the barrier
+  # "written" on every process; more key-value calls on process 0.
+  assert row["barriers"] >= 2, row
   assert row["kv_calls_p0"] >= row["kv_calls_others"] >= 2, row
   # Each call of a process is one more for the service process 0 runs
-  # (docs/at-scale.md): the others make 3 per save (the round's set and
-  # get, one read after "done"), 5 before the tiling digest went into the
-  # round and process 0 alone read the failures at "written".
-  assert row["kv_calls_others"] <= 3, row
+  # (docs/at-scale.md): in a later save the others make 2 barriers and 2
+  # key-value calls (the round's decision, the outcome; the round's post
+  # only when it changed); 3 barriers and 5 calls before the tiling digest
+  # went into the round, process 0 alone read the failures at "written",
+  # the posts were remembered and the outcome replaced the barrier "done".
+  assert row["barriers"] == 2 and row["kv_calls_others"] == 2, row
   # The largest per-process CPU of a save, process 0's, the others' apart.
   assert row["cpu_max_s"] >= max(row["cpu_p0_s"], row["cpu_others_max_s"])
   assert row["cpu_p0_s"] > 0 and row["cpu_others_max_s"] > 0, row

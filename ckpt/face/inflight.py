@@ -21,7 +21,7 @@ from ckpt.commit import steps as steps_lib
 from ckpt.face import loop as loop_lib
 from ckpt.face import rounds as rounds_lib
 from ckpt.multihost import process as multihost
-from ckpt.save import barriers
+from ckpt.save import outcome
 from ckpt.store import storage as storage_lib
 from ckpt.errors import (BarrierTimeoutError, CheckpointError,
                          StoreTimeoutError, WaitTimeoutError)
@@ -34,11 +34,11 @@ class InFlightSave:
     self._lock = threading.Lock()
     self._future: concurrent.futures.Future | None = None
     self._step: int | None = None
-    self._attempt: barriers.Attempt | None = None  # cancel() removes it
+    self._attempt: outcome.Attempt | None = None  # cancel() removes it
     self._task: asyncio.Task | None = None  # what cancel() cancels
 
   def start(self, future: concurrent.futures.Future, step: int,
-            attempt: barriers.Attempt) -> None:
+            attempt: outcome.Attempt) -> None:
     """``future`` (the save of ``step`` on the loop) is the save in flight."""
     with self._lock:
       self._future, self._step, self._attempt = future, step, attempt
@@ -69,7 +69,8 @@ class InFlightSave:
     return False
 
   def waiting(self) -> list[str]:
-    """The barriers the save's threads wait at (its attempt's)."""
+    """The barrier or the outcome key the save's threads wait at (its
+    attempt's)."""
     with self._lock:
       attempt = self._attempt
     return [] if attempt is None else attempt.waiting.at()
@@ -184,11 +185,16 @@ class InFlightSave:
     for name in decision["release"]:
       if pid not in decision["waiting"]:
         # Releases the threads of the processes that were cancelled while
-        # waiting there (their result is dropped).
+        # waiting there (their result is dropped): a barrier by arriving,
+        # the wait for the outcome (ckpt/save/outcome.py) by process 0 setting it.
         try:
-          multihost.barrier(name, timeout_s=rounds.barrier_s,
-                            what="cancel(): releasing the cancelled save's "
-                            "barrier")
+          if not name.endswith(outcome.OUTCOME):
+            multihost.barrier(name, timeout_s=rounds.barrier_s,
+                              what="cancel(): releasing the cancelled save's "
+                              "barrier")
+          elif pid == 0:
+            multihost.announce_value(name, '{"cancelled": true}',
+                                     rounds.barrier_s)
         except CheckpointError as e:
           logging.warning("ckpt: cancel(): %s", e)
     with self._lock:

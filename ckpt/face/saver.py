@@ -39,7 +39,7 @@ from ckpt.store import names as names_lib
 from ckpt.store import progress as progress_lib
 from ckpt.store.progress import rate_text, size_text
 from ckpt.save import runner as finalize
-from ckpt.save import barriers
+from ckpt.save import outcome
 from ckpt.multihost import process as multihost
 from ckpt.multihost import coordination
 from ckpt.multihost import posts as posts_lib
@@ -176,14 +176,15 @@ class Saver:
     started: list = []  # process 0: the save's deadline, set at prepare
     decision = agreement.save_round(
         key, step, error, values, lambda: self._prepare_attempt(step, started),
-        timeout_s=self._rounds.barrier_s, host_claim=claim, tiling=tiling)
+        timeout_s=self._rounds.barrier_s, host_claim=claim, tiling=tiling,
+        memory=self._rounds.key_base)
     self._history.saved(step)  # agreed: committed already, or about to be
     if decision.action == "skip":
       logging.warning("ckpt: step %d is already committed in %s; not saving "
                       "it again", step, self.storage.url)
       self.last_save_stats = save_lib.SaveStats(step=step, skipped=True)
       return False
-    attempt = barriers.Attempt(
+    attempt = outcome.Attempt(
         step=step, key=key, token=decision.token,
         work_dir=steps_lib.work_dir(self.storage, step, decision.token),
         timeout_s=self._rounds.barrier_s, lease_s=self.settings.lease_s,
@@ -256,7 +257,7 @@ class Saver:
       self._known.will_commit(step, newest)
       return token
 
-  async def _save_async(self, attempt: barriers.Attempt, plan, metrics,
+  async def _save_async(self, attempt: outcome.Attempt, plan, metrics,
                         host_files: dict[int, bytes],
                         stats: save_lib.SaveStats,
                         staged: threading.Event, t0: float,
@@ -317,7 +318,7 @@ class Saver:
       stats.coordination_s = coord.seconds
       stats.barriers, stats.kv_calls = coord.barriers, coord.kv_calls
 
-  def _failed(self, attempt: barriers.Attempt, error: BaseException) -> None:
+  def _failed(self, attempt: outcome.Attempt, error: BaseException) -> None:
     """Process 0: the save of ``attempt`` failed; the next saves remove
     what is left of it (ckpt/commit/cleanup.py ``OwnFailures``), until
     the writes a deadline abandoned on this process have ended too; not

@@ -143,10 +143,38 @@ class SaveRefused(errors.CheckpointError):
   written."""
 
 
+class PostMemory:
+  """What the processes posted in the last save round of one directory
+  that decided "save", remembered so that a later round costs a process
+  with the same post no key-value set (each call of each process is one
+  more for the coordination service that process 0 runs:
+  docs/at-scale.md#process-0-per-process). Module-level, by the
+  directory's key base, as ``multihost.call_key``'s counts are: the rounds
+  of every Checkpointer of one directory are one sequence.
+
+  The rule that keeps both sides the same: a process remembers its post
+  (``sent``) only once it received the "save" decision of the round it
+  posted it in, and forgets it when any round of the directory ends
+  otherwise on it (another decision, or a failure: it may have missed the
+  decision); process 0 remembers every process's post (``posts``) when it
+  decides "save", and forgets them when it decides anything else. So a
+  process that skips its post (its post is its ``sent``) finds process 0
+  holding that very post; a process 0 that holds none for a process that
+  did not post (it restarted) refuses the save, naming it, and the next
+  round posts in full."""
+
+  def __init__(self):
+    self.sent: dict[str, str] = {}
+    self.posts: dict[str, dict[int, str]] = {}
+
+
+_memory = PostMemory()
+
+
 def save_round(key: str, step: int, local_error: BaseException | None,
                values: list[tuple[str, int]], prepare: Callable[[], str | None],
                *, timeout_s: float, host_claim: list | None = None,
-               tiling: Any = None) -> Decision:
+               tiling: Any = None, memory: str | None = None) -> Decision:
   """Every process: save (token), skip, or raise together.
 
   ``prepare`` runs on process 0 only, once every process is ready: it
@@ -161,6 +189,9 @@ def save_round(key: str, step: int, local_error: BaseException | None,
   this round, which every process joins anyway, so checking the tiling
   costs no call of its own (a call per process is what the coordination
   service, which process 0 runs, pays for: docs/at-scale.md).
+  ``memory``: the directory's key base; a process whose post is the one
+  it posted in the directory's last round decided "save" only arrives at
+  the round's barrier (``PostMemory``).
   """
   err = None
   if local_error is not None:
@@ -170,6 +201,23 @@ def save_round(key: str, step: int, local_error: BaseException | None,
                      "tiling": None if tiling is None else list(tiling[0])})
 
   def decide(posts: dict[int, str]) -> str:
+    known = _memory.posts.pop(memory, {}) if memory is not None else {}
+    missing = [p for p in range(multihost.process_count())
+               if p not in posts and p not in known]
+    if missing:
+      return Decision("error", error_type="CheckpointError", message=(
+          f"saving step {step}: process(es) {missing[:8]} sent no post to "
+          "the save round and process 0 holds none of theirs (process 0 "
+          "restarted since their last save?); refused before anything was "
+          "written: the next save posts in full")).encode()
+    posts = {p: posts.get(p, known.get(p)) for p in
+             range(multihost.process_count())}
+    out = _decide(posts)
+    if memory is not None and Decision.decode(out).action == "save":
+      _memory.posts[memory] = posts
+    return out
+
+  def _decide(posts: dict[int, str]) -> str:
     try:
       got = {p: json.loads(v) for p, v in posts.items()}
       failed = {p: g["error"] for p, g in sorted(got.items()) if g["error"]}
@@ -208,11 +256,22 @@ def save_round(key: str, step: int, local_error: BaseException | None,
           f"saving step {step}: process 0 could not prepare it: "
           f"{type(e).__name__}: {e}")).encode()
 
-  if not multihost.is_multiprocess() and local_error is not None:
-    raise local_error  # one process: its own error, as it is
-  decision = Decision.decode(multihost.agree(
-      f"{key}/start", post, decide, timeout_s=timeout_s,
-      what=f"the start of the save of step {step}"))
+  mine = memory  # (one process posts to itself: nothing to skip)
+  if not multihost.is_multiprocess():
+    if local_error is not None:
+      raise local_error  # one process: its own error, as it is
+    mine = None
+  sent = _memory.sent.pop(mine, None) if mine is not None else None
+  try:
+    decision = Decision.decode(multihost.agree(
+        f"{key}/start", None if sent == post else post, decide,
+        timeout_s=timeout_s, what=f"the start of the save of step {step}"))
+  except BaseException:
+    if memory is not None and multihost.process_index() == 0:
+      _memory.posts.pop(memory, None)
+    raise
+  if mine is not None and decision.action == "save":
+    _memory.sent[mine] = post
   if decision.action == "error":
     if not multihost.is_multiprocess():
       # Process 0's own failure to prepare: raise it with its own type.

@@ -103,7 +103,8 @@ def call_key(*parts) -> str:
   return f"ckpt/{base}/{n}"
 
 
-def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
+def agree(key: str, post: str | None,
+          decide: Callable[[dict[int, str]], str], *,
           timeout_s: float = DEFAULT_TIMEOUT_S, what: str = "") -> str:
   """One round: every process posts ``post``; process 0 decides; all return
   the decision.
@@ -111,13 +112,17 @@ def agree(key: str, post: str, decide: Callable[[dict[int, str]], str], *,
   ``decide({process: post})`` runs on process 0 only and must not raise (an
   error is a decision like any other). Costs per process: one set, one
   barrier, one get; process 0 reads all posts in one request. A process
-  that does not arrive makes the barrier time out, naming it.
+  that does not arrive makes the barrier time out, naming it. ``post``
+  None: this process arrives without posting (no set; ``decide`` does not
+  see it: a caller whose process 0 knows what it would have posted,
+  ``agreement.save_round``).
   """
   if not is_multiprocess():
-    return decide({0: post})
+    return decide({} if post is None else {0: post})
   client, pid = coordination_client(timeout_s), process_index()
-  with _naming(what or key):
-    client.key_value_set(f"{key}/in/{pid}", post)
+  if post is not None:
+    with _naming(what or key):
+      client.key_value_set(f"{key}/in/{pid}", post)
   barrier(f"{key}/in", timeout_s=timeout_s, what=what)
   if pid == 0:
     with _naming(what or key):
@@ -256,6 +261,21 @@ def broadcast_str(key: str, make_value, *,
                        f"{what or 'a value'} from process 0")
 
 
+def announce_value(key: str, value: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+                   what: str = "") -> None:
+  """Process 0 sets ``key`` to ``value``, for ``wait_for_value``."""
+  if is_multiprocess():
+    with _naming(what or key):
+      coordination_client(timeout_s).key_value_set(key, value)
+
+
+def wait_for_value(key: str, timeout_s: float, what: str) -> str:
+  """``announce_value``'s value, waiting for it at most ``timeout_s``
+  (BarrierTimeoutError naming ``what``)."""
+  return wait_for_key(coordination_client(timeout_s).blocking_key_value_get,
+                      key, timeout_s, what)
+
+
 def announce(key: str, previous: str | None = None) -> None:
   """Process 0 sets ``key`` (a fact the others may wait for: ``await_announced``),
   and deletes ``previous`` (a signal nobody waits for any more)."""
@@ -348,34 +368,6 @@ def reported_failures(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
     return {}
   client = coordination_client(timeout_s)
   return _by_process(client.key_value_dir_get(f"{key}/"))
-
-
-def relay_failures(key: str, failed: dict[int, str],
-                   timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-  """Process 0 passes on failures it read (``reported_failures``) under
-  ``<key>/<process>``, before a barrier the others read them after."""
-  if is_multiprocess():
-    client = coordination_client(timeout_s)
-    for p, message in sorted(failed.items()):
-      client.key_value_set(f"{key}/{p}", message)
-
-
-def reported_by_kind(key: str, timeout_s: float = DEFAULT_TIMEOUT_S
-                     ) -> dict[str, dict[int, str]]:
-  """After the barrier: ``{kind: {process: message}}`` of every
-  ``<key>/<kind>/<process>`` set (``report_failure``, ``relay_failures``),
-  in ONE call to the coordination service."""
-  if not is_multiprocess():
-    return {}
-  client = coordination_client(timeout_s)
-  out: dict[str, dict[int, str]] = {}
-  for k, v in client.key_value_dir_get(f"{key}/"):
-    kind, _, p = k[len(key) + 1:].rpartition("/")
-    try:
-      out.setdefault(kind, {})[int(p)] = v
-    except ValueError:
-      continue
-  return out
 
 
 def _by_process(items) -> dict:

@@ -7,14 +7,16 @@ step, the attempt token and the work directory process 0 prepared. Then:
 5.   barrier "written": every process has stopped writing; failures travel
      with it, so one failed process fails the save on all of them at once
      (process 0 reads them and, unless the step has OCDBT merge groups,
-     relays them at "done": one call per process fewer)
+     relays them in the outcome: one call per process fewer)
      Before it, each process writes its own small files into the attempt
      (index.process_file): its host_state and, for format "zarr", the
      crc32c of each box it wrote; nothing per process goes through the
      coordinator or into the index
 6.   process 0 merges OCDBT databases, writes the index
 7.   process 0 commits (storage.py knows how)
-9.   barrier "done": the save is complete everywhere
+9.   the outcome: process 0 says how the save ended (one key); every
+     other process reads it with one blocking get (no barrier: process 0
+     waits for nobody, the others only wait for it)
 8.   retention, on process 0, after the save is complete everywhere (see
      ``Retention``): a failure there is logged, never a failed save
 
@@ -23,7 +25,9 @@ process has said it stopped writing into it), so a job that ran out of space
 gets it back; but not one that stalled past its bound (``save_timeout_s``,
 ckpt/store/deadline.py): writes abandoned then may still land, so that attempt
 stays, recorded under ``pending/``, for cleanup. Its coordination keys are
-deleted once no process needs them.
+deleted once no process needs them: after a failure at the barrier
+"removed", after a success at the next save of the directory (every
+process read the outcome before it joined that save's round).
 """
 
 from __future__ import annotations
@@ -48,9 +52,9 @@ from ckpt.multihost import process as multihost
 from ckpt.store import ocdbt
 from ckpt.save import durable
 from ckpt.save import handed
+from ckpt.save import outcome
 from ckpt.save import polite
-from ckpt.save import barriers
-from ckpt.save.barriers import Attempt
+from ckpt.save.outcome import Attempt
 from ckpt.commit import retention as retention_lib
 from ckpt.save import leaves as leaves_lib
 from ckpt.save import write as save_lib
@@ -106,6 +110,7 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
                                attempt.lease_s).start()
            if pid == 0 and job.writer is None else None)
   committed = False
+  committed_everywhere = False  # process 0: the outcome says so
   try:
     # 3-4. This process's boxes under one byte budget, its host_state file
     # alongside, then its other small files.
@@ -120,40 +125,42 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
       _, late = await _outcome(
           _write_own_files(attempt, job, host_files, sums, error is None))
     # 5. Every process has written (or stopped writing, having failed).
-    # Only process 0 reads the failures reported there, and relays them at
-    # "done" (one call per process fewer: each call is one more for the
+    # Only process 0 reads the failures reported there, and relays them in
+    # the outcome (one call per process fewer: each call is one more for the
     # coordination service process 0 runs); with OCDBT merge groups every
     # process merges after "written", so all hear of failures there.
     # (writer="process": process 0's writer merged them, then committed)
     groups = _ocdbt_groups(job.plan) if job.writer is None else 0
     relay = groups <= 1
     own = error or late
-    await barriers.barrier(attempt, "written", barriers.WRITTEN, own,
-                           on_arrival=lambda: stopped_writing.append(True),
-                           heard=not relay)
+    await outcome.barrier(attempt, "written", outcome.WRITTEN, own,
+                          on_arrival=lambda: stopped_writing.append(True),
+                          heard=not relay)
     # 6. A large OCDBT step: its merge groups, on every process at once.
     if groups > 1:
       _, error = await _outcome(_merge_groups(kvstore, job, groups))
-      await barriers.barrier(attempt, "merged",
-                             "every OCDBT merge group was merged", error)
+      await outcome.barrier(attempt, "merged",
+                            "every OCDBT merge group was merged", error)
     # 6-7. Process 0: the index written, the commit, unless a process
-    # failed to write (then relayed to the others at "done").
-    error, report = (own if relay else None), True
+    # failed to write (then relayed to the others in the outcome).
+    error, report, relayed = (own if relay else None), True, {}
     if pid == 0:
-      relayed, failure = ((await _outcome(asyncio.to_thread(
-          barriers.relay, attempt))) if relay else ({}, None))
-      if failure is not None:  # (the service did not answer: said at "done")
+      relayed, failure = (await _outcome(asyncio.to_thread(
+          multihost.reported_failures, f"{attempt.key}/written/failed",
+          attempt.timeout_s))) if relay else ({}, None)
+      if failure is not None:  # (the service did not answer: in the outcome)
         error = own or failure
       elif relayed or own is not None:
-        error = own or barriers.failed(attempt, barriers.WRITTEN, relayed)
-        report = not relayed  # (relayed: the others read them after "done")
+        error = own or outcome.failed(attempt, outcome.WRITTEN, relayed)
+        report = not relayed  # (relayed: the others read them in the outcome)
       elif not committed:  # (writer="process": process 0's writer did)
         _, error = await _outcome(
             _commit(attempt, job, facts, kvstore, groups == 1, lease))
     elif error is not None:
       report = False  # process 0 relays what it reported at "written"
-    # 9. The save is complete everywhere.
-    await barriers.done(attempt, error, report)
+    # 9. The outcome, from process 0.
+    await outcome.done(attempt, error, report, relayed)
+    committed_everywhere = True
   except BaseException as e:
     if not committed:  # (a step the writers committed stays)
       await _after_failure(attempt, job.storage, e, bool(stopped_writing))
@@ -166,8 +173,8 @@ async def run_save(attempt: Attempt, job: SaveJob, facts: IndexFacts) -> None:
   finally:
     if lease is not None:
       lease.stop()
-    if stopped_writing:
-      multihost.forget(attempt.key, attempt.timeout_s)
+    if stopped_writing and pid == 0:
+      outcome.forget(attempt, read=not committed_everywhere)
 
 
 async def _outcome(stage: Awaitable[T]) -> tuple[T | None, Exception | None]:
@@ -267,7 +274,7 @@ async def _commit(attempt: Attempt, job: SaveJob, facts: IndexFacts, kvstore,
   """6-7, process 0: one OCDBT database (``merge``), the index, then the
   commit (that every array is written exactly once was checked in the save
   round). encode() refuses an index readers would refuse: the save then
-  fails everywhere at "done", and nothing is committed."""
+  fails everywhere in its outcome, and nothing is committed."""
   storage, step, reuse = job.storage, attempt.step, job.reuse
   if merge:  # one database from the per-process ones (ckpt/store/ocdbt.py)
     await ocdbt.merge(kvstore, multihost.process_count(), job.context)

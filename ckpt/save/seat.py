@@ -22,9 +22,11 @@ So the thread itself takes the seat, right before it calls the barrier, and
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, TypeVar
 
 from ckpt.errors import CheckpointError
+
+T = TypeVar("T")
 
 
 class BarrierSeat:
@@ -35,17 +37,18 @@ class BarrierSeat:
     self._at: str | None = None
     self._closed = False
 
-  def wait(self, key: str, barrier: Callable[[], None]) -> None:
-    """On the worker thread: takes the seat at ``key``, calls ``barrier()``,
-    leaves the seat once it returns. Raises CheckpointError without calling
-    it once the seat is closed (the save was cancelled)."""
+  def wait(self, key: str, barrier: Callable[[], T]) -> T:
+    """On the worker thread: takes the seat at ``key``, calls ``barrier()``
+    (a barrier, or a wait for a key) and returns what it returns, leaving
+    the seat once it returns. Raises CheckpointError without calling it
+    once the seat is closed (the save was cancelled)."""
     with self._lock:
       if self._closed:
         raise CheckpointError(
             f"barrier {key!r} not entered: the save was cancelled")
       self._at = key
     try:
-      barrier()
+      return barrier()
     finally:
       with self._lock:
         self._at = None

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import gc
 import os
+import re
 import resource
 import threading
 import time
@@ -183,16 +184,37 @@ def thread_cpu() -> dict[int, tuple[str, float, float]]:
   return out
 
 
-def thread_cpu_by_name(before: dict, after: dict) -> dict[str, dict]:
+def python_threads() -> dict[int, str]:
+  """{native thread id: label} of this process's Python threads: "main"
+  for the main thread, ``py:<name>`` for the others (their name, digits
+  dropped), so that ``thread_cpu_by_name`` tells them from native threads
+  (gRPC's, XLA's), which all inherit the OS name "python" before Python
+  3.14."""
+  out = {}
+  for t in threading.enumerate():
+    if t.native_id is None:
+      continue
+    out[t.native_id] = ("main" if t is threading.main_thread() else
+                        "py:" + (re.sub(r"[0-9_]+", "", t.name) or t.name))
+  return out
+
+
+def thread_cpu_by_name(before: dict, after: dict,
+                       labels: dict[int, str] | None = None
+                       ) -> dict[str, dict]:
   """CPU seconds each group of threads (by name, trailing digits dropped:
   ``ts_pool_worker``, ``ckpt-fsync_``) used between two ``thread_cpu()``;
   threads that ended in between are not in ``after`` (their CPU is in the
-  process's total only)."""
+  process's total only). ``labels``: {thread id: group} that replaces the
+  OS name of those threads (``python_threads``)."""
   groups: dict[str, dict] = {}
+  labels = labels or {}
   for tid, (name, user, sys_) in after.items():
     _, user0, sys0 = before.get(tid, (name, 0.0, 0.0))
     if user - user0 + sys_ - sys0 <= 0:
       continue
+    if tid in labels:
+      name = labels[tid]
     g = groups.setdefault(name.rstrip("0123456789") or name,
                           {"threads": 0, "user_s": 0.0, "sys_s": 0.0})
     g["threads"] += 1

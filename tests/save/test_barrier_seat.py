@@ -15,12 +15,12 @@ import threading
 import pytest
 
 from ckpt.errors import CheckpointError
-from ckpt.save import barriers
+from ckpt.save import outcome
 from ckpt.save import seat as seat_lib
 
 
-def _attempt() -> barriers.Attempt:
-  return barriers.Attempt(step=2, key="ckpt/test/save/2/0", token="t",
+def _attempt() -> outcome.Attempt:
+  return outcome.Attempt(step=2, key="ckpt/test/save/2/0", token="t",
                         work_dir="w", timeout_s=5.0)
 
 
@@ -38,8 +38,8 @@ def test_a_barrier_call_still_queued_when_cancelled_is_not_waiting():
     assert busy.wait(30)
 
     async def scenario():
-      task = asyncio.ensure_future(barriers.barrier(
-          attempt, "written", barriers.WRITTEN))
+      task = asyncio.ensure_future(outcome.barrier(
+          attempt, "written", outcome.WRITTEN))
       for _ in range(5):  # the task runs up to its await (the queued call)
         await asyncio.sleep(0)
       assert not task.done()
