@@ -278,20 +278,28 @@ class PackWriter:
       await asyncio.gather(*self.tasks[:done])
     if not self.leaf:
       return
-    table = seal.seal(pack_table.encode(self.process, self.sizes, self.leaf,
-                                        self.pack, self.offsets, self.crcs,
-                                        self.box))
-    if len(table) > pack_index.MAX_TABLE_BYTES:
-      raise CheckpointError(
-          f"the pack table of process {self.process} is {len(table)} bytes; "
-          f"readers accept at most {pack_index.MAX_TABLE_BYTES}: lower "
-          "ckpt.save.pack.MAX_LEAF_BYTES")
-    name = pack_index.table_name(self.process)
+    name, table = sealed_table(self.process, self.sizes, self.leaf,
+                               self.pack, self.offsets, self.crcs, self.box)
     try:
       await tsfuture.wait(self.opening.result().write(name, table))
     except Exception as e:
       raise CheckpointError(
           f"writing the pack table {name!r} failed: {e}") from e
+
+
+def sealed_table(process: int, sizes, leaf, pack, offsets, crcs,
+                 box) -> tuple[str, bytes]:
+  """A process's pack table (its name and its sealed bytes), written by the
+  thread (``Packer``) and by the writer process (writer_packs.py) alike;
+  CheckpointError if readers would refuse its size."""
+  table = seal.seal(pack_table.encode(process, sizes, leaf, pack, offsets,
+                                      crcs, box))
+  if len(table) > pack_index.MAX_TABLE_BYTES:
+    raise CheckpointError(
+        f"the pack table of process {process} is {len(table)} bytes; "
+        f"readers accept at most {pack_index.MAX_TABLE_BYTES}: lower "
+        "ckpt.save.pack.MAX_LEAF_BYTES")
+  return pack_index.table_name(process), table
 
 
 def _copy_failed(leaf: Any, w: Any, e: BaseException) -> CheckpointError:

@@ -24,8 +24,7 @@ import tensorstore as ts
 
 from ckpt.errors import CheckpointError
 from ckpt.format import pack_index
-from ckpt.format import pack_table
-from ckpt.format import seal
+from ckpt.save import pack as pack_lib
 from ckpt.store import deadline as deadline_lib
 
 
@@ -87,14 +86,8 @@ class PackSink:
       offsets += offs
       crcs += sums
       box += boxes
-    table = seal.seal(pack_table.encode(self.process, sizes, leaf, pack,
-                                        offsets, crcs, box))
-    if len(table) > pack_index.MAX_TABLE_BYTES:
-      raise CheckpointError(
-          f"the pack table of process {self.process} is {len(table)} bytes; "
-          f"readers accept at most {pack_index.MAX_TABLE_BYTES}: lower "
-          "ckpt.save.pack.MAX_LEAF_BYTES")
-    name = pack_index.table_name(self.process)
+    name, table = pack_lib.sealed_table(self.process, sizes, leaf, pack,
+                                        offsets, crcs, box)
     try:
       deadline_lib.result(self._kvstore().write(name, table))
     except Exception as e:
