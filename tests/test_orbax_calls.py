@@ -59,7 +59,8 @@ def failing_save(monkeypatch):
   orig = save_lib.write_owned
 
   async def write_owned(plan, kv, context, limiter, stats, on_staged,
-                        reuse=None, on_written=None, window=None):
+                        *args):
+    del plan, kv, context, limiter, stats, args
     on_staged()
     import asyncio  # pylint: disable=g-import-not-at-top
     assert await asyncio.to_thread(gate.wait, 60)
@@ -115,10 +116,8 @@ def test_cancel_then_save(tmp_path, monkeypatch):
   gate = threading.Event()
   orig = save_lib.write_owned
 
-  async def slow(plan, kv, context, limiter, stats, on_staged, reuse=None,
-                 on_written=None, window=None):
-    out = await orig(plan, kv, context, limiter, stats, on_staged, reuse,
-                     on_written, window)
+  async def slow(*args, **kwargs):
+    out = await orig(*args, **kwargs)
     import asyncio  # pylint: disable=g-import-not-at-top
     await asyncio.to_thread(gate.wait, 60)
     return out

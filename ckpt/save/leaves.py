@@ -258,7 +258,7 @@ def plan_leaves(structure: Any, flat: list, options: SaveOptions,
     layouts.append(layout)
     leaves.append(LeafPlan(parts, x, kind(path=parts, **fields), layout))
   writes = plan_lib.assign_writes(layouts, process, options.max_item_bytes,
-                                  layout_leaf)
+                                  leaves=layout_leaf)
   if options.storage_format == "ocdbt":
     _assign_ocdbt_groups(leaves, process_count)
   return SavePlan(structure, leaves, writes, options)

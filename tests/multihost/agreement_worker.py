@@ -211,8 +211,9 @@ def scenario_planned_differently(conf: dict) -> PlannedDifferently:
   out["s1"] = _timed_save(ck, 1, _state(1, mesh))
   honest = plan_lib.assign_writes
   for step, fault in ((2, "drop"), (3, "twice")):
-    def lying(layouts, process, max_item_bytes=None, fault=fault):
-      writes = honest(layouts, process, max_item_bytes)
+    def lying(layouts, process, max_item_bytes=None, leaves=None, *,
+              fault=fault):
+      writes = honest(layouts, process, max_item_bytes, leaves)
       if process != 1:
         return writes
       return writes[1:] if fault == "drop" else [writes[0]] + writes[:-1]
