@@ -58,6 +58,12 @@ The API (what a writer process calls; nothing else of ckpt is needed)::
       is gone without committing, or its lease's holder is provably dead
       (it ran on this host: ckpt/commit/lease.py ``dead_reason``).
 
+  recorded(storage, step, token, process, processes) -> bool | None
+      what the record of ``process`` says: True (its part is durable),
+      False (failed, or damaged), None (none of this attempt yet). A
+      trainer whose writer died reads it: True, the step may still commit
+      (``wait_committed``); None, it writes the failed record itself.
+
   never_commits(storage, step, token) -> bool
       whether that attempt can no longer commit ``step`` (another attempt
       did, it is gone, or its holder is provably dead): a False of
@@ -177,6 +183,24 @@ def write_record(storage: storage_lib.Storage, step: int, token: str,
       work_dir, index_lib.process_file(index_lib.WRITERS_DIR, process),
       seal.seal(msgpack.packb(doc, use_bin_type=True)),
       f"the writer record of process {process}, step {step},")
+
+
+def recorded(storage: storage_lib.Storage, step: int, token: str,
+             process: int, processes: int) -> bool | None:
+  """What the record of ``process`` in this attempt says: True (its part
+  is durable), False (it failed, or the record is damaged), None (no
+  record of this attempt: its writer never got that far)."""
+  work_dir = strategy.for_storage(storage).work_dir(step, token)
+  key = record_key(work_dir, process)
+  data = storage.read_bytes(key, limit=MAX_RECORD_BYTES)
+  if data is None:
+    return None
+  try:
+    doc = _Record.parse(data, step, token, process, processes,
+                        f"{storage.url.rstrip('/')}/{key}")
+  except WriterFailedError:
+    return False
+  return None if doc is None else doc["ok"]
 
 
 def _check_job(process: int, processes: int) -> None:

@@ -16,7 +16,9 @@ then pass the runner's barriers, and none of them commits.
 
 A failure of the writer comes back as the same exception class and
 message (``handover.rebuild``); a writer that died fails the save with a
-CheckpointError saying so; a cancel stops the writer's writes before the
+CheckpointError saying so, unless its record says its part was durable
+and the step then commits (``_after_death``: the save succeeds, with a
+warning; the next save starts a new writer); a cancel stops the writer's writes before the
 task ends (Checkpointer.cancel then removes the attempt).
 """
 
@@ -26,8 +28,10 @@ import asyncio
 import itertools
 from typing import Any, Callable
 
+from absl import logging
 import numpy as np
 
+from ckpt.commit import through_storage
 from ckpt.errors import CheckpointError
 from ckpt.format import tree
 from ckpt.format import tsspec
@@ -82,13 +86,14 @@ class Handing:
     kind = m["kind"]
     if self.deadline is not None:
       self.deadline.progress()
-    if kind == "freed":
-      grant = self.grants.pop(m["grant"], None)
-      if grant is not None:
-        self.limiter.release(grant)
-      nbytes = self.sizes.pop(m["grant"], 0)
-      if not m["failed"]:  # progress=, as the thread reports it
-        self.stats.bytes_written += nbytes
+    if kind == "freed":  # a box, or (format "ocdbt") a batch of them
+      for gid in m["grants"] if "grants" in m else [m["grant"]]:
+        grant = self.grants.pop(gid, None)
+        if grant is not None:
+          self.limiter.release(grant)
+        nbytes = self.sizes.pop(gid, 0)
+        if not m["failed"]:  # progress=, as the thread reports it
+          self.stats.bytes_written += nbytes
       self.failed |= bool(m["failed"])
     elif kind == "done" and not self.result.done():
       self.result.set_result(m)
@@ -240,12 +245,55 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
     if not handing.cancelled.done():
       await _stop(handing, attempt.timeout_s)
     raise
+  except CheckpointError:
+    if handing.gone and await _after_death(attempt, job, handing):
+      return True  # its part was durable: committed all the same
+    if not handing.result.done() and not handing.gone:
+      await _stop(handing, attempt.timeout_s)  # no write goes on after
+    raise
   except BaseException:
     if not handing.result.done() and not handing.gone:
       await _stop(handing, attempt.timeout_s)  # no write goes on after
     raise
   finally:
     handing.end()
+
+
+async def _after_death(attempt: Any, job: Any, handing: Handing) -> bool:
+  """This host's writer died during the save: whether the step committed
+  all the same. Its record says how far it got. Its part durable (the
+  record is in and says so): process 0's writer commits once every record
+  is in, so this waits for that (as a writer does: twice the bound; at
+  once False when the attempt can no longer commit) and, committed, says
+  with a warning that the writer died (the next save starts a new one).
+  No record: this trainer writes it, saying the writer died, so process
+  0's writer stops waiting and commits nothing; False (the save fails)."""
+  storage, step, token = job.storage, attempt.step, attempt.token
+  pid, count = multihost.process_index(), multihost.process_count()
+
+  def look() -> bool:
+    said = through_storage.recorded(storage, step, token, pid, count)
+    if said is None:
+      through_storage.write_record(storage, step, token, pid, count,
+                                   error=handing.gone)
+      return False
+    return bool(said) and through_storage.wait_committed(
+        storage, step, token, 2 * attempt.timeout_s)
+
+  try:
+    committed = await asyncio.to_thread(look)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("ckpt: the writer process of this host died during the "
+                    "save of step %d, and reading what it recorded failed: "
+                    "%s", step, e)
+    return False
+  if committed:
+    logging.warning(
+        "ckpt: step %d is committed, but the writer process (pid %s) of "
+        "this host died (%s) after its part was durable; the next save "
+        "starts a new writer", step, handing.writer.pid,
+        handing.writer.describe_end())
+  return committed
 
 
 async def _stage_packs(plan: Any, packed: list, handing: Handing,
@@ -300,14 +348,21 @@ async def _stage_packs(plan: Any, packed: list, handing: Handing,
 async def _stage_all(plan: Any, writes: list, handing: Handing,
                      writer: writer_client.WriterProcess) -> int:
   """Every owned array box staged into shared memory and handed over; how
-  many."""
-  n = 0
+  many. Format "ocdbt": the writer writes the boxes in batches, one
+  transaction each, cut where the thread writer cuts them
+  (ckpt/save/write.py): a ``flush`` when the budget is full (and the
+  ``finish``), so both leave the same files."""
+  n, batched = 0, plan.options.storage_format == "ocdbt"
   for w in writes:
     if w.box.size == 0:
       continue
     if handing.failed:
       break  # a write failed (the writer says which at finish) or it died
-    grant = await handing.limiter.acquire(w.nbytes)
+    grant = handing.limiter.try_acquire(w.nbytes)
+    if grant is None:
+      if batched:
+        handing.send("flush")
+      grant = await handing.limiter.acquire(w.nbytes)
     if handing.gone:
       handing.limiter.release(grant)
       raise CheckpointError(handing.gone)

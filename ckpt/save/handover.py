@@ -10,11 +10,12 @@ Trainer to writer: ``begin`` (a save: its storage URL and options, step,
 attempt, the arrays to create or open with their TensorStore specs, the
 host files, whether the writer commits and the lease), ``box`` (one staged
 box: its array, start, stop, dtype, and the shared-memory segment that
-holds it), ``finish`` (every box handed over; the index when the writer
-commits), ``cancel``, ``exit``. Writer to trainer: ``held`` (process 0's
+holds it), ``flush`` (format "ocdbt": write the boxes handed over since
+the last flush, in one transaction), ``finish`` (every box handed over;
+the index when the writer commits), ``cancel``, ``exit``. Writer to trainer: ``held`` (process 0's
 writer holds the attempt's lease: its trainer's ``save()`` returns only
 after it), ``freed`` (a box was
-written: its bytes go back to the save's budget), ``done`` (the boxes
+written, or a batch of them: their bytes go back to the save's budget), ``done`` (the boxes
 written and durable, the files written, committed or not), ``failed``
 (an error: its class name and message), ``cancelled``.
 

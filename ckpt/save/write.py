@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import time
 from typing import Any, Callable
 
@@ -101,8 +102,10 @@ async def _open_arrays(plan: SavePlan, step_kvstore: dict, context: ts.Context,
   creates = {i for k, i in enumerate(arrays_in)
              if k % process_count == process}
   wanted = [i for i in arrays_in if i in creates or i in mine]
-  # In OCDBT every commit adds files: the metadata goes in one transaction.
-  txn = ts.Transaction() if plan.options.storage_format == "ocdbt" else None
+  # In OCDBT every commit adds files: the metadata goes in one transaction,
+  # atomic: nothing written back before its one commit (ocdbt.write_batch).
+  txn = (ts.Transaction(atomic=True)
+         if plan.options.storage_format == "ocdbt" else None)
 
   async def open_one(i: int):
     e = plan.leaves[i].entry
@@ -423,35 +426,29 @@ class OwnedWrites:
 
   async def _write_batch(self, batch: list[tuple[plan_lib.Write, np.ndarray,
                                                  int]]) -> None:
-    """format "ocdbt": the staged boxes in ONE transaction, so one OCDBT
-    commit (a data file and a few B+tree nodes) per batch, not per box;
-    their bytes stay granted until it is committed (TensorStore holds its
-    copy of them in the transaction; ours are dropped once it has it)."""
-    txn = ts.Transaction()
+    """format "ocdbt": the staged boxes in ONE transaction
+    (``ocdbt.write_batch``); their bytes stay granted until it is
+    committed (TensorStore holds its copy of them in the transaction; ours
+    are dropped once it has it)."""
     grants = [grant for _, _, grant in batch]
     nbytes = sum(data.nbytes for _, data, _ in batch)
     writes = [w for w, _, _ in batch]
+    boxes = [functools.partial(self._write_box, w, data)
+             for w, data, _ in batch]
+    batch.clear()
+
+    def what() -> str:
+      names = sorted({tree.path_str(self.plan.leaves[w.leaf].parts)
+                      for w in writes})
+      return (f"{len(writes)} boxes of leaves {names[:5]}"
+              f"{' ...' if len(names) > 5 else ''} to the OCDBT database of "
+              f"process {self.process}")
+
     try:
-      await asyncio.gather(*(self._write_box(w, data, txn)
-                             for w, data, _ in batch))
-      batch.clear()
-      try:
-        await tsfuture.wait(txn.commit_async())
-      except Exception as e:
-        names = sorted({tree.path_str(self.plan.leaves[w.leaf].parts)
-                        for w in writes})
-        raise CheckpointError(
-            f"committing {len(writes)} boxes of leaves {names[:5]}"
-            f"{' ...' if len(names) > 5 else ''} to the OCDBT database of "
-            f"process {self.process} failed: {e}") from e
+      await ocdbt.write_batch(boxes, what)
       self.stats.bytes_written += nbytes
       self.stats.boxes_written += len(writes)
-    except BaseException:
-      if not txn.commit_started:
-        txn.abort()
-      raise
     finally:
-      batch.clear()
       for grant in grants:
         self.limiter.release(grant)
 

@@ -8,7 +8,8 @@ commits through the storage. Call sequence, one save at a time
 (ckpt/save/handover.py has the messages): ``begin`` opens the arrays (and,
 when it commits, renews the attempt's lease), each ``box`` is written from
 its shared memory as it comes (under the save's budget: the trainer stages
-no more than ``concurrent_bytes`` ahead of the ``freed`` replies), then
+no more than ``concurrent_bytes`` ahead of the ``freed`` replies; format
+"ocdbt": the boxes between two ``flush`` in one transaction), then
 ``finish``: every write ended, this process's files written, and the step
 committed when the writer commits (one process); ``done`` or ``failed``.
 
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
-import select
 import socket
 import sys
 import threading
@@ -42,6 +43,7 @@ from ckpt.errors import CheckpointError
 from ckpt.format import index as index_lib
 from ckpt.format import seal
 from ckpt.save import handover
+from ckpt.save import writer_host
 from ckpt.save import writer_packs
 from ckpt.save import writer_reuse
 from ckpt.save.write import chunk_sums
@@ -49,6 +51,7 @@ from ckpt.shards import plan as plan_lib
 from ckpt.store import deadline as deadline_lib
 from ckpt.store import ocdbt
 from ckpt.store import storage as storage_lib
+from ckpt.store import tsfuture
 
 WRITE_THREADS = 8
 
@@ -93,6 +96,8 @@ class Save:
     if self.process == 0:  # process 0's writer holds the lease from now on
       self.renewal = through_storage.hold_lease(
           self.storage, self.step, self.token, begin["lease_s"])
+    # Format "ocdbt": the boxes handed over since the last "flush".
+    self.batch = [] if begin["storage_format"] == "ocdbt" else None
     self.opening = self.pool.submit(deadline_lib.call, self.deadline,
                                     self._open_arrays)
     self.packs = writer_packs.PackSink(
@@ -106,8 +111,8 @@ class Save:
       if self.reuse is not None:
         self.reuse.check_source()
     out = {}
-    # OCDBT: the metadata in one transaction, one commit (as write.py).
-    txn = ts.Transaction() if self.msg["storage_format"] == "ocdbt" else None
+    # OCDBT: the metadata in one atomic transaction: one commit (write.py).
+    txn = ts.Transaction(atomic=True) if self.batch is not None else None
     for a in self.msg["arrays"]:
       if a["create"]:
         out[a["id"]] = ts.open(a["spec"], create=True, context=self.context,
@@ -122,8 +127,71 @@ class Save:
     return out
 
   def box(self, m: dict) -> None:
+    if self.batch is not None:  # "ocdbt": written at the next flush
+      self.batch.append(m)
+      return
     self.writes.append(self.pool.submit(deadline_lib.call, self.deadline,
                                         self._write_box, m))
+
+  def flush(self) -> None:
+    """Format "ocdbt": the boxes handed over since the last flush written
+    in one transaction (flushed where the thread would: budget full, end)."""
+    if self.batch:
+      ms, self.batch = self.batch, []
+      self.writes.append(self.pool.submit(deadline_lib.call, self.deadline,
+                                          self._write_batch, ms))
+
+  def _write_batch(self, ms: list[dict]) -> None:
+    """One OCDBT commit for the batch (``ocdbt.write_batch``, as the
+    thread's): a data file and a few B+tree nodes, not a commit per box;
+    each box freed once the batch is committed (or failed)."""
+    segs, failed = [], False
+    try:
+      if self.stopped or self.error is not None:
+        return
+      stores = self.opening.result()
+      writes = []
+      for m in ms:
+        segs.append(handover.Segment(m["shm"], m["nbytes"], create=False))
+        writes.append(functools.partial(
+            self._write_in, stores[m["array"]], m,
+            segs[-1].array(m["shape"], m["dtype"])))
+      asyncio.run(ocdbt.write_batch(writes, lambda: (
+          f"{len(ms)} boxes of leaves {sorted({m['leaf'] for m in ms})[:5]} "
+          f"to the OCDBT database of process {self.process}")))
+      with self.lock:
+        self.bytes_written += sum(m["nbytes"] for m in ms)
+    except BaseException as e:  # pylint: disable=broad-except
+      failed = True
+      with self.lock:
+        if self.error is None:
+          self.error = e
+    finally:
+      writes = None  # the views of the segments dropped
+      for seg in segs:
+        seg.close()
+      for m in ms:
+        handover.unlink(m["shm"])
+      # One reply for the batch: its bytes go back to the trainer's budget
+      # at once, as the thread's batch gives them back.
+      self._tell("freed", grants=[m["grant"] for m in ms], failed=failed)
+
+  async def _write_in(self, store: ts.TensorStore, m: dict, data: np.ndarray,
+                      txn: ts.Transaction) -> None:
+    box = plan_lib.Box(tuple(m["start"]), tuple(m["stop"]))
+    try:
+      await tsfuture.wait(store.with_transaction(txn)[box.slices()].write(
+          data))
+    except Exception as e:
+      raise CheckpointError(f"leaf {m['leaf']!r}: writing {box.start}.."
+                            f"{box.stop} failed: {e}") from e
+    if self.take_sums:
+      self._add_sums(m, chunk_sums(box, tuple(m["chunks"]), data))
+
+  def _add_sums(self, m: dict, crcs) -> None:
+    with self.lock:
+      self.sums.extend([m["leaf_id"], list(b.start), list(b.stop), crc]
+                       for b, crc in crcs)
 
   def pack(self, m: dict) -> None:
     """A pack of small leaves (ckpt/save/writer_packs.py)."""
@@ -165,9 +233,8 @@ class Save:
         del data
       finally:
         seg.close()
+      self._add_sums(m, crcs)
       with self.lock:
-        self.sums.extend([m["leaf_id"], list(b.start), list(b.stop), crc]
-                         for b, crc in crcs)
         self.bytes_written += m["nbytes"] - linked
     except BaseException as e:  # pylint: disable=broad-except
       failed = True
@@ -187,6 +254,7 @@ class Save:
   # ---- the end ---------------------------------------------------------
 
   def finish(self, m: dict) -> None:
+    self.flush()
     self.finishing = threading.Thread(target=self._finish, args=(m,),
                                       name="ckpt-writer-finish", daemon=True)
     self.finishing.start()
@@ -333,6 +401,12 @@ class Save:
       self.stopped = True
       committing = self.committing
     self.stop_event.set()  # a wait for the records or the commit ends
+    if self.batch:  # never to be written: freed
+      for m in self.batch:
+        handover.unlink(m["shm"])
+      self._tell("freed", grants=[m["grant"] for m in self.batch],
+                 failed=True)
+      self.batch = []
     if self.finishing is not None and committing:
       self.finishing.join()
     concurrent.futures.wait(self.writes)
@@ -360,7 +434,8 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
   # What trainers and writers that both died left (not this trainer's: it
   # may have died with segments this writer has still to read).
   handover.sweep(spare=trainer)
-  watch = threading.Thread(target=_watch_parent, args=(channel, trainer),
+  watch = threading.Thread(target=writer_host.watch_parent,
+                           args=(channel, trainer),
                            daemon=True)
   watch.start()
   try:
@@ -391,6 +466,8 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
         save.box(m)
       elif kind == "pack":
         save.pack(m)
+      elif kind == "flush":
+        save.flush()
       elif kind == "finish":
         save.finish(m)
       elif kind == "cancel":
@@ -407,40 +484,11 @@ def serve(channel: handover.Channel, trainer: int, nonce: str) -> None:
     handover.sweep(trainer, nonce)
 
 
-def _watch_parent(channel: handover.Channel, trainer: int) -> None:
-  """The trainer's death seen even when its end of the socket stays open
-  (a child it forked holds a copy): once what it sent was read, the socket
-  is shut and ``serve`` sees EOF."""
-  while os.getppid() == trainer:
-    time.sleep(0.5)
-  while select.select([channel.sock], [], [], 0)[0]:
-    time.sleep(0.2)  # its last messages (or its EOF) are being read
-  try:
-    channel.sock.shutdown(socket.SHUT_RD)
-  except OSError:
-    pass
-
-
-def lower_priority(nice: int) -> None:
-  """Every thread of this process (and each it starts: a thread inherits
-  its creator's) at nice value ``nice``, never higher than now."""
-  try:
-    tids = [int(t) for t in os.listdir("/proc/self/task")]
-  except OSError:
-    tids = [os.getpid()]
-  for tid in tids:
-    try:
-      if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError:
-      pass  # gone meanwhile, or not allowed: the priority stays
-
-
 def main(argv: list[str]) -> int:
   fd, trainer, nonce = int(argv[1]), int(argv[2]), argv[3]
   nice = os.environ.get(handover.NICE_ENV)
   if nice and nice.lstrip("-").isdigit() and hasattr(os, "setpriority"):
-    lower_priority(int(nice))
+    writer_host.lower_priority(int(nice))
   channel = handover.Channel(socket.socket(fileno=fd))
   serve(channel, trainer, nonce)
   return 0

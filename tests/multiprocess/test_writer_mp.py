@@ -280,7 +280,7 @@ def writers_of(trainers: list[int]) -> list[int]:
 
 
 @pytest.mark.parametrize("kill", ["mid hand-over", "before rename",
-                                  "after record"])
+                                  "before record", "after record"])
 def test_crash_points_of_the_writers_path(tmp_path, kill):
   """The crash points a save crosses in the writer's own path, in a job of
   2: a trainer killed as it hands its boxes over (its writer abandons the
@@ -288,9 +288,13 @@ def test_crash_points_of_the_writers_path(tmp_path, kill):
   in its commit before the rename (nothing commits; the save fails on
   every process, process 1's writer seeing at once that the lease's holder
   died, and the next save of the step commits), process 1's writer killed
-  once its record is written (its part is durable: the step commits and
-  restores bit for bit; the trainers hear of the death, and none waits
-  at a barrier for a removal that never comes).
+  as it is about to write its record (nothing commits; every save fails
+  at once, none waiting out the bound: its trainer records the death for
+  it, and process 0's writer removes the attempt), process 1's writer
+  killed once its record is written (its part is durable: the step
+  commits and restores bit for bit, and every trainer's save succeeds,
+  process 1's with a warning naming its writer's death; the next save
+  starts a new writer there).
   """
   root = tmp_path / "c"
   cluster = local_cluster.start(
@@ -315,12 +319,23 @@ def test_crash_points_of_the_writers_path(tmp_path, kill):
     return
   out = local_cluster.check(results)
   got = [worker_lib.decode(writer_worker.Crash, r) for r in out]
+  if kill == "after record":  # committed: no save failed
+    assert all(r.error is None and r.steps == [4, 5, 6] for r in got), got
+    assert [w for w in got[0].warnings if "writer process" in w] == [], got
+    assert any("step 5 is committed" in w and "writer process" in w
+               and "died" in w for w in got[1].warnings), got[1]
+    assert len(got[1].writers[1]) == 1, got[1]  # a new one, the old gone
+    assert got[1].writers[1] != got[1].writers[0], got[1]
+    assert bit_exact(root, 5, 8)
+    return
   for r in got:  # every process raised (none waited out a bound), naming it
     assert r.error is not None and "writer" in r.error, r
     assert "BarrierTimeoutError" not in r.error, r
   if kill == "before rename":
     assert all(r.steps == [4, 5] for r in got), got
     assert committed(root) == [4, 5] and attempts(root, 5) == []
-  else:
-    assert all(r.steps == [4, 5, 6] for r in got), got
-  assert bit_exact(root, 5, 8)
+    assert bit_exact(root, 5, 8)
+  else:  # before record: step 5 never committed, its attempt removed
+    assert all(r.steps == [4, 6] for r in got), got
+    assert committed(root) == [4, 6] and attempts(root, 5) == []
+    assert bit_exact(root, 6, 8)

@@ -8,7 +8,9 @@ installs the kill point in this process only, then is the writer:
 - ``before rename``: process 0's writer SIGKILLs itself inside its commit,
   the index and the marker written into the attempt, before the rename;
 - ``after record``: the writer SIGKILLs itself once its record is written
-  (its part durable: process 0's writer may commit).
+  (its part durable: process 0's writer may commit);
+- ``before record``: the writer SIGKILLs itself as it is about to write
+  its record (its arrays and files written: the step must not commit).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def install(point: str) -> None:
       _die()
 
     through_storage.write_record = record_then_die
+  elif point == "before record":
+    through_storage.write_record = _die
   else:
     raise ValueError(f"unknown kill point {point!r}")
 

@@ -31,10 +31,11 @@ Scenarios (``config["scenario"]``):
 - ``crash``: saves ``config["before"]`` (the thread), then
   ``config["step"]`` with its writer process killed at a point
   (``config["kill"]``, tests/multiprocess/writer_faults.py: ``before
-  rename`` of process 0's writer, ``after record`` of process 1's), or
-  its trainer (``mid hand-over``: process 1 SIGKILLs itself as it stages
-  its second box); returns what that save raised, then saves
-  ``config["again"]`` and returns the steps.
+  rename`` of process 0's writer, ``before record`` and ``after record``
+  of process 1's), or its trainer (``mid hand-over``: process 1 SIGKILLs
+  itself as it stages its second box); returns what that save raised and
+  the ckpt warnings it logged, then saves ``config["again"]`` and returns
+  the steps and the writer pids of both saves.
 - ``restart``: a job restarted at once while the dead job's writers still
   hold their save (``config["writer"]``: this job's writer): the newest
   step, restored and checked, then its save of ``config["step"]`` (the
@@ -263,6 +264,8 @@ class Crash:
   process: int
   error: str | None  # what the save with the kill raised
   steps: list[int]  # after the next save
+  warnings: list[str]  # ckpt's warnings during the save with the kill
+  writers: list[list[int]]  # the writer pids after each of the two saves
 
 
 def crash(conf: dict) -> Crash:
@@ -271,6 +274,7 @@ def crash(conf: dict) -> Crash:
   from ckpt.save import staging  # pylint: disable=import-outside-toplevel
   from ckpt.save import writer_client  # pylint: disable=import-outside-toplevel
   from tests.multiprocess import writer_faults  # pylint: disable=import-outside-toplevel
+  import logging as std_logging  # pylint: disable=import-outside-toplevel
   me, kill = jax.process_index(), conf["kill"]
   s = state(conf["mib"])
   options = dict(barrier_timeout_s=conf["bound_s"])
@@ -293,18 +297,30 @@ def crash(conf: dict) -> Crash:
   ckptr = ckpt.Checkpointer(conf["dir"], writer="process",
                             concurrent_bytes=1 << 20, **options)
   error = None
+  warned: list[str] = []
+
+  class Keep(std_logging.Handler):
+    def emit(self, record):
+      if record.levelno >= std_logging.WARNING:
+        warned.append(record.getMessage())
+
+  keep = Keep()
+  std_logging.getLogger("absl").addHandler(keep)
   try:
     ckptr.save(conf["step"], s)
     ckptr.wait_until_finished()
   except Exception as e:  # pylint: disable=broad-except
     error = f"{type(e).__name__}: {e}"
+  std_logging.getLogger("absl").removeHandler(keep)
+  writers = [writer_pids()]
   writer_client.WRITER_MODULE = "ckpt.save.writer_main"
   os.environ.pop(writer_faults.KILL_AT, None)
   ckptr.save(conf["again"], s)
   ckptr.wait_until_finished()
+  writers.append(writer_pids())
   steps = ckptr.all_steps()
   ckptr.close()
-  return Crash(me, error, steps)
+  return Crash(me, error, steps, warned, writers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -137,6 +137,51 @@ def test_process_writer_writes_ocdbt(make_ckptr, ckpt_dir, rng):
   same(got, s)
 
 
+def ocdbt_files(files: dict[str, bytes]) -> dict[str, list[int]]:
+  """The step's OCDBT files (the databases' data files and B+tree nodes,
+  the manifests): directory -> sorted sizes (data files are named by
+  TensorStore at random)."""
+  out: dict[str, list[int]] = {}
+  for k, v in files.items():
+    if k.startswith(("ocdbt.", "manifest.ocdbt", "d/")):
+      out.setdefault(os.path.dirname(k), []).append(len(v))
+  return {d: sorted(sizes) for d, sizes in sorted(out.items())}
+
+
+def test_process_writer_commits_ocdbt_in_the_threads_batches(make_ckptr,
+                                                            tmp_path, rng):
+  """format="ocdbt", 64 arrays of 4 boxes each under a budget of 16 boxes:
+  the writer process commits the boxes in the batches the thread commits
+  (one atomic OCDBT transaction per budget's worth of boxes, not one per
+  box), so the step has the database files of a thread save: as many in
+  each directory (16 data files for the 16 batches and one for the
+  arrays' metadata), each batch's of the same size but for a few bytes of
+  its B+tree nodes; restores bit for bit."""
+  m = mesh((4,), ("x",), jax.devices()[:4])
+  s = {f"a{i:02d}": sharded(random_array(rng, (128, 256)), named(m, "x"))
+       for i in range(64)}  # 128 KiB each (not packed), 32 KiB per box
+  files = {}
+  for writer in ("thread", "process"):
+    root = tmp_path / writer
+    ckptr = make_ckptr(str(root), writer=writer, format="ocdbt",
+                       concurrent_bytes=512 << 10, chunk_bytes=32 << 10)
+    ckptr.save(1, s)
+    ckptr.wait_until_finished()
+    same(ckptr.restore(1), s)
+    files[writer] = ocdbt_files(step_files(root, 1))
+    ckptr.close()
+  thread, process = files["thread"], files["process"]
+  assert {d: len(v) for d, v in thread.items()} == {
+      d: len(v) for d, v in process.items()}, files
+  assert len(thread["ocdbt.process_0/d"]) == 256 // 16 + 1, thread
+  # The batches' data files: the boxes' bytes (512 KiB each) beside their keys
+  # and B+tree nodes, whose encoding varies by a few bytes with the order
+  # the writes reached the transaction.
+  data = {w: sorted(f["ocdbt.process_0/d"])[-16:] for w, f in files.items()}
+  for a, b in zip(data["thread"], data["process"]):
+    assert abs(a - b) <= 256, data
+
+
 def test_writer_process_refuses_what_cannot_cross_processes(make_ckptr,
                                                            memory_url):
   with pytest.raises(ValueError, match="memory:// lives inside one process"):
