@@ -172,16 +172,16 @@ class Save:
         seg.close()
       for m in ms:
         handover.unlink(m["shm"])
-      # One reply for the batch: its bytes go back to the trainer's budget
-      # at once, as the thread's batch gives them back.
+      # One reply: the batch's bytes back in the budget at once (as thread)
       self._tell("freed", grants=[m["grant"] for m in ms], failed=failed)
 
   async def _write_in(self, store: ts.TensorStore, m: dict, data: np.ndarray,
                       txn: ts.Transaction) -> None:
     box = plan_lib.Box(tuple(m["start"]), tuple(m["stop"]))
     try:
+      # ``data`` (never changed; its view keeps the mapping) not copied.
       await tsfuture.wait(store.with_transaction(txn)[box.slices()].write(
-          data))
+          data, can_reference_source_data_indefinitely=True))
     except Exception as e:
       raise CheckpointError(f"leaf {m['leaf']!r}: writing {box.start}.."
                             f"{box.stop} failed: {e}") from e
