@@ -16,7 +16,9 @@ then pass the runner's barriers, and none of them commits.
 
 A failure of the writer comes back as the same exception class and
 message (``handover.rebuild``); a writer that died fails the save with a
-CheckpointError saying so; a cancel stops the writer's writes before the
+CheckpointError saying so, and its trainer writes the writer's record in
+its place (failed) unless the writer wrote it, so that process 0's writer
+stops waiting for it at once (``_record_death``); a cancel stops the writer's writes before the
 task ends (Checkpointer.cancel then removes the attempt).
 """
 

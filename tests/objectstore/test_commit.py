@@ -159,8 +159,8 @@ def test_trainer_killed_after_the_index_the_writers_commit(killed, store_env):
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_new_save_of_the_killed_step(killed, store_env, writer):
-  """The killed step is saved again, by another topology (one process),
-  with the killed job's writer."""
+  """The killed step is saved again, by another topology (one process);
+  ``writer``: the killed job's."""
   del store_env
   url, _ = killed["s3-ocdbt-after-index" + (
       "-writer" if writer == "process" else "")]
@@ -171,8 +171,7 @@ def test_new_save_of_the_killed_step(killed, store_env, writer):
   assert len(killed_attempts) == (writer == "thread"), killed_attempts
   # The default lease: the killed attempt goes at once because its holder
   # (process 0 of the killed job, on this host) is provably dead.
-  with ckpt.Checkpointer(url, format="ocdbt", async_save=False,
-                         writer=writer) as ckptr:
+  with ckpt.Checkpointer(url, format="ocdbt", async_save=False) as ckptr:
     assert ckptr.save(2, new)
     assert ckptr.all_steps() == [1, 2]
     assert_same(ckptr.restore(2), new)
@@ -200,8 +199,7 @@ def test_next_save_removes_the_abandoned_step(killed, store_env, writer):
       [attempt] = found
       assert attempt.startswith("checkpoint_2/attempt-"), attempt
       assert "has exited" in reasons[attempt], reasons
-  with ckpt.Checkpointer(url, format="zarr3", async_save=False,
-                         writer=writer) as ckptr:
+  with ckpt.Checkpointer(url, format="zarr3", async_save=False) as ckptr:
     assert ckptr.save(3, kill_worker.state_values(3))
     assert ckptr.all_steps() == [1, 3]
     assert cleanup_lib.abandoned(ckptr.storage, lease_s=0.0) == []
