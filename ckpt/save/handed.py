@@ -18,8 +18,9 @@ A failure of the writer comes back as the same exception class and
 message (``handover.rebuild``); a writer that died fails the save with a
 CheckpointError saying so, and its trainer writes the writer's record in
 its place (failed) unless the writer wrote it, so that process 0's writer
-stops waiting for it at once (``_record_death``); a cancel stops the writer's writes before the
-task ends (Checkpointer.cancel then removes the attempt).
+stops waiting for it at once (``_record_death``); a cancel stops the
+writer's writes before the task ends (Checkpointer.cancel then removes the
+attempt).
 """
 
 from __future__ import annotations
