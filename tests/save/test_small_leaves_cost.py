@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import ckpt
 from ckpt.format import entries
 from ckpt.format import index as index_lib
 from ckpt.format import index_codec
+from ckpt.errors import CorruptCheckpointError
+from ckpt.restore import pack_exact
+from ckpt.restore import pack_read
 from ckpt.save import pack
 from ckpt.store.names import INDEX_NAME
+from tests.save import test_pack
+from tests.save.test_pack import saved  # noqa: F401  (a fixture)
 
 
 def _state(n: int = 6, step: int = 0) -> dict:
@@ -111,3 +117,77 @@ def _index(state) -> index_lib.Index:
     path = f"{d}/checkpoint_0/{INDEX_NAME}"
     with open(path, "rb") as f:
       return index_lib.decode(f.read())
+
+
+# ---- the restore -----------------------------------------------------------
+
+
+def test_a_restore_as_saved_makes_no_piece_per_box(tmp_path, monkeypatch):
+  """Restored onto the shardings it was saved with, a packed leaf's pieces
+  are matched to its boxes for all leaves at once (pack_exact): no Piece
+  and no cover worked out per box; the bytes are bit-exact."""
+  state = _state()
+  made = []
+  real = pack_read.PackSet._piece_of
+  monkeypatch.setattr(pack_read.PackSet, "_piece_of",
+                      lambda self, r, rank: made.append(r) or real(
+                          self, r, rank))
+  with ckpt.Checkpointer(str(tmp_path / "ck"), async_save=False) as c:
+    c.save(1, state)
+    got = c.restore(1, target=state)
+  assert made == []
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_flipped_byte_restored_as_saved_names_the_leaf(saved):
+  root, state = saved
+  _, pieces = test_pack._piece_of(root, "w")
+  test_pack._flip(test_pack._step(root) / ".packs" / "0.0.bin",
+                  pieces[1][2] + 5)
+  with ckpt.Checkpointer(root) as c:
+    with pytest.raises(CorruptCheckpointError, match="leaf 'w'.*crc32c"):
+      c.restore(1, target=state)
+
+
+@pytest.mark.parametrize("what", ["duplicate", "dropped", "moved"])
+def test_pieces_that_are_not_the_boxes_take_the_checked_path(saved, what):
+  """A leaf whose pieces are not exactly its boxes (a piece repeated,
+  missing, or two claiming one box) is refused by the cover checks,
+  naming it, when restored onto the shardings it was saved with."""
+  root, state = saved
+  pos, _ = test_pack._piece_of(root, "w")
+
+  def edit(doc):
+    if what == "moved":  # the second piece claims the first's box
+      mine = [p for p in doc["pieces"] if p[0] == pos]
+      mine[1][3], mine[1][4] = list(mine[0][3]), list(mine[0][4])
+    else:
+      test_pack._hostile(doc, pos, what, 2)
+  test_pack._edit_table(root, edit)
+  with ckpt.Checkpointer(root) as c:
+    with pytest.raises(CorruptCheckpointError, match="leaf 'w'"):
+      c.restore(1, target=state)
+
+
+def test_merged_ranges_as_the_pairwise_merge():
+  """pack_exact.merged_ranges against the plain merge it replaces."""
+  rng = np.random.default_rng(3)
+  for _ in range(50):
+    n = int(rng.integers(1, 40))
+    proc, pk = rng.integers(0, 2, n), rng.integers(0, 3, n)
+    a = rng.integers(0, 1 << 12, n)
+    b = a + rng.integers(1, 300, n)
+    want: dict = {}
+    for key in sorted(set(zip(proc.tolist(), pk.tolist()))):
+      ranges = sorted((x, y) for p, k, x, y in zip(proc.tolist(), pk.tolist(),
+                                                   a.tolist(), b.tolist())
+                      if (p, k) == key)
+      merged = [list(ranges[0])]
+      for x, y in ranges[1:]:
+        if x - merged[-1][1] <= 100:
+          merged[-1][1] = max(merged[-1][1], y)
+        else:
+          merged.append([x, y])
+      want[key] = merged
+    assert pack_exact.merged_ranges(proc, pk, a, b, 100) == want
