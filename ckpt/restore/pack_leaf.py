@@ -111,8 +111,18 @@ class LazyPacked(LazyLeaf):
     try:
       check_fits(self.path, self.shape, out_dtype)
       whole = assemble.aligned_empty(self.shape, out_dtype)
-      for box, where_in in zip(where.boxes, where.slices):
-        await self._fill(box, whole[where_in])
+      rows = self.packs.exact(self.position, where.boxes)
+      if rows is None:
+        for box, where_in in zip(where.boxes, where.slices):
+          await self._fill(box, whole[where_in])
+      else:  # each box is one piece (prefetch found them), no cover to work
+        for r, box, where_in in zip(rows, where.boxes, where.slices):
+          got = self.packs.row_bytes(r, self.path)
+          if got is None:  # (not prefetched)
+            await self._fill(box, whole[where_in])
+          else:
+            np.copyto(whole[where_in], np.frombuffer(got, self.dtype).reshape(
+                box.shape), casting="unsafe")
       return await self.batch.put(whole, sharding)
     finally:
       limiter.release(grant)
@@ -167,10 +177,13 @@ def boxes_placed(sources: Sequence[Any], targets: Sequence[Any]
         tuple(getattr(tgt, "shape", ())) != src.shape):
       continue
     try:  # (a sharding on an abstract mesh is resolved later, by _resolve)
-      boxes = placed.placed_boxes(sharding, src.shape)
+      boxes = placed.placement(sharding, src.shape).boxes
     except Exception:  # pylint: disable=broad-except
       continue
-    out.setdefault(src.position, []).extend(boxes.values())
+    # The placement's own tuple (shared by the leaves placed alike: the
+    # PackSet matches them as a group); a leaf placed twice, a list.
+    got = out.get(src.position)
+    out[src.position] = boxes if got is None else [*got, *boxes]
   return out
 
 

@@ -34,6 +34,7 @@ from ckpt.format import tree
 from ckpt.store import tsfuture
 from ckpt.errors import CorruptCheckpointError
 from ckpt.restore import listed
+from ckpt.restore import pack_exact
 from ckpt.shards.plan import Box
 
 # Tables read at once.
@@ -53,6 +54,7 @@ class Piece:
   box: Box
   nbytes: int
   crc: int
+  row: int  # in the tables (PackSet's)
 
 
 class PackSet:
@@ -75,6 +77,9 @@ class PackSet:
     self._columns: tuple | None = None
     self._boxes: dict[tuple, Box] = {}
     self._cache: dict[tuple[int, int], list[tuple[int, bytes]]] = {}
+    # Leaf -> (the boxes a restore places, the row of each box's piece):
+    # the leaves whose pieces are exactly those boxes (``prefetch``).
+    self._exact: dict[int, tuple[Sequence[Box], list[int]]] = {}
     self._store: ts.KvStore | None = None
 
   def _kv(self) -> ts.KvStore:
@@ -159,7 +164,7 @@ class PackSet:
       out.append(pc)
     return out
 
-  def _piece_of(self, r: int, rank: int) -> Piece:
+  def _cols(self) -> tuple:
     cols = self._columns
     if cols is None:
       t = self._table
@@ -167,12 +172,16 @@ class PackSet:
           t.process.tolist(), t.pack.tolist(), t.offset.tolist(),
           t.nbytes.tolist(), t.crc.tolist(), t.start.tolist(),
           t.stop.tolist())
-    process, pack, offset, nbytes, crc, start, stop = cols
+    return cols
+
+  def _piece_of(self, r: int, rank: int) -> Piece:
+    process, pack, offset, nbytes, crc, start, stop = self._cols()
     corners = (tuple(start[r][:rank]), tuple(stop[r][:rank]))
     box = self._boxes.get(corners)
     if box is None:
       box = self._boxes[corners] = Box(*corners)
-    return Piece(process[r], pack[r], offset[r], box, nbytes[r], crc[r])
+    return Piece(process[r], pack[r], offset[r], box, nbytes[r], crc[r],
+                 r)
 
   async def pieces_async(self, leaf: int) -> list[Piece]:
     if self._table is None:  # read the tables off the event loop, once
@@ -276,31 +285,30 @@ class PackSet:
     of it."""
     await asyncio.to_thread(self._tables)
     boxes = boxes or {}
-    sizes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    rows = self._exact_rows(leaves, boxes)  # (theirs: no Piece, no cover)
+    pieces = []
     for leaf in leaves:
+      if leaf in self._exact:
+        continue
       wanted = boxes.get(leaf)
       if wanted is None:
-        got = self._pieces_of(self._rows(leaf),
-                              len(self.index.leaves[leaf].shape))
+        pieces += self._pieces_of(self._rows(leaf),
+                                  len(self.index.leaves[leaf].shape))
       else:
-        got = {id(pc): pc for cover in self.covers(leaf, wanted)
-               for pc in cover}.values()  # (each Piece made once)
-      for pc in got:
-        sizes.setdefault((pc.process, pc.pack), []).append(
-            (pc.offset, pc.offset + pc.nbytes))
+        pieces += {id(pc): pc for cover in self.covers(leaf, wanted)
+                   for pc in cover}.values()  # (each Piece made once)
+    t = self._table
+    rows = np.concatenate([rows, np.asarray(
+        [pc.row for pc in pieces], np.int64)]) if pieces else rows
+    sizes = pack_exact.merged_ranges(
+        t.process[rows], t.pack[rows], t.offset[rows],
+        t.offset[rows] + t.nbytes[rows], _MERGE_GAP)
     kv = (self._store if self._store is not None
           else await asyncio.to_thread(self._kv))
     reads = []
-    for (p, k), ranges in sizes.items():
+    for (p, k), merged in sizes.items():
       if (p, k) in self._cache:
         continue
-      ranges.sort()
-      merged = [list(ranges[0])]
-      for a, b in ranges[1:]:
-        if a - merged[-1][1] <= _MERGE_GAP:
-          merged[-1][1] = max(merged[-1][1], b)
-        else:
-          merged.append([a, b])
       needed = sum(b - a for a, b in merged)
       if needed * 2 >= merged[-1][1] - merged[0][0] or len(merged) == 1:
         merged = [[merged[0][0], merged[-1][1]]]
@@ -312,8 +320,52 @@ class PackSet:
         got.append((a, await self._value(f, key)))
       self._cache[key] = got
 
+  def _exact_rows(self, leaves: Iterable[int],
+                  boxes: dict[int, Sequence[Box]]) -> np.ndarray:
+    """The leaves whose pieces are exactly the boxes placed (one group
+    per boxes object: ``boxes_placed`` shares a placement's), noted in
+    ``_exact``; the rows of their pieces."""
+    groups: dict[int, list[int]] = {}
+    for leaf in leaves:
+      wanted = boxes.get(leaf)
+      if type(wanted) is tuple:  # pylint: disable=unidiomatic-typecheck
+        groups.setdefault(id(wanted), []).append(leaf)
+    out = [np.zeros(0, np.int64)]
+    for members in groups.values():
+      wanted = boxes[members[0]]
+      rank = len(self.index.leaves[members[0]].shape)
+      same = np.asarray(members, np.int64)
+      ranks = np.asarray([len(self.index.leaves[m].shape) for m in members])
+      found, rows = pack_exact.exact_rows(
+          self._table, self._bounds, same[ranks == rank], wanted, rank)
+      for leaf, of_leaf in zip(found.tolist(), rows.tolist()):
+        self._exact[leaf] = (wanted, of_leaf)
+      out.append(rows.reshape(-1))
+    return np.concatenate(out)
+
+  def exact(self, leaf: int, boxes: Sequence[Box]) -> list[int] | None:
+    """The row of each of ``boxes``' pieces where ``prefetch`` found the
+    ``leaf``-th entry's pieces to be exactly these boxes, else None."""
+    got = self._exact.get(leaf)
+    return got[1] if got is not None and got[0] is boxes else None
+
+  def row_bytes(self, r: int, path: str) -> memoryview | None:
+    """``cached_bytes`` of the piece at row ``r`` of the tables, with no
+    Piece made unless the check fails (its error names ``path``)."""
+    process, pack, offset, nbytes, crc, _, _ = self._cols()
+    p, k, at, n = process[r], pack[r], offset[r], nbytes[r]
+    for a, blob in self._cache.get((p, k), ()):
+      if a <= at and at + n <= a + len(blob):
+        data = memoryview(blob)[at - a:at - a + n]
+        if len(data) != n or crc32c.crc32c(data) != crc[r]:
+          rank = len(self.index.leaves[self._table.leaf[r]].shape)
+          return self._verified(self._piece_of(r, rank), path, data)
+        return data
+    return None
+
   def drop_cache(self) -> None:
     self._cache.clear()
+    self._exact.clear()
 
   def _range(self, kv, p: int, k: int, a: int, b: int):
     return kv.read(pack_index.pack_name(p, k), byte_range=slice(a, b))

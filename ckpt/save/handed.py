@@ -16,10 +16,13 @@ then pass the runner's barriers, and none of them commits.
 
 A failure of the writer comes back as the same exception class and
 message (``handover.rebuild``); a writer that died fails the save with a
-CheckpointError saying so, unless its record says its part was durable
-and the step then commits (``_after_death``: the save succeeds, with a
-warning; the next save starts a new writer); a cancel stops the writer's writes before the
-task ends (Checkpointer.cancel then removes the attempt).
+CheckpointError saying so, and its trainer writes the writer's record in
+its place (failed) unless the writer wrote it, so that process 0's writer
+stops waiting for it at once (``_record_death``); unless its record says
+its part was durable and the step then commits (``_after_death``: the
+save succeeds, with a warning; the next save starts a new writer); a
+cancel stops the writer's writes before the task ends
+(Checkpointer.cancel then removes the attempt).
 """
 
 from __future__ import annotations
@@ -254,6 +257,9 @@ async def write(attempt: Any, job: Any, index: Callable[[], bytes],
   except BaseException:
     if not handing.result.done() and not handing.gone:
       await _stop(handing, attempt.timeout_s)  # no write goes on after
+    if handing.gone:
+      await asyncio.to_thread(_record_death, job.storage, attempt, pid,
+                              count, writer, handing.gone)
     raise
   finally:
     handing.end()
@@ -266,16 +272,16 @@ async def _after_death(attempt: Any, job: Any, handing: Handing) -> bool:
   is in, so this waits for that (as a writer does: twice the bound; at
   once False when the attempt can no longer commit) and, committed, says
   with a warning that the writer died (the next save starts a new one).
-  No record: this trainer writes it, saying the writer died, so process
-  0's writer stops waiting and commits nothing; False (the save fails)."""
+  No record: this trainer writes it (``_record_death``), so process 0's
+  writer stops waiting and commits nothing; False (the save fails)."""
   storage, step, token = job.storage, attempt.step, attempt.token
   pid, count = multihost.process_index(), multihost.process_count()
 
   def look() -> bool:
     said = through_storage.recorded(storage, step, token, pid, count)
     if said is None:
-      through_storage.write_record(storage, step, token, pid, count,
-                                   error=handing.gone)
+      _record_death(storage, attempt, pid, count, handing.writer,
+                    handing.gone)
       return False
     return bool(said) and through_storage.wait_committed(
         storage, step, token, 2 * attempt.timeout_s)
@@ -389,6 +395,26 @@ async def _stage_all(plan: Any, writes: list, handing: Handing,
         "chunks": list(leaf.layout.chunks)}, w.nbytes)
     n += 1
   return n
+
+
+def _record_death(storage: Any, attempt: Any, pid: int, count: int,
+                  writer: writer_client.WriterProcess, why: str) -> None:
+  """This host's writer died before its record: its trainer writes the
+  record in its place, saying it failed, so that process 0's writer stops
+  waiting for it at once (every record in, it removes the attempt) instead
+  of waiting out its bound while every trainer waits for it. Never while
+  the writer may still run, never over a record it wrote (its part is
+  durable then: the step may commit)."""
+  if not writer.exited():
+    return
+  try:
+    key = through_storage.record_key(attempt.work_dir, pid)
+    if storage.read_bytes(key, limit=through_storage.MAX_RECORD_BYTES) is None:
+      through_storage.write_record(storage, attempt.step, attempt.token, pid,
+                                   count, error=why)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("ckpt: could not record that the writer of process %d "
+                    "died (step %d): %s", pid, attempt.step, e)
 
 
 async def _stop(handing: Handing, timeout_s: float) -> None:

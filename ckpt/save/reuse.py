@@ -1,56 +1,46 @@
 """Unchanged chunks are linked, not written (``Checkpointer(reuse_unchanged=True)``).
 
 Fine-tuning with frozen towers, LoRA, many RL and distillation setups save
-a state whose bytes mostly never change. With reuse on, each process keeps,
-in memory, what it stored in the two newest steps this Checkpointer
+a state whose bytes mostly never change. With reuse on, each process keeps
+in memory what it stored in the two newest steps this Checkpointer
 committed (``Generation``, ckpt/save/reuse_source.py: per stored chunk its
-128-bit xxh3 hash, its crc32c record and its stamp). A chunk of the next save is *unchanged* when the same leaf (its
-relative path) has the same format, shape, dtype, chunk shape and codec,
-the chunk is the same box, and its stored bytes have the same crc32c and
-the same 128-bit hash (each chunk is read once in the steady state: a
-frozen chunk is hashed, a changing one only checksummed, as at every save;
-see ``SaveReuse.sort``; the 32-bit crc32c alone could collide). An unchanged
+128-bit xxh3 hash, its crc32c record and its stamp). A chunk is *unchanged*
+when the same leaf (relative path) has the same format, shape, dtype, chunk
+shape and codec, the chunk is the same box, and its bytes have the same
+crc32c and the same 128-bit hash (the 32-bit crc32c alone could collide;
+each chunk is read once in the steady state: a frozen chunk is hashed, a
+changing one only checksummed, see ``SaveReuse.sort``). An unchanged
 chunk's file is hard-linked (``os.link``) from that step's directory into
-the new attempt instead of being written, once the file is found still
-what was stored (its stamp: reuse_source.py); its crc32c record is carried
-over into the new step's checksum file, so ``verify`` checks it like any
-other.
+the new attempt, once the file is found still what was stored (its stamp);
+its crc32c record is carried over, so ``verify`` checks it like any other.
 
 Why keep=N keeps two copies: a save links only from the step before the
 newest, and only where that step's file is another inode than the newest
-step's (on a bucket: another holder), else it writes the chunk (the second
-save, a chunk found damaged): every two consecutive steps hold two
-physical copies. With ``keep=1`` (``Reuser(copies=1)``) it links from the
-newest step.
-Anything else is written in full: another layout, a step of another
-Checkpointer or run, a failed or uncommitted save, a step deleted or
-replaced since.
+step's (on a bucket: another holder), else it writes the chunk: every two
+consecutive steps hold two physical copies (``Reuser(copies=1)``, with
+``keep=1``, links from the newest step). Anything else is written in full:
+another layout, a step of another Checkpointer or run, a failed or
+uncommitted save, a step deleted or replaced since.
 
 Why every step stays whole: a hard link is the same file under a second
 name; removing, moving or copying one step's directory leaves the other's
-name, and so its bytes, in place. Only chunk files are linked: each array's
-metadata (``.zarray`` / ``zarr.json``) is written per step as before, and
-TensorStore never rewrites a file in place (it writes a new one and renames
-it), so a later step can never change an earlier one's bytes.
+name in place. Only chunk files are linked (each array's metadata is
+written per step), and TensorStore never rewrites a file in place, so a
+later step can never change an earlier one's bytes.
 
 Why a link never names the wrong bytes: the source is this Checkpointer's
-own step, recognised by its attempt token. The token is read before the
-first link and again after the last (``check_source``); a step deleted
-meanwhile only makes its links fail (the chunk is then written), a step
-replaced meanwhile by another attempt (another job on the root, a rollback)
-fails the save, and nothing is committed. Paths are built from the save's
-own plan and step numbers, never read from a checkpoint.
+own step, recognised by its attempt token, read before the first link and
+again after the last (``check_source``); a step deleted meanwhile only makes
+its links fail (the chunk is then written), a step replaced meanwhile
+fails the save. Paths come from the save's own plan, never a checkpoint.
 
 Where it applies: formats "zarr" and "zarr3"; on a bucket (no links) a
-whole unchanged leaf is held by reference instead (ckpt/save/reuse_held.py).
-With format "ocdbt" (chunks live inside shared data files) and for packed
-small leaves everything is written in full; see docs/format.md, "Reusing
-unchanged chunks".
-
-Each process writes ``<step dir>/.reuse/<process>.msgpack``
-(index.process_file): ``[leaf, start, stop, xxh3-128 or nil, crc32c,
-stamp or nil]`` of every chunk it stored, the step it linked from, and its bytes written and reused
-(``ckpt inspect`` sums them).
+whole unchanged leaf is held by reference instead (reuse_held.py); "ocdbt"
+and packed small leaves are written in full (docs/format.md, "Reusing
+unchanged chunks"). Each process writes ``<step dir>/.reuse/<process>.msgpack``
+(index.process_file): ``[leaf, start, stop, xxh3-128 or nil, crc32c, stamp
+or nil]`` of every chunk it stored, the step it linked from, and its bytes
+written and reused (``ckpt inspect`` sums them).
 """
 
 from __future__ import annotations
@@ -58,15 +48,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
-import msgpack
 import numpy as np
 
 from ckpt.commit import steps as steps_lib
 from ckpt.errors import CheckpointError
-from ckpt.format import index as index_lib
 from ckpt.format import tsspec
 from ckpt.format.crc import checksum_view, digest
 from ckpt.multihost import process as multihost
@@ -271,7 +259,8 @@ class SaveReuse:
     return False
 
   def sort(self, leaf: int, box: plan_lib.Box, chunks: tuple[int, ...],
-           data: np.ndarray, link: bool = True) -> list[Outcome]:
+           data: np.ndarray, link: bool = True,
+           sums: dict[plan_lib.Box, int] | None = None) -> list[Outcome]:
     """Blocking: sorts the stored chunks of ``box`` (its data ``data``)
     into unchanged ones, linked here, and the others, reading each chunk
     once where its history says what to expect:
@@ -289,7 +278,9 @@ class SaveReuse:
 
     Only a chunk that was hashed and matched is linked: identity is the
     128-bit hash, never the 32-bit crc32c alone. Without ``link`` (the box
-    is being written already) nothing is linked."""
+    is being written already) nothing is linked; ``sums`` are the chunks'
+    crc32c where the box was written already as raw chunks (summed as they
+    were written: no pass more)."""
     relpath = self.relpaths[leaf]
     out = []
     for b in plan_lib.chunk_boxes(box, chunks):
@@ -313,7 +304,7 @@ class SaveReuse:
           same = d in hashed or any(o.crc == crc for o in olds)
           out.append(Outcome(b, d if same else None, crc, False))
         continue
-      crc = checksum_view(view)
+      crc = checksum_view(view) if sums is None else sums[b]
       if olds and all(o.crc != crc for o in olds):
         out.append(Outcome(b, None, crc, False))  # changed, not hashed
       else:
@@ -358,22 +349,30 @@ class SaveReuse:
 
   async def write_box(self, store: Any, leaf: int, box: plan_lib.Box,
                   chunks: tuple[int, ...], data: np.ndarray,
-                  take_sums: bool) -> tuple[list[tuple[plan_lib.Box, int]], int]:
+                  take_sums: bool, raw: Callable[[], Any] | None = None
+                  ) -> tuple[list[tuple[plan_lib.Box, int]], int]:
     """Writes the changed chunks of one box into ``store`` (the leaf's
     array in the attempt) and links the others. Returns the crc32c records
-    of every chunk (format "zarr", else empty) and the bytes linked."""
+    of every chunk (format "zarr", else empty) and the bytes linked.
+    ``raw()`` starts writing the whole box as raw chunk files
+    (durable.Syncer.write_raw: the future of its chunks' crc32c) or returns
+    None where TensorStore writes it."""
     link = self._expects_unchanged(leaf, box, chunks)
     relpath = self.relpaths[leaf]
-    writes = []
+    writes, sums, wrote_raw = [], None, False
     if not link:  # as without reuse: written at once, summed alongside
-      writes.append(store[box.slices()].write(
-          data, can_reference_source_data_indefinitely=True))
+      job = raw() if raw is not None else None
+      if job:  # summed while written: sorting takes no pass more
+        sums, wrote_raw = dict(await asyncio.wrap_future(job)), True
+      else:
+        writes.append(store[box.slices()].write(
+            data, can_reference_source_data_indefinitely=True))
     if data.nbytes <= INLINE_WORK_BYTES and (
         self.held is not None or not link):  # no file read
-      outcomes = self.sort(leaf, box, chunks, data, link)
+      outcomes = self.sort(leaf, box, chunks, data, link, sums)
     else:  # a disk reads the files it links
       outcomes = await asyncio.to_thread(self.sort, leaf, box, chunks, data,
-                                         link)
+                                         link, sums)
     if link and self.held is not None and not (
         all(o.linked for o in outcomes) and
         await self._held_intact(relpath, outcomes, chunks)):
@@ -392,10 +391,14 @@ class SaveReuse:
                                           seen=None)
                       for o in outcomes]
           fresh = [box]
+      job = fresh == [box] and raw is not None and raw()
+      if job:  # the whole box changed: raw chunk files, as without reuse
+        await asyncio.wrap_future(job)
+        fresh, wrote_raw = [], True
       writes = [store[b.slices()].write(
           data if b == box else data[b.relative_to(box)],
           can_reference_source_data_indefinitely=True) for b in fresh]
-    if writes and self.held is not None:
+    if (writes or wrote_raw) and self.held is not None:
       self.held.written(leaf)
     for w in writes:
       await tsfuture.wait(w)
@@ -428,23 +431,11 @@ class SaveReuse:
       self.chunks_reused = max(self.chunks_reused, 0)
 
   def record_file(self, process: int, bytes_written: int) -> bytes:
-    """This process's ``.reuse`` file (msgpack, sealed by the caller):
-    per chunk ``[leaf, start, stop, xxh3-128 or nil, crc32c, stamp or
-    nil]``. Its chunk list is left out (nil) where it would pass the size
-    readers accept (a million chunks and more on one process): the totals
-    stay."""
-    leaf_of = {r: i for i, r in enumerate(self.relpaths) if r is not None}
-    records = [[leaf_of[r], list(start), list(stop), s.digest, s.crc,
-                s.stamp]
-               for (r, start, stop), s in self.generation.chunks.items()]
-    doc = {"process": process, "hash": reuse_records.HASH_NAME,
-           "from": None if self.previous is None else self.previous.step,
-           "written": bytes_written, "reused": self.bytes_reused,
-           "chunks": records}
-    data = msgpack.packb(doc, use_bin_type=True)
-    if len(data) > index_lib.MAX_PROCESS_FILE_BYTES - 64:
-      data = msgpack.packb({**doc, "chunks": None}, use_bin_type=True)
-    return data
+    """This process's ``.reuse`` file (msgpack, sealed by the caller)."""
+    return reuse_records.encode(
+        process, self.relpaths, self.generation,
+        None if self.previous is None else self.previous.step,
+        bytes_written, self.bytes_reused)
 
 
 class Reuser:

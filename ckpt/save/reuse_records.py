@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from absl import logging
+import msgpack
 import numpy as np
 
 from ckpt.commit import steps as steps_lib
@@ -33,6 +34,24 @@ from ckpt.save.reuse_source import Generation, Stored
 
 HASH_NAME = "xxh3_128"
 
+
+
+def encode(process: int, relpaths: list, generation: Generation,
+           source_step: int | None, written: int, reused: int) -> bytes:
+  """A process's ``.reuse`` file (msgpack, sealed by the caller): per chunk
+  ``[leaf, start, stop, xxh3-128 or nil, crc32c, stamp or nil]``, the step
+  it linked from, its bytes written and reused. The chunk list is left out
+  (nil) where it would pass the size readers accept (a million chunks and
+  more on one process): the totals stay."""
+  leaf_of = {r: i for i, r in enumerate(relpaths) if r is not None}
+  records = [[leaf_of[r], list(start), list(stop), s.digest, s.crc, s.stamp]
+             for (r, start, stop), s in generation.chunks.items()]
+  doc = {"process": process, "hash": HASH_NAME, "from": source_step,
+         "written": written, "reused": reused, "chunks": records}
+  data = msgpack.packb(doc, use_bin_type=True)
+  if len(data) > index_lib.MAX_PROCESS_FILE_BYTES - 64:
+    data = msgpack.packb({**doc, "chunks": None}, use_bin_type=True)
+  return data
 
 def _index(storage: Any, step_dir: str) -> index_lib.Index:
   data = storage.read_bytes(storage.index_key(step_dir),

@@ -373,8 +373,9 @@ class OwnedWrites:
       store = await self._store(w, txn)
       chunks = self.plan.leaves[w.leaf].layout.chunks
       if self.reuse is not None:  # "zarr"/"zarr3" only, so never in a txn
+        raw = (lambda: self.raw(w, data)) if self.raw else None
         crcs, linked = await self.reuse.write_box(store, w.leaf, w.box, chunks,
-                                                  data, self.take_sums)
+                                                  data, self.take_sums, raw)
         self._add_sums(w, crcs)
         return linked
       job = self.raw and txn is None and self.raw(w, data)

@@ -104,6 +104,11 @@ class WriterProcess:
           f"the writer process (pid {self.pid}) of this host is gone "
           f"({self.describe_end()}): {e}") from e
 
+  def exited(self) -> bool:
+    """Whether the writer process has ended (reaped: nothing of it runs)."""
+    proc = self._proc
+    return proc is not None and proc.poll() is not None
+
   def describe_end(self) -> str:
     proc = self._proc
     code = None if proc is None else proc.poll()

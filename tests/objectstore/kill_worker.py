@@ -11,8 +11,18 @@ with SIGKILL at ``config["kill"]``:
   process wrote its data, OCDBT databases were merged), before the commit
   marker.
 
-The others then wait at a barrier until ``local_cluster`` ends them. The
-state is ``state(step)``, the same in every process and in the test.
+The others then wait at a barrier until ``local_cluster`` ends them.
+
+``config["writer"] == "process"``: the job saves with
+``writer="process"``, and the kill point hits the process that writes,
+the writer (tests/multiprocess/writer_faults.py, at step 2 only): with
+``"mid_write"`` process ``config["victim"]``'s writer as it starts writing
+its third box; with ``"after_index"`` process 0's writer right after it
+wrote the index; with ``"trainer_after_index"`` process 0's trainer, killed
+by its writer at that point (the writer goes on and commits). A process
+whose save(2) raised returns ``Failed`` (what it raised).
+
+The state is ``state(step)``, the same in every process and in the test.
 """
 
 from __future__ import annotations
@@ -45,11 +55,38 @@ def _die() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Survived:
-  """Written only by a process whose save(2) returned: the test fails."""
+  """Written only by a process whose save(2) returned (the thread: the
+  test fails)."""
   process: int
 
 
-def run(config: dict) -> Survived:
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  """writer="process": save(2) raised this (its class and message)."""
+  process: int
+  error: str
+
+
+WRITER_KILLS = {  # config["kill"] -> (writer_faults point, whose writer)
+    "mid_write": ("mid write", None),  # None: config["victim"]
+    "after_index": ("after index", 0),
+    "trainer_after_index": ("trainer after index", 0),
+}
+
+
+def _writer_kill_point(config: dict, me: int) -> None:
+  """This process's writer runs tests/multiprocess/writer_faults.py with
+  the kill point of ``config["kill"]`` (at step 2), if it is the victim."""
+  from ckpt.save import writer_client  # pylint: disable=g-import-not-at-top
+  from tests.multiprocess import writer_faults  # pylint: disable=g-import-not-at-top
+  point, victim = WRITER_KILLS[config["kill"]]
+  if me == (config["victim"] if victim is None else victim):
+    writer_client.WRITER_MODULE = "tests.multiprocess.writer_faults"
+    os.environ[writer_faults.KILL_AT] = point
+    os.environ[writer_faults.KILL_STEP] = "2"
+
+
+def run(config: dict) -> Survived | Failed:
   import jax  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   import ckpt  # pylint: disable=g-import-not-at-top
@@ -66,12 +103,24 @@ def run(config: dict) -> Survived:
     return {"w": w, "h": v["h"], "step": v["step"]}
 
   me = jax.process_index()
+  writer = config.get("writer", "thread")
+  if writer == "process":
+    _writer_kill_point(config, me)
   ckptr = ckpt.Checkpointer(config["url"], format=config["format"],
                             concurrent_bytes=BUDGET, async_save=False,
-                            barrier_timeout_s=60)
+                            barrier_timeout_s=60, writer=writer)
   ckptr.save(1, state(1))
   print(f"process {me}: step 1 committed", flush=True)
 
+  if writer == "process":
+    try:
+      ckptr.save(2, state(2))
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"process {me}: step 2 raised {type(e).__name__}: {e}",
+            flush=True)
+      return Failed(me, f"{type(e).__name__}: {e}")
+    print(f"process {me}: step 2 returned", flush=True)
+    return Survived(me)
   if config["kill"] == "mid_write" and me == config["victim"]:
     staged = []
     plain_stage = staging._host_box  # pylint: disable=protected-access

@@ -198,3 +198,36 @@ def test_a_chunk_file_is_its_bytes_in_c_order_and_their_crc32c(
   with open(path, "rb") as f:
     assert f.read() == want
   assert crc == crc32c.crc32c(want)
+
+
+def test_reuse_writes_changed_boxes_raw_and_links_the_rest(
+    make_ckptr, tmp_path, rng, mesh8, counted_writes):
+  """``reuse_unchanged=True``: a box that changed (or is new) is written as
+  raw chunk files like without reuse, its crc32c records the ones taken as
+  it was written (a verified restore checks them); an unchanged one is
+  linked, not written. Was: every changed box went through TensorStore."""
+  frozen = _state(rng, mesh8)
+  c = make_ckptr(tmp_path / "r", async_save=False, reuse_unchanged=True,
+                 keep=4)
+  raw_leaves = ("w", "m", "bf", "i8", "b", "c")  # the edge leaf is not raw
+  saved = {}
+  for step in (1, 2, 3, 4):  # 1, 2: two copies; 3: one leaf changes; 4: all
+    state = dict(frozen)
+    if step == 3:
+      state["w"] = sharded(random_array(rng, (512, 256)),
+                           named(mesh8, "model", None))
+    if step == 4:
+      state = _state(rng, mesh8)
+    before = len(counted_writes)
+    c.save(step, state)
+    wrote = {p.split(os.sep)[-2] for p in counted_writes[before:]}
+    if step in (1, 2, 4):  # everything written (nothing to link from)
+      assert wrote >= set(raw_leaves), (step, sorted(wrote))
+    else:  # only the changed leaf; the others linked from step 1
+      assert wrote == {"w"}, sorted(wrote)
+      assert c.last_save_stats.chunks_reused > 0
+    saved[step] = state
+  for step, want in saved.items():
+    back = c.restore(step, verify=True)
+    for k in raw_leaves + ("host", "edge"):
+      np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(want[k]))
