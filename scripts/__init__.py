@@ -7,5 +7,5 @@
 report); each other file is one benchmark or tool whose docstring says how to
 run it and what it measures. Running them as modules (not as files) is what
 lets them import ``scripts.benchlib`` and ``tests.*`` with no ``sys.path``
-edits; ``tests/test_benchmarks_smoke.py`` runs each on a tiny preset.
+edits; ``tests/test_benchmarks*_smoke.py`` run each on a tiny preset.
 """

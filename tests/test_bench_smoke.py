@@ -6,7 +6,7 @@ a timed test).
 optional extra), as a subprocess, all in one worker process; the JSON report
 must have every figure, every ratio to the limit, and every time, size and
 file count must be positive. The other benchmarks' smoke
-tests are in tests/test_benchmarks_smoke.py.
+tests are in tests/test_benchmarks*_smoke.py.
 """
 
 import importlib.util

@@ -12,7 +12,7 @@
   decodes to the whole leaf).
 
 The presets: "full" (the sizes of docs/untrusted.md) and "smoke" (tiny,
-for tests/test_benchmarks_smoke.py).
+for tests/test_benchmarks_formats_smoke.py).
 """
 
 from __future__ import annotations

@@ -3,12 +3,14 @@
 A 2-process ``jax.distributed`` job (``tests/multiprocess/service_worker.py``,
 scenario "killloop") saves back to back and is SIGKILLed, restarted and
 killed again; after every kill each committed step is complete and
-bit-exact, and the restarted job resumes from the latest one. Once with the
-save's writer thread, once with the writer process (issue 50).
+bit-exact, and the restarted job resumes from the latest one. Here with the
+save's writer thread; with the writer process (issue 50) the same loop is
+tests/multiprocess/test_service_sigkill_process.py.
 
-In its own file (it was the end of test_service.py): with ``--dist
-loadfile`` a file runs on one worker, and the loop is the longest part of
-what was one file.
+In its own file (it was the end of test_service.py), the writer process's
+loop in another: with ``--dist loadfile`` a file runs on one worker, and
+the two loops are among the suite's longest tests, so pytest-xdist's two
+workers run them side by side.
 """
 
 from __future__ import annotations
@@ -211,7 +213,7 @@ def _check_cleanup(cleanup_path: pathlib.Path, tmp_seen: list[str]) -> bool:
   return cleanup["time"]
 
 
-@pytest.mark.parametrize("writer", ["thread", "process"])
+@pytest.mark.parametrize("writer", ["thread"])
 def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
   rng = random.Random(KILL_SEED)
   root, events = tmp_path / "ckpt", tmp_path / "events"
