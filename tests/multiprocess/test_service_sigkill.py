@@ -70,18 +70,23 @@ KEEP = 3
 BARRIER_TIMEOUT_S = {"thread": 60, "process": 30}
 
 
-def _kill_point(launch: int, rng: random.Random) -> tuple[list[int], float]:
-  """Who is killed at ``launch`` and how long after the job is ready.
+def _kill_point(launch: int, rng: random.Random
+                ) -> tuple[list[int], float, bool]:
+  """Who is killed at ``launch``, how long after the mark, and whether the
+  mark is the job's first save (else: the job being ready).
 
   Stratified, not drawn: each victim set in turn, and the n-th kill of a
   set at a random moment of the n-th of KILL_STRATA equal parts of
   [0, KILL_DELAY_S), so 12 kills spread over who and when as evenly as 18
   random ones (which could leave a victim set with two, or a part of the
-  delay with none)."""
+  delay with none). The first part counts from the job being ready (kills
+  in its restore and its first save's start); the others from its first
+  save's start, so that on a loaded machine, where the first save can
+  start seconds after "ready", they still land among the saves."""
   victims = KILL_VICTIMS[launch % len(KILL_VICTIMS)]
   part = KILL_DELAY_S / KILL_STRATA
   stratum = launch // len(KILL_VICTIMS)
-  return victims, part * (stratum + rng.random())
+  return victims, part * (stratum + rng.random()), stratum > 0
 
 
 def _events(events_dir: pathlib.Path,
@@ -176,6 +181,18 @@ def _wait_ready(cluster, events_dir: pathlib.Path, launch: int) -> list[dict]:
   return [json.loads(p.read_text()) for p in paths]
 
 
+def _wait_saving(cluster, events_dir: pathlib.Path, launch: int) -> None:
+  """Until every process of ``launch`` has started its first save."""
+  deadline = time.monotonic() + 90
+  while not all(any(e[1] == launch and e[2] == "save_start"
+                    for e in _events(events_dir, p)) for p in (0, 1)):
+    if (time.monotonic() > deadline or
+        any(c is not None for c in cluster.poll())):
+      pytest.fail(f"launch {launch} never started a save:\n" +
+                  _outputs(cluster.wait(0, grace_s=0)))
+    time.sleep(0.01)
+
+
 def _wait_writers_gone(trainers: list[int]) -> None:
   """writer="process": the writers of these (killed) trainers finish the
   save in flight, then exit; a restarted job that came up sooner could
@@ -231,7 +248,9 @@ def test_sigkill_during_saves_keeps_committed_checkpoints(tmp_path, writer):
     try:
       ready = _wait_ready(cluster, events, launch)
       _check_resume(launch, ready, latest)
-      victims, delay = _kill_point(launch, rng)
+      victims, delay, after_first_save = _kill_point(launch, rng)
+      if after_first_save:
+        _wait_saving(cluster, events, launch)
       time.sleep(delay)
       t_kill = time.time()
       for v in victims:
