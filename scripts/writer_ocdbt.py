@@ -33,7 +33,7 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from scripts.writer_figures import load_limits  # noqa: E402
+from scripts.writer_figures import load_limits, spread  # noqa: E402
 
 
 def cpu_self() -> float:
@@ -74,11 +74,6 @@ def one(ckptr, state, root: str, step: int) -> dict:
   n, data, nbytes = files_of(os.path.join(root, f"checkpoint_{step}"))
   return {"wall": wall, "cpu": cpu, "files": n, "data_files": data,
           "data_mib": nbytes / 2**20}
-
-
-def spread(xs: list[float], fmt: str = "{:.2f}") -> str:
-  return (f"{fmt.format(statistics.median(xs))} "
-          f"({fmt.format(min(xs))}..{fmt.format(max(xs))})")
 
 
 def main() -> None:

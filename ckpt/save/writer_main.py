@@ -163,9 +163,7 @@ class Save:
         self.bytes_written += sum(m["nbytes"] for m in ms)
     except BaseException as e:  # pylint: disable=broad-except
       failed = True
-      with self.lock:
-        if self.error is None:
-          self.error = e
+      self._note_error(e)
     finally:
       writes = None  # the views of the segments dropped
       for seg in segs:
@@ -238,12 +236,15 @@ class Save:
         self.bytes_written += m["nbytes"] - linked
     except BaseException as e:  # pylint: disable=broad-except
       failed = True
-      with self.lock:
-        if self.error is None:
-          self.error = e
+      self._note_error(e)
     finally:
       handover.unlink(name)
       self._tell("freed", grant=m["grant"], failed=failed)
+
+  def _note_error(self, e: BaseException) -> None:  # the first is told
+    with self.lock:
+      if self.error is None:
+        self.error = e
 
   def _tell(self, kind: str, **fields) -> None:
     try:
