@@ -13,6 +13,7 @@ import asyncio
 import gc
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -142,11 +143,15 @@ def test_a_wait_gives_up_at_its_deadline_without_cancelling():
     with deadline_lib.scope(d):
       with pytest.raises(ckpt.StoreTimeoutError) as info:
         await tsfuture.wait(future)
-    assert 0.25 < time.monotonic() - t0 < 5
+    waited = time.monotonic() - t0
+    assert 0.25 < waited < 5
     assert not future.done() and not future.cancelled()
-    assert str(info.value).startswith(
-        "writing step 7 to 's3://b/run' stalled: nothing it waited for from "
-        "the store completed for 0.3 s"), info.value
+    # The stall it reports is the one it measured: the bound, or a little
+    # more where the wait woke late (0.4 s seen on a loaded machine).
+    got = re.match(
+        r"writing step 7 to 's3://b/run' stalled: nothing it waited for from "
+        r"the store completed for (\d+\.\d) s", str(info.value))
+    assert got and 0.25 <= float(got.group(1)) <= waited + 0.05, info.value
     assert "more than the 0.3 s allowed without progress" in str(info.value)
     assert "save_timeout_s=0.3" in str(info.value)
     # A cancelled caller stops waiting at the deadline too (not forever).
